@@ -1,0 +1,221 @@
+"""The typed configuration schema: one dataclass per area, a help text per field.
+
+Key names follow verl where a verl user would look for them (``data.train_batch_size``,
+``actor.ppo_mini_batch_size``, ``rollout.n``, ``algorithm.adv_estimator`` ...). The defaults
+are the embedded default run: the built-in tiny model on the built-in arithmetic task, on CPU.
+
+Batch-size units (the usual source of confusion, stated once here):
+- ``data.train_batch_size`` and ``actor.ppo_mini_batch_size`` count *prompts*;
+  each prompt yields ``rollout.n`` samples.
+- ``*_micro_batch_size_per_gpu`` counts *samples* on one data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def f(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with its help text (shown by ``config explain`` and in docs/config.md)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+def sub(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = f(
+        [], "Parquet or JSONL files in verl's row schema. Empty: the built-in arithmetic task."
+    )
+    val_files: list[str] = f([], "Held-out files for validation. Empty: the built-in task's test split.")
+    prompt_key: str = f("prompt", "Column holding the chat messages of the prompt.")
+    max_prompt_length: int = f(64, "Longest prompt in tokens, after the chat template.")
+    max_response_length: int = f(8, "Most tokens generated per response.")
+    train_batch_size: int = f(32, "Prompts per training step (each yields rollout.n samples).")
+    val_batch_size: int = f(256, "Prompts per validation generation call.")
+    truncation: str = f(
+        "error",
+        "What to do with a prompt longer than max_prompt_length when filter_overlong_prompts is "
+        "false: error | left | right.",
+        choices=("error", "left", "right"),
+    )
+    filter_overlong_prompts: bool = f(True, "Drop prompts longer than max_prompt_length (count reported).")
+    on_bad_row: str = f(
+        "error",
+        "A malformed row: error (name file, row and problem) | skip (drop it and count it).",
+        choices=("error", "skip"),
+    )
+    shuffle: bool = f(True, "Shuffle the training prompts each epoch (seeded, resumable).")
+    seed: int | None = f(None, "Sampler seed. None: trainer.seed.")
+    builtin_train_size: int = f(4096, "Rows of the built-in task's training split.")
+    builtin_val_size: int = f(256, "Rows of the built-in task's test split.")
+
+
+@dataclass
+class ModelConfig:
+    path: str = f(
+        "builtin:tiny",
+        "A local Hugging Face model directory, or builtin:tiny for the built-in tiny Qwen2 model.",
+    )
+    trust_remote_code: bool = f(False, "Allow modeling code shipped with the model (runs that code).")
+    dtype: str = f("float32", "Training parameter dtype: float32 | bfloat16.", choices=("float32", "bfloat16"))
+    enable_gradient_checkpointing: bool = f(False, "Recompute activations in backward to save memory.")
+
+
+@dataclass
+class WarmStartConfig:
+    enable: str = f(
+        "auto",
+        "Supervised warm start before RL: auto (only for builtin:tiny) | true | false. "
+        "RL needs a model that sometimes succeeds.",
+        choices=("auto", "true", "false"),
+    )
+    steps: int = f(150, "Optimizer steps of the warm-start SFT.")
+    batch_size: int = f(64, "Examples per warm-start step.")
+    lr: float = f(3e-3, "Warm-start learning rate.")
+    cache_dir: str = f(
+        "~/.cache/hybridflow",
+        "Where the built-in model and its warm start are cached (keyed by their settings).",
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = f(1e-6, "Peak learning rate (AdamW).")
+    weight_decay: float = f(0.01, "AdamW weight decay.")
+    betas: list[float] = f([0.9, 0.999], "AdamW betas.")
+    lr_warmup_steps: int = f(0, "Linear warm-up steps.")
+    lr_scheduler_type: str = f("constant", "constant | cosine.", choices=("constant", "cosine"))
+    min_lr_ratio: float = f(0.0, "Cosine schedule floor as a fraction of lr.")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = f("vanilla", "Policy loss from the registry (vanilla: PPO clip).")
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = f(32, "Prompts per optimizer step (x rollout.n samples).")
+    ppo_micro_batch_size_per_gpu: int = f(64, "Samples per forward/backward on one rank.")
+    log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per logprob forward on one rank.")
+    ppo_epochs: int = f(1, "Passes over each rollout batch.")
+    shuffle: bool = f(False, "Shuffle samples between PPO epochs.")
+    clip_ratio: float = f(0.2, "PPO clip range (default for clip_ratio_low/high).")
+    clip_ratio_low: float | None = f(None, "Lower clip range; None: clip_ratio.")
+    clip_ratio_high: float | None = f(None, "Upper clip range; None: clip_ratio (DAPO uses 0.28).")
+    clip_ratio_c: float = f(3.0, "Dual-clip bound for negative advantages (> 1).")
+    loss_agg_mode: str = f(
+        "token-mean",
+        "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.",
+    )
+    loss_scale_factor: float | None = f(None, "Divisor for seq-mean-token-sum-norm; None: max_response_length.")
+    policy_loss: PolicyLossConfig = sub(PolicyLossConfig, "Policy loss selection.")
+    entropy_coeff: float = f(0.0, "Entropy bonus coefficient.")
+    use_kl_loss: bool = f(False, "Add a KL(actor || reference) loss (loads a reference model).")
+    kl_loss_coef: float = f(0.001, "Weight of the KL loss.")
+    kl_loss_type: str = f("low_var_kl", "KL estimator: kl/k1 | abs | mse/k2 | low_var_kl/k3 (+ for straight-through).")
+    grad_clip: float = f(1.0, "Max global gradient norm (<= 0: no clipping).")
+    optim: OptimConfig = sub(OptimConfig, "Optimizer.")
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per reference logprob forward on one rank.")
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = f(1, "Samples per validation prompt.")
+    temperature: float = f(0.0, "Validation temperature (0: greedy).")
+    top_p: float = f(1.0, "Validation top-p.")
+    top_k: int = f(-1, "Validation top-k (-1: off).")
+
+
+@dataclass
+class RolloutConfig:
+    name: str = f("native", "Rollout engine: native.")
+    n: int = f(8, "Samples per prompt (group size for GRPO/RLOO).")
+    temperature: float = f(1.0, "Sampling temperature.")
+    top_p: float = f(1.0, "Nucleus sampling threshold.")
+    top_k: int = f(-1, "Top-k filter (-1: off).")
+    max_batch_size: int = f(256, "Most sequences decoded together by the engine.")
+    dtype: str = f("float32", "Rollout compute dtype: float32 | bfloat16.", choices=("float32", "bfloat16"))
+    val_kwargs: ValKwargsConfig = sub(ValKwargsConfig, "Sampling for validation.")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = f(None, "Python file defining a reward function.")
+    name: str = f("compute_score", "Function name in that file.")
+
+
+@dataclass
+class RewardConfig:
+    custom_reward_function: CustomRewardConfig = sub(
+        CustomRewardConfig, "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict."
+    )
+    timeout_s: float = f(10.0, "Per-sample scoring timeout; a timed-out sample scores 0 and is counted.")
+    num_workers: int = f(1, "Scoring worker processes.")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = f("fixed", "fixed | adaptive.", choices=("fixed", "adaptive"))
+    kl_coef: float = f(0.001, "Initial in-reward KL coefficient.")
+    horizon: int = f(10000, "Adaptive controller horizon.")
+    target_kl: float = f(0.1, "Adaptive controller target KL.")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = f("grpo", "Advantage estimator from the registry: grpo | rloo | reinforce_plus_plus ...")
+    norm_adv_by_std_in_grpo: bool = f(True, "Divide GRPO advantages by the group std (false: Dr.GRPO).")
+    gamma: float = f(1.0, "Discount factor.")
+    lam: float = f(1.0, "GAE lambda.")
+    use_kl_in_reward: bool = f(False, "Subtract a KL penalty from token rewards (loads a reference model).")
+    kl_penalty: str = f("kl", "KL estimator for the in-reward penalty.")
+    kl_ctrl: KLControlConfig = sub(KLControlConfig, "In-reward KL coefficient controller.")
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = f(1, "Passes over the training prompts.")
+    total_training_steps: int | None = f(60, "Stop after this many steps (None: total_epochs).")
+    test_freq: int = f(10, "Validate every N steps (<= 0: never; the last step always validates).")
+    val_before_train: bool = f(True, "Validate before the first step.")
+    save_freq: int = f(-1, "Checkpoint every N steps (<= 0: only at the end when save_final).")
+    save_final: bool = f(True, "Checkpoint after the last step.")
+    resume_mode: str = f("auto", "auto | disable | path.", choices=("auto", "disable", "path"))
+    resume_from_path: str | None = f(None, "Checkpoint folder for resume_mode=path.")
+    max_ckpt_to_keep: int | None = f(2, "Keep at most this many checkpoints (None: all).")
+    seed: int = f(1, "Global seed (model init, sampling, data order).")
+    output_dir: str | None = f(None, "Where the run writes everything. None: runs/<experiment>-<time>.")
+    project_name: str = f("hybridflow", "Project name for loggers.")
+    experiment_name: str = f("grpo-arithmetic", "Run name for loggers and the output folder.")
+    logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb.")
+    backend: str = f("local", "Worker-group backend: local (in-process).", choices=("local",))
+    n_gpus_per_node: int = f(1, "Data-parallel ranks per node.")
+    nnodes: int = f(1, "Nodes.")
+    device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
+    num_threads: int | None = f(None, "torch CPU threads. None: all cores.")
+    progress_bar: bool = f(True, "Show a progress bar on the console.")
+
+
+@dataclass
+class Config:
+    data: DataConfig = sub(DataConfig, "Datasets and lengths.")
+    model: ModelConfig = sub(ModelConfig, "The policy model.")
+    warm_start: WarmStartConfig = sub(WarmStartConfig, "Supervised warm start for the built-in model.")
+    actor: ActorConfig = sub(ActorConfig, "Policy optimisation.")
+    ref: RefConfig = sub(RefConfig, "Reference model (for KL).")
+    rollout: RolloutConfig = sub(RolloutConfig, "Generation.")
+    reward: RewardConfig = sub(RewardConfig, "Reward scoring.")
+    algorithm: AlgorithmConfig = sub(AlgorithmConfig, "Advantage estimation and KL in reward.")
+    trainer: TrainerConfig = sub(TrainerConfig, "Loop, logging, checkpoints.")

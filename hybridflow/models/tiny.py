@@ -1,0 +1,119 @@
+"""The built-in tiny model: a Qwen2-architecture transformer with a byte-level tokenizer.
+
+It is written as an ordinary Hugging Face directory (config.json, model.safetensors,
+tokenizer.json, chat template) and loaded back with ``from_pretrained`` like any user model,
+so the built-in run exercises the same loading code a real model does.
+
+Tokenizer: every byte is one token (ASCII text is character-level), plus the three Qwen chat
+special tokens. The vocabulary is stored in *byte-level* form (GPT-2's byte-to-unicode map)
+because transformers rebuilds ``model_type=qwen2`` tokenizers as byte-level BPE: a plain
+character vocabulary would silently lose spaces on the way back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters.
+
+    Printable Latin-1 bytes map to themselves; the rest (control bytes, space, ...) are shifted
+    to code points from 256 up, so every byte is a visible, whitespace-free character.
+    """
+    printable = set(range(ord("!"), ord("~") + 1))
+    printable |= set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    mapping: dict[int, str] = {}
+    shifted = 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+def build_tiny_tokenizer():
+    """A byte-level Qwen2-style fast tokenizer with a ChatML template (vocab 259)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(byte_to_unicode().values())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # use_regex=False: no word splitting; every byte stays its own token.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the built-in model. The defaults give ~0.9M parameters."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    vocab_size: int = 272  # 259 tokens rounded up to a multiple of 16
+
+    def key(self) -> str:
+        return (
+            f"h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}"
+            f"-a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}"
+        )
+
+
+def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
+    """A randomly initialised Qwen2ForCausalLM of the given shape (fp32, CPU)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer_vocab = 256 + len(SPECIAL_TOKENS)
+    if spec.vocab_size < tokenizer_vocab:
+        raise ValueError(f"vocab_size {spec.vocab_size} < tokenizer vocabulary {tokenizer_vocab}")
+    config = Qwen2Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=258,  # <|im_end|>
+        pad_token_id=256,  # <|endoftext|>
+        rope_theta=10000.0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model
+
+
+def write_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> Path:
+    """Write a random-init tiny model and its tokenizer as a Hugging Face directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(spec, seed).save_pretrained(out, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(out)
+    return out

@@ -1,0 +1,206 @@
+"""Records that cross role and process boundaries.
+
+Two records, one per direction of the RL loop:
+
+- ``SamplingParams`` + ``GenerationRequest`` go into a rollout engine, one request per prompt.
+- ``Trajectory`` comes out: one flat per-token record per sample. Single-turn and multi-turn
+  (agent) samples share it; tool/environment tokens simply carry ``loss_mask`` 0.
+
+``TrainBatch`` is the padded tensor view of a list of trajectories that the trainer consumes.
+It is a dataclass with named fields, not a string-keyed dict, so a typo is an AttributeError
+and an IDE can follow every use.
+
+Shapes in trailing comments: B batch (samples), P prompt tokens, R response tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one prompt. ``n`` samples are drawn from the same prompt (a GRPO group)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k filter
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # per-request seed: the same seed gives the same samples
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0:
+            self.greedy = True
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+
+
+@dataclass
+class Trajectory:
+    """One sample: a prompt and the tokens generated (and, for agents, inserted) after it.
+
+    ``response_ids``, ``loss_mask`` and ``rollout_logprobs`` are aligned, one entry per
+    response token. ``loss_mask`` is 1 for tokens the policy produced and 0 for tokens it did
+    not (tool output, user turns); only masked-in tokens enter the loss.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str  # "stop" (stop token), "length" (max_tokens), "abort"
+    group_id: int = 0  # samples drawn from the same prompt share a group id
+    reward: float | None = None
+    num_turns: int = 1
+    # Row fields the reward and the metrics need (data_source, ground_truth, extra_info, ...).
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(
+                "Trajectory fields must align: "
+                f"{n} response ids, {len(self.loss_mask)} loss-mask entries, "
+                f"{len(self.rollout_logprobs)} rollout logprobs"
+            )
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for B samples: prompts left-padded to P, responses right-padded to R.
+
+    ``input_ids = cat(prompt, response)``; the logprob of response token t is read from the
+    logits at position P + t - 1. Optional fields are filled as the step goes on
+    (old/ref logprobs, advantages) and stay ``None`` when the algorithm does not need them.
+    """
+
+    input_ids: torch.Tensor  # (B, P+R) long
+    attention_mask: torch.Tensor  # (B, P+R) long, 0 on padding
+    position_ids: torch.Tensor  # (B, P+R) long
+    response_mask: torch.Tensor  # (B, R) float, loss mask (0 on padding and non-policy tokens)
+    group_ids: torch.Tensor  # (B,) long
+    rewards: torch.Tensor  # (B,) float, sequence-level scores
+    rollout_logprobs: torch.Tensor  # (B, R) float
+    prompt_length: int = 0  # P
+    old_logprobs: torch.Tensor | None = None  # (B, R)
+    ref_logprobs: torch.Tensor | None = None  # (B, R)
+    advantages: torch.Tensor | None = None  # (B, R)
+    returns: torch.Tensor | None = None  # (B, R)
+    token_level_rewards: torch.Tensor | None = None  # (B, R)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_length(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    @property
+    def responses(self) -> torch.Tensor:  # (B, R)
+        return self.input_ids[:, self.prompt_length :]
+
+    def _tensor_fields(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if f.name != "prompt_length"]
+
+    def select(self, index: torch.Tensor | list[int] | slice) -> TrainBatch:
+        """Rows ``index`` of every tensor field (a new batch; tensors are views or copies)."""
+        if isinstance(index, list):
+            index = torch.as_tensor(index, dtype=torch.long)
+        kwargs: dict[str, Any] = {"prompt_length": self.prompt_length}
+        for name in self._tensor_fields():
+            value = getattr(self, name)
+            kwargs[name] = None if value is None else value[index]
+        return TrainBatch(**kwargs)
+
+    def split(self, size: int) -> list[TrainBatch]:
+        """Consecutive chunks of ``size`` rows (the last may be smaller)."""
+        return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
+
+    def chunk(self, chunks: int) -> list[TrainBatch]:
+        """``chunks`` near-equal consecutive parts (for data-parallel ranks)."""
+        if self.batch_size % chunks != 0:
+            raise ValueError(f"cannot split {self.batch_size} samples evenly over {chunks} ranks")
+        return self.split(self.batch_size // chunks)
+
+    @staticmethod
+    def concat(batches: list[TrainBatch]) -> TrainBatch:
+        if not batches:
+            raise ValueError("TrainBatch.concat needs at least one batch")
+        p = batches[0].prompt_length
+        if any(b.prompt_length != p for b in batches):
+            raise ValueError("TrainBatch.concat: batches have different prompt padding")
+        kwargs: dict[str, Any] = {"prompt_length": p}
+        for name in batches[0]._tensor_fields():
+            values = [getattr(b, name) for b in batches]
+            if all(v is None for v in values):
+                kwargs[name] = None
+            elif any(v is None for v in values):
+                raise ValueError(f"TrainBatch.concat: field {name!r} set on some batches only")
+            else:
+                kwargs[name] = torch.cat(values, dim=0)
+        return TrainBatch(**kwargs)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        kwargs: dict[str, Any] = {"prompt_length": self.prompt_length}
+        for name in self._tensor_fields():
+            value = getattr(self, name)
+            kwargs[name] = None if value is None else value.to(device)
+        return TrainBatch(**kwargs)
+
+
+def collate_trajectories(trajectories: list[Trajectory], pad_token_id: int) -> TrainBatch:
+    """Pad a list of trajectories into a ``TrainBatch`` (prompts left-padded, responses right-padded)."""
+    if not trajectories:
+        raise ValueError("collate_trajectories: no trajectories")
+    b = len(trajectories)
+    p = max(len(t.prompt_ids) for t in trajectories)
+    r = max(1, max(len(t.response_ids) for t in trajectories))
+    input_ids = torch.full((b, p + r), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, p + r), dtype=torch.long)
+    response_mask = torch.zeros((b, r), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((b, r), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        lp, lr = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, p - lp : p] = torch.as_tensor(t.prompt_ids, dtype=torch.long)
+        attention_mask[i, p - lp : p] = 1
+        if lr:
+            input_ids[i, p : p + lr] = torch.as_tensor(t.response_ids, dtype=torch.long)
+            attention_mask[i, p : p + lr] = 1
+            response_mask[i, :lr] = torch.as_tensor(t.loss_mask, dtype=torch.float32)
+            rollout_logprobs[i, :lr] = torch.as_tensor(t.rollout_logprobs, dtype=torch.float32)
+    # Positions count real tokens only, so a left-padded prompt sees the same positions as an
+    # unpadded one (what the rollout engine used).
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    rewards = torch.tensor([0.0 if t.reward is None else float(t.reward) for t in trajectories])
+    group_ids = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=response_mask,
+        group_ids=group_ids,
+        rewards=rewards,
+        rollout_logprobs=rollout_logprobs,
+        prompt_length=p,
+    )
