@@ -1,0 +1,148 @@
+"""``hybridflow config explain``: the resolved config and what it will do, in numbers.
+
+The output answers the questions people otherwise answer by reading code or by starting a run:
+how many samples a step generates, how many optimizer steps and micro-batches that becomes,
+how long the run is, which models get loaded and why. The small decision functions here
+(``needs_reference_model``, ``warm_start_decision``, ``steps_per_epoch``, ``planned_total_steps``)
+are the single source of those rules; the controller calls them with the few values they need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridflow.config.loader import config_to_yaml
+from hybridflow.config.schema import Config
+from hybridflow.config.validate import batch_plan, validate_config
+
+BUILTIN_TINY = "builtin:tiny"
+"""``model.path`` of the built-in tiny model, the only one ``warm_start.enable=auto`` warm-starts."""
+
+
+def needs_reference_model(use_kl_loss: bool, use_kl_in_reward: bool) -> bool:
+    """A reference model is loaded iff some KL term needs its logprobs (as in verl)."""
+    return use_kl_loss or use_kl_in_reward
+
+
+def warm_start_decision(enable: str, model_path: str) -> tuple[bool, str]:
+    """Whether to run the supervised warm start, and why (for logs and ``config explain``).
+
+    ``auto`` warm-starts only the built-in tiny model: it starts from random weights and would
+    never earn a reward, and RL learns nothing from a model that never succeeds. A real
+    checkpoint is used as loaded.
+    """
+    if enable == "true":
+        return True, "warm_start.enable=true"
+    if enable == "false":
+        return False, "warm_start.enable=false"
+    if enable != "auto":
+        raise ValueError(f"warm_start.enable must be auto, true or false, got {enable!r}")
+    if model_path == BUILTIN_TINY:
+        return True, (
+            f"warm_start.enable=auto and model.path={BUILTIN_TINY}: the built-in model starts from random "
+            f"weights, and RL needs a model that sometimes succeeds"
+        )
+    return False, f"warm_start.enable=auto only warm-starts {BUILTIN_TINY}; model.path={model_path} is used as loaded"
+
+
+def steps_per_epoch(train_files: Sequence[str], builtin_train_size: int, train_batch_size: int) -> int | None:
+    """Training steps in one pass over the prompts, or None when it depends on files not read yet.
+
+    Counts full batches only: like verl's dataloader (``drop_last=True``), the incomplete last
+    batch of an epoch is dropped so every step has exactly ``train_batch_size`` prompts.
+    """
+    if train_files:
+        return None
+    return builtin_train_size // train_batch_size
+
+
+def planned_total_steps(
+    steps_in_epoch: int | None, total_epochs: int, total_training_steps: int | None
+) -> int | None:
+    """Steps the run will take: it stops at ``total_training_steps`` or after ``total_epochs``
+    epochs, whichever comes first. None when neither bound is known yet."""
+    by_epochs = None if steps_in_epoch is None else steps_in_epoch * total_epochs
+    if total_training_steps is None:
+        return by_epochs
+    if by_epochs is None:
+        return total_training_steps
+    return min(total_training_steps, by_epochs)
+
+
+def _plan_lines(cfg: Config) -> list[str]:
+    plan = batch_plan(cfg)
+    data, actor, trainer, n = cfg.data, cfg.actor, cfg.trainer, cfg.rollout.n
+    lines = [
+        f"data-parallel ranks: {plan.dp} (trainer.n_gpus_per_node={trainer.n_gpus_per_node} x "
+        f"trainer.nnodes={trainer.nnodes})",
+        f"prompts per step: {plan.prompts_per_step} (data.train_batch_size)",
+        f"samples per step: {plan.samples_per_step} ({plan.prompts_per_step} prompts x rollout.n={n}); "
+        f"{plan.samples_per_rank_per_step} per rank",
+        f"optimizer steps per rollout batch: {plan.optimizer_steps_per_step} ({plan.prompts_per_step} / "
+        f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} = {plan.mini_batches_per_epoch} mini-batch(es) "
+        f"x actor.ppo_epochs={actor.ppo_epochs})",
+        f"samples per optimizer step: {plan.samples_per_mini_batch} ({actor.ppo_mini_batch_size} prompts x "
+        f"rollout.n={n}); {plan.samples_per_rank_per_mini_batch} per rank",
+        f"micro-batches per optimizer step per rank: {plan.grad_accum_steps} "
+        f"({plan.samples_per_rank_per_mini_batch} / actor.ppo_micro_batch_size_per_gpu="
+        f"{actor.ppo_micro_batch_size_per_gpu}) = {plan.grad_accum_steps} gradient-accumulation steps",
+    ]
+
+    per_epoch = steps_per_epoch(data.train_files, data.builtin_train_size, data.train_batch_size)
+    if per_epoch is None:
+        lines.append("steps per epoch: depends on dataset size (data.train_files are read at start-up)")
+    else:
+        lines.append(
+            f"steps per epoch: {per_epoch} (built-in task: data.builtin_train_size={data.builtin_train_size} "
+            f"// {data.train_batch_size} prompts, before overlong-prompt filtering)"
+        )
+    total = planned_total_steps(per_epoch, trainer.total_epochs, trainer.total_training_steps)
+    if trainer.total_training_steps is None:
+        if total is None:
+            lines.append(f"total steps: depends on dataset size (trainer.total_epochs={trainer.total_epochs} epochs)")
+        else:
+            lines.append(f"total steps: {total} (trainer.total_epochs={trainer.total_epochs} x {per_epoch})")
+    elif per_epoch is None:
+        lines.append(
+            f"total steps: {total} (trainer.total_training_steps), or fewer if "
+            f"trainer.total_epochs={trainer.total_epochs} epochs of the dataset end first"
+        )
+    elif total == trainer.total_training_steps:
+        lines.append(
+            f"total steps: {total} (trainer.total_training_steps; trainer.total_epochs={trainer.total_epochs} "
+            f"x {per_epoch} steps would allow {per_epoch * trainer.total_epochs})"
+        )
+    else:
+        lines.append(
+            f"total steps: {total} (trainer.total_epochs={trainer.total_epochs} x {per_epoch} steps end before "
+            f"trainer.total_training_steps={trainer.total_training_steps})"
+        )
+
+    lines.append("models loaded:")
+    lines.append(f"  actor: always (the policy being trained: {cfg.model.path})")
+    use_kl_loss, use_kl_in_reward = actor.use_kl_loss, cfg.algorithm.use_kl_in_reward
+    if needs_reference_model(use_kl_loss, use_kl_in_reward):
+        flags = (("actor.use_kl_loss", use_kl_loss), ("algorithm.use_kl_in_reward", use_kl_in_reward))
+        causes = " and ".join(f"{key}=true" for key, on in flags if on)
+        lines.append(f"  reference: yes, a frozen copy of the initial policy, because {causes}")
+    else:
+        lines.append("  no reference model: KL is off (actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)")
+    warm, why = warm_start_decision(cfg.warm_start.enable, cfg.model.path)
+    if warm:
+        lines.append(f"warm start: yes, {cfg.warm_start.steps} SFT steps before RL ({why})")
+    else:
+        lines.append(f"warm start: no ({why})")
+    return lines
+
+
+def explain_config(cfg: Config) -> str:
+    """The resolved config as YAML, then the plan in numbers, then the validation warnings.
+
+    Raises ``ConfigError`` if the config is invalid (the plan's arithmetic assumes it is not).
+    """
+    warnings = validate_config(cfg)
+    parts = ["# Resolved config", config_to_yaml(cfg).rstrip(), "", "Plan"]
+    parts += [f"  {line}" for line in _plan_lines(cfg)]
+    parts += ["", "Warnings"]
+    parts += [f"  - {w}" for w in warnings] if warnings else ["  none"]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,442 @@
+"""Semantic checks of a resolved ``Config``, run at start-up before any model is loaded.
+
+The loader guarantees types; this module checks what needs several keys at once, above all the
+batch arithmetic. A bad batch split is the classic silent failure: a micro-batch larger than a
+rank's share of the mini-batch gives zero gradient-accumulation steps and a NaN loss with no
+clear error (verl #2505). Every message states the numbers involved and a value that would work.
+
+All errors are collected and raised together, so one run shows every problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.loader import ConfigError
+from hybridflow.config.schema import Config
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+"""verl's loss aggregation modes (see algorithms/); the only values ``actor.loss_agg_mode`` takes."""
+
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+"""verl's KL estimators; a trailing ``+`` selects the straight-through variant (value of the
+estimator, gradient of k2)."""
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+"""Backends ``trainer.logger`` may list."""
+
+GROUP_ESTIMATORS_NEEDING_N2 = {"rloo": "error", "grpo": "warning"}
+"""Group-baseline estimators and what ``rollout.n=1`` means for them. RLOO's leave-one-out
+baseline is undefined for a single sample (an error). GRPO with a single sample takes the group
+mean as 0 and std as 1, so the advantage is reward / (1 + 1e-6): it runs, but learns with no
+baseline at all (a warning)."""
+
+_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
+    ("data.train_batch_size", 1),
+    ("data.val_batch_size", 1),
+    ("data.max_prompt_length", 1),
+    ("data.max_response_length", 1),
+    ("data.builtin_train_size", 1),
+    ("data.builtin_val_size", 1),
+    ("warm_start.steps", 0),
+    ("warm_start.batch_size", 1),
+    ("actor.ppo_mini_batch_size", 1),
+    ("actor.ppo_micro_batch_size_per_gpu", 1),
+    ("actor.log_prob_micro_batch_size_per_gpu", 1),
+    ("actor.ppo_epochs", 1),
+    ("actor.optim.lr_warmup_steps", 0),
+    ("ref.log_prob_micro_batch_size_per_gpu", 1),
+    ("rollout.n", 1),
+    ("rollout.max_batch_size", 1),
+    ("rollout.val_kwargs.n", 1),
+    ("reward.num_workers", 1),
+    ("algorithm.kl_ctrl.horizon", 1),
+    ("trainer.total_epochs", 1),
+    ("trainer.n_gpus_per_node", 1),
+    ("trainer.nnodes", 1),
+)
+"""Integer keys and their minimum (checked with the field's help text in the message)."""
+
+_OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
+    ("trainer.total_training_steps", 1),
+    ("trainer.max_ckpt_to_keep", 1),
+    ("trainer.num_threads", 1),
+)
+"""Like ``_POSITIVE_INTS`` but None is allowed (it means "no limit" / "default")."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one training step's prompts split into optimizer steps and micro-batches.
+
+    Meaningful only for a config that passed ``validate_config`` (the divisions are exact then).
+    """
+
+    dp: int  # data-parallel ranks
+    prompts_per_step: int  # data.train_batch_size
+    samples_per_step: int  # prompts x rollout.n
+    samples_per_rank_per_step: int
+    mini_batches_per_epoch: int  # optimizer steps per pass over the rollout batch
+    optimizer_steps_per_step: int  # x ppo_epochs
+    samples_per_mini_batch: int  # ppo_mini_batch_size x rollout.n, over all ranks
+    samples_per_rank_per_mini_batch: int
+    grad_accum_steps: int  # micro-batches per optimizer step on one rank
+
+
+def compute_batch_plan(
+    *,
+    train_batch_size: int,
+    ppo_mini_batch_size: int,
+    rollout_n: int,
+    ppo_epochs: int,
+    ppo_micro_batch_size_per_gpu: int,
+    dp: int,
+) -> BatchPlan:
+    """The batch split for these sizes (prompts for the first two, samples for the micro)."""
+    samples_per_mini = ppo_mini_batch_size * rollout_n
+    per_rank_mini = samples_per_mini // dp
+    mini_batches = train_batch_size // ppo_mini_batch_size
+    return BatchPlan(
+        dp=dp,
+        prompts_per_step=train_batch_size,
+        samples_per_step=train_batch_size * rollout_n,
+        samples_per_rank_per_step=train_batch_size * rollout_n // dp,
+        mini_batches_per_epoch=mini_batches,
+        optimizer_steps_per_step=mini_batches * ppo_epochs,
+        samples_per_mini_batch=samples_per_mini,
+        samples_per_rank_per_mini_batch=per_rank_mini,
+        grad_accum_steps=per_rank_mini // ppo_micro_batch_size_per_gpu,
+    )
+
+
+def batch_plan(cfg: Config) -> BatchPlan:
+    """``compute_batch_plan`` for a config."""
+    return compute_batch_plan(
+        train_batch_size=cfg.data.train_batch_size,
+        ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size,
+        rollout_n=cfg.rollout.n,
+        ppo_epochs=cfg.actor.ppo_epochs,
+        ppo_micro_batch_size_per_gpu=cfg.actor.ppo_micro_batch_size_per_gpu,
+        dp=cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _get(cfg: Config, path: str) -> Any:
+    value: Any = cfg
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _help(cfg: Config, path: str) -> str:
+    section_path, _, name = path.rpartition(".")
+    section = _get(cfg, section_path) if section_path else cfg
+    fld = {f.name: f for f in dataclasses.fields(section)}[name]
+    return str(fld.metadata.get("help", ""))
+
+
+def _divisors_near(n: int, target: int, count: int = 3) -> list[int]:
+    """Up to ``count`` divisors of ``n`` closest to ``target``, ascending."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return sorted(sorted(divisors, key=lambda d: (abs(d - target), -d))[:count])
+
+
+def _multiples_near(step: int, target: int) -> list[int]:
+    """The multiples of ``step`` just below and above ``target`` (positive ones only)."""
+    below = (target // step) * step
+    return [m for m in (below, below + step) if m > 0]
+
+
+def _or_list(values: list[int]) -> str:
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+class _Report:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+
+    def error(self, message: str) -> None:
+        self.errors.append(message)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+
+
+def _check_ranges(cfg: Config, report: _Report) -> None:
+    for path, minimum in _POSITIVE_INTS:
+        value = _get(cfg, path)
+        if value < minimum:
+            report.error(f"{path}={value} must be >= {minimum} ({_help(cfg, path)})")
+    for path, minimum in _OPTIONAL_POSITIVE_INTS:
+        value = _get(cfg, path)
+        if value is not None and value < minimum:
+            report.error(f"{path}={value} must be >= {minimum} or null ({_help(cfg, path)})")
+
+    actor = cfg.actor
+    if actor.clip_ratio <= 0:
+        report.error(f"actor.clip_ratio={actor.clip_ratio} must be > 0 (the PPO clip range, e.g. 0.2)")
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        value = getattr(actor, name)
+        if value is not None and value <= 0:
+            report.error(f"actor.{name}={value} must be > 0 or null (null: actor.clip_ratio)")
+    low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    if low >= 1:
+        report.error(
+            f"the lower clip range is {low} (actor.clip_ratio_low, or actor.clip_ratio when null), "
+            f"so the ratio's lower bound 1 - {low} <= 0 clips nothing; use a value below 1, e.g. 0.2"
+        )
+    if actor.clip_ratio_c <= 1:
+        report.error(
+            f"actor.clip_ratio_c={actor.clip_ratio_c} must be > 1: it is the dual-clip bound on the ratio of "
+            f"negative-advantage tokens, and a bound <= 1 would cut below the unchanged policy's ratio of 1 "
+            f"(verl's default is 3.0)"
+        )
+    if actor.loss_scale_factor is not None and actor.loss_scale_factor <= 0:
+        report.error(f"actor.loss_scale_factor={actor.loss_scale_factor} must be > 0 or null")
+    if actor.kl_loss_coef < 0:
+        report.error(f"actor.kl_loss_coef={actor.kl_loss_coef} must be >= 0")
+
+    optim = actor.optim
+    if optim.lr <= 0:
+        report.error(f"actor.optim.lr={optim.lr} must be > 0 (e.g. 1e-6)")
+    if optim.weight_decay < 0:
+        report.error(f"actor.optim.weight_decay={optim.weight_decay} must be >= 0")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        report.error(f"actor.optim.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1] (a fraction of lr)")
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        report.error(f"actor.optim.betas={optim.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+    if cfg.warm_start.lr <= 0:
+        report.error(f"warm_start.lr={cfg.warm_start.lr} must be > 0")
+    if cfg.reward.timeout_s <= 0:
+        report.error(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 seconds")
+
+    algorithm = cfg.algorithm
+    for name in ("gamma", "lam"):
+        value = getattr(algorithm, name)
+        if not 0 <= value <= 1:
+            report.error(f"algorithm.{name}={value} must be in [0, 1]")
+    if algorithm.kl_ctrl.kl_coef < 0:
+        report.error(f"algorithm.kl_ctrl.kl_coef={algorithm.kl_ctrl.kl_coef} must be >= 0")
+    if algorithm.kl_ctrl.target_kl <= 0:
+        report.error(f"algorithm.kl_ctrl.target_kl={algorithm.kl_ctrl.target_kl} must be > 0")
+
+
+def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, report: _Report) -> None:
+    if temperature < 0:
+        report.error(f"{prefix}.temperature={temperature} must be >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        report.error(f"{prefix}.top_p={top_p} must be in (0, 1] (1: no nucleus filtering)")
+    if top_k != -1 and top_k < 1:
+        report.error(f"{prefix}.top_k={top_k} must be -1 (off) or >= 1")
+
+
+def _check_all_sampling(cfg: Config, report: _Report) -> None:
+    rollout, val = cfg.rollout, cfg.rollout.val_kwargs
+    _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k, report)
+    _check_sampling("rollout.val_kwargs", val.temperature, val.top_p, val.top_k, report)
+
+
+def _check_names(cfg: Config, report: _Report) -> None:
+    """String keys whose allowed values are not expressible as schema ``choices``."""
+
+    def one_of(path: str, value: str, allowed: tuple[str, ...]) -> None:
+        if value in allowed:
+            return
+        close = difflib.get_close_matches(value, list(allowed), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        report.error(f"{path}={value!r} is not one of: {', '.join(allowed)}{hint}")
+
+    one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, LOSS_AGG_MODES)
+    kl_names = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
+    one_of("actor.kl_loss_type", cfg.actor.kl_loss_type, kl_names)
+    one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl_names)
+    for i, name in enumerate(cfg.trainer.logger):
+        one_of(f"trainer.logger[{i}]", name, LOGGERS)
+
+
+def _check_batches(cfg: Config, report: _Report) -> None:
+    """The batch arithmetic, each message with its numbers. Skipped when a size is not positive
+    (already reported by ``_check_ranges``) to avoid dividing by zero."""
+    train = cfg.data.train_batch_size
+    mini = cfg.actor.ppo_mini_batch_size
+    micro = cfg.actor.ppo_micro_batch_size_per_gpu
+    n = cfg.rollout.n
+    gpus, nodes = cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes
+    if min(train, mini, micro, n, gpus, nodes) < 1:
+        return
+    dp = gpus * nodes
+    dp_text = f"dp={dp} data-parallel ranks (trainer.n_gpus_per_node={gpus} x trainer.nnodes={nodes})"
+
+    if mini > train:
+        report.error(
+            f"actor.ppo_mini_batch_size={mini} prompts is larger than data.train_batch_size={train} prompts: "
+            f"a step would never fill one mini-batch; use ppo_mini_batch_size <= {train}, e.g. "
+            f"{_or_list(_divisors_near(train, mini))}"
+        )
+    elif train % mini:
+        report.error(
+            f"data.train_batch_size={train} prompts is not a multiple of actor.ppo_mini_batch_size={mini} "
+            f"prompts: each step would leave {train % mini} prompts untrained; use a ppo_mini_batch_size "
+            f"that divides {train} (e.g. {_or_list(_divisors_near(train, mini))}) or a train_batch_size "
+            f"that is a multiple of {mini} (e.g. {_or_list(_multiples_near(mini, train))})"
+        )
+
+    mini_samples = mini * n
+    if mini_samples % dp:
+        report.error(
+            f"a mini-batch of actor.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {mini_samples} "
+            f"samples cannot be split evenly over {dp_text}; make ppo_mini_batch_size x rollout.n a "
+            f"multiple of {dp}"
+        )
+    else:
+        step_samples = train * n
+        if step_samples % dp:
+            report.error(
+                f"a step of data.train_batch_size={train} prompts x rollout.n={n} = {step_samples} samples "
+                f"cannot be split evenly over {dp_text}; make train_batch_size x rollout.n a multiple of {dp}"
+            )
+        per_rank = mini_samples // dp
+        share = f"ppo_mini_batch_size={mini} prompts x rollout.n={n} / dp={dp}"
+        if micro > per_rank:
+            report.error(
+                f"actor.ppo_micro_batch_size_per_gpu={micro} samples is larger than the {per_rank} samples "
+                f"each rank gets per optimizer step ({share}): there would be no full micro-batch "
+                f"(0 gradient-accumulation steps); use ppo_micro_batch_size_per_gpu <= {per_rank} that divides "
+                f"it, e.g. {_or_list(_divisors_near(per_rank, micro))}"
+            )
+        elif per_rank % micro:
+            report.error(
+                f"each rank gets {per_rank} samples per optimizer step ({share}), which is not a multiple of "
+                f"actor.ppo_micro_batch_size_per_gpu={micro}: the last micro-batch would hold "
+                f"{per_rank % micro} samples; use a micro-batch size that divides {per_rank}, e.g. "
+                f"{_or_list(_divisors_near(per_rank, micro))}"
+            )
+
+    if not cfg.data.train_files and cfg.data.builtin_train_size < train:
+        report.error(
+            f"data.builtin_train_size={cfg.data.builtin_train_size} prompts is smaller than "
+            f"data.train_batch_size={train}: an epoch of the built-in task would not fill one step"
+        )
+
+
+def _check_algorithm(cfg: Config, report: _Report) -> None:
+    estimator, n = cfg.algorithm.adv_estimator, cfg.rollout.n
+    severity = GROUP_ESTIMATORS_NEEDING_N2.get(estimator)
+    if severity is not None and n == 1:
+        if severity == "error":
+            report.error(
+                f"rollout.n=1 with algorithm.adv_estimator={estimator}: the leave-one-out baseline needs at "
+                f"least 2 samples per prompt; use rollout.n >= 2 (e.g. 4 or 8)"
+            )
+        else:
+            report.warn(
+                f"rollout.n=1 with algorithm.adv_estimator={estimator}: each group holds one sample, so the "
+                f"group mean is taken as 0 and the std as 1 and the advantage is just reward / (1 + 1e-6), "
+                f"with no baseline; use rollout.n >= 2 (GRPO usually uses 4 to 16)"
+            )
+    if cfg.rollout.temperature == 0 and n > 1:
+        report.warn(
+            f"rollout.temperature=0 is greedy decoding: all rollout.n={n} samples of a prompt are identical, "
+            f"so group-relative advantages are 0 and nothing is learned; use a temperature such as 1.0"
+        )
+    if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
+        report.warn(
+            "both actor.use_kl_loss and algorithm.use_kl_in_reward are true: the KL to the reference "
+            "model is penalised twice (in the loss and in the reward); usually only one is wanted"
+        )
+    if cfg.algorithm.kl_ctrl.type == "adaptive" and not cfg.algorithm.use_kl_in_reward:
+        report.warn("algorithm.kl_ctrl.type=adaptive has no effect while algorithm.use_kl_in_reward is false")
+    if not cfg.algorithm.norm_adv_by_std_in_grpo and estimator != "grpo":
+        report.warn(
+            f"algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator={estimator} "
+            f"(it only changes grpo)"
+        )
+    if cfg.actor.loss_scale_factor is not None and cfg.actor.loss_agg_mode != "seq-mean-token-sum-norm":
+        report.warn(
+            f"actor.loss_scale_factor={cfg.actor.loss_scale_factor} has no effect with "
+            f"actor.loss_agg_mode={cfg.actor.loss_agg_mode} (only seq-mean-token-sum-norm uses it)"
+        )
+
+
+def _check_trainer(cfg: Config, report: _Report) -> None:
+    trainer = cfg.trainer
+    if trainer.resume_mode == "path":
+        if not trainer.resume_from_path:
+            report.error(
+                "trainer.resume_mode=path needs trainer.resume_from_path (the checkpoint folder to resume from)"
+            )
+        elif not Path(trainer.resume_from_path).expanduser().is_dir():
+            report.error(f"trainer.resume_from_path={trainer.resume_from_path!r} is not an existing directory")
+    elif trainer.resume_from_path is not None:
+        report.warn(
+            f"trainer.resume_from_path is set but trainer.resume_mode={trainer.resume_mode}: the path is "
+            f"ignored; set trainer.resume_mode=path to resume from it"
+        )
+    if trainer.save_freq <= 0 and not trainer.save_final:
+        report.warn("trainer.save_freq <= 0 and trainer.save_final=false: this run writes no checkpoint")
+
+
+def _check_files(cfg: Config, report: _Report) -> None:
+    """Paths the run will open, checked now rather than minutes later."""
+    path = cfg.model.path
+    if not path.startswith("builtin:") and not Path(path).expanduser().is_dir():
+        report.error(
+            f"model.path={path!r} is not an existing directory: use a local Hugging Face model folder "
+            f"(config.json + weights) or builtin:tiny"
+        )
+    for key in ("train_files", "val_files"):
+        for i, file in enumerate(getattr(cfg.data, key)):
+            if not Path(file).expanduser().is_file():
+                report.error(f"data.{key}[{i}]={file!r} does not exist (or is not a file)")
+    reward_path = cfg.reward.custom_reward_function.path
+    if reward_path is not None and not Path(reward_path).expanduser().is_file():
+        report.error(f"reward.custom_reward_function.path={reward_path!r} does not exist (or is not a file)")
+
+
+_CHECKS = (
+    _check_ranges,
+    _check_all_sampling,
+    _check_names,
+    _check_batches,
+    _check_algorithm,
+    _check_trainer,
+    _check_files,
+)
+
+
+def validate_config(cfg: Config) -> list[str]:
+    """Check a resolved config; return its warnings, raise ``ConfigError`` listing every error.
+
+    Cheap (no model or data is touched beyond checking that named files exist), so it runs at
+    start-up and in ``hybridflow config explain``.
+    """
+    report = _Report()
+    for check in _CHECKS:
+        check(cfg, report)
+    if len(report.errors) == 1:
+        raise ConfigError(report.errors[0])
+    if report.errors:
+        listed = "\n".join(f"  - {message}" for message in report.errors)
+        raise ConfigError(f"{len(report.errors)} config errors:\n{listed}")
+    return report.warnings

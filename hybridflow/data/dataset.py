@@ -1,0 +1,544 @@
+"""Prompt datasets in verl's row schema, validated and tokenized once, up front.
+
+A row (one line of JSONL, one parquet row) looks like::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],          # the column named by prompt_key
+     "ability": "math",                                         # optional
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0, ...}}        # optional
+
+Why everything happens in ``RLDataset.from_files``: a malformed row found at reward time (after
+minutes of rollout) or an overlong prompt found mid-epoch inside a loader worker is the
+classic way an RL run dies late with a bare ``KeyError``. Here every row is checked and
+chat-templated before the first step, and every problem names the file, the row and what is
+wrong, e.g. ``train.parquet row 17: 'prompt' message 0 has no 'content'``.
+
+Row numbers are 0-based positions among the file's records (the index ``load_rows(path)``
+gives). For JSON lines the 1-based line number is added, because that is what an editor shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, overload
+
+logger = logging.getLogger(__name__)
+
+VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
+TRUNCATION_MODES = ("error", "left", "right")
+ON_BAD_ROW_MODES = ("error", "skip")
+PARQUET_SUFFIXES = (".parquet",)
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+class DataError(ValueError):
+    """A dataset file or row is unusable. The message names the file, the row and the problem."""
+
+
+class BadRowReason:
+    """Reason codes for malformed rows: the keys of ``DatasetStats.bad_rows``.
+
+    Stable short strings (not an Enum) so that counts print and serialise as plain text.
+    """
+
+    INVALID_JSON = "invalid_json"
+    NOT_AN_OBJECT = "not_an_object"
+    PROMPT_MISSING = "prompt_missing"
+    PROMPT_INVALID = "prompt_invalid"
+    MESSAGE_INVALID = "message_invalid"
+    ROLE_INVALID = "role_invalid"
+    DATA_SOURCE_MISSING = "data_source_missing"
+    DATA_SOURCE_INVALID = "data_source_invalid"
+    ABILITY_INVALID = "ability_invalid"
+    REWARD_MODEL_MISSING = "reward_model_missing"
+    REWARD_MODEL_INVALID = "reward_model_invalid"
+    GROUND_TRUTH_MISSING = "ground_truth_missing"
+    GROUND_TRUTH_INVALID = "ground_truth_invalid"
+    EXTRA_INFO_INVALID = "extra_info_invalid"
+    CHAT_TEMPLATE_FAILED = "chat_template_failed"
+
+
+class ChatTokenizer(Protocol):
+    """The two tokenizer methods the dataset uses (a Hugging Face tokenizer satisfies it)."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+
+@dataclass
+class PromptRow:
+    """One validated, chat-templated prompt and the fields its reward needs."""
+
+    prompt_ids: list[int]  # chat-templated, generation prompt appended, possibly truncated
+    messages: list[dict[str, Any]]
+    data_source: str
+    ground_truth: str  # scalars as text; a list ground truth as its JSON text
+    ability: str  # "" when the row has none
+    extra_info: dict[str, Any]
+    source: str  # "<file>:<row>", to trace a sample back to its row
+
+    def metadata(self) -> dict[str, Any]:
+        """The row fields a ``Trajectory.metadata`` carries to the reward and the metrics."""
+        return {
+            "data_source": self.data_source,
+            "ground_truth": self.ground_truth,
+            "ability": self.ability,
+            "extra_info": self.extra_info,
+            "source": self.source,
+        }
+
+
+@dataclass
+class DatasetStats:
+    """What loading did: rows read, and how many were dropped or changed, and why."""
+
+    num_rows: int = 0  # rows read from the files, before anything was dropped
+    num_filtered_overlong: int = 0
+    num_truncated: int = 0
+    bad_rows: dict[str, int] = field(default_factory=dict)  # BadRowReason -> count
+
+    @property
+    def num_bad_rows(self) -> int:
+        return sum(self.bad_rows.values())
+
+    @property
+    def num_kept(self) -> int:
+        return self.num_rows - self.num_filtered_overlong - self.num_bad_rows
+
+
+# --------------------------------------------------------------------------------------------
+# Reading files
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One record of a file before validation."""
+
+    row: int  # 0-based position among the file's records
+    where: str  # "row 17", or "row 17 (line 18)" for JSON lines
+    value: Any  # the parsed object (None when parse_error is set)
+    parse_error: str | None = None
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _read_parquet(path: Path) -> list[_Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
+    return [_Record(row=i, where=f"row {i}", value=v) for i, v in enumerate(table.to_pylist())]
+
+
+def _read_json_lines(path: Path) -> list[_Record]:
+    records: list[_Record] = []
+    with path.open("rb") as fh:
+        for line_number, raw in enumerate(fh, start=1):
+            row = len(records)
+            where = f"row {row} (line {line_number})"
+            try:
+                # utf-8-sig on the first line tolerates a byte-order mark from Windows editors.
+                text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                records.append(_Record(row, where, None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"))
+                continue
+            if not text.strip():
+                continue  # blank lines (a trailing newline, spacing) are not records
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                records.append(_Record(row, where, None, f"invalid JSON: {exc.msg} at column {exc.colno}"))
+                continue
+            records.append(_Record(row, where, value))
+    return records
+
+
+def _read_json_array(path: Path) -> list[_Record]:
+    try:
+        values = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f"line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "decoding"
+        raise DataError(f"{path}: invalid JSON array ({where}: {exc})") from exc
+    return [_Record(row=i, where=f"row {i}", value=v) for i, v in enumerate(values)]
+
+
+def _starts_with_bracket(path: Path) -> bool:
+    with path.open("rb") as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _read_records(path: str | os.PathLike[str]) -> list[_Record]:
+    """Parse a file into records; a record that does not parse carries its error instead."""
+    p = Path(path).expanduser()
+    suffix = p.suffix.lower()
+    if suffix not in PARQUET_SUFFIXES + JSON_SUFFIXES:
+        raise DataError(
+            f"{path}: unsupported file type {suffix or '(no extension)'!r}; "
+            "expected .parquet, .jsonl or .json (JSON lines, or one JSON array)"
+        )
+    if not p.is_file():
+        raise DataError(f"{path}: no such file" if not p.exists() else f"{path}: not a regular file")
+    if suffix in PARQUET_SUFFIXES:
+        return _read_parquet(p)
+    # A .json file is read as JSON lines unless it is one top-level array: both are common
+    # exports, and telling them apart by the first character is unambiguous.
+    if suffix == ".json" and _starts_with_bracket(p):
+        return _read_json_array(p)
+    return _read_json_lines(p)
+
+
+def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All rows of a .parquet, .jsonl or .json file as dicts, in file order.
+
+    Raises ``DataError`` naming the file and the row (and line, for JSON lines) on the first
+    record that is not valid JSON or not an object, on a missing file and on an unknown
+    extension. Row contents are not validated here; ``RLDataset.from_files`` does that.
+    """
+    rows: list[dict[str, Any]] = []
+    for record in _read_records(path):
+        if record.parse_error is not None:
+            raise DataError(f"{path} {record.where}: {record.parse_error}")
+        if not isinstance(record.value, dict):
+            raise DataError(f"{path} {record.where}: expected an object, got {_type_name(record.value)}")
+        rows.append(record.value)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Validating rows
+
+
+class _RowProblem(Exception):
+    """Internal: a row is malformed. Carries the reason code and a message without location."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class _ValidRow:
+    messages: list[dict[str, Any]]
+    data_source: str
+    ground_truth: str
+    ability: str
+    extra_info: dict[str, Any]
+
+
+def _check_messages(value: Any, prompt_key: str) -> list[dict[str, Any]]:
+    if value is None:
+        raise _RowProblem(BadRowReason.PROMPT_MISSING, f"{prompt_key!r} is missing")
+    if isinstance(value, str):
+        raise _RowProblem(
+            BadRowReason.PROMPT_INVALID,
+            f"{prompt_key!r} must be a list of chat messages, got a plain string "
+            f'(wrap it as [{{"role": "user", "content": ...}}])',
+        )
+    if not isinstance(value, list):
+        raise _RowProblem(
+            BadRowReason.PROMPT_INVALID, f"{prompt_key!r} must be a list of chat messages, got {_type_name(value)}"
+        )
+    if not value:
+        raise _RowProblem(BadRowReason.PROMPT_INVALID, f"{prompt_key!r} is an empty list of messages")
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        label = f"{prompt_key!r} message {i}"
+        if not isinstance(message, dict):
+            raise _RowProblem(BadRowReason.MESSAGE_INVALID, f"{label} is not a dict (got {_type_name(message)})")
+        for key in ("role", "content"):
+            if message.get(key) is None:
+                raise _RowProblem(BadRowReason.MESSAGE_INVALID, f"{label} has no {key!r}")
+            if not isinstance(message[key], str):
+                raise _RowProblem(
+                    BadRowReason.MESSAGE_INVALID,
+                    f"{label} {key!r} must be a string, got {_type_name(message[key])}",
+                )
+        if message["role"] not in VALID_ROLES:
+            raise _RowProblem(
+                BadRowReason.ROLE_INVALID,
+                f"{label} has role {message['role']!r}; expected one of {', '.join(sorted(VALID_ROLES))}",
+            )
+        messages.append(dict(message))
+    return messages
+
+
+def _ground_truth_text(value: Any) -> str:
+    """The ground truth as text: scalars as written, a list as its JSON text.
+
+    An integral float becomes an integer string ("72", not "72.0"): parquet writers promote an
+    integer column with a missing value to float64, and "72.0" would fail exact-match scorers.
+    """
+    label = "'reward_model.ground_truth'"
+    if isinstance(value, bool):  # bool is an int subclass; True is never a meant answer
+        raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} must be a string, number or list, got bool")
+    if isinstance(value, str):
+        if not value.strip():
+            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is an empty string")
+        return value
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is {value} (a missing value?)")
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, list):
+        if not value:
+            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is an empty list")
+        try:
+            return json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} list is not JSON-serialisable: {exc}")
+    raise _RowProblem(
+        BadRowReason.GROUND_TRUTH_INVALID, f"{label} must be a string, number or list, got {_type_name(value)}"
+    )
+
+
+def _validate_row(value: Any, prompt_key: str) -> _ValidRow:
+    """Check one row against the schema; raise ``_RowProblem`` for the first problem found.
+
+    A null optional field (``ability``, ``extra_info``) counts as absent: parquet stores a
+    field that some rows lack as null in the others.
+    """
+    if not isinstance(value, dict):
+        raise _RowProblem(BadRowReason.NOT_AN_OBJECT, f"expected an object, got {_type_name(value)}")
+    messages = _check_messages(value.get(prompt_key), prompt_key)
+
+    data_source = value.get("data_source")
+    if data_source is None:
+        raise _RowProblem(BadRowReason.DATA_SOURCE_MISSING, "'data_source' is missing")
+    if not isinstance(data_source, str) or not data_source:
+        raise _RowProblem(
+            BadRowReason.DATA_SOURCE_INVALID,
+            f"'data_source' must be a non-empty string, got {_type_name(data_source)} {data_source!r}",
+        )
+
+    ability = value.get("ability")
+    if ability is None:
+        ability = ""
+    elif not isinstance(ability, str):
+        raise _RowProblem(BadRowReason.ABILITY_INVALID, f"'ability' must be a string, got {_type_name(ability)}")
+
+    reward_model = value.get("reward_model")
+    if reward_model is None:
+        raise _RowProblem(BadRowReason.REWARD_MODEL_MISSING, "'reward_model' is missing")
+    if not isinstance(reward_model, dict):
+        raise _RowProblem(
+            BadRowReason.REWARD_MODEL_INVALID,
+            f"'reward_model' must be a dict like {{'style': 'rule', 'ground_truth': ...}}, "
+            f"got {_type_name(reward_model)}",
+        )
+    if reward_model.get("ground_truth") is None:
+        raise _RowProblem(BadRowReason.GROUND_TRUTH_MISSING, "'reward_model' has no 'ground_truth'")
+    ground_truth = _ground_truth_text(reward_model["ground_truth"])
+
+    extra_info = value.get("extra_info")
+    if extra_info is None:
+        extra_info = {}
+    elif not isinstance(extra_info, dict):
+        raise _RowProblem(
+            BadRowReason.EXTRA_INFO_INVALID, f"'extra_info' must be a dict, got {_type_name(extra_info)}"
+        )
+    return _ValidRow(messages, data_source, ground_truth, ability, dict(extra_info))
+
+
+def _check_prompt_column(path: str, records: list[_Record], prompt_key: str) -> None:
+    """Fail fast when no row of a file has the prompt column: a wrong ``prompt_key`` (or the
+    wrong file), not thousands of individually bad rows, and never something to skip."""
+    objects = [r.value for r in records if isinstance(r.value, dict)]
+    if not objects or any(prompt_key in obj for obj in objects):
+        return
+    columns = sorted({key for obj in objects[:100] for key in obj})
+    raise DataError(
+        f"{path}: no row has the prompt column {prompt_key!r} (columns: {', '.join(columns)}); "
+        "is prompt_key right, and is this a file in verl's row schema?"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The dataset
+
+
+class RLDataset(Sequence[PromptRow]):
+    """Validated, chat-templated prompts (a ``Sequence[PromptRow]``) and the loading stats."""
+
+    def __init__(
+        self,
+        rows: list[PromptRow],
+        stats: DatasetStats,
+        *,
+        files: Sequence[str] = (),
+        max_prompt_length: int | None = None,
+    ) -> None:
+        self._rows = rows
+        self.stats = stats
+        self.files = list(files)
+        self.max_prompt_length = max_prompt_length
+
+    @classmethod
+    def from_files(
+        cls,
+        files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+        tokenizer: ChatTokenizer,
+        *,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        truncation: str = "error",
+        filter_overlong_prompts: bool = True,
+        on_bad_row: str = "error",
+    ) -> RLDataset:
+        """Load, validate and tokenize every row of ``files`` (concatenated in order).
+
+        - A malformed row raises ``DataError`` (``on_bad_row="error"``) or is dropped and
+          counted by reason in ``stats.bad_rows`` with one warning (``"skip"``).
+        - A prompt longer than ``max_prompt_length`` tokens after the chat template is dropped
+          and counted when ``filter_overlong_prompts``; otherwise ``truncation`` decides:
+          ``"error"`` raises, ``"left"`` keeps the last tokens, ``"right"`` the first.
+        - A dataset left empty raises ``DataError`` saying what removed the rows.
+        """
+        file_list = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+        if not file_list:
+            raise DataError("RLDataset.from_files: no files given")
+        if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be a positive int, got {max_prompt_length!r}")
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}; got {truncation!r}")
+        if on_bad_row not in ON_BAD_ROW_MODES:
+            raise ValueError(f"on_bad_row must be one of {', '.join(ON_BAD_ROW_MODES)}; got {on_bad_row!r}")
+
+        stats = DatasetStats()
+        bad_rows: Counter[str] = Counter()
+        first_problem: dict[str, str] = {}  # reason -> first full message, for the warning
+        rows: list[PromptRow] = []
+
+        def reject(location: str, problem: _RowProblem) -> None:
+            message = f"{location}: {problem.message}"
+            if on_bad_row == "error":
+                raise DataError(message) from problem
+            bad_rows[problem.reason] += 1
+            first_problem.setdefault(problem.reason, message)
+
+        for path in map(str, file_list):
+            records = _read_records(path)
+            if not records:
+                logger.warning("dataset file %s has no rows", path)
+            _check_prompt_column(path, records, prompt_key)
+            stats.num_rows += len(records)
+            for record in records:
+                location = f"{path} {record.where}"
+                if record.parse_error is not None:
+                    reject(location, _RowProblem(BadRowReason.INVALID_JSON, record.parse_error))
+                    continue
+                try:
+                    valid = _validate_row(record.value, prompt_key)
+                except _RowProblem as problem:
+                    reject(location, problem)
+                    continue
+                try:
+                    text = tokenizer.apply_chat_template(
+                        valid.messages, tokenize=False, add_generation_prompt=True
+                    )
+                    prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
+                except Exception as exc:  # templates raise arbitrary errors (jinja raise_exception)
+                    problem = _RowProblem(
+                        BadRowReason.CHAT_TEMPLATE_FAILED, f"the chat template failed: {type(exc).__name__}: {exc}"
+                    )
+                    problem.__cause__ = exc
+                    reject(location, problem)
+                    continue
+                if len(prompt_ids) > max_prompt_length:
+                    if filter_overlong_prompts:
+                        stats.num_filtered_overlong += 1
+                        continue
+                    if truncation == "error":
+                        raise DataError(
+                            f"{location}: prompt is {len(prompt_ids)} tokens after the chat template, "
+                            f"over max_prompt_length {max_prompt_length}; raise max_prompt_length, "
+                            "filter overlong prompts, or truncate (left or right)"
+                        )
+                    if truncation == "left":
+                        prompt_ids = prompt_ids[-max_prompt_length:]  # keep the latest turn and the generation prompt
+                    else:
+                        prompt_ids = prompt_ids[:max_prompt_length]
+                    stats.num_truncated += 1
+                rows.append(
+                    PromptRow(
+                        prompt_ids=prompt_ids,
+                        messages=valid.messages,
+                        data_source=valid.data_source,
+                        ground_truth=valid.ground_truth,
+                        ability=valid.ability,
+                        extra_info=valid.extra_info,
+                        source=f"{path}:{record.row}",
+                    )
+                )
+
+        stats.bad_rows = dict(sorted(bad_rows.items()))
+        if bad_rows:
+            examples = "; ".join(
+                f"{reason} x{bad_rows[reason]}, e.g. {first_problem[reason]}" for reason in stats.bad_rows
+            )
+            logger.warning("skipped %d malformed rows of %d: %s", stats.num_bad_rows, stats.num_rows, examples)
+        if stats.num_filtered_overlong:
+            logger.warning(
+                "filtered %d of %d prompts longer than max_prompt_length %d tokens",
+                stats.num_filtered_overlong,
+                stats.num_rows,
+                max_prompt_length,
+            )
+        if not rows:
+            raise DataError(
+                f"no prompts left from {', '.join(map(str, file_list))}: {stats.num_rows} rows read, "
+                f"{stats.num_filtered_overlong} filtered as longer than max_prompt_length {max_prompt_length}, "
+                f"{stats.num_bad_rows} skipped as malformed"
+                + (f" ({_format_counts(stats.bad_rows)})" if stats.bad_rows else "")
+            )
+        return cls(rows, stats, files=[str(f) for f in file_list], max_prompt_length=max_prompt_length)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, index: int) -> PromptRow: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[PromptRow]: ...
+
+    def __getitem__(self, index: int | slice) -> PromptRow | list[PromptRow]:
+        return self._rows[index]
+
+    def __iter__(self) -> Iterator[PromptRow]:
+        return iter(self._rows)
+
+    def describe(self) -> str:
+        """One line for the start-of-run log: what was kept, dropped and why, prompt lengths."""
+        s = self.stats
+        lengths = [len(r.prompt_ids) for r in self._rows]
+        limit = f" > {self.max_prompt_length} tokens" if self.max_prompt_length is not None else ""
+        mean = sum(lengths) / len(lengths) if lengths else 0.0
+        bad = f" ({_format_counts(s.bad_rows)})" if s.bad_rows else ""
+        return (
+            f"{len(self._rows)} prompts from {len(self.files)} file(s), {s.num_rows} rows read: "
+            f"{s.num_filtered_overlong} overlong filtered{limit}, {s.num_truncated} truncated, "
+            f"{s.num_bad_rows} malformed skipped{bad}; prompt tokens "
+            f"min/mean/max {min(lengths, default=0)}/{mean:.1f}/{max(lengths, default=0)}"
+        )
+
+
+def _format_counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in counts.items())

@@ -1,0 +1,144 @@
+"""A batch sampler whose whole state is two integers, so resuming replays nothing and skips nothing.
+
+Each epoch's order is a permutation derived only from ``(seed, epoch)`` with a local
+``torch.Generator``. The sampler therefore never touches (or depends on) the global RNG, and
+its state is just *which epoch* and *how many batches of it were taken*: restoring
+``{epoch, position}`` reproduces exactly the batches an uninterrupted run would have drawn,
+mid-epoch or at an epoch boundary. (Replaying or skipping data after resume is a known failure
+of stateful loaders; see reliability.md, "Dataloader replays data after resume".)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+_SEED_MASK = (1 << 63) - 1  # torch.Generator.manual_seed takes a non-negative 64-bit int
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"ResumableSampler: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed for one epoch, well mixed so nearby (seed, epoch) pairs are unrelated.
+
+    A hash rather than ``seed + epoch``: with addition, run seed 1 epoch 0 would replay run
+    seed 0 epoch 1.
+    """
+    digest = hashlib.sha256(f"hybridflow.sampler:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & _SEED_MASK
+
+
+class ResumableSampler:
+    """Endless batches of indices into ``range(num_items)``, epoch after epoch.
+
+    State: ``epoch`` is the epoch the next batch comes from and ``position`` the number of its
+    batches already taken. Taking the last batch of an epoch moves straight to
+    ``(epoch + 1, 0)``, so at an epoch boundary ``epoch`` counts the completed epochs.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        self.num_items = _check_int("num_items", num_items, 1)
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.seed = _check_int("seed", seed, 0)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        if drop_last and batch_size > num_items:
+            raise ValueError(
+                f"ResumableSampler: batch_size {batch_size} is larger than the dataset ({num_items} items), "
+                "so with drop_last every batch would be dropped; use a smaller batch size or more data"
+            )
+        self._epoch = 0
+        self._position = 0
+        self._order: list[int] | None = None  # the current epoch's order, built on first use
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch: the short final batch is dropped with ``drop_last``."""
+        if self.drop_last:
+            return self.num_items // self.batch_size
+        return -(-self.num_items // self.batch_size)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """All indices in the order epoch ``epoch`` visits them (a pure function of seed and epoch)."""
+        _check_int("epoch", epoch, 0)
+        if not self.shuffle:
+            return list(range(self.num_items))
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(epoch_seed(self.seed, epoch))
+        return torch.randperm(self.num_items, generator=generator).tolist()
+
+    def next_batch(self) -> list[int]:
+        """The next batch of indices, rolling into a freshly shuffled epoch when one ends."""
+        if self._order is None:
+            self._order = self.epoch_order(self._epoch)
+        start = self._position * self.batch_size
+        batch = self._order[start : start + self.batch_size]
+        self._position += 1
+        if self._position == self.steps_per_epoch:
+            self._epoch += 1
+            self._position = 0
+            self._order = None
+        return batch
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """Plain JSON-able state. The settings are included so a mismatch on load is caught."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "num_items": self.num_items,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``. Raises ``ValueError`` if it was saved under other settings.
+
+        Resuming over a changed dataset or batch size would silently visit a different order,
+        which is the "resume differs from the uninterrupted run" bug, so it is refused.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"ResumableSampler.load_state_dict: expected a dict, got {type(state).__name__}")
+        missing = [key for key in ("epoch", "position") if key not in state]
+        if missing:
+            raise ValueError(f"ResumableSampler.load_state_dict: state has no {', '.join(map(repr, missing))}")
+        for key in ("num_items", "batch_size", "seed", "shuffle", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"ResumableSampler.load_state_dict: the state was saved with {key}={state[key]!r} but this "
+                    f"sampler has {key}={getattr(self, key)!r}; the data or settings changed since the "
+                    "checkpoint, so resuming would not continue the same sequence"
+                )
+        epoch = _check_int("epoch", state["epoch"], 0)
+        position = _check_int("position", state["position"], 0)
+        if position >= self.steps_per_epoch:
+            raise ValueError(
+                f"ResumableSampler.load_state_dict: position {position} is out of range for "
+                f"{self.steps_per_epoch} batches per epoch"
+            )
+        self._epoch = epoch
+        self._position = position
+        self._order = None

@@ -1,0 +1,44 @@
+"""Atomic, reproducible parquet writing for the files this package generates.
+
+Generated datasets (the built-in task, converted GSM8K) are written by whichever process gets
+there first and read by every other one, possibly while a second writer is racing the first.
+Writing to a uniquely named temporary file in the target directory and then ``os.replace``-ing
+it over the destination means a reader sees either the old complete file or the new complete
+file, never a half-written one, and a crash leaves no truncated parquet behind.
+
+The bytes are a pure function of the rows and the schema (no timestamps; pyarrow stores only
+its version string), so writing the same rows twice gives identical files.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def write_parquet_atomic(rows: list[dict[str, Any]], schema: pa.Schema, path: str | os.PathLike[str]) -> Path:
+    """Write ``rows`` as one parquet file at ``path`` with a fixed ``schema``, atomically.
+
+    An explicit schema keeps column types stable (no inference that changes with the data,
+    e.g. an all-null column) and therefore keeps the bytes reproducible. Parent directories are
+    created. Returns the destination path.
+    """
+    dest = Path(path).expanduser()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=schema)
+    # A unique sibling name (same filesystem, so the rename is atomic). Not mkstemp: that
+    # creates the file with mode 0600, which would make the final file private to this user.
+    tmp_name = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(table, tmp_name, compression="snappy")
+        os.replace(tmp_name, dest)
+    except BaseException:
+        # Leave nothing behind on failure (including KeyboardInterrupt mid-write).
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return dest

@@ -1,0 +1,66 @@
+"""The built-in rule rewards, chosen by a dataset row's ``data_source``.
+
+``DEFAULT_SCORERS`` is the whole dispatch table: read it to see which data source gets which
+scorer, add a line to support a new one. Anything else goes through a custom reward function
+(``custom.py``), which may call ``default_compute_score`` for the sources it does not handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hybridflow.rewards import arithmetic, gsm8k
+from hybridflow.rewards import math as math_reward
+
+# A scorer takes the response text and the ground truth and returns a score, or a dict holding
+# "score" plus extra values for the metrics (see manager.py for how each is handled).
+Scorer = Callable[..., float | dict[str, Any]]
+
+DEFAULT_SCORERS: dict[str, Scorer] = {
+    arithmetic.DATA_SOURCE: arithmetic.compute_score,
+    gsm8k.DATA_SOURCE: gsm8k.compute_score,
+    **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
+}
+
+
+class UnknownDataSourceError(KeyError):
+    """No built-in scorer for a data source. A ``KeyError`` whose text reads as a sentence
+    (plain ``KeyError`` would print the message inside quotes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def known_data_sources() -> list[str]:
+    return sorted(DEFAULT_SCORERS)
+
+
+def unknown_data_source_message(data_sources: list[str]) -> str:
+    """One message for every caller that rejects data sources, so they all read the same."""
+    names = ", ".join(repr(source) for source in data_sources)
+    return (
+        f"no built-in reward for data_source {names}; known: {known_data_sources()}. "
+        "Fix the dataset's data_source column, or set reward.custom_reward_function.path "
+        "to a file with fn(data_source, solution_str, ground_truth, extra_info)."
+    )
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+) -> float | dict[str, Any]:
+    """Score one response with the built-in scorer for ``data_source``.
+
+    Same signature as a custom reward function, so a custom function can fall back to it.
+
+    Raises:
+        UnknownDataSourceError: (a ``KeyError``) ``data_source`` has no built-in scorer; the
+            message lists the known ones.
+    """
+    scorer = DEFAULT_SCORERS.get(data_source)
+    if scorer is None:
+        raise UnknownDataSourceError(unknown_data_source_message([data_source]))
+    return scorer(solution_str, ground_truth)

@@ -1,0 +1,117 @@
+"""The rollout engine protocol and the one factory that picks an engine by its config name.
+
+A rollout engine is request-level: one ``GenerationRequest`` (a prompt and ``params.n``) in, its
+``n`` trajectories out. Callers never see batches; engines batch concurrent requests themselves,
+which is what lets agent loops, validation and training rollouts share one engine.
+
+Backends register in ``ROLLOUT_ENGINES`` (config ``rollout.name``). Builders import their backend
+lazily, so naming an engine whose optional dependency is missing fails only when it is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from hybridflow.types import GenerationRequest, Trajectory
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What every rollout backend offers the rollout worker and the agent loops."""
+
+    async def generate(self, request: GenerationRequest) -> list[Trajectory]:
+        """The ``request.params.n`` samples of one prompt, in sample order.
+
+        Concurrent calls are batched together. Each trajectory has ``group_id`` 0; the caller
+        assigns groups.
+        """
+        ...
+
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:
+        """Serve ``requests`` concurrently from plain synchronous code; results in request order.
+
+        Leaves no event loop or thread behind.
+        """
+        ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new parameters in, by Hugging Face parameter name (a streamed state dict).
+
+        An unknown name or a shape mismatch raises and names the parameter. Tensors are cast to
+        the engine's dtype and device. Sequences being decoded continue with the new weights.
+        """
+        ...
+
+    def sleep(self) -> None:
+        """Release generation memory (KV cache) while the trainer needs the device."""
+        ...
+
+    def wake_up(self) -> None:
+        """Make the engine ready to generate again after ``sleep``."""
+        ...
+
+
+def _build_native(
+    *,
+    model: torch.nn.Module,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    max_batch_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype | str,
+    seed: int,
+) -> RolloutEngine:
+    from hybridflow.rollout.native import NativeEngine
+
+    return NativeEngine(
+        model=model,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+        max_batch_size=max_batch_size,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+    )
+
+
+# Config ``rollout.name`` → builder. Every builder takes the keyword arguments of
+# ``build_rollout_engine`` below and returns a RolloutEngine.
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "native": _build_native,
+}
+
+
+def build_rollout_engine(
+    name: str,
+    *,
+    model: torch.nn.Module,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    max_batch_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype | str,
+    seed: int = 0,
+) -> RolloutEngine:
+    """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
+
+    The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
+    ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
+    """
+    try:
+        builder = ROLLOUT_ENGINES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown rollout engine {name!r} (rollout.name); available: {', '.join(sorted(ROLLOUT_ENGINES))}"
+        ) from None
+    return builder(
+        model=model,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+        max_batch_size=max_batch_size,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+    )

@@ -1,0 +1,180 @@
+"""The training engine: a model, its optimizer and schedule, and the two things a trainer does
+with them — forward passes that return per-token logprobs, and optimizer steps over
+gradient-accumulated micro-batches with a caller-supplied loss.
+
+The engine knows nothing about RL: the actor passes a ``loss_fn`` (policy loss, SFT loss, ...).
+This first engine is single-process; the FSDP2 engine (issue 4) keeps the same surface.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits
+from hybridflow.types import TrainBatch
+
+# loss_fn(micro_batch, logprobs (b,R), entropy (b,R) | None) -> (scalar loss, metrics)
+LossFn = Callable[[TrainBatch, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+@dataclass
+class OptimSpec:
+    lr: float
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    scheduler: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    total_steps: int = 1
+    grad_clip: float = 1.0
+
+
+def _lr_lambda(spec: OptimSpec) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if spec.warmup_steps > 0 and step < spec.warmup_steps:
+            return (step + 1) / spec.warmup_steps
+        if spec.scheduler == "constant":
+            return 1.0
+        if spec.scheduler == "cosine":
+            span = max(1, spec.total_steps - spec.warmup_steps)
+            progress = min(1.0, (step - spec.warmup_steps) / span)
+            cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+            return spec.min_lr_ratio + (1.0 - spec.min_lr_ratio) * cosine
+        raise ValueError(f"unknown lr scheduler {spec.scheduler!r}; expected constant or cosine")
+
+    return factor
+
+
+class TrainEngine:
+    def __init__(self, model: torch.nn.Module, optim: OptimSpec | None, device: torch.device) -> None:
+        self.model = model.to(device)
+        self.device = device
+        self.optim_spec = optim
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if optim is not None:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                betas=tuple(optim.betas),
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim))
+        else:
+            self.model.requires_grad_(False)
+            self.model.eval()
+        self.skipped_steps = 0
+
+    # ----------------------------------------------------------------- forward
+    def _response_logits(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        """Logits predicting each response token: positions P-1 .. P+R-2.  # (B, R, V)"""
+        r = batch.response_length
+        out = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            # Only the last R+1 positions need the LM head: a long prompt never pays for it.
+            logits_to_keep=r + 1,
+        )
+        logits = out.logits[:, :-1, :].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        return logits
+
+    def forward_logprobs(
+        self, batch: TrainBatch, temperature: float, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs of the response tokens under logits/temperature (the rollout's quantity)."""
+        logits = self._response_logits(batch, temperature)
+        logprobs = logprobs_from_logits(logits, batch.responses)
+        entropy = entropy_from_logits_chunked(logits) if with_entropy else None
+        return logprobs, entropy
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: TrainBatch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        was_training = self.model.training
+        self.model.eval()
+        logprobs, entropies = [], []
+        for mb in batch.to(self.device).split(micro_batch_size):
+            lp, ent = self.forward_logprobs(mb, temperature, with_entropy)
+            logprobs.append(lp)
+            if ent is not None:
+                entropies.append(ent)
+        self.model.train(was_training)
+        return torch.cat(logprobs).cpu(), (torch.cat(entropies).cpu() if with_entropy else None)
+
+    # ------------------------------------------------------------------- train
+    def optimizer_step(
+        self, micro_batches: list[TrainBatch], loss_fn: LossFn, *, temperature: float, with_entropy: bool
+    ) -> dict[str, float]:
+        """One optimizer step over gradient-accumulated micro-batches.
+
+        ``loss_fn`` must already normalise by the whole mini-batch (global token/sequence
+        counts), so the micro-batch losses are summed, not averaged, here.
+        """
+        if self.optimizer is None or self.scheduler is None or self.optim_spec is None:
+            raise RuntimeError("this engine was built without an optimizer (a reference model)")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            logprobs, entropy = self.forward_logprobs(mb, temperature, with_entropy)
+            loss, metrics = loss_fn(mb, logprobs, entropy)
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        metrics = {k: v / len(micro_batches) for k, v in sums.items()}
+        clip = self.optim_spec.grad_clip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            # A non-finite gradient would poison the weights and Adam's moments: skip the step.
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return metrics
+
+    # ------------------------------------------------------------- weights/IO
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters and buffers by HF name, for weight sync to the rollout engine."""
+        yield from self.model.state_dict().items()
+
+    def save(self, out_dir: Path, tokenizer=None) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir / "model", safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir / "model")
+        if self.optimizer is not None and self.scheduler is not None:
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                out_dir / "optim.pt",
+            )
+
+    def load(self, ckpt_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted((ckpt_dir / "model").glob("*.safetensors")):
+            weights.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        # Tied embeddings are saved once; anything else missing is a real problem.
+        missing = [m for m in missing if not m.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {ckpt_dir} does not match the model: missing {missing}, unexpected {unexpected}")
+        if self.optimizer is not None and self.scheduler is not None and (ckpt_dir / "optim.pt").is_file():
+            state = torch.load(ckpt_dir / "optim.pt", map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])

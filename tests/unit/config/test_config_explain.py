@@ -1,0 +1,157 @@
+"""``config explain``: the resolved YAML, the plan in numbers, the models and why, warnings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.config import (
+    ConfigError,
+    config_from_dict,
+    explain_config,
+    load_config,
+    needs_reference_model,
+    planned_total_steps,
+    steps_per_epoch,
+    warm_start_decision,
+)
+
+
+def plan_of(text: str) -> str:
+    return text.split("\nPlan\n", 1)[1]
+
+
+def test_explain_starts_with_the_resolved_config_as_yaml() -> None:
+    cfg = load_config("dapo")
+    text = explain_config(cfg)
+    yaml_part = text.split("\nPlan\n", 1)[0]
+    assert config_from_dict(yaml.safe_load(yaml_part)) == cfg
+
+
+def test_plan_numbers_for_defaults() -> None:
+    plan = plan_of(explain_config(load_config()))
+    assert "prompts per step: 32 (data.train_batch_size)" in plan
+    assert "samples per step: 256 (32 prompts x rollout.n=8)" in plan
+    assert "optimizer steps per rollout batch: 1 (32 / actor.ppo_mini_batch_size=32" in plan
+    assert "micro-batches per optimizer step per rank: 4 (256 / actor.ppo_micro_batch_size_per_gpu=64)" in plan
+    assert "4 gradient-accumulation steps" in plan
+    assert "steps per epoch: 128 (built-in task: data.builtin_train_size=4096 // 32 prompts" in plan
+    assert "total steps: 60 (trainer.total_training_steps;" in plan
+
+
+def test_plan_numbers_with_dp_and_epochs() -> None:
+    cfg = load_config(
+        overrides=[
+            "data.train_batch_size=64",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_epochs=2",
+            "rollout.n=4",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=null",
+            "trainer.total_epochs=3",
+        ]
+    )
+    plan = plan_of(explain_config(cfg))
+    assert "data-parallel ranks: 2" in plan
+    assert "samples per step: 256 (64 prompts x rollout.n=4); 128 per rank" in plan
+    assert (
+        "optimizer steps per rollout batch: 8 (64 / actor.ppo_mini_batch_size=16 = 4 mini-batch(es) "
+        "x actor.ppo_epochs=2)" in plan
+    )
+    assert "samples per optimizer step: 64 (16 prompts x rollout.n=4); 32 per rank" in plan
+    assert "micro-batches per optimizer step per rank: 4 (32 / actor.ppo_micro_batch_size_per_gpu=8)" in plan
+    assert "steps per epoch: 64" in plan
+    assert "total steps: 192 (trainer.total_epochs=3 x 64)" in plan
+
+
+def test_epochs_end_before_step_limit() -> None:
+    cfg = load_config(overrides=["data.builtin_train_size=320", "trainer.total_training_steps=1000"])
+    expected = "total steps: 10 (trainer.total_epochs=1 x 10 steps end before trainer.total_training_steps=1000)"
+    assert expected in plan_of(explain_config(cfg))
+
+
+def test_dataset_files_make_steps_depend_on_size(tmp_path: Path) -> None:
+    train = tmp_path / "train.parquet"
+    train.write_bytes(b"")
+    cfg = load_config(overrides=[f"data.train_files=[{train}]", "trainer.total_training_steps=null"])
+    plan = plan_of(explain_config(cfg))
+    assert "steps per epoch: depends on dataset size" in plan
+    assert "total steps: depends on dataset size" in plan
+    cfg = load_config(overrides=[f"data.train_files=[{train}]"])
+    assert "total steps: 60 (trainer.total_training_steps), or fewer" in plan_of(explain_config(cfg))
+
+
+def test_no_reference_model_when_kl_is_off() -> None:
+    assert "no reference model: KL is off" in plan_of(explain_config(load_config("dapo")))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cause"),
+    [
+        (["actor.use_kl_loss=true"], "because actor.use_kl_loss=true"),
+        (["algorithm.use_kl_in_reward=true"], "because algorithm.use_kl_in_reward=true"),
+    ],
+)
+def test_reference_model_names_its_cause(overrides: list[str], cause: str) -> None:
+    plan = plan_of(explain_config(load_config(overrides=overrides)))
+    assert "reference: yes" in plan
+    assert cause in plan
+
+
+def test_reinforce_pp_loads_reference_for_its_kl_loss() -> None:
+    assert "because actor.use_kl_loss=true" in plan_of(explain_config(load_config("reinforce_pp")))
+
+
+def test_warm_start_lines(tmp_path: Path) -> None:
+    expected = "warm start: yes, 150 SFT steps before RL (warm_start.enable=auto and model.path=builtin:tiny"
+    assert expected in explain_config(load_config())
+    text = explain_config(load_config(overrides=[f"model.path={tmp_path}"]))
+    assert "warm start: no (warm_start.enable=auto only warm-starts builtin:tiny" in text
+    off = load_config(overrides=["warm_start.enable=false"])
+    assert "warm start: no (warm_start.enable=false)" in explain_config(off)
+
+
+def test_warnings_are_listed() -> None:
+    text = explain_config(load_config(overrides=["rollout.temperature=0"]))
+    assert text.split("\nWarnings\n", 1)[1].startswith("  - rollout.temperature=0 is greedy")
+    assert explain_config(load_config()).endswith("Warnings\n  none\n")
+
+
+def test_explain_raises_on_invalid_config() -> None:
+    with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu=48"):
+        explain_config(load_config(overrides=["actor.ppo_micro_batch_size_per_gpu=48"]))
+
+
+# --------------------------------------------------------------------------------------------
+# The decision helpers the controller uses
+
+
+def test_needs_reference_model() -> None:
+    assert not needs_reference_model(False, False)
+    assert needs_reference_model(True, False)
+    assert needs_reference_model(False, True)
+
+
+def test_warm_start_decision() -> None:
+    assert warm_start_decision("auto", "builtin:tiny")[0] is True
+    assert warm_start_decision("auto", "/models/qwen")[0] is False
+    assert warm_start_decision("true", "/models/qwen")[0] is True
+    assert warm_start_decision("false", "builtin:tiny")[0] is False
+    with pytest.raises(ValueError, match="auto, true or false"):
+        warm_start_decision("yes", "builtin:tiny")
+
+
+def test_steps_per_epoch_drops_incomplete_batch() -> None:
+    assert steps_per_epoch([], 100, 32) == 3
+    assert steps_per_epoch(["a.parquet"], 100, 32) is None
+
+
+@pytest.mark.parametrize(
+    ("per_epoch", "epochs", "limit", "expected"),
+    [(10, 2, None, 20), (10, 2, 5, 5), (10, 2, 50, 20), (None, 2, 7, 7), (None, 2, None, None)],
+)
+def test_planned_total_steps(per_epoch: int | None, epochs: int, limit: int | None, expected: int | None) -> None:
+    assert planned_total_steps(per_epoch, epochs, limit) == expected

@@ -1,0 +1,63 @@
+"""Every shipped preset parses, validates, documents itself, and sets what its name promises."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import Config, list_presets, load_config, preset_path, validate_config
+from hybridflow.config.loader import read_yaml_mapping
+
+EXPECTED_PRESETS = {"grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo"}
+
+
+def test_expected_presets_ship() -> None:
+    assert EXPECTED_PRESETS <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_preset_parses_and_validates(name: str) -> None:
+    cfg = load_config(name)
+    assert isinstance(cfg, Config)
+    assert validate_config(cfg) == []
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_preset_starts_with_comment_naming_its_source(name: str) -> None:
+    text = preset_path(name).read_text(encoding="utf-8")
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert text.startswith("# "), f"{name}.yaml must open with a comment saying what it is"
+    assert any("Source:" in line for line in header), f"{name}.yaml must name its source"
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_preset_is_a_partial_mapping(name: str) -> None:
+    assert read_yaml_mapping(preset_path(name))  # non-empty: a preset states its algorithm
+
+
+def test_dr_grpo() -> None:
+    cfg = load_config("dr_grpo")
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.algorithm.norm_adv_by_std_in_grpo is False
+    assert cfg.actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert cfg.actor.use_kl_loss is False
+
+
+def test_rloo() -> None:
+    assert load_config("rloo").algorithm.adv_estimator == "rloo"
+
+
+def test_reinforce_pp_follows_verl_example_kl_loss() -> None:
+    cfg = load_config("reinforce_pp")
+    assert cfg.algorithm.adv_estimator == "reinforce_plus_plus"
+    assert cfg.actor.use_kl_loss is True
+    assert cfg.actor.kl_loss_coef == 0.001
+    assert cfg.actor.kl_loss_type == "mse"
+    assert cfg.algorithm.use_kl_in_reward is False
+
+
+def test_dapo() -> None:
+    cfg = load_config("dapo")
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.2, 0.28)
+    assert cfg.actor.loss_agg_mode == "token-mean"
+    assert cfg.actor.use_kl_loss is False
+    assert cfg.algorithm.use_kl_in_reward is False

@@ -1,0 +1,316 @@
+"""Semantic validation: batch arithmetic with its numbers, ranges, warnings, paths; speed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import (
+    Config,
+    ConfigError,
+    batch_plan,
+    compute_batch_plan,
+    load_config,
+    validate_config,
+)
+
+
+def errors_for(*overrides: str) -> str:
+    cfg = load_config(overrides=list(overrides))
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    return str(info.value)
+
+
+def warnings_for(*overrides: str) -> list[str]:
+    return validate_config(load_config(overrides=list(overrides)))
+
+
+def test_defaults_are_valid_without_warnings() -> None:
+    assert validate_config(Config()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Batch arithmetic: every error states its numbers
+
+
+def test_train_batch_not_multiple_of_mini_batch() -> None:
+    message = errors_for(
+        "data.train_batch_size=32", "actor.ppo_mini_batch_size=12", "actor.ppo_micro_batch_size_per_gpu=8"
+    )
+    assert (
+        "data.train_batch_size=32 prompts is not a multiple of actor.ppo_mini_batch_size=12 prompts: "
+        "each step would leave 8 prompts untrained" in message
+    )
+    assert "divides 32 (e.g. 4, 8 or 16)" in message
+    assert "multiple of 12 (e.g. 24 or 36)" in message
+
+
+def test_mini_batch_larger_than_train_batch() -> None:
+    message = errors_for("data.train_batch_size=16", "actor.ppo_mini_batch_size=64")
+    assert "actor.ppo_mini_batch_size=64 prompts is larger than data.train_batch_size=16 prompts" in message
+    assert "<= 16" in message
+
+
+def test_mini_batch_samples_not_divisible_by_dp() -> None:
+    message = errors_for(
+        "data.train_batch_size=6",
+        "actor.ppo_mini_batch_size=3",
+        "rollout.n=1",
+        "actor.ppo_micro_batch_size_per_gpu=1",
+        "trainer.n_gpus_per_node=2",
+    )
+    assert "actor.ppo_mini_batch_size=3 prompts x rollout.n=1 = 3 samples" in message
+    assert "dp=2 data-parallel ranks (trainer.n_gpus_per_node=2 x trainer.nnodes=1)" in message
+
+
+def test_step_samples_not_divisible_by_dp() -> None:
+    # The mini-batch splits over 4 ranks (4 x 1 samples) but the step (6 x 1) does not; the step
+    # is also not a multiple of the mini-batch, which is reported alongside.
+    message = errors_for(
+        "data.train_batch_size=6",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=1",
+        "actor.ppo_micro_batch_size_per_gpu=1",
+        "trainer.n_gpus_per_node=2",
+        "trainer.nnodes=2",
+    )
+    assert "data.train_batch_size=6 prompts x rollout.n=1 = 6 samples cannot be split evenly" in message
+    assert "dp=4" in message
+    assert "trainer.nnodes=2" in message
+
+
+def test_micro_batch_larger_than_rank_share() -> None:
+    message = errors_for(
+        "actor.ppo_mini_batch_size=4", "data.train_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=64"
+    )
+    assert "actor.ppo_micro_batch_size_per_gpu=64 samples is larger than the 32 samples each rank gets" in message
+    assert "ppo_mini_batch_size=4 prompts x rollout.n=8 / dp=1" in message
+    assert "0 gradient-accumulation steps" in message
+
+
+def test_micro_batch_larger_than_rank_share_with_dp() -> None:
+    message = errors_for("actor.ppo_micro_batch_size_per_gpu=256", "trainer.n_gpus_per_node=2")
+    # 32 prompts x 8 samples / 2 ranks = 128 per rank.
+    assert "ppo_micro_batch_size_per_gpu=256 samples is larger than the 128 samples" in message
+    assert "/ dp=2" in message
+
+
+def test_rank_share_not_multiple_of_micro_batch() -> None:
+    message = errors_for("actor.ppo_micro_batch_size_per_gpu=48")
+    assert "each rank gets 256 samples per optimizer step" in message
+    assert "not a multiple of actor.ppo_micro_batch_size_per_gpu=48" in message
+    assert "the last micro-batch would hold 16 samples" in message
+    assert "divides 256, e.g. 16, 32 or 64" in message
+
+
+def test_builtin_split_smaller_than_train_batch() -> None:
+    message = errors_for("data.builtin_train_size=16")
+    assert "data.builtin_train_size=16 prompts is smaller than data.train_batch_size=32" in message
+
+
+def test_all_errors_are_reported_together() -> None:
+    message = errors_for("data.train_batch_size=0", "rollout.top_p=0", "actor.clip_ratio_c=1")
+    assert message.startswith("3 config errors:")
+    assert "data.train_batch_size=0 must be >= 1" in message
+    assert "rollout.top_p=0.0" in message
+    assert "actor.clip_ratio_c=1.0 must be > 1" in message
+
+
+def test_batch_plan_numbers() -> None:
+    plan = compute_batch_plan(
+        train_batch_size=64,
+        ppo_mini_batch_size=16,
+        rollout_n=4,
+        ppo_epochs=2,
+        ppo_micro_batch_size_per_gpu=8,
+        dp=2,
+    )
+    assert plan.samples_per_step == 256
+    assert plan.samples_per_rank_per_step == 128
+    assert plan.mini_batches_per_epoch == 4
+    assert plan.optimizer_steps_per_step == 8
+    assert plan.samples_per_mini_batch == 64
+    assert plan.samples_per_rank_per_mini_batch == 32
+    assert plan.grad_accum_steps == 4
+
+
+def test_batch_plan_of_defaults() -> None:
+    plan = batch_plan(Config())
+    assert (plan.dp, plan.samples_per_step, plan.optimizer_steps_per_step, plan.grad_accum_steps) == (1, 256, 1, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Ranges and names
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.train_batch_size=-1", "data.train_batch_size=-1 must be >= 1"),
+        ("actor.ppo_mini_batch_size=0", "actor.ppo_mini_batch_size=0 must be >= 1"),
+        ("actor.ppo_micro_batch_size_per_gpu=0", "actor.ppo_micro_batch_size_per_gpu=0 must be >= 1"),
+        ("actor.ppo_epochs=0", "actor.ppo_epochs=0 must be >= 1"),
+        ("rollout.n=0", "rollout.n=0 must be >= 1"),
+        ("trainer.total_epochs=0", "trainer.total_epochs=0 must be >= 1"),
+        ("data.max_prompt_length=0", "data.max_prompt_length=0 must be >= 1"),
+        ("data.max_response_length=-8", "data.max_response_length=-8 must be >= 1"),
+        ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node=0 must be >= 1"),
+        ("trainer.total_training_steps=0", "trainer.total_training_steps=0 must be >= 1 or null"),
+        ("actor.clip_ratio=0", "actor.clip_ratio=0.0 must be > 0"),
+        ("actor.clip_ratio_low=-0.1", "actor.clip_ratio_low=-0.1 must be > 0 or null"),
+        ("actor.clip_ratio_high=0", "actor.clip_ratio_high=0.0 must be > 0 or null"),
+        ("actor.clip_ratio=1.5", "the lower clip range is 1.5"),
+        ("actor.clip_ratio_c=0.5", "actor.clip_ratio_c=0.5 must be > 1"),
+        ("rollout.temperature=-1", "rollout.temperature=-1.0 must be >= 0"),
+        ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
+        ("rollout.top_k=0", "rollout.top_k=0 must be -1 (off) or >= 1"),
+        ("rollout.val_kwargs.top_p=0", "rollout.val_kwargs.top_p=0.0 must be in (0, 1]"),
+        ("actor.optim.lr=0", "actor.optim.lr=0.0 must be > 0"),
+        ("actor.optim.betas=[0.9]", "actor.optim.betas=[0.9] must be two numbers"),
+        ("algorithm.gamma=1.5", "algorithm.gamma=1.5 must be in [0, 1]"),
+        ("actor.loss_scale_factor=0", "actor.loss_scale_factor=0.0 must be > 0 or null"),
+        ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep=0 must be >= 1 or null"),
+    ],
+)
+def test_range_errors(override: str, expected: str) -> None:
+    assert expected in errors_for(override)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("actor.loss_agg_mode=token_mean", "did you mean 'token-mean'?"),
+        ("actor.loss_agg_mode=mean", "is not one of: token-mean, token-sum, seq-mean-token-sum"),
+        ("actor.kl_loss_type=k4", "actor.kl_loss_type='k4' is not one of"),
+        ("algorithm.kl_penalty=lowvar_kl", "did you mean 'low_var_kl'?"),
+        ("trainer.logger=[console, wandbb]", "trainer.logger[1]='wandbb' is not one of"),
+    ],
+)
+def test_name_errors(override: str, expected: str) -> None:
+    assert expected in errors_for(override)
+
+
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_every_loss_agg_mode_is_accepted(mode: str) -> None:
+    assert warnings_for(f"actor.loss_agg_mode={mode}") == []
+
+
+@pytest.mark.parametrize("name", ["k1", "k3+", "mse", "low_var_kl+", "abs"])
+def test_kl_estimators_are_accepted(name: str) -> None:
+    assert warnings_for(f"actor.kl_loss_type={name}", f"algorithm.kl_penalty={name}") == []
+
+
+# --------------------------------------------------------------------------------------------
+# Algorithm and trainer rules
+
+
+def test_rloo_with_one_sample_is_an_error() -> None:
+    message = errors_for("algorithm.adv_estimator=rloo", "rollout.n=1", "actor.ppo_micro_batch_size_per_gpu=32")
+    assert "rollout.n=1 with algorithm.adv_estimator=rloo" in message
+
+
+def test_grpo_with_one_sample_is_a_warning() -> None:
+    warnings = warnings_for("rollout.n=1", "actor.ppo_micro_batch_size_per_gpu=32")
+    assert any("rollout.n=1 with algorithm.adv_estimator=grpo" in w and "reward / (1 + 1e-6)" in w for w in warnings)
+
+
+def test_greedy_rollout_with_groups_warns() -> None:
+    assert any("rollout.temperature=0 is greedy" in w for w in warnings_for("rollout.temperature=0"))
+
+
+def test_both_kl_terms_warn() -> None:
+    warnings = warnings_for("actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true")
+    assert any("penalised twice" in w for w in warnings)
+
+
+def test_settings_without_effect_warn() -> None:
+    warnings = warnings_for(
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.adv_estimator=rloo",
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "actor.loss_scale_factor=8",
+        "trainer.resume_from_path=/ckpt",
+        "trainer.save_final=false",
+    )
+    joined = "\n".join(warnings)
+    assert "algorithm.kl_ctrl.type=adaptive has no effect" in joined
+    assert "norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator=rloo" in joined
+    assert "actor.loss_scale_factor=8.0 has no effect" in joined
+    assert "trainer.resume_from_path is set but trainer.resume_mode=auto" in joined
+    assert "writes no checkpoint" in joined
+
+
+def test_resume_mode_path_needs_a_path() -> None:
+    message = errors_for("trainer.resume_mode=path")
+    assert "trainer.resume_mode=path needs trainer.resume_from_path" in message
+
+
+def test_resume_mode_path_needs_an_existing_folder(tmp_path: Path) -> None:
+    message = errors_for("trainer.resume_mode=path", f"trainer.resume_from_path={tmp_path / 'missing'}")
+    assert "trainer.resume_from_path=" in message
+    assert "is not an existing directory" in message
+    validate_config(load_config(overrides=["trainer.resume_mode=path", f"trainer.resume_from_path={tmp_path}"]))
+
+
+# --------------------------------------------------------------------------------------------
+# Paths the run will open
+
+
+def test_missing_model_and_data_files(tmp_path: Path) -> None:
+    message = errors_for(f"model.path={tmp_path / 'no-model'}", f"data.train_files=[{tmp_path / 'train.parquet'}]")
+    assert "model.path=" in message and "is not an existing directory" in message
+    assert "data.train_files[0]=" in message and "does not exist" in message
+
+
+def test_existing_model_and_data_files_pass(tmp_path: Path) -> None:
+    (tmp_path / "train.parquet").write_bytes(b"")
+    (tmp_path / "reward.py").write_text("def compute_score(*a): return 0.0\n")
+    warnings = warnings_for(
+        f"model.path={tmp_path}",
+        f"data.train_files=[{tmp_path / 'train.parquet'}]",
+        f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
+    )
+    assert warnings == []
+
+
+def test_missing_custom_reward_file(tmp_path: Path) -> None:
+    message = errors_for(f"reward.custom_reward_function.path={tmp_path / 'reward.py'}")
+    assert "reward.custom_reward_function.path=" in message
+
+
+# --------------------------------------------------------------------------------------------
+# Config fuzzing (reliability.md #11): each mutation fails fast with the dotted key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["actor.optim.lrr=1e-5"], "actor.optim.lrr"),
+        (["data.train_batch_size=0"], "data.train_batch_size"),
+        (["actor.ppo_micro_batch_size_per_gpu=512"], "actor.ppo_micro_batch_size_per_gpu"),
+        (["data.shuffle=maybe"], "data.shuffle"),
+        (
+            ["rollout.n=3", "trainer.n_gpus_per_node=2", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1"],
+            "rollout.n",
+        ),
+    ],
+)
+def test_mutated_config_fails_fast_with_key(overrides: list[str], key: str) -> None:
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config(overrides=overrides))
+    assert time.perf_counter() - start < 5.0
+    assert key in str(info.value)
+
+
+def test_validation_is_fast() -> None:
+    cfg = Config()
+    start = time.perf_counter()
+    for _ in range(100):
+        validate_config(cfg)
+    assert (time.perf_counter() - start) / 100 < 0.05

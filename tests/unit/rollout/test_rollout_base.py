@@ -1,0 +1,39 @@
+"""The engine factory and protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.rollout.base import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine
+from hybridflow.types import GenerationRequest, SamplingParams
+
+torch.set_num_threads(1)
+
+
+def _build(name: str) -> RolloutEngine:
+    return build_rollout_engine(
+        name,
+        model=build_tiny_model(TinyModelSpec(num_hidden_layers=1)),
+        eos_token_ids=[258],
+        pad_token_id=256,
+        max_batch_size=8,
+        device="cpu",
+        dtype="float32",
+        seed=3,
+    )
+
+
+def test_native_engine_is_built_by_name_and_serves_the_builtin_model():
+    engine = _build("native")
+    assert isinstance(engine, RolloutEngine)
+    (trajectories,) = engine.generate_batch([GenerationRequest([1, 2, 3], SamplingParams(n=2, max_tokens=4))])
+    assert len(trajectories) == 2
+    assert all(1 <= len(t.response_ids) <= 4 for t in trajectories)
+
+
+def test_unknown_engine_name_lists_the_available_ones():
+    assert "native" in ROLLOUT_ENGINES
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm' \(rollout.name\); available: native"):
+        _build("vllm")
