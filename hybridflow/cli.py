@@ -1,0 +1,57 @@
+"""``hybridflow`` command line: a thin layer over the Python API.
+
+    hybridflow train [--preset grpo] [--config my.yaml] [key=value ...]
+    hybridflow config explain [--preset ...] [--config ...] [key=value ...]
+    hybridflow config presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hybridflow.config import ConfigError, explain_config, list_presets, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="grpo", help=f"starting preset: {', '.join(list_presets())} (default grpo)")
+    p.add_argument("--config", dest="config_file", default=None, help="a YAML file of overrides")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 actor.optim.lr=1e-5")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run RL training (no arguments: the built-in tiny model and task)")
+    _add_config_args(train)
+    config = sub.add_parser("config", help="inspect configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    explain = config_sub.add_parser("explain", help="print the resolved config and the derived plan")
+    _add_config_args(explain)
+    config_sub.add_parser("presets", help="list the shipped presets")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        if args.command == "config" and args.config_command == "presets":
+            print("\n".join(list_presets()))
+            return 0
+        cfg = load_config(args.preset, args.config_file, args.overrides)
+        if args.command == "config":
+            print(explain_config(cfg))
+            return 0
+        from hybridflow.api import train  # heavy imports (torch, transformers) only when training
+
+        train(cfg)
+        return 0
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Everything a run needs before its first step, built from the config in a fixed order:
+
+1. validate the config and resolve every registry name (fails in well under a second, before
+   any model loads),
+2. resolve the built-in model and task into ordinary files on disk,
+3. load data, build the sampler and the step plan,
+4. start the worker groups (actor, rollout, reference when a KL term needs it, reward),
+5. open the loggers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.algorithms import get_adv_estimator, get_kl_controller, get_policy_loss
+from hybridflow.cluster.worker_group import WorkerGroup, build_worker_group
+from hybridflow.config import Config, config_to_dict, config_to_yaml, validate_config
+from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
+from hybridflow.controller.sft import SFTSpec, prepare_builtin_model
+from hybridflow.data import RLDataset, ResumableSampler
+from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
+from hybridflow.models.loading import load_tokenizer
+from hybridflow.tracking import ProgressBar, Tracker
+from hybridflow.utils.device import configure_threads, resolve_device
+from hybridflow.utils.seed import seed_everything
+from hybridflow.workers.actor import ActorSetup, ActorWorker
+from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
+from hybridflow.workers.reward import RewardSetup, RewardWorker
+from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
+
+log = logging.getLogger(__name__)
+
+BUILTIN_TASK_SEED = 0
+
+
+@dataclass
+class RunSetup:
+    cfg: Config
+    output_dir: Path
+    device: torch.device
+    model_path: str
+    pad_token_id: int
+    train_data: RLDataset
+    val_data: RLDataset | None
+    sampler: ResumableSampler
+    total_steps: int
+    needs_old_logprobs: bool
+    adv_estimator: Any
+    kl_controller: Any
+    actor: WorkerGroup[ActorWorker]
+    rollout: WorkerGroup[RolloutWorker]
+    reference: WorkerGroup[ReferenceWorker] | None
+    reward: WorkerGroup[RewardWorker]
+    tracker: Tracker
+    progress: ProgressBar
+    warnings: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.tracker.close()
+        self.reward.call_all(RewardWorker.close)
+
+
+def resolve_output_dir(cfg: Config) -> Path:
+    if cfg.trainer.output_dir:
+        out = Path(cfg.trainer.output_dir).expanduser()
+    else:
+        out = Path("runs") / f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        cfg.trainer.output_dir = str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def resolve_builtin(cfg: Config, device: torch.device) -> tuple[str, list[str], list[str]]:
+    """(model dir, train files, val files) with ``builtin:*`` and empty data turned into files."""
+    cache = Path(cfg.warm_start.cache_dir).expanduser()
+    train_files, val_files = list(cfg.data.train_files), list(cfg.data.val_files)
+    d = cfg.data
+    if not train_files:
+        task_dir = cache / "data" / f"arithmetic-{d.builtin_train_size}-{d.builtin_val_size}-s{BUILTIN_TASK_SEED}"
+        train_path, val_path = write_arithmetic_task(task_dir, d.builtin_train_size, d.builtin_val_size, BUILTIN_TASK_SEED)
+        train_files = [str(train_path)]
+        val_files = val_files or [str(val_path)]
+    model_path = cfg.model.path
+    if model_path == BUILTIN_TINY:
+        warm, reason = warm_start_decision(cfg.warm_start.enable, model_path)
+        log.info("warm start: %s (%s)", "yes" if warm else "no", reason)
+        w = cfg.warm_start
+        spec = SFTSpec(steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=BUILTIN_TASK_SEED) if warm else None
+        rows = make_arithmetic_rows(d.builtin_train_size, BUILTIN_TASK_SEED, "train")
+        model_path = str(prepare_builtin_model(
+            cache, pairs=arithmetic_sft_pairs(rows), pairs_key=f"arithmetic-train-{len(rows)}-s{BUILTIN_TASK_SEED}",
+            spec=spec, device=device,
+        ))
+    elif model_path.startswith("builtin:"):
+        raise ValueError(f"model.path={model_path!r}: the only built-in model is {BUILTIN_TINY}")
+    return model_path, train_files, val_files
+
+
+def build_run(cfg: Config) -> RunSetup:
+    # 1. Config and names: everything that can be wrong in the config fails here.
+    warnings = validate_config(cfg)
+    for w in warnings:
+        log.warning("config: %s", w)
+    adv_estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+    get_policy_loss(cfg.actor.policy_loss.loss_mode)
+    t, d, a = cfg.trainer, cfg.data, cfg.actor
+    kl_controller = (
+        get_kl_controller(cfg.algorithm.kl_ctrl.type, kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
+                          target_kl=cfg.algorithm.kl_ctrl.target_kl, horizon=cfg.algorithm.kl_ctrl.horizon)
+        if cfg.algorithm.use_kl_in_reward else None
+    )
+    threads = configure_threads(t.num_threads)
+    seed_everything(t.seed)
+    device = resolve_device(t.device)
+    output_dir = resolve_output_dir(cfg)
+    (output_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    log.info("output: %s  device: %s  torch threads: %d", output_dir, device, threads)
+
+    # 2-3. Files, data and the plan.
+    model_path, train_files, val_files = resolve_builtin(cfg, device)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
+                       filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row)
+    train_data = RLDataset.from_files(train_files, tokenizer, **data_kwargs)
+    log.info("train data: %s", train_data.describe())
+    val_data = RLDataset.from_files(val_files, tokenizer, **data_kwargs) if val_files else None
+    if val_data is None:
+        log.warning("no data.val_files: validation is skipped")
+    sampler = ResumableSampler(len(train_data), d.train_batch_size, shuffle=d.shuffle,
+                               seed=d.seed if d.seed is not None else t.seed)
+    total_steps = planned_total_steps(sampler.steps_per_epoch, t.total_epochs, t.total_training_steps)
+    assert total_steps is not None
+    updates_per_batch = d.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs
+    # One optimizer step per rollout batch is exactly on-policy: old == current logprobs, so the
+    # extra forward is skipped (the actor detaches its own logprobs). In-reward KL needs them.
+    needs_old = updates_per_batch > 1 or cfg.algorithm.use_kl_in_reward
+
+    # 4. Workers.
+    dp = t.n_gpus_per_node * t.nnodes
+    common = dict(trust_remote_code=cfg.model.trust_remote_code)
+    actor_setup = ActorSetup(
+        model_path=model_path, dtype=cfg.model.dtype, device=device, temperature=cfg.rollout.temperature,
+        rollout_n=cfg.rollout.n, total_optimizer_steps=total_steps * updates_per_batch,
+        max_response_length=d.max_response_length,
+        gradient_checkpointing=cfg.model.enable_gradient_checkpointing, **common,
+    )
+    actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp)
+    rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, RolloutSetup(
+        model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
+        max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, **common)), 1)
+    reference = None
+    if needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward):
+        ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
+                                   temperature=cfg.rollout.temperature,
+                                   micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu, **common)
+        reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp)
+    custom = cfg.reward.custom_reward_function
+    reward = build_worker_group(t.backend, "reward", lambda r, w: RewardWorker(r, w, RewardSetup(
+        tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
+        timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers, **common)), 1)
+
+    # 5. Output.
+    tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
+                      config=config_to_dict(cfg))
+    progress = ProgressBar(total_steps, enabled=t.progress_bar)
+    return RunSetup(
+        cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,
+        pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
+        total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator,
+        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
+        tracker=tracker, progress=progress, warnings=warnings,
+    )

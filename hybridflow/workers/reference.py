@@ -1,0 +1,40 @@
+"""The reference role: a frozen copy of the initial policy, for KL terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.models.loading import load_causal_lm
+from hybridflow.training.engine import TrainEngine
+from hybridflow.types import TrainBatch
+from hybridflow.utils.device import parse_dtype
+
+
+@dataclass
+class ReferenceSetup:
+    model_path: str
+    dtype: str
+    device: torch.device
+    temperature: float
+    micro_batch_size: int
+    trust_remote_code: bool = False
+
+
+class ReferenceWorker:
+    def __init__(self, rank: int, world_size: int, setup: ReferenceSetup) -> None:
+        self.setup = setup
+        model = load_causal_lm(
+            setup.model_path,
+            dtype=parse_dtype(setup.dtype),
+            device=setup.device,
+            trust_remote_code=setup.trust_remote_code,
+        )
+        self.engine = TrainEngine(model, optim=None, device=setup.device)
+
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
+        logprobs, _ = self.engine.compute_logprobs(
+            batch, temperature=self.setup.temperature, micro_batch_size=self.setup.micro_batch_size
+        )
+        return logprobs
