@@ -1,0 +1,105 @@
+"""End-to-end runs of the real pipeline on the CPU with a tiny model: the CLI a user types,
+files written by the preprocessing path, a local HF model directory, metrics, plot, checkpoint
+and resume."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow import api
+from hybridflow.data.tasks.arithmetic import write_arithmetic_task
+from hybridflow.models.tiny import write_tiny_model
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "data.train_batch_size=8",
+    "actor.ppo_mini_batch_size=4",
+    "actor.ppo_micro_batch_size_per_gpu=8",
+    "rollout.n=4",
+    "data.max_response_length=4",
+    "trainer.total_training_steps=3",
+    "trainer.test_freq=2",
+    "trainer.num_threads=1",
+    "trainer.progress_bar=false",
+]
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user")
+    model_dir = write_tiny_model(root / "model")
+    train, val = write_arithmetic_task(root / "data", train_size=64, val_size=16)
+    return model_dir, train, val
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cli_trains_a_local_model_on_parquet_files_and_resumes(model_and_data, tmp_path):
+    model_dir, train, val = model_and_data
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", f"model.path={model_dir}",
+           f"data.train_files=[{train}]", f"data.val_files=[{val}]", f"trainer.output_dir={out}", *SMALL]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert "val/score/mean" in records[0] and "val/hybridflow/arithmetic/score/mean" in records[0]
+    step = records[1]
+    for key in ("timing_s/gen", "timing_s/reward", "timing_s/adv", "timing_s/update_actor",
+                "timing_s/update_weights", "timing_s/step", "timing_s/old_log_prob",
+                "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+                "actor/lr", "critic/score/mean", "critic/score/max", "critic/score/min",
+                "critic/advantages/mean", "response_length/mean", "response_length/max",
+                "response_length/min", "response_length/clip_ratio", "prompt_length/mean", "perf/throughput"):
+        assert key in step, key
+    assert "val/score/mean" in records[2] and "val/score/mean" in records[3]  # test_freq=2 and the last step
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "checkpoints" / "global_step_3" / "actor" / "model" / "model.safetensors").is_file()
+    assert (out / "config.yaml").is_file()
+    # Starting the finished run again does nothing and says so.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished" in again.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_resume_continues_from_the_latest_checkpoint(model_and_data, tmp_path):
+    model_dir, train, val = model_and_data
+    base = [f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+            f"trainer.output_dir={tmp_path / 'run'}", "trainer.save_freq=1", "trainer.logger=[jsonl]", *SMALL]
+    first = api.train(api.make_config("grpo", overrides=[*base, "trainer.total_training_steps=2"]))
+    assert first.final_metrics["training/global_step"] == 2
+    second = api.train(api.make_config("grpo", overrides=[*base, "trainer.total_training_steps=3"]))
+    assert second.final_metrics["training/global_step"] == 3
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == [0, 1, 2, 3]
+
+
+def test_kl_loss_loads_a_reference_model_and_logs_kl(model_and_data, tmp_path):
+    model_dir, train, val = model_and_data
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"trainer.output_dir={tmp_path / 'run'}", "actor.use_kl_loss=true", "actor.kl_loss_type=low_var_kl",
+        "actor.optim.lr=1e-3", "trainer.logger=[jsonl]", "trainer.val_before_train=false", *SMALL,
+    ])
+    result = api.train(cfg)
+    records = read_metrics(result.metrics_path)
+    assert all("actor/kl_loss" in r and "timing_s/ref" in r for r in records)
+    # Step 1 starts from the reference weights: KL 0; the updates then move the policy away.
+    assert records[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert records[-1]["actor/kl_loss"] > 0
+
+
+def test_config_errors_exit_2_before_loading_anything(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "actor.optim.lrr=1e-5"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "actor.optim.lr" in done.stderr
