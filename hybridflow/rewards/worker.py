@@ -157,9 +157,18 @@ def _score_one(fn: Callable[..., Any], request: tuple[str, str, Any, Any]) -> Ou
         return STATUS_ERROR, 0.0, {}, _describe_exception(error)
 
 
-def _peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+def _rss_bytes() -> int:
+    """This worker's resident memory now (Linux: /proc), else its peak (ru_maxrss).
+
+    On Linux ru_maxrss survives fork+exec, so a worker spawned by a large trainer would start
+    "over budget" and retire after every sample; the current resident size has no such carry-over.
+    """
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 def _limit_memory(memory_limit_mb: int | None) -> int | None:
@@ -247,7 +256,7 @@ def run_worker(
             status, score, extra, message = _score_one(fn, request)
             conn.send((RESULT, status, score, extra, message))
             out_of_memory = status == STATUS_ERROR and message.startswith("MemoryError")
-            if out_of_memory or (recycle_at is not None and _peak_rss_bytes() > recycle_at):
+            if out_of_memory or (recycle_at is not None and _rss_bytes() > recycle_at):
                 # The heap may be fragmented or leaking; a fresh process is cheaper than doubt.
                 conn.send((RECYCLE,))
                 return
