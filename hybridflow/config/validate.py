@@ -393,6 +393,11 @@ def _check_trainer(cfg: Config, report: _Report) -> None:
             f"trainer.resume_from_path is set but trainer.resume_mode={trainer.resume_mode}: the path is "
             f"ignored; set trainer.resume_mode=path to resume from it"
         )
+    if cfg.warm_start.enable == "true" and cfg.model.path != "builtin:tiny":
+        report.error(
+            f"warm_start.enable=true applies to model.path=builtin:tiny only; model.path={cfg.model.path} "
+            "is used as loaded (use warm_start.enable=auto)"
+        )
     if trainer.save_freq <= 0 and not trainer.save_final:
         report.warn("trainer.save_freq <= 0 and trainer.save_final=false: this run writes no checkpoint")
 

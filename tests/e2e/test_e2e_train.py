@@ -103,3 +103,16 @@ def test_config_errors_exit_2_before_loading_anything(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "actor.optim.lr" in done.stderr
+
+
+def test_builtin_model_with_a_fresh_sft_warm_start(tmp_path):
+    """warm_start.enable=true runs the project's own SFT from random init, then RL, all cached."""
+    overrides = ["warm_start.enable=true", "warm_start.steps=4", "warm_start.batch_size=16",
+                 f"warm_start.cache_dir={tmp_path / 'cache'}", "data.builtin_train_size=64",
+                 "data.builtin_val_size=16", f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]",
+                 *SMALL, "trainer.total_training_steps=1"]
+    result = api.train(api.make_config("grpo", overrides=overrides))
+    cached = list((tmp_path / "cache").glob("builtin-tiny-*"))
+    assert len(cached) == 1 and (cached[0] / "model.safetensors").is_file()
+    assert not list((tmp_path / "cache").glob(".tmp-*"))
+    assert result.final_metrics["training/global_step"] == 1

@@ -106,12 +106,14 @@ def test_reinforce_pp_loads_reference_for_its_kl_loss() -> None:
 
 
 def test_warm_start_lines(tmp_path: Path) -> None:
-    expected = "warm start: yes, 150 SFT steps before RL (warm_start.enable=auto and model.path=builtin:tiny"
+    expected = "warm start: the shipped checkpoint (warm_start.enable=auto and model.path=builtin:tiny"
     assert expected in explain_config(load_config())
+    sft = explain_config(load_config(overrides=["warm_start.enable=true", "warm_start.steps=150"]))
+    assert "warm start: yes, 150 SFT steps before RL (warm_start.enable=true" in sft
     text = explain_config(load_config(overrides=[f"model.path={tmp_path}"]))
-    assert "warm start: no (warm_start.enable=auto only warm-starts builtin:tiny" in text
+    assert f"warm start: no (model.path={tmp_path} is used as loaded)" in text
     off = load_config(overrides=["warm_start.enable=false"])
-    assert "warm start: no (warm_start.enable=false)" in explain_config(off)
+    assert "warm start: no (warm_start.enable=false: random init" in explain_config(off)
 
 
 def test_warnings_are_listed() -> None:
@@ -136,10 +138,12 @@ def test_needs_reference_model() -> None:
 
 
 def test_warm_start_decision() -> None:
-    assert warm_start_decision("auto", "builtin:tiny")[0] is True
-    assert warm_start_decision("auto", "/models/qwen")[0] is False
-    assert warm_start_decision("true", "/models/qwen")[0] is True
-    assert warm_start_decision("false", "builtin:tiny")[0] is False
+    assert warm_start_decision("auto", "builtin:tiny")[0] == "shipped"
+    assert warm_start_decision("true", "builtin:tiny")[0] == "sft"
+    assert warm_start_decision("false", "builtin:tiny")[0] == "none"
+    assert warm_start_decision("auto", "/models/qwen")[0] == "none"
+    with pytest.raises(ValueError, match="applies to model.path=builtin:tiny only"):
+        warm_start_decision("true", "/models/qwen")
     with pytest.raises(ValueError, match="auto, true or false"):
         warm_start_decision("yes", "builtin:tiny")
 
