@@ -72,8 +72,9 @@ class ModelConfig:
 class WarmStartConfig:
     enable: str = f(
         "auto",
-        "Supervised warm start before RL: auto (only for builtin:tiny) | true | false. "
-        "RL needs a model that sometimes succeeds.",
+        "How builtin:tiny gets a policy that sometimes succeeds (RL needs one): auto = the shipped "
+        "warm start made by scripts/make_warm_start.py | true = run that SFT now (cached) | "
+        "false = random init. Other models are used as loaded.",
         choices=("auto", "true", "false"),
     )
     steps: int = f(150, "Optimizer steps of the warm-start SFT.")
