@@ -116,3 +116,28 @@ def test_builtin_model_with_a_fresh_sft_warm_start(tmp_path):
     assert len(cached) == 1 and (cached[0] / "model.safetensors").is_file()
     assert not list((tmp_path / "cache").glob(".tmp-*"))
     assert result.final_metrics["training/global_step"] == 1
+
+
+def test_gsm8k_files_from_the_preprocessing_script_train_end_to_end(model_and_data, tmp_path):
+    """A local GSM8K copy -> scripts/preprocess_gsm8k.py -> parquet -> hybridflow train."""
+    model_dir, _, _ = model_and_data
+    raw = tmp_path / "gsm8k_raw"
+    raw.mkdir()
+    for split in ("train", "test"):
+        rows = [{"question": f"Tom has {i} apples and buys {i + 1} more. How many now?",
+                 "answer": f"He has {i} + {i + 1} = {2 * i + 1} apples.\n#### {2 * i + 1}"} for i in range(8)]
+        (raw / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out_data = tmp_path / "gsm8k"
+    done = subprocess.run([sys.executable, "scripts/preprocess_gsm8k.py", "--input_dir", str(raw),
+                           "--local_save_dir", str(out_data)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{out_data / 'train.parquet'}]",
+        f"data.val_files=[{out_data / 'test.parquet'}]", "data.max_prompt_length=256",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", *SMALL, "trainer.total_training_steps=1",
+    ])
+    result = api.train(cfg)
+    records = read_metrics(result.metrics_path)
+    assert "val/openai/gsm8k/score/mean" in records[0]
+    assert records[-1]["reward/error_rate"] == 0.0
