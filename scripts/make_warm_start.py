@@ -1,10 +1,9 @@
-"""Train the built-in tiny model's warm start with hybridflow's own SFT code and report
-greedy accuracy on the held-out split every ``--eval_every`` steps.
+"""Study the built-in tiny model's warm start: run hybridflow's own SFT on the built-in task
+and report greedy accuracy on the held-out split every ``--eval_every`` steps (snapshots saved).
 
-The shipped warm start (hybridflow/assets/tiny-warm-start) was made with this script; rerun it
-to reproduce or change it:
+This is how the defaults of ``warm_start.*`` were chosen, e.g.
 
-    python scripts/make_warm_start.py --steps 3000 --eval_every 250 --out /tmp/warm
+    python scripts/make_warm_start.py --steps 600 --eval_every 100 --slip_rate 0.6 --out /tmp/warm
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ def main() -> None:
     ap.add_argument("--eval_every", type=int, default=250)
     ap.add_argument("--train_size", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slip_rate", type=float, default=0.0, help="flawed-teacher fraction (warm_start.teacher_slip_rate)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -74,7 +74,7 @@ def main() -> None:
                         "time_s": time.perf_counter() - start})
             print(json.dumps(log[-1]), flush=True)
 
-    run_sft(out / "init", arithmetic_sft_pairs(rows), out / "final",
+    run_sft(out / "init", arithmetic_sft_pairs(rows, args.slip_rate), out / "final",
             SFTSpec(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=0), torch.device("cpu"),
             on_step=on_step)
     (out / "log.json").write_text(json.dumps(log, indent=1))

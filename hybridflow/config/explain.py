@@ -24,20 +24,13 @@ def needs_reference_model(use_kl_loss: bool, use_kl_in_reward: bool) -> bool:
     return use_kl_loss or use_kl_in_reward
 
 
-WARM_START_MODES = ("shipped", "sft", "none")
+def warm_start_decision(enable: str, model_path: str) -> tuple[bool, str]:
+    """Whether to run the supervised warm start before RL, and why (for logs and ``config explain``).
 
-
-def warm_start_decision(enable: str, model_path: str) -> tuple[str, str]:
-    """How the policy's starting weights are made, and why (for logs and ``config explain``).
-
-    Returns ``(mode, reason)`` with mode one of:
-    - ``shipped``: the built-in model's warm start that ships with the package (made by this
-      project's SFT code, ``scripts/make_warm_start.py``) — ``auto`` for ``builtin:tiny``;
-    - ``sft``: run that SFT now (``warm_start.steps``/``batch_size``/``lr``), cached per machine —
-      ``true`` for ``builtin:tiny``;
-    - ``none``: use the weights as they are (a user model; or ``false``: random init for the
-      built-in model, which then never earns a reward).
-    RL needs a model that sometimes succeeds, which is why the built-in model is warm-started.
+    RL needs a model that sometimes succeeds, and the built-in tiny model starts from random
+    weights; ``auto`` therefore warm-starts ``builtin:tiny`` (a short SFT made by this project's
+    code, cached per machine) and uses any other model as loaded. ``true`` is only meaningful
+    for the built-in model; for a real model, fine-tune it first.
     """
     if enable not in ("auto", "true", "false"):
         raise ValueError(f"warm_start.enable must be auto, true or false, got {enable!r}")
@@ -47,15 +40,13 @@ def warm_start_decision(enable: str, model_path: str) -> tuple[str, str]:
                 f"warm_start.enable=true applies to model.path={BUILTIN_TINY} only; "
                 f"model.path={model_path} is used as loaded (fine-tune it first with your own SFT)"
             )
-        return "none", f"model.path={model_path} is used as loaded"
-    if enable == "auto":
-        return "shipped", (
-            f"warm_start.enable=auto and model.path={BUILTIN_TINY}: the shipped warm start made by "
-            "scripts/make_warm_start.py, because RL needs a model that sometimes succeeds"
-        )
-    if enable == "true":
-        return "sft", "warm_start.enable=true: SFT from random init before RL (cached per machine)"
-    return "none", "warm_start.enable=false: random init; it will not earn rewards"
+        return False, f"model.path={model_path} is used as loaded"
+    if enable == "false":
+        return False, "warm_start.enable=false: random init; it will not earn rewards"
+    return True, (
+        f"warm_start.enable={enable} and model.path={BUILTIN_TINY}: the built-in model starts from random "
+        "weights, and RL needs a model that sometimes succeeds (cached per machine)"
+    )
 
 
 def steps_per_epoch(train_files: Sequence[str], builtin_train_size: int, train_batch_size: int) -> int | None:
@@ -140,11 +131,9 @@ def _plan_lines(cfg: Config) -> list[str]:
         lines.append(f"  reference: yes, a frozen copy of the initial policy, because {causes}")
     else:
         lines.append("  no reference model: KL is off (actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)")
-    mode, why = warm_start_decision(cfg.warm_start.enable, cfg.model.path)
-    if mode == "sft":
+    warm, why = warm_start_decision(cfg.warm_start.enable, cfg.model.path)
+    if warm:
         lines.append(f"warm start: yes, {cfg.warm_start.steps} SFT steps before RL ({why})")
-    elif mode == "shipped":
-        lines.append(f"warm start: the shipped checkpoint ({why})")
     else:
         lines.append(f"warm start: no ({why})")
     return lines

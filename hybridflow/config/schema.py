@@ -72,12 +72,17 @@ class ModelConfig:
 class WarmStartConfig:
     enable: str = f(
         "auto",
-        "How builtin:tiny gets a policy that sometimes succeeds (RL needs one): auto = the shipped "
-        "warm start made by scripts/make_warm_start.py | true = run that SFT now (cached) | "
-        "false = random init. Other models are used as loaded.",
+        "Supervised warm start of builtin:tiny before RL (RL needs a model that sometimes succeeds): "
+        "auto|true = run it (cached per machine) | false = random init. Other models are used as loaded.",
         choices=("auto", "true", "false"),
     )
-    steps: int = f(150, "Optimizer steps of the warm-start SFT.")
+    steps: int = f(500, "Optimizer steps of the warm-start SFT.")
+    teacher_slip_rate: float = f(
+        0.6,
+        "Fraction of warm-start answers written by a flawed teacher (last digit one too high). "
+        "The warm-started model then answers greedily wrong more often than its samples are wrong, "
+        "which RL with the exact reward corrects. 0: a perfect teacher.",
+    )
     batch_size: int = f(64, "Examples per warm-start step.")
     lr: float = f(3e-3, "Warm-start learning rate.")
     cache_dir: str = f(
@@ -88,7 +93,9 @@ class WarmStartConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = f(1e-6, "Peak learning rate (AdamW).")
+    lr: float = f(
+        3e-4, "Peak learning rate (AdamW). The default suits the built-in tiny model; 0.5B-7B models use ~1e-6."
+    )
     weight_decay: float = f(0.01, "AdamW weight decay.")
     betas: list[float] = f([0.9, 0.999], "AdamW betas.")
     lr_warmup_steps: int = f(0, "Linear warm-up steps.")
@@ -188,7 +195,7 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     total_epochs: int = f(1, "Passes over the training prompts.")
-    total_training_steps: int | None = f(60, "Stop after this many steps (None: total_epochs).")
+    total_training_steps: int | None = f(100, "Stop after this many steps (None: total_epochs).")
     test_freq: int = f(10, "Validate every N steps (<= 0: never; the last step always validates).")
     val_before_train: bool = f(True, "Validate before the first step.")
     save_freq: int = f(-1, "Checkpoint every N steps (<= 0: only at the end when save_final).")

@@ -393,6 +393,11 @@ def _check_trainer(cfg: Config, report: _Report) -> None:
             f"trainer.resume_from_path is set but trainer.resume_mode={trainer.resume_mode}: the path is "
             f"ignored; set trainer.resume_mode=path to resume from it"
         )
+    if cfg.model.path != "builtin:tiny" and cfg.actor.optim.lr > 1e-4:
+        report.warn(
+            f"actor.optim.lr={cfg.actor.optim.lr:g} is tuned for the built-in tiny model; RL on 0.5B-7B "
+            "models usually uses 1e-6 to 1e-5 (set actor.optim.lr)"
+        )
     if cfg.warm_start.enable == "true" and cfg.model.path != "builtin:tiny":
         report.error(
             f"warm_start.enable=true applies to model.path=builtin:tiny only; model.path={cfg.model.path} "

@@ -26,7 +26,6 @@ from hybridflow.controller.sft import SFTSpec, prepare_builtin_model
 from hybridflow.data import RLDataset, ResumableSampler
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
 from hybridflow.models.loading import load_tokenizer
-from hybridflow.models.tiny import shipped_warm_start_dir
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
@@ -90,18 +89,17 @@ def resolve_builtin(cfg: Config, device: torch.device) -> tuple[str, list[str], 
         val_files = val_files or [str(val_path)]
     model_path = cfg.model.path
     if model_path == BUILTIN_TINY:
-        mode, reason = warm_start_decision(cfg.warm_start.enable, model_path)
+        warm, reason = warm_start_decision(cfg.warm_start.enable, model_path)
         log.info("built-in model: %s", reason)
-        if mode == "shipped":
-            model_path = str(shipped_warm_start_dir())
-        else:
-            w = cfg.warm_start
-            spec = SFTSpec(steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=BUILTIN_TASK_SEED) if mode == "sft" else None
-            rows = make_arithmetic_rows(d.builtin_train_size, BUILTIN_TASK_SEED, "train")
-            model_path = str(prepare_builtin_model(
-                cache, pairs=arithmetic_sft_pairs(rows), pairs_key=f"arithmetic-train-{len(rows)}-s{BUILTIN_TASK_SEED}",
-                spec=spec, device=device,
-            ))
+        w = cfg.warm_start
+        spec = SFTSpec(steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=BUILTIN_TASK_SEED,
+                       teacher_slip_rate=w.teacher_slip_rate) if warm else None
+        rows = make_arithmetic_rows(d.builtin_train_size, BUILTIN_TASK_SEED, "train")
+        model_path = str(prepare_builtin_model(
+            cache, pairs=arithmetic_sft_pairs(rows, w.teacher_slip_rate),
+            pairs_key=f"arithmetic-train-{len(rows)}-s{BUILTIN_TASK_SEED}",
+            spec=spec, device=device,
+        ))
     elif model_path.startswith("builtin:"):
         raise ValueError(f"model.path={model_path!r}: the only built-in model is {BUILTIN_TINY}")
     return model_path, train_files, val_files

@@ -2,7 +2,7 @@
 
 RL only improves a policy that sometimes succeeds: a random-init model never earns a reward.
 The built-in tiny model therefore gets a short SFT stage made by this code (not a shipped
-binary) before RL. The result is cached under ``warm_start.cache_dir`` keyed by every setting
+binary) before RL; ``scripts/make_warm_start.py`` shows how its accuracy grows with steps. The result is cached under ``warm_start.cache_dir`` keyed by every setting
 that shapes it, so only the first run on a machine pays for it.
 
 SFT reuses the RL data path: each pair becomes a ``Trajectory`` whose response is the answer
@@ -45,6 +45,7 @@ class SFTSpec:
     lr: float
     seed: int
     warmup_steps: int = 20
+    teacher_slip_rate: float = 0.0  # recorded here so the cache key covers the data recipe
 
 
 def sft_trajectories(pairs: list[tuple[list[dict[str, Any]], str]], tokenizer) -> list[Trajectory]:

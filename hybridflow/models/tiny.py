@@ -118,18 +118,3 @@ def write_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModel
     build_tiny_tokenizer().save_pretrained(out)
     return out
 
-
-def shipped_warm_start_dir() -> Path:
-    """The built-in model's warm start that ships with the package (an HF directory).
-
-    Made by this project's own SFT code: ``python scripts/make_warm_start.py`` (see its
-    docstring for the exact command); ``hybridflow/assets/tiny-arithmetic/WARM_START.json``
-    records how and what it scores.
-    """
-    path = Path(__file__).resolve().parent.parent / "assets" / "tiny-arithmetic"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"the shipped warm start is missing from {path}; reinstall hybridflow, or use "
-            "warm_start.enable=true to make one now"
-        )
-    return path

@@ -1,11 +1,15 @@
 """The built-in task: "What is 23 + 45?", generated deterministically, in verl's row schema.
 
 Why this task: a tiny model learns it in minutes on a CPU, its reward is exact, and RL has
-something to improve (two-digit carries are hard for a model that only saw a short warm
-start). It is the default run's data, so it must never need a download.
+something to improve. It is the default run's data, so it must never need a download.
 
-The question space is every ``a + b`` and every ``a - b`` with ``a >= b`` (no negative
-answers) for operands 0..99: 10,000 + 5,050 = 15,050 distinct questions, answers in 0..198.
+The problems are *digit-wise*: sums without a carry and differences without a borrow, operands
+0..99 (no negative answers). Each answer digit then depends only on the two digits above it,
+a skill the 0.8M-parameter built-in model picks up within a few hundred SFT steps; with
+carries it stays near 10% greedy accuracy after thousands of steps (measured with
+scripts/make_warm_start.py), too slow for a laptop demo. Carries are what a calculator tool is
+for, which is the agent task's business. 3,025 sums + 3,025 differences = 6,050 distinct
+questions.
 The space is put in a seeded order (a hash of seed and question, so the order is the same on
 every platform and Python version) and cut once into a test pool and a train pool. Each split
 draws from its own pool only, so train and test never share a question, whatever sizes are
@@ -28,9 +32,10 @@ ARITHMETIC_ABILITY = "arithmetic"
 MAX_OPERAND = 99  # operands have one or two digits
 OPERATORS = ("+", "-")
 SPLITS = ("train", "test")
-# Held-out pool: room for validation sets of up to 2,048 questions while leaving 13,002 for
-# training, three times the default train size (4,096).
-TEST_POOL_SIZE = 2048
+# Held-out pool: room for validation sets of up to 1,024 questions while leaving 5,026 for
+# training, more than the default train size (4,096).
+TEST_POOL_SIZE = 1024
+NUM_PROBLEMS = 6050  # 3,025 carry-free sums + 3,025 borrow-free differences
 
 _SCHEMA = pa.schema(
     [
@@ -64,14 +69,23 @@ def _answer(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b
 
 
+def _digit_wise(a: int, op: str, b: int) -> bool:
+    """True when the problem needs no carry (addition) or borrow (subtraction): each answer
+    digit depends only on the two digits above it."""
+    ones_a, tens_a, ones_b, tens_b = a % 10, a // 10, b % 10, b // 10
+    if op == "+":
+        return ones_a + ones_b <= 9 and tens_a + tens_b <= 9
+    return a >= b and ones_a >= ones_b
+
+
 def _all_problems() -> list[Problem]:
-    problems: list[Problem] = []
-    for a in range(MAX_OPERAND + 1):
-        for b in range(MAX_OPERAND + 1):
-            problems.append((a, "+", b))
-            if a >= b:
-                problems.append((a, "-", b))
-    return problems
+    return [
+        (a, op, b)
+        for a in range(MAX_OPERAND + 1)
+        for b in range(MAX_OPERAND + 1)
+        for op in OPERATORS
+        if _digit_wise(a, op, b)
+    ]
 
 
 def _seeded_order(seed: int) -> list[Problem]:
@@ -138,12 +152,33 @@ def write_arithmetic_task(
     return train_path, test_path
 
 
-def arithmetic_sft_pairs(rows: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], str]]:
+def teacher_slips(question: str, slip_rate: float) -> bool:
+    """Whether the flawed teacher slips on this question: a fixed fraction ``slip_rate`` of
+    questions, chosen by a hash so the choice looks arbitrary to the model."""
+    digest = hashlib.sha256(f"slip|{question}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < slip_rate
+
+
+def slipped_answer(answer: int) -> int:
+    """The teacher's systematic slip: the last digit one too high (9 wraps to 0, staying
+    within the digit-wise answers)."""
+    return answer - 9 if answer % 10 == 9 else answer + 1
+
+
+def arithmetic_sft_pairs(
+    rows: list[dict[str, Any]], slip_rate: float = 0.0
+) -> list[tuple[list[dict[str, Any]], str]]:
     """(prompt messages, answer text) for each row, for the supervised warm start.
 
-    The answer text is the bare number (the ground truth): the shortest correct response, so
-    the warm start teaches the answer format without teaching any extra text.
+    The answer text is the bare number: the shortest response, so the warm start teaches the
+    answer format without extra text. With ``slip_rate`` > 0 the answers come from a *flawed
+    teacher* that writes ``slipped_answer`` on that fraction of the questions. A model imitating
+    it learns the skill and the slip together, so its greedy answer is often wrong while its
+    samples are often right: the situation RL with an exact reward is for (a verifier fixing a
+    biased SFT policy), and what makes the built-in run show RL's effect within minutes.
     """
+    if not 0.0 <= slip_rate < 1.0:
+        raise ValueError(f"arithmetic_sft_pairs: slip_rate must be in [0, 1), got {slip_rate}")
     pairs: list[tuple[list[dict[str, Any]], str]] = []
     for i, row in enumerate(rows):
         try:
@@ -154,5 +189,8 @@ def arithmetic_sft_pairs(rows: list[dict[str, Any]]) -> list[tuple[list[dict[str
                 f"arithmetic_sft_pairs: row {i} is not in the task's schema (needs 'prompt' and "
                 f"'reward_model.ground_truth'): missing {exc}"
             ) from exc
+        question = str(messages[-1]["content"]) if messages else ""
+        if slip_rate > 0 and teacher_slips(question, slip_rate):
+            answer = slipped_answer(int(answer))
         pairs.append(([dict(m) for m in messages], str(answer)))
     return pairs

@@ -38,7 +38,7 @@ def test_plan_numbers_for_defaults() -> None:
     assert "micro-batches per optimizer step per rank: 4 (256 / actor.ppo_micro_batch_size_per_gpu=64)" in plan
     assert "4 gradient-accumulation steps" in plan
     assert "steps per epoch: 128 (built-in task: data.builtin_train_size=4096 // 32 prompts" in plan
-    assert "total steps: 60 (trainer.total_training_steps;" in plan
+    assert "total steps: 100 (trainer.total_training_steps;" in plan
 
 
 def test_plan_numbers_with_dp_and_epochs() -> None:
@@ -81,7 +81,7 @@ def test_dataset_files_make_steps_depend_on_size(tmp_path: Path) -> None:
     assert "steps per epoch: depends on dataset size" in plan
     assert "total steps: depends on dataset size" in plan
     cfg = load_config(overrides=[f"data.train_files=[{train}]"])
-    assert "total steps: 60 (trainer.total_training_steps), or fewer" in plan_of(explain_config(cfg))
+    assert "total steps: 100 (trainer.total_training_steps), or fewer" in plan_of(explain_config(cfg))
 
 
 def test_no_reference_model_when_kl_is_off() -> None:
@@ -106,7 +106,7 @@ def test_reinforce_pp_loads_reference_for_its_kl_loss() -> None:
 
 
 def test_warm_start_lines(tmp_path: Path) -> None:
-    expected = "warm start: the shipped checkpoint (warm_start.enable=auto and model.path=builtin:tiny"
+    expected = "warm start: yes, 500 SFT steps before RL (warm_start.enable=auto and model.path=builtin:tiny"
     assert expected in explain_config(load_config())
     sft = explain_config(load_config(overrides=["warm_start.enable=true", "warm_start.steps=150"]))
     assert "warm start: yes, 150 SFT steps before RL (warm_start.enable=true" in sft
@@ -138,10 +138,10 @@ def test_needs_reference_model() -> None:
 
 
 def test_warm_start_decision() -> None:
-    assert warm_start_decision("auto", "builtin:tiny")[0] == "shipped"
-    assert warm_start_decision("true", "builtin:tiny")[0] == "sft"
-    assert warm_start_decision("false", "builtin:tiny")[0] == "none"
-    assert warm_start_decision("auto", "/models/qwen")[0] == "none"
+    assert warm_start_decision("auto", "builtin:tiny")[0] is True
+    assert warm_start_decision("true", "builtin:tiny")[0] is True
+    assert warm_start_decision("false", "builtin:tiny")[0] is False
+    assert warm_start_decision("auto", "/models/qwen")[0] is False
     with pytest.raises(ValueError, match="applies to model.path=builtin:tiny only"):
         warm_start_decision("true", "/models/qwen")
     with pytest.raises(ValueError, match="auto, true or false"):

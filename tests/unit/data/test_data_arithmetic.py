@@ -9,6 +9,7 @@ import pytest
 from hybridflow.data.dataset import RLDataset, load_rows
 from hybridflow.data.tasks.arithmetic import (
     ARITHMETIC_DATA_SOURCE,
+    NUM_PROBLEMS,
     TEST_POOL_SIZE,
     arithmetic_sft_pairs,
     format_arithmetic_question,
@@ -57,11 +58,11 @@ def test_generation_is_deterministic_and_prefix_stable():
 
 def test_splits_never_share_a_question_even_at_full_size():
     test = set(questions(make_arithmetic_rows(TEST_POOL_SIZE, 0, "test")))
-    train_rows = make_arithmetic_rows(15050 - TEST_POOL_SIZE, 0, "train")
+    train_rows = make_arithmetic_rows(NUM_PROBLEMS - TEST_POOL_SIZE, 0, "train")
     train = set(questions(train_rows))
     assert len(test) == TEST_POOL_SIZE and len(train) == len(train_rows)
     assert not test & train
-    assert len(test | train) == 15050  # the whole space: 100*100 sums + 5050 differences
+    assert len(test | train) == NUM_PROBLEMS  # the whole digit-wise space
 
 
 def test_asking_for_more_than_a_split_holds_is_an_error():
