@@ -274,8 +274,14 @@ def test_existing_model_and_data_files_pass(tmp_path: Path) -> None:
         f"model.path={tmp_path}",
         f"data.train_files=[{tmp_path / 'train.parquet'}]",
         f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
+        "actor.optim.lr=1e-6",
     )
     assert warnings == []
+
+
+def test_tiny_model_learning_rate_on_a_real_model_warns(tmp_path: Path) -> None:
+    warnings = warnings_for(f"model.path={tmp_path}")
+    assert any(w.startswith("actor.optim.lr=0.0003 is tuned for the built-in tiny model") for w in warnings)
 
 
 def test_missing_custom_reward_file(tmp_path: Path) -> None:
