@@ -136,15 +136,16 @@ class TrainEngine:
         clip = self.optim_spec.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            # A non-finite gradient would poison the weights and Adam's moments: skip the step.
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            # A non-finite gradient would poison the weights and Adam's moments: skip the step.
+            # The LR schedule holds too, so a skipped step costs nothing but its data.
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
     # ------------------------------------------------------------- weights/IO
