@@ -79,7 +79,10 @@ class ActorWorker:
         """ppo_epochs x mini-batches x micro-batches over this rank's shard; metrics averaged."""
         cfg = self.cfg
         mini_size = cfg.ppo_mini_batch_size * self.setup.rollout_n // self.world_size
-        generator = torch.Generator().manual_seed(0)
+        # Shuffle order varies per update but is restored by a resume: it is seeded by the LR
+        # scheduler's step count, which the checkpoint carries.
+        assert self.engine.scheduler is not None
+        generator = torch.Generator().manual_seed(int(self.engine.scheduler.last_epoch))
         step_metrics: list[dict[str, float]] = []
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator) if cfg.shuffle else torch.arange(batch.batch_size)
