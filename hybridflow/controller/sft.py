@@ -147,6 +147,7 @@ def prepare_builtin_model(
         log.info("built-in model: warm start (%d SFT steps, once per machine; cached in %s)", spec.steps, final)
         result = tmp / "sft"
         run_sft(init_dir, pairs, result, spec, device)
-    os.replace(result, final) if not final.exists() else None
+    if not final.exists():  # another process may have finished the same warm start first
+        os.replace(result, final)
     shutil.rmtree(tmp, ignore_errors=True)
     return final
