@@ -6,14 +6,24 @@ milliseconds and is tested with hand-worked numbers. Registries:
 - ``ADV_ESTIMATORS`` (``algorithm.adv_estimator``): ``get_adv_estimator(name)``
 - ``POLICY_LOSSES`` (``actor.loss_mode``): ``get_policy_loss(name)``
 - ``LOSS_AGG_MODES`` (``actor.loss_agg_mode``), ``KL_PENALTY_KINDS`` (``actor.kl_loss_type``,
-  ``algorithm.kl_penalty``), ``KL_CONTROLLER_TYPES`` (``algorithm.kl_ctrl.type``).
+  ``algorithm.kl_penalty``), ``KL_CONTROLLER_TYPES`` (``algorithm.kl_ctrl.type``),
+  ``ROLLOUT_CORRECTION_LEVELS``.
+
+Plain functions: ``compute_value_loss`` (critic), ``compute_rollout_correction`` (importance
+weights and rejection between rollout-engine and trainer logprobs).
 """
 
 from hybridflow.algorithms.advantages import (
     ADV_ESTIMATORS,
     AdvantageEstimatorFn,
+    compute_gae_advantages,
+    compute_gpg_advantages,
     compute_grpo_advantages,
+    compute_grpo_passk_advantages,
+    compute_opo_advantages,
     compute_reinforce_plus_plus_advantages,
+    compute_reinforce_plus_plus_baseline_advantages,
+    compute_remax_advantages,
     compute_rloo_advantages,
     get_adv_estimator,
     register_adv_estimator,
@@ -44,10 +54,23 @@ from hybridflow.algorithms.kl import (
 from hybridflow.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLossFn,
+    compute_cispo_loss,
+    compute_clip_cov_loss,
+    compute_geo_mean_loss,
+    compute_gpg_loss,
+    compute_gspo_loss,
+    compute_kl_cov_loss,
     compute_ppo_clip_loss,
+    compute_sapo_loss,
     get_policy_loss,
     register_policy_loss,
 )
+from hybridflow.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTION_LEVELS,
+    RolloutCorrection,
+    compute_rollout_correction,
+)
+from hybridflow.algorithms.value import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -55,18 +78,35 @@ __all__ = [
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTION_LEVELS",
     "AdaptiveKLController",
     "AdvantageEstimatorFn",
     "FixedKLController",
     "KLController",
     "PolicyLossFn",
+    "RolloutCorrection",
     "UnknownNameError",
     "agg_loss",
     "batch_counts",
+    "compute_cispo_loss",
+    "compute_clip_cov_loss",
+    "compute_gae_advantages",
+    "compute_geo_mean_loss",
+    "compute_gpg_advantages",
+    "compute_gpg_loss",
     "compute_grpo_advantages",
+    "compute_grpo_passk_advantages",
+    "compute_gspo_loss",
+    "compute_kl_cov_loss",
+    "compute_opo_advantages",
     "compute_ppo_clip_loss",
     "compute_reinforce_plus_plus_advantages",
+    "compute_reinforce_plus_plus_baseline_advantages",
+    "compute_remax_advantages",
     "compute_rloo_advantages",
+    "compute_rollout_correction",
+    "compute_sapo_loss",
+    "compute_value_loss",
     "entropy_from_logits",
     "entropy_from_logits_chunked",
     "get_adv_estimator",

@@ -7,11 +7,24 @@ Every estimator has the same keyword-only signature, so the controller calls
           response_mask,        # (B, R) 0/1, 1 on tokens the policy produced
           group_ids,            # (B,) integer, samples drawn from the same prompt share an id
           gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
-          **unused)             # inputs other estimators need (values, baselines, ...)
+          values=None,          # (B, R) critic values V(s_t) of the rollout policy (gae)
+          reward_baselines=None,  # (B,) reward of the greedy response to each prompt (remax)
+          **unused)             # inputs other estimators need
       -> (advantages (B, R), returns (B, R))
 
-Estimators ignore the inputs they do not use. Advantages are constants for the policy loss, so
-everything here runs under ``torch.no_grad``. Group statistics are vectorised with
+Estimators ignore the inputs they do not use, and raise a ValueError naming the input when
+one they need is missing. Registered: ``gae``, ``grpo``, ``grpo_passk``, ``rloo``, ``opo``,
+``gpg``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``.
+
+Masked tokens (``response_mask`` 0: padding, tool output inside a multi-turn response) are
+not steps of the policy: time does not advance over them and their advantages are 0 (returns
+there are not meaningful; no loss reads them). A reward placed on one still counts: outcome
+estimators sum every token's reward, and the sequential ones (gae, remax,
+reinforce_plus_plus) pass it back undiscounted to the policy token before it. (The controller
+puts the outcome reward on the last response token, which in a multi-turn response can be a
+tool-output token.)
+
+Advantages are constants for the policy loss, so everything here runs under ``torch.no_grad``. Group statistics are vectorised with
 ``torch.unique(return_inverse=True)`` + ``index_add``: group ids may be any integers, in any
 order, and no Python loop runs per sample.
 
@@ -42,6 +55,8 @@ class AdvantageEstimatorFn(Protocol):
         lam: float = 1.0,
         norm_adv_by_std_in_grpo: bool = True,
         epsilon: float = 1e-6,
+        values: torch.Tensor | None = None,
+        reward_baselines: torch.Tensor | None = None,
         **unused: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -217,3 +232,277 @@ def compute_reinforce_plus_plus_advantages(
         returns[:, t] = running
     advantages = masked_whiten(returns, mask) * mask
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers for the estimators below
+# --------------------------------------------------------------------------------------------
+
+
+def _require(name: str, tensor: torch.Tensor | None, estimator: str, what: str) -> torch.Tensor:
+    """``tensor``, or a ValueError saying which estimator needs it and where it comes from."""
+    if tensor is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs {name}= ({what}); got None")
+    return tensor
+
+
+def _check_finite_where(name: str, tensor: torch.Tensor, where: torch.Tensor) -> None:
+    """Raise naming the rows where ``tensor`` is non-finite at a position ``where`` is True."""
+    bad = ~torch.isfinite(tensor) & where
+    if bool(bad.any()):
+        rows = bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero().flatten().tolist()
+        raise ValueError(f"{name} has non-finite values in rows {rows[:10]}{' ...' if len(rows) > 10 else ''}")
+
+
+def _check_unit_interval(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A per-sample scalar (B,) on every masked-in token (B, R), 0 elsewhere, cast to ``dtype``."""
+    zero = torch.zeros((), dtype=per_sample.dtype, device=per_sample.device)
+    return torch.where(mask != 0, per_sample.unsqueeze(-1), zero).to(dtype)
+
+
+def _group_mean_or_zero(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample (group size, group mean) with a singleton group's mean set to 0, as verl does
+    for every estimator whose baseline is a group mean (a lone sample has nothing to compare to)."""
+    inverse, num_groups = _group_index(group_ids, scores.shape[0])
+    counts, mean, _ = _group_stats(scores, inverse, num_groups)
+    return counts, torch.where(counts == 1, torch.zeros_like(mean), mean)
+
+
+# --------------------------------------------------------------------------------------------
+# Critic-based and sequential estimators
+# --------------------------------------------------------------------------------------------
+
+
+@register_adv_estimator("gae")
+@torch.no_grad()
+def compute_gae_advantages(
+    *,
+    token_level_rewards: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    values: torch.Tensor | None = None,  # (B, R)
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016), verl's ``gae``.
+
+    Backwards over policy tokens: δ_t = r_t + γ·V_{t'} − V_t with t' the next policy token
+    (V = 0 after the last one: the response is terminal), A_t = δ_t + γλ·A_{t'}.
+    returns = A + V (before whitening: the critic's regression target);
+    advantages = masked_whiten(A) over every response token of the batch.
+
+    A token with mask 0 (tool output inside a multi-turn response) is skipped, as in verl
+    (v0.5 #2337): the next value and the running advantage pass over it unchanged. verl also
+    drops any reward placed on such a token; here it is added, undiscounted, to the reward of
+    the policy token before it (a reward after the last tool call would otherwise be lost).
+    The two agree whenever masked tokens carry no reward. Advantages and returns are 0 on
+    masked tokens (verl leaves carried-over values there; no loss reads them).
+    """
+    _check_inputs(token_level_rewards, response_mask)
+    values = _require("values", values, "gae", "(B, R) critic values of the response tokens")
+    check_same_shape(token_level_rewards=token_level_rewards, values=values)
+    _check_unit_interval("gamma", gamma)
+    _check_unit_interval("lam", lam)
+    mask = response_mask != 0
+    _check_finite_where("values", values, mask)
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    rewards = token_level_rewards.to(dtype)
+    # Values on masked tokens are never read; zero them so nothing non-finite can leak.
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    v = torch.where(mask, values.to(dtype), zero)
+
+    batch_size, length = rewards.shape
+    advantages = torch.zeros_like(rewards)  # (B, R)
+    running = rewards.new_zeros(batch_size)  # (B,) A of the next policy token
+    next_value = rewards.new_zeros(batch_size)  # (B,) V of the next policy token
+    pending = rewards.new_zeros(batch_size)  # (B,) rewards on masked tokens after this one
+    for t in reversed(range(length)):
+        m = mask[:, t]
+        reward = rewards[:, t] + pending
+        delta = reward + gamma * next_value - v[:, t]
+        running = torch.where(m, delta + gamma * lam * running, running)
+        next_value = torch.where(m, v[:, t], next_value)
+        pending = torch.where(m, zero, reward)
+        advantages[:, t] = running
+    returns = torch.where(mask, advantages + v, zero)
+    whitened = torch.where(mask, masked_whiten(advantages, mask.to(dtype)), zero)
+    return whitened.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
+@register_adv_estimator("remax")
+@torch.no_grad()
+def compute_remax_advantages(
+    *,
+    token_level_rewards: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    reward_baselines: torch.Tensor | None = None,  # (B,)
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): the baseline is the reward of the greedy response to the prompt.
+
+    returns_t = Σ_{s ≥ t} r_s (undiscounted reward-to-go); A_t = returns_t − b.
+    ``reward_baselines`` (B,) is the score of a greedy (temperature 0) response to each
+    sample's prompt, repeated for every sample of that prompt. No whitening. verl sums only
+    masked-in rewards; here a reward on a masked token also counts for the tokens before it
+    (see the module docstring). Both are 0 on masked tokens.
+    """
+    _check_inputs(token_level_rewards, response_mask)
+    baselines = _require(
+        "reward_baselines", reward_baselines, "remax", "(B,) score of the greedy response to each prompt"
+    )
+    if baselines.dim() != 1 or baselines.shape[0] != token_level_rewards.shape[0]:
+        raise ValueError(
+            f"reward_baselines must be ({token_level_rewards.shape[0]},) to match token_level_rewards, "
+            f"got {tuple(baselines.shape)}"
+        )
+    _check_finite_where("reward_baselines", baselines, torch.ones_like(baselines, dtype=torch.bool))
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    mask = response_mask != 0
+    zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
+    reward_to_go = token_level_rewards.to(dtype).flip(-1).cumsum(-1).flip(-1)  # (B, R)
+    returns = torch.where(mask, reward_to_go, zero)
+    advantages = torch.where(mask, reward_to_go - baselines.to(dtype).unsqueeze(-1), zero)
+    return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Outcome estimators with group baselines
+# --------------------------------------------------------------------------------------------
+
+
+@register_adv_estimator("grpo_passk")
+@torch.no_grad()
+def compute_grpo_passk_advantages(
+    *,
+    token_level_rewards: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    group_ids: torch.Tensor,  # (B,)
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025, arXiv 2503.19595), verl's ``grpo_passk``.
+
+    Only the best response of each group is credited: A = r_max − r_second (the reward the
+    group would lose without it), divided by (std_g + ε) when ``norm_adv_by_std_in_grpo``;
+    every other response gets 0. When several responses share the maximum, the one with the
+    lowest batch index is "best" and its advantage is 0 anyway (r_max = r_second). Every group
+    needs at least two samples (verl raises too): the rule is undefined for one.
+    """
+    _check_inputs(token_level_rewards, response_mask)
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    inverse, num_groups = _group_index(group_ids, scores.shape[0])
+    counts, _, std = _group_stats(scores, inverse, num_groups)
+    if bool((counts < 2).any()):
+        lonely = sorted(set(group_ids[counts < 2].tolist()))
+        raise ValueError(
+            f"grpo_passk needs at least 2 samples per group; group_ids {lonely[:10]}"
+            f"{' ...' if len(lonely) > 10 else ''} have 1 (set rollout.n >= 2)"
+        )
+    batch = scores.shape[0]
+    positions = torch.arange(batch, device=scores.device)
+    minus_inf = torch.full((num_groups,), float("-inf"), dtype=dtype, device=scores.device)
+    group_max = minus_inf.scatter_reduce(0, inverse, scores, "amax")
+    is_max = scores == group_max[inverse]
+    first_max = torch.full((num_groups,), batch, device=scores.device).scatter_reduce(
+        0, inverse, torch.where(is_max, positions, batch), "amin"
+    )
+    best = positions == first_max[inverse]
+    runner_up = minus_inf.scatter_reduce(0, inverse, torch.where(best, float("-inf"), scores), "amax")
+    advantage = torch.where(best, scores - runner_up[inverse], torch.zeros_like(scores))
+    if norm_adv_by_std_in_grpo:
+        advantage = advantage / (std + epsilon)
+    advantages = _broadcast(advantage, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_advantages(
+    *,
+    token_level_rewards: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    group_ids: torch.Tensor,  # (B,)
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu 2025, arXiv 2501.03262).
+
+    r_i − mean_g (0 for a singleton group) on every response token, then whitened over all
+    response tokens of the batch (so a long response weighs more in the statistics, as in
+    verl). Returns are the advantages.
+    """
+    _check_inputs(token_level_rewards, response_mask)
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    _, mean = _group_mean_or_zero(scores, group_ids)
+    mask = response_mask != 0
+    centred = _broadcast(scores - mean, response_mask, dtype)  # (B, R)
+    zero = torch.zeros((), dtype=dtype, device=centred.device)
+    advantages = torch.where(mask, masked_whiten(centred, mask.to(dtype)), zero)
+    advantages = advantages.to(token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("opo")
+@torch.no_grad()
+def compute_opo_advantages(
+    *,
+    token_level_rewards: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    group_ids: torch.Tensor,  # (B,)
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-Policy RL with the optimal baseline (OPO, arXiv 2505.23585), verl's ``opo``.
+
+    The baseline is the length-weighted group mean b_g = Σ_i |y_i|·r_i / Σ_i |y_i| (|y_i| =
+    masked-in tokens of response i), A_i = r_i − b_g. A singleton group has baseline 0 (A = r).
+    A group whose responses are all empty also gets baseline 0 (verl divides 0 by 0 there).
+    """
+    _check_inputs(token_level_rewards, response_mask)
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    lengths = (response_mask != 0).sum(dim=-1).to(dtype)  # (B,)
+    inverse, num_groups = _group_index(group_ids, scores.shape[0])
+    counts = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
+    weighted = torch.zeros_like(counts).index_add_(0, inverse, lengths * scores)
+    total_length = torch.zeros_like(counts).index_add_(0, inverse, lengths)
+    baseline = torch.where(
+        (counts > 1) & (total_length > 0), weighted / total_length.clamp(min=1), torch.zeros_like(counts)
+    )
+    advantages = _broadcast(scores - baseline[inverse], response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("gpg")
+@torch.no_grad()
+def compute_gpg_advantages(
+    *,
+    token_level_rewards: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    group_ids: torch.Tensor,  # (B,)
+    f_norm: float = 1.0,
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group Policy Gradient (GPG, arXiv 2504.02546), verl's ``gpg``.
+
+    A_i = α·(r_i − mean_g) / f_norm with α = B / max(1, #samples with a non-zero score): when
+    most of the batch scored 0, the few informative samples are scaled up so the batch
+    gradient keeps its size. No std normalisation; a singleton group has mean 0. verl's
+    ``alpha`` argument is always overwritten by this formula, so it is not an input here.
+    """
+    _check_inputs(token_level_rewards, response_mask)
+    if not f_norm > 0:
+        raise ValueError(f"f_norm must be > 0, got {f_norm}")
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    _, mean = _group_mean_or_zero(scores, group_ids)
+    nonzero = int(torch.count_nonzero(scores))
+    alpha = scores.shape[0] / max(1, nonzero)
+    advantages = _broadcast(alpha * (scores - mean) / f_norm, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()

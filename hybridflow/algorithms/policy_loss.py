@@ -14,19 +14,34 @@ Every policy loss has the same keyword-only signature, so the actor calls
           **unused)
       -> (loss: scalar tensor, metrics: dict[str, float])
 
+Mode-specific inputs (``tau_pos``, ``clip_cov_ratio``, ``generator``, ...) are optional keywords
+with verl's defaults; every loss accepts and ignores the others through ``**unused``.
+Registered: ``vanilla``, ``gspo``, ``sapo``, ``cispo``, ``gpg``, ``clip_cov``, ``kl_cov``,
+``geo_mean``.
+
 Metrics use verl's names: ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``;
-they are means over this micro-batch's masked-in tokens.
+they are means over this micro-batch's masked-in tokens. Every mode returns all three (the
+actor averages metrics key by key); a metric verl does not compute for a mode is 0.0. Their
+meaning per mode follows verl and is given in each docstring. ``actor/ppo_kl`` is the mean of
+logπ_old − logπ everywhere except ``kl_cov`` (mean |log-ratio|, as verl).
+
+Every loss clamps the token log-ratio logπ − logπ_old to ±20 before using it (verl does so in
+vanilla, sapo and cispo only); that only matters for a token 20 nats off-policy.
+
+Positions with mask 0 are neutralised before any arithmetic (the new losses replace their
+logprobs and advantages by 0 there), so padding garbage, even ``-inf``, reaches neither the
+loss nor the gradient.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from hybridflow.algorithms.aggregation import Count, agg_loss
-from hybridflow.algorithms.core import F, check_same_shape, masked_mean, register_into, resolve
+from hybridflow.algorithms.core import F, check_same_shape, masked_mean, masked_sum, register_into, resolve
 
 # exp(20) ≈ 4.9e8 is finite in fp32/bf16; a larger log-ratio means the sample is hopelessly
 # off-policy and only needs to be finite (verl clamps the same way).
@@ -144,3 +159,460 @@ def compute_ppo_clip_loss(
             "actor/ppo_kl": float(masked_mean(-log_ratio, mask)),
         }
     return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces of the losses below
+# --------------------------------------------------------------------------------------------
+
+# verl's defaults for the mode-specific inputs (verl/workers/config/actor.py).
+SAPO_TAU_POS = 1.0
+SAPO_TAU_NEG = 1.05
+CLIP_COV_RATIO = 2e-4
+CLIP_COV_LB = 1.0
+CLIP_COV_UB = 5.0
+KL_COV_RATIO = 2e-4
+KL_COV_COEF = 0.1  # PolicyLossConfig.ppo_kl_coef (core_algos' own fallback is 1.0)
+# GSPO bounds the log of its combined ratio from above only: a sequence that became much more
+# likely gets a finite (clipped) weight; a much less likely one just underflows towards 0.
+GSPO_LOG_RATIO_MAX = 10.0
+# geo_mean takes the log of rollout IS weights; a weight of exactly 0 (rejected) must stay finite.
+GEO_MEAN_LOG_EPS = 1e-10
+
+
+class _Prepared(NamedTuple):
+    """Inputs with masked-out positions replaced by 0, plus the clamped log-ratio."""
+
+    logprobs: torch.Tensor  # (B, R) with grad
+    advantages: torch.Tensor  # (B, R)
+    mask: torch.Tensor  # (B, R) bool
+    mask_f: torch.Tensor  # (B, R) float, logprobs' dtype
+    log_ratio: torch.Tensor  # (B, R) clamp(logπ − logπ_old, ±20), with grad
+    weights: torch.Tensor | None  # (B, R) rollout IS weights, 0 on masked positions
+
+
+def _prepare(
+    old_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+) -> _Prepared:
+    """Check shapes and neutralise masked positions.
+
+    ``torch.where`` is a select in the backward pass too, so a masked position gets an exact 0
+    gradient even when its input was ``-inf`` or nan; a multiplication by the mask would turn
+    such a value into a nan gradient.
+    """
+    check_same_shape(
+        old_logprobs=old_logprobs, logprobs=logprobs, advantages=advantages, response_mask=response_mask
+    )
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (B, R), got shape {tuple(logprobs.shape)}")
+    if rollout_is_weights is not None:
+        check_same_shape(logprobs=logprobs, rollout_is_weights=rollout_is_weights)
+    mask = response_mask != 0
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(mask, logprobs, zero)
+    old = torch.where(mask, old_logprobs.detach().to(logprobs.dtype), zero)
+    adv = torch.where(mask, advantages.detach().to(logprobs.dtype), zero)
+    weights = None
+    if rollout_is_weights is not None:
+        weights = torch.where(mask, rollout_is_weights.detach().to(logprobs.dtype), zero)
+    log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _Prepared(logprobs, adv, mask, mask.to(logprobs.dtype), log_ratio, weights)
+
+
+def _check_clip(clip_ratio_low: float, clip_ratio_high: float) -> None:
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}")
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+def _fraction(flags: torch.Tensor, mask_f: torch.Tensor) -> float:
+    """Masked mean of a boolean (B, R) tensor, as a Python float."""
+    return float(masked_mean(flags.detach().to(mask_f.dtype), mask_f))
+
+
+def _metrics(
+    x: _Prepared, clipped: torch.Tensor | None = None, clipped_lower: torch.Tensor | None = None
+) -> dict[str, float]:
+    """The three contract metrics; a missing flag tensor means "this mode has no such clip"."""
+    with torch.no_grad():
+        return {
+            "actor/pg_clipfrac": 0.0 if clipped is None else _fraction(clipped, x.mask_f),
+            "actor/pg_clipfrac_lower": 0.0 if clipped_lower is None else _fraction(clipped_lower, x.mask_f),
+            "actor/ppo_kl": float(masked_mean(-x.log_ratio.detach(), x.mask_f)),
+        }
+
+
+def _aggregate(
+    token_losses: torch.Tensor,
+    x: _Prepared,
+    loss_agg_mode: str,
+    global_num_tokens: Count | None,
+    global_num_seqs: Count | None,
+    loss_scale_factor: float | None,
+    dp_size: int,
+) -> torch.Tensor:
+    """Rollout IS weights times the token losses, reduced by ``agg_loss``."""
+    if x.weights is not None:
+        token_losses = token_losses * x.weights
+    return agg_loss(
+        token_losses,
+        x.mask_f,
+        loss_agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        loss_scale_factor=loss_scale_factor,
+        dp_size=dp_size,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence-level and smoothed ratios
+# --------------------------------------------------------------------------------------------
+
+
+@register_policy_loss("gspo")
+def compute_gspo_loss(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    logprobs: torch.Tensor,  # (B, R)
+    advantages: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    global_num_seqs: Count | None = None,
+    dp_size: int = 1,
+    rollout_is_weights: torch.Tensor | None = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071), verl's ``gspo``.
+
+    One importance ratio per sequence, the geometric mean of its token ratios,
+    s_i = exp(mean_t (logπ − logπ_old)), so a long response is not clipped token by token.
+    Per token it enters as s_{i,t} = sg(s_i)·π_t / sg(π_t): the value is s_i, the gradient
+    that of logπ_t scaled by s_i (its log is capped at 10). Then the PPO clip:
+    L = max(−A·s_{i,t}, −A·clip(s_{i,t}, 1 − clip_ratio_low, 1 + clip_ratio_high)), without
+    dual clip. GSPO's clip ranges are much smaller than PPO's (the paper uses 3e-4/4e-4).
+
+    Always aggregated with ``seq-mean-token-mean`` (every token of a sequence shares one
+    ratio; the objective is a mean over sequences), as verl: ``loss_agg_mode`` is ignored.
+    Metrics: ``pg_clipfrac`` = fraction of tokens where the clipped term won; no lower clip.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    lengths = x.mask_f.sum(dim=-1).clamp(min=1)  # (B,)
+    seq_log_ratio = masked_sum(x.log_ratio, x.mask_f, dim=-1) / lengths  # (B,)
+    log_s = x.logprobs - x.logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    s = torch.exp(log_s.clamp(max=GSPO_LOG_RATIO_MAX))  # (B, R)
+    unclipped = -x.advantages * s
+    clipped = -x.advantages * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    token_losses = torch.maximum(unclipped, clipped)
+    loss = _aggregate(token_losses, x, "seq-mean-token-mean", None, global_num_seqs, None, dp_size)
+    return loss, _metrics(x, clipped=clipped > unclipped)
+
+
+@register_policy_loss("sapo")
+def compute_sapo_loss(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    logprobs: torch.Tensor,  # (B, R)
+    advantages: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    tau_pos: float = SAPO_TAU_POS,
+    tau_neg: float = SAPO_TAU_NEG,
+    global_num_seqs: Count | None = None,
+    dp_size: int = 1,
+    rollout_is_weights: torch.Tensor | None = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Soft Adaptive Policy Optimization (arXiv 2511.20347), verl's ``sapo``.
+
+    A smooth gate replaces the hard clip: L = −f_τ(r)·A with f_τ(r) = σ(τ(r − 1))·4/τ and
+    r = π/π_old. Its slope in log r is 4·σ(1 − σ)·r, which is r at r = 1 (the plain policy
+    gradient) and decays smoothly as the ratio drifts, instead of dropping to 0 at a clip
+    edge. τ = ``tau_pos`` for A > 0 and ``tau_neg`` for A ≤ 0 (a slightly larger τ damps
+    negative updates faster; verl defaults 1.0 / 1.05).
+
+    Always aggregated with ``seq-mean-token-mean``, as verl: ``loss_agg_mode`` is ignored.
+    There is no clip, so both clip fractions are 0.
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    ratio = torch.exp(x.log_ratio)
+    tau = torch.where(
+        x.advantages > 0,
+        torch.tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    token_losses = -gate * x.advantages
+    loss = _aggregate(token_losses, x, "seq-mean-token-mean", None, global_num_seqs, None, dp_size)
+    return loss, _metrics(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Log-likelihood surrogates
+# --------------------------------------------------------------------------------------------
+
+
+@register_policy_loss("cispo")
+def compute_cispo_loss(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    logprobs: torch.Tensor,  # (B, R)
+    advantages: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+    rollout_is_weights: torch.Tensor | None = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped IS-weight policy optimization (MiniMax-M1, arXiv 2506.13585), verl's ``cispo``.
+
+    L = −sg(clip(r, 1 − clip_ratio_low, 1 + clip_ratio_high))·A·logπ. The IS weight is
+    clipped and detached, but unlike PPO a clipped token still gets a gradient (scaled by
+    the clipped weight), so rare high-ratio tokens keep contributing.
+
+    The loss *value* is a log-likelihood surrogate (only its gradient is meaningful).
+    Metrics: ``pg_clipfrac`` = fraction of tokens whose ratio was clipped (either side); no
+    lower clip.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    ratio = torch.exp(x.log_ratio.detach())
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    token_losses = -weight * x.advantages * x.logprobs
+    loss = _aggregate(
+        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
+    )
+    return loss, _metrics(x, clipped=ratio != weight)
+
+
+@register_policy_loss("gpg")
+def compute_gpg_loss(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    logprobs: torch.Tensor,  # (B, R)
+    advantages: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+    rollout_is_weights: torch.Tensor | None = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group Policy Gradient (arXiv 2504.02546), verl's ``gpg``: plain REINFORCE, L = −A·logπ.
+
+    No ratio and no clip: meant for one optimizer step per rollout batch (with more, nothing
+    keeps the policy near π_old). Pair with the ``gpg`` advantage estimator. ``old_logprobs``
+    only feed ``actor/ppo_kl``; both clip fractions are 0 (verl returns no metrics here).
+    """
+    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    token_losses = -x.advantages * x.logprobs
+    loss = _aggregate(
+        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
+    )
+    return loss, _metrics(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Covariance-based entropy control (Cui et al. 2025, "The Entropy Mechanism of RL for LLMs")
+# --------------------------------------------------------------------------------------------
+
+
+def _centred_covariance(x: _Prepared) -> torch.Tensor:
+    """(A − mean A)·(logπ − mean logπ) per token (B, R), means over masked-in tokens, no grad.
+
+    The tokens with the largest covariance are those whose update lowers entropy most (a
+    confident token pushed up, or an unlikely one pushed down); both cov losses act on them.
+    """
+    with torch.no_grad():
+        logp = x.logprobs.detach()
+        return (x.advantages - masked_mean(x.advantages, x.mask_f)) * (logp - masked_mean(logp, x.mask_f))
+
+
+@register_policy_loss("clip_cov")
+def compute_clip_cov_loss(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    logprobs: torch.Tensor,  # (B, R)
+    advantages: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+    rollout_is_weights: torch.Tensor | None = None,
+    clip_cov_ratio: float = CLIP_COV_RATIO,
+    clip_cov_lb: float = CLIP_COV_LB,
+    clip_cov_ub: float = CLIP_COV_UB,
+    generator: torch.Generator | None = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov, verl's ``clip_cov``: PPO clip, plus a random few high-covariance tokens dropped.
+
+    Token losses are PPO's max(−A·r, −A·clip(r, 1 − low, 1 + high)) (no dual clip). Among the
+    masked-in tokens PPO did not clip whose centred covariance (see ``_centred_covariance``)
+    lies strictly inside (``clip_cov_lb``, ``clip_cov_ub``), max(1, ⌊clip_cov_ratio·N⌋) are
+    drawn uniformly at random (N = masked-in tokens of this micro-batch) and contribute
+    neither loss nor gradient: that slows the entropy collapse those tokens drive.
+
+    The draw uses ``torch.randperm`` with ``generator`` (the global RNG when None, as verl);
+    pass a seeded generator for reproducible steps. Metrics (verl): ``pg_clipfrac`` = fraction
+    of tokens dropped by the covariance rule, no lower clip.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    _check_fraction("clip_cov_ratio", clip_cov_ratio)
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {clip_cov_lb} >= {clip_cov_ub}")
+    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    ratio = torch.exp(x.log_ratio)
+    unclipped = -x.advantages * ratio
+    clipped = -x.advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    with torch.no_grad():
+        cov = _centred_covariance(x)
+        candidates = x.mask & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        flat = candidates.flatten().nonzero().flatten()  # positions in the flattened (B·R)
+        budget = max(int(clip_cov_ratio * int(x.mask.sum())), 1)
+        if flat.numel() > budget:
+            device = generator.device if generator is not None else torch.device("cpu")
+            order = torch.randperm(flat.numel(), generator=generator, device=device).to(flat.device)
+            flat = flat[order[:budget]]
+        dropped = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+        dropped[flat] = True
+        dropped = dropped.view_as(candidates)
+    token_losses = torch.where(dropped, torch.zeros_like(unclipped), torch.maximum(unclipped, clipped))
+    loss = _aggregate(
+        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
+    )
+    return loss, _metrics(x, clipped=dropped)
+
+
+@register_policy_loss("kl_cov")
+def compute_kl_cov_loss(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    logprobs: torch.Tensor,  # (B, R)
+    advantages: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+    rollout_is_weights: torch.Tensor | None = None,
+    kl_cov_ratio: float = KL_COV_RATIO,
+    ppo_kl_coef: float = KL_COV_COEF,
+    **unused: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov, verl's ``kl_cov``: −A·r, plus a KL penalty on the highest-covariance tokens.
+
+    L = −A·r on every token (no clip: the penalty is the trust region), and
+    L = −A·r + ``ppo_kl_coef``·|log r| on the max(1, ⌊kl_cov_ratio·N⌋) masked-in tokens with
+    the largest centred covariance (see ``_centred_covariance``; N = masked-in tokens of this
+    micro-batch; ties broken by ``torch.topk``). Deterministic. ``ppo_kl_coef`` defaults to
+    verl's config default 0.1 (its code fallback is 1.0).
+
+    Metrics (verl): ``actor/ppo_kl`` is the mean of |log r| here, not of −log r; no clip, so
+    both clip fractions are 0.
+    """
+    _check_fraction("kl_cov_ratio", kl_cov_ratio)
+    if not ppo_kl_coef >= 0:
+        raise ValueError(f"ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
+    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    ratio = torch.exp(x.log_ratio)
+    policy_term = -x.advantages * ratio
+    with torch.no_grad():
+        penalised = torch.zeros(x.mask.numel(), dtype=torch.bool, device=x.mask.device)
+        valid = x.mask.flatten().nonzero().flatten()
+        if valid.numel() > 0:
+            cov = _centred_covariance(x).flatten()[valid]
+            k = max(1, int(valid.numel() * kl_cov_ratio))
+            penalised[valid[torch.topk(cov, k).indices]] = True
+        penalised = penalised.view_as(x.mask)
+    token_losses = torch.where(penalised, policy_term + ppo_kl_coef * x.log_ratio.abs(), policy_term)
+    loss = _aggregate(
+        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
+    )
+    metrics = _metrics(x)
+    with torch.no_grad():
+        metrics["actor/ppo_kl"] = float(masked_mean(x.log_ratio.detach().abs(), x.mask_f))
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Geometric mean
+# --------------------------------------------------------------------------------------------
+
+
+@register_policy_loss("geo_mean")
+def compute_geo_mean_loss(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    logprobs: torch.Tensor,  # (B, R)
+    advantages: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    global_num_seqs: Count | None = None,
+    dp_size: int = 1,
+    rollout_is_weights: torch.Tensor | None = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Geometric-Mean Policy Optimization (GMPO, arXiv 2507.20673), verl's ``geo_mean``.
+
+    Per token, the log-ratio ℓ = log r is clipped on the side the advantage pushes it, in log
+    space: ℓ' = min(ℓ, ``clip_ratio_high``) for A > 0 and max(ℓ, −``clip_ratio_low``) for
+    A < 0 (ℓ' = 0 for A = 0). The sequence ratio is the geometric mean exp(mean_t ℓ') (one
+    outlier token moves it far less than an arithmetic mean) and the sequence loss is
+    −mean_t(A)·exp(mean_t ℓ'). Advantages are meant to be per sequence (outcome estimators).
+    GMPO's clip range is wider than PPO's (the paper uses e^{±0.4}).
+
+    Rollout IS weights enter as their per-sequence geometric mean (log of w + 1e-10).
+    Sequences are averaged like ``seq-mean-token-mean`` (global sequence count, × dp_size);
+    ``loss_agg_mode`` is ignored. verl takes a plain ``torch.mean`` over the micro-batch, which
+    is the same for one micro-batch without empty responses; here empty responses count in
+    no mean and micro-batches add up to the mini-batch mean.
+
+    Metrics (verl): a token is "clipped" when ℓ is outside [−low, high];
+    ``pg_clipfrac`` = clipped with A > 0, ``pg_clipfrac_lower`` = clipped with A < 0.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high)
+    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    sign = torch.sign(x.advantages)
+    bounded = x.log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    # sign·min(sign·ℓ, sign·clip(ℓ)): the pessimistic side for this advantage's direction.
+    pessimistic = sign * torch.minimum(sign * x.log_ratio, sign * bounded)
+    lengths = x.mask_f.sum(dim=-1).clamp(min=1)  # (B,)
+    seq_ratio = torch.exp(masked_sum(pessimistic, x.mask_f, dim=-1) / lengths)  # (B,)
+    seq_advantage = masked_sum(x.advantages, x.mask_f, dim=-1) / lengths  # (B,)
+    seq_losses = -seq_advantage * seq_ratio  # (B,)
+    if x.weights is not None:
+        log_w = torch.log(x.weights + GEO_MEAN_LOG_EPS)
+        seq_losses = seq_losses * torch.exp(masked_sum(log_w, x.mask_f, dim=-1) / lengths)
+    # Every token of a sequence carries its sequence's loss; seq-mean-token-mean then yields
+    # Σ_i loss_i / (number of non-empty sequences), with the global count when given.
+    token_losses = seq_losses.unsqueeze(-1).expand_as(x.mask_f)
+    loss = agg_loss(
+        token_losses, x.mask_f, "seq-mean-token-mean", global_num_seqs=global_num_seqs, dp_size=dp_size
+    )
+    out_of_range = bounded != x.log_ratio
+    return loss, _metrics(x, clipped=out_of_range & (x.advantages > 0), clipped_lower=out_of_range & (x.advantages < 0))

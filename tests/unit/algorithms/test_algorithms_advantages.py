@@ -146,7 +146,10 @@ def test_every_estimator_takes_the_uniform_signature(name: str) -> None:
         lam=0.95,
         norm_adv_by_std_in_grpo=True,
         epsilon=1e-6,
-        values=torch.zeros(4, 4),  # an input some other estimator would need
+        values=torch.zeros(4, 4),  # inputs only some estimators need (gae, remax)
+        reward_baselines=torch.zeros(4),
+        f_norm=1.0,
+        an_input_no_estimator_knows=object(),
     )
     assert advantages.shape == returns.shape == rewards.shape
     assert not advantages.requires_grad
