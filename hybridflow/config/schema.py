@@ -105,7 +105,17 @@ class OptimConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = f("vanilla", "Policy loss from the registry (vanilla: PPO clip).")
+    loss_mode: str = f(
+        "vanilla",
+        "Policy loss from the registry: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean.",
+    )
+    tau_pos: float = f(1.0, "sapo: gate temperature for positive advantages.")
+    tau_neg: float = f(1.05, "sapo: gate temperature for negative advantages.")
+    clip_cov_ratio: float = f(2e-4, "clip_cov: fraction of tokens whose gradient is dropped.")
+    clip_cov_lb: float = f(1.0, "clip_cov: lower covariance bound of the candidates.")
+    clip_cov_ub: float = f(5.0, "clip_cov: upper covariance bound of the candidates.")
+    kl_cov_ratio: float = f(2e-4, "kl_cov: fraction of tokens (highest covariance) given a KL penalty.")
+    ppo_kl_coef: float = f(0.1, "kl_cov: coefficient of that penalty.")
 
 
 @dataclass

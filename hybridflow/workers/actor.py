@@ -109,6 +109,11 @@ class ActorWorker:
         low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
         scale = cfg.loss_scale_factor if cfg.loss_scale_factor is not None else float(self.setup.max_response_length)
+        pl = cfg.policy_loss
+        # Every loss takes the same keywords and ignores the ones that are not its own.
+        mode_kwargs = dict(tau_pos=pl.tau_pos, tau_neg=pl.tau_neg, clip_cov_ratio=pl.clip_cov_ratio,
+                           clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+                           kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef)
         agg = dict(
             global_num_tokens=num_tokens,
             global_num_seqs=num_seqs,
@@ -132,6 +137,7 @@ class ActorWorker:
                 clip_ratio_high=high,
                 clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode,
+                **mode_kwargs,
                 **agg,
             )
             loss = pg_loss
@@ -141,7 +147,7 @@ class ActorWorker:
                 local_pg, _ = self.policy_loss(
                     old_logprobs=old, logprobs=logprobs.detach(), advantages=mb.advantages, response_mask=mask,
                     clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
-                    loss_agg_mode=cfg.loss_agg_mode, loss_scale_factor=scale,
+                    loss_agg_mode=cfg.loss_agg_mode, loss_scale_factor=scale, **mode_kwargs,
                 )
                 metrics["actor/pg_loss"] = float(local_pg)
             if entropy is not None:

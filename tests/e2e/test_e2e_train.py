@@ -158,3 +158,18 @@ def test_default_run_rl_improves_the_held_out_greedy_score(tmp_path):
     before, after = vals[0][1], vals[-1][1]
     assert 0.05 < before < 0.6, f"the warm start should sometimes succeed, not always: {before}"
     assert after - before >= 0.2, vals
+
+
+@pytest.mark.parametrize("mode", ["gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean"])
+def test_every_policy_loss_trains_through_config_alone(model_and_data, tmp_path, mode):
+    """A loss mode is a config name: no controller branch, the same loop trains with it."""
+    model_dir, train, val = model_and_data
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+        "trainer.save_final=false", "trainer.test_freq=0", f"actor.policy_loss.loss_mode={mode}", "actor.optim.lr=1e-6",
+        *SMALL, "trainer.total_training_steps=1",
+    ])
+    metrics = api.train(cfg).final_metrics
+    assert metrics["training/global_step"] == 1
+    assert all(metrics[k] == metrics[k] for k in ("actor/pg_loss", "actor/grad_norm"))  # finite, not NaN
