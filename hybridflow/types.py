@@ -70,7 +70,9 @@ class Trajectory:
     rollout_logprobs: list[float]
     finish_reason: str  # "stop" (stop token), "length" (max_tokens), "abort"
     group_id: int = 0  # samples drawn from the same prompt share a group id
-    reward: float | None = None
+    reward: float | None = None  # the score the advantages use (after any reward shaping)
+    # The scorer's own numbers: "acc" (its score before shaping) and extra keys a reward returns.
+    reward_extra: dict[str, float] = field(default_factory=dict)
     num_turns: int = 1
     # Row fields the reward and the metrics need (data_source, ground_truth, extra_info, ...).
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +109,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # (B, R)
     returns: torch.Tensor | None = None  # (B, R)
     token_level_rewards: torch.Tensor | None = None  # (B, R)
+    rollout_is_weights: torch.Tensor | None = None  # (B, R) rollout-correction importance weights
 
     @property
     def batch_size(self) -> int:

@@ -15,6 +15,7 @@ weights and rejection between rollout-engine and trainer logprobs).
 
 from hybridflow.algorithms.advantages import (
     ADV_ESTIMATORS,
+    OPTIONAL_ESTIMATOR_INPUTS,
     AdvantageEstimatorFn,
     compute_gae_advantages,
     compute_gpg_advantages,
@@ -25,6 +26,7 @@ from hybridflow.algorithms.advantages import (
     compute_reinforce_plus_plus_baseline_advantages,
     compute_remax_advantages,
     compute_rloo_advantages,
+    estimator_needs,
     get_adv_estimator,
     register_adv_estimator,
 )
@@ -42,6 +44,7 @@ from hybridflow.algorithms.entropy import (
     entropy_from_logits_chunked,
     logprobs_from_logits,
 )
+from hybridflow.algorithms.filtering import compute_varied_group_mask
 from hybridflow.algorithms.kl import (
     KL_CONTROLLER_TYPES,
     KL_PENALTY_KINDS,
@@ -76,6 +79,7 @@ __all__ = [
     "ADV_ESTIMATORS",
     "KL_CONTROLLER_TYPES",
     "KL_PENALTY_KINDS",
+    "OPTIONAL_ESTIMATOR_INPUTS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
@@ -107,8 +111,10 @@ __all__ = [
     "compute_rollout_correction",
     "compute_sapo_loss",
     "compute_value_loss",
+    "compute_varied_group_mask",
     "entropy_from_logits",
     "entropy_from_logits_chunked",
+    "estimator_needs",
     "get_adv_estimator",
     "get_kl_controller",
     "get_policy_loss",

@@ -63,10 +63,38 @@ class AdvantageEstimatorFn(Protocol):
 
 ADV_ESTIMATORS: dict[str, AdvantageEstimatorFn] = {}
 
+# Inputs the trainer produces only for an estimator that asks for them, because each costs
+# work: ``values`` a critic forward, ``reward_baselines`` a greedy rollout and its scoring.
+# An estimator declares what it needs in a ``needs`` attribute (a tuple of these names); a
+# ``module:function`` estimator can set the same attribute.
+OPTIONAL_ESTIMATOR_INPUTS: tuple[str, ...] = ("values", "reward_baselines")
 
-def register_adv_estimator(name: str) -> Callable[[F], F]:
-    """Decorator: add an estimator under ``name`` (the value of ``algorithm.adv_estimator``)."""
-    return register_into(ADV_ESTIMATORS, name, "advantage estimator")  # type: ignore[arg-type]
+
+def register_adv_estimator(name: str, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Decorator: add an estimator under ``name`` (the value of ``algorithm.adv_estimator``).
+
+    ``needs`` names the optional inputs (``OPTIONAL_ESTIMATOR_INPUTS``) it cannot run without.
+    """
+    add = register_into(ADV_ESTIMATORS, name, "advantage estimator")
+
+    def decorator(fn: F) -> F:
+        fn.needs = tuple(needs)  # type: ignore[attr-defined]
+        estimator_needs(fn)  # validates the names now rather than mid-run
+        return add(fn)
+
+    return decorator
+
+
+def estimator_needs(fn: Callable[..., Any]) -> frozenset[str]:
+    """The optional inputs ``fn`` declared in its ``needs`` attribute (empty if none)."""
+    needs = frozenset(getattr(fn, "needs", ()) or ())
+    unknown = needs - set(OPTIONAL_ESTIMATOR_INPUTS)
+    if unknown:
+        raise ValueError(
+            f"advantage estimator {getattr(fn, '__qualname__', fn)!r} needs unknown inputs {sorted(unknown)}; "
+            f"the trainer can produce: {', '.join(OPTIONAL_ESTIMATOR_INPUTS)}"
+        )
+    return needs
 
 
 def get_adv_estimator(name: str) -> AdvantageEstimatorFn:
@@ -278,7 +306,7 @@ def _group_mean_or_zero(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[
 # --------------------------------------------------------------------------------------------
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs=("values",))
 @torch.no_grad()
 def compute_gae_advantages(
     *,
@@ -334,7 +362,7 @@ def compute_gae_advantages(
     return whitened.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", needs=("reward_baselines",))
 @torch.no_grad()
 def compute_remax_advantages(
     *,

@@ -51,6 +51,11 @@ class DataConfig:
         "A malformed row: error (name file, row and problem) | skip (drop it and count it).",
         choices=("error", "skip"),
     )
+    gen_batch_size: int | None = f(
+        None,
+        "Prompts per generation round when algorithm.filter_groups is on (DAPO draws more rounds until "
+        "train_batch_size prompts survive the filter). None: train_batch_size.",
+    )
     shuffle: bool = f(True, "Shuffle the training prompts each epoch (seeded, resumable).")
     seed: int | None = f(None, "Sampler seed. None: trainer.seed.")
     builtin_train_size: int = f(4096, "Rows of the built-in task's training split.")
@@ -107,7 +112,8 @@ class OptimConfig:
 class PolicyLossConfig:
     loss_mode: str = f(
         "vanilla",
-        "Policy loss from the registry: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean.",
+        "Policy loss: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean, or "
+        "package.module:function.",
     )
     tau_pos: float = f(1.0, "sapo: gate temperature for positive advantages.")
     tau_neg: float = f(1.05, "sapo: gate temperature for negative advantages.")
@@ -175,12 +181,24 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = f(False, "DAPO overlong shaping: penalise responses that run into the last buffer tokens.")
+    len: int | None = f(
+        None,
+        "Buffer length in tokens: a response longer than max_response_length - len loses "
+        "(length - (max_response_length - len)) / len x penalty_factor. None: max_response_length // 5.",
+    )
+    penalty_factor: float = f(1.0, "Penalty at max_response_length (linear from 0 at the buffer's start).")
+
+
+@dataclass
 class RewardConfig:
     custom_reward_function: CustomRewardConfig = sub(
         CustomRewardConfig, "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict."
     )
     timeout_s: float = f(10.0, "Per-sample scoring timeout; a timed-out sample scores 0 and is counted.")
     num_workers: int = f(1, "Scoring worker processes.")
+    overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO's soft overlong punishment.")
 
 
 @dataclass
@@ -192,14 +210,61 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = f(
+        False,
+        "DAPO dynamic sampling: drop groups whose samples all got the same metric (no learning signal) "
+        "and generate more until data.train_batch_size prompts remain.",
+    )
+    metric: str = f(
+        "acc",
+        "What must vary inside a group: acc (the scorer's reward) | score (after reward shaping).",
+        choices=("acc", "score"),
+    )
+    max_num_gen_batches: int = f(
+        10,
+        "Most generation rounds per step (0: unlimited). When reached, the step trains on the groups kept "
+        "so far and reports filter/exhausted=1.",
+    )
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = f(
+        None,
+        "Importance weights pi_old/pi_rollout multiplied into the policy loss: null (off) | token | sequence.",
+        choices=("token", "sequence"),
+    )
+    rollout_is_threshold: float = f(2.0, "Upper truncation of the importance weights (TIS).")
+    rollout_rs: str | None = f(
+        None,
+        "Rejection: drop tokens (token) or whole responses (sequence) whose ratio pi_old/pi_rollout lies "
+        "outside [rollout_rs_threshold_lower, rollout_rs_threshold]: null (off) | token | sequence.",
+        choices=("token", "sequence"),
+    )
+    rollout_rs_threshold: float = f(2.0, "Upper bound of the accepted ratio.")
+    rollout_rs_threshold_lower: float | None = f(None, "Lower bound of the accepted ratio. None: 1 / upper.")
+
+
+@dataclass
 class AlgorithmConfig:
-    adv_estimator: str = f("grpo", "Advantage estimator from the registry: grpo | rloo | reinforce_plus_plus ...")
+    adv_estimator: str = f(
+        "grpo",
+        "Advantage estimator: grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
+        "grpo_passk | opo | gpg | gae (needs a critic), or package.module:function.",
+    )
     norm_adv_by_std_in_grpo: bool = f(True, "Divide GRPO advantages by the group std (false: Dr.GRPO).")
     gamma: float = f(1.0, "Discount factor.")
     lam: float = f(1.0, "GAE lambda.")
     use_kl_in_reward: bool = f(False, "Subtract a KL penalty from token rewards (loads a reference model).")
     kl_penalty: str = f("kl", "KL estimator for the in-reward penalty.")
     kl_ctrl: KLControlConfig = sub(KLControlConfig, "In-reward KL coefficient controller.")
+    filter_groups: FilterGroupsConfig = sub(FilterGroupsConfig, "DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = sub(
+        RolloutCorrectionConfig,
+        "Correct for the rollout engine's probabilities differing from the trainer's (metrics are logged "
+        "whenever old logprobs are computed).",
+    )
 
 
 @dataclass

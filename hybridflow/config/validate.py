@@ -200,10 +200,12 @@ def _check_ranges(cfg: Config, report: _Report) -> None:
         if value is not None and value <= 0:
             report.error(f"actor.{name}={value} must be > 0 or null (null: actor.clip_ratio)")
     low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
-    if low >= 1:
+    # CISPO bounds its importance weight from above only: a lower range of 1 (bound 0) is its norm.
+    if low > 1 or (low == 1 and actor.policy_loss.loss_mode != "cispo"):
         report.error(
             f"the lower clip range is {low} (actor.clip_ratio_low, or actor.clip_ratio when null), "
-            f"so the ratio's lower bound 1 - {low} <= 0 clips nothing; use a value below 1, e.g. 0.2"
+            f"so the ratio's lower bound 1 - {low} <= 0 clips nothing; use a value below 1, e.g. 0.2 "
+            f"(1 is allowed for actor.policy_loss.loss_mode=cispo)"
         )
     if actor.clip_ratio_c <= 1:
         report.error(
@@ -372,10 +374,41 @@ def _check_algorithm(cfg: Config, report: _Report) -> None:
             f"algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator={estimator} "
             f"(it only changes grpo)"
         )
+    _check_dapo_and_correction(cfg, report)
     if cfg.actor.loss_scale_factor is not None and cfg.actor.loss_agg_mode != "seq-mean-token-sum-norm":
         report.warn(
             f"actor.loss_scale_factor={cfg.actor.loss_scale_factor} has no effect with "
             f"actor.loss_agg_mode={cfg.actor.loss_agg_mode} (only seq-mean-token-sum-norm uses it)"
+        )
+
+
+def _check_dapo_and_correction(cfg: Config, report: _Report) -> None:
+    fg, ob, d = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer, cfg.data
+    if fg.enable:
+        if fg.max_num_gen_batches < 0:
+            report.error(f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} must be >= 0 (0: unlimited)")
+        if cfg.rollout.n == 1:
+            report.warn("algorithm.filter_groups.enable=true with rollout.n=1: a group of one is always kept, "
+                        "so nothing is filtered")
+        if d.gen_batch_size is not None and d.gen_batch_size < 1:
+            report.error(f"data.gen_batch_size={d.gen_batch_size} must be >= 1 (or null: data.train_batch_size)")
+    elif d.gen_batch_size is not None and d.gen_batch_size != d.train_batch_size:
+        report.warn(f"data.gen_batch_size={d.gen_batch_size} has no effect while algorithm.filter_groups.enable=false")
+    if ob.enable:
+        if ob.len is not None and not 0 < ob.len <= d.max_response_length:
+            report.error(
+                f"reward.overlong_buffer.len={ob.len} must be in [1, data.max_response_length={d.max_response_length}]"
+            )
+        if ob.penalty_factor < 0:
+            report.error(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is_threshold <= 0:
+        report.error(f"algorithm.rollout_correction.rollout_is_threshold={rc.rollout_is_threshold} must be > 0")
+    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1 / max(rc.rollout_rs_threshold, 1e-12)
+    if rc.rollout_rs is not None and not 0 < lower <= rc.rollout_rs_threshold:
+        report.error(
+            f"algorithm.rollout_correction: need 0 < rollout_rs_threshold_lower ({lower:g}) <= "
+            f"rollout_rs_threshold ({rc.rollout_rs_threshold:g})"
         )
 
 

@@ -18,14 +18,15 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms import get_adv_estimator, get_kl_controller, get_policy_loss
+from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
 from hybridflow.cluster.worker_group import WorkerGroup, build_worker_group
-from hybridflow.config import Config, config_to_dict, config_to_yaml, validate_config
+from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.sft import SFTSpec, prepare_builtin_model
 from hybridflow.data import RLDataset, ResumableSampler
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
 from hybridflow.models.loading import load_tokenizer
+from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
@@ -52,6 +53,7 @@ class RunSetup:
     total_steps: int
     needs_old_logprobs: bool
     adv_estimator: Any
+    estimator_needs: frozenset[str]
     kl_controller: Any
     actor: WorkerGroup[ActorWorker]
     rollout: WorkerGroup[RolloutWorker]
@@ -111,6 +113,12 @@ def build_run(cfg: Config) -> RunSetup:
     for w in warnings:
         log.warning("config: %s", w)
     adv_estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+    needs = estimator_needs(adv_estimator)
+    if "values" in needs:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs critic values, and hybridflow has no "
+            f"critic worker yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
+        )
     get_policy_loss(cfg.actor.policy_loss.loss_mode)
     t, d, a = cfg.trainer, cfg.data, cfg.actor
     kl_controller = (
@@ -135,14 +143,18 @@ def build_run(cfg: Config) -> RunSetup:
     val_data = RLDataset.from_files(val_files, tokenizer, **data_kwargs) if val_files else None
     if val_data is None:
         log.warning("no data.val_files: validation is skipped")
-    sampler = ResumableSampler(len(train_data), d.train_batch_size, shuffle=d.shuffle,
+    # With dynamic sampling a step may draw several generation rounds of gen_batch_size prompts.
+    gen_batch = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size else d.train_batch_size
+    sampler = ResumableSampler(len(train_data), gen_batch, shuffle=d.shuffle,
                                seed=d.seed if d.seed is not None else t.seed)
     total_steps = planned_total_steps(sampler.steps_per_epoch, t.total_epochs, t.total_training_steps)
     assert total_steps is not None
     updates_per_batch = d.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs
     # One optimizer step per rollout batch is exactly on-policy: old == current logprobs, so the
     # extra forward is skipped (the actor detaches its own logprobs). In-reward KL needs them.
-    needs_old = updates_per_batch > 1 or cfg.algorithm.use_kl_in_reward
+    # Rollout correction compares the trainer's old logprobs with the engine's.
+    rc = cfg.algorithm.rollout_correction
+    needs_old = updates_per_batch > 1 or cfg.algorithm.use_kl_in_reward or bool(rc.rollout_is or rc.rollout_rs)
 
     # 4. Workers.
     dp = t.n_gpus_per_node * t.nnodes
@@ -151,7 +163,8 @@ def build_run(cfg: Config) -> RunSetup:
         model_path=model_path, dtype=cfg.model.dtype, device=device, temperature=cfg.rollout.temperature,
         rollout_n=cfg.rollout.n, total_optimizer_steps=total_steps * updates_per_batch,
         max_response_length=d.max_response_length,
-        gradient_checkpointing=cfg.model.enable_gradient_checkpointing, **common,
+        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+        rollout_correction=cfg.algorithm.rollout_correction, **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp)
     rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, RolloutSetup(
@@ -163,10 +176,12 @@ def build_run(cfg: Config) -> RunSetup:
                                    temperature=cfg.rollout.temperature,
                                    micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu, **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp)
-    custom = cfg.reward.custom_reward_function
+    custom, ob = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer
     reward = build_worker_group(t.backend, "reward", lambda r, w: RewardWorker(r, w, RewardSetup(
         tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
-        timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers, **common)), 1)
+        timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+        overlong_buffer_len=(resolve_overlong_buffer(ob.len, d.max_response_length) if ob.enable else None),
+        overlong_penalty_factor=ob.penalty_factor, max_response_length=d.max_response_length, **common)), 1)
 
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
@@ -175,7 +190,7 @@ def build_run(cfg: Config) -> RunSetup:
     return RunSetup(
         cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
-        total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator,
+        total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
         tracker=tracker, progress=progress, warnings=warnings,
     )

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hybridflow.algorithms import kl_penalty, masked_mean
+from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_mean
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.setup import RunSetup
@@ -73,11 +73,8 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         timer = PhaseTimer()
         with timer.phase("step"):
-            rows = [self.run.train_data[i] for i in self.run.sampler.next_batch()]
-            with timer.phase("gen"):
-                trajectories = self.generate(rows, self.train_sampling(), seed_scope=self.step)
-            with timer.phase("reward"):
-                reward_metrics = self.score(trajectories)
+            groups, collect_metrics = self.collect(timer)
+            trajectories = [t for group in groups for t in group]
             batch = collate_trajectories(trajectories, self.run.pad_token_id)
             if self.run.needs_old_logprobs:
                 with timer.phase("old_log_prob"):
@@ -85,8 +82,13 @@ class RLTrainer:
             if self.reference is not None:
                 with timer.phase("ref"):
                     batch.ref_logprobs = torch.cat(self.reference.split_gather(ReferenceWorker.compute_ref_logprobs, batch))
+            extra_inputs: dict[str, torch.Tensor] = {}
+            if "reward_baselines" in self.run.estimator_needs:
+                with timer.phase("gen_baseline"):
+                    extra_inputs["reward_baselines"], baseline_metrics = self.greedy_baselines(groups)
+                    collect_metrics |= baseline_metrics
             with timer.phase("adv"):
-                adv_metrics = self.compute_advantages(batch)
+                adv_metrics = self.compute_advantages(batch, **extra_inputs)
             with timer.phase("update_actor"):
                 actor_metrics = reduce_metrics(self.actor.split_gather(ActorWorker.update_actor, batch))
             with timer.phase("update_weights"):
@@ -94,7 +96,7 @@ class RLTrainer:
         return {
             "training/global_step": float(self.step),
             "training/epoch": float(self.run.sampler.epoch),
-            **reward_metrics,
+            **collect_metrics,
             **adv_metrics,
             **actor_metrics,
             **self.batch_metrics(batch, trajectories),
@@ -102,23 +104,101 @@ class RLTrainer:
             **compute_throughput_metrics(int(batch.attention_mask.sum()), timer.seconds("step"), self.actor.world_size),
         }
 
+    def collect(self, timer: PhaseTimer) -> tuple[list[list[Trajectory]], dict[str, float]]:
+        """Generate and score rounds of prompts until ``data.train_batch_size`` groups are kept.
+
+        Without ``algorithm.filter_groups`` one round keeps every group. With it (DAPO's dynamic
+        sampling), groups whose samples all got the same metric carry no learning signal and are
+        dropped, and further rounds are drawn until enough remain or ``max_num_gen_batches``
+        rounds have run; then the step trains on what was kept (``filter/exhausted`` = 1).
+        """
+        fg, want = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        kept: list[list[Trajectory]] = []
+        reward_metrics: list[dict[str, float]] = []
+        rounds = generated = varied = 0
+        while True:
+            rounds += 1
+            rows = [self.run.train_data[i] for i in self.run.sampler.next_batch()]
+            with timer.phase("gen"):
+                # The round is part of the seed scope: each round draws fresh samples, and a
+                # resumed run draws the same ones.
+                trajectories = self.generate(rows, self.train_sampling(), seed_scope=(self.step, rounds))
+            with timer.phase("reward"):
+                reward_metrics.append(self.score(trajectories))
+            groups = _by_group(trajectories)
+            generated += len(groups)
+            if fg.enable:
+                values = torch.tensor([_filter_value(t, fg.metric) for t in trajectories])
+                keep = compute_varied_group_mask(values, torch.tensor([t.group_id for t in trajectories]))
+                varied_ids = {t.group_id for t, k in zip(trajectories, keep.tolist(), strict=True) if k}
+                groups = [g for g in groups if g[0].group_id in varied_ids]
+            varied += len(groups)
+            kept.extend(groups)
+            out_of_rounds = 0 < fg.max_num_gen_batches <= rounds
+            if len(kept) >= want or not fg.enable or out_of_rounds:
+                break
+        exhausted = len(kept) < want
+        if not kept:
+            # Nothing varied in any round: train on the last round (zero advantages for the
+            # group estimators, so the update only moves entropy/KL terms) rather than skip.
+            kept = _by_group(trajectories)
+        if exhausted and fg.enable:
+            log.warning(
+                "step %d: only %d of %d prompts had varied rewards after %d generation rounds "
+                "(algorithm.filter_groups.max_num_gen_batches=%d); training on those",
+                self.step, len(kept), want, rounds, fg.max_num_gen_batches,
+            )
+        kept = kept[:want]
+        for group_id, group in enumerate(kept):
+            for t in group:
+                t.group_id = group_id
+        metrics = reduce_metrics(reward_metrics)
+        if fg.enable:
+            metrics |= {
+                "filter/gen_rounds": float(rounds),
+                "filter/varied_group_fraction": varied / max(1, generated),
+                "filter/exhausted": float(exhausted),
+            }
+        return kept, metrics
+
+    def greedy_baselines(self, groups: list[list[Trajectory]]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Score of one greedy response per prompt, repeated for each of its samples (ReMax).  # (B,)"""
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
+        requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params) for g in groups]
+        greedy = [samples[0] for samples in self._generate_sharded(requests)]
+        for g, t in zip(groups, greedy, strict=True):
+            t.metadata = g[0].metadata
+        scores, _ = self.reward.call_one(0, RewardWorker.score, greedy)
+        baselines = torch.tensor([s for g, s in zip(groups, scores, strict=True) for _ in g], dtype=torch.float32)
+        return baselines, {"critic/reward_baseline/mean": sum(scores) / len(scores)}
+
     # ---------------------------------------------------------------- phases
     def train_sampling(self) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_tokens=self.cfg.data.max_response_length)
 
-    def generate(self, rows: list[PromptRow], params: SamplingParams, seed_scope: int) -> list[Trajectory]:
-        """n trajectories per prompt, grouped by prompt, split over rollout ranks."""
+    def generate(self, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...]) -> list[Trajectory]:
+        """n trajectories per prompt, grouped by prompt (``group_id`` = row index)."""
         requests = [
             GenerationRequest(
                 prompt_ids=row.prompt_ids,
-                # Seeds depend only on (run seed, step, position): a resumed run draws the same samples.
-                params=SamplingParams(**{**vars(params), "seed": derive_seed(self.cfg.trainer.seed, seed_scope, i)}),
+                # Seeds depend only on (run seed, scope, position): a resumed run draws the same samples.
+                params=SamplingParams(**{**vars(params), "seed": derive_seed(self.cfg.trainer.seed, *seed_scope, i)}),
                 request_id=row.source,
             )
             for i, row in enumerate(rows)
         ]
+        trajectories = []
+        for group_id, (row, samples) in enumerate(zip(rows, self._generate_sharded(requests), strict=True)):
+            for t in samples:
+                t.group_id = group_id
+                t.metadata = row.metadata()
+                trajectories.append(t)
+        return trajectories
+
+    def _generate_sharded(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:
+        """Requests dealt round-robin over the rollout ranks; results in request order."""
         world = self.rollout.world_size
         shards = [(requests[r::world],) for r in range(world)]
         per_rank = self.rollout.call_each(RolloutWorker.generate, shards)
@@ -126,21 +206,16 @@ class RLTrainer:
         for r, outputs in enumerate(per_rank):
             for j, samples in enumerate(outputs):
                 results[r + j * world] = samples
-        trajectories = []
-        for group_id, (row, samples) in enumerate(zip(rows, results, strict=True)):
-            for t in samples:
-                t.group_id = group_id
-                t.metadata = row.metadata()
-                trajectories.append(t)
-        return trajectories
+        return results
 
     def score(self, trajectories: list[Trajectory]) -> dict[str, float]:
         _, metrics = self.reward.call_one(0, RewardWorker.score, trajectories)
         return metrics
 
-    def compute_advantages(self, batch: TrainBatch) -> dict[str, float]:
+    def compute_advantages(self, batch: TrainBatch, **extra_inputs: torch.Tensor) -> dict[str, float]:
         """Token-level rewards (score on the last response token, minus in-reward KL), then the
-        configured estimator. No estimator-specific branch: they share one signature."""
+        configured estimator. No estimator-specific branch: they share one signature, and the
+        optional inputs an estimator declared it needs arrive in ``extra_inputs``."""
         alg = self.cfg.algorithm
         lengths = batch.attention_mask[:, batch.prompt_length :].sum(-1)
         last = (lengths - 1).clamp(min=0)
@@ -163,6 +238,7 @@ class RLTrainer:
             gamma=alg.gamma,
             lam=alg.lam,
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            **extra_inputs,
         )
         return metrics
 
@@ -192,11 +268,11 @@ class RLTrainer:
         size = self.cfg.data.val_batch_size
         for start_i in range(0, len(rows), size):
             # A fixed seed scope (-1) keeps sampled validation comparable across steps.
-            chunk = self.generate(rows[start_i : start_i + size], params, seed_scope=-1)
+            chunk = self.generate(rows[start_i : start_i + size], params, seed_scope=(-1,))
             for t in chunk:
                 t.group_id += start_i
             trajectories.extend(chunk)
-        scores, _ = self.reward.call_one(0, RewardWorker.score, trajectories)
+        scores, _ = self.reward.call_one(0, RewardWorker.score, trajectories, shaping=False)
         metrics = compute_validation_metrics(
             [t.metadata["data_source"] for t in trajectories], scores, [t.group_id for t in trajectories]
         )
@@ -230,3 +306,17 @@ class RLTrainer:
         self.step = int(state["step"])
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
+
+
+def _by_group(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories grouped by ``group_id``, groups in first-seen order."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    return list(groups.values())
+
+
+def _filter_value(t: Trajectory, metric: str) -> float:
+    """The number dynamic sampling requires to vary within a group (algorithm.filter_groups.metric)."""
+    assert t.reward is not None, "score() sets every reward"
+    return t.reward if metric == "score" else t.reward_extra.get("acc", t.reward)

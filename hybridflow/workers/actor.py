@@ -6,14 +6,15 @@ never decides what happens next.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hybridflow.algorithms import agg_loss, batch_counts, get_policy_loss, kl_penalty
-from hybridflow.config.schema import ActorConfig
+from hybridflow.algorithms import agg_loss, batch_counts, compute_rollout_correction, get_policy_loss, kl_penalty
+from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch
@@ -33,6 +34,7 @@ class ActorSetup:
     max_response_length: int
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
 
 class ActorWorker:
@@ -78,9 +80,10 @@ class ActorWorker:
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x mini-batches x micro-batches over this rank's shard; metrics averaged."""
         cfg = self.cfg
+        batch, correction_metrics = self._rollout_correction(batch)
         mini_size = cfg.ppo_mini_batch_size * self.setup.rollout_n // self.world_size
-        # Shuffle order varies per update but is restored by a resume: it is seeded by the LR
-        # scheduler's step count, which the checkpoint carries.
+        # Shuffle order and random loss choices (clip_cov) vary per update but are restored by a
+        # resume: the generator is seeded by the LR scheduler's step count, which checkpoints carry.
         assert self.engine.scheduler is not None
         generator = torch.Generator().manual_seed(int(self.engine.scheduler.last_epoch))
         step_metrics: list[dict[str, float]] = []
@@ -95,16 +98,43 @@ class ActorWorker:
                 step_metrics.append(
                     self.engine.optimizer_step(
                         micro_batches,
-                        self._loss_fn(num_tokens, num_seqs),
+                        self._loss_fn(num_tokens, num_seqs, len(micro_batches), generator),
                         temperature=self.setup.temperature,
                         with_entropy=True,
                     )
                 )
         metrics = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
-        return metrics
+        return metrics | correction_metrics
 
-    def _loss_fn(self, num_tokens: int, num_seqs: int):
+    def _rollout_correction(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """Importance weights and rejection between the rollout engine and the trainer.
+
+        Needs the trainer's ``old_logprobs``; without them (fully on-policy, no correction
+        configured) there is nothing to compare. With them the mismatch metrics are always
+        logged, so a drifting engine is visible before correction is turned on.
+        """
+        if batch.old_logprobs is None:
+            return batch, {}
+        rc = self.setup.rollout_correction
+        common = dict(old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                      response_mask=batch.response_mask)
+        weights = compute_rollout_correction(**common, level=rc.rollout_is or "token", threshold=rc.rollout_is_threshold)
+        metrics = dict(weights.metrics)
+        if rc.rollout_is is not None:
+            batch = dataclasses.replace(batch, rollout_is_weights=weights.weights)
+        if rc.rollout_rs is not None:
+            upper = rc.rollout_rs_threshold
+            lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
+            rejection = compute_rollout_correction(
+                **common, level=rc.rollout_rs, threshold=rc.rollout_is_threshold, rejection_band=(lower, upper)
+            )
+            metrics |= {k: v for k, v in rejection.metrics.items() if "rs_" in k or "band" in k}
+            # Rejected tokens leave the loss and its normaliser; advantages are unchanged.
+            batch = dataclasses.replace(batch, response_mask=rejection.keep_mask)
+        return batch, metrics
+
+    def _loss_fn(self, num_tokens: int, num_seqs: int, num_micro: int, generator: torch.Generator):
         cfg = self.cfg
         low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
@@ -113,7 +143,7 @@ class ActorWorker:
         # Every loss takes the same keywords and ignores the ones that are not its own.
         mode_kwargs = dict(tau_pos=pl.tau_pos, tau_neg=pl.tau_neg, clip_cov_ratio=pl.clip_cov_ratio,
                            clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-                           kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef)
+                           kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, generator=generator)
         agg = dict(
             global_num_tokens=num_tokens,
             global_num_seqs=num_seqs,
@@ -137,19 +167,15 @@ class ActorWorker:
                 clip_ratio_high=high,
                 clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode,
+                rollout_is_weights=mb.rollout_is_weights,
                 **mode_kwargs,
                 **agg,
             )
             loss = pg_loss
-            with torch.no_grad():
-                # Logged values are per-micro-batch, locally normalised, and averaged by the
-                # engine; the loss above is the globally normalised one.
-                local_pg, _ = self.policy_loss(
-                    old_logprobs=old, logprobs=logprobs.detach(), advantages=mb.advantages, response_mask=mask,
-                    clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
-                    loss_agg_mode=cfg.loss_agg_mode, loss_scale_factor=scale, **mode_kwargs,
-                )
-                metrics["actor/pg_loss"] = float(local_pg)
+            # The engine averages metrics over micro-batches; each micro-batch's loss is its share
+            # of the mini-batch loss (global normalisation), so share x count averages to the
+            # mini-batch's policy loss, whatever the aggregation mode.
+            metrics["actor/pg_loss"] = float(pg_loss.detach()) * num_micro
             if entropy is not None:
                 metrics["actor/entropy"] = float(agg_loss(entropy.detach(), mask, "token-mean"))
                 if cfg.entropy_coeff != 0:

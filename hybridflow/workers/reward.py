@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.rewards import RewardManager, ScoreRequest
+from hybridflow.rewards.shaping import compute_overlong_penalty
 from hybridflow.types import Trajectory
 
 
@@ -21,17 +24,27 @@ class RewardSetup:
     timeout_s: float
     num_workers: int
     trust_remote_code: bool = False
+    # DAPO overlong shaping of training rewards (validation always reports the raw score).
+    overlong_buffer_len: int | None = None  # None: off
+    overlong_penalty_factor: float = 1.0
+    max_response_length: int = 0
 
 
 class RewardWorker:
     def __init__(self, rank: int, world_size: int, setup: RewardSetup) -> None:
+        self.setup = setup
         self.tokenizer = load_tokenizer(setup.tokenizer_path, setup.trust_remote_code)
         self.manager = RewardManager(
             setup.custom_path, setup.custom_name, timeout_s=setup.timeout_s, num_workers=setup.num_workers
         )
 
-    def score(self, trajectories: list[Trajectory]) -> tuple[list[float], dict[str, float]]:
-        """Score each trajectory in place (``.reward``); returns the scores and reward metrics."""
+    def score(self, trajectories: list[Trajectory], shaping: bool = True) -> tuple[list[float], dict[str, float]]:
+        """Score each trajectory in place; returns the scores and reward metrics.
+
+        ``.reward_extra`` gets the scorer's score as ``acc`` plus any numeric extras it returned;
+        ``.reward`` gets that score plus the overlong penalty when shaping is configured and
+        ``shaping`` is true (training), or the plain score (validation).
+        """
         # Decode only the policy's own tokens' span; special tokens (EOS) are not part of the answer.
         texts = self.tokenizer.batch_decode([t.response_ids for t in trajectories], skip_special_tokens=True)
         requests = [
@@ -44,9 +57,21 @@ class RewardWorker:
             for t, text in zip(trajectories, texts, strict=True)
         ]
         output = self.manager.score(requests)
-        for t, s in zip(trajectories, output.scores, strict=True):
-            t.reward = s
-        return output.scores, output.metrics
+        scores, metrics = list(output.scores), dict(output.metrics)
+        s = self.setup
+        if shaping and s.overlong_buffer_len is not None:
+            lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+            penalty = compute_overlong_penalty(
+                lengths, max_response_length=s.max_response_length, buffer_len=s.overlong_buffer_len,
+                penalty_factor=s.overlong_penalty_factor,
+            )
+            scores = [score + float(p) for score, p in zip(scores, penalty, strict=True)]
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean()) if len(penalty) else 0.0
+            metrics["reward/overlong_fraction"] = float((penalty < 0).float().mean()) if len(penalty) else 0.0
+        for t, score, raw, extra in zip(trajectories, scores, output.scores, output.extra, strict=True):
+            t.reward = score
+            t.reward_extra = {"acc": raw, **extra}
+        return scores, metrics
 
     def close(self) -> None:
         self.manager.close()

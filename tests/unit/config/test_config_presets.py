@@ -7,7 +7,7 @@ import pytest
 from hybridflow.config import Config, list_presets, load_config, preset_path, validate_config
 from hybridflow.config.loader import read_yaml_mapping
 
-EXPECTED_PRESETS = {"grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo"}
+EXPECTED_PRESETS = {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "remax", "cispo", "sapo", "gpg"}
 
 
 def test_expected_presets_ship() -> None:
@@ -61,3 +61,23 @@ def test_dapo() -> None:
     assert cfg.actor.loss_agg_mode == "token-mean"
     assert cfg.actor.use_kl_loss is False
     assert cfg.algorithm.use_kl_in_reward is False
+    assert cfg.actor.loss_agg_mode == "token-mean"
+    assert cfg.algorithm.filter_groups.enable is True
+    assert cfg.reward.overlong_buffer.enable is True
+    assert cfg.actor.use_kl_loss is False and cfg.algorithm.use_kl_in_reward is False
+
+
+@pytest.mark.parametrize(
+    ("preset", "estimator", "loss_mode"),
+    [("gspo", "grpo", "gspo"), ("remax", "remax", "vanilla"), ("cispo", "grpo", "cispo"),
+     ("sapo", "grpo", "sapo"), ("gpg", "gpg", "gpg")],
+)
+def test_preset_selects_its_estimator_and_loss(preset: str, estimator: str, loss_mode: str) -> None:
+    cfg = load_config(preset)
+    assert (cfg.algorithm.adv_estimator, cfg.actor.policy_loss.loss_mode) == (estimator, loss_mode)
+
+
+def test_gspo_uses_the_papers_sequence_level_clip_ranges() -> None:
+    cfg = load_config("gspo")
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (3e-4, 4e-4)
+    assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"

@@ -320,3 +320,32 @@ def test_validation_is_fast() -> None:
     for _ in range(100):
         validate_config(cfg)
     assert (time.perf_counter() - start) / 100 < 0.05
+
+
+# --------------------------------------------------------------------------------------------
+# DAPO dynamic sampling, overlong shaping and rollout correction
+
+
+def test_dapo_and_rollout_correction_keys_are_checked() -> None:
+    assert "max_num_gen_batches=-1 must be >= 0" in errors_for(
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=-1"
+    )
+    assert "reward.overlong_buffer.len=9 must be in [1, data.max_response_length=8]" in errors_for(
+        "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=9"
+    )
+    assert "rollout_rs_threshold_lower (3) <= rollout_rs_threshold (2)" in errors_for(
+        "algorithm.rollout_correction.rollout_rs=token", "algorithm.rollout_correction.rollout_rs_threshold_lower=3"
+    )
+    assert any("data.gen_batch_size=16 has no effect" in w for w in warnings_for("data.gen_batch_size=16"))
+    assert any("nothing is filtered" in w for w in warnings_for("algorithm.filter_groups.enable=true", "rollout.n=1",
+                                                                "actor.ppo_micro_batch_size_per_gpu=32"))
+
+
+def test_a_lower_clip_range_of_one_is_only_allowed_for_cispo() -> None:
+    assert "clips nothing" in errors_for("actor.clip_ratio_low=1.0")
+    assert validate_config(load_config(overrides=["actor.clip_ratio_low=1.0", "actor.policy_loss.loss_mode=cispo"])) == []
+
+
+def test_rollout_correction_level_must_be_a_known_choice() -> None:
+    with pytest.raises(ConfigError, match="allowed values: token, sequence"):
+        load_config(overrides=["algorithm.rollout_correction.rollout_is=tokens"])

@@ -1,0 +1,78 @@
+"""The actor applies rollout correction from config: IS weights scale the policy loss, rejected
+responses leave it, and the mismatch metrics are logged."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
+from hybridflow.models.tiny import write_tiny_model
+from hybridflow.types import Trajectory, collate_trajectories
+from hybridflow.workers.actor import ActorSetup, ActorWorker
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("actor") / "model"))
+
+
+def _actor(model_dir: str, correction: RolloutCorrectionConfig) -> ActorWorker:
+    cfg = ActorConfig(ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=4)
+    cfg.optim.lr = 0.0  # the update must not move the weights: we compare losses across calls
+    setup = ActorSetup(model_path=model_dir, dtype="float32", device=torch.device("cpu"), temperature=1.0,
+                       rollout_n=4, total_optimizer_steps=10, max_response_length=3, rollout_correction=correction)
+    return ActorWorker(0, 1, cfg, setup)
+
+
+def _batch(actor: ActorWorker, rollout_shift: list[float]):
+    """Four responses of 3 tokens, advantages 1; rollout logprobs = old logprobs - shift per row."""
+    trajectories = [
+        Trajectory(prompt_ids=[10, 11, 12], response_ids=[20 + i, 30, 40], loss_mask=[1, 1, 1],
+                   rollout_logprobs=[0.0] * 3, finish_reason="stop")
+        for i in range(4)
+    ]
+    batch = collate_trajectories(trajectories, pad_token_id=256)
+    batch.old_logprobs = actor.compute_logprobs(batch)
+    batch.rollout_logprobs = batch.old_logprobs - torch.tensor(rollout_shift)[:, None]
+    batch.advantages = torch.ones_like(batch.response_mask)
+    return batch
+
+
+def test_token_is_weights_scale_the_policy_loss(model_dir) -> None:
+    plain = _actor(model_dir, RolloutCorrectionConfig())
+    corrected = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
+    # ratio pi_old / pi_rollout = exp(shift): 0.5 on every token of rows 0-1, 4 (truncated to 2) on rows 2-3.
+    shift = [math.log(0.5), math.log(0.5), math.log(4.0), math.log(4.0)]
+    base = plain.update_actor(_batch(plain, shift))
+    weighted = corrected.update_actor(_batch(corrected, shift))
+    # On-policy the PPO ratio is 1 and A = 1: the token loss is -w, so token-mean gives -(0.5 + 2) / 2.
+    assert base["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
+    assert weighted["actor/pg_loss"] == pytest.approx(-1.25, abs=1e-5)
+    assert weighted["rollout_corr/rollout_is_mean"] == pytest.approx(1.25, abs=1e-5)
+    assert weighted["rollout_corr/truncated_fraction"] == pytest.approx(0.5)
+    # The metrics are logged even with correction off, whenever old logprobs exist.
+    assert base["rollout_corr/log_ratio_abs_max"] == pytest.approx(math.log(4.0), abs=1e-5)
+
+
+def test_sequence_rejection_drops_whole_responses_from_the_loss(model_dir) -> None:
+    actor = _actor(model_dir, RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold=2.0))
+    # Row 3's sequence ratio is exp(3 x 1.0) = 20 > 2: rejected; the rest are exactly 1.
+    batch = _batch(actor, [0.0, 0.0, 0.0, 1.0])
+    corrected, metrics = actor._rollout_correction(batch)
+    assert corrected.response_mask.sum(-1).tolist() == [3.0, 3.0, 3.0, 0.0]
+    assert corrected.rollout_is_weights is None  # rejection alone does not reweight
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(0.25)
+    assert actor.update_actor(batch)["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_no_old_logprobs_means_nothing_to_compare(model_dir) -> None:
+    actor = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token"))
+    batch = _batch(actor, [0.0] * 4)
+    batch.old_logprobs = None
+    same, metrics = actor._rollout_correction(batch)
+    assert same is batch and metrics == {}
