@@ -100,6 +100,29 @@ def test_kl_loss_loads_a_reference_model_and_logs_kl(model_and_data, tmp_path):
     assert records[-1]["actor/kl_loss"] > 0
 
 
+def test_kl_in_reward_with_adaptive_coefficient_survives_resume(model_and_data, tmp_path):
+    """In-reward KL with the adaptive controller (and an entropy bonus): the coefficient moves each
+    step, is saved in the checkpoint, and a resumed run continues from the saved value."""
+    model_dir, train, val = model_and_data
+    overrides = [
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"trainer.output_dir={tmp_path / 'run'}", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.horizon=10", "algorithm.kl_ctrl.target_kl=0.001",
+        "actor.entropy_coeff=0.01", "actor.optim.lr=3e-3", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+        "trainer.save_freq=1", "trainer.max_ckpt_to_keep=null", *SMALL,
+    ]
+    first = read_metrics(api.train(api.make_config("grpo", overrides=overrides)).metrics_path)
+    coeffs = [r["actor/reward_kl_penalty_coeff"] for r in first]
+    assert coeffs[0] == pytest.approx(0.05)
+    assert all("actor/entropy" in r and "timing_s/ref" in r for r in first)
+    assert len(set(coeffs)) > 1, "the adaptive controller should move the coefficient"
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
+    resumed = read_metrics(api.train(api.make_config("grpo", overrides=[
+        *overrides, "trainer.total_training_steps=4"])).metrics_path)
+    assert resumed[-1]["training/global_step"] == 4
+    assert resumed[-1]["actor/reward_kl_penalty_coeff"] == pytest.approx(saved["kl_controller"]["value"])
+
+
 def test_config_errors_exit_2_before_loading_anything(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "actor.optim.lrr=1e-5"],
                           capture_output=True, text=True, timeout=60)
