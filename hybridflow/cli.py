@@ -12,6 +12,7 @@ import logging
 import sys
 
 from hybridflow.config import ConfigError, explain_config, list_presets, load_config
+from hybridflow.controller.checkpoint import CheckpointError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:
+        print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from hybridflow.controller.setup import RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.tracking import compute_batch_metrics, compute_throughput_metrics, compute_validation_metrics, reduce_metrics
 from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
-from hybridflow.utils.seed import derive_seed
+from hybridflow.config import config_to_yaml
+from hybridflow.utils.faults import maybe_fault
+from hybridflow.utils.seed import capture_rng_state, derive_seed, restore_rng_state
 from hybridflow.utils.timer import PhaseTimer
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.reference import ReferenceWorker
@@ -68,6 +70,7 @@ class RLTrainer:
                 self.save_checkpoint()
             run.tracker.log(metrics, step=self.step)
             run.progress.update(self.step, {k: metrics[m] for k, m in PROGRESS_KEYS.items() if m in metrics})
+            maybe_fault("after_step", self.step)
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -284,11 +287,14 @@ class RLTrainer:
     def save_checkpoint(self) -> None:
         state = {
             "step": self.step,
+            "epoch": self.run.sampler.epoch,
             "sampler": self.run.sampler.state_dict(),
             "kl_controller": self.run.kl_controller.state_dict() if self.run.kl_controller else None,
+            "rng": capture_rng_state(),
         }
         self.checkpoints.save(
-            self.step, state, write_actor=lambda d: self.actor.call_one(0, ActorWorker.save_checkpoint, str(d))
+            self.step, state, write_actor=lambda d: self.actor.call_one(0, ActorWorker.save_checkpoint, str(d)),
+            extra_files={"config.yaml": config_to_yaml(self.cfg)},
         )
 
     def resume(self) -> None:
@@ -303,6 +309,8 @@ class RLTrainer:
         self.run.sampler.load_state_dict(state["sampler"])
         if self.run.kl_controller is not None and state.get("kl_controller"):
             self.run.kl_controller.load_state_dict(state["kl_controller"])
+        if state.get("rng"):
+            restore_rng_state(state["rng"])
         self.step = int(state["step"])
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
