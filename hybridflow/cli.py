@@ -3,6 +3,7 @@
     hybridflow train [--preset grpo] [--config my.yaml] [key=value ...]
     hybridflow config explain [--preset ...] [--config ...] [key=value ...]
     hybridflow config presets
+    hybridflow export <checkpoint or run folder> <out dir> [--overwrite]
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain = config_sub.add_parser("explain", help="print the resolved config and the derived plan")
     _add_config_args(explain)
     config_sub.add_parser("presets", help="list the shipped presets")
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a checkpoint folder (global_step_N), or a run folder: its newest checkpoint")
+    export.add_argument("out_dir", help="the folder to write (config, tokenizer, safetensors)")
+    export.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
     return parser
 
 
@@ -38,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
+        if args.command == "export":
+            from hybridflow.controller.export import export_checkpoint
+
+            print(export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite))
+            return 0
         if args.command == "config" and args.config_command == "presets":
             print("\n".join(list_presets()))
             return 0
@@ -52,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except CheckpointError as exc:
+    except (CheckpointError, FileExistsError) as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:
+        # Never exit 0 short of the planned steps; 130 is the shell's code for SIGINT.
+        print(f"stopped: {exc}" if str(exc) else "stopped by Ctrl-C", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

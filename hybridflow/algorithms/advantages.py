@@ -238,9 +238,9 @@ def compute_reinforce_plus_plus_advantages(
     G_t = r_t + γ·G_{t+1} on policy tokens. A token with mask 0 (tool output inside a
     multi-turn response) is not a step of the policy: the running return passes through it
     undiscounted (plus any reward placed on it), so the tokens before a tool call still see
-    the final reward. verl 0.9 instead zeroes the running return at every masked token, which
-    for a masked *middle* token cuts the reward off from earlier turns; for ordinary right
-    padding (zero reward after the last token) both give the same numbers.
+    the final reward. verl 0.9.1 also carries the running return across a masked token, but
+    drops a reward placed on one and writes returns 0 there; masked-in advantages agree
+    whenever masked tokens carry no reward (always for ordinary right padding).
 
     advantages = masked_whiten(G, mask) × mask; returns = G (unwhitened).
     """

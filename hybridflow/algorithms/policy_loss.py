@@ -287,7 +287,10 @@ def compute_gspo_loss(
     response_mask: torch.Tensor,  # (B, R)
     clip_ratio_low: float,
     clip_ratio_high: float,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_num_tokens: Count | None = None,
     global_num_seqs: Count | None = None,
+    loss_scale_factor: float | None = None,
     dp_size: int = 1,
     rollout_is_weights: torch.Tensor | None = None,
     **unused: Any,
@@ -301,8 +304,9 @@ def compute_gspo_loss(
     L = max(−A·s_{i,t}, −A·clip(s_{i,t}, 1 − clip_ratio_low, 1 + clip_ratio_high)), without
     dual clip. GSPO's clip ranges are much smaller than PPO's (the paper uses 3e-4/4e-4).
 
-    Always aggregated with ``seq-mean-token-mean`` (every token of a sequence shares one
-    ratio; the objective is a mean over sequences), as verl: ``loss_agg_mode`` is ignored.
+    Aggregated with ``loss_agg_mode``, as verl 0.9 does. The paper's objective is a mean over
+    sequences (``seq-mean-token-mean``, the default here and the ``gspo`` preset's setting);
+    verl's actor default is ``token-mean``, which weights long responses more.
     Metrics: ``pg_clipfrac`` = fraction of tokens where the clipped term won; no lower clip.
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
@@ -314,7 +318,7 @@ def compute_gspo_loss(
     unclipped = -x.advantages * s
     clipped = -x.advantages * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     token_losses = torch.maximum(unclipped, clipped)
-    loss = _aggregate(token_losses, x, "seq-mean-token-mean", None, global_num_seqs, None, dp_size)
+    loss = _aggregate(token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size)
     return loss, _metrics(x, clipped=clipped > unclipped)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from hybridflow.types import TrainBatch
+from hybridflow.utils.watchdog import activity
 
 W = TypeVar("W")
 R = TypeVar("R")
@@ -69,10 +70,12 @@ class LocalWorkerGroup(Generic[W]):
         return len(self._workers)
 
     def _call(self, rank: int, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        name = getattr(method, "__qualname__", repr(method))
         try:
-            return method(self._workers[rank], *args, **kwargs)
+            # The watchdog names this call if the phase around it stalls.
+            with activity("call", f"{self.role} rank {rank} {name}"):
+                return method(self._workers[rank], *args, **kwargs)
         except Exception as exc:
-            name = getattr(method, "__qualname__", repr(method))
             raise WorkerError(f"{self.role} rank {rank} failed in {name}: {exc!r}") from exc
 
     def call_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:

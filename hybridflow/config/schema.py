@@ -238,8 +238,9 @@ class RolloutCorrectionConfig:
     rollout_is_threshold: float = f(2.0, "Upper truncation of the importance weights (TIS).")
     rollout_rs: str | None = f(
         None,
-        "Rejection: drop tokens (token) or whole responses (sequence) whose ratio pi_old/pi_rollout lies "
-        "outside [rollout_rs_threshold_lower, rollout_rs_threshold]: null (off) | token | sequence.",
+        "Rejection: drop tokens (token) or whole responses (sequence, product over tokens) whose ratio "
+        "pi_rollout/pi_old lies outside [rollout_rs_threshold_lower, rollout_rs_threshold] (verl's k1 "
+        "convention): null (off) | token | sequence.",
         choices=("token", "sequence"),
     )
     rollout_rs_threshold: float = f(2.0, "Upper bound of the accepted ratio.")
@@ -268,6 +269,20 @@ class AlgorithmConfig:
 
 
 @dataclass
+class HealthConfig:
+    zero_variance_group_fraction: float = f(
+        1.0, "Warn when at least this fraction of prompt groups got one reward for all samples."
+    )
+    truncation_ratio: float = f(0.5, "Warn when at least this fraction of responses hits max_response_length.")
+    min_entropy: float = f(0.01, "Warn when the policy's mean token entropy falls below this (nats).")
+    logprob_mismatch: float = f(
+        0.05, "Warn when rollout and trainer logprobs differ by at least this much (mean |diff| per token)."
+    )
+    reward_failure_rate: float = f(0.05, "Warn when at least this fraction of samples failed to score.")
+    repeat_every: int = f(10, "Repeat a persisting warning every N steps.")
+
+
+@dataclass
 class TrainerConfig:
     total_epochs: int = f(1, "Passes over the training prompts.")
     total_training_steps: int | None = f(100, "Stop after this many steps (None: total_epochs).")
@@ -289,6 +304,20 @@ class TrainerConfig:
     device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = f(None, "torch CPU threads. None: all cores.")
     progress_bar: bool = f(True, "Show a progress bar on the console.")
+    max_consecutive_skips: int = f(
+        10,
+        "Abort after this many optimizer steps in a row were skipped for a non-finite loss or gradient "
+        "norm (each skip is counted in actor/skipped_steps).",
+    )
+    watchdog_timeout_s: float | None = f(
+        3600.0,
+        "Exit (code 3, naming the phase, role, rank and method being waited on) when one phase of a step "
+        "runs longer than this. None or <= 0: off.",
+    )
+    phase_timeouts: list[str] = f(
+        [], "Per-phase limits overriding watchdog_timeout_s, e.g. [gen=7200,update_actor=1800]."
+    )
+    health: HealthConfig = sub(HealthConfig, "Thresholds of the health warnings (health/* metrics).")
 
 
 @dataclass

@@ -436,6 +436,16 @@ def _check_trainer(cfg: Config, report: _Report) -> None:
             f"warm_start.enable=true applies to model.path=builtin:tiny only; model.path={cfg.model.path} "
             "is used as loaded (use warm_start.enable=auto)"
         )
+    for entry in trainer.phase_timeouts:
+        name, sep, value = entry.partition("=")
+        try:
+            ok = bool(sep and name.strip()) and float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            report.error(f"trainer.phase_timeouts entry {entry!r} must look like <phase>=<seconds>, e.g. gen=3600")
+    if trainer.max_consecutive_skips < 1:
+        report.error(f"trainer.max_consecutive_skips={trainer.max_consecutive_skips} must be >= 1")
     if trainer.save_freq <= 0 and not trainer.save_final:
         report.warn("trainer.save_freq <= 0 and trainer.save_final=false: this run writes no checkpoint")
 

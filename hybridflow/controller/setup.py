@@ -164,7 +164,7 @@ def build_run(cfg: Config) -> RunSetup:
         rollout_n=cfg.rollout.n, total_optimizer_steps=total_steps * updates_per_batch,
         max_response_length=d.max_response_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-        rollout_correction=cfg.algorithm.rollout_correction, **common,
+        rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips, **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp)
     rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, RolloutSetup(

@@ -12,21 +12,26 @@ call site. Setup (paths, data, workers) lives in ``hybridflow.controller.setup``
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from typing import Any
 
 import torch
 
 from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_mean
 from hybridflow.cluster.worker_group import WorkerGroup
+from hybridflow.config import config_to_yaml
 from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.setup import RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.tracking import compute_batch_metrics, compute_throughput_metrics, compute_validation_metrics, reduce_metrics
+from hybridflow.tracking.health import HealthMonitor, HealthThresholds
 from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
-from hybridflow.config import config_to_yaml
-from hybridflow.utils.faults import maybe_fault
+from hybridflow.utils.faults import fault_requested, maybe_fault
 from hybridflow.utils.seed import capture_rng_state, derive_seed, restore_rng_state
 from hybridflow.utils.timer import PhaseTimer
+from hybridflow.utils.watchdog import Watchdog, activity, parse_phase_timeouts
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardWorker
@@ -48,30 +53,56 @@ class RLTrainer:
         self.reward: WorkerGroup[RewardWorker] = run.reward
         self.checkpoints = CheckpointManager(run.output_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep)
         self.step = 0
+        h = self.cfg.trainer.health
+        self.health = HealthMonitor(
+            HealthThresholds(
+                zero_variance_group_fraction=h.zero_variance_group_fraction, truncation_ratio=h.truncation_ratio,
+                min_entropy=h.min_entropy, logprob_mismatch=h.logprob_mismatch,
+                reward_failure_rate=h.reward_failure_rate,
+            ),
+            repeat_every=h.repeat_every,
+        )
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
-        """Train until the planned number of steps; returns the last step's metrics."""
+        """Train until the planned number of steps; returns the last step's metrics.
+
+        Ctrl-C finishes the current step, saves a checkpoint and raises ``TrainingInterrupted``
+        (a second Ctrl-C stops at once). A phase that stalls past its limit ends the process
+        through the watchdog, naming what it waited on.
+        """
         run, trainer_cfg = self.run, self.cfg.trainer
         self.resume()
         if self.step >= run.total_steps:
             log.info("run already finished: step %d of %d; nothing to do", self.step, run.total_steps)
             return {}
-        if trainer_cfg.val_before_train and self.step == 0:
-            run.tracker.log(self.validate(), step=0)
         metrics: dict[str, float] = {}
-        while self.step < run.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            last = self.step == run.total_steps
-            if last or (trainer_cfg.test_freq > 0 and self.step % trainer_cfg.test_freq == 0):
-                metrics.update(self.validate())
-            if (trainer_cfg.save_freq > 0 and self.step % trainer_cfg.save_freq == 0) or (last and trainer_cfg.save_final):
-                self.save_checkpoint()
-            run.tracker.log(metrics, step=self.step)
-            run.progress.update(self.step, {k: metrics[m] for k, m in PROGRESS_KEYS.items() if m in metrics})
-            maybe_fault("after_step", self.step)
+        with self.watchdog(), _GracefulInterrupt() as interrupt:
+            if trainer_cfg.val_before_train and self.step == 0:
+                run.tracker.log(self.validate(), step=0)
+            while self.step < run.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                metrics |= self.health(metrics, self.step)
+                last = self.step == run.total_steps
+                if last or (trainer_cfg.test_freq > 0 and self.step % trainer_cfg.test_freq == 0):
+                    metrics.update(self.validate())
+                save = (trainer_cfg.save_freq > 0 and self.step % trainer_cfg.save_freq == 0) or (last and trainer_cfg.save_final)
+                if save or (interrupt.requested and not last):
+                    self.save_checkpoint()
+                run.tracker.log(metrics, step=self.step)
+                run.progress.update(self.step, {k: metrics[m] for k, m in PROGRESS_KEYS.items() if m in metrics})
+                maybe_fault("after_step", self.step)
+                if interrupt.requested and not last:
+                    raise TrainingInterrupted(
+                        f"interrupted after step {self.step} of {run.total_steps}; a checkpoint was saved: run the "
+                        f"same command again to resume"
+                    )
         return metrics
+
+    def watchdog(self) -> Watchdog:
+        t = self.cfg.trainer
+        return Watchdog(t.watchdog_timeout_s, parse_phase_timeouts(t.phase_timeouts))
 
     def train_step(self) -> dict[str, float]:
         timer = PhaseTimer()
@@ -92,6 +123,8 @@ class RLTrainer:
                     collect_metrics |= baseline_metrics
             with timer.phase("adv"):
                 adv_metrics = self.compute_advantages(batch, **extra_inputs)
+            if fault_requested("nan_advantages", self.step):  # tests: a NaN that must not reach the weights
+                batch.advantages = torch.full_like(batch.advantages, float("nan"))
             with timer.phase("update_actor"):
                 actor_metrics = reduce_metrics(self.actor.split_gather(ActorWorker.update_actor, batch))
             with timer.phase("update_weights"):
@@ -118,7 +151,7 @@ class RLTrainer:
         fg, want = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
         kept: list[list[Trajectory]] = []
         reward_metrics: list[dict[str, float]] = []
-        rounds = generated = varied = 0
+        rounds = generated = varied = constant = 0
         while True:
             rounds += 1
             rows = [self.run.train_data[i] for i in self.run.sampler.next_batch()]
@@ -130,10 +163,11 @@ class RLTrainer:
                 reward_metrics.append(self.score(trajectories))
             groups = _by_group(trajectories)
             generated += len(groups)
+            values = torch.tensor([_filter_value(t, fg.metric) for t in trajectories])
+            keep = compute_varied_group_mask(values, torch.tensor([t.group_id for t in trajectories]))
+            varied_ids = {t.group_id for t, k in zip(trajectories, keep.tolist(), strict=True) if k}
+            constant += len(groups) - len(varied_ids)
             if fg.enable:
-                values = torch.tensor([_filter_value(t, fg.metric) for t in trajectories])
-                keep = compute_varied_group_mask(values, torch.tensor([t.group_id for t in trajectories]))
-                varied_ids = {t.group_id for t, k in zip(trajectories, keep.tolist(), strict=True) if k}
                 groups = [g for g in groups if g[0].group_id in varied_ids]
             varied += len(groups)
             kept.extend(groups)
@@ -156,6 +190,7 @@ class RLTrainer:
             for t in group:
                 t.group_id = group_id
         metrics = reduce_metrics(reward_metrics)
+        metrics["health/zero_variance_group_fraction"] = constant / max(1, generated)
         if fg.enable:
             metrics |= {
                 "filter/gen_rounds": float(rounds),
@@ -262,6 +297,10 @@ class RLTrainer:
 
     def validate(self) -> dict[str, float]:
         """Held-out prompts with ``rollout.val_kwargs`` sampling (greedy by default)."""
+        with activity("phase", "testing"):
+            return self._validate()
+
+    def _validate(self) -> dict[str, float]:
         start = time.perf_counter()
         v = self.cfg.rollout.val_kwargs
         params = SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
@@ -285,6 +324,10 @@ class RLTrainer:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
+        with activity("phase", "save_checkpoint"):
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
         state = {
             "step": self.step,
             "epoch": self.run.sampler.epoch,
@@ -328,3 +371,33 @@ def _filter_value(t: Trajectory, metric: str) -> float:
     """The number dynamic sampling requires to vary within a group (algorithm.filter_groups.metric)."""
     assert t.reward is not None, "score() sets every reward"
     return t.reward if metric == "score" else t.reward_extra.get("acc", t.reward)
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training between steps, after saving a checkpoint."""
+
+
+class _GracefulInterrupt:
+    """The first SIGINT sets ``requested`` (the loop saves and stops after the step); the second
+    raises KeyboardInterrupt at once. Only the main thread can install signal handlers: elsewhere
+    (a notebook thread, a test runner) Ctrl-C keeps its default behaviour."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _GracefulInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("Ctrl-C: finishing this step, saving a checkpoint, then stopping (Ctrl-C again to stop now)")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+

@@ -6,6 +6,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from hybridflow.utils.watchdog import activity
+
 
 class PhaseTimer:
     """Accumulates wall time per named phase; ``metrics()`` returns ``timing_s/<phase>``."""
@@ -15,9 +17,11 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Time ``name``; it is also an open activity that the watchdog holds to its limit."""
         start = time.perf_counter()
         try:
-            yield
+            with activity("phase", name):
+                yield
         finally:
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
 

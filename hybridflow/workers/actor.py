@@ -35,6 +35,7 @@ class ActorSetup:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    max_consecutive_skips: int = 10
 
 
 class ActorWorker:
@@ -69,6 +70,7 @@ class ActorWorker:
             setup.device,
         )
         self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
+        self.consecutive_skips = 0
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of the response tokens under the current weights (old_logprobs).  # (B, R)"""
@@ -95,6 +97,7 @@ class ActorWorker:
                 # Normalise by the whole mini-batch so accumulation over micro-batches (and, with
                 # several ranks, the gradient average) reproduces the full-batch loss exactly.
                 num_tokens, num_seqs = batch_counts(mini.response_mask)
+                skipped_before = self.engine.skipped_steps
                 step_metrics.append(
                     self.engine.optimizer_step(
                         micro_batches,
@@ -103,9 +106,21 @@ class ActorWorker:
                         with_entropy=True,
                     )
                 )
+                self._count_skip(skipped=self.engine.skipped_steps > skipped_before)
         metrics = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
         return metrics | correction_metrics
+
+    def _count_skip(self, skipped: bool) -> None:
+        """A skipped step leaves the weights alone; many in a row mean the run is broken, so stop."""
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if self.consecutive_skips >= self.setup.max_consecutive_skips:
+            raise RuntimeError(
+                f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient norm and were "
+                f"skipped (trainer.max_consecutive_skips={self.setup.max_consecutive_skips}); the weights are "
+                f"unchanged since the last good step. Look for NaN rewards or advantages, lower actor.optim.lr, or "
+                f"use model.dtype=float32"
+            )
 
     def _rollout_correction(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         """Importance weights and rejection between the rollout engine and the trainer.
@@ -126,8 +141,10 @@ class ActorWorker:
         if rc.rollout_rs is not None:
             upper = rc.rollout_rs_threshold
             lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
+            # verl's thresholds bound pi_rollout / pi_old (exp of its k1 statistic); the function's
+            # band bounds the inverse ratio pi_old / pi_rollout, hence (1/upper, 1/lower).
             rejection = compute_rollout_correction(
-                **common, level=rc.rollout_rs, threshold=rc.rollout_is_threshold, rejection_band=(lower, upper)
+                **common, level=rc.rollout_rs, threshold=rc.rollout_is_threshold, rejection_band=(1.0 / upper, 1.0 / lower)
             )
             metrics |= {k: v for k, v in rejection.metrics.items() if "rs_" in k or "band" in k}
             # Rejected tokens leave the loss and its normaliser; advantages are unchanged.
@@ -176,6 +193,10 @@ class ActorWorker:
             # of the mini-batch loss (global normalisation), so share x count averages to the
             # mini-batch's policy loss, whatever the aggregation mode.
             metrics["actor/pg_loss"] = float(pg_loss.detach()) * num_micro
+            if mb.old_logprobs is None:
+                # On-policy, this forward *is* the old policy: the engine mismatch comes for free.
+                diff = (logprobs.detach() - mb.rollout_logprobs).abs()
+                metrics["rollout_corr/log_ratio_abs_mean"] = float(agg_loss(diff, mask, "token-mean"))
             if entropy is not None:
                 metrics["actor/entropy"] = float(agg_loss(entropy.detach(), mask, "token-mean"))
                 if cfg.entropy_coeff != 0:

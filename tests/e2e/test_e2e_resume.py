@@ -10,6 +10,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,93 @@ class _Payload:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.path}",))
+
+
+def _weights(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted((ckpt / "actor").rglob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def test_a_nan_step_is_skipped_and_leaves_the_weights_unchanged(user_files, tmp_path):
+    out = tmp_path / "nan"
+    done = train(out, user_files, "nan_advantages@2", extra=("trainer.total_training_steps=3", "trainer.max_ckpt_to_keep=null"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = per_step(out)
+    # ppo_epochs=2 x 2 mini-batches = 4 optimizer steps per training step, all skipped at step 2.
+    assert [records[s]["actor/skipped_steps"] for s in (1, 2, 3)] == [0.0, 4.0, 4.0]
+    w1, w2, w3 = (_weights(out / "checkpoints" / f"global_step_{s}") for s in (1, 2, 3))
+    assert all((w1[k] == w2[k]).all() for k in w1), "a skipped step must not move the weights"
+    assert any((w2[k] != w3[k]).any() for k in w2), "the next good step trains again"
+
+
+def test_too_many_consecutive_skips_abort_with_a_clear_message(user_files, tmp_path):
+    done = train(tmp_path / "abort", user_files, "nan_advantages@2", extra=("trainer.max_consecutive_skips=3",))
+    assert done.returncode != 0
+    assert "optimizer steps in a row had a non-finite loss" in done.stderr
+    assert "actor rank 0 failed in ActorWorker.update_actor" in done.stderr
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(user_files, tmp_path):
+    out = tmp_path / "sigint"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridflow.cli", "train", *user_files, *RUN, f"trainer.output_dir={out}",
+         "trainer.save_freq=100", "trainer.total_training_steps=50", "trainer.total_epochs=10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and '"step": 1' in metrics.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted after step" in stderr
+    stopped_at = max(per_step(out))
+    assert 1 <= stopped_at < 50
+    assert (out / "checkpoints" / f"global_step_{stopped_at}" / "manifest.json").is_file()
+
+
+def test_export_writes_a_hugging_face_model_that_generates_like_the_checkpoint(user_files, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
+    from hybridflow.rollout import build_rollout_engine
+    from hybridflow.types import GenerationRequest, SamplingParams
+
+    out = tmp_path / "run"
+    done = train(out, user_files, extra=("trainer.total_training_steps=2", "actor.optim.lr=3e-3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    export_dir = tmp_path / "exported"
+    exported = subprocess.run([sys.executable, "-m", "hybridflow.cli", "export", str(out), str(export_dir)],
+                              capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert (export_dir / "config.json").is_file() and list(export_dir.glob("*.safetensors"))
+    assert not list(export_dir.rglob("optim.pt"))
+    again = subprocess.run([sys.executable, "-m", "hybridflow.cli", "export", str(out), str(export_dir)],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "not empty" in again.stderr
+
+    ckpt_model = out / "checkpoints" / "global_step_2" / "actor" / "model"
+    tokenizer = load_tokenizer(str(ckpt_model))
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False)
+        for q in ("12+34=", "70-21=", "5+5=")
+    ]
+    engine = build_rollout_engine("native", model=load_causal_lm(str(ckpt_model)), eos_token_ids=eos_token_ids(str(ckpt_model), tokenizer),
+                                  pad_token_id=tokenizer.pad_token_id, max_batch_size=8, device="cpu", dtype="float32")
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
+    ours = [s[0].response_ids for s in engine.generate_batch([GenerationRequest(prompt_ids=p, params=greedy) for p in prompts])]
+
+    hf_tok = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True).eval()
+    for prompt, expected in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            generated = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                          eos_token_id=eos_token_ids(str(export_dir), hf_tok), pad_token_id=hf_tok.pad_token_id)
+        assert generated[0, len(prompt):].tolist()[: len(expected)] == expected

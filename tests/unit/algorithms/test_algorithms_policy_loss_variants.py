@@ -68,14 +68,17 @@ def test_gspo_clips_the_sequence_ratio(advantage: float, expected_loss: float, e
     assert metrics["actor/pg_clipfrac_lower"] == 0.0
 
 
-def test_gspo_always_averages_sequences() -> None:
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("seq-mean-token-mean", -1.5), ("token-mean", -7 / 4), ("token-sum", -7.0), ("seq-mean-token-sum", -3.5)],
+)
+def test_gspo_aggregates_with_the_configured_mode_as_verl(mode: str, expected: float) -> None:
     # sequence 0: one token, A = 1 → −1; sequence 1: three tokens, A = 2 → −2 each.
-    # seq-mean-token-mean: (−1 − 2)/2 = −1.5 (token-mean would give −7/4), whatever mode is asked
+    # seq-mean-token-mean (the paper's): (−1 − 2)/2; token-mean: −7/4; token-sum: −7; seq-sum: (−1 − 6)/2
     kwargs = dict(logprobs=[[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], old=[[0.0] * 3] * 2,
                   advantages=[[1.0, 0.0, 0.0], [2.0, 2.0, 2.0]], mask=[[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    for mode in ("token-mean", "token-sum"):
-        loss, _, _ = loss_and_grad("gspo", **kwargs, loss_agg_mode=mode)  # type: ignore[arg-type]
-        assert loss == pytest.approx(-1.5)
+    loss, _, _ = loss_and_grad("gspo", **kwargs, loss_agg_mode=mode)  # type: ignore[arg-type]
+    assert loss == pytest.approx(expected)
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,3 +76,14 @@ def test_no_old_logprobs_means_nothing_to_compare(model_dir) -> None:
     batch.old_logprobs = None
     same, metrics = actor._rollout_correction(batch)
     assert same is batch and metrics == {}
+
+
+def test_rejection_thresholds_follow_verls_direction(model_dir) -> None:
+    """verl's rollout_rs thresholds bound pi_rollout / pi_old: with [0.9, 1.5] a token the trainer
+    finds 1.4x likelier than the engine did (pi_rollout / pi_old = 0.71) is rejected."""
+    actor = _actor(model_dir, RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=1.5,
+                                                      rollout_rs_threshold_lower=0.9))
+    batch = _batch(actor, [math.log(1.4), -math.log(1.4), 0.0, 0.0])
+    corrected, _ = actor._rollout_correction(batch)
+    # row 0: pi_rollout/pi_old = 1/1.4 < 0.9 -> rejected; row 1: 1.4 inside [0.9, 1.5] -> kept
+    assert corrected.response_mask.sum(-1).tolist() == [0.0, 3.0, 3.0, 3.0]

@@ -1,0 +1,59 @@
+"""Export a training checkpoint as a plain Hugging Face model directory.
+
+A checkpoint's ``actor/model`` folder is already in Hugging Face format (config, tokenizer,
+safetensors); exporting verifies the checkpoint against its manifest, copies only the model
+files (not the optimizer state), writes them atomically, and loads the result with
+``transformers`` to prove it is usable before reporting success.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or the newest intact one under a run folder or a ``checkpoints`` folder."""
+    p = Path(path).expanduser()
+    if (p / STATE_FILE).is_file():
+        return p
+    for root in (p / "checkpoints", p):
+        found = CheckpointManager(root, max_to_keep=None).find("auto", None)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{p} is not a checkpoint, nor a run or checkpoints folder holding an intact one")
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the policy of ``checkpoint`` to ``out_dir`` as a Hugging Face directory; returns it."""
+    ckpt = resolve_checkpoint(checkpoint)
+    verify_checkpoint(ckpt)
+    model_dir = ckpt / "actor" / "model"
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(f"{model_dir} holds no Hugging Face model (config.json missing)")
+    out = Path(out_dir).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass --overwrite")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model_dir, tmp)
+    _check_loads(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    log.info("exported %s -> %s", ckpt, out)
+    return out
+
+
+def _check_loads(model_dir: Path) -> None:
+    """Load the export with plain transformers (local files only), as a user would."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
