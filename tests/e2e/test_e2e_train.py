@@ -257,3 +257,41 @@ def test_dapo_dynamic_sampling_keeps_only_varied_groups(model_and_data, tmp_path
         assert 0 < record["filter/varied_group_fraction"] < 1
         if not record["filter/exhausted"]:
             assert record["critic/score/min"] < record["critic/score/max"]
+
+
+HOSTILE_REWARD = """
+import math, os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    kind = sum(map(ord, solution_str)) % 6
+    if kind == 0:
+        raise RuntimeError("reward bug")
+    if kind == 1:
+        return float("nan")
+    if kind == 2:
+        return "not a number"
+    if kind == 3 and len(solution_str) % 7 == 0:
+        time.sleep(60)  # hangs: the per-sample timeout must end it
+    if kind == 4 and len(solution_str) % 11 == 0:
+        os._exit(3)  # kills its worker process
+    return 1.0 if solution_str.strip() == str(ground_truth) else 0.0
+"""
+
+
+def test_hostile_reward_functions_are_counted_and_never_reach_the_advantages(model_and_data, tmp_path):
+    model_dir, train, val = model_and_data
+    reward = tmp_path / "hostile.py"
+    reward.write_text(HOSTILE_REWARD)
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+        "trainer.save_final=false", "trainer.test_freq=0", f"reward.custom_reward_function.path={reward}",
+        "reward.timeout_s=1", *SMALL, "trainer.total_training_steps=2",
+    ])
+    records = read_metrics(api.train(cfg).metrics_path)
+    assert len(records) == 2
+    assert sum(r["reward/error_rate"] for r in records) > 0
+    assert sum(r["reward/nonfinite_rate"] for r in records) > 0
+    for r in records:
+        assert all(math.isfinite(r[k]) for k in ("critic/advantages/max", "critic/advantages/min", "actor/pg_loss"))
+        assert r["actor/skipped_steps"] == 0
