@@ -129,6 +129,16 @@ class ActorConfig:
     ppo_mini_batch_size: int = f(32, "Prompts per optimizer step (x rollout.n samples).")
     ppo_micro_batch_size_per_gpu: int = f(64, "Samples per forward/backward on one rank.")
     log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per logprob forward on one rank.")
+    use_remove_padding: bool = f(
+        False, "Pack each micro-batch's sequences into one padding-free row (no compute on padding)."
+    )
+    use_dynamic_bsz: bool = f(
+        False,
+        "Form micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of a sample count; "
+        "best with use_remove_padding=true.",
+    )
+    ppo_max_token_len_per_gpu: int = f(16384, "Token budget of a training micro-batch with use_dynamic_bsz.")
+    log_prob_max_token_len_per_gpu: int = f(16384, "Token budget of a logprob micro-batch with use_dynamic_bsz.")
     ppo_epochs: int = f(1, "Passes over each rollout batch.")
     shuffle: bool = f(False, "Shuffle samples between PPO epochs.")
     clip_ratio: float = f(0.2, "PPO clip range (default for clip_ratio_low/high).")
@@ -152,6 +162,9 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per reference logprob forward on one rank.")
+    log_prob_max_token_len_per_gpu: int = f(
+        16384, "Token budget of a reference micro-batch when actor.use_dynamic_bsz is on."
+    )
 
 
 @dataclass
@@ -304,6 +317,11 @@ class TrainerConfig:
     device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = f(None, "torch CPU threads. None: all cores.")
     progress_bar: bool = f(True, "Show a progress bar on the console.")
+    balance_batch: bool = f(
+        True,
+        "Reorder each step's samples so every data-parallel rank gets a similar workload (Karmarkar-Karp "
+        "over a linear + quadratic cost in sequence length); logs global_seqlen/*.",
+    )
     max_consecutive_skips: int = f(
         10,
         "Abort after this many optimizer steps in a row were skipped for a non-finite loss or gradient "

@@ -444,6 +444,18 @@ def _check_trainer(cfg: Config, report: _Report) -> None:
             ok = False
         if not ok:
             report.error(f"trainer.phase_timeouts entry {entry!r} must look like <phase>=<seconds>, e.g. gen=3600")
+    a, longest = cfg.actor, cfg.data.max_prompt_length + cfg.data.max_response_length
+    if a.use_dynamic_bsz:
+        for key, value in (("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
+                           ("actor.log_prob_max_token_len_per_gpu", a.log_prob_max_token_len_per_gpu),
+                           ("ref.log_prob_max_token_len_per_gpu", cfg.ref.log_prob_max_token_len_per_gpu)):
+            if value < longest:
+                report.error(
+                    f"{key}={value} tokens is below the longest possible sample (data.max_prompt_length + "
+                    f"data.max_response_length = {longest}): such a sample fits no micro-batch; use >= {longest}"
+                )
+    elif a.ppo_max_token_len_per_gpu != 16384 or a.log_prob_max_token_len_per_gpu != 16384:
+        report.warn("actor.*_max_token_len_per_gpu has no effect while actor.use_dynamic_bsz=false")
     if trainer.max_consecutive_skips < 1:
         report.error(f"trainer.max_consecutive_skips={trainer.max_consecutive_skips} must be >= 1")
     if trainer.save_freq <= 0 and not trainer.save_final:

@@ -174,7 +174,10 @@ def build_run(cfg: Config) -> RunSetup:
     if needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward):
         ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
                                    temperature=cfg.rollout.temperature,
-                                   micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu, **common)
+                                   micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu,
+                                   use_remove_padding=a.use_remove_padding,
+                                   max_token_len=cfg.ref.log_prob_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                                   **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp)
     custom, ob = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer
     reward = build_worker_group(t.backend, "reward", lambda r, w: RewardWorker(r, w, RewardSetup(

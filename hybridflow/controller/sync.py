@@ -25,9 +25,11 @@ from hybridflow.config import config_to_yaml
 from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.setup import RunSetup
 from hybridflow.data import PromptRow
+from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
 from hybridflow.tracking import compute_batch_metrics, compute_throughput_metrics, compute_validation_metrics, reduce_metrics
 from hybridflow.tracking.health import HealthMonitor, HealthThresholds
 from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
+from hybridflow.training.packing import sequence_lengths
 from hybridflow.utils.faults import fault_requested, maybe_fault
 from hybridflow.utils.seed import capture_rng_state, derive_seed, restore_rng_state
 from hybridflow.utils.timer import PhaseTimer
@@ -110,6 +112,10 @@ class RLTrainer:
             groups, collect_metrics = self.collect(timer)
             trajectories = [t for group in groups for t in group]
             batch = collate_trajectories(trajectories, self.run.pad_token_id)
+            balance_metrics: dict[str, float] = {}
+            if self.cfg.trainer.balance_batch:
+                order, balance_metrics = self.balance(batch)
+                batch, trajectories = batch.select(order), [trajectories[i] for i in order]
             if self.run.needs_old_logprobs:
                 with timer.phase("old_log_prob"):
                     batch.old_logprobs = torch.cat(self.actor.split_gather(ActorWorker.compute_logprobs, batch))
@@ -133,6 +139,7 @@ class RLTrainer:
             "training/global_step": float(self.step),
             "training/epoch": float(self.run.sampler.epoch),
             **collect_metrics,
+            **balance_metrics,
             **adv_metrics,
             **actor_metrics,
             **self.batch_metrics(batch, trajectories),
@@ -198,6 +205,13 @@ class RLTrainer:
                 "filter/exhausted": float(exhausted),
             }
         return kept, metrics
+
+    def balance(self, batch: TrainBatch) -> tuple[list[int], dict[str, float]]:
+        """A sample order under which ``split_gather``'s even split hands each actor rank a similar
+        workload. Advantages are computed over the whole batch here, so groups may be split."""
+        lengths = sequence_lengths(batch)
+        parts = balanced_partitions(lengths, self.actor.world_size)
+        return flatten_partitions(parts), global_seqlen_metrics(lengths, parts)
 
     def greedy_baselines(self, groups: list[list[Trajectory]]) -> tuple[torch.Tensor, dict[str, float]]:
         """Score of one greedy response per prompt, repeated for each of its samples (ReMax).  # (B,)"""

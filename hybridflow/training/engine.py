@@ -4,6 +4,15 @@ gradient-accumulated micro-batches with a caller-supplied loss.
 
 The engine knows nothing about RL: the actor passes a ``loss_fn`` (policy loss, SFT loss, ...).
 This first engine is single-process; the FSDP2 engine (issue 4) keeps the same surface.
+
+Two opt-in speed paths, both keyword arguments with defaults that keep the padded behaviour:
+
+- ``use_remove_padding=True``: each micro-batch runs as one packed, padding-free row
+  (``hybridflow.training.packing``); results are unpacked to (b, R) before ``loss_fn`` sees
+  them, so every loss works unchanged.
+- ``max_token_len`` (``compute_logprobs``) / ``token_budget_micro_batches`` (for
+  ``optimizer_step``): micro-batches formed by a token budget instead of a sample count
+  (``hybridflow.data.batching``).
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from pathlib import Path
 import torch
 
 from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits
+from hybridflow.data.batching import token_budget_partitions
+from hybridflow.training.packing import enable_varlen_attention, pack_batch, sequence_lengths, unpack_responses
 from hybridflow.types import TrainBatch
 
 # loss_fn(micro_batch, logprobs (b,R), entropy (b,R) | None) -> (scalar loss, metrics)
@@ -50,9 +61,31 @@ def _lr_lambda(spec: OptimSpec) -> Callable[[int], float]:
     return factor
 
 
+def token_budget_micro_batches(
+    batch: TrainBatch, max_token_len: int, *, num_micro_batches: int | None = None
+) -> tuple[list[TrainBatch], list[list[int]]]:
+    """Micro-batches of at most ``max_token_len`` valid tokens each, heaviest first.
+
+    ``num_micro_batches``: the count agreed over data-parallel ranks
+    (``hybridflow.data.batching.agree_num_micro_batches`` over every rank's
+    ``num_micro_batches_for_budget``); None uses this batch's own minimum.
+    Returns the micro-batches and the row indices of ``batch`` each one holds.
+    """
+    partitions = token_budget_partitions(sequence_lengths(batch), max_token_len, num_micro_batches=num_micro_batches)
+    return [batch.select(part) for part in partitions], partitions
+
+
 class TrainEngine:
-    def __init__(self, model: torch.nn.Module, optim: OptimSpec | None, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optim: OptimSpec | None, device: torch.device, *, varlen_attention: bool = True
+    ) -> None:
+        """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
+        ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
+        Unpacked forwards are handed to sdpa unchanged (bit-identical); False keeps the model's
+        own implementation (packing then uses transformers' block-diagonal mask)."""
         self.model = model.to(device)
+        if varlen_attention:
+            enable_varlen_attention(self.model)
         self.device = device
         self.optim_spec = optim
         self.optimizer: torch.optim.Optimizer | None = None
@@ -87,10 +120,29 @@ class TrainEngine:
             logits = logits / temperature
         return logits
 
-    def forward_logprobs(
-        self, batch: TrainBatch, temperature: float, with_entropy: bool = False
+    def _forward_packed(
+        self, batch: TrainBatch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs of the response tokens under logits/temperature (the rollout's quantity)."""
+        """``forward_logprobs`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
+        packed = pack_batch(batch)
+        # Only response-predicting positions reach the LM head.  # (1, M, V) -> (M, V)
+        logits = self.model(**packed.model_inputs()).logits[0].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = unpack_responses(logprobs_from_logits(logits, packed.labels), packed)
+        entropy = unpack_responses(entropy_from_logits_chunked(logits), packed) if with_entropy else None
+        return logprobs, entropy
+
+    def forward_logprobs(
+        self, batch: TrainBatch, temperature: float, with_entropy: bool = False, *, use_remove_padding: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs of the response tokens under logits/temperature (the rollout's quantity).  # (B, R)
+
+        ``use_remove_padding``: run the batch packed; padding positions then hold 0 (the padded
+        path leaves whatever the model predicts there; both are masked out by response_mask).
+        """
+        if use_remove_padding:
+            return self._forward_packed(batch, temperature, with_entropy)
         logits = self._response_logits(batch, temperature)
         logprobs = logprobs_from_logits(logits, batch.responses)
         entropy = entropy_from_logits_chunked(logits) if with_entropy else None
@@ -98,27 +150,54 @@ class TrainEngine:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: TrainBatch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False
+        self,
+        batch: TrainBatch,
+        *,
+        temperature: float,
+        micro_batch_size: int | None = None,
+        with_entropy: bool = False,
+        use_remove_padding: bool = False,
+        max_token_len: int | None = None,
+        num_micro_batches: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropy) of every response token, in the batch's row order.  # (B, R)
+
+        Micro-batches hold ``micro_batch_size`` rows, or, with ``max_token_len``, at most that
+        many valid tokens (``micro_batch_size`` is then ignored; ``num_micro_batches`` forces
+        the count agreed over ranks). ``use_remove_padding`` runs each micro-batch packed.
+        """
         was_training = self.model.training
         self.model.eval()
+        micro_batches, order = _logprob_micro_batches(
+            batch.to(self.device), micro_batch_size, max_token_len, num_micro_batches
+        )
         logprobs, entropies = [], []
-        for mb in batch.to(self.device).split(micro_batch_size):
-            lp, ent = self.forward_logprobs(mb, temperature, with_entropy)
-            logprobs.append(lp)
+        for mb in micro_batches:
+            lp, ent = self.forward_logprobs(mb, temperature, with_entropy, use_remove_padding=use_remove_padding)
+            logprobs.append(lp.cpu())
             if ent is not None:
-                entropies.append(ent)
+                entropies.append(ent.cpu())
         self.model.train(was_training)
-        return torch.cat(logprobs).cpu(), (torch.cat(entropies).cpu() if with_entropy else None)
+        return _in_row_order(torch.cat(logprobs), order), (
+            _in_row_order(torch.cat(entropies), order) if with_entropy else None
+        )
 
     # ------------------------------------------------------------------- train
     def optimizer_step(
-        self, micro_batches: list[TrainBatch], loss_fn: LossFn, *, temperature: float, with_entropy: bool
+        self,
+        micro_batches: list[TrainBatch],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
+        with_entropy: bool,
+        use_remove_padding: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over gradient-accumulated micro-batches.
 
         ``loss_fn`` must already normalise by the whole mini-batch (global token/sequence
-        counts), so the micro-batch losses are summed, not averaged, here.
+        counts), so the micro-batch losses are summed, not averaged, here. Micro-batches may
+        have any sizes (``token_budget_micro_batches``); ``use_remove_padding`` runs each one
+        packed and still hands ``loss_fn`` (b, R) logprobs and entropy.
         """
         if self.optimizer is None or self.scheduler is None or self.optim_spec is None:
             raise RuntimeError("this engine was built without an optimizer (a reference model)")
@@ -127,7 +206,9 @@ class TrainEngine:
         sums: dict[str, float] = {}
         for mb in micro_batches:
             mb = mb.to(self.device)
-            logprobs, entropy = self.forward_logprobs(mb, temperature, with_entropy)
+            logprobs, entropy = self.forward_logprobs(
+                mb, temperature, with_entropy, use_remove_padding=use_remove_padding
+            )
             loss, metrics = loss_fn(mb, logprobs, entropy)
             loss.backward()
             for k, v in metrics.items():
@@ -179,3 +260,24 @@ class TrainEngine:
             state = torch.load(ckpt_dir / "optim.pt", map_location="cpu", weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _logprob_micro_batches(
+    batch: TrainBatch, micro_batch_size: int | None, max_token_len: int | None, num_micro_batches: int | None
+) -> tuple[list[TrainBatch], torch.Tensor | None]:
+    """Micro-batches for a logprob pass and, when they reorder rows, the row ids in their order."""
+    if max_token_len is not None:
+        micro_batches, partitions = token_budget_micro_batches(batch, max_token_len, num_micro_batches=num_micro_batches)
+        return micro_batches, torch.tensor([i for part in partitions for i in part], dtype=torch.long)
+    if micro_batch_size is None:
+        raise ValueError("compute_logprobs needs micro_batch_size or max_token_len")
+    return batch.split(micro_batch_size), None
+
+
+def _in_row_order(values: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Rows computed in micro-batch order ``order`` (row ids) put back in the batch's order."""
+    if order is None:
+        return values
+    restored = torch.empty_like(values)
+    restored[order] = values
+    return restored

@@ -16,7 +16,7 @@ import torch
 from hybridflow.algorithms import agg_loss, batch_counts, compute_rollout_correction, get_policy_loss, kl_penalty
 from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
-from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
 
@@ -74,8 +74,11 @@ class ActorWorker:
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of the response tokens under the current weights (old_logprobs).  # (B, R)"""
+        cfg = self.cfg
         logprobs, _ = self.engine.compute_logprobs(
-            batch, temperature=self.setup.temperature, micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu
+            batch, temperature=self.setup.temperature, micro_batch_size=cfg.log_prob_micro_batch_size_per_gpu,
+            use_remove_padding=cfg.use_remove_padding,
+            max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
         return logprobs
 
@@ -93,7 +96,11 @@ class ActorWorker:
             order = torch.randperm(batch.batch_size, generator=generator) if cfg.shuffle else torch.arange(batch.batch_size)
             for start in range(0, batch.batch_size, mini_size):
                 mini = batch.select(order[start : start + mini_size])
-                micro_batches = mini.split(cfg.ppo_micro_batch_size_per_gpu)
+                micro_batches = (
+                    token_budget_micro_batches(mini, cfg.ppo_max_token_len_per_gpu)[0]
+                    if cfg.use_dynamic_bsz
+                    else mini.split(cfg.ppo_micro_batch_size_per_gpu)
+                )
                 # Normalise by the whole mini-batch so accumulation over micro-batches (and, with
                 # several ranks, the gradient average) reproduces the full-batch loss exactly.
                 num_tokens, num_seqs = batch_counts(mini.response_mask)
@@ -104,6 +111,7 @@ class ActorWorker:
                         self._loss_fn(num_tokens, num_seqs, len(micro_batches), generator),
                         temperature=self.setup.temperature,
                         with_entropy=True,
+                        use_remove_padding=cfg.use_remove_padding,
                     )
                 )
                 self._count_skip(skipped=self.engine.skipped_steps > skipped_before)

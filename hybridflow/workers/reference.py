@@ -20,6 +20,8 @@ class ReferenceSetup:
     temperature: float
     micro_batch_size: int
     trust_remote_code: bool = False
+    use_remove_padding: bool = False
+    max_token_len: int | None = None  # token-budget micro-batches (actor.use_dynamic_bsz)
 
 
 class ReferenceWorker:
@@ -34,7 +36,9 @@ class ReferenceWorker:
         self.engine = TrainEngine(model, optim=None, device=setup.device)
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
+        s = self.setup
         logprobs, _ = self.engine.compute_logprobs(
-            batch, temperature=self.setup.temperature, micro_batch_size=self.setup.micro_batch_size
+            batch, temperature=s.temperature, micro_batch_size=s.micro_batch_size,
+            use_remove_padding=s.use_remove_padding, max_token_len=s.max_token_len,
         )
         return logprobs

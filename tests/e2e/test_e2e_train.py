@@ -295,3 +295,24 @@ def test_hostile_reward_functions_are_counted_and_never_reach_the_advantages(mod
     for r in records:
         assert all(math.isfinite(r[k]) for k in ("critic/advantages/max", "critic/advantages/min", "actor/pg_loss"))
         assert r["actor/skipped_steps"] == 0
+
+
+def test_packed_token_budget_updates_match_padded_fixed_micro_batches(model_and_data, tmp_path):
+    """Packing, token-budget micro-batches and balancing change how the work is cut, not the
+    math: step 1 (same samples) gives the same loss and gradient norm as padded micro-batches."""
+    model_dir, train, val = model_and_data
+    common = [
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", "trainer.logger=[jsonl]",
+        "trainer.val_before_train=false", "trainer.save_final=false", "trainer.test_freq=0", "actor.ppo_epochs=2",
+        *SMALL, "trainer.total_training_steps=1",
+    ]
+    padded = api.train(api.make_config("grpo", overrides=[
+        *common, f"trainer.output_dir={tmp_path / 'padded'}", "trainer.balance_batch=false"])).final_metrics
+    packed = api.train(api.make_config("grpo", overrides=[
+        *common, f"trainer.output_dir={tmp_path / 'packed'}", "actor.use_remove_padding=true",
+        "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96", "actor.log_prob_max_token_len_per_gpu=96",
+        "trainer.balance_batch=true"])).final_metrics
+    assert packed["critic/score/mean"] == padded["critic/score/mean"]
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-5), key
+    assert "global_seqlen/balanced_max" in packed
