@@ -18,6 +18,7 @@ Two opt-in speed paths, both keyword arguments with defaults that keep the padde
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,7 +258,13 @@ class TrainEngine:
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {ckpt_dir} does not match the model: missing {missing}, unexpected {unexpected}")
         if self.optimizer is not None and self.scheduler is not None and (ckpt_dir / "optim.pt").is_file():
-            state = torch.load(ckpt_dir / "optim.pt", map_location="cpu", weights_only=True)
+            path = ckpt_dir / "optim.pt"
+            try:
+                # weights_only: tensors and plain containers only; a pickle that would build other
+                # objects (and so could run code) is refused before anything in it executes.
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+                raise RuntimeError(f"{path}: refused to load optimizer state: {exc}") from exc
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
 
