@@ -34,6 +34,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # per-request seed: the same seed gives the same samples
     greedy: bool = False
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0: off)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or response (1: off)
+    stop: list[str] = field(default_factory=list)  # stop strings (need an engine with a tokenizer)
+    ignore_eos: bool = False  # keep generating past the engine's EOS ids (stop_token_ids still stop)
+    logprobs: int | None = None  # also return this many top logprobs per response token
+    include_stop_str_in_output: bool = False  # keep a matched stop string in the decoded text
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -76,6 +82,10 @@ class Trajectory:
     num_turns: int = 1
     # Row fields the reward and the metrics need (data_source, ground_truth, extra_info, ...).
     metadata: dict[str, Any] = field(default_factory=dict)
+    # With SamplingParams.logprobs = k: per response token, the k most likely tokens and the sampled
+    # one, {token id: logprob}, from the same distribution as rollout_logprobs.
+    top_logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

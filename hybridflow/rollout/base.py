@@ -11,7 +11,7 @@ lazily, so naming an engine whose optional dependency is missing fails only when
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -63,6 +63,7 @@ def _build_native(
     device: torch.device | str,
     dtype: torch.dtype | str,
     seed: int,
+    tokenizer: Any = None,
 ) -> RolloutEngine:
     from hybridflow.rollout.native import NativeEngine
 
@@ -74,6 +75,7 @@ def _build_native(
         device=device,
         dtype=dtype,
         seed=seed,
+        tokenizer=tokenizer,
     )
 
 
@@ -94,11 +96,13 @@ def build_rollout_engine(
     device: torch.device | str,
     dtype: torch.dtype | str,
     seed: int = 0,
+    tokenizer: Any = None,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
     The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
     ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
+    ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings.
     """
     try:
         builder = ROLLOUT_ENGINES[name]
@@ -114,4 +118,5 @@ def build_rollout_engine(
         device=device,
         dtype=dtype,
         seed=seed,
+        tokenizer=tokenizer,
     )

@@ -1,79 +1,89 @@
-"""NativeEngine: a request-level asynchronous rollout engine over a Hugging Face causal LM.
+"""NativeEngine: a request-level, continuously batching rollout engine for Llama/Qwen2/Qwen3 models.
 
 Works anywhere torch runs (CPU, one GPU) with no inference server, which is what the laptop
-default and the tests need. It is not trying to be vLLM; it is trying to be correct, small and
-batch-invariant where the RL loop cares (seeded samples, logprobs).
+default and the tests need. It is small and batch-invariant where the RL loop cares (seeded
+samples, logprobs), and fast where a CPU run pays: per-step overhead and long-tailed lengths.
 
 How a request flows
 -------------------
-``generate()`` validates the request, expands it into ``params.n`` samples, appends them to the
-waiting queue and awaits a future. A scheduler coroutine (started on demand on the caller's event
-loop, exiting when the queue is empty) repeatedly:
+``generate()`` validates the request, gives each of its ``n`` samples a random key
+(``sampling.derive_sample_seed``), queues it and awaits a future. A scheduler coroutine (started on
+demand on the caller's event loop, exiting when there is nothing left) runs *steps*. Each step:
 
-1. takes a *wave* of up to ``max_batch_size`` waiting samples (``_next_wave``);
-2. prefills it: the distinct prompts of the wave are left-padded and run once (samples of one
-   prompt share that prefill; the cache rows are then repeated), with an attention mask over real
-   tokens and position ids that count real tokens only, so a padded prompt sees the same positions
-   as an unpadded one;
-3. decodes: each step feeds only the newest token of every row with the KV cache and samples the
-   next one (``sampling.sample_tokens``). A row finishes on a stop/EOS token (kept in the
-   response) or at ``max_tokens``; once enough rows have finished, they are dropped from the
-   batch and from the cache so later steps only pay for live rows;
-4. resolves a request's future as soon as all of its samples have finished.
+1. plans on the event-loop thread (``_plan``): finished rows leave the decode batch, waiting
+   samples of prefilled prompts take the free rows, and new prompts start prefilling while free
+   rows would otherwise stay empty;
+2. runs the model in a worker thread (``_execute``): at most one prefill forward over prompt
+   chunks (``max_prefill_tokens`` per step, so a long prompt is prefilled in chunks while decoding
+   goes on), then one decode forward over every running sequence, then sampling;
+3. records the step on the event-loop thread (``_apply``): appends each row's token and logprob,
+   finishes rows on a stop token, stop string or ``max_tokens``, resolves a request's future once
+   all of its samples are done.
 
-Model work runs in a worker thread (``asyncio.to_thread``), one step per hop, so the event loop
-keeps serving agent loops and accepting requests while the model computes.
+So sequences join and leave the running batch at every step: a long-tailed length distribution
+costs the tokens it generates, not ``batch x longest``.
 
-Growing into continuous batching
---------------------------------
-Today a new wave starts when the running batch is empty. Continuous batching only changes the
-admission point: between two decode steps, take waiting samples into free slots, prefill them
-and merge their cache rows into the running cache (left-padding the shorter side). The wave,
-``_RunningBatch`` and the per-step bookkeeping (``_record_step``) are already per row for that.
+Prefill once per prompt: a prompt's first ``P - 1`` tokens are prefilled once into a prompt slot
+of the KV cache (``kv_cache.SlotKVCache``); each of its samples copies them into its own decode row
+and starts decoding by feeding the prompt's last token. That makes every row of a decode step
+alike (one token in, one token out) and a group of ``n`` samples costs one prefill.
+
+Admission control: a sample starts only in a free decode row; the number of rows is
+``max_batch_size`` or what fits ``kv_cache_memory_bytes`` at the current row length, whichever is
+smaller (the cache grows its rows on demand to the longest ``prompt + max_tokens`` admitted).
 
 Weights and concurrency
 -----------------------
-``update_weights`` and every forward pass take the same lock, so new weights land between two
-decode steps. Sequences in flight continue under the new weights (their later tokens come from
-the new policy); callers that need one policy per trajectory update while the engine is idle.
-One engine serves one event loop at a time.
+``update_weights`` and every step take the same lock, so new weights land between two steps.
+Sequences in flight continue under the new weights (their later tokens come from the new policy);
+callers that need one policy per trajectory update while the engine is idle. One engine serves
+one event loop at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import difflib
+import os
 import threading
 from collections import deque
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
 
+from hybridflow.rollout.compact import CompactCausalLM
+from hybridflow.rollout.kv_cache import SlotKVCache
 from hybridflow.rollout.sampling import (
+    RowProfile,
     SamplingTensors,
     check_sampling_params,
-    is_stop_token,
-    make_sample_generator,
+    compute_top_logprobs,
+    derive_sample_seed,
+    row_profile,
+    row_values,
     sample_tokens,
+    split_key,
 )
+from hybridflow.rollout.stopping import StopStrings
+from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, check_bucket, copy_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, Trajectory
-
-# Finished rows are dropped from the running batch (and its KV cache) once they make up at least
-# this share of it. Dropping copies the whole cache once, about what a single decode step already
-# spends appending to HF's DynamicCache; keeping a finished row costs its share of every later
-# step. 1/8 caps the wasted compute at 12.5% while keeping copies rare in large batches, where
-# rows tend to finish one at a time.
-COMPACT_MIN_FINISHED_FRACTION = 0.125
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# Share of the free memory the KV cache may take when no budget is given: on a GPU the trainer and
+# its optimizer usually share the device; on a CPU the OS, the trainer and the data need the rest.
+KV_CACHE_MEMORY_FRACTION = {"cuda": 0.4, "cpu": 0.25}
+# Prompt tokens prefilled per step: big enough that short prompts batch into one forward, small
+# enough that a long prompt does not stall the running sequences for long (vLLM's default order).
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+# Prompt slots: prompts being prefilled, or waiting for rows for their samples. Demand-driven
+# prefill keeps few of them busy; 64 lets a GRPO batch of 64 prompts prefill together.
+DEFAULT_MAX_PREFILL_PROMPTS = 64
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -86,15 +96,43 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
         raise ValueError(f"unknown rollout dtype {dtype!r}; expected one of {', '.join(DTYPES)}") from None
 
 
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """``KV_CACHE_MEMORY_FRACTION`` of the device's free memory now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * KV_CACHE_MEMORY_FRACTION["cuda"])
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available * KV_CACHE_MEMORY_FRACTION["cpu"])
+
+
+@dataclass(frozen=True)
+class LogitsRows:
+    """Who the rows of a logits batch are, for logits processors."""
+
+    request_ids: list[str]
+    sample_indices: list[int]
+    output_lengths: torch.Tensor  # (B,) long: tokens each row has generated before this one
+
+
+class LogitsProcessor(Protocol):
+    """Adjusts the logits a token is *drawn* from (B, V) float32; logprobs stay the model's own."""
+
+    def __call__(self, logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor: ...
+
+
 @dataclass
 class EngineStats:
     """Counters since construction, for metrics, benchmarks and tests."""
 
-    forward_passes: int = 0  # model calls (one per prefill, one per decode step)
-    waves: int = 0  # batches started from an empty engine
-    prefill_tokens: int = 0  # real prompt tokens run through prefill (padding and shared prompts excluded)
+    steps: int = 0  # scheduler steps: each runs at most one prefill and one decode forward
+    forward_passes: int = 0  # model calls, prefill and decode
+    prefill_forwards: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through prefill: P - 1 per request, whatever its n
     generated_tokens: int = 0  # tokens appended to responses
-    compactions: int = 0  # times finished rows were dropped from a running batch
+    admitted_samples: int = 0
+    admitted_while_decoding: int = 0  # samples that joined a batch with sequences already decoding
+    row_moves: int = 0  # live rows moved into holes left by finished ones
+    max_running: int = 0  # the most sequences decoded in one step
 
 
 @dataclass(eq=False)
@@ -103,8 +141,23 @@ class _Request:
 
     request: GenerationRequest
     future: asyncio.Future[list[Trajectory]]
+    stop_tokens: frozenset[int]
+    stop_strings: StopStrings | None
+    cache_length: int  # positions one sample occupies at most: prompt + max_tokens - 1
     samples: list[_Sample] = field(default_factory=list)
     unfinished: int = 0
+    prompt_slot: int | None = None  # prompt row of the KV cache while prefilling or holding
+    prefilled: int = 0  # prompt tokens already in the prompt slot
+    admitted: int = 0  # samples started so far
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def prefix_length(self) -> int:
+        """Prompt tokens prefilled once for all samples: all but the last, which each sample feeds."""
+        return len(self.request.prompt_ids) - 1
 
     @property
     def label(self) -> str:
@@ -117,11 +170,19 @@ class _Sample:
 
     owner: _Request
     index: int
+    key: int  # 64-bit sampling key (sampling.derive_sample_seed)
     max_tokens: int  # params.max_tokens, capped so prompt + response fits the model's context
-    generator: torch.Generator | None  # set for seeded requests (see sampling.derive_sample_seed)
+    profile: RowProfile
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def position(self) -> int:
+        """Cache position of the token this sample feeds next."""
+        return len(self.owner.request.prompt_ids) - 1 + len(self.response_ids)
 
     def to_trajectory(self) -> Trajectory:
         return Trajectory(
@@ -130,43 +191,130 @@ class _Sample:
             loss_mask=[1] * len(self.response_ids),
             rollout_logprobs=list(self.logprobs),
             finish_reason=self.finish_reason or "abort",
+            top_logprobs=self.top_logprobs,
+            stop_reason=self.stop_reason,
         )
 
 
-@dataclass(eq=False)
-class _RunningBatch:
-    """The sequences being decoded together; row ``i`` of every tensor belongs to ``samples[i]``."""
+@dataclass(frozen=True)
+class _Chunk:
+    """Prompt tokens ``[start, end)`` of ``request`` prefilled into its prompt slot this step."""
 
-    samples: list[_Sample]
-    cache: Any  # transformers Cache (a DynamicCache)
-    attention_mask: torch.Tensor  # (B, L) long, 0 on left padding
-    next_positions: torch.Tensor  # (B,) long, position id of the token fed next
-    last_tokens: torch.Tensor  # (B,) long, the token fed next
-    sampling: SamplingTensors
-    finished: list[bool]  # finished rows still occupying the batch until the next compaction
+    request: _Request
+    slot: int
+    start: int
+    end: int
 
-    @property
-    def size(self) -> int:
-        return len(self.samples)
+
+@dataclass
+class _Plan:
+    """What one step does, decided on the event-loop thread; tensors are touched only in ``_execute``."""
+
+    capacity: int  # cache positions per row needed after this step's admissions
+    moves: list[tuple[int, int]]  # (source, destination) decode rows, applied first
+    chunks: list[_Chunk]
+    admits: list[tuple[_Sample, int, int | None]]  # (sample, decode row, prompt slot or None)
+    batch_size: int  # decode rows [0, batch_size) run this step
+    key_length: int  # positions the decode step attends over
+    top_logprobs: int  # the most top-k logprobs any row asked for (0: none)
 
 
 @dataclass(frozen=True)
 class _StepResult:
-    """What one forward + sample step produced, as Python lists (one device sync per step)."""
+    """What one step produced, as Python lists (one device sync per step)."""
 
     tokens: list[int]
     logprobs: list[float]
-    stopped: list[bool]
+    top_ids: list[list[int]] | None
+    top_values: list[list[float]] | None
+
+
+class _RowState:
+    """Per-decode-row tensors (positions, tokens, sampling parameters), indexed like the cache rows."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        def longs() -> torch.Tensor:
+            return torch.zeros(rows, dtype=torch.long, device=device)
+
+        def floats() -> torch.Tensor:
+            return torch.ones(rows, dtype=torch.float32, device=device)
+
+        self.vocab_size, self.device = vocab_size, device
+        self.positions, self.last_tokens, self.counters, self.top_k = longs(), longs(), longs(), longs()
+        self.temperatures, self.top_p, self.min_p, self.penalty = floats(), floats(), floats(), floats()
+        self.greedy = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.keys = torch.zeros((rows, 2), dtype=torch.long, device=device)
+        self.seen: torch.Tensor | None = None  # (rows, V) bool, only once a row has a repetition penalty
+
+    def _tensors(self) -> list[torch.Tensor]:
+        tensors = [self.positions, self.last_tokens, self.counters, self.top_k, self.temperatures]
+        tensors += [self.top_p, self.min_p, self.penalty, self.greedy, self.keys]
+        return tensors + ([self.seen] if self.seen is not None else [])
+
+    def move(self, sources: list[int], destinations: list[int]) -> None:
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.tensor(destinations, dtype=torch.long, device=self.device)
+        for tensor in self._tensors():
+            tensor[dst] = tensor[src]
+
+    def admit(self, samples: list[_Sample], rows: list[int]) -> None:
+        """Start ``samples`` in ``rows``: they feed their prompt's last token at position P - 1."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        values = [row_values(s.owner.request.params) for s in samples]
+        columns = list(zip(*values, strict=True))
+
+        def put(tensor: torch.Tensor, column: Sequence[Any]) -> None:
+            tensor[index] = torch.tensor(column, dtype=tensor.dtype, device=self.device)
+
+        put(self.positions, [s.position for s in samples])
+        put(self.last_tokens, [s.owner.prompt[-1] for s in samples])
+        put(self.counters, [len(s.response_ids) for s in samples])
+        for tensor, column in zip(
+            [self.temperatures, self.greedy, self.top_k, self.top_p, self.min_p, self.penalty], columns, strict=True
+        ):
+            put(tensor, column)
+        self.keys[index] = torch.tensor([split_key(s.key) for s in samples], dtype=torch.long, device=self.device)
+        if self.seen is None and any(s.profile.penalty for s in samples):
+            self.seen = torch.zeros((self.positions.shape[0], self.vocab_size), dtype=torch.bool, device=self.device)
+        if self.seen is not None:
+            self.seen[index] = False
+            for row, sample in zip(rows, samples, strict=True):
+                ids = sample.owner.prompt + sample.response_ids
+                self.seen[row, torch.tensor(ids, dtype=torch.long, device=self.device)] = True
+
+    def sampling(self, batch: int, profiles: Sequence[RowProfile]) -> SamplingTensors:
+        return SamplingTensors.from_columns(
+            temperatures=self.temperatures[:batch],
+            greedy=self.greedy[:batch],
+            top_k=self.top_k[:batch],
+            top_p=self.top_p[:batch],
+            min_p=self.min_p[:batch],
+            repetition_penalty=self.penalty[:batch],
+            keys=self.keys[:batch],
+            counters=self.counters[:batch],
+            profiles=profiles,
+        )
+
+    def advance(self, batch: int, tokens: torch.Tensor) -> None:
+        """After a step: every row fed one token and drew ``tokens`` (B,)."""
+        self.positions[:batch] += 1
+        self.counters[:batch] += 1
+        self.last_tokens[:batch] = tokens
+        if self.seen is not None:
+            self.seen[torch.arange(batch, device=self.device), tokens] = True
 
 
 class NativeEngine:
-    """Batched KV-cache generation for one Hugging Face causal LM (see the module docstring).
+    """Continuous-batching generation for one Llama/Qwen2/Qwen3 HF model (see the module docstring).
 
     The engine takes ownership of ``model``: it is moved to ``device``, its parameters are cast to
-    ``dtype`` (buffers such as RoPE frequencies keep their precision) and it is put in eval mode.
-    ``eos_token_ids`` end every request in addition to its own ``stop_token_ids``.
-    ``max_model_len`` (default: the config's ``max_position_embeddings``) caps prompt + response;
-    a response that reaches it finishes with ``"length"``.
+    ``dtype`` (buffers such as RoPE frequencies keep their precision), and its q/k/v and gate/up
+    weights become views of fused tensors that the engine's compact forward uses
+    (``compact.CompactCausalLM``); the HF model keeps working and shares every weight.
+    ``eos_token_ids`` end every request (unless ``ignore_eos``) in addition to its own
+    ``stop_token_ids``. ``max_model_len`` (default: the config's ``max_position_embeddings``) caps
+    prompt + response; a response that reaches it finishes with ``"length"``. ``tokenizer`` is
+    needed only for stop strings. ``logits_processors`` adjust the logits tokens are drawn from.
     """
 
     def __init__(
@@ -180,48 +328,87 @@ class NativeEngine:
         dtype: torch.dtype | str = torch.float32,
         seed: int = 0,
         max_model_len: int | None = None,
+        tokenizer: Any = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_prefill_prompts: int = DEFAULT_MAX_PREFILL_PROMPTS,
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"NativeEngine: max_batch_size must be >= 1, got {max_batch_size}")
+        if max_prefill_tokens < 1 or max_prefill_prompts < 1:
+            raise ValueError("NativeEngine: max_prefill_tokens and max_prefill_prompts must be >= 1")
         self._device = torch.device(device)
         self._dtype = resolve_dtype(dtype)
         model.to(device=self._device)
         for parameter in model.parameters():
+            parameter.requires_grad_(False)
             parameter.data = parameter.data.to(dtype=self._dtype)
         self._model = model.eval()
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_ids", t) for t in eos_token_ids]:
             if not 0 <= token < self._vocab_size:
                 raise ValueError(f"NativeEngine: {name} {token} is outside the vocabulary [0, {self._vocab_size})")
-        self._eos_token_ids = list(eos_token_ids)
+        if max_model_len is None:
+            max_model_len = int(getattr(model.config, "max_position_embeddings"))
+        self._max_model_len = max_model_len
+        self._compact = CompactCausalLM.from_hf(model, max_positions=max_model_len)
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._pad_token_id = pad_token_id
         self._max_batch_size = max_batch_size
-        if max_model_len is None:
-            max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        self._max_model_len: int | None = max_model_len
-        self._generator = torch.Generator(device=self._device)
+        self._tokenizer = tokenizer
+        self._max_prefill_tokens = max_prefill_tokens
+        self._logits_processors = tuple(logits_processors)
+        self._generator = torch.Generator()
         self._generator.manual_seed(seed)
+        shape = self._compact.shape
+        self._cache = SlotKVCache(
+            num_layers=self._compact.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            dtype=self._dtype,
+            device=self._device,
+            max_decode_rows=max_batch_size,
+            prompt_rows=max_prefill_prompts,
+            memory_budget_bytes=kv_cache_memory_bytes or default_kv_cache_bytes(self._device),
+            max_capacity=max_model_len,
+        )
+        self._state = _RowState(max_batch_size, self._vocab_size, self._device)
 
-        self._waiting: deque[_Sample] = deque()
-        self._wave: list[_Sample] = []  # samples taken from the queue for the current batch
+        self._waiting: deque[_Request] = deque()  # not yet prefilling
+        self._prefilling: list[_Request] = []  # holding a prompt slot, prefill incomplete
+        self._ready: deque[_Request] = deque()  # prefilled, some samples not yet started
+        self._rows: list[_Sample | None] = []  # decode row -> sample (None: a hole this step fills)
+        self._free_slots = list(range(max_prefill_prompts - 1, -1, -1))
         self._scheduler_task: asyncio.Task[None] | None = None
         self._scheduler_loop: asyncio.AbstractEventLoop | None = None
-        # Held by every forward pass and by update_weights: weights never change mid-forward.
+        # Held by every step and by update_weights: weights never change mid-step.
         self._model_lock = threading.Lock()
         self._asleep = False
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The HF model whose weights the engine serves (shared, not copied)."""
+        return self._model
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (0 while asleep or before the first request)."""
+        return self._cache.nbytes
+
     async def generate(self, request: GenerationRequest) -> list[Trajectory]:
         """The ``request.params.n`` samples of one prompt, batched with concurrent requests."""
         loop = asyncio.get_running_loop()
         self._check_accepting(loop)
         owner = self._make_request(request, loop.create_future())
-        self._waiting.extend(owner.samples)
+        # A one-token prompt has nothing to prefill: its samples start from the prompt token alone.
+        (self._ready if owner.prefix_length == 0 else self._waiting).append(owner)
         if self._scheduler_task is None or self._scheduler_task.done():
             self._scheduler_loop = loop
-            self._scheduler_task = loop.create_task(self._schedule(), name="NativeEngine.scheduler")
+            self._scheduler_task = loop.create_task(self._serve(), name="NativeEngine.scheduler")
         return await owner.future
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:
@@ -249,34 +436,28 @@ class NativeEngine:
             return asyncio.run(serve())
         return _run_in_fresh_thread(serve())
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
         """Copy ``(name, tensor)`` pairs into the model by Hugging Face parameter name.
 
         Names are those of ``model.state_dict()`` (tied aliases such as ``lm_head.weight`` are
-        accepted). Values are cast to the engine's dtype and device. Pairs are applied as they
-        stream in, so on an error the earlier pairs have already been applied: resend them all.
+        accepted). Pairs are applied in buckets of at most ``max_bucket_bytes`` (``weights``):
+        each bucket is checked whole, then cast to the engine's dtype and device and copied. The
+        lock is held across all buckets, so no step sees half-updated weights. On an error the
+        earlier buckets have already been applied: resend them all.
         """
         targets = self._model.state_dict(keep_vars=True)
         with self._model_lock, torch.no_grad():
-            for name, tensor in weights:
-                target = targets.get(name)
-                if target is None:
-                    close = difflib.get_close_matches(name, list(targets), n=3)
-                    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-                    raise ValueError(f"update_weights: unknown parameter {name!r}{hint}")
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"update_weights: parameter {name!r} has shape {tuple(target.shape)} in the "
-                        f"rollout model but {tuple(tensor.shape)} was sent"
-                    )
-                target.copy_(tensor)
+            for bucket in iter_buckets(weights, max_bucket_bytes):
+                check_bucket(bucket, targets)
+                copy_bucket(bucket, targets)
 
     def sleep(self) -> None:
-        """Release cached generation memory; ``generate`` refuses requests until ``wake_up``.
+        """Release the KV cache; ``generate`` refuses requests until ``wake_up``.
 
-        The KV cache lives only while a batch is decoding, so sleeping requires an idle engine;
-        on CUDA the allocator's cached blocks are returned to the device. Weights stay resident
-        (a colocated trainer typically owns and updates them in place).
+        Requires an idle engine. On CUDA the allocator's cached blocks are returned to the device.
+        Weights stay resident (a colocated trainer typically owns and updates them in place).
         """
         in_flight = self._count_in_flight()
         if in_flight:
@@ -285,11 +466,15 @@ class NativeEngine:
                 "await their requests before sleeping"
             )
         self._asleep = True
+        self._cache.release()
+        self._state.seen = None
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        """Accept requests again after ``sleep`` (the cache is rebuilt per batch on demand)."""
+        """Rebuild the KV cache at its last size and accept requests again."""
+        if self._asleep:
+            self._cache.rebuild()
         self._asleep = False
 
     # ------------------------------------------------------------------ intake
@@ -302,8 +487,7 @@ class NativeEngine:
             return
         if bound is not None and bound.is_closed():
             # The previous loop died without finishing its scheduler; nobody can await its requests.
-            self._waiting.clear()
-            self._wave = []
+            self._drop_everything()
             self._scheduler_task = None
             return
         raise RuntimeError(
@@ -312,7 +496,7 @@ class NativeEngine:
         )
 
     def _check_request(self, request: GenerationRequest) -> None:
-        """Raise ``ValueError`` naming the request when it cannot be served by this model."""
+        """Raise ``ValueError`` naming the request when it cannot be served by this engine."""
         label = repr(request.request_id) if request.request_id else "(no request_id)"
         prompt = request.prompt_ids
         if not prompt:
@@ -324,7 +508,7 @@ class NativeEngine:
                 f"request {label}: prompt_ids[{position}] = {prompt[position]} is outside the "
                 f"vocabulary [0, {self._vocab_size})"
             )
-        if self._max_model_len is not None and len(prompt) >= self._max_model_len:
+        if len(prompt) >= self._max_model_len:
             raise ValueError(
                 f"request {label}: prompt of {len(prompt)} tokens leaves no room to generate within "
                 f"the model's context of {self._max_model_len} tokens"
@@ -333,72 +517,240 @@ class NativeEngine:
             check_sampling_params(request.params, self._vocab_size)
         except ValueError as exc:
             raise ValueError(f"request {label}: {exc}") from None
+        if request.params.stop and self._tokenizer is None:
+            raise ValueError(f"request {label}: stop strings need an engine built with a tokenizer")
+        length = len(prompt) + self._max_tokens(request) - 1
+        if not self._cache.fits_alone(length):
+            raise ValueError(
+                f"request {label}: one sequence of {length} positions does not fit the KV cache budget of "
+                f"{self._cache.memory_budget_bytes} bytes (kv_cache_memory_bytes)"
+            )
+
+    def _max_tokens(self, request: GenerationRequest) -> int:
+        return min(request.params.max_tokens, self._max_model_len - len(request.prompt_ids))
 
     def _make_request(self, request: GenerationRequest, future: asyncio.Future[list[Trajectory]]) -> _Request:
         self._check_request(request)
         params = request.params
-        max_tokens = params.max_tokens
-        if self._max_model_len is not None:
-            max_tokens = min(max_tokens, self._max_model_len - len(request.prompt_ids))
-        owner = _Request(request=request, future=future, unfinished=params.n)
+        max_tokens = self._max_tokens(request)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_token_ids))
+        owner = _Request(
+            request=request,
+            future=future,
+            stop_tokens=frozenset(stops),
+            stop_strings=StopStrings(self._tokenizer, params.stop) if params.stop else None,
+            cache_length=len(request.prompt_ids) + max_tokens - 1,
+            unfinished=params.n,
+        )
+        # Unseeded requests draw a seed from the engine's generator: reproducible given the engine
+        # seed and the order requests arrive in, and the same per-sample streams as seeded ones.
+        seed = params.seed if params.seed is not None else self._draw_seed()
+        profile = row_profile(params)
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = make_sample_generator(params.seed, index, self._device)
-            owner.samples.append(_Sample(owner=owner, index=index, max_tokens=max_tokens, generator=generator))
+            sample = _Sample(
+                owner=owner, index=index, key=derive_sample_seed(seed, index), max_tokens=max_tokens, profile=profile
+            )
+            if params.logprobs is not None:
+                sample.top_logprobs = []
+            owner.samples.append(sample)
         return owner
 
+    def _draw_seed(self) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self._generator))
+
     def _count_in_flight(self) -> int:
-        waiting = sum(1 for s in self._waiting if not s.owner.future.done())
-        # Counted from the moment a wave leaves the queue, so a prefill in progress counts too.
-        running = sum(1 for s in self._wave if s.finish_reason is None and not s.owner.future.done())
-        return waiting + running
+        queued = self._waiting, self._prefilling, self._ready
+        pending = sum(r.request.params.n - r.admitted for group in queued for r in group if not r.future.done())
+        return pending + sum(1 for s in self._rows if s is not None and not s.owner.future.done())
 
-    # ------------------------------------------------------------------ scheduling
+    # ------------------------------------------------------------------ scheduling (event-loop thread)
 
-    async def _schedule(self) -> None:
-        """Serve waves until the queue is empty, then exit (``generate`` restarts it)."""
+    async def _serve(self) -> None:
+        """Run steps until nothing is queued or running, then exit (``generate`` restarts it)."""
         try:
-            # Let requests submitted in the same tick (asyncio.gather) join the first wave.
+            # Let requests submitted in the same tick (asyncio.gather) join the first step.
             await asyncio.sleep(0)
-            while wave := self._next_wave():
-                await self._run_wave(wave)
+            while (plan := self._plan()) is not None:
+                try:
+                    result = await asyncio.to_thread(self._execute, plan)
+                except Exception as exc:  # a model or sampling error fails what was in flight
+                    self._fail_in_flight(exc)
+                    continue
+                self._apply(plan, result)
         except BaseException as exc:  # cancelled with the loop: nobody will serve what is queued
             failure = RuntimeError("NativeEngine scheduler stopped before these requests finished")
             failure.__cause__ = exc
-            self._fail_requests({s.owner for s in self._waiting}, failure)
-            self._waiting.clear()
+            self._fail_requests(self._all_requests(), failure)
+            self._drop_everything()
             raise
 
-    def _next_wave(self) -> list[_Sample]:
-        """Up to ``max_batch_size`` waiting samples, skipping those nobody awaits any more."""
-        wave: list[_Sample] = []
-        while self._waiting and len(wave) < self._max_batch_size:
-            sample = self._waiting.popleft()
-            if not sample.owner.future.done():  # done early: cancelled by its caller, or failed
-                wave.append(sample)
-        return wave
+    def _plan(self) -> _Plan | None:
+        """Decide the next step: free finished rows, schedule prefill chunks, admit samples."""
+        self._drop_abandoned()
+        live = sum(1 for s in self._rows if s is not None)
+        if not (self._waiting or self._prefilling or self._ready or live):
+            return None
+        budget = self._max_prefill_tokens
+        chunks, budget = self._continue_prefills(budget)
+        chunks += self._start_prefills(budget, live)
+        capacity = self._needed_capacity()
+        admits: list[tuple[_Sample, int | None]] = []  # (sample, prompt slot to copy from)
+        completing = [c.request for c in chunks if c.end == c.request.prefix_length]
+        for request in [*self._ready, *completing]:
+            take = min(self._free_rows(capacity, live + len(admits)), request.request.params.n - request.admitted)
+            if take <= 0:
+                break
+            admits += [(s, request.prompt_slot) for s in request.samples[request.admitted : request.admitted + take]]
+            request.admitted += take
+        # Settling may free a prompt slot that this step still copies from: slots are only handed
+        # out by _start_prefills, which ran above, so the next reuse comes after this step.
+        self._settle_queues()
+        moves, placed = self._place_rows(admits)
+        if not chunks and not self._rows:
+            # Unreachable while every admitted request fits the cache alone (checked at intake);
+            # without this, a scheduling bug would spin here instead of failing loudly.
+            raise RuntimeError("NativeEngine scheduler: requests are queued but none can start")
+        live_rows = [s for s in self._rows if s is not None]
+        return _Plan(
+            capacity=capacity,
+            moves=moves,
+            chunks=chunks,
+            admits=placed,
+            batch_size=len(self._rows),
+            key_length=max((s.position for s in live_rows), default=-1) + 1,
+            top_logprobs=max((s.owner.request.params.logprobs or 0 for s in live_rows), default=0),
+        )
 
-    async def _run_wave(self, wave: list[_Sample]) -> None:
-        self.stats.waves += 1
-        self._wave = wave
-        try:
-            batch, step = await asyncio.to_thread(self._prefill, wave)
-            self._record_step(batch, step)
-            while not all(batch.finished):
-                step = await asyncio.to_thread(self._decode_step, batch)
-                self._record_step(batch, step)
-        except Exception as exc:  # a model or sampling error fails this wave's requests only
-            failure = RuntimeError(f"NativeEngine: generation failed: {type(exc).__name__}: {exc}")
-            failure.__cause__ = exc
-            self._fail_requests({s.owner for s in wave}, failure)
-        except BaseException as exc:  # cancelled mid-wave (its loop is shutting down)
-            failure = RuntimeError("NativeEngine scheduler stopped before these requests finished")
-            failure.__cause__ = exc
-            self._fail_requests({s.owner for s in wave}, failure)
-            raise
-        finally:
-            self._wave = []
+    def _needed_capacity(self) -> int:
+        """Cache positions per row for every request started so far (they all hold or will need rows)."""
+        started = [s.owner for s in self._rows if s is not None] + [*self._prefilling, *self._ready]
+        return max([self._cache.capacity, 1] + [r.cache_length for r in started])
+
+    def _free_rows(self, capacity: int, live: int) -> int:
+        """Decode rows still free once rows hold ``capacity`` positions and ``live`` are taken."""
+        rows = self._cache.rows_that_fit(self._cache.aligned(max(capacity, self._cache.capacity)))
+        return max(0, rows - live)
+
+    def _continue_prefills(self, budget: int) -> tuple[list[_Chunk], int]:
+        """The next chunk of every prompt already prefilling, oldest first, within ``budget`` tokens."""
+        chunks = []
+        for request in self._prefilling:
+            if budget <= 0:
+                break
+            end = min(request.prefix_length, request.prefilled + budget)
+            assert request.prompt_slot is not None
+            chunks.append(_Chunk(request, request.prompt_slot, request.prefilled, end))
+            budget -= end - request.prefilled
+            request.prefilled = end
+        return chunks, budget
+
+    def _start_prefills(self, budget: int, live: int) -> list[_Chunk]:
+        """Start prefilling waiting prompts while their samples would find free rows.
+
+        Demand-driven: prompts already prefilled or prefilling have first claim on the free rows,
+        and a new prompt starts only when rows would otherwise stay empty, or when nothing at all is
+        running (so the engine always makes progress).
+        """
+        claimed = sum(r.request.params.n - r.admitted for r in (*self._ready, *self._prefilling))
+        chunks: list[_Chunk] = []
+        while self._waiting and budget > 0 and self._free_slots:
+            request = self._waiting[0]
+            free = self._free_rows(max(self._needed_capacity(), request.cache_length), live)
+            if claimed >= free and (claimed or live):
+                break
+            self._waiting.popleft()
+            request.prompt_slot = self._free_slots.pop()
+            end = min(request.prefix_length, budget)
+            chunks.append(_Chunk(request, request.prompt_slot, 0, end))
+            budget -= end
+            request.prefilled = end
+            self._prefilling.append(request)
+            claimed += request.request.params.n
+        return chunks
+
+    def _settle_queues(self) -> None:
+        """Move fully prefilled prompts to ``_ready`` and fully started ones out, freeing their slots."""
+        for request in [r for r in self._prefilling if r.prefilled == r.prefix_length]:
+            self._prefilling.remove(request)
+            self._ready.append(request)
+        for request in [r for r in self._ready if r.admitted == r.request.params.n]:
+            self._ready.remove(request)
+            self._release_slot(request)
+
+    def _release_slot(self, request: _Request) -> None:
+        if request.prompt_slot is not None:
+            self._free_slots.append(request.prompt_slot)
+            request.prompt_slot = None
+
+    def _place_rows(
+        self, admits: list[tuple[_Sample, int | None]]
+    ) -> tuple[list[tuple[int, int]], list[tuple[_Sample, int, int | None]]]:
+        """Give new samples the holes first, then pack the remaining holes with the last live rows.
+
+        Returns the row moves (source, destination) and each new sample's row. Sources are never
+        rows a new sample takes: samples are appended only once no hole is left to pack.
+        """
+        rows = self._rows
+        holes = [i for i, s in enumerate(rows) if s is None]
+        placed = []
+        for sample, slot in admits:
+            if holes:
+                row = holes.pop(0)
+                rows[row] = sample
+            else:
+                row = len(rows)
+                rows.append(sample)
+            placed.append((sample, row, slot))
+        moves = []
+        while holes:
+            while rows and rows[-1] is None:
+                rows.pop()
+            holes = [h for h in holes if h < len(rows)]
+            if not holes:
+                break
+            hole = holes.pop(0)
+            moves.append((len(rows) - 1, hole))
+            rows[hole] = rows.pop()
+        return moves, placed
+
+    def _drop_abandoned(self) -> None:
+        """Stop spending on requests whose caller is gone (cancelled) or that failed."""
+        for row, sample in enumerate(self._rows):
+            if sample is not None and sample.owner.future.done():
+                sample.finish_reason = sample.finish_reason or "abort"
+                self._rows[row] = None
+        for queue in (self._prefilling, self._ready):
+            for request in [r for r in queue if r.future.done()]:
+                queue.remove(request)
+                self._release_slot(request)
+        self._waiting = deque(r for r in self._waiting if not r.future.done())
+
+    def _all_requests(self) -> set[_Request]:
+        owners = {s.owner for s in self._rows if s is not None}
+        return owners | set(self._waiting) | set(self._prefilling) | set(self._ready)
+
+    def _drop_everything(self) -> None:
+        for request in (*self._prefilling, *self._ready):
+            self._release_slot(request)
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._ready.clear()
+        self._rows = []
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        """A step raised: fail every request that had started, clear the cache, keep the queue."""
+        failure = RuntimeError(f"NativeEngine: generation failed: {type(exc).__name__}: {exc}")
+        failure.__cause__ = exc
+        started = {s.owner for s in self._rows if s is not None} | set(self._prefilling) | set(self._ready)
+        self._fail_requests(started, failure)
+        for request in (*self._prefilling, *self._ready):
+            self._release_slot(request)
+        self._prefilling.clear()
+        self._ready.clear()
+        self._rows = []
+        # Reallocated zeroed on the next step. Stale values past a row's length get attention weight
+        # 0, but 0 x NaN is NaN: after non-finite logits no cached value can be trusted.
+        self._cache.release()
 
     @staticmethod
     def _fail_requests(owners: Iterable[_Request], failure: BaseException) -> None:
@@ -406,139 +758,143 @@ class NativeEngine:
             if not owner.future.done():
                 owner.future.set_exception(failure)
 
-    def _record_step(self, batch: _RunningBatch, step: _StepResult) -> None:
-        """Append each live row's token; finish rows and resolve requests (event-loop thread)."""
-        appended = 0
-        for row, sample in enumerate(batch.samples):
-            if batch.finished[row]:
+    def _apply(self, plan: _Plan, result: _StepResult) -> None:
+        """Append each row's token; finish rows and resolve requests."""
+        self.stats.steps += 1
+        self.stats.forward_passes += (1 if plan.chunks else 0) + (1 if plan.batch_size else 0)
+        self.stats.prefill_forwards += 1 if plan.chunks else 0
+        self.stats.prefill_tokens += sum(c.end - c.start for c in plan.chunks)
+        self.stats.admitted_samples += len(plan.admits)
+        if plan.batch_size > len(plan.admits):
+            self.stats.admitted_while_decoding += len(plan.admits)
+        self.stats.row_moves += len(plan.moves)
+        self.stats.max_running = max(self.stats.max_running, plan.batch_size)
+        for row in range(plan.batch_size):
+            sample = self._rows[row]
+            if sample is None or sample.owner.future.done():
                 continue
-            owner = sample.owner
-            if owner.future.done():  # its caller was cancelled or it failed: stop spending on it
-                batch.finished[row] = True
-                sample.finish_reason = "abort"
-                continue
-            sample.response_ids.append(step.tokens[row])
-            sample.logprobs.append(step.logprobs[row])
-            appended += 1
-            if step.stopped[row]:
-                sample.finish_reason = "stop"
-            elif len(sample.response_ids) >= sample.max_tokens:
-                sample.finish_reason = "length"
-            else:
-                continue
-            batch.finished[row] = True
-            owner.unfinished -= 1
-            if owner.unfinished == 0:
-                owner.future.set_result([s.to_trajectory() for s in owner.samples])
-        self.stats.generated_tokens += appended
+            self._append(sample, row, result)
+            if sample.finish_reason is not None:
+                self._rows[row] = None
+                owner = sample.owner
+                owner.unfinished -= 1
+                if owner.unfinished == 0:
+                    owner.future.set_result([s.to_trajectory() for s in owner.samples])
+
+    def _append(self, sample: _Sample, row: int, result: _StepResult) -> None:
+        token = result.tokens[row]
+        sample.response_ids.append(token)
+        sample.logprobs.append(result.logprobs[row])
+        self.stats.generated_tokens += 1
+        if sample.top_logprobs is not None and result.top_ids is not None and result.top_values is not None:
+            k = sample.owner.request.params.logprobs or 0
+            top = dict(zip(result.top_ids[row][:k], result.top_values[row][:k], strict=True))
+            top.setdefault(token, result.logprobs[row])
+            sample.top_logprobs.append(top)
+        owner = sample.owner
+        if token in owner.stop_tokens:
+            sample.finish_reason, sample.stop_reason = "stop", token
+        elif owner.stop_strings is not None and (matched := owner.stop_strings.match(sample.response_ids)):
+            sample.finish_reason, sample.stop_reason = "stop", matched
+        elif len(sample.response_ids) >= sample.max_tokens:
+            sample.finish_reason = "length"
 
     # ------------------------------------------------------------------ model work (worker thread)
 
-    def _new_cache(self) -> Any:
-        try:
-            # With the config, sliding-window layers get sliding caches (transformers >= 4.56).
-            return DynamicCache(config=self._model.config)
-        except TypeError:  # older transformers: no config argument, full-attention layers only
-            return DynamicCache()
+    def _execute(self, plan: _Plan) -> _StepResult:
+        with self._model_lock, torch.inference_mode():
+            cache = self._cache
+            if plan.moves:
+                sources, destinations = (list(side) for side in zip(*plan.moves, strict=True))
+                cache.move_rows(destinations, sources, plan.key_length)
+                self._state.move(sources, destinations)
+            # After the moves, rows [0, batch_size) are all that must survive a reallocation.
+            if not cache.ensure_capacity(plan.capacity, live_rows=plan.batch_size):
+                raise RuntimeError(f"KV cache cannot hold {plan.batch_size} rows of {plan.capacity} positions")
+            if plan.chunks:
+                self._prefill(plan.chunks)
+            if plan.admits:
+                self._admit(plan.admits)
+            if plan.batch_size == 0:
+                return _StepResult(tokens=[], logprobs=[], top_ids=None, top_values=None)
+            return self._decode(plan)
 
-    def _prefill(self, wave: list[_Sample]) -> tuple[_RunningBatch, _StepResult]:
-        """Run the wave's distinct prompts once, left-padded, and sample each row's first token."""
-        prompt_row: dict[tuple[int, ...], int] = {}
-        rows = [prompt_row.setdefault(tuple(s.owner.request.prompt_ids), len(prompt_row)) for s in wave]
-        prompts = list(prompt_row)
-        width = max(len(p) for p in prompts)
+    def _prefill(self, chunks: list[_Chunk]) -> None:
+        """One forward over prompt chunks, right-padded to the longest, writing their prompt slots."""
+        width = max(c.end - c.start for c in chunks)
+        ids = torch.zeros((len(chunks), width), dtype=torch.long)
+        positions = torch.zeros((len(chunks), width), dtype=torch.long)
+        flat_index, flat_slots, flat_positions = [], [], []
+        for i, chunk in enumerate(chunks):
+            length = chunk.end - chunk.start
+            ids[i, :length] = torch.tensor(chunk.request.prompt[chunk.start : chunk.end])
+            # Padding repeats the last real position: in range for RoPE, and its output is unused.
+            positions[i] = chunk.start + torch.arange(width).clamp(max=length - 1)
+            flat_index += range(i * width, i * width + length)
+            flat_slots += [chunk.slot] * length
+            flat_positions += range(chunk.start, chunk.end)
         device = self._device
-        input_ids = torch.full((len(prompts), width), self._pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[i, width - len(prompt) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        # Positions count real tokens only: the same positions an unpadded prompt would get.
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        with self._model_lock, torch.inference_mode():
-            cache = self._new_cache()
-            output = self._model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            self.stats.forward_passes += 1
-            self.stats.prefill_tokens += sum(len(p) for p in prompts)
-            logits = output.logits[:, -1, :]
-            cache = output.past_key_values
-            if len(prompts) != len(wave):  # samples of one prompt share its prefill: repeat rows
-                index = torch.tensor(rows, dtype=torch.long, device=device)
-                cache.batch_select_indices(index)
-                logits, attention_mask = logits[index], attention_mask[index]
-            params = [s.owner.request.params for s in wave]
-            batch = _RunningBatch(
-                samples=list(wave),
-                cache=cache,
-                attention_mask=attention_mask,
-                next_positions=attention_mask.sum(dim=1),
-                last_tokens=torch.empty(0, dtype=torch.long, device=device),
-                sampling=SamplingTensors.from_params(params, self._eos_token_ids, device),
-                finished=[False] * len(wave),
-            )
-            return batch, self._sample(batch, logits)
 
-    def _decode_step(self, batch: _RunningBatch) -> _StepResult:
-        """Feed every row its newest token with the cache and sample the next one."""
-        with self._model_lock, torch.inference_mode():
-            if _worth_compacting(sum(batch.finished), batch.size):
-                self._compact(batch)
-            ones = torch.ones((batch.size, 1), dtype=batch.attention_mask.dtype, device=self._device)
-            batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
-            output = self._model(
-                input_ids=batch.last_tokens[:, None],
-                attention_mask=batch.attention_mask,
-                position_ids=batch.next_positions[:, None],
-                past_key_values=batch.cache,
-                use_cache=True,
-            )
-            self.stats.forward_passes += 1
-            batch.cache = output.past_key_values
-            batch.next_positions = batch.next_positions + 1
-            return self._sample(batch, output.logits[:, -1, :])
+        def tensor(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
 
-    def _sample(self, batch: _RunningBatch, logits: torch.Tensor) -> _StepResult:
+        access = self._cache.prefill_access(
+            [c.slot for c in chunks], tensor(flat_index), tensor(flat_slots), tensor(flat_positions),
+            key_length=max(c.end for c in chunks),
+        )
+        self._compact.forward(ids.to(device), positions.to(device), access, max(c.end for c in chunks), with_logits=False)
+
+    def _admit(self, admits: list[tuple[_Sample, int, int | None]]) -> None:
+        """Copy each new sample's prompt keys/values into its row and set its row state."""
+        copies = [(row, slot) for _, row, slot in admits if slot is not None]
+        if copies:
+            length = max(s.owner.prefix_length for s, _, _ in admits)
+            self._cache.copy_prompts([row for row, _ in copies], [slot for _, slot in copies], length)
+        self._state.admit([s for s, _, _ in admits], [row for _, row, _ in admits])
+
+    def _decode(self, plan: _Plan) -> _StepResult:
+        batch, state = plan.batch_size, self._state
+        samples = [s for s in self._rows[:batch] if s is not None]
+        assert len(samples) == batch, "decode rows must be packed before a step"
+        positions = state.positions[:batch]
+        access = self._cache.decode_access(batch, positions, plan.key_length)
+        logits = self._compact.forward(state.last_tokens[:batch, None], positions[:, None], access, plan.key_length)
+        assert logits is not None
         nan_rows = torch.isnan(logits).any(dim=-1)
         if bool(nan_rows.any()):
-            labels = sorted({batch.samples[i].owner.label for i in nan_rows.nonzero().flatten().tolist()})
+            labels = sorted({samples[i].owner.label for i in nan_rows.nonzero().flatten().tolist()})
             raise FloatingPointError(
                 f"model produced NaN logits for requests {', '.join(labels)} (dtype {self._dtype}); "
                 "check the weights last loaded with update_weights"
             )
-        generators = [s.generator for s in batch.samples]
-        tokens, logprobs = sample_tokens(logits, batch.sampling, generators, self._generator)
-        stopped = is_stop_token(tokens, batch.sampling.stop_token_ids)
-        batch.last_tokens = tokens
-        return _StepResult(tokens=tokens.tolist(), logprobs=logprobs.tolist(), stopped=stopped.tolist())
+        sampling = state.sampling(batch, [s.profile for s in samples])
+        adjust = self._adjust(samples, state.counters[:batch]) if self._logits_processors else None
+        seen = state.seen[:batch] if state.seen is not None else None
+        tokens, logprobs = sample_tokens(logits, sampling, seen=seen, adjust=adjust)
+        top_ids = top_values = None
+        if plan.top_logprobs:
+            values, ids = compute_top_logprobs(logits, sampling.temperatures, plan.top_logprobs)
+            top_ids, top_values = ids.tolist(), values.tolist()
+        state.advance(batch, tokens)
+        return _StepResult(tokens.tolist(), logprobs.tolist(), top_ids, top_values)
 
-    def _compact(self, batch: _RunningBatch) -> None:
-        """Drop finished rows from every per-row tensor and from the KV cache."""
-        keep = [row for row, done in enumerate(batch.finished) if not done]
-        index = torch.tensor(keep, dtype=torch.long, device=self._device)
-        batch.cache.batch_select_indices(index)
-        batch.samples = [batch.samples[row] for row in keep]
-        batch.attention_mask = batch.attention_mask[index]
-        batch.next_positions = batch.next_positions[index]
-        batch.last_tokens = batch.last_tokens[index]
-        batch.sampling = batch.sampling.select(index)
-        batch.finished = [False] * len(keep)
-        self.stats.compactions += 1
+    def _adjust(self, samples: list[_Sample], counters: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        rows = LogitsRows(
+            request_ids=[s.owner.request.request_id for s in samples],
+            sample_indices=[s.index for s in samples],
+            output_lengths=counters,
+        )
 
+        def adjust(logits: torch.Tensor) -> torch.Tensor:
+            for processor in self._logits_processors:
+                logits = processor(logits, rows)
+            return logits
 
-def _worth_compacting(num_finished: int, batch_size: int) -> bool:
-    """Whether to drop finished rows before the next step (see COMPACT_MIN_FINISHED_FRACTION)."""
-    return 0 < num_finished < batch_size and num_finished >= COMPACT_MIN_FINISHED_FRACTION * batch_size
+        return adjust
 
 
 def _run_in_fresh_thread(coroutine: Coroutine[Any, Any, list[list[Trajectory]]]) -> list[list[Trajectory]]:
     """Run ``coroutine`` on a new event loop in a thread that is joined before returning."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="NativeEngine") as pool:
         return pool.submit(asyncio.run, coroutine).result()
+

@@ -1,27 +1,32 @@
 """Next-token sampling for rollout engines: pure functions over a batch of logits.
 
 Every row of a batch carries its own sampling parameters (``SamplingTensors``), so requests with
-different temperatures, top-k/top-p and stop tokens decode together in one forward pass.
+different temperatures, filters and seeds decode together in one forward pass, and a step does no
+per-row Python work to sample.
 
 Logprob convention (the trainer computes the same quantity)
 -----------------------------------------------------------
-The logprob returned for a sampled token is
+The logprob returned for a sampled token (and the optional top-k logprobs) is
 
     log_softmax(logits / temperature)[token]
 
-over the *full* vocabulary: the temperature-scaled distribution **before** top-k/top-p
-filtering. Greedy rows (``temperature == 0`` or ``greedy=True``) use temperature 1, i.e. the
-model's raw distribution. The trainer recomputes exactly this from its own forward pass
-(``logits / temperature``, ``log_softmax``, gather), so rollout and trainer logprobs differ only by
-numerics. Renormalising over the kept top-k/top-p tokens (as vLLM does by default) would bias
-every importance ratio by log(kept mass); we deliberately do not.
+over the *full* vocabulary, from the model's raw logits: the temperature-scaled distribution
+**before** repetition penalty, logits processors and top-k / top-p / min-p filtering. Greedy rows
+(``temperature == 0`` or ``greedy=True``) use temperature 1, i.e. the model's raw distribution. The
+trainer (``training/engine.py``) recomputes exactly this from its own forward pass (``logits /
+temperature``, ``log_softmax``, gather), so rollout and trainer logprobs differ only by numerics.
+Renormalising over the kept tokens (as vLLM can) would bias every importance ratio by log(kept
+mass); we deliberately do not. Filters and penalties change which token is drawn, not the logprob
+reported for it: with them on, sampling is off-policy by design and the trainer's ratio sees it.
 
-Reproducibility
----------------
-Sample ``j`` of a request with seed ``s`` draws from its own ``torch.Generator`` seeded with
-``derive_sample_seed(s, j)``, one draw per generated token. Its tokens therefore do not depend on
-what else is in the batch or on how the engine schedules it. Rows without a seed share the
-engine's generator, whose draws do depend on batch composition.
+Randomness: reproducible per sample, independent of batching
+------------------------------------------------------------
+Sample ``j`` of a request seeded ``s`` has the 64-bit key ``derive_sample_seed(s, j)``. Its ``t``-th
+token is drawn by inverse-CDF sampling with the uniform ``counter_uniforms(key, t)``, a stateless
+integer hash of (key, t). A sample's tokens therefore depend only on its key and its own logits:
+not on what else is in the batch, on how the engine schedules it, or on the order in which other
+rows finished. Engines give unseeded requests a key drawn from their own seeded generator, so a
+whole run is reproducible from the engine seed and the order requests arrive in.
 
 All maths runs in float32 whatever the model dtype, so bf16 logits lose no further precision here.
 """
@@ -29,18 +34,22 @@ All maths runs in float32 whatever the model dtype, so bf16 logits lose no furth
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hybridflow.types import SamplingParams
 
-NO_STOP_TOKEN = -1  # padding in SamplingTensors.stop_token_ids; never a real token id
+# The uniform's resolution: 24 bits, exactly representable in float32 (its mantissa).
+UNIFORM_BITS = 24
+_MASK32 = 0xFFFFFFFF
+# A logits hook: float32 logits (B, V) in, adjusted logits out (see sample_tokens).
+LogitsAdjust = Callable[[torch.Tensor], torch.Tensor]
 
 
 def derive_sample_seed(seed: int, sample_index: int) -> int:
-    """A 64-bit generator seed for sample ``sample_index`` of a request seeded with ``seed``.
+    """The 64-bit key of sample ``sample_index`` of a request seeded with ``seed``.
 
     A cryptographic hash rather than ``seed + sample_index`` so that request seed 1 / sample 0
     and request seed 0 / sample 1 do not share a random stream (users often seed requests with
@@ -51,92 +60,167 @@ def derive_sample_seed(seed: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def make_sample_generator(seed: int, sample_index: int, device: torch.device | str) -> torch.Generator:
-    """The generator for one sample of a seeded request (see ``derive_sample_seed``)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(derive_sample_seed(seed, sample_index))
-    return generator
+def split_key(key: int) -> tuple[int, int]:
+    """A 64-bit key as its (low, high) 32-bit halves, the form ``counter_uniforms`` takes."""
+    return key & _MASK32, (key >> 32) & _MASK32
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for int64 ``x`` in [0, 2**32), without overflowing int64.
+
+    The constant is split in 16-bit halves so every product stays below 2**48.
+    """
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash with good avalanche ("lowbias32", C. Wellons)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1] per row from its key and counter: keys (B, 2) long, counters (B,) → (B,).
+
+    ``keys`` holds each row's (low, high) 32-bit key halves (``split_key``). Stateless and
+    elementwise, so a row's draws never depend on the other rows. Never 0, so inverse-CDF
+    sampling cannot pick a zero-probability first token.
+    """
+    hashed = _mix32(keys[:, 0] ^ _mix32(keys[:, 1] ^ (counters & _MASK32)))
+    bits = hashed >> (32 - UNIFORM_BITS)
+    return (bits.to(torch.float32) + 1.0) / float(1 << UNIFORM_BITS)
 
 
 def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
     """Raise ``ValueError`` naming the field when ``params`` cannot be sampled with this vocabulary.
 
     ``SamplingParams`` checks what it can alone; this adds what needs the model (token ranges) and
-    the one rule it leaves open (``top_k`` must be -1 or at least 1: top-k 0 would keep no token).
+    the rules for fields it leaves open.
     """
     if params.top_k != -1 and params.top_k < 1:
         raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {params.min_p}")
+    if params.repetition_penalty <= 0:
+        raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {params.repetition_penalty}")
+    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
+        raise ValueError(f"SamplingParams.logprobs must be in [0, {vocab_size}] or None, got {params.logprobs}")
+    if any(not s for s in params.stop):
+        raise ValueError("SamplingParams.stop contains an empty string")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.greedy or params.temperature == 0
 
 
 @dataclass(frozen=True)
 class SamplingTensors:
     """Per-row sampling parameters of a decode batch, as tensors on the logits' device.
 
-    Built once per batch with ``from_params`` and narrowed with ``select`` when rows leave, so a
-    decode step does no per-row Python work to sample. The boolean flags let a step skip the
-    sort (``needs_filter``) or the random draw (``all_greedy``) when no row needs them.
+    The boolean flags let a step skip work no row needs: the sort (``needs_filter``), the random
+    draw (``all_greedy``), the argmax (``any_greedy``), min-p, the penalty.
     """
 
     temperatures: torch.Tensor  # (B,) float32; 1.0 on greedy rows (the logprob temperature)
+    greedy: torch.Tensor  # (B,) bool
     top_k: torch.Tensor  # (B,) long; vocab-size or more means "no top-k filter"
     top_p: torch.Tensor  # (B,) float32 in (0, 1]
-    greedy: torch.Tensor  # (B,) bool
-    stop_token_ids: torch.Tensor  # (B, S) long, padded with NO_STOP_TOKEN
-    needs_filter: bool  # some sampled row has top-k or top-p < 1
+    min_p: torch.Tensor  # (B,) float32 in [0, 1]
+    repetition_penalty: torch.Tensor  # (B,) float32; 1.0 is off
+    keys: torch.Tensor  # (B, 2) long: each sample's key halves (split_key)
+    counters: torch.Tensor  # (B,) long: tokens the sample has drawn so far
     all_greedy: bool
-
-    @staticmethod
-    def from_params(
-        params: Sequence[SamplingParams],
-        extra_stop_token_ids: Sequence[int],
-        device: torch.device | str,
-    ) -> SamplingTensors:
-        """Stack one ``SamplingParams`` per row; ``extra_stop_token_ids`` (EOS) apply to all rows."""
-        if not params:
-            raise ValueError("SamplingTensors.from_params: no rows")
-        greedy = [p.greedy or p.temperature == 0 for p in params]
-        # top_k == -1 (off) becomes a bound no vocabulary reaches, so one comparison serves all rows.
-        no_top_k = torch.iinfo(torch.long).max
-        top_k = [no_top_k if p.top_k == -1 else p.top_k for p in params]
-        stops = [sorted(set(p.stop_token_ids) | set(extra_stop_token_ids)) for p in params]
-        width = max(1, max(len(s) for s in stops))
-        stop_rows = [s + [NO_STOP_TOKEN] * (width - len(s)) for s in stops]
-        needs_filter = any(not g and (p.top_k != -1 or p.top_p < 1.0) for g, p in zip(greedy, params, strict=True))
-        return SamplingTensors(
-            temperatures=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                dtype=torch.float32,
-                device=device,
-            ),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            stop_token_ids=torch.tensor(stop_rows, dtype=torch.long, device=device),
-            needs_filter=needs_filter,
-            all_greedy=all(greedy),
-        )
+    any_greedy: bool
+    needs_filter: bool  # some sampled row has top-k or top-p < 1
+    needs_min_p: bool
+    needs_penalty: bool
 
     @property
     def batch_size(self) -> int:
         return int(self.temperatures.shape[0])
 
-    def select(self, rows: torch.Tensor) -> SamplingTensors:
-        """The parameters of ``rows`` (a long index tensor), in that order."""
-        greedy = self.greedy[rows]
-        return SamplingTensors(
-            temperatures=self.temperatures[rows],
-            top_k=self.top_k[rows],
-            top_p=self.top_p[rows],
-            greedy=greedy,
-            stop_token_ids=self.stop_token_ids[rows],
-            # Flags stay conservative (a filter pass on rows that need none is a no-op) except
-            # all_greedy, which is exact and cheap to recompute.
-            needs_filter=self.needs_filter,
-            all_greedy=bool(greedy.all()),
+    @staticmethod
+    def from_params(
+        params: Sequence[SamplingParams],
+        keys: Sequence[int],
+        counters: Sequence[int],
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """One row per ``params`` entry with its 64-bit sample key and draw counter."""
+        if not params:
+            raise ValueError("SamplingTensors.from_params: no rows")
+        if not len(params) == len(keys) == len(counters):
+            raise ValueError(f"SamplingTensors.from_params: {len(params)} params, {len(keys)} keys, {len(counters)} counters")
+        rows = [row_values(p) for p in params]
+        columns = list(zip(*rows, strict=True))
+        return SamplingTensors.from_columns(
+            temperatures=torch.tensor(columns[0], dtype=torch.float32, device=device),
+            greedy=torch.tensor(columns[1], dtype=torch.bool, device=device),
+            top_k=torch.tensor(columns[2], dtype=torch.long, device=device),
+            top_p=torch.tensor(columns[3], dtype=torch.float32, device=device),
+            min_p=torch.tensor(columns[4], dtype=torch.float32, device=device),
+            repetition_penalty=torch.tensor(columns[5], dtype=torch.float32, device=device),
+            keys=torch.tensor([split_key(k) for k in keys], dtype=torch.long, device=device),
+            counters=torch.tensor(list(counters), dtype=torch.long, device=device),
+            profiles=[row_profile(p) for p in params],
         )
+
+    @staticmethod
+    def from_columns(*, profiles: Sequence[RowProfile], **columns: torch.Tensor) -> SamplingTensors:
+        """Wrap ready per-row tensors; ``profiles`` (one per row) set the skip flags."""
+        greedy_rows = sum(p.greedy for p in profiles)
+        return SamplingTensors(
+            **columns,
+            all_greedy=greedy_rows == len(profiles),
+            any_greedy=greedy_rows > 0,
+            needs_filter=any(p.filter for p in profiles),
+            needs_min_p=any(p.min_p for p in profiles),
+            needs_penalty=any(p.penalty for p in profiles),
+        )
+
+
+@dataclass(frozen=True)
+class RowProfile:
+    """Which optional sampling stages one row needs (what ``SamplingTensors`` flags summarise)."""
+
+    greedy: bool
+    filter: bool
+    min_p: bool
+    penalty: bool
+
+
+def row_profile(params: SamplingParams) -> RowProfile:
+    greedy = is_greedy(params)
+    return RowProfile(
+        greedy=greedy,
+        filter=not greedy and (params.top_k != -1 or params.top_p < 1.0),
+        min_p=not greedy and params.min_p > 0.0,
+        penalty=params.repetition_penalty != 1.0,
+    )
+
+
+# top_k == -1 (off) becomes a bound no vocabulary reaches, so one comparison serves all rows.
+NO_TOP_K = torch.iinfo(torch.long).max
+
+
+def row_values(params: SamplingParams) -> tuple[float, bool, int, float, float, float]:
+    """(temperature, greedy, top_k, top_p, min_p, repetition_penalty) of one row, as stored."""
+    greedy = is_greedy(params)
+    return (
+        1.0 if greedy else params.temperature,
+        greedy,
+        NO_TOP_K if params.top_k == -1 else params.top_k,
+        params.top_p,
+        params.min_p,
+        params.repetition_penalty,
+    )
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -161,54 +245,84 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability.
+
+    logits (B, V) temperature-scaled; min_p (B,). Compared in log space: p_i < min_p p_max is
+    logit_i < logit_max + log(min_p); min_p 0 gives log 0 = -inf and keeps everything.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's / vLLM's repetition penalty on tokens already in the prompt or response.
+
+    logits (B, V) float32, seen (B, V) bool, penalty (B,): a seen token's positive logit is divided
+    by the penalty and a negative one multiplied, so penalty > 1 always makes it less likely.
+    """
+    factor = penalty[:, None].expand_as(logits)
+    penalised = torch.where(logits > 0, logits / factor, logits * factor)
+    return torch.where(seen, penalised, logits)
+
+
 def compute_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits / temperature)[token]`` per row (see the module docstring).
 
     logits (B, V), tokens (B,) long, temperatures (B,) → (B,) float32.
     """
     scaled = logits.float() / temperatures[:, None]
-    return scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(dim=-1)
+
+
+def compute_top_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of ``log_softmax(logits / temperature)``: (values, ids), both (B, k)."""
+    scaled = logits.float() / temperatures[:, None]
+    return (scaled - scaled.logsumexp(dim=-1, keepdim=True)).topk(k, dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: the first token whose cumulative mass reaches ``u`` times the total.
+
+    probs (B, V) unnormalised non-negative, uniforms (B,) in (0, 1] → (B,) long. A zero-probability
+    token is never chosen: the cumulative sum is flat across it, and ``u > 0``.
+    """
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def sample_tokens(
     logits: torch.Tensor,
     sampling: SamplingTensors,
-    generators: Sequence[torch.Generator | None],
-    default_generator: torch.Generator,
+    seen: torch.Tensor | None = None,
+    adjust: LogitsAdjust | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one next token per row and return ``(tokens, logprobs)``, both (B,).
 
-    logits (B, V) are the model's raw last-position logits. Greedy rows take the argmax and draw no
-    random numbers. Sampled rows draw from the temperature-scaled, top-k/top-p-filtered
-    distribution: a row with its own generator (``generators[i]``, a seeded request) draws alone
-    so its stream is independent of the batch; the remaining rows share one batched draw from
-    ``default_generator``. ``logprobs`` follow the module's convention (unfiltered distribution).
+    logits (B, V) are the model's raw last-position logits. The token is chosen from processed
+    logits: repetition penalty (needs ``seen`` (B, V) bool when any row has one), then ``adjust``
+    (logits processors), then greedy rows take the argmax and sampled rows divide by their
+    temperature, apply top-k, top-p and min-p, and draw with their counter uniform.
+    ``logprobs`` follow the module's convention: from the raw logits, unfiltered.
     """
-    if len(generators) != logits.shape[0]:
-        raise ValueError(f"sample_tokens: {len(generators)} generators for {logits.shape[0]} rows")
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)
+    raw = logits.float()
+    processed = raw
+    if sampling.needs_penalty:
+        if seen is None:
+            raise ValueError("sample_tokens: a row has a repetition penalty but no seen-token mask was given")
+        processed = apply_repetition_penalty(processed, seen, sampling.repetition_penalty)
+    if adjust is not None:
+        processed = adjust(processed)
+    tokens = processed.argmax(dim=-1) if sampling.any_greedy else None
     if not sampling.all_greedy:
-        scaled = logits / sampling.temperatures[:, None]
+        scaled = processed / sampling.temperatures[:, None]
         if sampling.needs_filter:
             scaled = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
-        probs = scaled.softmax(dim=-1)
-        greedy = sampling.greedy.tolist()
-        shared_rows: list[int] = []
-        for row, (is_greedy, generator) in enumerate(zip(greedy, generators, strict=True)):
-            if is_greedy:
-                continue
-            if generator is None:
-                shared_rows.append(row)
-            else:
-                tokens[row] = torch.multinomial(probs[row], 1, generator=generator)[0]
-        if shared_rows:
-            index = torch.tensor(shared_rows, dtype=torch.long, device=logits.device)
-            drawn = torch.multinomial(probs[index], 1, generator=default_generator).squeeze(-1)
-            tokens[index] = drawn
-    return tokens, compute_token_logprobs(logits, tokens, sampling.temperatures)
-
-
-def is_stop_token(tokens: torch.Tensor, stop_token_ids: torch.Tensor) -> torch.Tensor:
-    """Whether each row's token is one of its stop tokens: tokens (B,), stop_token_ids (B, S) → (B,) bool."""
-    return (tokens[:, None] == stop_token_ids).any(dim=-1)
+        if sampling.needs_min_p:
+            scaled = filter_min_p(scaled, sampling.min_p)
+        probs = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
+        drawn = sample_from_probs(probs, counter_uniforms(sampling.keys, sampling.counters))
+        tokens = drawn if tokens is None else torch.where(sampling.greedy, tokens, drawn)
+    assert tokens is not None
+    return tokens, compute_token_logprobs(raw, tokens, sampling.temperatures)

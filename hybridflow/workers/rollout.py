@@ -39,6 +39,7 @@ class RolloutWorker:
             device=setup.device,
             dtype=setup.dtype,
             seed=setup.seed + rank,
+            tokenizer=tokenizer,
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:

@@ -100,9 +100,11 @@ def test_greedy_batched_with_cache_equals_full_forward_reference(family):
     for prompt, (trajectory,) in zip(PROMPTS, results, strict=True):
         assert trajectory.prompt_ids == prompt
         assert trajectory.response_ids == reference_greedy(reference, prompt, 16, {EOS})
-    # One prefill of the four left-padded prompts, then one decode step per further token.
-    assert engine.stats.waves == 1
-    assert engine.stats.prefill_tokens == sum(len(p) for p in PROMPTS)
+    # One prefill of the four prompts (all but their last token, which each sample feeds itself),
+    # then one decode step per token.
+    assert engine.stats.prefill_forwards == 1
+    assert engine.stats.prefill_tokens == sum(len(p) - 1 for p in PROMPTS)
+    assert engine.stats.steps == 16
 
 
 def test_rollout_logprobs_equal_teacher_forced_recomputation(engine, reference_model):
@@ -218,12 +220,12 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(engine):
 
 
 def test_rows_finishing_early_are_dropped_without_changing_results(engine, reference_model):
-    # Different max_tokens in one wave: rows finish at different steps and the batch compacts.
+    # Different max_tokens in one batch: rows finish at different steps and the live rows are packed.
     lengths = [2, 3, 16, 5, 16, 1, 8, 16]
     requests = [request(PROMPTS[i % 4], temperature=0.0, max_tokens=m) for i, m in enumerate(lengths)]
-    before = engine.stats.compactions
+    before = engine.stats.row_moves
     results = engine.generate_batch(requests)
-    assert engine.stats.compactions > before
+    assert engine.stats.row_moves > before
     for i, ((trajectory,), m) in enumerate(zip(results, lengths, strict=True)):
         assert trajectory.response_ids == reference_greedy(reference_model, PROMPTS[i % 4], m, {EOS})
 
@@ -239,16 +241,16 @@ def test_concurrent_requests_are_batched_together():
 
     results = asyncio.run(main())
     assert len(results) == 20 and all(len(r) == 1 for r in results)
-    assert engine.stats.waves == 1
-    # Sequential serving would need up to 20 * max_tokens forward passes; one wave needs at most max_tokens.
-    assert engine.stats.forward_passes <= max_tokens
+    assert engine.stats.max_running == 20
+    # Sequential serving would need up to 20 * max_tokens steps; one batch needs at most max_tokens.
+    assert engine.stats.steps <= max_tokens
     assert engine.stats.generated_tokens == sum(len(r[0].response_ids) for r in results)
 
 
-def test_requests_beyond_max_batch_size_run_in_later_waves(reference_model):
+def test_requests_beyond_max_batch_size_wait_for_free_rows(reference_model):
     engine = make_engine(max_batch_size=3)
     results = engine.generate_batch([request(p, temperature=0.0, max_tokens=5, n=2) for p in PROMPTS])
-    assert engine.stats.waves == 3  # 8 samples in waves of 3
+    assert engine.stats.max_running == 3  # 8 samples through 3 rows
     for prompt, trajectories in zip(PROMPTS, results, strict=True):
         expected = reference_greedy(reference_model, prompt, 5, {EOS})
         assert [t.response_ids for t in trajectories] == [expected, expected]
@@ -257,7 +259,7 @@ def test_requests_beyond_max_batch_size_run_in_later_waves(reference_model):
 def test_samples_of_one_prompt_share_its_prefill(engine):
     before = engine.stats.prefill_tokens
     engine.generate_batch([request(PROMPTS[1], n=6, temperature=1.0, max_tokens=2)])
-    assert engine.stats.prefill_tokens - before == len(PROMPTS[1])
+    assert engine.stats.prefill_tokens - before == len(PROMPTS[1]) - 1
 
 
 def test_update_weights_changes_outputs_and_restores_them():
@@ -316,7 +318,7 @@ def test_bad_requests_name_the_request_and_the_problem(engine):
 
 def test_nan_weights_fail_the_requests_clearly_and_the_engine_recovers():
     engine = make_engine()
-    good = engine._model.state_dict()["model.norm.weight"].clone()
+    good = engine.model.state_dict()["model.norm.weight"].clone()
     engine.update_weights([("model.norm.weight", torch.full_like(good, float("nan")))])
     with pytest.raises(RuntimeError, match=r"NaN logits for requests 'bad'"):
         engine.generate_batch([request(PROMPTS[0], request_id="bad", max_tokens=3)])
@@ -342,9 +344,9 @@ def test_sleep_while_generating_is_refused():
         await asyncio.sleep(0)  # queued, not yet taken into a batch
         with pytest.raises(RuntimeError, match="1 samples are still being generated"):
             engine.sleep()
-        while engine.stats.waves == 0:
+        while engine.stats.steps == 0:
             await asyncio.sleep(0)
-        # Taken off the queue: prefilling or decoding, its KV cache exists.
+        # Taken off the queue and decoding: its KV cache rows are in use.
         with pytest.raises(RuntimeError, match="1 samples are still being generated"):
             engine.sleep()
         await task
@@ -360,18 +362,18 @@ def test_cancelled_request_stops_and_others_finish():
     async def main() -> tuple[list[Trajectory], int]:
         doomed = asyncio.ensure_future(engine.generate(request(PROMPTS[0], max_tokens=100, temperature=0.0)))
         kept = asyncio.ensure_future(engine.generate(request(PROMPTS[1], max_tokens=20, temperature=0.0)))
-        while engine.stats.forward_passes < 3:  # let a few decode steps run
+        while engine.stats.steps < 3:  # let a few decode steps run
             await asyncio.sleep(0.001)
         doomed.cancel()
         result = await kept
         with pytest.raises(asyncio.CancelledError):
             await doomed
-        return result, engine.stats.forward_passes
+        return result, engine.stats.steps
 
-    result, passes = asyncio.run(main())
+    result, steps = asyncio.run(main())
     assert len(result[0].response_ids) == 20
-    # The wave ended with the 20-token request: the cancelled 100-token sample did not hold it open.
-    assert passes == 20
+    # Serving ended with the 20-token request: the cancelled 100-token sample did not hold it open.
+    assert steps == 20
 
 
 def test_generate_batch_leaves_no_threads_and_works_inside_a_running_loop(engine):

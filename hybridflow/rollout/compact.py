@@ -1,0 +1,313 @@
+"""A compact inference forward for the Llama / Qwen2 / Qwen2.5 / Qwen3 families over a slot KV cache.
+
+Why not the Hugging Face modules: on a CPU or a small GPU, a decode step of a small model is
+dominated by per-op framework overhead, not arithmetic. HF's forward spends most of a step in mask
+construction, cache bookkeeping and module dispatch; this one issues about twenty tensor ops per
+layer (fused q/k/v and gate/up projections, one rotary pass over queries and keys together) and
+reads keys and values straight out of a preallocated cache (``kv_cache.SlotKVCache``).
+
+The weights are the Hugging Face model's own: ``CompactCausalLM.from_hf`` concatenates the q/k/v
+and gate/up projections into fused tensors and then points the HF parameters at views of them,
+so the HF model and this forward share one copy of every weight. ``update_weights`` therefore
+writes through the HF parameter names (``model.state_dict()``) and both forwards see it.
+
+What is supported (checked in ``from_hf``, with a clear error otherwise): decoder-only models with
+RMSNorm, rotary embeddings of any static type (default, linear, llama3, yarn: taken from the HF
+rotary module's ``inv_freq`` and ``attention_scaling``), grouped-query attention, SiLU-gated MLP,
+optional q/k/v/o and MLP biases (Qwen2, Llama ``attention_bias``/``mlp_bias``), optional per-head
+q/k RMSNorm (Qwen3), tied or untied embeddings. Not supported: sliding-window layers and RoPE types
+whose frequencies depend on the sequence length (dynamic, longrope).
+
+Numerics follow HF's order of operations (RMSNorm in float32 then cast, softmax in float32), so
+fp32 logits agree with HF's to ~1e-5 (tests check 1e-4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# RoPE types whose inverse frequencies are recomputed from the sequence length at run time.
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors. Fused tensors are the storage; HF parameters are views of them."""
+
+    input_norm: torch.Tensor  # (h,)
+    qkv_weight: torch.Tensor  # ((H + 2 KV) D, h): q rows, then k rows, then v rows
+    qkv_bias: torch.Tensor | None  # ((H + 2 KV) D,)
+    q_norm: torch.Tensor | None  # (D,) Qwen3 per-head RMSNorm on queries
+    k_norm: torch.Tensor | None  # (D,)
+    o_weight: torch.Tensor  # (h, H D)
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # (h,)
+    gate_up_weight: torch.Tensor  # (2 I, h): gate rows, then up rows
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor  # (h, I)
+    down_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int  # H
+    num_kv_heads: int  # KV
+    head_dim: int  # D
+    intermediate_size: int  # I
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+# What a forward needs from the cache for one layer: write this step's keys and values (B, C, KV, D)
+# and get back every key and value the queries may attend to: keys transposed (B, KV, D, L), values
+# (B, KV, L, D) (see kv_cache for why keys are stored transposed).
+KVAccess = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class CompactCausalLM:
+    """Inference-only forward of a supported HF causal LM; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        final_norm: torch.Tensor,
+        layers: list[LayerWeights],
+        shape: AttentionShape,
+        rms_norm_eps: float,
+        inv_freq: torch.Tensor,
+        rope_attention_scaling: float,
+        max_positions: int,
+    ) -> None:
+        self.embed = embed  # (V, h)
+        self.lm_head = lm_head  # (V, h); the same tensor as embed when tied
+        self.final_norm = final_norm
+        self.layers = layers
+        self.shape = shape
+        self.eps = rms_norm_eps
+        self.dtype = embed.dtype
+        self.device = embed.device
+        # cos/sin for every position, as HF computes them (float32, scaled, then cast): (L, D) each.
+        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
+        freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float32)[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        self._cos = (angles.cos() * rope_attention_scaling).to(self.dtype)
+        self._sin = (angles.sin() * rope_attention_scaling).to(self.dtype)
+        self._scale = shape.head_dim**-0.5
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_positions(self) -> int:
+        return int(self._cos.shape[0])
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def from_hf(model: torch.nn.Module, max_positions: int) -> CompactCausalLM:
+        """Share ``model``'s weights (already on the target device and dtype) with a compact forward.
+
+        Re-points the q/k/v and gate/up parameters of ``model`` at views of fused tensors; the HF
+        model keeps working and keeps its parameter names. Raises ``ValueError`` for unsupported
+        architectures, naming what is not supported.
+        """
+        config = model.config
+        _check_supported(model)
+        base = model.model
+        shape = AttentionShape(
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=base.layers[0].self_attn.head_dim,
+            intermediate_size=config.intermediate_size,
+        )
+        layers = [_fuse_layer(layer) for layer in base.layers]
+        rotary = base.rotary_emb
+        return CompactCausalLM(
+            embed=base.embed_tokens.weight.data,
+            lm_head=model.lm_head.weight.data,
+            final_norm=base.norm.weight.data,
+            layers=layers,
+            shape=shape,
+            rms_norm_eps=float(config.rms_norm_eps),
+            inv_freq=rotary.inv_freq,
+            rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+            max_positions=max_positions,
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_access: KVAccess,
+        key_length: int,
+        with_logits: bool = True,
+    ) -> torch.Tensor | None:
+        """Run ``input_ids`` (B, C) at ``positions`` (B, C) and return the last column's logits (B, V).
+
+        Every sequence attends to the keys at positions ``<=`` its query's position among the first
+        ``key_length`` cache positions that ``kv_access`` returns (after writing this step's keys),
+        so the positions alone define the causal mask: no padding mask is needed as long as each
+        row's cache holds that sequence's tokens at positions below its queries. Prefill, which
+        needs no logits (each sample feeds the prompt's last token itself), passes
+        ``with_logits=False`` and skips the LM head.
+        """
+        hidden = F.embedding(input_ids, self.embed)  # (B, C, h)
+        cos = self._cos[positions].unsqueeze(2)  # (B, C, 1, D)
+        sin = self._sin[positions].unsqueeze(2)
+        key_positions = torch.arange(key_length, device=self.device)
+        visible = key_positions[None, None, :] <= positions[:, :, None]  # (B, C, L)
+        # Additive mask in float32, shaped for scores viewed as (B, KV, G, C, L).
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+        mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None]
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, cos, sin, mask, kv_access)
+        if not with_logits:
+            return None
+        return F.linear(self._rms_norm(hidden[:, -1], self.final_norm), self.lm_head)  # (B, V)
+
+    def _layer(
+        self,
+        index: int,
+        layer: LayerWeights,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kv_access: KVAccess,
+    ) -> torch.Tensor:
+        s = self.shape
+        batch, length, _ = hidden.shape
+        qkv = F.linear(self._rms_norm(hidden, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
+        qkv = qkv.view(batch, length, s.num_heads + 2 * s.num_kv_heads, s.head_dim)  # (B, C, H+2KV, D)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self._rms_norm(qkv[:, :, : s.num_heads], layer.q_norm)
+            k = self._rms_norm(qkv[:, :, s.num_heads : s.num_heads + s.num_kv_heads], layer.k_norm)
+            qk = _rotate(torch.cat([q, k], dim=2), cos, sin)
+        else:
+            # Queries and keys are adjacent heads: one rotary pass serves both.
+            qk = _rotate(qkv[:, :, : s.num_heads + s.num_kv_heads], cos, sin)
+        q, k = qk[:, :, : s.num_heads], qk[:, :, s.num_heads :]
+        v = qkv[:, :, s.num_heads + s.num_kv_heads :]
+        keys, values = kv_access(index, k, v)  # (B, KV, D, L), (B, KV, L, D)
+        attended = self._attend(q, keys, values, mask)  # (B, C, H D)
+        hidden = hidden + F.linear(attended, layer.o_weight, layer.o_bias)
+        gate_up = F.linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias)
+        gate, up = gate_up.split(s.intermediate_size, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention without repeating keys: each KV head serves its G query heads.
+
+        q (B, C, H, D), keys (B, KV, D, L), values (B, KV, L, D), mask (B, 1, 1, C, L) → (B, C, H D).
+        """
+        s = self.shape
+        batch, length = q.shape[0], q.shape[1]
+        grouped = q.reshape(batch, length, s.num_kv_heads, s.group_size, s.head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(batch, s.num_kv_heads, s.group_size * length, s.head_dim)
+        scores = torch.matmul(grouped, keys)  # (B, KV, G C, L)
+        scores = scores.view(batch, s.num_kv_heads, s.group_size, length, -1).float() * self._scale + mask
+        probs = scores.softmax(dim=-1).to(q.dtype).view(batch, s.num_kv_heads, s.group_size * length, -1)
+        out = torch.matmul(probs, values)  # (B, KV, G C, D)
+        out = out.view(batch, s.num_kv_heads, s.group_size, length, s.head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(batch, length, s.num_heads * s.head_dim)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        # HF's order for half precision: normalise in float32, cast, then scale.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding: x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _check_supported(model: torch.nn.Module) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"the native rollout engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+            f"got {model_type!r} ({type(model).__name__})"
+        )
+    activation = getattr(config, "hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"the native rollout engine needs hidden_act='silu', got {activation!r}")
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(
+            f"the native rollout engine does not support sliding-window attention (layers {sliding[:4]} of "
+            f"this {model_type} model); set use_sliding_window=false or use another rollout engine"
+        )
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type in DYNAMIC_ROPE_TYPES:
+        raise ValueError(f"the native rollout engine does not support rope_type {rope_type!r}")
+
+
+def _fuse(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Concatenate along dim 0 and return the fused tensor with a view of it for each part."""
+    fused = torch.cat([p.detach() for p in parts], dim=0)
+    views, start = [], 0
+    for part in parts:
+        views.append(fused[start : start + part.shape[0]])
+        start += part.shape[0]
+    return fused, views
+
+
+def _fuse_linears(linears: list[torch.nn.Module], what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fuse the weights (and biases) of ``linears`` and point each module at its view."""
+    weight, views = _fuse([m.weight for m in linears])
+    for module, view in zip(linears, views, strict=True):
+        module.weight.data = view
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    if any(b is None for b in biases):
+        raise ValueError(f"the native rollout engine needs all or none of the {what} projections to have a bias")
+    bias, views = _fuse(biases)
+    for module, view in zip(linears, views, strict=True):
+        module.bias.data = view
+    return weight, bias
+
+
+def _fuse_layer(layer: torch.nn.Module) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_weight, qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], "q/k/v")
+    gate_up_weight, gate_up_bias = _fuse_linears([mlp.gate_proj, mlp.up_proj], "gate/up")
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight.data,
+        qkv_weight=qkv_weight,
+        qkv_bias=qkv_bias,
+        q_norm=None if q_norm is None else q_norm.weight.data,
+        k_norm=None if k_norm is None else k_norm.weight.data,
+        o_weight=attn.o_proj.weight.data,
+        o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.data,
+        post_norm=layer.post_attention_layernorm.weight.data,
+        gate_up_weight=gate_up_weight,
+        gate_up_bias=gate_up_bias,
+        down_weight=mlp.down_proj.weight.data,
+        down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.data,
+    )

@@ -1,0 +1,145 @@
+"""The compact forward against Hugging Face's on tiny random models of every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.rollout.compact import CompactCausalLM
+from hybridflow.rollout.kv_cache import SlotKVCache
+
+torch.set_num_threads(1)
+
+VOCAB = 272
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    initializer_range=0.2,  # wide init: outputs depend on every position, so mistakes show
+)
+
+
+def random_model(family: str, seed: int = 0) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if family == "tiny":
+            return build_tiny_model(TinyModelSpec(), seed=seed).eval()
+        if family == "qwen2":
+            return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=False)).eval()
+        if family == "qwen3":
+            return Qwen3ForCausalLM(Qwen3Config(**COMMON)).eval()
+        if family == "llama-bias":
+            config = LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True, rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            })
+            model = LlamaForCausalLM(config).eval()
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):  # HF initialises biases to zero, which would test nothing
+                    torch.nn.init.normal_(parameter, std=0.1)
+            return model
+    raise ValueError(family)
+
+
+def make_cache(model: CompactCausalLM, rows: int = 4, prompt_rows: int = 4) -> SlotKVCache:
+    cache = SlotKVCache(
+        num_layers=model.num_layers,
+        num_kv_heads=model.shape.num_kv_heads,
+        head_dim=model.shape.head_dim,
+        dtype=model.dtype,
+        device=model.device,
+        max_decode_rows=rows,
+        prompt_rows=prompt_rows,
+        memory_budget_bytes=10**9,
+        max_capacity=model.max_positions,
+    )
+    assert cache.ensure_capacity(64, live_rows=0)
+    return cache
+
+
+@torch.inference_mode()
+def compact_logits(model: CompactCausalLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Prefill ``prefill`` tokens per row through prompt slots in two chunks, copy them into decode
+    rows, then decode the rest one token at a time; logits of every decoded position (B, T-prefill, V)."""
+    batch, length = ids.shape
+    cache = make_cache(model)
+    half = prefill // 2
+    for start, end in ((0, half), (half, prefill)):
+        width = end - start
+        positions = torch.arange(start, end).repeat(batch, 1)
+        flat = torch.arange(batch * width)
+        slots = torch.arange(batch).repeat_interleave(width)
+        access = cache.prefill_access(list(range(batch)), flat, slots, positions.reshape(-1), end)
+        model.forward(ids[:, start:end], positions, access, end, with_logits=False)
+    cache.copy_prompts(list(range(batch)), list(range(batch)), prefill)
+    logits = []
+    for t in range(prefill, length):
+        positions = torch.full((batch,), t)
+        access = cache.decode_access(batch, positions, t + 1)
+        logits.append(model.forward(ids[:, t : t + 1], positions[:, None], access, t + 1))
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("family", ["tiny", "qwen2", "qwen3", "llama-bias"])
+def test_logits_match_hugging_face_in_float32(family):
+    hf = random_model(family)
+    ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits[:, 10:]
+    compact = CompactCausalLM.from_hf(hf, max_positions=128)
+    got = compact_logits(compact, ids, prefill=10)
+    assert (got - expected).abs().max().item() < 1e-4
+    # The HF model still runs (its fused parameters are views) and gives the same logits.
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits[:, 10:], expected)
+
+
+def test_weights_are_shared_with_the_hf_model_not_copied():
+    hf = random_model("qwen3")
+    compact = CompactCausalLM.from_hf(hf, max_positions=128)
+    layer = compact.layers[1]
+    with torch.no_grad():
+        hf.model.layers[1].self_attn.k_proj.weight.fill_(0.5)
+        hf.model.layers[1].mlp.up_proj.weight.fill_(-0.25)
+    q_rows = 4 * 16
+    assert torch.all(layer.qkv_weight[q_rows : q_rows + 2 * 16] == 0.5)
+    assert torch.all(layer.gate_up_weight[96:] == -0.25)
+    assert layer.q_norm is not None and layer.q_norm.data_ptr() == hf.model.layers[1].self_attn.q_norm.weight.data_ptr()
+
+
+def test_bfloat16_logits_stay_close_to_hugging_face():
+    hf = random_model("qwen2").to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(ids).logits[:, 8:].float()
+    got = compact_logits(CompactCausalLM.from_hf(hf, max_positions=128), ids, prefill=8).float()
+    # bf16 has ~3 significant digits; logits here are O(10).
+    assert (got - expected).abs().max().item() < 0.25
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3; got 'gpt2'"):
+        CompactCausalLM.from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 64)
+    sliding = Qwen2ForCausalLM(Qwen2Config(**{**COMMON, "num_hidden_layers": 2}, use_sliding_window=True,
+                                           sliding_window=16, max_window_layers=0))
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        CompactCausalLM.from_hf(sliding, 128)
+    dynamic = LlamaForCausalLM(LlamaConfig(**COMMON, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        CompactCausalLM.from_hf(dynamic, 128)
