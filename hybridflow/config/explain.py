@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from hybridflow.config.loader import config_to_yaml
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import batch_plan, validate_config
+from hybridflow.config.validate import dp_source, batch_plan, validate_config
 
 BUILTIN_TINY = "builtin:tiny"
 """``model.path`` of the built-in tiny model, the only one ``warm_start.enable=auto`` warm-starts."""
@@ -77,8 +77,7 @@ def _plan_lines(cfg: Config) -> list[str]:
     plan = batch_plan(cfg)
     data, actor, trainer, n = cfg.data, cfg.actor, cfg.trainer, cfg.rollout.n
     lines = [
-        f"data-parallel ranks: {plan.dp} (trainer.n_gpus_per_node={trainer.n_gpus_per_node} x "
-        f"trainer.nnodes={trainer.nnodes})",
+        f"data-parallel ranks: {plan.dp} ({dp_source(trainer)})",
         f"prompts per step: {plan.prompts_per_step} (data.train_batch_size)",
         f"samples per step: {plan.samples_per_step} ({plan.prompts_per_step} prompts x rollout.n={n}); "
         f"{plan.samples_per_rank_per_step} per rank",

@@ -311,9 +311,25 @@ class TrainerConfig:
     project_name: str = f("hybridflow", "Project name for loggers.")
     experiment_name: str = f("grpo-arithmetic", "Run name for loggers and the output folder.")
     logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb.")
-    backend: str = f("local", "Worker-group backend: local (in-process).", choices=("local",))
-    n_gpus_per_node: int = f(1, "Data-parallel ranks per node.")
+    backend: str = f(
+        "local",
+        "Worker-group backend: local (every role in this process, one rank each) | ray (each rank a Ray actor "
+        "process; the actor and reference ranks form a torch.distributed group and shard with FSDP2).",
+        choices=("local", "ray"),
+    )
+    n_gpus_per_node: int = f(1, "Data-parallel ranks per node (GPU runs; CPU runs too when n_workers is null).")
     nnodes: int = f(1, "Nodes.")
+    n_workers: int | None = f(
+        None,
+        "Data-parallel CPU ranks (trainer.backend=ray on CPU). null: n_gpus_per_node x nnodes. GPU runs count "
+        "ranks as n_gpus_per_node x nnodes.",
+    )
+    ray_address: str | None = f(
+        None,
+        "Address of a running Ray cluster to join (e.g. 10.0.0.1:6379). null: start a local one that listens "
+        "on 127.0.0.1 only.",
+    )
+    ray_dashboard: bool = f(False, "Start the Ray dashboard (on 127.0.0.1) with the local cluster; needs ray[default].")
     device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = f(None, "torch CPU threads. None: all cores.")
     progress_bar: bool = f(True, "Show a progress bar on the console.")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridflow.config.loader import ConfigError
-from hybridflow.config.schema import Config
+from hybridflow.config.schema import Config, TrainerConfig
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -68,6 +69,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
 """Integer keys and their minimum (checked with the field's help text in the message)."""
 
 _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
+    ("trainer.n_workers", 1),
     ("trainer.total_training_steps", 1),
     ("trainer.max_ckpt_to_keep", 1),
     ("trainer.num_threads", 1),
@@ -119,6 +121,21 @@ def compute_batch_plan(
     )
 
 
+def data_parallel_size(trainer: TrainerConfig) -> int:
+    """Data-parallel ranks of the actor (and reference): ``n_workers`` CPU ranks when set, else
+    ``n_gpus_per_node x nnodes``."""
+    if trainer.n_workers is not None:
+        return trainer.n_workers
+    return trainer.n_gpus_per_node * trainer.nnodes
+
+
+def dp_source(trainer: TrainerConfig) -> str:
+    """Where ``data_parallel_size`` came from, for messages."""
+    if trainer.n_workers is not None:
+        return f"trainer.n_workers={trainer.n_workers}"
+    return f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} x trainer.nnodes={trainer.nnodes}"
+
+
 def batch_plan(cfg: Config) -> BatchPlan:
     """``compute_batch_plan`` for a config."""
     return compute_batch_plan(
@@ -127,7 +144,7 @@ def batch_plan(cfg: Config) -> BatchPlan:
         rollout_n=cfg.rollout.n,
         ppo_epochs=cfg.actor.ppo_epochs,
         ppo_micro_batch_size_per_gpu=cfg.actor.ppo_micro_batch_size_per_gpu,
-        dp=cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+        dp=data_parallel_size(cfg.trainer),
     )
 
 
@@ -284,11 +301,10 @@ def _check_batches(cfg: Config, report: _Report) -> None:
     mini = cfg.actor.ppo_mini_batch_size
     micro = cfg.actor.ppo_micro_batch_size_per_gpu
     n = cfg.rollout.n
-    gpus, nodes = cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes
-    if min(train, mini, micro, n, gpus, nodes) < 1:
+    dp = data_parallel_size(cfg.trainer)
+    if min(train, mini, micro, n, dp) < 1:
         return
-    dp = gpus * nodes
-    dp_text = f"dp={dp} data-parallel ranks (trainer.n_gpus_per_node={gpus} x trainer.nnodes={nodes})"
+    dp_text = f"dp={dp} data-parallel ranks ({dp_source(cfg.trainer)})"
 
     if mini > train:
         report.error(
@@ -479,6 +495,31 @@ def _check_files(cfg: Config, report: _Report) -> None:
         report.error(f"reward.custom_reward_function.path={reward_path!r} does not exist (or is not a file)")
 
 
+def _check_backend(cfg: Config, report: _Report) -> None:
+    """trainer.backend and the keys that only mean something for one backend."""
+    t = cfg.trainer
+    dp = data_parallel_size(t)
+    if t.backend == "local" and dp > 1:
+        report.error(
+            f"trainer.backend=local runs every role in this process with one rank, but {dp_source(t)} asks for "
+            f"{dp} data-parallel ranks; use trainer.backend=ray (each rank its own process), or one rank"
+        )
+    if t.backend == "ray" and importlib.util.find_spec("ray") is None:
+        report.error("trainer.backend=ray needs the ray package: pip install 'hybridflow[ray]' (or pip install ray)")
+    if t.n_workers is not None and t.device == "cuda":
+        report.error(
+            f"trainer.n_workers={t.n_workers} counts CPU ranks, but trainer.device=cuda: GPU ranks are "
+            f"trainer.n_gpus_per_node x trainer.nnodes; set n_workers to null"
+        )
+    if t.backend == "local":
+        for key, value in (("ray_address", t.ray_address), ("ray_dashboard", t.ray_dashboard)):
+            if value:
+                report.warn(f"trainer.{key}={value} has no effect with trainer.backend=local (set trainer.backend=ray)")
+    elif t.ray_address is not None and t.ray_dashboard:
+        report.warn("trainer.ray_dashboard=true has no effect with trainer.ray_address: the joined cluster keeps its "
+                    "own dashboard settings")
+
+
 _CHECKS = (
     _check_ranges,
     _check_all_sampling,
@@ -486,6 +527,7 @@ _CHECKS = (
     _check_batches,
     _check_algorithm,
     _check_trainer,
+    _check_backend,
     _check_files,
 )
 

@@ -4,7 +4,9 @@
    any model loads),
 2. resolve the built-in model and task into ordinary files on disk,
 3. load data, build the sampler and the step plan,
-4. start the worker groups (actor, rollout, reference when a KL term needs it, reward),
+4. start the worker groups (actor, rollout, reference when a KL term needs it, reward): in this
+   process (``trainer.backend=local``) or as Ray actors (``ray``), where the actor and
+   reference ranks each form a torch.distributed group and the rollout rank shares bundle 0,
 5. open the loggers.
 """
 
@@ -19,8 +21,10 @@ from typing import Any
 import torch
 
 from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
-from hybridflow.cluster.worker_group import WorkerGroup, build_worker_group
+from hybridflow.cluster.ray_group import ResourcePool
+from hybridflow.cluster.worker_group import WorkerGroup, build_worker_group, reserve_placements
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
+from hybridflow.config.validate import data_parallel_size
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.sft import SFTSpec, prepare_builtin_model
 from hybridflow.data import RLDataset, ResumableSampler
@@ -62,11 +66,18 @@ class RunSetup:
     tracker: Tracker
     progress: ProgressBar
     warnings: list[str] = field(default_factory=list)
+    pool: ResourcePool | None = None  # Ray resources reserved for the trainer ranks
 
     def close(self) -> None:
         self.progress.close()
         self.tracker.close()
         self.reward.call_all(RewardWorker.close)
+        groups = [self.actor, self.rollout, self.reference, self.reward]
+        for group in groups:
+            if group is not None:
+                group.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -157,7 +168,16 @@ def build_run(cfg: Config) -> RunSetup:
     needs_old = updates_per_batch > 1 or cfg.algorithm.use_kl_in_reward or bool(rc.rollout_is or rc.rollout_rs)
 
     # 4. Workers.
-    dp = t.n_gpus_per_node * t.nnodes
+    dp = data_parallel_size(t)
+    if t.n_workers is not None and device.type == "cuda":
+        raise ConfigError(f"trainer.n_workers={t.n_workers} counts CPU ranks, but this run computes on {device}: "
+                          "GPU ranks are trainer.n_gpus_per_node x trainer.nnodes; set trainer.n_workers=null")
+    with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward)
+    pool, placements = reserve_placements(
+        t.backend, data_parallel_size=dp, device=device,
+        colocated_roles=["actor", "rollout", *(["reference"] if with_reference else [])],
+        ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
+    )
     common = dict(trust_remote_code=cfg.model.trust_remote_code)
     actor_setup = ActorSetup(
         model_path=model_path, dtype=cfg.model.dtype, device=device, temperature=cfg.rollout.temperature,
@@ -166,21 +186,27 @@ def build_run(cfg: Config) -> RunSetup:
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips, **common,
     )
-    actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp)
-    rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, RolloutSetup(
-        model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
-        max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, **common)), 1)
+    actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
+                               placements.get("actor"))
+    rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
+                                 max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, **common)
+    # One rollout rank: generation stays single-rank (its seeds derive from (seed, step, index)).
+    rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, rollout_setup), 1,
+                                 placements.get("rollout"))
     reference = None
-    if needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward):
+    if with_reference:
         ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
                                    temperature=cfg.rollout.temperature,
                                    micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu,
                                    use_remove_padding=a.use_remove_padding,
                                    max_token_len=cfg.ref.log_prob_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                                    **common)
-        reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp)
+        reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,
+                                       placements.get("reference"))
     custom, ob = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer
-    reward = build_worker_group(t.backend, "reward", lambda r, w: RewardWorker(r, w, RewardSetup(
+    # Reward stays in this process on every backend: scoring writes each trajectory's reward in
+    # place, and the manager already runs the scorers in supervised subprocesses.
+    reward = build_worker_group("local", "reward", lambda r, w: RewardWorker(r, w, RewardSetup(
         tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
         timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
         overlong_buffer_len=(resolve_overlong_buffer(ob.len, d.max_response_length) if ob.enable else None),
@@ -195,5 +221,6 @@ def build_run(cfg: Config) -> RunSetup:
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
-        tracker=tracker, progress=progress, warnings=warnings,
+        tracker=tracker, progress=progress, warnings=warnings, pool=pool,
     )
+

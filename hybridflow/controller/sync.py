@@ -296,7 +296,8 @@ class RLTrainer:
 
     def sync_weights(self) -> None:
         """Push the actor's new weights to every rollout rank (in-process: tensor copies)."""
-        weights = dict(self.actor.call_one(0, ActorWorker.weights_for_sync))
+        # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
+        weights = dict(self.actor.call_all(ActorWorker.weights_for_sync)[0])
         self.rollout.call_all(RolloutWorker.update_weights, weights.items())
 
     def batch_metrics(self, batch: TrainBatch, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -350,7 +351,7 @@ class RLTrainer:
             "rng": capture_rng_state(),
         }
         self.checkpoints.save(
-            self.step, state, write_actor=lambda d: self.actor.call_one(0, ActorWorker.save_checkpoint, str(d)),
+            self.step, state, write_actor=lambda d: self.actor.call_all(ActorWorker.save_checkpoint, str(d)),
             extra_files={"config.yaml": config_to_yaml(self.cfg)},
         )
 

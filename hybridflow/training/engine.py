@@ -3,7 +3,10 @@ with them — forward passes that return per-token logprobs, and optimizer steps
 gradient-accumulated micro-batches with a caller-supplied loss.
 
 The engine knows nothing about RL: the actor passes a ``loss_fn`` (policy loss, SFT loss, ...).
-This first engine is single-process; the FSDP2 engine (issue 4) keeps the same surface.
+Single-process by default; with ``data_parallel=True`` (one engine per rank of a process group)
+the model is sharded with FSDP2 (``hybridflow.training.distributed``) behind the same surface:
+gradients are averaged over ranks, the clipping norm is global, micro-batch counts are agreed
+over ranks, and weights/checkpoints are gathered to full tensors on rank 0.
 
 Two opt-in speed paths, both keyword arguments with defaults that keep the padded behaviour:
 
@@ -17,16 +20,18 @@ Two opt-in speed paths, both keyword arguments with defaults that keep the padde
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits
-from hybridflow.data.batching import token_budget_partitions
+from hybridflow.data.batching import num_micro_batches_for_budget, token_budget_partitions
+from hybridflow.training import distributed
 from hybridflow.training.packing import enable_varlen_attention, pack_batch, sequence_lengths, unpack_responses
 from hybridflow.types import TrainBatch
 
@@ -78,16 +83,39 @@ def token_budget_micro_batches(
 
 class TrainEngine:
     def __init__(
-        self, model: torch.nn.Module, optim: OptimSpec | None, device: torch.device, *, varlen_attention: bool = True
+        self,
+        model: torch.nn.Module,
+        optim: OptimSpec | None,
+        device: torch.device,
+        *,
+        varlen_attention: bool = True,
+        data_parallel: bool = False,
+        mixed_precision: torch.dtype | None = None,
     ) -> None:
         """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
         ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
         Unpacked forwards are handed to sdpa unchanged (bit-identical); False keeps the model's
-        own implementation (packing then uses transformers' block-diagonal mask)."""
+        own implementation (packing then uses transformers' block-diagonal mask).
+
+        ``data_parallel``: this engine is one rank of the initialised default process group
+        (more than one rank): shard the model with FSDP2 per decoder layer + root.
+        ``mixed_precision``: with ``data_parallel``, compute in this dtype (bf16 on GPU) over
+        fp32 master weights and fp32 gradient reduction."""
         self.model = model.to(device)
         if varlen_attention:
             enable_varlen_attention(self.model)
         self.device = device
+        self.data_parallel = data_parallel
+        # FSDP2 renames the model's class (FSDPQwen2ForCausalLM): exports keep the real name.
+        self.architecture = type(model).__name__
+        if data_parallel:
+            if not distributed.is_data_parallel():
+                raise RuntimeError("data_parallel=True needs an initialised process group of more than one rank")
+            if optim is None:
+                self.model.requires_grad_(False)
+            distributed.shard_model(self.model, mixed_precision=mixed_precision)
+        elif mixed_precision is not None:
+            raise ValueError("mixed_precision applies to the sharded (data_parallel) engine only")
         self.optim_spec = optim
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -169,9 +197,13 @@ class TrainEngine:
         """
         was_training = self.model.training
         self.model.eval()
+        if self.data_parallel and max_token_len is not None and num_micro_batches is None:
+            local_count = num_micro_batches_for_budget(sequence_lengths(batch), max_token_len)
+            num_micro_batches = self.agree_num_micro_batches(local_count)
         micro_batches, order = _logprob_micro_batches(
             batch.to(self.device), micro_batch_size, max_token_len, num_micro_batches
         )
+        self._check_same_count(len(micro_batches), "compute_logprobs")
         logprobs, entropies = [], []
         for mb in micro_batches:
             lp, ent = self.forward_logprobs(mb, temperature, with_entropy, use_remove_padding=use_remove_padding)
@@ -202,6 +234,7 @@ class TrainEngine:
         """
         if self.optimizer is None or self.scheduler is None or self.optim_spec is None:
             raise RuntimeError("this engine was built without an optimizer (a reference model)")
+        self._check_same_count(len(micro_batches), "optimizer_step")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -217,7 +250,8 @@ class TrainEngine:
         metrics = {k: v / len(micro_batches) for k, v in sums.items()}
         clip = self.optim_spec.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        # Sharded gradients (DTensors) give the norm over every rank's shard: the global norm.
+        grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -230,12 +264,39 @@ class TrainEngine:
             self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
+    # ------------------------------------------------------- data parallelism
+    def agree_num_micro_batches(self, local_count: int) -> int:
+        """The micro-batch count every rank runs: the largest any rank needs. FSDP2 runs
+        collectives in each forward and backward, so ranks must run the same number."""
+        return distributed.all_reduce_max(local_count) if self.data_parallel else local_count
+
+    def _check_same_count(self, count: int, where: str) -> None:
+        """Refuse, on every rank at once, a call where ranks would run different numbers of
+        forwards (each rank would wait forever in the other's missing all-gather)."""
+        if not self.data_parallel:
+            return
+        low, high = -distributed.all_reduce_max(-count), distributed.all_reduce_max(count)
+        if low != high:
+            raise RuntimeError(
+                f"{where}: ranks have between {low} and {high} micro-batches; every rank must run the same "
+                f"number (agree on it with agree_num_micro_batches)"
+            )
+
     # ------------------------------------------------------------- weights/IO
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameters and buffers by HF name, for weight sync to the rollout engine."""
-        yield from self.model.state_dict().items()
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters and buffers by HF name, for weight sync to the rollout engine.
+
+        Sharded: a collective that gathers full tensors to rank 0 (CPU); other ranks get []."""
+        if self.data_parallel:
+            return list(distributed.gather_model_state(self.model).items())
+        return list(self.model.state_dict().items())
 
     def save(self, out_dir: Path, tokenizer=None) -> None:
+        """HF safetensors of the full model under ``model/`` and ``optim.pt`` with the optimizer
+        (single-process layout) and schedule. Sharded: a collective; rank 0 writes."""
+        if self.data_parallel:
+            self._save_gathered(out_dir, tokenizer)
+            return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out_dir / "model", safe_serialization=True)
         if tokenizer is not None:
@@ -246,13 +307,34 @@ class TrainEngine:
                 out_dir / "optim.pt",
             )
 
+    def _save_gathered(self, out_dir: Path, tokenizer) -> None:
+        weights = distributed.gather_model_state(self.model)
+        optim_state = (
+            distributed.gather_optimizer_state(self.model, self.optimizer) if self.optimizer is not None else {}
+        )
+        if distributed.is_rank_zero():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out_dir / "model", state_dict=weights, safe_serialization=True)
+            _restore_architecture(out_dir / "model", self.architecture)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir / "model")
+            if self.optimizer is not None and self.scheduler is not None:
+                torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, out_dir / "optim.pt")
+        # Nobody reads the checkpoint (or renames its folder) before rank 0 has finished writing.
+        distributed.barrier()
+
     def load(self, ckpt_dir: Path) -> None:
+        """Weights and, when present, optimizer and schedule. Sharded: every rank reads the
+        full files and keeps its shard (a collective)."""
         from safetensors.torch import load_file
 
         weights = {}
         for f in sorted((ckpt_dir / "model").glob("*.safetensors")):
             weights.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if self.data_parallel:
+            missing, unexpected = distributed.load_model_state(self.model, weights)
+        else:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
         # Tied embeddings are saved once; anything else missing is a real problem.
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
         if missing or unexpected:
@@ -265,8 +347,19 @@ class TrainEngine:
                 state = torch.load(path, map_location="cpu", weights_only=True)
             except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
                 raise RuntimeError(f"{path}: refused to load optimizer state: {exc}") from exc
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.data_parallel:
+                distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _restore_architecture(model_dir: Path, architecture: str) -> None:
+    """config.json names the class a loader should build: the model's own, not FSDP's wrapper."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = [architecture]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _logprob_micro_batches(

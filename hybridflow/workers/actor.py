@@ -2,12 +2,16 @@
 
 A thin adapter from controller calls to the training engine and the algorithm registries; it
 never decides what happens next.
+
+With ``world_size > 1`` each rank is one process of a torch.distributed group (the Ray backend
+forms it before building the worker): the engine shards the model with FSDP2, the loss is
+normalised by counts summed over ranks, so N ranks train exactly like one rank on the same
+global batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +19,12 @@ import torch
 
 from hybridflow.algorithms import agg_loss, batch_counts, compute_rollout_correction, get_policy_loss, kl_penalty
 from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
+from hybridflow.data.batching import num_micro_batches_for_budget
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
+from hybridflow.training import distributed
+from hybridflow.training.distributed import collective
 from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.packing import sequence_lengths
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
 
@@ -38,17 +46,36 @@ class ActorSetup:
     max_consecutive_skips: int = 10
 
 
+def check_rank_group(role: str, rank: int, world_size: int) -> None:
+    """A rank of a multi-rank role must sit in a process group of exactly that many ranks."""
+    if world_size > 1 and distributed.world_size() != world_size:
+        raise RuntimeError(
+            f"{role} rank {rank} of {world_size}: no torch.distributed process group of {world_size} ranks is "
+            f"initialised (found {distributed.world_size()}); several ranks need trainer.backend=ray"
+        )
+
+
+def model_precision(dtype: str, data_parallel: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype the weights load in, FSDP2 compute dtype). Sharded bf16 is mixed precision: fp32
+    master weights, optimizer and gradient reduction, bf16 compute. One rank keeps the plain
+    behaviour: weights in ``dtype``."""
+    weights = parse_dtype(dtype)
+    if data_parallel and weights != torch.float32:
+        return torch.float32, weights
+    return weights, None
+
+
 class ActorWorker:
     def __init__(self, rank: int, world_size: int, cfg: ActorConfig, setup: ActorSetup) -> None:
-        if world_size != 1:
-            # Data-parallel gradient reduction arrives with the FSDP2 engine (issue 4).
-            raise NotImplementedError("the in-process actor supports one rank; multi-rank needs trainer.backend=ray")
+        check_rank_group("actor", rank, world_size)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
+        data_parallel = world_size > 1
+        weights_dtype, compute_dtype = model_precision(setup.dtype, data_parallel)
         model = load_causal_lm(
             setup.model_path,
-            dtype=parse_dtype(setup.dtype),
+            dtype=weights_dtype,
             device=setup.device,
             trust_remote_code=setup.trust_remote_code,
         )
@@ -68,6 +95,8 @@ class ActorWorker:
                 grad_clip=cfg.grad_clip,
             ),
             setup.device,
+            data_parallel=data_parallel,
+            mixed_precision=compute_dtype,
         )
         self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
         self.consecutive_skips = 0
@@ -96,14 +125,10 @@ class ActorWorker:
             order = torch.randperm(batch.batch_size, generator=generator) if cfg.shuffle else torch.arange(batch.batch_size)
             for start in range(0, batch.batch_size, mini_size):
                 mini = batch.select(order[start : start + mini_size])
-                micro_batches = (
-                    token_budget_micro_batches(mini, cfg.ppo_max_token_len_per_gpu)[0]
-                    if cfg.use_dynamic_bsz
-                    else mini.split(cfg.ppo_micro_batch_size_per_gpu)
-                )
-                # Normalise by the whole mini-batch so accumulation over micro-batches (and, with
-                # several ranks, the gradient average) reproduces the full-batch loss exactly.
-                num_tokens, num_seqs = batch_counts(mini.response_mask)
+                micro_batches = self._micro_batches(mini)
+                # Normalise by the whole mini-batch over every rank, so accumulation over
+                # micro-batches and the gradient average over ranks reproduce the full-batch loss.
+                num_tokens, num_seqs = (int(c) for c in distributed.all_reduce_sum(batch_counts(mini.response_mask)))
                 skipped_before = self.engine.skipped_steps
                 step_metrics.append(
                     self.engine.optimizer_step(
@@ -118,6 +143,15 @@ class ActorWorker:
         metrics = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
         return metrics | correction_metrics
+
+    def _micro_batches(self, mini: TrainBatch) -> list[TrainBatch]:
+        """Fixed-size micro-batches, or token-budget ones in a count agreed over ranks."""
+        cfg = self.cfg
+        if not cfg.use_dynamic_bsz:
+            return mini.split(cfg.ppo_micro_batch_size_per_gpu)
+        budget = cfg.ppo_max_token_len_per_gpu
+        count = self.engine.agree_num_micro_batches(num_micro_batches_for_budget(sequence_lengths(mini), budget))
+        return token_budget_micro_batches(mini, budget, num_micro_batches=count)[0]
 
     def _count_skip(self, skipped: bool) -> None:
         """A skipped step leaves the weights alone; many in a row mean the run is broken, so stop."""
@@ -221,12 +255,19 @@ class ActorWorker:
         return loss_fn
 
     # ------------------------------------------------------------ weights / IO
-    def weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+    # Collective with several ranks: each rank holds a shard, so every rank takes part in the
+    # gather; rank 0 returns (or writes) the full tensors.
+    @collective
+    def weights_for_sync(self) -> list[tuple[str, torch.Tensor]]:
+        """Full weights by HF name on rank 0 (a list, so it can cross a process boundary); []
+        on the other ranks."""
         return self.engine.named_weights()
 
+    @collective
     def save_checkpoint(self, out_dir: str) -> None:
         self.engine.save(Path(out_dir), tokenizer=self.tokenizer)
 
+    @collective
     def load_checkpoint(self, ckpt_dir: str) -> None:
         self.engine.load(Path(ckpt_dir))
 

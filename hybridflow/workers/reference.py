@@ -9,7 +9,7 @@ import torch
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.training.engine import TrainEngine
 from hybridflow.types import TrainBatch
-from hybridflow.utils.device import parse_dtype
+from hybridflow.workers.actor import check_rank_group, model_precision
 
 
 @dataclass
@@ -25,15 +25,23 @@ class ReferenceSetup:
 
 
 class ReferenceWorker:
+    """With several ranks, each is one process of a torch.distributed group and the frozen
+    model is sharded with FSDP2 like the actor's (same precision rules)."""
+
     def __init__(self, rank: int, world_size: int, setup: ReferenceSetup) -> None:
+        check_rank_group("reference", rank, world_size)
         self.setup = setup
+        data_parallel = world_size > 1
+        weights_dtype, compute_dtype = model_precision(setup.dtype, data_parallel)
         model = load_causal_lm(
             setup.model_path,
-            dtype=parse_dtype(setup.dtype),
+            dtype=weights_dtype,
             device=setup.device,
             trust_remote_code=setup.trust_remote_code,
         )
-        self.engine = TrainEngine(model, optim=None, device=setup.device)
+        self.engine = TrainEngine(
+            model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype
+        )
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
         s = self.setup

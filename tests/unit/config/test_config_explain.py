@@ -49,6 +49,7 @@ def test_plan_numbers_with_dp_and_epochs() -> None:
             "actor.ppo_epochs=2",
             "rollout.n=4",
             "actor.ppo_micro_batch_size_per_gpu=8",
+            "trainer.backend=ray",
             "trainer.n_gpus_per_node=2",
             "trainer.total_training_steps=null",
             "trainer.total_epochs=3",

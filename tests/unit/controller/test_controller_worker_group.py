@@ -37,5 +37,5 @@ def test_worker_errors_name_role_rank_and_method():
 
 
 def test_unknown_backend_lists_choices():
-    with pytest.raises(ValueError, match=r"trainer.backend='slurm'.*\['local'\]"):
+    with pytest.raises(ValueError, match=r"trainer.backend='slurm'.*\['local', 'ray'\]"):
         build_worker_group("slurm", "actor", Echo, 1)

@@ -1,0 +1,343 @@
+"""The Ray backend of the worker-group protocol: every rank is a Ray actor process hosting one
+worker object, and the ranks of a group form a torch.distributed process group (gloo on CPU,
+NCCL on GPU) before the workers are built, so a worker's ``__init__`` may already shard.
+
+    init_ray(address=None, dashboard=False, num_cpus=2)        # local cluster on 127.0.0.1
+    pool = ResourcePool(2, use_gpu=False)                      # one bundle per data-parallel rank
+    actor = RayWorkerGroup("actor", factory, 2, Placement(pool, share=0.5, num_threads=1, device=cpu))
+    metrics = actor.split_gather(ActorWorker.update_actor, batch)
+
+Calls are the same unbound methods the in-process backend takes; a rank executes
+``method(worker, *args)``. Colocated roles (actor and reference ranks, the rollout rank) sit in
+the same placement-group bundle and split its CPU/GPU by ``share``.
+
+Failures never hang the controller: every call waits on all ranks at once and the first rank
+that raised or died turns into a ``WorkerError`` naming the role, the rank, the method and the
+worker's own error (Ray's ``RayTaskError`` / ``RayActorError`` unwrapped). A multi-rank group
+with a failed rank is torn down at once (its peers may be blocked in a collective) and refuses
+later calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
+
+import torch
+
+from hybridflow.cluster.worker_group import WorkerError, refuse_collective
+from hybridflow.training import distributed
+from hybridflow.types import TrainBatch
+from hybridflow.utils.watchdog import activity
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+log = logging.getLogger(__name__)
+
+W = TypeVar("W")
+R = TypeVar("R")
+P = ParamSpec("P")
+
+# Ray reads this once, at import: "off" makes a Linux head node advertise and bind 127.0.0.1
+# only (Ray's laptop mode). Only set for a cluster this process starts itself.
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+PLACEMENT_TIMEOUT_S = 120.0  # a cluster that cannot fit the bundles by then never will on its own
+# After a rank fails, how long to wait for its peers' results: a peer in a collective with a dead
+# rank errors a moment later *because* of it, and the report should lead with the cause.
+FAILURE_GRACE_S = 2.0
+
+
+# ------------------------------------------------------------------------------------ cluster
+def init_ray(address: str | None, *, dashboard: bool, num_cpus: int | None = None) -> None:
+    """Join the Ray cluster at ``address``, or start a local one that listens on 127.0.0.1 only
+    (dashboard off unless asked). ``num_cpus``: logical CPUs of a local cluster (so N CPU ranks
+    fit even on a machine with fewer cores). A process already connected is left as it is."""
+    if address is None:
+        os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
+    # Nothing about this run is worth reporting to Ray's usage statistics endpoint.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Ranks import what the controller can import (a test module, a script's own folder).
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+    if address is not None:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        log.warning("ray was imported before hybridflow started it: the local cluster listens on the node's address, "
+                    "not only on 127.0.0.1 (import hybridflow's Ray backend first, or set %s=0)", LOOPBACK_ONLY_ENV)
+    ray.init(
+        address="local",  # never attach to a cluster found in RAY_ADDRESS or /tmp/ray by accident
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        dashboard_host="127.0.0.1",
+        runtime_env=runtime_env,
+        log_to_driver=True,
+    )
+
+
+class ResourcePool:
+    """A placement group with one bundle per data-parallel rank (1 CPU, plus 1 GPU on GPU runs).
+
+    Rank r of every role placed on the pool runs in bundle r, so colocated roles share a
+    device; each takes ``share`` of the bundle (fractional CPU/GPU).
+    """
+
+    def __init__(self, num_bundles: int, *, use_gpu: bool, cpus_per_bundle: float = 1.0,
+                 timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if num_bundles < 1:
+            raise ValueError(f"a resource pool needs at least one bundle, got {num_bundles}")
+        self.num_bundles, self.use_gpu, self.cpus_per_bundle = num_bundles, use_gpu, cpus_per_bundle
+        self._closed = False
+        bundle = {"CPU": cpus_per_bundle, **({"GPU": 1.0} if use_gpu else {})}
+        bundles = [dict(bundle) for _ in range(num_bundles)]
+        self.placement_group: PlacementGroup = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            ray.util.remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"the Ray cluster cannot fit {num_bundles} bundles of {bundle} within {timeout_s:.0f}s "
+                f"(available: {ray.available_resources()}); lower trainer.n_workers / trainer.n_gpus_per_node or "
+                f"add nodes"
+            ) from exc
+
+    def actor_options(self, bundle: int, share: float, *, gpu: bool = True) -> dict[str, Any]:
+        """Ray actor options placing one rank in ``bundle`` with ``share`` of its resources."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not 0 <= bundle < self.num_bundles:
+            raise IndexError(f"the pool has bundles 0..{self.num_bundles - 1}, not {bundle}")
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        return {
+            "num_cpus": self.cpus_per_bundle * share,
+            "num_gpus": share if (self.use_gpu and gpu) else 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=bundle
+            ),
+        }
+
+    def close(self) -> None:
+        """Give the reserved resources back (once; later calls do nothing)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if ray.is_initialized() and not self._closed:
+            remove_placement_group(self.placement_group)
+        self._closed = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a group's ranks run: rank r in bundle r of ``pool`` with ``share`` of it,
+    ``num_threads`` torch threads each, computing on ``device`` (which also picks the process
+    group backend: NCCL for CUDA, gloo otherwise)."""
+
+    pool: ResourcePool
+    share: float
+    num_threads: int
+    device: torch.device
+
+
+# -------------------------------------------------------------------------------- rank process
+class RankHost:
+    """The process of one rank: joins the group's process group, then hosts one worker object."""
+
+    def __init__(self, role: str, rank: int, world_size: int, num_threads: int) -> None:
+        self.role, self.rank, self.world_size = role, rank, world_size
+        torch.set_num_threads(max(1, num_threads))
+        self.worker: Any = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's address, a free port): rank 0's is where the process group meets."""
+        import ray
+
+        return ray.util.get_node_ip_address(), distributed.free_port()
+
+    def node_address(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def start(
+        self, factory: Callable[[int, int], Any], master_addr: str, master_port: int, device: torch.device
+    ) -> None:
+        # A single rank has no peers: it needs no process group (and then runs the plain engine).
+        if self.world_size > 1:
+            distributed.init_process_group(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
+                                           master_port=master_port, device=device)
+        self.worker = factory(self.rank, self.world_size)
+
+    def execute(self, method: Callable[..., R], payload: tuple[tuple, dict[str, Any]]) -> R:
+        """``method(worker, *args, **kwargs)``; ``payload`` = (args, kwargs), which Ray resolves
+        here when the controller passed it as one object-store reference."""
+        args, kwargs = payload
+        return method(self.worker, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------- the group
+class RayWorkerGroup(Generic[W]):
+    """``world_size`` ranks of one role, each a Ray actor; same calls as ``LocalWorkerGroup``."""
+
+    def __init__(self, role: str, factory: Callable[[int, int], W], world_size: int, placement: Placement) -> None:
+        import ray
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if world_size > placement.pool.num_bundles:
+            raise ValueError(f"{role}: {world_size} ranks on a pool of {placement.pool.num_bundles} bundles")
+        self.role = role
+        self._failed: str | None = None
+        host_cls = ray.remote(RankHost)
+        self._ranks: list[ActorHandle] = [
+            host_cls.options(
+                max_restarts=0,  # a dead rank is reported, never silently replaced
+                **placement.pool.actor_options(rank, placement.share, gpu=placement.device.type == "cuda"),
+            ).remote(role, rank, world_size, placement.num_threads)
+            for rank in range(world_size)
+        ]
+        start = time.perf_counter()
+        try:
+            self._start(factory, placement.device)
+        except BaseException:
+            self.close()  # nobody else holds these processes: a failed start must not leak them
+            raise
+        log.info("%s: %d Ray rank(s) up in %.1fs", role, world_size, time.perf_counter() - start)
+
+    def _start(self, factory: Callable[[int, int], W], device: torch.device) -> None:
+        """Rank 0 picks the rendezvous (loopback when every rank is on its node), then all ranks
+        join the process group and build their worker together."""
+        addr, port = self._wait([(0, self._ranks[0].rendezvous.remote())], "rendezvous")[0]
+        nodes = self._wait([(r, h.node_address.remote()) for r, h in enumerate(self._ranks)], "node_address")
+        master = "127.0.0.1" if all(n == addr for n in nodes) else addr
+        self._wait([(r, h.start.remote(factory, master, port, device)) for r, h in enumerate(self._ranks)],
+                   f"{self.role}.__init__")
+
+    @property
+    def world_size(self) -> int:
+        return len(self._ranks)
+
+    # ---------------------------------------------------------------- protocol
+    def call_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        import ray
+
+        payload = ray.put((args, kwargs))  # one copy in the object store, however many ranks
+        return self._call([(rank, payload) for rank in range(self.world_size)], method)
+
+    def call_one(self, rank: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"{self.role} has ranks 0..{self.world_size - 1}, not {rank}")
+        refuse_collective(self.role, method)
+        return self._call([(rank, (args, kwargs))], method)[0]
+
+    def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple], **kwargs: Any) -> list[R]:
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"{self.role}: {len(per_rank_args)} argument tuples for {self.world_size} ranks")
+        return self._call([(rank, (tuple(args), kwargs)) for rank, args in enumerate(per_rank_args)], method)
+
+    def split_gather(self, method: Callable[[W, TrainBatch], R], batch: TrainBatch) -> list[R]:
+        shards = batch.chunk(self.world_size)
+        return self._call([(rank, ((shard,), {})) for rank, shard in enumerate(shards)], method)
+
+    def close(self) -> None:
+        """End every rank's process (safe to call twice, and after a failure)."""
+        import ray
+
+        if ray.is_initialized():
+            for handle in self._ranks:
+                ray.kill(handle, no_restart=True)
+        self._failed = self._failed or "the group was closed"
+
+    # ---------------------------------------------------------------- internals
+    def _call(self, calls: list[tuple[int, Any]], method: Callable[..., R]) -> list[R]:
+        """Run ``method`` on the listed ranks with their (args, kwargs), or an object-store
+        reference to them; results in the order of ``calls``."""
+        name = getattr(method, "__qualname__", repr(method))
+        if self._failed is not None:
+            raise WorkerError(f"{self.role} cannot run {name}: {self._failed}")
+        ranks = ",".join(str(rank) for rank, _ in calls)
+        # The watchdog names this call if the phase around it stalls.
+        with activity("call", f"{self.role} rank {ranks} {name}"):
+            refs = [(rank, self._ranks[rank].execute.remote(method, payload)) for rank, payload in calls]
+            return self._wait(refs, name)
+
+    def _wait(self, refs: list[tuple[int, Any]], name: str) -> list[Any]:
+        """Results of ``refs`` (rank, ObjectRef) in order. The first failure (in completion
+        order, so a dead rank is reported while its peers still wait on it) raises
+        ``WorkerError`` at once, after a short grace for the peers' own failures."""
+        import ray
+
+        pending = {ref: index for index, (_, ref) in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            failures = _collect(ready, pending, refs, results)
+            if failures:
+                if pending:
+                    late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S)
+                    failures += _collect(late, pending, refs, results)
+                raise self._fail(name, failures)
+        return results
+
+    def _fail(self, name: str, failures: list[tuple[int, Exception]]) -> WorkerError:
+        """One error naming the root cause first: a rank whose process died, else the lowest rank."""
+        import ray
+
+        failures = sorted(failures, key=lambda f: (not isinstance(f[1], ray.exceptions.RayActorError), f[0]))
+        rank, exc = failures[0]
+        message = describe_ray_error(self.role, rank, name, exc)
+        others = [f"rank {r}: {type(e).__name__}" for r, e in failures[1:]]
+        if others:
+            message += f"\n(also failed: {', '.join(others)})"
+        if self.world_size > 1:
+            # Peers of a failed rank may sit in a collective that can no longer complete.
+            self.close()
+            self._failed = f"rank {rank} failed earlier in {name}"
+        error = WorkerError(message)
+        error.__cause__ = exc
+        return error
+
+
+def _collect(
+    ready: list[Any], pending: dict[Any, int], refs: list[tuple[int, Any]], results: list[Any]
+) -> list[tuple[int, Exception]]:
+    """Move finished refs out of ``pending``: values into ``results``, errors returned with their rank."""
+    import ray
+
+    failures: list[tuple[int, Exception]] = []
+    for ref in ready:
+        index = pending.pop(ref)
+        try:
+            results[index] = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            failures.append((refs[index][0], exc))
+    return failures
+
+
+def describe_ray_error(role: str, rank: int, method: str, exc: Exception) -> str:
+    """The controller's message for a rank's failure: who, where, and the worker's own error."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if exc.cause is not None else exc
+        remote = str(exc).strip().splitlines()
+        return f"{role} rank {rank} failed in {method}: {cause!r}\n" + "\n".join(remote[-20:])
+    if isinstance(exc, ray.exceptions.RayActorError):
+        detail = " ".join(str(exc).split())
+        return f"{role} rank {rank} died in {method} (its process exited): {detail}"
+    return f"{role} rank {rank} failed in {method}: {exc!r}"

@@ -1,0 +1,177 @@
+"""The Ray backend end to end: two CPU ranks (FSDP2 over gloo) train exactly like one in-process
+rank on the same global batch, and a rank that raises or dies becomes a prompt WorkerError
+naming the role, the rank and the worker's error, never a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.cluster.ray_group import LOOPBACK_ONLY_ENV
+
+# Ray decides at import whether a local head binds 127.0.0.1 only; ask before importing it.
+os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
+pytest.importorskip("ray")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hybridflow.cluster.ray_group import Placement, RayWorkerGroup, ResourcePool, init_ray  # noqa: E402
+from hybridflow.cluster.worker_group import WorkerError  # noqa: E402
+from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
+from hybridflow.models.tiny import write_tiny_model  # noqa: E402
+from hybridflow.training.distributed import collective  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# A rank's failure must surface well before any collective timeout (30 min) or the watchdog.
+PROMPT_S = 30.0
+
+# A reward that varies inside every group (share of digits in the answer), so advantages and
+# the policy loss are not zero for the untrained tiny model.
+DIGIT_SHARE_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n"
+)
+
+
+def _step_one(out: Path) -> dict:
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "model")
+    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
+    reward = tmp_path / "reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    # One mini-batch per step: both runs update on exactly the same samples. Token-budget
+    # micro-batches (several per rank, counts agreed over ranks), packing and a KL loss (so the
+    # reference model is sharded too) all take part.
+    budget = "160"
+    common = [
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+        "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "data.max_response_length=4",
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.num_threads=1",
+        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3", "actor.use_kl_loss=true",
+        "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true", f"actor.ppo_max_token_len_per_gpu={budget}",
+        f"actor.log_prob_max_token_len_per_gpu={budget}", f"ref.log_prob_max_token_len_per_gpu={budget}",
+    ]
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, extra in runs.items():
+        out = f"trainer.output_dir={tmp_path / name}"
+        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, out]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
+    local, ray_run = _step_one(tmp_path / "local"), _step_one(tmp_path / "ray")
+    assert local["critic/score/mean"] == ray_run["critic/score/mean"]  # the same samples
+    assert local["actor/pg_loss"] != 0.0
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+        assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
+    # Rank 0 exported the gathered model under its real class name, loadable like any HF dir.
+    exported = tmp_path / "ray" / "checkpoints" / "global_step_1" / "actor"
+    config = json.loads((exported / "model" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert (exported / "model" / "model.safetensors").is_file() and (exported / "optim.pt").is_file()
+
+
+# ------------------------------------------------------------------------------ worker groups
+class Flaky:
+    """A worker whose methods misbehave on purpose."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+
+    def rank_sum(self) -> float:
+        """All-reduce of the ranks over the group's process group."""
+        value = torch.tensor([float(self.rank)])
+        dist.all_reduce(value)
+        return float(value.item())
+
+    @collective
+    def gathered(self) -> str:
+        dist.barrier()
+        return f"rank {self.rank}"
+
+    def fail(self) -> None:
+        if self.rank == 1:
+            raise ValueError("bad input")
+
+    def die_in_collective(self) -> None:
+        """Rank 1's process exits; rank 0 blocks in an all-reduce that can never complete."""
+        if self.rank == 1:
+            os._exit(7)
+        dist.all_reduce(torch.zeros(1))
+
+
+class BrokenAtStart:
+    def __init__(self, rank: int, world_size: int) -> None:
+        if rank == 1:
+            raise FileNotFoundError("no model here")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    import ray
+
+    init_ray(None, dashboard=False, num_cpus=2)
+    pool = ResourcePool(2, use_gpu=False)
+    yield pool
+    pool.close()
+    ray.shutdown()
+
+
+def _group(pool: ResourcePool) -> RayWorkerGroup[Flaky]:
+    return RayWorkerGroup("flaky", Flaky, 2, Placement(pool, share=0.5, num_threads=1, device=torch.device("cpu")))
+
+
+def test_ranks_form_a_process_group_and_collectives_run_on_every_rank(pool) -> None:
+    group = _group(pool)
+    try:
+        assert group.call_all(Flaky.rank_sum) == [1.0, 1.0]
+        # A collective method runs on both ranks (one rank alone would hang in the barrier).
+        with pytest.raises(TypeError, match="@collective"):
+            group.call_one(1, Flaky.gathered)
+        assert group.call_all(Flaky.gathered) == ["rank 0", "rank 1"]
+    finally:
+        group.close()
+
+
+def test_a_rank_that_raises_is_a_worker_error(pool) -> None:
+    group = _group(pool)
+    start = time.perf_counter()
+    with pytest.raises(WorkerError, match=r"flaky rank 1 failed in Flaky.fail: ValueError\('bad input'\)"):
+        group.call_all(Flaky.fail)
+    assert time.perf_counter() - start < PROMPT_S
+    # A multi-rank group with a failed rank is torn down: no call can queue behind a stuck peer.
+    with pytest.raises(WorkerError, match="rank 1 failed earlier"):
+        group.call_all(Flaky.rank_sum)
+    group.close()  # already torn down: closing again is harmless
+
+
+def test_a_rank_that_dies_mid_collective_is_a_prompt_worker_error(pool) -> None:
+    group = _group(pool)
+    start = time.perf_counter()
+    with pytest.raises(WorkerError, match=r"flaky rank 1 died in Flaky.die_in_collective \(its process exited\)"):
+        group.call_all(Flaky.die_in_collective)
+    assert time.perf_counter() - start < PROMPT_S
+
+
+def test_a_rank_that_cannot_build_its_worker_fails_the_group_start(pool) -> None:
+    placement = Placement(pool, share=0.5, num_threads=1, device=torch.device("cpu"))
+    expected = r"broken rank 1 failed in broken.__init__: FileNotFoundError\('no model here'\)"
+    with pytest.raises(WorkerError, match=expected):
+        RayWorkerGroup("broken", BrokenAtStart, 2, placement)
+    # The pool still serves new groups after a failed start.
+    group = _group(pool)
+    try:
+        assert group.call_all(Flaky.rank_sum) == [1.0, 1.0]
+    finally:
+        group.close()
