@@ -1,0 +1,61 @@
+"""Agent loops over the rollout engine: single-turn and tool-calling multi-turn episodes.
+
+- ``base``: the ``AgentLoop`` protocol, ``AgentContext``, the loop registry (``AGENT_LOOPS``,
+  chosen per row by ``agent_name``), ``AgentRunner`` (what the rollout worker calls) and
+  ``compute_agent_metrics``.
+- ``single_turn``, ``tool_agent``: the built-in loops.
+- ``tokens``: incremental multi-turn token ids and ``check_token_consistency``.
+- ``parsers``: tool-call parsers (``<tool_call>`` JSON); ``tools``: tool declaration, the
+  registry that runs calls, the ``calculator`` and ``python`` built-ins;
+  ``interactions``: the optional user simulator.
+
+Layering: agents/ sits on types, utils, models and rewards (the sandbox); it never imports
+training/, workers/, controller/, config/ or ray, and reaches the engine only through the
+``generate`` method it calls.
+"""
+
+from hybridflow.agents.base import (
+    AGENT_LOOPS,
+    AgentContext,
+    AgentLoop,
+    AgentRow,
+    AgentRunner,
+    GenerateEngine,
+    agent_name_of,
+    build_agent_loop,
+    compute_agent_metrics,
+)
+from hybridflow.agents.interactions import Interaction, InteractionResponse, build_interaction
+from hybridflow.agents.parsers import TOOL_PARSERS, HermesToolParser, MalformedCall, ParsedTurn, ToolCall, build_tool_parser
+from hybridflow.agents.tokens import TurnTemplate, check_token_consistency, render_ids
+from hybridflow.agents.tools import BUILTIN_TOOLS, Tool, ToolRegistry, ToolResult, load_tool_config, tool
+
+__all__ = [
+    "AGENT_LOOPS",
+    "BUILTIN_TOOLS",
+    "TOOL_PARSERS",
+    "AgentContext",
+    "AgentLoop",
+    "AgentRow",
+    "AgentRunner",
+    "GenerateEngine",
+    "HermesToolParser",
+    "Interaction",
+    "InteractionResponse",
+    "MalformedCall",
+    "ParsedTurn",
+    "Tool",
+    "ToolCall",
+    "ToolRegistry",
+    "ToolResult",
+    "TurnTemplate",
+    "agent_name_of",
+    "build_agent_loop",
+    "build_interaction",
+    "build_tool_parser",
+    "check_token_consistency",
+    "compute_agent_metrics",
+    "load_tool_config",
+    "render_ids",
+    "tool",
+]

@@ -1,0 +1,255 @@
+"""The agent-loop protocol, the loop registry, and the runner the rollout worker calls.
+
+An agent loop turns one dataset row into one trajectory by talking to the rollout engine,
+possibly over several turns. Every loop returns the same flat per-token ``Trajectory``: the
+model's tokens carry ``loss_mask`` 1 and their rollout logprobs, inserted tokens (tool
+responses, user turns, template glue) carry ``loss_mask`` 0 and logprob 0.0.
+
+What a loop records in ``Trajectory.metadata`` besides the row's own fields:
+
+- ``agent_name``: the loop that ran it;
+- ``agent_metrics``: per-episode numbers, ``{"num_turns", "tool_calls", "tool_errors",
+  "tool_timeouts", "user_turns"}`` (floats), aggregated by ``compute_agent_metrics``;
+- ``agent_messages`` (multi-turn loops): the turns added after the prompt, as chat messages;
+- ``agent_stop``: why the episode ended ("no_tool_call", "max_assistant_turns", "length",
+  "interaction_done", "engine_<finish_reason>");
+- ``interaction_reward``: the last reward an interaction gave, when it gave one.
+
+How the rollout worker runs a batch::
+
+    runner = AgentRunner(AgentContext(tokenizer, tools=load_tool_config(path)), default_agent="single_turn")
+    trajectories = await runner.generate(rows, params, engine)   # or runner.generate_sync(...)
+    metrics = compute_agent_metrics(trajectories)
+
+``rows`` are ``AgentRow(prompt_ids, metadata, group_id)``; each row runs ``params.n`` episodes
+(one GRPO group), all rows' episodes concurrently against the engine, and the trajectories come
+back row by row, sample by sample, with ``group_id`` set. ``params.max_tokens`` is the
+response budget of a whole episode (every turn's tokens plus inserted ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from hybridflow.agents.interactions import Interaction
+from hybridflow.agents.registry import resolve_object
+from hybridflow.agents.tokens import ChatTokenizer
+from hybridflow.agents.tools import ToolRegistry
+from hybridflow.rewards.sandbox import run_coroutine_sync
+from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.utils.seed import derive_seed
+
+_T = TypeVar("_T")
+
+# Metric names (``area/name``), the one spelling for trackers and dashboards.
+METRIC_NUM_TURNS_MEAN = "num_turns/mean"
+METRIC_NUM_TURNS_MAX = "num_turns/max"
+METRIC_NUM_TURNS_MIN = "num_turns/min"
+METRIC_TOOL_CALLS_MEAN = "tool_calls/mean"
+METRIC_TOOL_CALLS_MAX = "tool_calls/max"
+METRIC_TOOL_ERROR_RATE = "tool_calls/error_rate"  # per call: malformed, unknown tool, bad arguments, raised
+METRIC_TOOL_TIMEOUT_RATE = "tool_calls/timeout_rate"  # per call
+
+# ``Trajectory.metadata`` keys written by the loops.
+AGENT_NAME_KEY = "agent_name"
+AGENT_METRICS_KEY = "agent_metrics"
+AGENT_MESSAGES_KEY = "agent_messages"
+AGENT_STOP_KEY = "agent_stop"
+INTERACTION_REWARD_KEY = "interaction_reward"
+
+# Config ``agent_name`` (dataset column) -> ``module:Class``. A class is built as
+# ``Class(context: AgentContext)`` and has ``async run(prompt_ids, metadata, params, engine)``.
+AGENT_LOOPS: dict[str, str] = {
+    "single_turn": "hybridflow.agents.single_turn:SingleTurnAgentLoop",
+    "tool_agent": "hybridflow.agents.tool_agent:ToolAgentLoop",
+}
+DEFAULT_AGENT = "single_turn"
+
+
+class GenerateEngine(Protocol):
+    """The part of ``hybridflow.rollout.RolloutEngine`` a loop uses. ``agents/`` and
+    ``rollout/`` are siblings in the layering, so the loops name the one method they call
+    instead of importing the protocol; every rollout engine satisfies it."""
+
+    async def generate(self, request: GenerationRequest) -> list[Trajectory]: ...
+
+
+@runtime_checkable
+class AgentLoop(Protocol):
+    async def run(
+        self, prompt_ids: list[int], metadata: dict[str, Any], params: SamplingParams, engine: GenerateEngine
+    ) -> Trajectory:
+        """One episode from a chat-templated prompt. ``params.n`` is 1 (the runner expands
+        groups); ``params.max_tokens`` bounds the whole response; ``params.seed``, when set,
+        is this episode's own. The trajectory's ``num_turns`` counts assistant turns."""
+        ...
+
+
+@dataclass
+class AgentContext:
+    """What the built-in loops are built from (the trainer fills it from
+    ``rollout.multi_turn.*``). One context, and one loop per name, serve every episode."""
+
+    tokenizer: ChatTokenizer
+    tools: ToolRegistry | None = None
+    tool_parser: str = "hermes"  # a TOOL_PARSERS name or module:Class
+    max_assistant_turns: int = 5
+    max_user_turns: int = 5  # interaction replies per episode
+    max_parallel_tool_calls: int = 8  # calls per turn; more are answered with an error
+    interaction: Interaction | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_assistant_turns", "max_user_turns", "max_parallel_tool_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AgentContext.{name} must be >= 1, got {getattr(self, name)}")
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The schemas the prompt's chat template must be rendered with (``tools=``)."""
+        return self.tools.schemas() if self.tools is not None else []
+
+
+def build_agent_loop(name: str, context: AgentContext) -> AgentLoop:
+    """The loop registered as ``name`` (``AGENT_LOOPS``), or the class at ``module:Class``."""
+    loop_class = resolve_object(AGENT_LOOPS.get(name, name), "agent loop", known=AGENT_LOOPS)
+    loop = loop_class(context)
+    if not isinstance(loop, AgentLoop) or not asyncio.iscoroutinefunction(loop.run):
+        raise TypeError(f"agent loop {name!r} ({loop_class!r}) has no async run(prompt_ids, metadata, params, engine)")
+    return loop
+
+
+def agent_name_of(metadata: dict[str, Any], default: str = DEFAULT_AGENT) -> str:
+    """The row's ``agent_name`` (top level, or inside ``extra_info``), else ``default``."""
+    extra = metadata.get("extra_info")
+    name = metadata.get(AGENT_NAME_KEY) or (extra.get(AGENT_NAME_KEY) if isinstance(extra, dict) else None)
+    return str(name) if name else default
+
+
+def episode_metrics(
+    num_turns: int, tool_calls: int = 0, tool_errors: int = 0, tool_timeouts: int = 0, user_turns: int = 0
+) -> dict[str, float]:
+    """The ``agent_metrics`` record of one episode."""
+    return {
+        "num_turns": float(num_turns),
+        "tool_calls": float(tool_calls),
+        "tool_errors": float(tool_errors),
+        "tool_timeouts": float(tool_timeouts),
+        "user_turns": float(user_turns),
+    }
+
+
+def compute_agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``num_turns/{mean,max,min}``, ``tool_calls/{mean,max}`` (per episode) and the tool
+    error and timeout rates (per call) over a batch."""
+    if not trajectories:
+        return {}
+    turns = [float(t.num_turns) for t in trajectories]
+    records = [t.metadata.get(AGENT_METRICS_KEY, {}) for t in trajectories]
+    calls = [r.get("tool_calls", 0.0) for r in records]
+    total_calls = sum(calls)
+    return {
+        METRIC_NUM_TURNS_MEAN: sum(turns) / len(turns),
+        METRIC_NUM_TURNS_MAX: max(turns),
+        METRIC_NUM_TURNS_MIN: min(turns),
+        METRIC_TOOL_CALLS_MEAN: total_calls / len(calls),
+        METRIC_TOOL_CALLS_MAX: max(calls),
+        METRIC_TOOL_ERROR_RATE: sum(r.get("tool_errors", 0.0) for r in records) / total_calls if total_calls else 0.0,
+        METRIC_TOOL_TIMEOUT_RATE: sum(r.get("tool_timeouts", 0.0) for r in records) / total_calls if total_calls else 0.0,
+    }
+
+
+@dataclass
+class AgentRow:
+    """One prompt to run: chat-templated ids, the row's metadata, its group id."""
+
+    prompt_ids: list[int]
+    metadata: dict[str, Any]
+    group_id: int = 0
+
+
+class AgentRunner:
+    """Runs rows through their agent loops, many episodes at once.
+
+    Args:
+        context: What the loops are built from.
+        default_agent: The loop for rows without an ``agent_name``.
+        max_concurrent_episodes: Episodes in flight at once (``None``: all of them). The engine
+            batches the concurrent requests; a slow tool only holds its own episode.
+    """
+
+    def __init__(
+        self, context: AgentContext, default_agent: str = DEFAULT_AGENT, max_concurrent_episodes: int | None = None
+    ) -> None:
+        if max_concurrent_episodes is not None and max_concurrent_episodes < 1:
+            raise ValueError(f"max_concurrent_episodes must be >= 1 or None, got {max_concurrent_episodes}")
+        self.context = context
+        self.default_agent = default_agent
+        self.max_concurrent_episodes = max_concurrent_episodes
+        self._loops: dict[str, AgentLoop] = {}
+        self.loop(default_agent)  # a bad default fails at start-up, not on the first batch
+
+    def loop(self, name: str) -> AgentLoop:
+        """The loop for ``name``, built on first use and then shared."""
+        if name not in self._loops:
+            self._loops[name] = build_agent_loop(name, self.context)
+        return self._loops[name]
+
+    async def generate(self, rows: Sequence[AgentRow], params: SamplingParams, engine: GenerateEngine) -> list[Trajectory]:
+        """``params.n`` episodes per row, run concurrently; row-major order, ``group_id`` set.
+
+        A loop that raises (a bug, or the engine failing) cancels the other episodes and the
+        error propagates, naming the row and the loop.
+        """
+        limit = asyncio.Semaphore(self.max_concurrent_episodes or max(1, len(rows) * params.n))
+        episodes = [
+            self._episode(row, index, sample, params, engine, limit)
+            for index, row in enumerate(rows)
+            for sample in range(params.n)
+        ]
+        return await _all_or_nothing(episodes)
+
+    def generate_sync(self, rows: Sequence[AgentRow], params: SamplingParams, engine: GenerateEngine) -> list[Trajectory]:
+        """``generate`` for synchronous callers."""
+        return run_coroutine_sync(self.generate(rows, params, engine))
+
+    async def _episode(
+        self,
+        row: AgentRow,
+        index: int,
+        sample: int,
+        params: SamplingParams,
+        engine: GenerateEngine,
+        limit: asyncio.Semaphore,
+    ) -> Trajectory:
+        name = agent_name_of(row.metadata, self.default_agent)
+        seed = None if params.seed is None else derive_seed(params.seed, index, sample)
+        episode_params = dataclasses.replace(params, n=1, seed=seed)
+        async with limit:
+            try:
+                trajectory = await self.loop(name).run(list(row.prompt_ids), dict(row.metadata), episode_params, engine)
+            except Exception as error:
+                raise RuntimeError(f"agent loop {name!r} failed on row {index} (sample {sample}): {error}") from error
+        trajectory.group_id = row.group_id
+        trajectory.metadata.setdefault(AGENT_NAME_KEY, name)
+        return trajectory
+
+
+async def _all_or_nothing(coroutines: Sequence[Awaitable[_T]]) -> list[_T]:
+    """Every result in order, or the first error after cancelling the rest (``gather`` would
+    leave them running)."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,209 @@
+"""The tool-calling agent loop: generate → parse tool calls → run them concurrently → append
+their responses → generate again.
+
+An episode ends when a turn makes no tool call (and no interaction replies), after
+``max_assistant_turns`` turns, when the response budget (``params.max_tokens`` over the whole
+episode) runs out, or when the engine stops a turn some other way (length, abort, a stop token
+that is not the template's end of turn).
+
+Token ids grow incrementally (see ``tokens.py``): the model's tokens as sampled, with loss mask
+1 and their logprobs; tool responses and user replies as the chat template renders them after
+an assistant turn, with loss mask 0 and logprob 0.0. Inserted tokens count towards the budget
+and are cut at it. Top logprobs (``params.logprobs``) are not collected: they would have no
+entries for the inserted tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.agents.base import (
+    AGENT_MESSAGES_KEY,
+    AGENT_METRICS_KEY,
+    AGENT_STOP_KEY,
+    INTERACTION_REWARD_KEY,
+    AgentContext,
+    GenerateEngine,
+    episode_metrics,
+)
+from hybridflow.agents.parsers import MalformedCall, ParsedTurn, ToolCall, build_tool_parser
+from hybridflow.agents.tokens import Message, TurnTemplate
+from hybridflow.agents.tools import ToolRegistry, ToolResult
+from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.utils.seed import derive_seed
+
+
+@dataclass
+class _Episode:
+    """The growing response of one episode and its counters."""
+
+    prompt_ids: list[int]
+    budget: int  # response tokens allowed over the whole episode
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    num_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    finish_reason: str = "stop"
+    stop: str = "no_tool_call"
+    interaction_reward: float | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.response_ids)
+
+    def add_model_tokens(self, ids: list[int], logprobs: list[float]) -> None:
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.rollout_logprobs.extend(logprobs)
+
+    def insert(self, ids: list[int]) -> bool:
+        """Append tokens the policy did not produce, cut at the budget; ``False`` if cut."""
+        kept = ids[: max(0, self.remaining)]
+        self.response_ids.extend(kept)
+        self.loss_mask.extend([0] * len(kept))
+        self.rollout_logprobs.extend([0.0] * len(kept))
+        return len(kept) == len(ids)
+
+    def end(self, finish_reason: str, stop: str) -> None:
+        self.finish_reason, self.stop = finish_reason, stop
+
+    def count(self, results: list[ToolResult]) -> None:
+        self.tool_calls += len(results)
+        self.tool_errors += sum(result.status == "error" for result in results)
+        self.tool_timeouts += sum(result.status == "timeout" for result in results)
+
+    def trajectory(self, metadata: dict[str, Any]) -> Trajectory:
+        record = {
+            **metadata,
+            AGENT_MESSAGES_KEY: self.messages,
+            AGENT_STOP_KEY: self.stop,
+            AGENT_METRICS_KEY: episode_metrics(
+                self.num_turns, self.tool_calls, self.tool_errors, self.tool_timeouts, self.user_turns
+            ),
+        }
+        if self.interaction_reward is not None:
+            record[INTERACTION_REWARD_KEY] = self.interaction_reward
+        return Trajectory(
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            loss_mask=self.loss_mask,
+            rollout_logprobs=self.rollout_logprobs,
+            finish_reason=self.finish_reason,
+            num_turns=self.num_turns,
+            metadata=record,
+        )
+
+
+class ToolAgentLoop:
+    """Multi-turn tool use over any rollout engine (see the module docstring)."""
+
+    def __init__(self, context: AgentContext) -> None:
+        self.context = context
+        self.tools = context.tools if context.tools is not None else ToolRegistry([])
+        self.parser = build_tool_parser(context.tool_parser)
+        self.template = TurnTemplate(context.tokenizer, tools=context.tool_schemas())
+
+    async def run(
+        self, prompt_ids: list[int], metadata: dict[str, Any], params: SamplingParams, engine: GenerateEngine
+    ) -> Trajectory:
+        episode = _Episode(prompt_ids=list(prompt_ids), budget=params.max_tokens)
+        last_turn = self.context.max_assistant_turns - 1
+        for turn in range(self.context.max_assistant_turns):
+            text = await self._assistant_turn(episode, params, engine, turn)
+            if text is None:
+                break
+            messages = await self._environment_turn(episode, text, metadata, is_last=turn == last_turn)
+            if messages is None:
+                break
+            if not episode.insert(self.template.delta(messages)):
+                episode.end("length", "length")
+                break
+        return episode.trajectory(metadata)
+
+    async def _assistant_turn(
+        self, episode: _Episode, params: SamplingParams, engine: GenerateEngine, turn: int
+    ) -> str | None:
+        """Generate one turn; its text if it ended with the template's end of turn, else None."""
+        if episode.remaining <= 0:
+            episode.end("length", "length")
+            return None
+        seed = None if params.seed is None else derive_seed(params.seed, turn)
+        turn_params = dataclasses.replace(params, n=1, max_tokens=episode.remaining, seed=seed, logprobs=None)
+        request = GenerationRequest(prompt_ids=episode.prompt_ids + episode.response_ids, params=turn_params)
+        (sample,) = await engine.generate(request)
+        episode.add_model_tokens(sample.response_ids, sample.rollout_logprobs)
+        episode.num_turns += 1
+        ended = sample.finish_reason == "stop" and sample.response_ids[-1:] == [self.template.turn_end_id]
+        content_ids = sample.response_ids[:-1] if ended else sample.response_ids
+        text = self.context.tokenizer.decode(content_ids, skip_special_tokens=False)
+        episode.messages.append({"role": "assistant", "content": text})
+        if not ended:
+            reason = sample.finish_reason
+            episode.end(reason, "length" if reason == "length" else f"engine_{reason}")
+            return None
+        return text
+
+    async def _environment_turn(
+        self, episode: _Episode, text: str, metadata: dict[str, Any], is_last: bool
+    ) -> list[Message] | None:
+        """The messages that answer the assistant's turn, or None when the episode ends."""
+        parsed = self.parser.parse(text) if len(self.tools) else ParsedTurn()
+        if not parsed.items:
+            messages = await self._ask_interaction(episode, metadata, is_last)
+        elif is_last:  # no turn left to read the responses: do not run the calls
+            episode.end("stop", "max_assistant_turns")
+            messages = None
+        else:
+            messages = await self._run_tools(episode, parsed)
+        if messages is not None:
+            episode.messages.extend(messages)
+        return messages
+
+    async def _run_tools(self, episode: _Episode, parsed: ParsedTurn) -> list[Message]:
+        items = list(parsed.items)
+        results = await asyncio.gather(*(self._call(item, index) for index, item in enumerate(items)))
+        episode.count(results)
+        messages: list[Message] = []
+        for item, result in zip(items, results):
+            message: Message = {"role": "tool", "content": result.text}
+            if isinstance(item, ToolCall):
+                message["name"] = item.name
+            messages.append(message)
+        return messages
+
+    async def _call(self, item: ToolCall | MalformedCall, index: int) -> ToolResult:
+        if isinstance(item, MalformedCall):
+            return ToolResult(f"Error: {item.error}", "error")
+        limit = self.context.max_parallel_tool_calls
+        if index >= limit:
+            return ToolResult(f"Error: at most {limit} tool calls per turn; this call was not run", "error")
+        return await self.tools.call(item)
+
+    async def _ask_interaction(self, episode: _Episode, metadata: dict[str, Any], is_last: bool) -> list[Message] | None:
+        interaction = self.context.interaction
+        if interaction is None:
+            episode.end("stop", "no_tool_call")
+            return None
+        # Asked even on the last turn: its reward is wanted whether or not the dialogue goes on.
+        response = await interaction.respond(list(episode.messages), metadata)
+        if response.reward is not None:
+            episode.interaction_reward = float(response.reward)
+        if response.done or response.reply is None:
+            episode.end("stop", "interaction_done")
+            return None
+        if is_last:
+            episode.end("stop", "max_assistant_turns")
+            return None
+        if episode.user_turns >= self.context.max_user_turns:
+            episode.end("stop", "max_user_turns")
+            return None
+        episode.user_turns += 1
+        return [{"role": "user", "content": response.reply}]

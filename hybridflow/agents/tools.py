@@ -1,0 +1,454 @@
+"""Tools an agent may call: declaration, argument checks, execution, limits and counters.
+
+A tool is an OpenAI function schema plus a Python callable (sync or ``async``). Declare one
+with the ``@tool`` decorator (the schema is derived from the signature and docstring) or in a
+YAML file (``rollout.multi_turn.tool_config_path``)::
+
+    max_tool_response_length: 1024      # characters; longer responses are cut
+    tools:
+      - name: calculator                # a built-in: calculator, python
+      - name: python
+        timeout_s: 20
+      - function: my_package.tools:search   # a @tool function, or a plain function
+        timeout_s: 5
+        tool_schema:                        # optional: replaces the derived schema
+          type: function
+          function: {name: search, description: ..., parameters: {...}}
+
+``ToolRegistry.call`` never raises for the model's mistakes or the tool's failures: an unknown
+tool, bad arguments, an exception or a timeout become an error message for the model and a
+count in ``ToolRegistry.stats``. A sync tool runs in a daemon thread; a thread cannot be
+killed, so one that outlives its timeout keeps running in the background. Tools that run
+untrusted or unbounded work should be ``async`` or go through the sandbox (as ``python`` does).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import json
+import math
+import operator
+import threading
+import typing
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hybridflow.agents.parsers import ToolCall
+from hybridflow.agents.registry import resolve_object
+from hybridflow.rewards.sandbox import Sandbox, SandboxLimits
+
+DEFAULT_TOOL_TIMEOUT_S = 10.0
+DEFAULT_MAX_TOOL_RESPONSE_LENGTH = 1024  # characters
+TRUNCATION_MARKER = "...(truncated)"
+
+ToolStatus = Literal["ok", "error", "timeout"]
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+@dataclass
+class Tool:
+    """A callable tool and the schema the model sees."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    fn: Callable[..., Any]
+    timeout_s: float = DEFAULT_TOOL_TIMEOUT_S
+    max_response_length: int | None = None  # characters; None: the registry's limit
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function schema (what ``apply_chat_template(tools=...)`` takes)."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    parameters: dict[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TOOL_TIMEOUT_S,
+) -> Any:
+    """Declare a function as a tool (``@tool`` or ``@tool(timeout_s=5)``).
+
+    Without ``parameters``, the schema comes from the signature (``str``, ``int``, ``float``,
+    ``bool``, ``list``, ``dict`` annotations; parameters without a default are required) and
+    the docstring (first paragraph: the description; an ``Args:`` section: one line per
+    parameter).
+    """
+
+    def wrap(function: Callable[..., Any]) -> Tool:
+        return Tool(
+            name=name or function.__name__,
+            description=description if description is not None else _doc_summary(function),
+            parameters=parameters if parameters is not None else derive_parameters(function),
+            fn=function,
+            timeout_s=timeout_s,
+        )
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def _doc_summary(function: Callable[..., Any]) -> str:
+    doc = inspect.getdoc(function) or ""
+    return doc.split("\n\n")[0].replace("\n", " ").strip()
+
+
+def _doc_args(function: Callable[..., Any]) -> dict[str, str]:
+    """Google-style ``Args:`` entries (``name: text``), one line each."""
+    described: dict[str, str] = {}
+    lines = (inspect.getdoc(function) or "").splitlines()
+    inside = False
+    for line in lines:
+        if line.strip() in ("Args:", "Arguments:"):
+            inside = True
+        elif inside and line and not line.startswith(" "):
+            break
+        elif inside and ":" in line:
+            key, text = line.strip().split(":", 1)
+            described[key.split(" ")[0]] = text.strip()
+    return described
+
+
+def derive_parameters(function: Callable[..., Any]) -> dict[str, Any]:
+    """A JSON schema for ``function``'s keyword arguments."""
+    hints = typing.get_type_hints(function)
+    described = _doc_args(function)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for parameter in inspect.signature(function).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        hint = typing.get_origin(hints.get(parameter.name)) or hints.get(parameter.name)
+        entry: dict[str, Any] = {"type": _JSON_TYPES.get(hint, "string")}
+        if parameter.name in described:
+            entry["description"] = described[parameter.name]
+        properties[parameter.name] = entry
+        if parameter.default is parameter.empty:
+            required.append(parameter.name)
+    return {"type": "object", "properties": properties, "required": required}
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a call returned to the model, and how it went."""
+
+    text: str
+    status: ToolStatus
+    truncated: bool = False
+
+
+@dataclass
+class ToolStats:
+    """Counters per tool since the registry was built (for metrics and tests)."""
+
+    calls: int = 0
+    errors: int = 0  # unknown tool, bad arguments, the tool raised
+    timeouts: int = 0
+
+
+def check_arguments(arguments: Mapping[str, Any], parameters: Mapping[str, Any]) -> str | None:
+    """Why ``arguments`` do not fit the schema (required, unknown, primitive types), or None."""
+    properties = parameters.get("properties", {})
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        return f"missing required argument(s): {', '.join(missing)}"
+    unknown = [name for name in arguments if name not in properties]
+    if unknown and parameters.get("additionalProperties", False) is False:
+        return f"unknown argument(s): {', '.join(unknown)}; expected: {', '.join(properties) or 'none'}"
+    for name, value in arguments.items():
+        expected = properties.get(name, {}).get("type")
+        check = _CHECKS.get(expected) if isinstance(expected, str) else None
+        if check is not None and not check(value):
+            return f"argument {name!r} must be of type {expected}, got {type(value).__name__}"
+    return None
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def truncate(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut to at most ``limit`` characters (marker included)."""
+    if len(text) <= limit:
+        return text, False
+    keep = max(0, limit - len(TRUNCATION_MARKER))
+    return text[:keep] + TRUNCATION_MARKER[: limit - keep], True
+
+
+def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Awaitable[Any]:
+    """Run a sync tool off the event loop. A daemon thread per call, not a pool: a pool has a
+    few workers (tools that sleep would queue behind each other) and is joined at exit (a hung
+    tool would hang the process)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # the caller timed out and moved on
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def target() -> None:
+        value, failure = None, None
+        try:
+            value = fn(**kwargs)
+        except BaseException as error:  # noqa: BLE001 - reported to the awaiting coroutine
+            failure = error
+        try:
+            loop.call_soon_threadsafe(settle, value, failure)
+        except RuntimeError:
+            pass  # the loop is closed: the call timed out long ago and nobody waits
+
+    threading.Thread(target=target, name=f"tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return future
+
+
+class ToolRegistry:
+    """The tools of a run, by name. Safe to share across concurrent episodes."""
+
+    def __init__(self, tools: Iterable[Tool], max_response_length: int = DEFAULT_MAX_TOOL_RESPONSE_LENGTH) -> None:
+        if max_response_length < len(TRUNCATION_MARKER):
+            raise ValueError(f"max_tool_response_length must be >= {len(TRUNCATION_MARKER)}, got {max_response_length}")
+        self._tools: dict[str, Tool] = {}
+        for item in tools:
+            if item.name in self._tools:
+                raise ValueError(f"two tools are named {item.name!r}")
+            self._tools[item.name] = item
+        self.max_response_length = max_response_length
+        self.stats: dict[str, ToolStats] = {name: ToolStats() for name in self._tools}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function schemas, for the chat template's ``tools`` (the prompt must list them)."""
+        return [item.schema() for item in self._tools.values()]
+
+    async def call(self, call: ToolCall) -> ToolResult:
+        """Run one call; every failure is a result, never an exception."""
+        item = self._tools.get(call.name)
+        if item is None:
+            return ToolResult(f"Error: unknown tool {call.name!r}; available tools: {', '.join(self._tools)}", "error")
+        stats = self.stats[item.name]
+        stats.calls += 1
+        problem = check_arguments(call.arguments, item.parameters)
+        if problem is not None:
+            stats.errors += 1
+            return ToolResult(f"Error: {problem}", "error")
+        try:
+            value = await asyncio.wait_for(self._invoke(item, call.arguments), timeout=item.timeout_s)
+        except asyncio.TimeoutError:
+            stats.timeouts += 1
+            return ToolResult(f"Error: tool {item.name!r} timed out after {item.timeout_s:g} s", "timeout")
+        except Exception as error:  # the tool's own failure is the model's information
+            stats.errors += 1
+            return ToolResult(f"Error: {type(error).__name__}: {error}", "error")
+        limit = item.max_response_length or self.max_response_length
+        text, cut = truncate(_to_text(value), limit)
+        return ToolResult(text, "ok", truncated=cut)
+
+    @staticmethod
+    async def _invoke(item: Tool, arguments: dict[str, Any]) -> Any:
+        if inspect.iscoroutinefunction(item.fn):
+            return await item.fn(**arguments)
+        return await _in_daemon_thread(item.fn, arguments)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in tools
+
+# Bounds that keep one expression cheap: no 10**10**10.
+_MAX_EXPRESSION_CHARS = 1000
+_MAX_RESULT_BITS = 4096
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def evaluate_arithmetic(expression: str) -> int | float:
+    """The value of an arithmetic expression: numbers, ``+ - * / // % **`` and parentheses.
+
+    Parsed with ``ast`` and walked node by node; nothing is ever ``eval``-ed, names and calls
+    are rejected. Raises ``ValueError`` with a reason for anything else, including results
+    too large to be useful.
+    """
+    if len(expression) > _MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {_MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as error:
+        raise ValueError(f"not an arithmetic expression: {error.msg}") from None
+    return _evaluate(tree.body)
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow):
+            _check_power(left, right)
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ValueError("division by zero") from None
+        except OverflowError:
+            raise ValueError("result too large") from None
+        if isinstance(value, int) and value.bit_length() > _MAX_RESULT_BITS:
+            raise ValueError("result too large")
+        if isinstance(value, complex):
+            raise ValueError("result is not a real number")
+        return value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
+        raise ValueError("'^' is not a power here; use '**'")
+    raise ValueError(f"unsupported element {type(node).__name__}: only numbers, + - * / // % ** and parentheses")
+
+
+def _check_power(base: int | float, exponent: int | float) -> None:
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0:
+        if max(1, abs(base).bit_length()) * exponent > _MAX_RESULT_BITS and abs(base) > 1:
+            raise ValueError("result too large")
+
+
+def format_number(value: int | float) -> str:
+    """Integers exactly; integral floats as integers; other floats to 12 significant digits."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("result is not finite")
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return format(value, ".12g")
+    return str(value)
+
+
+@tool(timeout_s=5.0)
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly and return its value.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "(1234 * 5678) - 9".
+    """
+    return format_number(evaluate_arithmetic(expression))
+
+
+def python_tool(sandbox: Sandbox | None = None, timeout_s: float = 10.0) -> Tool:
+    """A code interpreter: runs Python in the sandbox and returns what it printed.
+
+    Building it checks that the sandbox works here (``SandboxUnavailableError`` otherwise), so
+    a run that names this tool fails at start-up, not on its first call.
+    """
+    box = sandbox or Sandbox(SandboxLimits(timeout_s=timeout_s, cpu_time_s=timeout_s))
+
+    async def python(code: str) -> str:
+        """Run a Python program in a fresh sandbox (no network, no files kept) and return its
+        output; print what you want to see.
+
+        Args:
+            code: the program's source code.
+        """
+        result = await box.run_python(code)
+        text = result.stdout
+        if result.stderr.strip():
+            text += ("\n" if text and not text.endswith("\n") else "") + result.stderr
+        if result.killed_reason is not None:
+            text += f"\n[killed: {result.killed_reason}]"
+        elif result.exit_code:
+            text += f"\n[exit code {result.exit_code}]"
+        return text
+
+    # The sandbox enforces its own time limit; the registry's is a backstop just past it.
+    return tool(python, timeout_s=box.limits.timeout_s + 5.0)
+
+
+BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {
+    "calculator": lambda: calculator,
+    "python": python_tool,
+}
+
+_ENTRY_KEYS = {"name", "function", "timeout_s", "tool_schema", "max_response_length"}
+
+
+def build_tool(entry: Mapping[str, Any]) -> Tool:
+    """One tool from a config entry (see the module docstring for the keys)."""
+    unknown = set(entry) - _ENTRY_KEYS
+    if unknown:
+        raise ValueError(f"tool entry {dict(entry)!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}")
+    if "function" in entry:
+        target = resolve_object(str(entry["function"]), "tool function")
+        base = target if isinstance(target, Tool) else tool(target)
+    elif entry.get("name") in BUILTIN_TOOLS:
+        base = BUILTIN_TOOLS[entry["name"]]()
+    else:
+        raise ValueError(
+            f"tool entry {dict(entry)!r} needs 'function: module:function' or the name of a built-in tool "
+            f"({', '.join(BUILTIN_TOOLS)})"
+        )
+    made = Tool(base.name, base.description, base.parameters, base.fn, base.timeout_s, base.max_response_length)
+    if "tool_schema" in entry:
+        function = entry["tool_schema"].get("function", {})
+        made.name = function.get("name", made.name)
+        made.description = function.get("description", made.description)
+        made.parameters = function.get("parameters", made.parameters)
+    made.timeout_s = float(entry.get("timeout_s", made.timeout_s))
+    made.max_response_length = entry.get("max_response_length", made.max_response_length)
+    return made
+
+
+def load_tool_config(path: str | Path) -> ToolRegistry:
+    """The tools declared in a YAML file (``rollout.multi_turn.tool_config_path``)."""
+    file = Path(path)
+    try:
+        config = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"cannot read the tool config {file}: {error}") from error
+    if not isinstance(config, dict) or not isinstance(config.get("tools"), list):
+        raise ValueError(f"tool config {file} must be a mapping with a 'tools' list")
+    tools = []
+    for index, entry in enumerate(config["tools"]):
+        try:
+            tools.append(build_tool(entry if isinstance(entry, dict) else {"name": entry}))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"tool config {file}, tools[{index}]: {error}") from error
+    limit = int(config.get("max_tool_response_length", DEFAULT_MAX_TOOL_RESPONSE_LENGTH))
+    return ToolRegistry(tools, max_response_length=limit)
+
