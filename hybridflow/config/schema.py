@@ -69,7 +69,12 @@ class ModelConfig:
         "A local Hugging Face model directory, or builtin:tiny for the built-in tiny Qwen2 model.",
     )
     trust_remote_code: bool = f(False, "Allow modeling code shipped with the model (runs that code).")
-    dtype: str = f("float32", "Training parameter dtype: float32 | bfloat16.", choices=("float32", "bfloat16"))
+    dtype: str = f(
+        "float32",
+        "Training compute dtype: float32 | bfloat16 (mixed precision: fp32 master weights, optimizer and "
+        "gradient reduction; bf16 matmuls). The reference model loads in this dtype.",
+        choices=("float32", "bfloat16"),
+    )
     enable_gradient_checkpointing: bool = f(False, "Recompute activations in backward to save memory.")
 
 
@@ -125,6 +130,19 @@ class PolicyLossConfig:
 
 
 @dataclass
+class FSDPConfig:
+    fsdp_size: int = f(
+        -1,
+        "Ranks per FSDP2 shard group; the groups replicate (HSDP): parameter gathers stay within a "
+        "group, only gradients cross groups. -1: shard over every data-parallel rank.",
+    )
+    param_offload: bool = f(
+        False, "Keep sharded parameters, gradients and the optimizer step on the CPU (FSDP2 CPUOffloadPolicy; GPU runs)."
+    )
+    optimizer_offload: bool = f(False, "Keep the optimizer state on the CPU between optimizer steps.")
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = f(32, "Prompts per optimizer step (x rollout.n samples).")
     ppo_micro_batch_size_per_gpu: int = f(64, "Samples per forward/backward on one rank.")
@@ -157,6 +175,7 @@ class ActorConfig:
     kl_loss_type: str = f("low_var_kl", "KL estimator: kl/k1 | abs | mse/k2 | low_var_kl/k3 (+ for straight-through).")
     grad_clip: float = f(1.0, "Max global gradient norm (<= 0: no clipping).")
     optim: OptimConfig = sub(OptimConfig, "Optimizer.")
+    fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP2 sharding and offload (several ranks; offload also on one).")
 
 
 @dataclass

@@ -518,6 +518,16 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     elif t.ray_address is not None and t.ray_dashboard:
         report.warn("trainer.ray_dashboard=true has no effect with trainer.ray_address: the joined cluster keeps its "
                     "own dashboard settings")
+    fsdp = cfg.actor.fsdp_config
+    if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or dp % fsdp.fsdp_size):
+        report.error(f"actor.fsdp_config.fsdp_size={fsdp.fsdp_size} must divide the {dp} data-parallel ranks "
+                     f"({dp_source(t)}), or be -1 (shard over all of them)")
+    if fsdp.param_offload and t.device == "cpu":
+        report.error("actor.fsdp_config.param_offload=true moves parameters from the GPU to the CPU, but "
+                     f"trainer.device={t.device}: on a CPU run they are in host memory already")
+    elif fsdp.param_offload and dp == 1:
+        report.error("actor.fsdp_config.param_offload=true is FSDP2's offload of sharded parameters; it needs "
+                     "several data-parallel ranks (use actor.fsdp_config.optimizer_offload on one)")
 
 
 _CHECKS = (

@@ -200,6 +200,7 @@ def build_run(cfg: Config) -> RunSetup:
                                    micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu,
                                    use_remove_padding=a.use_remove_padding,
                                    max_token_len=cfg.ref.log_prob_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                                   fsdp_size=a.fsdp_config.fsdp_size,
                                    **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,
                                        placements.get("reference"))

@@ -38,8 +38,8 @@ PROCESS_GROUP_TIMEOUT_S = 1800.0
 def collective(method: F) -> F:
     """Declare a worker method whose body runs collectives (gathers full weights, saves sharded
     state): every rank of the group must enter it together, or the ranks that did would wait
-    forever. Worker groups run such a method on every rank even for ``call_one(rank, ...)``
-    and return that rank's result. Set once where the method is defined, never at run time."""
+    forever. Worker groups refuse it in ``call_one``: call sites use ``call_all`` and take
+    the rank they need. Set once where the method is defined, never at run time."""
     setattr(method, COLLECTIVE_ATTR, True)
     return method
 
@@ -129,25 +129,61 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def shard_model(model: torch.nn.Module, *, mixed_precision: torch.dtype | None = None) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    mixed_precision: torch.dtype | None = None,
+    fsdp_size: int | None = None,
+    offload_params: bool = False,
+) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` each decoder layer, then the root (embeddings, final norm and the
     LM head, tied or not). Parameters become DTensors sharded over the default process group.
 
-    ``mixed_precision`` (bf16 on GPU): forward/backward run in that dtype on the gathered
-    parameters while the sharded master weights, the optimizer and the gradient reduction stay
-    fp32. None keeps everything in the parameters' own dtype (fp32 on CPU).
+    ``mixed_precision`` (bf16): forward/backward run in that dtype on the gathered parameters
+    while the sharded master weights, the optimizer and the gradient reduction stay fp32. None
+    keeps everything in the parameters' own dtype.
+
+    ``fsdp_size`` (verl's ``fsdp_config.fsdp_size``): shard over groups of this many ranks and
+    replicate across the groups (HSDP), so parameter all-gathers stay inside a node while only
+    gradients cross nodes. None, -1 or the world size: shard over every rank. Gradients are
+    averaged over all ranks either way, so the result does not depend on it.
+
+    ``offload_params``: keep the sharded parameters, their gradients and the optimizer step on
+    the CPU (FSDP2 ``CPUOffloadPolicy``); each layer is copied to the GPU for its forward and
+    backward only. CUDA only: on a CPU run the parameters are in host memory already.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = (
         MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
         if mixed_precision is not None
         else MixedPrecisionPolicy()
     )
+    mesh = shard_mesh(fsdp_size)
+    offload = OffloadPolicy()
+    if offload_params:
+        if mesh.device_type != "cuda":
+            raise ValueError("param_offload moves sharded parameters from the GPU to the CPU; this run computes on the CPU")
+        offload = CPUOffloadPolicy(pin_memory=True)
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     return model
+
+
+def shard_mesh(fsdp_size: int | None):
+    """The device mesh FSDP2 shards over: 1-D over every rank, or 2-D (replicate, shard) with
+    ``fsdp_size`` ranks per shard group (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = world_size()
+    full = fsdp_size is None or fsdp_size in (-1, world)
+    if not full and (fsdp_size < 1 or world % fsdp_size):
+        raise ValueError(f"fsdp_size={fsdp_size} must divide the {world} data-parallel ranks (or be -1: all of them)")
+    device_type = _comm_device().type
+    if full:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -91,6 +91,9 @@ class TrainEngine:
         varlen_attention: bool = True,
         data_parallel: bool = False,
         mixed_precision: torch.dtype | None = None,
+        fsdp_size: int | None = None,
+        offload_params: bool = False,
+        offload_optimizer: bool = False,
     ) -> None:
         """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
         ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
@@ -99,8 +102,12 @@ class TrainEngine:
 
         ``data_parallel``: this engine is one rank of the initialised default process group
         (more than one rank): shard the model with FSDP2 per decoder layer + root.
-        ``mixed_precision``: with ``data_parallel``, compute in this dtype (bf16 on GPU) over
-        fp32 master weights and fp32 gradient reduction."""
+        ``mixed_precision`` (bf16): compute in this dtype over fp32 master weights, optimizer
+        and gradient reduction. Sharded, FSDP2 casts the gathered parameters; on one rank the
+        forward runs under ``torch.autocast``. Logprobs and losses are computed in fp32 either way.
+        ``fsdp_size`` and ``offload_params``: see ``distributed.shard_model`` (sharded only).
+        ``offload_optimizer``: keep the optimizer state on the CPU between optimizer steps, so
+        a colocated rollout gets that memory back (moved to the device for the step only)."""
         self.model = model.to(device)
         if varlen_attention:
             enable_varlen_attention(self.model)
@@ -113,9 +120,16 @@ class TrainEngine:
                 raise RuntimeError("data_parallel=True needs an initialised process group of more than one rank")
             if optim is None:
                 self.model.requires_grad_(False)
-            distributed.shard_model(self.model, mixed_precision=mixed_precision)
-        elif mixed_precision is not None:
-            raise ValueError("mixed_precision applies to the sharded (data_parallel) engine only")
+            distributed.shard_model(
+                self.model, mixed_precision=mixed_precision, fsdp_size=fsdp_size, offload_params=offload_params
+            )
+        elif offload_params:
+            raise ValueError("offload_params applies to the sharded (data_parallel) engine only")
+        # One rank: autocast does what FSDP2's mixed-precision policy does for sharded ranks.
+        self.autocast_dtype = mixed_precision if not data_parallel else None
+        if self.autocast_dtype is not None and next(self.model.parameters()).dtype != torch.float32:
+            raise ValueError("mixed_precision needs fp32 master weights; load the model in float32")
+        self.offload_optimizer = offload_optimizer
         self.optim_spec = optim
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -133,10 +147,17 @@ class TrainEngine:
         self.skipped_steps = 0
 
     # ----------------------------------------------------------------- forward
+    def _model(self, **inputs: torch.Tensor):
+        """The model's forward, under autocast when one rank computes in mixed precision."""
+        if self.autocast_dtype is None:
+            return self.model(**inputs)
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+            return self.model(**inputs)
+
     def _response_logits(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """Logits predicting each response token: positions P-1 .. P+R-2.  # (B, R, V)"""
         r = batch.response_length
-        out = self.model(
+        out = self._model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
@@ -155,7 +176,7 @@ class TrainEngine:
         """``forward_logprobs`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
         packed = pack_batch(batch)
         # Only response-predicting positions reach the LM head.  # (1, M, V) -> (M, V)
-        logits = self.model(**packed.model_inputs()).logits[0].float()
+        logits = self._model(**packed.model_inputs()).logits[0].float()
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = unpack_responses(logprobs_from_logits(logits, packed.labels), packed)
@@ -255,14 +276,25 @@ class TrainEngine:
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
+            self._move_optimizer_state(self.device)
             self.optimizer.step()
             self.scheduler.step()
+            if self.offload_optimizer:
+                self._move_optimizer_state(torch.device("cpu"))
         else:
             # A non-finite gradient would poison the weights and Adam's moments: skip the step.
             # The LR schedule holds too, so a skipped step costs nothing but its data.
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
         return metrics
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        """Adam's moments to ``device`` (no-op where they already are)."""
+        assert self.optimizer is not None
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != device and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
 
     # ------------------------------------------------------- data parallelism
     def agree_num_micro_batches(self, local_count: int) -> int:

@@ -55,12 +55,15 @@ def check_rank_group(role: str, rank: int, world_size: int) -> None:
         )
 
 
-def model_precision(dtype: str, data_parallel: bool) -> tuple[torch.dtype, torch.dtype | None]:
-    """(dtype the weights load in, FSDP2 compute dtype). Sharded bf16 is mixed precision: fp32
-    master weights, optimizer and gradient reduction, bf16 compute. One rank keeps the plain
-    behaviour: weights in ``dtype``."""
+def model_precision(dtype: str, *, trainable: bool, data_parallel: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype the weights load in, mixed-precision compute dtype or None).
+
+    A trained model in bf16 is mixed precision: fp32 master weights, optimizer and gradient
+    reduction, bf16 compute (FSDP2's policy when sharded, autocast on one rank), because Adam
+    updates of ~1e-6 relative vanish in bf16's 8-bit mantissa. A frozen model (the reference)
+    on one rank simply loads in bf16: half the memory, the same bf16 compute."""
     weights = parse_dtype(dtype)
-    if data_parallel and weights != torch.float32:
+    if weights != torch.float32 and (trainable or data_parallel):
         return torch.float32, weights
     return weights, None
 
@@ -72,7 +75,7 @@ class ActorWorker:
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
         data_parallel = world_size > 1
-        weights_dtype, compute_dtype = model_precision(setup.dtype, data_parallel)
+        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel)
         model = load_causal_lm(
             setup.model_path,
             dtype=weights_dtype,
@@ -97,6 +100,9 @@ class ActorWorker:
             setup.device,
             data_parallel=data_parallel,
             mixed_precision=compute_dtype,
+            fsdp_size=cfg.fsdp_config.fsdp_size,
+            offload_params=cfg.fsdp_config.param_offload,
+            offload_optimizer=cfg.fsdp_config.optimizer_offload,
         )
         self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
         self.consecutive_skips = 0

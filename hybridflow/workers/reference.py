@@ -22,6 +22,7 @@ class ReferenceSetup:
     trust_remote_code: bool = False
     use_remove_padding: bool = False
     max_token_len: int | None = None  # token-budget micro-batches (actor.use_dynamic_bsz)
+    fsdp_size: int | None = None  # shard group size with several ranks (actor.fsdp_config.fsdp_size)
 
 
 class ReferenceWorker:
@@ -32,7 +33,7 @@ class ReferenceWorker:
         check_rank_group("reference", rank, world_size)
         self.setup = setup
         data_parallel = world_size > 1
-        weights_dtype, compute_dtype = model_precision(setup.dtype, data_parallel)
+        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=False, data_parallel=data_parallel)
         model = load_causal_lm(
             setup.model_path,
             dtype=weights_dtype,
@@ -40,7 +41,8 @@ class ReferenceWorker:
             trust_remote_code=setup.trust_remote_code,
         )
         self.engine = TrainEngine(
-            model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype
+            model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
+            fsdp_size=setup.fsdp_size,
         )
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)

@@ -57,8 +57,9 @@ def test_helpers_are_local_without_a_process_group() -> None:
     assert distributed.all_reduce_max(7) == 7
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         TrainEngine(build_tiny_model(SPEC, seed=0), OptimSpec(lr=1e-3), torch.device("cpu"), data_parallel=True)
-    with pytest.raises(ValueError, match="mixed_precision applies to the sharded"):
-        TrainEngine(build_tiny_model(SPEC, seed=0), None, torch.device("cpu"), mixed_precision=torch.bfloat16)
+    with pytest.raises(ValueError, match="mixed_precision needs fp32 master weights"):
+        TrainEngine(build_tiny_model(SPEC, seed=0).to(torch.bfloat16), None, torch.device("cpu"),
+                    mixed_precision=torch.bfloat16)
 
 
 def test_decoder_layers_come_from_no_split_modules() -> None:

@@ -60,8 +60,10 @@ def test_a_multi_rank_worker_without_its_process_group_says_to_use_ray() -> None
         check_rank_group("actor", 1, 2)
 
 
-def test_sharded_bf16_is_mixed_precision_over_fp32_master_weights() -> None:
-    assert model_precision("float32", data_parallel=True) == (torch.float32, None)
-    assert model_precision("bfloat16", data_parallel=True) == (torch.float32, torch.bfloat16)
-    # One rank keeps its plain behaviour: the weights themselves in the configured dtype.
-    assert model_precision("bfloat16", data_parallel=False) == (torch.bfloat16, None)
+def test_bf16_training_is_mixed_precision_over_fp32_master_weights() -> None:
+    for data_parallel in (False, True):
+        assert model_precision("float32", trainable=True, data_parallel=data_parallel) == (torch.float32, None)
+        assert model_precision("bfloat16", trainable=True, data_parallel=data_parallel) == (torch.float32, torch.bfloat16)
+    # A frozen model on one rank just loads in bf16; sharded it follows FSDP2's policy.
+    assert model_precision("bfloat16", trainable=False, data_parallel=False) == (torch.bfloat16, None)
+    assert model_precision("bfloat16", trainable=False, data_parallel=True) == (torch.float32, torch.bfloat16)
