@@ -4,6 +4,7 @@
     hybridflow config explain [--preset ...] [--config ...] [key=value ...]
     hybridflow config presets
     hybridflow export <checkpoint or run folder> <out dir> [--overwrite]
+    hybridflow serve <model dir> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-batch-size 256]
 """
 
 from __future__ import annotations
@@ -36,13 +37,57 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint folder (global_step_N), or a run folder: its newest checkpoint")
     export.add_argument("out_dir", help="the folder to write (config, tokenizer, safetensors)")
     export.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/serving.md)")
+    serve.add_argument("model_dir", help="a local Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; no authentication!)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    serve.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    serve.add_argument("--max-batch-size", type=int, default=256, help="most sequences decoded together")
+    serve.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + response cap (default: max_position_embeddings)"
+    )
+    serve.add_argument("--seed", type=int, default=0, help="engine seed, used by requests that carry none")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: model_dir)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from hybridflow.models.loading import check_model_dir
+    from hybridflow.rollout.server import serve  # FastAPI, uvicorn, torch: only when serving
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        check_model_dir(args.model_dir)
+    except FileNotFoundError as exc:
+        print(f"serve error: {exc}", file=sys.stderr)
+        return 1
+    serve(
+        args.model_dir,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=device,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "export":
             from hybridflow.controller.export import export_checkpoint
 

@@ -43,6 +43,7 @@ one event loop at a time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import concurrent.futures
 import os
 import threading
@@ -69,6 +70,8 @@ from hybridflow.rollout.sampling import (
 from hybridflow.rollout.stopping import StopStrings
 from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, check_bucket, copy_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, Trajectory
+
+logger = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -118,6 +121,22 @@ class LogitsProcessor(Protocol):
     """Adjusts the logits a token is *drawn* from (B, V) float32; logprobs stay the model's own."""
 
     def __call__(self, logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token appended to sample ``sample_index`` of request ``request_id`` (for streaming)."""
+
+    request_id: str
+    sample_index: int
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None  # with SamplingParams.logprobs set
+    finish_reason: str | None  # set on the sample's last token
+    stop_reason: int | str | None
+
+
+TokenListener = Callable[[TokenEvent], None]
 
 
 @dataclass
@@ -385,6 +404,7 @@ class NativeEngine:
         # Held by every step and by update_weights: weights never change mid-step.
         self._model_lock = threading.Lock()
         self._asleep = False
+        self._token_listeners: dict[str, TokenListener] = {}
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
@@ -393,6 +413,24 @@ class NativeEngine:
     def model(self) -> torch.nn.Module:
         """The HF model whose weights the engine serves (shared, not copied)."""
         return self._model
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + response a request may reach."""
+        return self._max_model_len
+
+    def add_token_listener(self, request_id: str, listener: TokenListener) -> None:
+        """Report every token generated for ``request_id`` to ``listener`` as it is sampled
+        (streaming). Listeners run on the event-loop thread inside a scheduler step: they must be
+        quick and never block (``asyncio.Queue.put_nowait`` is the intended use)."""
+        if not request_id:
+            raise ValueError("NativeEngine: a listened request needs a non-empty request_id")
+        if request_id in self._token_listeners:
+            raise ValueError(f"NativeEngine: request {request_id!r} already has a token listener")
+        self._token_listeners[request_id] = listener
+
+    def remove_token_listener(self, request_id: str) -> None:
+        self._token_listeners.pop(request_id, None)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -798,6 +836,24 @@ class NativeEngine:
             sample.finish_reason, sample.stop_reason = "stop", matched
         elif len(sample.response_ids) >= sample.max_tokens:
             sample.finish_reason = "length"
+        if self._token_listeners:
+            self._notify(sample)
+
+    def _notify(self, sample: _Sample) -> None:
+        request_id = sample.owner.request.request_id
+        listener = self._token_listeners.get(request_id)
+        if listener is None:
+            return
+        event = TokenEvent(
+            request_id=request_id, sample_index=sample.index, token_id=sample.response_ids[-1],
+            logprob=sample.logprobs[-1], top_logprobs=sample.top_logprobs[-1] if sample.top_logprobs else None,
+            finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+        )
+        try:
+            listener(event)
+        except Exception:  # a broken listener must not stop the scheduler serving everyone else
+            logger.exception("token listener for request %r failed; it is removed", request_id)
+            self.remove_token_listener(request_id)
 
     # ------------------------------------------------------------------ model work (worker thread)
 

@@ -1,0 +1,821 @@
+"""``hybridflow serve``: an OpenAI-compatible HTTP server over the native engine.
+
+    hybridflow serve /models/Qwen2.5-0.5B-Instruct --port 8000
+    python -c "from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-'); \
+        print(c.completions.create(model='/models/Qwen2.5-0.5B-Instruct', prompt='Hi').choices[0].text)"
+
+Endpoints (see docs/serving.md for the fields):
+
+- ``GET /v1/models``, ``GET /health``, ``GET /stats`` (the engine's ``EngineStats`` counters);
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed as server-sent events
+  (``data: {...}`` chunks, then ``data: [DONE]``) when ``stream`` is true;
+- ``POST /generate``: tokens in, tokens out for a trainer or an agent loop: ``prompt_ids`` and
+  ``sampling_params`` (``hybridflow.types.SamplingParams``' fields) in; per sample the
+  ``response_ids``, ``rollout_logprobs`` and ``finish_reason`` out, exactly what
+  ``NativeEngine.generate`` returns.
+
+Every request runs in the one ``NativeEngine`` on uvicorn's event loop, so concurrent HTTP requests
+are continuously batched together like concurrent ``generate`` calls. Bad parameters get a 400
+with OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the
+field.
+
+Token streaming: ``NativeEngine.add_token_listener`` reports every token the engine appends to a
+listener registered under the request id, on the event-loop thread. Text is detokenized
+incrementally (``IncrementalDetokenizer``) and held back while it could still be cut by a stop
+string, so the streamed chunks concatenate to exactly the text a non-streamed request returns.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import ipaddress
+import json
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from hybridflow.models.loading import check_model_dir, eos_token_ids, load_causal_lm
+from hybridflow.rollout.native import NativeEngine, TokenEvent, resolve_dtype
+from hybridflow.rollout.sampling import check_sampling_params
+from hybridflow.rollout.stopping import cut_at_stop
+from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as exc:  # the server is an optional extra; the engine itself does not need it
+    raise ImportError("hybridflow serve needs FastAPI and uvicorn: pip install 'hybridflow[serve]'") from exc
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's default for /v1/completions.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Chat completions default to the rest of the context, capped here: the slot KV cache sizes every
+# decode row for the longest prompt + max_tokens admitted, so an uncapped default on a long-context
+# model would shrink the batch (or not fit the cache at all) for clients that never set max_tokens.
+DEFAULT_CHAT_MAX_TOKENS = 2048
+# JSON has no -inf: a logprob below this is reported as this (vLLM's convention).
+MIN_REPORTED_LOGPROB = -9999.0
+DEFAULT_MAX_BATCH_SIZE = 256  # vLLM's max_num_seqs default
+Json = dict[str, Any]
+
+# ---------------------------------------------------------------------------------------- text
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of token ids into text, a few tokens at a time (vLLM's scheme).
+
+    Each push decodes only the tokens since the last emitted boundary, with the token(s) before it
+    as context (so tokenizers that drop a leading space at the start of a decode keep it), and
+    emits nothing while the text ends in an incomplete UTF-8 character (U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0  # start of the context decoded with the new tokens
+        self._read_offset = 0  # tokens whose text is already in ``text``
+
+    def push(self, token_id: int) -> str:
+        """Append ``token_id``; return the text it completes ("" while a character is incomplete)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        new_text = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self.text += new_text
+        return new_text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+
+def final_text(tokenizer: Any, response_ids: Sequence[int], stop_reason: int | str | None, include_stop: bool) -> str:
+    """The text a finished sample returns: decoded, cut before a matched stop string (``LLM``'s rule)."""
+    decoded = tokenizer.decode(list(response_ids), skip_special_tokens=True)
+    return cut_at_stop(decoded, stop_reason if isinstance(stop_reason, str) else None, include_stop)
+
+
+@dataclass(frozen=True)
+class _TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] | None
+
+
+class _StreamedChoice:
+    """One sample being streamed: emits text only once no stop string can still cut it."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self._tokenizer = tokenizer
+        self._params = params
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        # A stop string completed by a later token starts at most len(stop) - 1 characters back.
+        cut = params.stop and not params.include_stop_str_in_output
+        self._holdback = max(len(s) for s in params.stop) - 1 if cut else 0
+        self.sent = ""
+        self.pending: list[_TokenLogprob] = []  # logprobs of tokens not yet sent with a chunk
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def token_count(self) -> int:
+        return len(self._detokenizer.ids)
+
+    def add(self, token: _TokenLogprob) -> None:
+        """Add a token without sending text: the last token of a sample, which ``finish`` sends."""
+        self.pending.append(token)
+        self._detokenizer.push(token.token_id)
+
+    def push(self, token: _TokenLogprob) -> str:
+        """Add a token that is not the sample's last; return the text that can be sent now."""
+        self.add(token)
+        return self._take(self._detokenizer.text[: max(0, len(self._detokenizer.text) - self._holdback)])
+
+    def finish(self, finish_reason: str, stop_reason: int | str | None) -> str:
+        """Mark the sample done; return the rest of its final text."""
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        text = final_text(self._tokenizer, self._detokenizer.ids, stop_reason, self._params.include_stop_str_in_output)
+        if not text.startswith(self.sent):
+            # Incremental decoding diverged from a whole decode (a tokenizer quirk): what was sent
+            # cannot be taken back, so the stream ends with the text sent so far.
+            logger.warning("streamed text diverged from the final decode; the stream keeps what it sent")
+            return ""
+        return self._take(text)
+
+    def take_pending(self) -> list[_TokenLogprob]:
+        pending, self.pending = self.pending, []
+        return pending
+
+    def _take(self, text: str) -> str:
+        new_text = text[len(self.sent) :] if len(text) > len(self.sent) else ""
+        self.sent += new_text
+        return new_text
+
+
+# ---------------------------------------------------------------------------------------- API schema
+
+
+class _Body(BaseModel):
+    # Unknown fields are a 400 naming them (OpenAI's behaviour), not silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Fields shared by both OpenAI endpoints; vLLM's extras (top_k, min_p, ...) via ``extra_body``."""
+
+    model: str
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted at their no-op values only, since common clients send them by default.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_call_id, ...) pass through to the chat template.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+
+class TokensRequest(_Body):
+    prompt_ids: list[int] = Field(min_length=1)
+    # hybridflow.types.SamplingParams' own fields and checks (its __post_init__ errors are 400s).
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    request_id: str | None = None
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+# Pydantic names union branches in error locations ("str", "list[int]"): not part of the field path.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _param_from_location(location: Sequence[int | str]) -> tuple[str | None, bool]:
+    """The dotted field path of a pydantic error location, and whether it ran into a union branch."""
+    parts: list[str] = []
+    for part in location[1:] if location and location[0] == "body" else location:
+        if isinstance(part, str) and ("[" in part or part in _TYPE_TAGS):
+            return ".".join(parts) or None, True
+        parts.append(str(part))
+    return ".".join(parts) or None, False
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """A pydantic error as a 400 naming the field (the first error is enough to act on)."""
+    first = exc.errors()[0]
+    param, union = _param_from_location(first.get("loc", ()))
+    message = str(first.get("msg", "invalid request"))
+    if first.get("type") in ("extra_forbidden", "unexpected_keyword_argument"):
+        message = "this server does not support this parameter"
+    elif union:  # the first branch's complaint ("should be a valid string") would mislead
+        message = "none of the accepted types matches this value (see docs/serving.md)"
+    elif param and (named := _SAMPLING_FIELD.search(message)):
+        param = f"{param}.{named.group(1)}"  # SamplingParams' own checks name the inner field
+    return ApiError(400, f"{param}: {message}" if param else message, param)
+
+
+def _value_error(exc: ValueError, *, prefix: str = "", fallback: str | None = None) -> ApiError:
+    """A ``SamplingParams`` or engine refusal as a 400, naming the sampling field its message names."""
+    message = str(exc)
+    named = _SAMPLING_FIELD.search(message)
+    return ApiError(400, message, f"{prefix}{named.group(1)}" if named else fallback)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = _validation_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+
+# ---------------------------------------------------------------------------------------- requests
+
+
+def _sampling_params(body: _SamplingBody, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """OpenAI fields to ``SamplingParams``; unset fields keep OpenAI's defaults."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported by this server (use repetition_penalty)", name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    top_k = body.top_k if body.top_k not in (None, 0) else -1
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            max_tokens=max_tokens,
+            seed=body.seed,
+            stop=stops,
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise _value_error(exc) from None
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message for the chat template, with OpenAI's content parts joined into one string."""
+    data = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        texts = []
+        for part in message.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only text content parts are supported", f"messages.{index}.content")
+            texts.append(part["text"])
+        data["content"] = "".join(texts)
+    return data
+
+
+@dataclass
+class _Job:
+    """The engine requests of one API call (one per prompt), started together."""
+
+    engine: NativeEngine
+    requests: list[GenerationRequest]
+    prompt_field: str  # the API field a prompt error names ("prompt", "messages", "prompt_ids")
+    events: asyncio.Queue[TokenEvent | None] | None = None  # token events when streaming; None ends
+    tasks: list[asyncio.Task[list[Trajectory]]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        """Queue every request; refusals (bad parameters, an asleep engine) raise ``ApiError`` now."""
+        if self.events is not None:
+            for request in self.requests:
+                self.engine.add_token_listener(request.request_id, self.events.put_nowait)
+        self.tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in self.requests]
+        # generate() checks a request before its first await: one turn of the loop surfaces refusals.
+        await asyncio.sleep(0)
+        for task in self.tasks:
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                self.close()
+                raise self._refusal(exc)
+        if self.events is not None:
+            events = self.events
+            asyncio.gather(*self.tasks, return_exceptions=True).add_done_callback(lambda _: events.put_nowait(None))
+
+    async def results(self) -> list[list[Trajectory]]:
+        try:
+            return list(await asyncio.gather(*self.tasks))
+        except ValueError as exc:
+            raise _value_error(exc, fallback=self.prompt_field) from None
+        except RuntimeError as exc:
+            raise ApiError(500, str(exc)) from None
+
+    def close(self) -> None:
+        """Stop generating for a caller that is gone (cancelled requests leave the engine's batch)."""
+        for task in self.tasks:
+            task.cancel()
+        for request in self.requests:
+            self.engine.remove_token_listener(request.request_id)
+
+    def _refusal(self, exc: BaseException) -> ApiError:
+        if isinstance(exc, ValueError):
+            return _value_error(exc, fallback=self.prompt_field)
+        return ApiError(503, f"the engine cannot take requests now: {exc}")
+
+
+def _clean_logprob(value: float) -> float:
+    return value if math.isfinite(value) and value > MIN_REPORTED_LOGPROB else MIN_REPORTED_LOGPROB
+
+
+def _token_records(trajectory: Trajectory) -> list[_TokenLogprob]:
+    tops: Sequence[dict[int, float] | None] = trajectory.top_logprobs or [None] * len(trajectory.response_ids)
+    return [
+        _TokenLogprob(token, logprob, top)
+        for token, logprob, top in zip(trajectory.response_ids, trajectory.rollout_logprobs, tops, strict=True)
+    ]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+# ---------------------------------------------------------------------------------------- formats
+
+
+class _Format(abc.ABC):
+    """How one endpoint writes choices, chunks and logprobs (completions vs chat)."""
+
+    object_name: str
+    chunk_object_name: str
+    id_prefix: str
+
+    def __init__(self, tokenizer: Any, top_logprobs: int | None) -> None:
+        self._tokenizer = tokenizer
+        self._top_logprobs = top_logprobs  # None: no logprobs in the answer
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    @abc.abstractmethod
+    def choice(self, index: int, text: str, tokens: list[_TokenLogprob], finish: str | None, stop: Any) -> Json:
+        """A finished choice of a non-streamed answer."""
+
+    @abc.abstractmethod
+    def delta(self, index: int, text: str, tokens: list[_TokenLogprob], finish: str | None, stop: Any) -> Json:
+        """A streamed chunk's choice: new ``text`` and the logprobs of ``tokens``."""
+
+    def opening_deltas(self, count: int) -> list[dict[str, Any]]:
+        return []
+
+
+class _CompletionFormat(_Format):
+    object_name, chunk_object_name, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    def choice(self, index: int, text: str, tokens: list[_TokenLogprob], finish: str | None, stop: Any) -> Json:
+        logprobs = self._logprobs(tokens) if self._top_logprobs is not None else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
+
+    delta = choice  # a streamed completion chunk has the same shape as a choice
+
+    def _logprobs(self, tokens: list[_TokenLogprob]) -> dict[str, list[Any]]:
+        texts = [self.token_text(t.token_id) for t in tokens]
+        offsets = [sum(len(s) for s in texts[:i]) for i in range(len(texts))]
+        tops = [
+            {self.token_text(i): _clean_logprob(v) for i, v in sorted(t.top.items(), key=lambda kv: -kv[1])}
+            if t.top is not None
+            else None
+            for t in tokens
+        ]
+        return {
+            "tokens": texts,
+            "token_logprobs": [_clean_logprob(t.logprob) for t in tokens],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+class _ChatFormat(_Format):
+    object_name, chunk_object_name, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def choice(self, index: int, text: str, tokens: list[_TokenLogprob], finish: str | None, stop: Any) -> Json:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(tokens),
+            "finish_reason": finish,
+            "stop_reason": stop,
+        }
+
+    def delta(self, index: int, text: str, tokens: list[_TokenLogprob], finish: str | None, stop: Any) -> Json:
+        return {
+            "index": index,
+            "delta": {"content": text} if text else {},
+            "logprobs": self._logprobs(tokens),
+            "finish_reason": finish,
+            "stop_reason": stop,
+        }
+
+    def opening_deltas(self, count: int) -> list[dict[str, Any]]:
+        # OpenAI's first chunk of each choice carries the role.
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(count)]
+
+    def _logprobs(self, tokens: list[_TokenLogprob]) -> dict[str, Any] | None:
+        if self._top_logprobs is None:
+            return None
+        return {"content": [self._entry(t) for t in tokens]}
+
+    def _entry(self, token: _TokenLogprob) -> dict[str, Any]:
+        top = sorted((token.top or {}).items(), key=lambda kv: -kv[1])[: self._top_logprobs]
+        return {**self._token(token.token_id, token.logprob), "top_logprobs": [self._token(i, v) for i, v in top]}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        # A token holding part of a UTF-8 character decodes to U+FFFD: its own bytes are unknown here.
+        raw = None if "\ufffd" in text else list(text.encode("utf-8"))
+        return {"token": text, "logprob": _clean_logprob(logprob), "bytes": raw}
+
+
+# ---------------------------------------------------------------------------------------- server
+
+
+class OpenAIServer:
+    """The endpoints over one engine and tokenizer; ``create_app`` mounts them on a FastAPI app."""
+
+    def __init__(self, engine: NativeEngine, tokenizer: Any, *, model_name: str, max_model_len: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        model: Any = engine.model  # an HF PreTrainedModel
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.created = int(time.time())
+
+    # -------------------------------------------------------------- plain endpoints
+
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def stats(self) -> dict[str, int]:
+        return asdict(self.engine.stats)
+
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "hybridflow",
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def generate_tokens(self, body: TokensRequest) -> dict[str, Any]:
+        """Tokens in, tokens out: ``NativeEngine.generate``'s trajectories as JSON."""
+        params = body.sampling_params
+        self._check_request([body.prompt_ids], params, "prompt_ids", "sampling_params.")
+        request = GenerationRequest(body.prompt_ids, params, body.request_id or f"gen-{uuid.uuid4().hex}")
+        job = _Job(self.engine, [request], "prompt_ids")
+        await job.start()
+        try:
+            (trajectories,) = await job.results()
+        finally:
+            job.close()
+        samples = [
+            {
+                "index": index,
+                "response_ids": t.response_ids,
+                "rollout_logprobs": t.rollout_logprobs,
+                "finish_reason": t.finish_reason,
+                "stop_reason": t.stop_reason,
+                "top_logprobs": [sorted(top.items(), key=lambda kv: -kv[1]) for top in t.top_logprobs]
+                if t.top_logprobs is not None
+                else None,
+            }
+            for index, t in enumerate(trajectories)
+        ]
+        usage = _usage(len(body.prompt_ids), sum(len(t.response_ids) for t in trajectories))
+        return {"request_id": request.request_id, "samples": samples, "usage": usage}
+
+    # -------------------------------------------------------------- OpenAI endpoints
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        self._check_model(body.model)
+        for name, value, allowed in (("echo", body.echo, False), ("suffix", body.suffix, None)):
+            if value != allowed:
+                raise ApiError(400, f"{name} is not supported by this server", name)
+        if body.best_of not in (None, body.n):
+            raise ApiError(400, "best_of is not supported by this server (use n)", "best_of")
+        prompts = self._completion_prompts(body.prompt)
+        params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs)
+        self._check_request(prompts, params, "prompt", "")
+        fmt = _CompletionFormat(self.tokenizer, body.logprobs)
+        return await self._respond(body, prompts, params, fmt, "prompt")
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        self._check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+        prompt = self._chat_prompt(body.messages)
+        requested = body.max_completion_tokens or body.max_tokens
+        max_tokens = requested or max(1, min(DEFAULT_CHAT_MAX_TOKENS, self.max_model_len - len(prompt)))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body, max_tokens, top)
+        self._check_request([prompt], params, "messages", "")
+        return await self._respond(body, [prompt], params, _ChatFormat(self.tokenizer, top), "messages")
+
+    # -------------------------------------------------------------- shared machinery
+
+    async def _respond(
+        self, body: _SamplingBody, prompts: list[list[int]], params: SamplingParams, fmt: _Format, prompt_field: str
+    ) -> Any:
+        response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        requests = [GenerationRequest(p, params, f"{response_id}-{i}") for i, p in enumerate(prompts)]
+        events: asyncio.Queue[TokenEvent | None] | None = asyncio.Queue() if body.stream else None
+        job = _Job(self.engine, requests, prompt_field, events)
+        await job.start()
+        head = {"id": response_id, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(job, fmt, {**head, "object": fmt.chunk_object_name}, params, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            results = await job.results()
+        finally:
+            job.close()
+        choices = []
+        for p, trajectories in enumerate(results):
+            for s, t in enumerate(trajectories):
+                text = final_text(self.tokenizer, t.response_ids, t.stop_reason, params.include_stop_str_in_output)
+                choices.append(fmt.choice(p * params.n + s, text, _token_records(t), t.finish_reason, t.stop_reason))
+        completion_tokens = sum(len(t.response_ids) for ts in results for t in ts)
+        usage = _usage(sum(len(p) for p in prompts), completion_tokens)
+        return {**head, "object": fmt.object_name, "choices": choices, "usage": usage}
+
+    async def _stream(
+        self, job: _Job, fmt: _Format, head: dict[str, Any], params: SamplingParams, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE chunks as tokens arrive; closes the job (cancelling generation) if the client leaves."""
+        assert job.events is not None
+        order = {r.request_id: i for i, r in enumerate(job.requests)}
+        choices = [_StreamedChoice(self.tokenizer, params) for _ in range(len(job.requests) * params.n)]
+        try:
+            for delta in fmt.opening_deltas(len(choices)):
+                yield _sse({**head, "choices": [delta]})
+            while (event := await job.events.get()) is not None:
+                index = order[event.request_id] * params.n + event.sample_index
+                if (chunk := self._on_token(fmt, index, choices[index], event)) is not None:
+                    yield _sse({**head, "choices": [chunk]})
+            results = await job.results()
+            # Samples whose tokens were not all reported (no hook) finish from their trajectories.
+            for p, trajectories in enumerate(results):
+                for s, trajectory in enumerate(trajectories):
+                    index = p * params.n + s
+                    if (chunk := self._catch_up(fmt, index, choices[index], trajectory)) is not None:
+                        yield _sse({**head, "choices": [chunk]})
+            if include_usage:
+                completion_tokens = sum(c.token_count for c in choices)
+                usage = _usage(sum(len(r.prompt_ids) for r in job.requests), completion_tokens)
+                yield _sse({**head, "choices": [], "usage": usage})
+        except ApiError as exc:  # headers are sent: the error travels as a chunk (vLLM's convention)
+            yield _sse(exc.body())
+        finally:
+            job.close()
+        yield _sse("[DONE]")
+
+    def _on_token(self, fmt: _Format, index: int, choice: _StreamedChoice, event: TokenEvent) -> Json | None:
+        token = _TokenLogprob(event.token_id, event.logprob, event.top_logprobs)
+        if event.finish_reason is not None:
+            # Not pushed first: the text up to a stop string's start may only be sent once cut.
+            choice.add(token)
+            text = choice.finish(event.finish_reason, event.stop_reason)
+            return fmt.delta(index, text, choice.take_pending(), event.finish_reason, event.stop_reason)
+        text = choice.push(token)
+        if not text:
+            return None  # nothing printable yet; its logprobs ride with the next chunk
+        return fmt.delta(index, text, choice.take_pending(), None, None)
+
+    def _catch_up(self, fmt: _Format, index: int, choice: _StreamedChoice, trajectory: Trajectory) -> Json | None:
+        if choice.finish_reason is not None:
+            return None
+        for token in _token_records(trajectory)[choice.token_count :]:
+            choice.add(token)
+        text = choice.finish(trajectory.finish_reason, trajectory.stop_reason)
+        return fmt.delta(index, text, choice.take_pending(), trajectory.finish_reason, trajectory.stop_reason)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            message = f"model {model!r} does not exist; this server serves {self.model_name!r}"
+            raise ApiError(404, message, "model", "model_not_found")
+
+    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        """Text, texts, token ids or lists of token ids, as token-id prompts."""
+        single = isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt))
+        items: list[Any] = [prompt] if single else list(prompt)
+        if not items:
+            raise ApiError(400, "prompt is empty", "prompt")
+        return [self.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in items]
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ApiError(400, "the served model has no chat template; use /v1/completions", "messages")
+        conversation = [_message_dict(i, m) for i, m in enumerate(messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template may reject roles or orders (jinja raise_exception)
+            raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
+        # The template already holds the special tokens: the tokenizer must not add more.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_request(self, prompts: list[list[int]], params: SamplingParams, prompt_field: str, prefix: str) -> None:
+        """The checks the engine would make, raised as 400s that name the API field."""
+        for position, prompt in enumerate(prompts):
+            where = f"{prompt_field}" if len(prompts) == 1 else f"{prompt_field}.{position}"
+            if not prompt:
+                raise ApiError(400, f"{where} has no tokens", where)
+            if any(not 0 <= t < self.vocab_size for t in prompt):
+                raise ApiError(400, f"{where} has token ids outside the vocabulary [0, {self.vocab_size})", where)
+            if len(prompt) >= self.max_model_len:
+                raise ApiError(
+                    400, f"{where} has {len(prompt)} tokens; the model's context is {self.max_model_len}", where
+                )
+        try:
+            check_sampling_params(params, self.vocab_size)
+        except ValueError as exc:
+            raise _value_error(exc, prefix=prefix) from None
+
+
+def create_app(
+    engine: NativeEngine, tokenizer: Any, *, model_name: str, max_model_len: int | None = None
+) -> FastAPI:
+    """A FastAPI app serving ``engine``; run it on one event loop (uvicorn's), which the engine then uses.
+
+    ``max_model_len`` defaults to the engine's.
+    """
+    if max_model_len is None:
+        max_model_len = engine.max_model_len
+    server = OpenAIServer(engine, tokenizer, model_name=model_name, max_model_len=max_model_len)
+    app = FastAPI(title="hybridflow", summary="OpenAI-compatible generation with the native engine")
+    app.state.server = server
+    _install_error_handlers(app)
+    # response_model=None: answers are built as plain JSON already; no second validation pass.
+    app.get("/health", response_model=None)(server.health)
+    app.get("/stats", response_model=None)(server.stats)
+    app.get("/v1/models", response_model=None)(server.models)
+    app.post("/v1/completions", response_model=None)(server.completions)
+    app.post("/v1/chat/completions", response_model=None)(server.chat_completions)
+    app.post("/generate", response_model=None)(server.generate_tokens)
+    return app
+
+
+# ---------------------------------------------------------------------------------------- launching
+
+
+def build_server_engine(
+    model_dir: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    kv_cache_memory_bytes: int | None = None,
+) -> tuple[NativeEngine, Any, int]:
+    """Load a local HF directory: the engine, its tokenizer, and the context length it serves."""
+    from transformers import AutoTokenizer
+
+    path = check_model_dir(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = load_causal_lm(path, dtype=resolve_dtype(dtype), device=device)
+    eos = eos_token_ids(path, tokenizer)
+    pad = tokenizer.pad_token_id
+    max_model_len = max_model_len or int(model.config.max_position_embeddings)
+    engine = NativeEngine(
+        model=model,
+        eos_token_ids=eos,
+        pad_token_id=eos[0] if pad is None else int(pad),
+        max_batch_size=max_batch_size,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        tokenizer=tokenizer,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+    )
+    return engine, tokenizer, max_model_len
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it is reachable from outside
+
+
+def warn_if_exposed(host: str) -> bool:
+    """Log a loud warning when ``host`` is not a loopback address; True if it is exposed."""
+    if is_loopback(host):
+        return False
+    logger.warning(
+        "!!! hybridflow serve is listening on %s: anyone who can reach this address can use the model. "
+        "The server has no authentication; bind 127.0.0.1 and use an SSH tunnel or a proxy instead. !!!",
+        host,
+    )
+    return True
+
+
+def serve(
+    model_dir: str | os.PathLike[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info",
+    **engine_kwargs: Any,
+) -> None:
+    """Load the model and serve it with uvicorn until interrupted (``hybridflow serve``)."""
+    import uvicorn
+
+    engine, tokenizer, max_model_len = build_server_engine(model_dir, **engine_kwargs)
+    app = create_app(engine, tokenizer, model_name=served_model_name or str(model_dir), max_model_len=max_model_len)
+    warn_if_exposed(host)  # last thing before uvicorn's "running on" line, where it is seen
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

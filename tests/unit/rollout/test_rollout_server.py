@@ -1,0 +1,312 @@
+"""``hybridflow serve``: the OpenAI-compatible server, driven by the official ``openai`` client.
+
+A real uvicorn server runs in a background thread on a free loopback port, over the tiny model
+written as a local HF directory; the reference is the offline ``LLM`` API on the same directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from hybridflow.cli import build_parser, main
+from hybridflow.models.tiny import write_tiny_model
+from hybridflow.rollout.llm import LLM
+from hybridflow.rollout.native import NativeEngine
+from hybridflow.rollout.server import (
+    IncrementalDetokenizer,
+    build_server_engine,
+    create_app,
+    warn_if_exposed,
+)
+from hybridflow.types import GenerationRequest, SamplingParams
+
+torch.set_num_threads(1)
+
+MODEL = "tiny"
+PROMPTS = ["The answer is", "1 + 1 ="]
+# The tiny random model writes diverse text (printable and not) when sampled with this seed.
+SEED = 2
+
+
+@dataclass
+class Server:
+    url: str
+    engine: NativeEngine
+    tokenizer: Any
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def stats(self) -> dict[str, int]:
+        return httpx.get(f"{self.url}/stats").json()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny", seed=2)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[Server]:
+    engine, tokenizer, max_model_len = build_server_engine(
+        model_dir, max_batch_size=16, kv_cache_memory_bytes=256 << 20
+    )
+    app = create_app(engine, tokenizer, model_name=MODEL, max_model_len=max_model_len)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with other tests
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, tokenizer)
+    uv.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return LLM(model_dir, max_num_seqs=16)
+
+
+def greedy(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def test_models_and_health(server: Server) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_greedy_completion_equals_llm_generate(server: Server, llm: LLM) -> None:
+    expected = [o.outputs[0] for o in llm.generate(PROMPTS, greedy())]
+    client = server.client()
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in answer.choices] == [e.text for e in expected]
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert {c.finish_reason for c in answer.choices} <= {"stop", "length"}
+    prompt_ids = [server.tokenizer.encode(p) for p in PROMPTS]
+    assert answer.usage.prompt_tokens == sum(len(ids) for ids in prompt_ids)
+    assert answer.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0)
+    assert [c.text for c in by_ids.choices] == [e.text for e in expected]
+    logprobs = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=2)
+    (choice,) = logprobs.choices
+    assert choice.logprobs.token_logprobs == pytest.approx(expected[0].token_logprobs, abs=1e-6)
+    assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)
+
+
+def test_chat_completion_equals_llm_chat(server: Server, llm: LLM) -> None:
+    conversation = [{"role": "user", "content": "What is 2 + 3?"}]
+    (expected,) = llm.chat(conversation, greedy(10))
+    answer = server.client().chat.completions.create(
+        model=MODEL, messages=conversation, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3
+    )
+    (choice,) = answer.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.outputs[0].text
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    tokens = choice.logprobs.content
+    assert [t.logprob for t in tokens] == pytest.approx(expected.outputs[0].token_logprobs, abs=1e-6)
+    assert all(len(t.top_logprobs) == 3 for t in tokens)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in tokens)  # greedy takes the most likely
+
+
+def test_streaming_chunks_concatenate_to_the_non_streamed_text(server: Server) -> None:
+    client = server.client()
+    settings: dict[str, Any] = dict(model=MODEL, prompt="Hello", max_tokens=40, temperature=1.0, seed=SEED, n=2)
+    whole = client.completions.create(**settings)
+    texts, finishes, chunks = ["", ""], [None, None], 0
+    usage = None
+    for chunk in client.completions.create(**settings, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+            chunks += 1
+    assert texts == [c.text for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert chunks > 4, "tokens should arrive in several chunks, not all at the end"
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+    conversation = [{"role": "user", "content": "Say something"}]
+    chat = dict(model=MODEL, messages=conversation, max_tokens=20, temperature=0)
+    expected = client.chat.completions.create(**chat).choices[0].message.content
+    deltas = list(client.chat.completions.create(**chat, stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == expected
+    assert deltas[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_samples_and_seeds_are_reproducible(server: Server, llm: LLM) -> None:
+    client = server.client()
+    first = client.completions.create(model=MODEL, prompt="Hello", n=3, max_tokens=16, temperature=1.0, seed=5)
+    again = client.completions.create(model=MODEL, prompt="Hello", n=3, max_tokens=16, temperature=1.0, seed=5)
+    other = client.completions.create(model=MODEL, prompt="Hello", n=3, max_tokens=16, temperature=1.0, seed=6)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len(set(texts)) == 3, "the samples of one request differ"
+    assert [c.text for c in again.choices] == texts
+    assert [c.text for c in other.choices] != texts
+    (offline,) = llm.generate(["Hello"], SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=5))
+    assert [o.text for o in offline.outputs] == texts
+
+
+def test_stop_strings_cut_streamed_and_whole_text(server: Server) -> None:
+    client = server.client()
+    settings: dict[str, Any] = dict(model=MODEL, prompt="Hello", max_tokens=40, temperature=1.0, seed=SEED)
+    full = client.completions.create(**settings).choices[0].text
+    # Two printable characters past the start of the text, so the cut is a real one.
+    match = re.search(r"[!-~]{2}", full[3:])
+    assert match is not None, f"no printable pair in {full!r}"
+    stop = match.group(0)
+    expected = full[: full.index(stop)]
+    (choice,) = client.completions.create(**settings, stop=[stop]).choices
+    assert (choice.text, choice.finish_reason) == (expected, "stop")
+    assert choice.model_extra["stop_reason"] == stop
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**settings, stop=stop, stream=True))
+    assert streamed == expected
+    kept = client.completions.create(**settings, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == expected + stop
+
+
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(n=0), "n"),
+        (dict(extra_body={"top_k": -3}), "top_k"),
+        (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+        (dict(echo=True), "echo"),
+        (dict(presence_penalty=0.5), "presence_penalty"),
+        (dict(logprobs=100000), "logprobs"),
+        (dict(prompt="x" * 600), "prompt"),
+        (dict(prompt=[[1, 2], [3, 100000]]), "prompt.1"),
+    ],
+)
+def test_bad_completion_parameters_are_400_naming_the_field(server: Server, call: dict[str, Any], param: str) -> None:
+    arguments: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **call}
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client().completions.create(**arguments)
+    assert error.value.param == param
+    assert error.value.status_code == 400 and param in error.value.message
+
+
+def test_other_refusals_name_the_field(server: Server) -> None:
+    client = server.client()
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2)
+    assert error.value.param == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
+    assert error.value.param == "tools"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert missing.value.param == "model"
+    answer = httpx.post(f"{server.url}/generate", json={"prompt_ids": [1, 2], "sampling_params": {"top_p": 0}})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "sampling_params.top_p"
+
+
+def test_concurrent_requests_are_batched_in_one_engine(server: Server, llm: LLM) -> None:
+    prompts = [f"question {i}:" for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    before = server.stats()
+
+    async def ask_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        async with client:
+            answers = await asyncio.gather(*(
+                client.completions.create(
+                    model=MODEL, prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+                )
+                for p in prompts
+            ))
+        return [a.choices[0].text for a in answers]
+
+    assert asyncio.run(ask_all()) == expected
+    after = server.stats()
+    tokens = after["generated_tokens"] - before["generated_tokens"]
+    steps = after["steps"] - before["steps"]
+    assert tokens == 6 * 24
+    # One sequence per step would take 144 steps; batched requests share steps.
+    assert tokens / steps > 2, f"{tokens} tokens in {steps} steps: requests were not batched"
+
+
+def test_tokens_endpoint_equals_a_direct_engine_call(server: Server, llm: LLM) -> None:
+    prompt_ids = server.tokenizer.encode("Hello there")
+    params = {"n": 2, "temperature": 0.8, "top_p": 0.9, "max_tokens": 12, "seed": 11, "logprobs": 2}
+    answer = httpx.post(f"{server.url}/generate", json={"prompt_ids": prompt_ids, "sampling_params": params}).json()
+    (direct,) = llm.engine.generate_batch([GenerationRequest(prompt_ids, SamplingParams(**params))])
+    assert [s["response_ids"] for s in answer["samples"]] == [t.response_ids for t in direct]
+    for sample, trajectory in zip(answer["samples"], direct, strict=True):
+        assert sample["rollout_logprobs"] == pytest.approx(trajectory.rollout_logprobs, abs=1e-6)
+        assert sample["finish_reason"] == trajectory.finish_reason
+        assert trajectory.top_logprobs is not None
+        for top, reference in zip(sample["top_logprobs"], trajectory.top_logprobs, strict=True):
+            assert {token: logprob for token, logprob in top} == pytest.approx(reference, abs=1e-6)
+    assert answer["usage"]["completion_tokens"] == sum(len(t.response_ids) for t in direct)
+
+
+def test_a_closed_stream_stops_generating(server: Server) -> None:
+    client = server.client()
+    before = server.stats()["generated_tokens"]
+    stream = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=400, temperature=1.0, seed=1, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    # Wait until the engine is idle (the count stops moving); uncancelled, it would reach 400.
+    deadline, previous = time.monotonic() + 10, -1
+    while (count := server.stats()["generated_tokens"]) != previous and time.monotonic() < deadline:
+        previous = count
+        time.sleep(0.3)
+    assert 3 <= count - before < 400
+
+
+def test_incremental_detokenizer_matches_a_whole_decode(server: Server) -> None:
+    tokenizer = server.tokenizer
+    text = "héllo wörld ✓ 🙂 <|im_end|> done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(t) for t in ids]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces), "partial UTF-8 characters are held back"
+
+
+def test_cli_parses_serve_and_warns_on_exposed_hosts(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    args = build_parser().parse_args(["serve", "/m", "--port", "9001", "--max-batch-size", "8", "--dtype", "bfloat16"])
+    assert (args.command, args.model_dir, args.host, args.port) == ("serve", "/m", "127.0.0.1", 9001)
+    assert (args.max_batch_size, args.dtype, args.served_model_name) == (8, "bfloat16", None)
+    with caplog.at_level(logging.WARNING, logger="hybridflow.rollout.server"):
+        assert not warn_if_exposed("127.0.0.1") and not warn_if_exposed("localhost") and not warn_if_exposed("::1")
+        assert not caplog.records
+        assert warn_if_exposed("0.0.0.0")
+    assert "no authentication" in caplog.text
+    assert main(["serve", str(tmp_path / "missing")]) == 1
