@@ -4,7 +4,8 @@ The trainer streams ``(name, tensor)`` pairs (``model.state_dict().items()`` or 
 gathers shards lazily). The engine groups them into buckets of at most ``max_bucket_bytes`` so that
 (1) at most one bucket is held beyond what the sender already holds, and (2) a bucket that must
 change device travels as one flat buffer, one transfer instead of one per tensor. The cross-process
-path (a later task) broadcasts exactly these flat buffers.
+path (``weight_transfer``) groups with the same ``iter_buckets`` and broadcasts each bucket as one
+flat byte buffer, checked on the receiver with ``check_bucket`` before its data is sent.
 
 Names are Hugging Face parameter names; unknown names and shape mismatches raise and name the
 parameter before anything in that bucket is written.

@@ -1,0 +1,381 @@
+"""Cross-process weight sync: the trainer streams its weights to rollout processes by broadcast.
+
+The in-process path (``NativeEngine.update_weights``) copies tensors the caller already holds.
+When the rollout runs in another process (a Ray actor, another GPU), the trainer's rank 0 and the
+rollout ranks form a *weight-sync group*: rank 0 sends, every other rank receives, over
+torch.distributed collectives (gloo on CPU, NCCL on GPU). The group is standalone
+(``WeightSyncGroup.connect``): it never touches the default process group, which the trainer's
+ranks already use for FSDP and the rollout processes may use for tensor parallelism.
+
+Protocol of one sync (``send_weights`` on rank 0, ``receive_weights`` on the others), bucket by
+bucket (``weights.iter_buckets``), so each side holds at most one bucket beyond its parameters:
+
+1. *header*: the sender broadcasts the bucket's manifest (name, shape, dtype of each tensor) as
+   JSON, or an end marker, or an abort marker when its weight iterator raised;
+2. *verdict*: every rank all-gathers a status: ``None``, or why it cannot take this bucket (an
+   unknown name or a wrong shape, found from the manifest alone) or why applying the previous
+   bucket failed. Any error ends the sync on *every* rank: receivers raise, naming the parameter,
+   and the sender raises with the receivers' messages. No rank is left waiting for data that
+   will not come, and the group stays usable for the next sync;
+3. *data*: the bucket travels as one flat byte buffer (tensors at aligned offsets, so a byte slice
+   can be viewed as any dtype); receivers apply views of it with ``apply`` (the engine's
+   ``update_weights``, which casts to the rollout dtype, e.g. fp32 trainer to bf16 rollout).
+
+The end marker's verdict confirms that every receiver applied every bucket, so ``send_weights``
+returning means the rollout side serves the new weights.
+
+Memory: each side passes every bucket through one byte buffer, allocated for the first bucket and
+reused (``_Scratch``), so the extra peak is one bucket on the receivers; on the sender, one bucket
+plus whatever its iterator materialises for the bucket being flattened (nothing for a
+``state_dict()``; the gathered tensors for a sharded trainer's lazy gather). Each
+bucket is applied as it arrives, with one ``apply`` call per bucket: the engine's lock is held per
+bucket, not across the sync, so sync while the engine is idle (as the RL loop does) when no step
+may see a mix of old and new weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.rollout.weights import NamedTensor, check_bucket, copy_bucket, iter_buckets
+
+SENDER_RANK = 0
+# Every tensor starts at a multiple of this many bytes in a flat bucket: any dtype can then view
+# its slice (``Tensor.view(dtype)`` needs an offset divisible by the element size), and the copy
+# in and out starts on a cache line.
+ALIGN_BYTES = 64
+# A rank waiting on a collective longer than this raises instead of hanging: the peer died or
+# never joined. Syncing a few GB takes seconds; the RL loop calls both sides together.
+DEFAULT_TIMEOUT_S = 600.0
+STORE_PREFIX = "hybridflow/weight_sync"
+# Buckets of the cross-process path. Smaller than the in-process default because here buckets
+# pipeline: the sender flattens bucket k+1 while the receivers apply bucket k. bench/weight_sync.py
+# (80 MB model, gloo, CPU): 16-48 MB syncs in ~75 ms, 4 MB pays per-bucket round trips (~135 ms),
+# 256 MB is one serial bucket (~130 ms).
+DEFAULT_TRANSFER_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+class WeightSyncError(RuntimeError):
+    """A sync ended on this rank because another rank refused or failed it."""
+
+
+class Collectives(Protocol):
+    """The two collectives the protocol uses; c10d ``ProcessGroup`` and its backends both have them."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Any: ...
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver needs to know about a tensor before its bytes arrive."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_json(self) -> list[Any]:
+        return [self.name, list(self.shape), str(self.dtype).removeprefix("torch.")]
+
+    @staticmethod
+    def from_json(entry: list[Any]) -> TensorSpec:
+        name, shape, dtype_name = entry
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"weight sync: parameter {name!r} was sent with unknown dtype {dtype_name!r}")
+        return TensorSpec(str(name), tuple(int(d) for d in shape), dtype)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one sync moved, as seen by the rank that returns it."""
+
+    buckets: int
+    tensors: int
+    bytes: int  # payload bytes, excluding alignment padding
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class WeightSyncGroup:
+    """Rank 0 (the sender) and the receivers, over a c10d process group on ``device``.
+
+    ``device`` is where buffers live for the collectives: CPU for gloo, the rank's GPU for NCCL.
+    """
+
+    def __init__(self, process_group: Collectives, device: torch.device | str = "cpu", keep_alive: Any = None) -> None:
+        self.process_group = process_group
+        self.device = torch.device(device)
+        self.rank = int(process_group.rank())
+        self.world_size = int(process_group.size())
+        self._keep_alive = keep_alive  # the TCPStore: its server lives in rank 0's object
+
+    @classmethod
+    def connect(
+        cls, *, rank: int, world_size: int, host: str, port: int,
+        device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> WeightSyncGroup:
+        """Rendezvous at ``host:port`` (rank 0 listens there) and build a standalone group.
+
+        NCCL when ``device`` is CUDA (each rank on its own GPU), gloo otherwise. Blocks until all
+        ``world_size`` ranks have joined, or raises after ``timeout_s``.
+        """
+        device = torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == SENDER_RANK, timeout=timeout)
+        prefixed = dist.PrefixStore(STORE_PREFIX, store)
+        backend: object
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            backend = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        else:
+            backend = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        # Backends have broadcast/allgather at run time; torch's stubs list them on ProcessGroup only.
+        return cls(cast(Collectives, backend), device, keep_alive=store)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == SENDER_RANK
+
+    def close(self) -> None:
+        """Release the group's connections (every rank, after its last sync)."""
+        shutdown = getattr(self.process_group, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        self._keep_alive = None
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast ``tensor`` (on ``device``) from the sender, in place on the receivers."""
+        self.process_group.broadcast(tensor, SENDER_RANK).wait()
+
+    def broadcast_json(self, value: Any = None) -> Any:
+        """The sender's ``value`` (JSON-serialisable) on every rank; receivers pass nothing."""
+        payload = json.dumps(value).encode() if self.is_sender else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.broadcast(length)
+        data = self._bytes_tensor(payload, int(length.item()))
+        self.broadcast(data)
+        return value if self.is_sender else json.loads(_to_bytes(data))
+
+    def all_gather_text(self, text: str | None) -> list[str | None]:
+        """Every rank's ``text`` in rank order, on every rank. One collective when all pass None
+        (the usual verdict: nothing wrong), a second one only to carry messages."""
+        payload = b"" if text is None else text.encode()
+        code = -1 if text is None else len(payload)  # -1: None, so "" stays distinguishable
+        codes = [int(c.item()) for c in self._all_gather(torch.tensor([code], dtype=torch.int64, device=self.device))]
+        if all(c < 0 for c in codes):
+            return [None] * self.world_size
+        gathered = self._all_gather(self._bytes_tensor(payload, max(codes)))
+        return [None if c < 0 else _to_bytes(g[:c]).decode() for g, c in zip(gathered, codes, strict=True)]
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.process_group.allgather([outputs], [tensor]).wait()
+        return outputs
+
+    def _bytes_tensor(self, payload: bytes, length: int) -> torch.Tensor:
+        """``payload`` zero-padded to ``length`` bytes, as a uint8 tensor on ``device``."""
+        data = torch.zeros(length, dtype=torch.uint8)
+        if payload:
+            data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return data.to(self.device)
+
+
+# ------------------------------------------------------------------------------------- sender
+def send_weights(
+    group: WeightSyncGroup, weights: Iterable[NamedTensor], max_bucket_bytes: int = DEFAULT_TRANSFER_BUCKET_BYTES
+) -> TransferStats:
+    """Stream ``(name, tensor)`` pairs to every receiver of ``group``; returns once all applied them.
+
+    Raises ``WeightSyncError`` with the receivers' messages when one refuses a bucket (unknown
+    name, wrong shape) or fails to apply one; the receivers have then applied the buckets before
+    it. If ``weights`` raises, the receivers are told to abort and the error propagates here.
+    """
+    if not group.is_sender:
+        raise ValueError(f"send_weights runs on rank {SENDER_RANK} of the weight-sync group, not rank {group.rank}")
+    start = time.perf_counter()
+    buckets = tensors = payload = 0
+    pending = iter_buckets(weights, max_bucket_bytes)
+    scratch = _Scratch(group.device)
+    while True:
+        prepared = _prepare_or_abort(group, pending, scratch)
+        header = {"end": True} if prepared is None else {"tensors": [s.to_json() for s in prepared[0]]}
+        group.broadcast_json(header)
+        _check_verdicts(group, group.all_gather_text(None), error=None)
+        if prepared is None:
+            return TransferStats(buckets, tensors, payload, time.perf_counter() - start)
+        specs, flat = prepared
+        if flat.numel():  # a bucket of empty tensors has no bytes to send
+            group.broadcast(flat)
+        buckets, tensors, payload = buckets + 1, tensors + len(specs), payload + sum(s.nbytes for s in specs)
+
+
+def _prepare_or_abort(
+    group: WeightSyncGroup, buckets: Iterator[list[NamedTensor]], scratch: _Scratch
+) -> tuple[list[TensorSpec], torch.Tensor] | None:
+    """The next bucket's specs and flat bytes, None at the end.
+
+    Flattened before its header goes out, so that whatever fails on the sender (its iterator, a
+    tensor that cannot be read) fails before the receivers expect data: they are told to abort.
+    """
+    try:
+        bucket = next(buckets, None)
+        if bucket is None:
+            return None
+        specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in bucket]
+        return specs, _flatten(bucket, specs, scratch)
+    except Exception as exc:
+        group.broadcast_json({"abort": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def _flatten(bucket: list[NamedTensor], specs: list[TensorSpec], scratch: _Scratch) -> torch.Tensor:
+    """The bucket's bytes at ``_layout`` offsets in one uint8 buffer (``scratch``'s)."""
+    offsets, total = _layout(specs)
+    flat = scratch.take(total)
+    for (_, tensor), spec, offset in zip(bucket, specs, offsets, strict=True):
+        flat[offset : offset + spec.nbytes].copy_(_as_bytes(tensor))
+    return flat
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------- receiver
+def receive_weights(
+    group: WeightSyncGroup,
+    targets: Mapping[str, torch.Tensor],
+    apply: Callable[[list[NamedTensor]], None] | None = None,
+) -> TransferStats:
+    """Receive one sync from the sender and apply it bucket by bucket; returns after the end marker.
+
+    ``targets`` maps every name this rank accepts to a tensor of the right shape (the engine's
+    ``model.state_dict()``); each manifest is checked against it before the bucket's data is sent.
+    ``apply`` gets each bucket as ``(name, tensor)`` views in the *sender's* dtype, on
+    ``group.device``, valid only during the call: pass the engine's ``update_weights`` (it casts
+    and copies under its lock); the default copies into ``targets`` with a cast.
+
+    Raises ``ValueError`` naming the parameter when this rank refuses a bucket, the error ``apply``
+    raised, or ``WeightSyncError`` when another rank refused or the sender aborted.
+    """
+    if group.is_sender:
+        raise ValueError(f"receive_weights runs on the receivers, not on rank {SENDER_RANK} (the sender)")
+    apply = apply if apply is not None else (lambda bucket: copy_bucket(bucket, targets))
+    start = time.perf_counter()
+    buckets = tensors = payload = 0
+    scratch = _Scratch(group.device)
+    failure: Exception | None = None  # from apply; reported at the next verdict
+    while True:
+        header = group.broadcast_json()
+        if "abort" in header:
+            raise WeightSyncError(f"the sender aborted the weight sync: {header['abort']}")
+        specs, refusal = _read_manifest(header, targets)
+        error = failure or refusal
+        _check_verdicts(group, group.all_gather_text(_describe(error)), error)
+        if "end" in header:
+            return TransferStats(buckets, tensors, payload, time.perf_counter() - start)
+        failure = _receive_bucket(group, specs, apply, scratch)
+        buckets, tensors, payload = buckets + 1, tensors + len(specs), payload + sum(s.nbytes for s in specs)
+
+
+def _read_manifest(header: dict[str, Any], targets: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], Exception | None]:
+    """The bucket's specs and, if this rank cannot take them, why (names and shapes only)."""
+    try:
+        specs = [TensorSpec.from_json(entry) for entry in header.get("tensors", [])]
+        # Meta tensors carry the shape without memory, so the in-process check applies unchanged.
+        check_bucket([(s.name, torch.empty(s.shape, dtype=s.dtype, device="meta")) for s in specs], targets)
+    except ValueError as exc:
+        return [], exc
+    return specs, None
+
+
+def _receive_bucket(
+    group: WeightSyncGroup, specs: list[TensorSpec], apply: Callable[[list[NamedTensor]], None], scratch: _Scratch
+) -> Exception | None:
+    """Receive one flat bucket into ``scratch`` and apply views of it."""
+    offsets, total = _layout(specs)
+    flat = scratch.take(total)
+    if total:
+        group.broadcast(flat)
+    bucket = [
+        (spec.name, flat[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape))
+        for spec, offset in zip(specs, offsets, strict=True)
+    ]
+    try:
+        apply(bucket)
+    except Exception as exc:  # the sender and the other receivers learn it at the next verdict
+        return exc
+    return None
+
+
+# -------------------------------------------------------------------------------------- shared
+class _Scratch:
+    """The one byte buffer a sync's buckets pass through, on each side.
+
+    Allocated for the first bucket and reused for the next ones (grown, the old one dropped first,
+    only for a larger bucket); freed with the sync. A fresh allocation per bucket would pay the
+    page faults of new memory every time, about as costly on a CPU as copying the bucket.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes``; its previous contents are overwritten."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffer[:nbytes]
+
+
+def _check_verdicts(group: WeightSyncGroup, verdicts: list[str | None], error: Exception | None) -> None:
+    """Raise on every rank if any rank reported an error: this rank's own error, or a summary."""
+    if error is not None:
+        raise error
+    refusals = [f"rank {rank}: {message}" for rank, message in enumerate(verdicts) if message is not None]
+    if refusals:
+        raise WeightSyncError(f"weight sync stopped on rank {group.rank}: " + "; ".join(refusals))
+
+
+def _describe(error: Exception | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _layout(specs: list[TensorSpec]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a flat bucket, and the bucket's total size."""
+    offsets, end = [], 0
+    for spec in specs:
+        start = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+        offsets.append(start)
+        end = start + spec.nbytes
+    return offsets, end
+
+
+def _to_bytes(data: torch.Tensor) -> bytes:
+    return data.cpu().numpy().tobytes()

@@ -1,0 +1,192 @@
+"""Cross-process weight sync between two real processes over gloo, on tiny real models.
+
+One spawned pair runs every scenario in order, because starting processes costs seconds:
+a successful sync into fp32 and bf16 engines, a shape mismatch, a sender that fails mid-stream,
+and a final sync proving the group is still usable. Each rank writes what it saw to a JSON file;
+the assertions run here, in the parent.
+
+Start-up is most of the cost: transformers is imported lazily (``make_model``), by the two ranks
+at the same time, and never by the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hybridflow.rollout.native import NativeEngine
+from hybridflow.rollout.weight_transfer import (
+    TensorSpec,
+    WeightSyncError,
+    WeightSyncGroup,
+    _layout,
+    receive_weights,
+    send_weights,
+)
+from hybridflow.rollout.weights import NamedTensor
+from hybridflow.training.distributed import free_port
+from hybridflow.types import GenerationRequest, SamplingParams
+
+EOS, PAD, VOCAB = 258, 256, 272
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42], [100, 101, 102, 103, 104]]
+BUCKET_BYTES = 16 * 1024  # smaller than the embedding: many buckets, and tensors that go alone
+GROUP_TIMEOUT_S = 20.0  # a rank stuck in a collective fails the test instead of hanging it
+DEADLINE_S = 90.0
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    """A 2-layer random Qwen2 whose greedy output depends on its weights and the whole context."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.2,
+        eos_token_id=EOS, pad_token_id=PAD,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).eval()
+
+
+def make_engine(seed: int, dtype: str) -> NativeEngine:
+    return NativeEngine(model=make_model(seed), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=8, dtype=dtype)
+
+
+def greedy(engine: NativeEngine) -> list[list[int]]:
+    requests = [GenerationRequest(prompt_ids=p, params=SamplingParams(temperature=0.0, max_tokens=8)) for p in PROMPTS]
+    return [trajectories[0].response_ids for trajectories in engine.generate_batch(requests)]
+
+
+def outcome(call: Any) -> dict[str, Any]:
+    """Run ``call`` and record its result or the error it raised (type and message)."""
+    try:
+        result = call()
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"stats": [result.buckets, result.tensors, result.bytes]}
+
+
+def failing_midway(weights: dict[str, torch.Tensor]) -> Iterator[NamedTensor]:
+    """A sender-side iterator that breaks after a few tensors (a gather that failed)."""
+    for index, pair in enumerate(weights.items()):
+        if index == 5:
+            raise RuntimeError("gather of the next shard failed")
+        yield pair
+
+
+def run_sender(group: WeightSyncGroup) -> dict[str, Any]:
+    donor, original = make_model(seed=1).state_dict(), make_model(seed=0).state_dict()
+    mismatched = dict(donor)
+    mismatched["model.norm.weight"] = torch.ones(65)
+    return {
+        "sync": outcome(lambda: send_weights(group, donor.items(), BUCKET_BYTES)),
+        "mismatch": outcome(lambda: send_weights(group, mismatched.items(), BUCKET_BYTES)),
+        "abort": outcome(lambda: send_weights(group, failing_midway(donor), BUCKET_BYTES)),
+        "restore": outcome(lambda: send_weights(group, original.items(), BUCKET_BYTES)),
+        "expected_bytes": sum(t.numel() * t.element_size() for t in donor.values()),
+    }
+
+
+def run_receiver(group: WeightSyncGroup) -> dict[str, Any]:
+    engines = [make_engine(seed=0, dtype="float32"), make_engine(seed=0, dtype="bfloat16")]
+    targets = engines[0].model.state_dict()
+
+    def apply(bucket: list[NamedTensor]) -> None:
+        for engine in engines:  # the bf16 engine casts the fp32 views as it copies
+            engine.update_weights(bucket)
+
+    def receive() -> Any:
+        return receive_weights(group, targets, apply)
+
+    before = [greedy(e) for e in engines]
+    result: dict[str, Any] = {"sync": outcome(receive), "after": [greedy(e) for e in engines]}
+    result["reference"] = [greedy(make_engine(seed=1, dtype=d)) for d in ("float32", "bfloat16")]
+    result["before"] = before
+    result["mismatch"] = outcome(receive)
+    result["abort"] = outcome(receive)
+    result["restore"] = outcome(receive)
+    result["restored"] = [greedy(e) for e in engines]
+    return result
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    group = WeightSyncGroup.connect(rank=rank, world_size=2, host="127.0.0.1", port=port, timeout_s=GROUP_TIMEOUT_S)
+    result = run_sender(group) if rank == 0 else run_receiver(group)
+    group.close()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("weight_sync")
+    context = mp.start_processes(worker, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the weight-sync processes did not finish within {DEADLINE_S:.0f} s (a rank hangs)")
+    sender, receiver = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    return sender, receiver
+
+
+def test_synced_engines_generate_like_engines_built_from_the_sender_weights(ranks):
+    sender, receiver = ranks
+    assert "error" not in sender["sync"] and "error" not in receiver["sync"]
+    assert receiver["after"] == receiver["reference"]  # fp32 and bf16 (cast on the receiving side)
+    assert receiver["after"][0] != receiver["before"][0]
+    assert receiver["after"][1] != receiver["before"][1]
+
+
+def test_sync_streams_many_buckets_and_both_sides_count_the_same(ranks):
+    sender, receiver = ranks
+    buckets, tensors, payload = sender["sync"]["stats"]
+    assert buckets > 3
+    assert payload == sender["expected_bytes"]
+    assert receiver["sync"]["stats"] == [buckets, tensors, payload]
+
+
+def test_shape_mismatch_names_the_parameter_on_both_sides_without_hanging(ranks):
+    sender, receiver = ranks
+    assert receiver["mismatch"]["error"] == "ValueError"
+    assert "'model.norm.weight' has shape (64,)" in receiver["mismatch"]["message"]
+    assert "(65,) was sent" in receiver["mismatch"]["message"]
+    assert sender["mismatch"]["error"] == WeightSyncError.__name__
+    assert "rank 1: ValueError" in sender["mismatch"]["message"]
+    assert "'model.norm.weight'" in sender["mismatch"]["message"]
+
+
+def test_sender_failure_aborts_the_receivers(ranks):
+    sender, receiver = ranks
+    assert sender["abort"] == {"error": "RuntimeError", "message": "gather of the next shard failed"}
+    assert receiver["abort"]["error"] == WeightSyncError.__name__
+    assert "gather of the next shard failed" in receiver["abort"]["message"]
+
+
+def test_group_stays_usable_after_failed_syncs(ranks):
+    sender, receiver = ranks
+    assert "error" not in sender["restore"] and "error" not in receiver["restore"]
+    assert receiver["restored"] == receiver["before"]
+
+
+def test_layout_aligns_every_tensor_so_any_dtype_can_view_its_bytes():
+    specs = [
+        TensorSpec("a", (3,), torch.bfloat16),
+        TensorSpec("b", (5,), torch.float32),
+        TensorSpec("c", (), torch.float64),
+        TensorSpec("d", (0, 4), torch.float32),
+    ]
+    offsets, total = _layout(specs)
+    assert offsets == [0, 64, 128, 192]
+    assert total == 192
+    assert TensorSpec.from_json(specs[0].to_json()) == specs[0]
+    with pytest.raises(ValueError, match=r"parameter 'x' was sent with unknown dtype 'float3'"):
+        TensorSpec.from_json(["x", [2], "float3"])
+
