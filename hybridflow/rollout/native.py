@@ -916,17 +916,19 @@ class NativeEngine:
         access = self._cache.decode_access(batch, positions, plan.key_length)
         logits = self._compact.forward(state.last_tokens[:batch, None], positions[:, None], access, plan.key_length)
         assert logits is not None
-        nan_rows = torch.isnan(logits).any(dim=-1)
+        sampling = state.sampling(batch, [s.profile for s in samples])
+        adjust = self._adjust(samples, state.counters[:batch]) if self._logits_processors else None
+        seen = state.seen[:batch] if state.seen is not None else None
+        tokens, logprobs = sample_tokens(logits, sampling, seen=seen, adjust=adjust)
+        # A NaN anywhere in a row's logits makes its log-softmax, hence its sampled logprob, NaN:
+        # checking the B logprobs finds it without a pass over the (B, V) logits every step.
+        nan_rows = torch.isnan(logprobs)
         if bool(nan_rows.any()):
             labels = sorted({samples[i].owner.label for i in nan_rows.nonzero().flatten().tolist()})
             raise FloatingPointError(
                 f"model produced NaN logits for requests {', '.join(labels)} (dtype {self._dtype}); "
                 "check the weights last loaded with update_weights"
             )
-        sampling = state.sampling(batch, [s.profile for s in samples])
-        adjust = self._adjust(samples, state.counters[:batch]) if self._logits_processors else None
-        seen = state.seen[:batch] if state.seen is not None else None
-        tokens, logprobs = sample_tokens(logits, sampling, seen=seen, adjust=adjust)
         top_ids = top_values = None
         if plan.top_logprobs:
             values, ids = compute_top_logprobs(logits, sampling.temperatures, plan.top_logprobs)
