@@ -1,8 +1,8 @@
 """Agent loops over the rollout engine: single-turn and tool-calling multi-turn episodes.
 
 - ``base``: the ``AgentLoop`` protocol, ``AgentContext``, the loop registry (``AGENT_LOOPS``,
-  chosen per row by ``agent_name``), ``AgentRunner`` (what the rollout worker calls) and
-  ``compute_agent_metrics``.
+  chosen per row by ``agent_name``), ``AgentRunner`` (what the rollout worker calls),
+  ``compute_agent_metrics`` and ``answer_view`` (the final assistant turn, what a reward scores).
 - ``single_turn``, ``tool_agent``: the built-in loops.
 - ``tokens``: incremental multi-turn token ids and ``check_token_consistency``.
 - ``parsers``: tool-call parsers (``<tool_call>`` JSON); ``tools``: tool declaration, the
@@ -22,13 +22,15 @@ from hybridflow.agents.base import (
     AgentRunner,
     GenerateEngine,
     agent_name_of,
+    answer_view,
     build_agent_loop,
     compute_agent_metrics,
+    final_turn_start,
 )
 from hybridflow.agents.interactions import Interaction, InteractionResponse, build_interaction
 from hybridflow.agents.parsers import TOOL_PARSERS, HermesToolParser, MalformedCall, ParsedTurn, ToolCall, build_tool_parser
 from hybridflow.agents.tokens import TurnTemplate, check_token_consistency, render_ids
-from hybridflow.agents.tools import BUILTIN_TOOLS, Tool, ToolRegistry, ToolResult, load_tool_config, tool
+from hybridflow.agents.tools import BUILTIN_TOOLS, Tool, ToolRegistry, ToolResult, load_tool_config, load_tools, tool
 
 __all__ = [
     "AGENT_LOOPS",
@@ -50,12 +52,15 @@ __all__ = [
     "ToolResult",
     "TurnTemplate",
     "agent_name_of",
+    "answer_view",
     "build_agent_loop",
     "build_interaction",
     "build_tool_parser",
     "check_token_consistency",
     "compute_agent_metrics",
+    "final_turn_start",
     "load_tool_config",
+    "load_tools",
     "render_ids",
     "tool",
 ]

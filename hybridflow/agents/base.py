@@ -53,6 +53,9 @@ METRIC_TOOL_CALLS_MEAN = "tool_calls/mean"
 METRIC_TOOL_CALLS_MAX = "tool_calls/max"
 METRIC_TOOL_ERROR_RATE = "tool_calls/error_rate"  # per call: malformed, unknown tool, bad arguments, raised
 METRIC_TOOL_TIMEOUT_RATE = "tool_calls/timeout_rate"  # per call
+# Share of response tokens with loss mask 0 (tool replies, user turns, template glue): tokens the
+# policy did not produce, left out of the loss.
+METRIC_MASKED_TOKEN_FRACTION = "response_length/masked_fraction"
 
 # ``Trajectory.metadata`` keys written by the loops.
 AGENT_NAME_KEY = "agent_name"
@@ -65,6 +68,7 @@ INTERACTION_REWARD_KEY = "interaction_reward"
 # ``Class(context: AgentContext)`` and has ``async run(prompt_ids, metadata, params, engine)``.
 AGENT_LOOPS: dict[str, str] = {
     "single_turn": "hybridflow.agents.single_turn:SingleTurnAgentLoop",
+    "single_turn_agent": "hybridflow.agents.single_turn:SingleTurnAgentLoop",  # verl's name, in its datasets
     "tool_agent": "hybridflow.agents.tool_agent:ToolAgentLoop",
 }
 DEFAULT_AGENT = "single_turn"
@@ -150,6 +154,8 @@ def compute_agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float
     records = [t.metadata.get(AGENT_METRICS_KEY, {}) for t in trajectories]
     calls = [r.get("tool_calls", 0.0) for r in records]
     total_calls = sum(calls)
+    tokens = sum(len(t.loss_mask) for t in trajectories)
+    masked = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
     return {
         METRIC_NUM_TURNS_MEAN: sum(turns) / len(turns),
         METRIC_NUM_TURNS_MAX: max(turns),
@@ -158,7 +164,34 @@ def compute_agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float
         METRIC_TOOL_CALLS_MAX: max(calls),
         METRIC_TOOL_ERROR_RATE: sum(r.get("tool_errors", 0.0) for r in records) / total_calls if total_calls else 0.0,
         METRIC_TOOL_TIMEOUT_RATE: sum(r.get("tool_timeouts", 0.0) for r in records) / total_calls if total_calls else 0.0,
+        METRIC_MASKED_TOKEN_FRACTION: masked / tokens if tokens else 0.0,
     }
+
+
+def final_turn_start(loss_mask: Sequence[int]) -> int:
+    """Where the last assistant turn of a response starts: just after its last inserted
+    (loss mask 0) token; 0 when the policy produced every token (a single-turn response)."""
+    for position in range(len(loss_mask) - 1, -1, -1):
+        if not loss_mask[position]:
+            return position + 1
+    return 0
+
+
+def answer_view(trajectory: Trajectory) -> Trajectory:
+    """The trajectory as its reward should see it: the response cut to the final assistant
+    turn, so a scorer reads the model's answer, not the tool replies before it (empty when the
+    episode ended on inserted tokens: it gave no answer). A single-turn trajectory comes back
+    as it is; otherwise a shallow copy, so the caller copies the reward back."""
+    start = final_turn_start(trajectory.loss_mask)
+    if start == 0:
+        return trajectory
+    return dataclasses.replace(
+        trajectory,
+        response_ids=trajectory.response_ids[start:],
+        loss_mask=trajectory.loss_mask[start:],
+        rollout_logprobs=trajectory.rollout_logprobs[start:],
+        top_logprobs=None,
+    )
 
 
 @dataclass
@@ -197,21 +230,29 @@ class AgentRunner:
             self._loops[name] = build_agent_loop(name, self.context)
         return self._loops[name]
 
-    async def generate(self, rows: Sequence[AgentRow], params: SamplingParams, engine: GenerateEngine) -> list[Trajectory]:
-        """``params.n`` episodes per row, run concurrently; row-major order, ``group_id`` set.
+    async def generate(
+        self, rows: Sequence[AgentRow], params: SamplingParams | Sequence[SamplingParams], engine: GenerateEngine
+    ) -> list[Trajectory]:
+        """``n`` episodes per row, run concurrently; row-major order, ``group_id`` set.
 
-        A loop that raises (a bug, or the engine failing) cancels the other episodes and the
-        error propagates, naming the row and the loop.
+        ``params`` is shared by every row, or one per row (each row's own ``n`` and seed, as
+        the trainer seeds each prompt). A loop that raises (a bug, or the engine failing)
+        cancels the other episodes and the error propagates, naming the row and the loop.
         """
-        limit = asyncio.Semaphore(self.max_concurrent_episodes or max(1, len(rows) * params.n))
+        per_row = [params] * len(rows) if isinstance(params, SamplingParams) else list(params)
+        if len(per_row) != len(rows):
+            raise ValueError(f"AgentRunner.generate: {len(per_row)} sampling params for {len(rows)} rows")
+        limit = asyncio.Semaphore(self.max_concurrent_episodes or max(1, sum(p.n for p in per_row)))
         episodes = [
-            self._episode(row, index, sample, params, engine, limit)
-            for index, row in enumerate(rows)
-            for sample in range(params.n)
+            self._episode(row, index, sample, row_params, engine, limit)
+            for index, (row, row_params) in enumerate(zip(rows, per_row))
+            for sample in range(row_params.n)
         ]
         return await _all_or_nothing(episodes)
 
-    def generate_sync(self, rows: Sequence[AgentRow], params: SamplingParams, engine: GenerateEngine) -> list[Trajectory]:
+    def generate_sync(
+        self, rows: Sequence[AgentRow], params: SamplingParams | Sequence[SamplingParams], engine: GenerateEngine
+    ) -> list[Trajectory]:
         """``generate`` for synchronous callers."""
         return run_coroutine_sync(self.generate(rows, params, engine))
 

@@ -15,6 +15,9 @@ YAML file (``rollout.multi_turn.tool_config_path``)::
           type: function
           function: {name: search, description: ..., parameters: {...}}
 
+Built-in tools alone need no file: ``tool_config_path: builtin:calculator`` (or
+``builtin:calculator,python``); ``load_tools`` reads either form.
+
 ``ToolRegistry.call`` never raises for the model's mistakes or the tool's failures: an unknown
 tool, bad arguments, an exception or a timeout become an error message for the model and a
 count in ``ToolRegistry.stats``. A sync tool runs in a daemon thread; a thread cannot be
@@ -408,8 +411,10 @@ BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {
 _ENTRY_KEYS = {"name", "function", "timeout_s", "tool_schema", "max_response_length"}
 
 
-def build_tool(entry: Mapping[str, Any]) -> Tool:
-    """One tool from a config entry (see the module docstring for the keys)."""
+def build_tool(entry: Mapping[str, Any], default_timeout_s: float | None = None) -> Tool:
+    """One tool from a config entry (see the module docstring for the keys). ``default_timeout_s``
+    (``rollout.multi_turn.tool_timeout_s``) replaces the tool's own limit unless the entry sets
+    ``timeout_s``."""
     unknown = set(entry) - _ENTRY_KEYS
     if unknown:
         raise ValueError(f"tool entry {dict(entry)!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}")
@@ -429,13 +434,18 @@ def build_tool(entry: Mapping[str, Any]) -> Tool:
         made.name = function.get("name", made.name)
         made.description = function.get("description", made.description)
         made.parameters = function.get("parameters", made.parameters)
-    made.timeout_s = float(entry.get("timeout_s", made.timeout_s))
+    made.timeout_s = float(entry.get("timeout_s", made.timeout_s if default_timeout_s is None else default_timeout_s))
     made.max_response_length = entry.get("max_response_length", made.max_response_length)
     return made
 
 
-def load_tool_config(path: str | Path) -> ToolRegistry:
-    """The tools declared in a YAML file (``rollout.multi_turn.tool_config_path``)."""
+def load_tool_config(
+    path: str | Path,
+    max_response_length: int = DEFAULT_MAX_TOOL_RESPONSE_LENGTH,
+    default_timeout_s: float | None = None,
+) -> ToolRegistry:
+    """The tools declared in a YAML file (``rollout.multi_turn.tool_config_path``). The file's
+    own ``max_tool_response_length`` wins over ``max_response_length``."""
     file = Path(path)
     try:
         config = yaml.safe_load(file.read_text())
@@ -446,9 +456,33 @@ def load_tool_config(path: str | Path) -> ToolRegistry:
     tools = []
     for index, entry in enumerate(config["tools"]):
         try:
-            tools.append(build_tool(entry if isinstance(entry, dict) else {"name": entry}))
+            tools.append(build_tool(entry if isinstance(entry, dict) else {"name": entry}, default_timeout_s))
         except (ValueError, TypeError) as error:
             raise ValueError(f"tool config {file}, tools[{index}]: {error}") from error
-    limit = int(config.get("max_tool_response_length", DEFAULT_MAX_TOOL_RESPONSE_LENGTH))
+    limit = int(config.get("max_tool_response_length", max_response_length))
     return ToolRegistry(tools, max_response_length=limit)
+
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def load_tools(
+    source: str | None,
+    max_response_length: int = DEFAULT_MAX_TOOL_RESPONSE_LENGTH,
+    default_timeout_s: float | None = None,
+) -> ToolRegistry | None:
+    """The tools named by ``rollout.multi_turn.tool_config_path``: ``None`` (no tools),
+    ``builtin:calculator,python`` (built-in tools by name) or the path of a YAML tool file."""
+    if source is None:
+        return None
+    if not source.startswith(BUILTIN_PREFIX):
+        return load_tool_config(source, max_response_length, default_timeout_s)
+    names = [name.strip() for name in source[len(BUILTIN_PREFIX) :].split(",") if name.strip()]
+    unknown = [name for name in names if name not in BUILTIN_TOOLS]
+    if unknown or not names:
+        raise ValueError(
+            f"{source!r}: unknown built-in tool(s) {', '.join(unknown) or '(none named)'}; built-in tools: "
+            f"{', '.join(BUILTIN_TOOLS)}"
+        )
+    return ToolRegistry([build_tool({"name": name}, default_timeout_s) for name in names], max_response_length)
 

@@ -91,7 +91,10 @@ def _plan_lines(cfg: Config) -> list[str]:
         f"{actor.ppo_micro_batch_size_per_gpu}) = {plan.grad_accum_steps} gradient-accumulation steps",
     ]
 
+    lines.append(_rollout_line(cfg))
     per_epoch = steps_per_epoch(data.train_files, data.builtin_train_size, data.train_batch_size)
+    if not data.train_files:
+        lines.append(f"data: the built-in {data.builtin_task} task (data.builtin_task; data.train_files is empty)")
     if per_epoch is None:
         lines.append("steps per epoch: depends on dataset size (data.train_files are read at start-up)")
     else:
@@ -136,6 +139,20 @@ def _plan_lines(cfg: Config) -> list[str]:
     else:
         lines.append(f"warm start: no ({why})")
     return lines
+
+
+def _rollout_line(cfg: Config) -> str:
+    """How a sample is generated: one generation, or an agent episode and its limits."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return "generation: one turn per sample (rollout.multi_turn.enable=false)"
+    tools = mt.tool_config_path or "none"
+    return (
+        f"generation: agent episodes (rollout.multi_turn.enable=true): rows without agent_name run "
+        f"{mt.default_agent_loop or 'tool_agent'}; tools: {tools}; up to {mt.max_assistant_turns} assistant turns "
+        f"and data.max_response_length={cfg.data.max_response_length} tokens per episode (tool replies included, "
+        f"loss mask 0)"
+    )
 
 
 def explain_config(cfg: Config) -> str:

@@ -58,6 +58,13 @@ class DataConfig:
     )
     shuffle: bool = f(True, "Shuffle the training prompts each epoch (seeded, resumable).")
     seed: int | None = f(None, "Sampler seed. None: trainer.seed.")
+    builtin_task: str = f(
+        "arithmetic",
+        "The built-in task used when train_files is empty: arithmetic (carry-free sums, answered directly) | "
+        "calculator (products of two-digit numbers, solved by calling the calculator tool; needs "
+        "rollout.multi_turn.enable=true and the calculator tool, as in --preset tool_agent).",
+        choices=("arithmetic", "calculator"),
+    )
     builtin_train_size: int = f(4096, "Rows of the built-in task's training split.")
     builtin_val_size: int = f(256, "Rows of the built-in task's test split.")
 
@@ -92,6 +99,13 @@ class WarmStartConfig:
         "Fraction of warm-start answers written by a flawed teacher (last digit one too high). "
         "The warm-started model then answers greedily wrong more often than its samples are wrong, "
         "which RL with the exact reward corrects. 0: a perfect teacher.",
+    )
+    tool_call_rate: float = f(
+        0.25,
+        "data.builtin_task=calculator: fraction of the final warm-start examples that call the calculator (the "
+        "others answer directly, and mostly wrongly), so RL starts from a model that sometimes uses the tool. "
+        "The first 80% of warm_start.steps show tool-using conversations only (copying numbers is learned from "
+        "those); the rest this mix, at half the warm-start lr.",
     )
     batch_size: int = f(64, "Examples per warm-start step.")
     lr: float = f(3e-3, "Warm-start learning rate.")
@@ -195,6 +209,38 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = f(
+        False,
+        "Run each sample as an agent episode (hybridflow.agents): generate, call tools, append their replies "
+        "(loss mask 0), generate again. false: one generation per sample, no agent loop.",
+    )
+    tool_config_path: str | None = f(
+        None,
+        "The tools: a YAML file of tool entries (OpenAI function schemas; see hybridflow/agents/tools.py), "
+        "builtin:<name>[,<name>...] for built-in tools (calculator, python), or null for none.",
+    )
+    format: str = f("hermes", "Tool-call parser: hermes | qwen (<tool_call> JSON), or package.module:Class.")
+    max_assistant_turns: int = f(5, "Most assistant turns per episode (a turn that still calls a tool then ends it).")
+    max_parallel_calls: int = f(1, "Tool calls run per assistant turn; further calls in that turn get an error reply.")
+    max_tool_response_length: int = f(
+        256,
+        "Longest tool reply in characters; longer ones are cut. A tool file's own max_tool_response_length "
+        "(or an entry's max_response_length) wins.",
+    )
+    tool_timeout_s: float | None = f(
+        None,
+        "Time limit of one tool call for tools whose config entry sets no timeout_s; a call past it answers "
+        "with a timeout error. null: each tool's own (calculator 5 s, python 15 s, others 10 s).",
+    )
+    default_agent_loop: str | None = f(
+        None,
+        "Agent loop for rows without an agent_name column: single_turn | tool_agent | package.module:Class. "
+        "null: tool_agent.",
+    )
+
+
+@dataclass
 class RolloutConfig:
     name: str = f("native", "Rollout engine: native.")
     n: int = f(8, "Samples per prompt (group size for GRPO/RLOO).")
@@ -204,6 +250,9 @@ class RolloutConfig:
     max_batch_size: int = f(256, "Most sequences decoded together by the engine.")
     dtype: str = f("float32", "Rollout compute dtype: float32 | bfloat16.", choices=("float32", "bfloat16"))
     val_kwargs: ValKwargsConfig = sub(ValKwargsConfig, "Sampling for validation.")
+    multi_turn: MultiTurnConfig = sub(
+        MultiTurnConfig, "Agent episodes: multi-turn generation with tool calls (data column agent_name picks the loop)."
+    )
 
 
 @dataclass

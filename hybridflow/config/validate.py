@@ -60,6 +60,10 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("rollout.n", 1),
     ("rollout.max_batch_size", 1),
     ("rollout.val_kwargs.n", 1),
+    ("rollout.multi_turn.max_assistant_turns", 1),
+    ("rollout.multi_turn.max_parallel_calls", 1),
+    # Room for a short reply and the truncation marker ("...(truncated)", 14 characters).
+    ("rollout.multi_turn.max_tool_response_length", 16),
     ("reward.num_workers", 1),
     ("algorithm.kl_ctrl.horizon", 1),
     ("trainer.total_epochs", 1),
@@ -428,6 +432,56 @@ def _check_dapo_and_correction(cfg: Config, report: _Report) -> None:
         )
 
 
+BUILTIN_TOOLS_PREFIX = "builtin:"
+"""``rollout.multi_turn.tool_config_path`` values naming built-in tools: ``builtin:calculator,python``.
+The names are checked against the tool registry at start-up (``controller/setup.py``); the
+config layer does not import the agent layer."""
+
+TOOL_TASKS = {"calculator": "calculator"}
+"""Built-in tasks (``data.builtin_task``) that are solved with a tool, and the tool they need."""
+
+
+def _check_multi_turn(cfg: Config, report: _Report) -> None:
+    """rollout.multi_turn: what the agent loop needs, and keys that do nothing while it is off."""
+    mt, d = cfg.rollout.multi_turn, cfg.data
+    if mt.tool_timeout_s is not None and mt.tool_timeout_s <= 0:
+        report.error(f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s} must be > 0 seconds or null")
+    source = mt.tool_config_path
+    if source is not None and source.startswith(BUILTIN_TOOLS_PREFIX):
+        if not [name for name in source[len(BUILTIN_TOOLS_PREFIX):].split(",") if name.strip()]:
+            report.error(
+                f"rollout.multi_turn.tool_config_path={source!r} names no tool; use e.g. builtin:calculator"
+            )
+    elif source is not None and not Path(source).expanduser().is_file():
+        report.error(
+            f"rollout.multi_turn.tool_config_path={source!r} is not an existing file; give a tool YAML file, "
+            f"builtin:<name>[,<name>] (calculator, python), or null"
+        )
+    if mt.default_agent_loop is not None and not mt.default_agent_loop.strip():
+        report.error("rollout.multi_turn.default_agent_loop must name an agent loop (e.g. tool_agent) or be null")
+    tool = TOOL_TASKS.get(d.builtin_task)
+    if tool is not None and not d.train_files:
+        if not mt.enable:
+            report.error(
+                f"data.builtin_task={d.builtin_task} is solved by calling the {tool} tool: set "
+                f"rollout.multi_turn.enable=true and rollout.multi_turn.tool_config_path={BUILTIN_TOOLS_PREFIX}{tool} "
+                f"(or start from --preset tool_agent)"
+            )
+        elif source is None:
+            report.error(
+                f"data.builtin_task={d.builtin_task} needs the {tool} tool, but rollout.multi_turn.tool_config_path "
+                f"is null; set it to {BUILTIN_TOOLS_PREFIX}{tool}"
+            )
+    if not mt.enable:
+        changed = [
+            f"rollout.multi_turn.{fld.name}"
+            for fld in dataclasses.fields(mt)
+            if fld.name != "enable" and getattr(mt, fld.name) != fld.default
+        ]
+        if changed:
+            report.warn(f"{', '.join(changed)} has no effect while rollout.multi_turn.enable=false")
+
+
 def _check_trainer(cfg: Config, report: _Report) -> None:
     trainer = cfg.trainer
     if trainer.resume_mode == "path":
@@ -536,6 +590,7 @@ _CHECKS = (
     _check_names,
     _check_batches,
     _check_algorithm,
+    _check_multi_turn,
     _check_trainer,
     _check_backend,
     _check_files,

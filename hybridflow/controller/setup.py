@@ -14,21 +14,32 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hybridflow.agents import AGENT_LOOPS, build_tool_parser, load_tools
+from hybridflow.agents.registry import resolve_object
 from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
 from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import WorkerGroup, build_worker_group, reserve_placements
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
-from hybridflow.config.validate import data_parallel_size
+from hybridflow.config.schema import DataConfig, MultiTurnConfig, WarmStartConfig
+from hybridflow.config.validate import TOOL_TASKS, data_parallel_size
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
-from hybridflow.controller.sft import SFTSpec, prepare_builtin_model
-from hybridflow.data import RLDataset, ResumableSampler
+from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model
+from hybridflow.data import PromptRow, RLDataset, ResumableSampler
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
+from hybridflow.data.tasks.calculator import (
+    MIXED_STAGE_LR_SCALE,
+    TOOL_ONLY_SHARE,
+    calculator_warm_start,
+    make_calculator_rows,
+    write_calculator_task,
+)
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
@@ -37,11 +48,15 @@ from hybridflow.utils.seed import seed_everything
 from hybridflow.workers.actor import ActorSetup, ActorWorker
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
-from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
+from hybridflow.workers.rollout import AgentSetup, RolloutSetup, RolloutWorker
 
 log = logging.getLogger(__name__)
 
 BUILTIN_TASK_SEED = 0
+# data.builtin_task -> the writer of its train/test parquet files.
+BUILTIN_TASK_WRITERS = {"arithmetic": write_arithmetic_task, "calculator": write_calculator_task}
+# Loops that run a row in one generation, what a run without rollout.multi_turn does anyway.
+SINGLE_TURN_AGENTS = frozenset({"single_turn", "single_turn_agent"})
 
 
 @dataclass
@@ -90,32 +105,108 @@ def resolve_output_dir(cfg: Config) -> Path:
     return out
 
 
+@dataclass
+class WarmStartRecipe:
+    """A built-in task's warm start: the first stage (``spec`` steps on ``pairs``), any later
+    stages, and a key naming all of their data (for the model cache)."""
+
+    spec: SFTSpec
+    pairs: list[SFTPair]
+    stages: list[SFTStage]
+    pairs_key: str
+
+
+def warm_start_recipe(task: str, w: WarmStartConfig, train_size: int) -> WarmStartRecipe:
+    """``data.builtin_task``'s warm start with ``warm_start.*`` settings."""
+    seed = BUILTIN_TASK_SEED
+    if task == "calculator":
+        rows = make_calculator_rows(train_size, seed, "train")
+        tool_only, mixed = calculator_warm_start(rows, w.tool_call_rate)
+        first = round(w.steps * TOOL_ONLY_SHARE)
+        stages = [SFTStage(mixed, w.steps - first, lr=w.lr * MIXED_STAGE_LR_SCALE)] if w.steps > first else []
+        key = f"calculator-train-{len(rows)}-s{seed}-tools{w.tool_call_rate}-first{TOOL_ONLY_SHARE}"
+        return WarmStartRecipe(SFTSpec(steps=first, batch_size=w.batch_size, lr=w.lr, seed=seed), tool_only, stages, key)
+    rows = make_arithmetic_rows(train_size, seed, "train")
+    spec = SFTSpec(steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=seed, teacher_slip_rate=w.teacher_slip_rate)
+    return WarmStartRecipe(spec, arithmetic_sft_pairs(rows, w.teacher_slip_rate), [], f"arithmetic-train-{len(rows)}-s{seed}")
+
+
 def resolve_builtin(cfg: Config, device: torch.device) -> tuple[str, list[str], list[str]]:
     """(model dir, train files, val files) with ``builtin:*`` and empty data turned into files."""
     cache = Path(cfg.warm_start.cache_dir).expanduser()
     train_files, val_files = list(cfg.data.train_files), list(cfg.data.val_files)
     d = cfg.data
     if not train_files:
-        task_dir = cache / "data" / f"arithmetic-{d.builtin_train_size}-{d.builtin_val_size}-s{BUILTIN_TASK_SEED}"
-        train_path, val_path = write_arithmetic_task(task_dir, d.builtin_train_size, d.builtin_val_size, BUILTIN_TASK_SEED)
+        name = f"{d.builtin_task}-{d.builtin_train_size}-{d.builtin_val_size}-s{BUILTIN_TASK_SEED}"
+        write = BUILTIN_TASK_WRITERS[d.builtin_task]
+        train_path, val_path = write(cache / "data" / name, d.builtin_train_size, d.builtin_val_size, BUILTIN_TASK_SEED)
         train_files = [str(train_path)]
         val_files = val_files or [str(val_path)]
     model_path = cfg.model.path
     if model_path == BUILTIN_TINY:
         warm, reason = warm_start_decision(cfg.warm_start.enable, model_path)
         log.info("built-in model: %s", reason)
-        w = cfg.warm_start
-        spec = SFTSpec(steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=BUILTIN_TASK_SEED,
-                       teacher_slip_rate=w.teacher_slip_rate) if warm else None
-        rows = make_arithmetic_rows(d.builtin_train_size, BUILTIN_TASK_SEED, "train")
+        recipe = warm_start_recipe(d.builtin_task, cfg.warm_start, d.builtin_train_size)
         model_path = str(prepare_builtin_model(
-            cache, pairs=arithmetic_sft_pairs(rows, w.teacher_slip_rate),
-            pairs_key=f"arithmetic-train-{len(rows)}-s{BUILTIN_TASK_SEED}",
-            spec=spec, device=device,
+            cache, pairs=recipe.pairs, pairs_key=recipe.pairs_key, spec=recipe.spec if warm else None,
+            device=device, stages=recipe.stages,
         ))
     elif model_path.startswith("builtin:"):
         raise ValueError(f"model.path={model_path!r}: the only built-in model is {BUILTIN_TINY}")
     return model_path, train_files, val_files
+
+
+def agent_setup(multi_turn: MultiTurnConfig) -> AgentSetup | None:
+    """``rollout.multi_turn`` as the rollout worker's agent settings; None when it is off."""
+    mt = multi_turn
+    if not mt.enable:
+        return None
+    return AgentSetup(
+        default_agent=mt.default_agent_loop or "tool_agent",
+        tool_config_path=mt.tool_config_path,
+        tool_parser=mt.format,
+        max_assistant_turns=mt.max_assistant_turns,
+        max_parallel_calls=mt.max_parallel_calls,
+        max_tool_response_length=mt.max_tool_response_length,
+        tool_timeout_s=mt.tool_timeout_s,
+    )
+
+
+def check_agent_setup(agent: AgentSetup, data: DataConfig) -> None:
+    """Resolve every name ``rollout.multi_turn`` gives (loop, parser, tools) now, before any model
+    loads, and check that a built-in tool task gets its tool. Raises ``ConfigError`` naming the key."""
+
+    def resolved(key: str, resolve: Callable[[], Any]) -> Any:
+        try:
+            return resolve()
+        except (ValueError, TypeError, RuntimeError) as error:  # RuntimeError: no sandbox for python
+            raise ConfigError(f"rollout.multi_turn.{key}: {error}") from error
+
+    loop = AGENT_LOOPS.get(agent.default_agent, agent.default_agent)
+    resolved("default_agent_loop", lambda: resolve_object(loop, "agent loop", known=AGENT_LOOPS))
+    resolved("format", lambda: build_tool_parser(agent.tool_parser))
+    tools = resolved("tool_config_path", lambda: load_tools(
+        agent.tool_config_path, agent.max_tool_response_length, agent.tool_timeout_s))
+    tool = TOOL_TASKS.get(data.builtin_task)
+    if tool is not None and not data.train_files and (tools is None or tool not in tools.names):
+        have = ", ".join(tools.names) if tools is not None else "none"
+        raise ConfigError(
+            f"data.builtin_task={data.builtin_task} needs the {tool} tool, but rollout.multi_turn.tool_config_path="
+            f"{agent.tool_config_path!r} gives: {have}"
+        )
+
+
+def agent_name_warning(rows: Iterable[PromptRow], multi_turn: MultiTurnConfig) -> str | None:
+    """A warning when rows ask for an agent loop but the run generates single-turn."""
+    if multi_turn.enable:
+        return None
+    named = [row.agent_name for row in rows if row.agent_name is not None and row.agent_name not in SINGLE_TURN_AGENTS]
+    if not named:
+        return None
+    return (
+        f"{len(named)} training rows name an agent loop (agent_name={named[0]!r}, ...) but "
+        f"rollout.multi_turn.enable=false: they run single-turn; set rollout.multi_turn.enable=true to use it"
+    )
 
 
 def build_run(cfg: Config) -> RunSetup:
@@ -131,6 +222,9 @@ def build_run(cfg: Config) -> RunSetup:
             f"critic worker yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
         )
     get_policy_loss(cfg.actor.policy_loss.loss_mode)
+    agent = agent_setup(cfg.rollout.multi_turn)
+    if agent is not None:
+        check_agent_setup(agent, cfg.data)
     t, d, a = cfg.trainer, cfg.data, cfg.actor
     kl_controller = (
         get_kl_controller(cfg.algorithm.kl_ctrl.type, kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
@@ -154,6 +248,10 @@ def build_run(cfg: Config) -> RunSetup:
     val_data = RLDataset.from_files(val_files, tokenizer, **data_kwargs) if val_files else None
     if val_data is None:
         log.warning("no data.val_files: validation is skipped")
+    agent_warning = agent_name_warning(train_data, cfg.rollout.multi_turn)
+    if agent_warning is not None:
+        log.warning("data: %s", agent_warning)
+        warnings.append(agent_warning)
     # With dynamic sampling a step may draw several generation rounds of gen_batch_size prompts.
     gen_batch = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size else d.train_batch_size
     sampler = ResumableSampler(len(train_data), gen_batch, shuffle=d.shuffle,
@@ -189,7 +287,7 @@ def build_run(cfg: Config) -> RunSetup:
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))
     rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
-                                 max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, **common)
+                                 max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent, **common)
     # One rollout rank: generation stays single-rank (its seeds derive from (seed, step, index)).
     rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, rollout_setup), 1,
                                  placements.get("rollout"))

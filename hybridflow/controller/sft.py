@@ -7,7 +7,10 @@ that shapes it, so only the first run on a machine pays for it.
 
 SFT reuses the RL data path: each pair becomes a ``Trajectory`` whose response is the answer
 plus EOS, collated into a ``TrainBatch`` and trained with the same engine; the loss is
-token-mean negative log-likelihood over the response tokens.
+token-mean negative log-likelihood over the response tokens. A pair's completion may also be
+a list of messages (assistant turns with tool replies between them): it is tokenised exactly as
+the tool agent builds an episode (``agents.tokens.TurnTemplate``), with loss mask 0 on the
+tool replies, so the warm start teaches the token sequences RL will sample.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hybridflow.agents.tokens import TurnTemplate
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.data import ResumableSampler
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
@@ -48,21 +52,54 @@ class SFTSpec:
     teacher_slip_rate: float = 0.0  # recorded here so the cache key covers the data recipe
 
 
-def sft_trajectories(pairs: list[tuple[list[dict[str, Any]], str]], tokenizer) -> list[Trajectory]:
-    """Each (messages, answer) as a trajectory: templated prompt, answer tokens + EOS."""
+Message = dict[str, Any]
+# (prompt messages, completion): the answer text, or the turns after the prompt (assistant
+# turns, and tool or user messages between them).
+SFTPair = tuple[list[Message], str | list[Message]]
+
+
+def conversation_response(template: TurnTemplate, tokenizer, turns: list[Message]) -> tuple[list[int], list[int]]:
+    """(response ids, loss mask) of ``turns`` as the tool agent appends them: each assistant
+    turn's content and end-of-turn token (mask 1), the template's rendering of the messages
+    between assistant turns (mask 0)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: list[Message] = []  # non-assistant messages since the last assistant turn
+    for message in turns:
+        if message.get("role") != "assistant":
+            pending.append(message)
+            continue
+        if pending:
+            inserted = template.delta(pending)
+            ids, mask, pending = ids + inserted, mask + [0] * len(inserted), []
+        own = list(tokenizer.encode(str(message["content"]), add_special_tokens=False)) + [template.turn_end_id]
+        ids, mask = ids + own, mask + [1] * len(own)
+    if pending or not ids:
+        raise ValueError("an SFT conversation must end with an assistant turn")
+    return ids, mask
+
+
+def sft_trajectories(pairs: list[SFTPair], tokenizer) -> list[Trajectory]:
+    """Each (messages, completion) as a trajectory: templated prompt, then the answer tokens +
+    EOS, or the conversation's turns (tool replies masked out)."""
     out = []
-    for messages, answer in pairs:
+    template: TurnTemplate | None = None  # measured once, only for conversations
+    for messages, completion in pairs:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-        response_ids = tokenizer.encode(answer, add_special_tokens=False) + [int(tokenizer.eos_token_id)]
-        n = len(response_ids)
-        out.append(Trajectory(prompt_ids, response_ids, [1] * n, [0.0] * n, finish_reason="stop"))
+        if isinstance(completion, str):
+            response_ids = tokenizer.encode(completion, add_special_tokens=False) + [int(tokenizer.eos_token_id)]
+            mask = [1] * len(response_ids)
+        else:
+            template = template or TurnTemplate(tokenizer)
+            response_ids, mask = conversation_response(template, tokenizer, completion)
+        out.append(Trajectory(prompt_ids, response_ids, mask, [0.0] * len(response_ids), finish_reason="stop"))
     return out
 
 
 def run_sft(
     model_dir: str | os.PathLike,
-    pairs: list[tuple[list[dict[str, Any]], str]],
+    pairs: list[SFTPair],
     out_dir: str | os.PathLike,
     spec: SFTSpec,
     device: torch.device,
@@ -106,6 +143,17 @@ def run_sft(
     return metrics
 
 
+@dataclass(frozen=True)
+class SFTStage:
+    """A later stage of a warm start: ``steps`` more SFT steps on other ``pairs`` (same batch
+    size; a fresh optimizer and warm-up), e.g. a curriculum that first teaches a skill on its own
+    and then the mix of behaviours RL should start from."""
+
+    pairs: list[SFTPair]
+    steps: int
+    lr: float | None = None  # None: the first stage's
+
+
 def _cache_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -113,23 +161,29 @@ def _cache_key(parts: dict[str, Any]) -> str:
 def prepare_builtin_model(
     cache_dir: str | os.PathLike,
     *,
-    pairs: list[tuple[list[dict[str, Any]], str]] | None,
+    pairs: list[SFTPair] | None,
     pairs_key: str,
     spec: SFTSpec | None,
     device: torch.device,
     model_spec: TinyModelSpec = TinyModelSpec(),
+    stages: Sequence[SFTStage] = (),
 ) -> Path:
     """The built-in tiny model as an HF directory, warm-started when ``spec`` is given. Cached.
 
-    The directory appears atomically (written under a temporary name, then renamed), so an
-    interrupted warm start never leaves a half-written model that a later run would trust.
+    The warm start runs ``spec.steps`` steps on ``pairs``, then each of ``stages`` in order.
+    ``pairs_key`` must name all of their data. The directory appears atomically (written under
+    a temporary name, then renamed), so an interrupted warm start never leaves a half-written
+    model that a later run would trust.
     """
-    key = _cache_key({
+    parts: dict[str, Any] = {
         "version": WARM_START_VERSION,
         "model": model_spec.key(),
         "sft": None if spec is None else vars(spec),
         "data": pairs_key if spec is not None else None,
-    })
+    }
+    if spec is not None and stages:  # absent otherwise, so single-stage keys stay as they were
+        parts["stages"] = [(stage.steps, stage.lr) for stage in stages]
+    key = _cache_key(parts)
     final = Path(cache_dir).expanduser() / f"builtin-tiny-{key}"
     if (final / "config.json").is_file():
         log.info("built-in model: using cached %s", final)
@@ -142,11 +196,17 @@ def prepare_builtin_model(
     if spec is None:
         result = init_dir
     else:
-        if not pairs:
+        if not pairs or not all(stage.pairs for stage in stages):
             raise ValueError("warm start needs (prompt, answer) pairs")
-        log.info("built-in model: warm start (%d SFT steps, once per machine; cached in %s)", spec.steps, final)
+        total = spec.steps + sum(stage.steps for stage in stages)
+        log.info("built-in model: warm start (%d SFT steps, once per machine; cached in %s)", total, final)
         result = tmp / "sft"
         run_sft(init_dir, pairs, result, spec, device)
+        for index, stage in enumerate(stages, start=1):
+            previous, result = result, tmp / f"sft-{index}"
+            # Its own shuffle: the stage's seed differs from the first stage's.
+            stage_spec = replace(spec, steps=stage.steps, seed=spec.seed + index, lr=stage.lr or spec.lr)
+            run_sft(previous, stage.pairs, result, stage_spec, device)
     if not final.exists():  # another process may have finished the same warm start first
         os.replace(result, final)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.agents import answer_view, compute_agent_metrics
 from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_mean
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import config_to_yaml
@@ -158,6 +159,7 @@ class RLTrainer:
         fg, want = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
         kept: list[list[Trajectory]] = []
         reward_metrics: list[dict[str, float]] = []
+        episodes: list[Trajectory] = []  # every round's samples, for the agent metrics
         rounds = generated = varied = constant = 0
         while True:
             rounds += 1
@@ -168,6 +170,7 @@ class RLTrainer:
                 trajectories = self.generate(rows, self.train_sampling(), seed_scope=(self.step, rounds))
             with timer.phase("reward"):
                 reward_metrics.append(self.score(trajectories))
+            episodes.extend(trajectories)
             groups = _by_group(trajectories)
             generated += len(groups)
             values = torch.tensor([_filter_value(t, fg.metric) for t in trajectories])
@@ -196,7 +199,7 @@ class RLTrainer:
         for group_id, group in enumerate(kept):
             for t in group:
                 t.group_id = group_id
-        metrics = reduce_metrics(reward_metrics)
+        metrics = reduce_metrics(reward_metrics) | self.agent_metrics(episodes)
         metrics["health/zero_variance_group_fraction"] = constant / max(1, generated)
         if fg.enable:
             metrics |= {
@@ -217,10 +220,11 @@ class RLTrainer:
         """Score of one greedy response per prompt, repeated for each of its samples (ReMax).  # (B,)"""
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
         requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params) for g in groups]
-        greedy = [samples[0] for samples in self._generate_sharded(requests)]
-        for g, t in zip(groups, greedy, strict=True):
-            t.metadata = g[0].metadata
-        scores, _ = self.reward.call_one(0, RewardWorker.score, greedy)
+        metadata = [g[0].metadata for g in groups]
+        greedy = [samples[0] for samples in self._generate_sharded(requests, metadata)]
+        for meta, t in zip(metadata, greedy, strict=True):
+            t.metadata = {**meta, **t.metadata}
+        scores, _ = self.score_answers(greedy)
         baselines = torch.tensor([s for g, s in zip(groups, scores, strict=True) for _ in g], dtype=torch.float32)
         return baselines, {"critic/reward_baseline/mean": sum(scores) / len(scores)}
 
@@ -241,18 +245,26 @@ class RLTrainer:
             )
             for i, row in enumerate(rows)
         ]
+        metadata = [row.metadata() for row in rows]
+        outputs = self._generate_sharded(requests, metadata)
         trajectories = []
-        for group_id, (row, samples) in enumerate(zip(rows, self._generate_sharded(requests), strict=True)):
+        for group_id, (meta, samples) in enumerate(zip(metadata, outputs, strict=True)):
             for t in samples:
                 t.group_id = group_id
-                t.metadata = row.metadata()
+                # The row's fields, then what an agent loop recorded (turns, tool counts, stop reason).
+                t.metadata = {**meta, **t.metadata}
                 trajectories.append(t)
         return trajectories
 
-    def _generate_sharded(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:
-        """Requests dealt round-robin over the rollout ranks; results in request order."""
+    def _generate_sharded(
+        self, requests: list[GenerationRequest], metadata: list[dict[str, Any]]
+    ) -> list[list[Trajectory]]:
+        """Requests dealt round-robin over the rollout ranks, each with its row's fields (the agent
+        loops read them); results in request order."""
         world = self.rollout.world_size
-        shards = [(requests[r::world],) for r in range(world)]
+        # Only agent loops read the row fields: a single-turn run sends the requests alone.
+        agents = self.cfg.rollout.multi_turn.enable
+        shards = [(requests[r::world], metadata[r::world] if agents else None) for r in range(world)]
         per_rank = self.rollout.call_each(RolloutWorker.generate, shards)
         results: list[list[Trajectory]] = [[] for _ in requests]
         for r, outputs in enumerate(per_rank):
@@ -261,8 +273,23 @@ class RLTrainer:
         return results
 
     def score(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        _, metrics = self.reward.call_one(0, RewardWorker.score, trajectories)
+        _, metrics = self.score_answers(trajectories)
         return metrics
+
+    def score_answers(self, trajectories: list[Trajectory], shaping: bool = True) -> tuple[list[float], dict[str, float]]:
+        """Score each trajectory's final answer (``answer_view``: its last assistant turn, not the
+        tool replies before it) and set its ``reward`` and ``reward_extra``. A single-turn
+        trajectory is scored as it is. Overlong shaping then measures the final turn only."""
+        views = [answer_view(t) for t in trajectories]
+        scores, metrics = self.reward.call_one(0, RewardWorker.score, views, shaping=shaping)
+        for t, view in zip(trajectories, views, strict=True):
+            t.reward, t.reward_extra = view.reward, view.reward_extra
+        return scores, metrics
+
+    def agent_metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """``num_turns/*``, ``tool_calls/*`` and the masked-token share, for agent runs only (a
+        single-turn run's would be constants)."""
+        return compute_agent_metrics(trajectories) if self.cfg.rollout.multi_turn.enable else {}
 
     def compute_advantages(self, batch: TrainBatch, **extra_inputs: torch.Tensor) -> dict[str, float]:
         """Token-level rewards (score on the last response token, minus in-reward KL), then the
@@ -329,10 +356,11 @@ class RLTrainer:
             for t in chunk:
                 t.group_id += start_i
             trajectories.extend(chunk)
-        scores, _ = self.reward.call_one(0, RewardWorker.score, trajectories, shaping=False)
+        scores, _ = self.score_answers(trajectories, shaping=False)
         metrics = compute_validation_metrics(
             [t.metadata["data_source"] for t in trajectories], scores, [t.group_id for t in trajectories]
         )
+        metrics |= {f"val/{key}": value for key, value in self.agent_metrics(trajectories).items()}
         metrics["timing_s/testing"] = time.perf_counter() - start
         log.info("validation at step %d: val/score/mean %.3f", self.step, metrics["val/score/mean"])
         return metrics

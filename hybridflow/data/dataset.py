@@ -6,7 +6,8 @@ A row (one line of JSONL, one parquet row) looks like::
      "prompt": [{"role": "user", "content": "..."}],          # the column named by prompt_key
      "ability": "math",                                         # optional
      "reward_model": {"style": "rule", "ground_truth": "72"},
-     "extra_info": {"split": "train", "index": 0, ...}}        # optional
+     "extra_info": {"split": "train", "index": 0, ...},        # optional
+     "agent_name": "tool_agent"}                                # optional: the agent loop
 
 Why everything happens in ``RLDataset.from_files``: a malformed row found at reward time (after
 minutes of rollout) or an overlong prompt found mid-epoch inside a loader worker is the
@@ -63,6 +64,7 @@ class BadRowReason:
     GROUND_TRUTH_MISSING = "ground_truth_missing"
     GROUND_TRUTH_INVALID = "ground_truth_invalid"
     EXTRA_INFO_INVALID = "extra_info_invalid"
+    AGENT_NAME_INVALID = "agent_name_invalid"
     CHAT_TEMPLATE_FAILED = "chat_template_failed"
 
 
@@ -83,18 +85,23 @@ class PromptRow:
     data_source: str
     ground_truth: str  # scalars as text; a list ground truth as its JSON text
     ability: str  # "" when the row has none
-    extra_info: dict[str, Any]
+    extra_info: dict[str, Any]  # verl keeps per-row tool arguments here too (extra_info.tools_kwargs)
     source: str  # "<file>:<row>", to trace a sample back to its row
+    agent_name: str | None = None  # the agent loop for this row (None: the run's default)
 
     def metadata(self) -> dict[str, Any]:
-        """The row fields a ``Trajectory.metadata`` carries to the reward and the metrics."""
-        return {
+        """The row fields a ``Trajectory.metadata`` carries to the agent loop, the reward and
+        the metrics (``agent_name`` only when the row names a loop)."""
+        fields = {
             "data_source": self.data_source,
             "ground_truth": self.ground_truth,
             "ability": self.ability,
             "extra_info": self.extra_info,
             "source": self.source,
         }
+        if self.agent_name is not None:
+            fields["agent_name"] = self.agent_name
+        return fields
 
 
 @dataclass
@@ -239,6 +246,7 @@ class _ValidRow:
     ground_truth: str
     ability: str
     extra_info: dict[str, Any]
+    agent_name: str | None
 
 
 def _check_messages(value: Any, prompt_key: str) -> list[dict[str, Any]]:
@@ -312,8 +320,8 @@ def _ground_truth_text(value: Any) -> str:
 def _validate_row(value: Any, prompt_key: str) -> _ValidRow:
     """Check one row against the schema; raise ``_RowProblem`` for the first problem found.
 
-    A null optional field (``ability``, ``extra_info``) counts as absent: parquet stores a
-    field that some rows lack as null in the others.
+    A null optional field (``ability``, ``extra_info``, ``agent_name``) counts as absent:
+    parquet stores a field that some rows lack as null in the others.
     """
     if not isinstance(value, dict):
         raise _RowProblem(BadRowReason.NOT_AN_OBJECT, f"expected an object, got {_type_name(value)}")
@@ -354,7 +362,13 @@ def _validate_row(value: Any, prompt_key: str) -> _ValidRow:
         raise _RowProblem(
             BadRowReason.EXTRA_INFO_INVALID, f"'extra_info' must be a dict, got {_type_name(extra_info)}"
         )
-    return _ValidRow(messages, data_source, ground_truth, ability, dict(extra_info))
+    agent_name = value.get("agent_name")
+    if agent_name is not None and (not isinstance(agent_name, str) or not agent_name.strip()):
+        raise _RowProblem(
+            BadRowReason.AGENT_NAME_INVALID,
+            f"'agent_name' must name an agent loop (e.g. 'tool_agent'), got {_type_name(agent_name)} {agent_name!r}",
+        )
+    return _ValidRow(messages, data_source, ground_truth, ability, dict(extra_info), agent_name)
 
 
 def _check_prompt_column(path: str, records: list[_Record], prompt_key: str) -> None:
@@ -485,6 +499,7 @@ class RLDataset(Sequence[PromptRow]):
                         ability=valid.ability,
                         extra_info=valid.extra_info,
                         source=f"{path}:{record.row}",
+                        agent_name=valid.agent_name,
                     )
                 )
 

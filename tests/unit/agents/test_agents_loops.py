@@ -230,18 +230,21 @@ def test_a_failing_loop_names_its_row_and_stops_the_batch(tokenizer, scripted) -
 
 
 def test_unknown_loops_fail_at_construction(tokenizer) -> None:
-    with pytest.raises(ValueError, match="known names: single_turn, tool_agent"):
+    with pytest.raises(ValueError, match="known names: single_turn, single_turn_agent, tool_agent"):
         AgentRunner(AgentContext(tokenizer), default_agent="three_turn")
     with pytest.raises(TypeError, match="has no async run"):
         build_agent_loop(f"{__name__}:Quizmaster", AgentContext(tokenizer))
 
 
 def test_batch_metrics() -> None:
-    def trajectory(turns: int, calls: float, errors: float, timeouts: float) -> Trajectory:
+    def trajectory(turns: int, calls: float, errors: float, timeouts: float, mask: list[int]) -> Trajectory:
         record = {"tool_calls": calls, "tool_errors": errors, "tool_timeouts": timeouts}
-        return Trajectory([1], [2], [1], [0.0], "stop", num_turns=turns, metadata={"agent_metrics": record})
+        n = len(mask)
+        return Trajectory([1], [2] * n, mask, [0.0] * n, "stop", num_turns=turns, metadata={"agent_metrics": record})
 
-    metrics = compute_agent_metrics([trajectory(1, 0, 0, 0), trajectory(3, 4, 1, 1), trajectory(2, 4, 2, 0)])
+    metrics = compute_agent_metrics(
+        [trajectory(1, 0, 0, 0, [1]), trajectory(3, 4, 1, 1, [1, 0, 0, 1]), trajectory(2, 4, 2, 0, [1, 0, 1])]
+    )
     assert metrics == {
         "num_turns/mean": 2.0,
         "num_turns/max": 3.0,
@@ -250,5 +253,6 @@ def test_batch_metrics() -> None:
         "tool_calls/max": 4.0,
         "tool_calls/error_rate": 3 / 8,
         "tool_calls/timeout_rate": 1 / 8,
+        "response_length/masked_fraction": 3 / 8,  # 3 inserted tokens of 8
     }
     assert compute_agent_metrics([]) == {}

@@ -81,6 +81,21 @@ def test_jsonl_blank_lines_and_optional_fields(tmp_path, tokenizer):
     assert ds[1].source == f"{path}:1"  # row index, not line number (line 3)
 
 
+def test_agent_name_and_tools_kwargs_reach_the_trajectory_metadata(tmp_path, tokenizer):
+    """verl's agent rows: a top-level agent_name column (null in rows without one, as parquet
+    stores it) and per-row tool arguments inside extra_info."""
+    tools_kwargs = {"calculator": {"create_kwargs": {"ground_truth": "0"}}}
+    rows = [
+        {**good_row(0), "agent_name": "tool_agent", "extra_info": {"index": 0, "tools_kwargs": tools_kwargs}},
+        {**good_row(1), "agent_name": None},
+    ]
+    ds = RLDataset.from_files([str(write_parquet(tmp_path / "agent.parquet", rows))], tokenizer, max_prompt_length=64)
+    first, second = ds[0].metadata(), ds[1].metadata()
+    assert ds[0].agent_name == "tool_agent" and first["agent_name"] == "tool_agent"
+    assert first["extra_info"]["tools_kwargs"] == tools_kwargs
+    assert ds[1].agent_name is None and "agent_name" not in second  # the run's default loop
+
+
 def test_json_lines_and_json_array_files(tmp_path, tokenizer):
     lines = write_jsonl(tmp_path / "a.json", [good_row(0), good_row(1)])
     array = tmp_path / "b.json"
@@ -162,6 +177,8 @@ MALFORMED = [
     (_set(("reward_model", "ground_truth"), True), BadRowReason.GROUND_TRUTH_INVALID, "got bool"),
     (_set(("reward_model", "ground_truth"), " "), BadRowReason.GROUND_TRUTH_INVALID, "is an empty string"),
     (_set(("extra_info",), [1]), BadRowReason.EXTRA_INFO_INVALID, "'extra_info' must be a dict, got list"),
+    (_set(("agent_name",), 7), BadRowReason.AGENT_NAME_INVALID, "'agent_name' must name an agent loop"),
+    (_set(("agent_name",), " "), BadRowReason.AGENT_NAME_INVALID, "'agent_name' must name an agent loop"),
     (lambda row: [row], BadRowReason.NOT_AN_OBJECT, "expected an object, got list"),
 ]
 MALFORMED_IDS = [f"{reason}-{i}" for i, (_, reason, _) in enumerate(MALFORMED)]
