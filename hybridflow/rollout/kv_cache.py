@@ -56,6 +56,7 @@ class SlotKVCache:
         self.decode_rows = 0
         self.keys: torch.Tensor | None = None  # (layers, rows, KV, D, capacity)
         self.values: torch.Tensor | None = None  # (layers, rows, KV, capacity, D)
+        self._generation = 0
 
     # ------------------------------------------------------------------ sizing
 
@@ -87,6 +88,12 @@ class SlotKVCache:
     def is_allocated(self) -> bool:
         return self.keys is not None
 
+    @property
+    def generation(self) -> int:
+        """Counts allocations and releases: captured CUDA graphs read the tensors at fixed
+        addresses and must be dropped whenever this changes (an address alone could be reused)."""
+        return self._generation
+
     def ensure_capacity(self, length: int, live_rows: int) -> bool:
         """Make every row hold ``length`` positions, keeping rows ``[0, live_rows)`` and the prompt rows.
 
@@ -115,10 +122,12 @@ class SlotKVCache:
             values[:, decode_rows:, :, :old] = self.values[:, self.decode_rows :]
         self.keys, self.values = keys, values
         self.capacity, self.decode_rows = capacity, decode_rows
+        self._generation += 1
 
     def release(self) -> None:
         """Free the tensors (``sleep``); ``rebuild`` or the next ``ensure_capacity`` allocates anew."""
         self.keys = self.values = None
+        self._generation += 1
 
     def rebuild(self) -> None:
         """Allocate at the last capacity again (``wake_up``), so the first request pays nothing."""

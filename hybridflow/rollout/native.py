@@ -55,6 +55,7 @@ from typing import Any, Protocol
 import torch
 
 from hybridflow.rollout.compact import CompactCausalLM
+from hybridflow.rollout.graphs import StaticDecoder
 from hybridflow.rollout.kv_cache import SlotKVCache
 from hybridflow.rollout.sampling import (
     RowProfile,
@@ -87,6 +88,11 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 # Prompt slots: prompts being prefilled, or waiting for rows for their samples. Demand-driven
 # prefill keeps few of them busy; 64 lets a GRPO batch of 64 prompts prefill together.
 DEFAULT_MAX_PREFILL_PROMPTS = 64
+# How decode forwards run: "eager" at the exact shapes; "static" padded to bucketed shapes;
+# "cuda_graph" static shapes replayed from CUDA graphs (graphs.StaticDecoder). None picks
+# cuda_graph on CUDA (launch-bound there) and eager elsewhere (no launch cost to save on a CPU,
+# and padding would cost real work).
+DECODE_MODES = ("eager", "static", "cuda_graph")
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -334,6 +340,7 @@ class NativeEngine:
     ``stop_token_ids``. ``max_model_len`` (default: the config's ``max_position_embeddings``) caps
     prompt + response; a response that reaches it finishes with ``"length"``. ``tokenizer`` is
     needed only for stop strings. ``logits_processors`` adjust the logits tokens are drawn from.
+    ``decode_mode`` is one of ``DECODE_MODES`` (None: CUDA graphs on a GPU, eager elsewhere).
     """
 
     def __init__(
@@ -352,6 +359,7 @@ class NativeEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         max_prefill_prompts: int = DEFAULT_MAX_PREFILL_PROMPTS,
         logits_processors: Sequence[LogitsProcessor] = (),
+        decode_mode: str | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"NativeEngine: max_batch_size must be >= 1, got {max_batch_size}")
@@ -393,6 +401,7 @@ class NativeEngine:
             max_capacity=max_model_len,
         )
         self._state = _RowState(max_batch_size, self._vocab_size, self._device)
+        self._static_decoder = self._build_static_decoder(decode_mode)
 
         self._waiting: deque[_Request] = deque()  # not yet prefilling
         self._prefilling: list[_Request] = []  # holding a prompt slot, prefill incomplete
@@ -406,6 +415,19 @@ class NativeEngine:
         self._asleep = False
         self._token_listeners: dict[str, TokenListener] = {}
         self.stats = EngineStats()
+
+    def _build_static_decoder(self, decode_mode: str | None) -> StaticDecoder | None:
+        if decode_mode is None:
+            decode_mode = "cuda_graph" if self._device.type == "cuda" else "eager"
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"NativeEngine: decode_mode must be one of {', '.join(DECODE_MODES)}, got {decode_mode!r}")
+        if decode_mode == "cuda_graph" and self._device.type != "cuda":
+            raise ValueError(f"NativeEngine: decode_mode='cuda_graph' needs a CUDA device, not {self._device}")
+        self.decode_mode = decode_mode
+        if decode_mode == "eager":
+            return None
+        return StaticDecoder(self._compact, self._cache, max_rows=self._max_batch_size,
+                             pad_token_id=self._pad_token_id, capture=decode_mode == "cuda_graph")
 
     # ------------------------------------------------------------------ public API
 
@@ -505,6 +527,8 @@ class NativeEngine:
             )
         self._asleep = True
         self._cache.release()
+        if self._static_decoder is not None:
+            self._static_decoder.reset()  # the graphs read the released cache and hold pool memory
         self._state.seen = None
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
@@ -913,8 +937,12 @@ class NativeEngine:
         samples = [s for s in self._rows[:batch] if s is not None]
         assert len(samples) == batch, "decode rows must be packed before a step"
         positions = state.positions[:batch]
-        access = self._cache.decode_access(batch, positions, plan.key_length)
-        logits = self._compact.forward(state.last_tokens[:batch, None], positions[:, None], access, plan.key_length)
+        logits: torch.Tensor | None
+        if self._static_decoder is not None:
+            logits = self._static_decoder.forward(state.last_tokens[:batch], positions, plan.key_length)
+        else:
+            access = self._cache.decode_access(batch, positions, plan.key_length)
+            logits = self._compact.forward(state.last_tokens[:batch, None], positions[:, None], access, plan.key_length)
         assert logits is not None
         sampling = state.sampling(batch, [s.profile for s in samples])
         adjust = self._adjust(samples, state.counters[:batch]) if self._logits_processors else None

@@ -315,14 +315,23 @@ def sample_tokens(
     if adjust is not None:
         processed = adjust(processed)
     tokens = processed.argmax(dim=-1) if sampling.any_greedy else None
-    if not sampling.all_greedy:
-        scaled = processed / sampling.temperatures[:, None]
-        if sampling.needs_filter:
-            scaled = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
-        if sampling.needs_min_p:
-            scaled = filter_min_p(scaled, sampling.min_p)
-        probs = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
-        drawn = sample_from_probs(probs, counter_uniforms(sampling.keys, sampling.counters))
-        tokens = drawn if tokens is None else torch.where(sampling.greedy, tokens, drawn)
-    assert tokens is not None
-    return tokens, compute_token_logprobs(raw, tokens, sampling.temperatures)
+    if sampling.all_greedy:
+        assert tokens is not None
+        return tokens, compute_token_logprobs(raw, tokens, sampling.temperatures)
+    scaled = processed / sampling.temperatures[:, None]
+    unchanged = processed is raw and not (sampling.needs_filter or sampling.needs_min_p)
+    if sampling.needs_filter:
+        scaled = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
+    if sampling.needs_min_p:
+        scaled = filter_min_p(scaled, sampling.min_p)
+    peak = scaled.amax(dim=-1, keepdim=True)
+    probs = (scaled - peak).exp()
+    drawn = sample_from_probs(probs, counter_uniforms(sampling.keys, sampling.counters))
+    tokens = drawn if tokens is None else torch.where(sampling.greedy, tokens, drawn)
+    if not unchanged:
+        return tokens, compute_token_logprobs(raw, tokens, sampling.temperatures)
+    # Nothing changed the logits the token was drawn from: they are the logprob's own
+    # log_softmax(raw / T) inputs, so its normaliser reuses the pass already made (a decode step
+    # of a plain sampled batch then reads the (B, V) logits two times fewer).
+    log_normaliser = peak.squeeze(-1) + probs.sum(dim=-1).log()
+    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - log_normaliser

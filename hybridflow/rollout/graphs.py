@@ -1,0 +1,146 @@
+"""Decode steps at static shapes, replayed from CUDA graphs on a GPU.
+
+Why: on a GPU, a decode step of a small or mid-sized model is bound by kernel launches, not by the
+arithmetic or the memory traffic: the compact forward issues about twenty kernels per layer, each a
+few microseconds to launch, while each does well under a microsecond of work at small batches. A
+CUDA graph records the whole forward once and replays it with one launch.
+
+A graph fixes every shape and every address, so a captured step is the decode forward of one
+*batch bucket* and one *key bucket*, reading its inputs from static buffers:
+
+- the batch is padded up to the smallest bucket that holds it (``batch_bucket``). Padding rows are
+  the free decode rows right after the live ones (the engine packs live rows at the front): they
+  feed the pad token at position 0 and write that position of their own row, which any later
+  occupant overwrites (its prompt copy or its first token start at position 0). Their logits are
+  dropped. A bucket never exceeds the cache's decode rows, so padding never touches a prompt row;
+- the keys each row may read are padded up to a multiple of ``KEY_BUCKET`` positions (capped at
+  the cache's capacity). The causal mask comes from the positions alone (``compact.forward``), so
+  the extra keys get no weight; bucketing instead of reading the whole capacity keeps the KV
+  traffic of short sequences short.
+
+Graphs are captured lazily, on a bucket pair's first use, into one shared memory pool (steps run
+one at a time and their logits are consumed before the next, so captures may share intermediate
+memory). They stay valid while the weights change in place (``update_weights`` copies into the
+same tensors) and are dropped when the KV cache is reallocated (it grew, or slept and woke), since
+they read the cache at the addresses they were captured with.
+
+``capture=False`` runs the same padded static step eagerly: the CPU tests check it against the
+dynamic forward, and on a GPU it separates a problem of the static shapes from one of the capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.rollout.compact import CompactCausalLM
+from hybridflow.rollout.kv_cache import SlotKVCache
+
+# Key positions are read in multiples of this: few enough graphs (capacity / KEY_BUCKET per batch
+# bucket), little wasted traffic (under KEY_BUCKET positions per row and step).
+KEY_BUCKET = 256
+# Batches up to this pad to a power of two, larger ones to a multiple of BATCH_STEP: at most
+# BATCH_STEP - 1 wasted rows, and about max_batch_size / BATCH_STEP graphs per key bucket.
+SMALL_BATCH = 16
+BATCH_STEP = 16
+# Eager runs of a new shape before its capture: lazy initialisation (cuBLAS workspaces, kernel
+# selection) must happen outside the graph, on a side stream (CUDA graph capture rules).
+WARMUP_RUNS = 2
+
+
+def batch_bucket(batch: int, limit: int) -> int:
+    """The padded batch size for ``batch`` live rows when at most ``limit`` rows exist."""
+    if not 1 <= batch <= limit:
+        raise ValueError(f"batch_bucket: batch {batch} is outside [1, {limit}]")
+    bucket = 1 << (batch - 1).bit_length() if batch <= SMALL_BATCH else -(-batch // BATCH_STEP) * BATCH_STEP
+    return min(bucket, limit)
+
+
+def key_bucket(key_length: int, capacity: int) -> int:
+    """The padded number of key positions for steps whose rows read ``key_length`` of them."""
+    if not 1 <= key_length <= capacity:
+        raise ValueError(f"key_bucket: key_length {key_length} is outside [1, {capacity}]")
+    return min(-(-key_length // KEY_BUCKET) * KEY_BUCKET, capacity)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # (bucket, V): written by every replay
+
+
+class StaticDecoder:
+    """Decode forwards at bucketed static shapes: replayed CUDA graphs, or eager (``capture=False``)."""
+
+    def __init__(
+        self, model: CompactCausalLM, cache: SlotKVCache, *, max_rows: int, pad_token_id: int, capture: bool
+    ) -> None:
+        if capture and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {model.device}")
+        self.model, self.cache, self.capture = model, cache, capture
+        self.pad_token_id = pad_token_id
+        device = model.device
+        self._tokens = torch.full((max_rows, 1), pad_token_id, dtype=torch.long, device=device)
+        self._positions = torch.zeros((max_rows, 1), dtype=torch.long, device=device)
+        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._cache_generation = -1
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.captures = 0  # graphs captured so far (a step figure for tests and logs)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def reset(self) -> None:
+        """Drop every graph and its memory (the engine sleeps, or the cache was reallocated)."""
+        self._graphs.clear()
+        self._cache_generation = -1
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, key_length: int) -> torch.Tensor:
+        """Logits (B, V) of rows ``[0, B)`` feeding ``tokens`` (B,) at ``positions`` (B,).
+
+        The returned tensor is overwritten by the next call: consume it first.
+        """
+        batch = int(tokens.shape[0])
+        bucket = batch_bucket(batch, self.cache.decode_rows)
+        keys = key_bucket(key_length, self.cache.capacity)
+        self._tokens[:batch, 0] = tokens
+        self._positions[:batch, 0] = positions
+        self._tokens[batch:bucket] = self.pad_token_id
+        self._positions[batch:bucket] = 0
+        if not self.capture:
+            return self._step(bucket, keys)[:batch]
+        self._drop_stale_graphs()
+        captured = self._graphs.get((bucket, keys))
+        if captured is None:
+            captured = self._graphs[(bucket, keys)] = self._capture(bucket, keys)
+        captured.graph.replay()
+        return captured.logits[:batch]
+
+    def _step(self, bucket: int, keys: int) -> torch.Tensor:
+        access = self.cache.decode_access(bucket, self._positions[:bucket, 0], keys)
+        logits = self.model.forward(self._tokens[:bucket], self._positions[:bucket], access, keys)
+        assert logits is not None
+        return logits
+
+    def _drop_stale_graphs(self) -> None:
+        generation = self.cache.generation
+        if generation != self._cache_generation:
+            self.reset()
+            self._cache_generation = generation
+
+    def _capture(self, bucket: int, keys: int) -> _Captured:
+        # The warm-up runs write the same keys and values the replay will write (same inputs), so
+        # running them for real changes nothing the step would not.
+        side = torch.cuda.Stream(device=self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._step(bucket, keys)
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(bucket, keys)
+        self.captures += 1
+        return _Captured(graph, logits)

@@ -1,0 +1,102 @@
+"""Static-shape decode (the shapes CUDA graphs capture), run eagerly on CPU against the dynamic path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_rollout_native_engine import PAD, PROMPTS, make_engine, make_model, request
+
+from hybridflow.rollout import graphs
+from hybridflow.rollout.compact import CompactCausalLM
+from hybridflow.rollout.graphs import StaticDecoder, batch_bucket, key_bucket
+from hybridflow.rollout.kv_cache import SlotKVCache
+
+torch.set_num_threads(1)
+
+
+def test_batch_buckets_pad_small_batches_to_powers_of_two_and_large_ones_to_steps():
+    sizes = [1, 2, 3, 5, 8, 9, 16, 17, 33, 250]
+    assert [batch_bucket(b, 256) for b in sizes] == [1, 2, 4, 8, 8, 16, 16, 32, 48, 256]
+    assert batch_bucket(17, 20) == 20  # never more rows than the cache has
+    assert batch_bucket(3, 3) == 3
+    for bad in (0, 21):
+        with pytest.raises(ValueError, match="outside"):
+            batch_bucket(bad, 20)
+
+
+def test_key_buckets_round_up_to_the_bucket_and_stop_at_the_capacity():
+    assert [key_bucket(n, 1024) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1024]
+    assert key_bucket(300, 320) == 320
+    with pytest.raises(ValueError, match="outside"):
+        key_bucket(321, 320)
+
+
+def make_cache(rows: int, capacity: int, seed: int) -> SlotKVCache:
+    cache = SlotKVCache(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, device=torch.device("cpu"),
+                        max_decode_rows=rows, prompt_rows=2, memory_budget_bytes=1 << 30, max_capacity=capacity)
+    assert cache.ensure_capacity(capacity, live_rows=0)
+    generator = torch.Generator().manual_seed(seed)
+    assert cache.keys is not None and cache.values is not None
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+    return cache
+
+
+@torch.inference_mode()
+def test_padded_static_step_equals_the_dynamic_step(monkeypatch):
+    """Rows at different positions; 5 live rows pad to 8, 21 keys pad to 32 of 64 positions."""
+    monkeypatch.setattr(graphs, "KEY_BUCKET", 16)
+    compact = CompactCausalLM.from_hf(make_model(), max_positions=64)
+    dynamic_cache, static_cache = make_cache(12, 64, seed=1), make_cache(12, 64, seed=1)
+    tokens = torch.tensor([5, 17, 3, 200, 42])
+    positions = torch.tensor([3, 20, 9, 0, 14])
+    key_length = 21
+    access = dynamic_cache.decode_access(5, positions, key_length)
+    expected = compact.forward(tokens[:, None], positions[:, None], access, key_length)
+    decoder = StaticDecoder(compact, static_cache, max_rows=12, pad_token_id=PAD, capture=False)
+    got = decoder.forward(tokens, positions, key_length)
+    assert expected is not None and got.shape == expected.shape == (5, compact.vocab_size)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+    # Live rows got the same keys and values; padding rows [5, 8) wrote position 0 only; prompt rows
+    # and rows past the bucket are untouched.
+    assert static_cache.keys is not None and dynamic_cache.keys is not None
+    assert torch.allclose(static_cache.keys[:, :5], dynamic_cache.keys[:, :5], atol=1e-6)
+    assert torch.allclose(static_cache.values[:, :5], dynamic_cache.values[:, :5], atol=1e-6)
+    changed = (static_cache.keys != dynamic_cache.keys).any(dim=(0, 2, 3))  # (rows, positions)
+    assert changed[5:8, 0].all() and not changed[5:8, 1:].any()
+    assert not changed[8:].any()
+
+
+def run_mixed_workload(decode_mode: str) -> list[list[tuple[list[int], list[float]]]]:
+    """Greedy and seeded sampled requests, more samples than rows, some arriving mid-flight."""
+    engine = make_engine(make_model(), max_batch_size=6, decode_mode=decode_mode)
+
+    async def serve() -> list:
+        first = [engine.generate(request(p, temperature=0.0, max_tokens=9 + i)) for i, p in enumerate(PROMPTS)]
+        started = [asyncio.ensure_future(c) for c in first]
+        await asyncio.sleep(0.05)  # a few steps in: the rest join a running batch
+        later = [engine.generate(request(p, temperature=0.9, n=3, seed=7 + i, max_tokens=12)) for i, p in enumerate(PROMPTS)]
+        return list(await asyncio.gather(*started, *later))
+
+    results = asyncio.run(serve())
+    assert engine.stats.max_running == 6
+    return [[(t.response_ids, t.rollout_logprobs) for t in group] for group in results]
+
+
+def test_engine_static_decode_mode_generates_what_eager_mode_does():
+    eager, static = run_mixed_workload("eager"), run_mixed_workload("static")
+    for eager_group, static_group in zip(eager, static, strict=True):
+        for (eager_ids, eager_logprobs), (static_ids, static_logprobs) in zip(eager_group, static_group, strict=True):
+            assert static_ids == eager_ids
+            assert torch.allclose(torch.tensor(static_logprobs), torch.tensor(eager_logprobs), atol=1e-5, rtol=0)
+
+
+def test_decode_mode_is_checked():
+    with pytest.raises(ValueError, match="decode_mode must be one of"):
+        make_engine(decode_mode="graph")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            make_engine(decode_mode="cuda_graph")
+    assert make_engine().decode_mode == "eager"  # the default off CUDA: padding would cost real work
