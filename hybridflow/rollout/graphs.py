@@ -140,7 +140,9 @@ class StaticDecoder:
                 self._step(bucket, keys)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the engine steps in a worker thread; CUDA work another thread does meanwhile
+        # (a colocated trainer, a server's tokenisation) must neither join nor break the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._step(bucket, keys)
         self.captures += 1
         return _Captured(graph, logits)
