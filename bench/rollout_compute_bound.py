@@ -20,7 +20,13 @@ Fraction of the compute bound, per side:
                     the median over runs is reported
 
 Prefill, sampling, norms, rotary and softmax are not counted as useful work: they are what keeps
-a side below 1. The bf16 engine (``--dtypes float32 bfloat16``) is compared with the bf16 matmul
+a side below 1. So is the memory traffic of attention, whose few FLOPs per byte of cached keys and
+values make it bandwidth-bound. The *ceiling* line prints the best fraction any engine could reach
+on this machine under this accounting: the matmul FLOPs of every decoded and prefilled token at
+the measured matmul rate, plus the cached keys and values each decode step must read at the
+measured copy bandwidth (weights streaming assumed perfectly overlapped with compute):
+
+    ceiling = useful FLOPs / (rate x (matmul FLOPs incl. prefill / rate + KV bytes read / bandwidth)) The bf16 engine (``--dtypes float32 bfloat16``) is compared with the bf16 matmul
 rate; HF runs in fp32 only (the reference figure of the issue).
 
     python bench/rollout_compute_bound.py --threads 2
@@ -83,6 +89,29 @@ def matmul_flops_per_s(size: int, dtype: torch.dtype, repeats: int) -> float:
         torch.matmul(a, b)
         times.append(time.perf_counter() - start)
     return 2.0 * size**3 / statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes read + written per second by a large tensor copy, current threads (median)."""
+    source = torch.ones(nbytes // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return 2.0 * nbytes / statistics.median(times)
+
+
+def ceiling_fraction(flops: FlopModel, kv_bytes_per_position: int, batch: int, prompt: int, tokens: int,
+                     rate: float, bandwidth: float) -> float:
+    """The best compute-bound fraction of the workload (see the module docstring)."""
+    context = prompt + (tokens - 1) / 2
+    useful = batch * tokens * flops.per_token(context)
+    matmul = 2.0 * flops.matmul_params * batch * (tokens + prompt - 1)  # decode + prefill tokens
+    kv_bytes = batch * tokens * context * kv_bytes_per_position
+    return useful / (matmul + kv_bytes / bandwidth * rate)
 
 
 def build_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -208,6 +237,15 @@ def main() -> None:
             f"{statistics.median(side.matmul_rates) / 1e9:6.1f} GFLOP/s  fraction {statistics.median(side.fractions(per_token)):.2f}"
             f"  (runs: {' '.join(f'{f:.2f}' for f in side.fractions(per_token))})"
         )
+    config: Any = build_model("qwen2-20m").config
+    kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * flops.head_dim * 4  # fp32
+    fp32_rates = [r for side in sides if side.dtype == "float32" for r in side.matmul_rates]
+    if fp32_rates:
+        bandwidth = copy_bandwidth()
+        ceiling = ceiling_fraction(flops, kv_per_position, args.batch, args.prompt_tokens, args.max_tokens,
+                                   statistics.median(fp32_rates), bandwidth)
+        print(f"ceiling (float32)      fraction {ceiling:.2f}  (copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+              f"prefill and KV reads at their bounds)")
     if args.profile:
         profile_engine(build_engine(args.dtypes[0], args.batch), prompts, args.max_tokens, rows=25)
 
