@@ -46,7 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from rollout_long_tail import EOS_TOKEN_ID, PAD_TOKEN_ID, build_model  # the ~20M shape, one definition
+from rollout_long_tail import (  # the ~20M shape, one definition
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    build_model,
+)
 
 from hybridflow.rollout.native import NativeEngine, resolve_dtype
 from hybridflow.types import GenerationRequest, SamplingParams
