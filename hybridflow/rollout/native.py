@@ -43,12 +43,13 @@ one event loop at a time.
 from __future__ import annotations
 
 import asyncio
-import logging
 import concurrent.futures
+import contextlib
+import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -507,11 +508,27 @@ class NativeEngine:
         lock is held across all buckets, so no step sees half-updated weights. On an error the
         earlier buckets have already been applied: resend them all.
         """
-        targets = self._model.state_dict(keep_vars=True)
-        with self._model_lock, torch.no_grad():
+        with self.weight_update() as apply:
             for bucket in iter_buckets(weights, max_bucket_bytes):
-                check_bucket(bucket, targets)
-                copy_bucket(bucket, targets)
+                apply(bucket)
+
+    @contextlib.contextmanager
+    def weight_update(self) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:
+        """Hold the engine between two steps for a whole update that arrives in parts.
+
+        Yields ``apply(bucket)``, which checks one bucket of ``(name, tensor)`` pairs against the
+        model and copies it in (cast to the engine's dtype and device). No step runs until the
+        block exits, so a cross-process sync (``weight_transfer.receive_weights(group, targets,
+        apply)``) is seen whole by every request, even while others are being served.
+        """
+        targets = self._model.state_dict(keep_vars=True)
+
+        def apply(bucket: list[tuple[str, torch.Tensor]]) -> None:
+            check_bucket(bucket, targets)
+            copy_bucket(bucket, targets)
+
+        with self._model_lock, torch.no_grad():
+            yield apply
 
     def sleep(self) -> None:
         """Release the KV cache; ``generate`` refuses requests until ``wake_up``.

@@ -278,6 +278,23 @@ def test_update_weights_changes_outputs_and_restores_them():
     assert [r[0].response_ids for r in restored] == [r[0].response_ids for r in before]
 
 
+def test_a_weight_update_in_parts_is_seen_whole_by_requests_served_meanwhile():
+    donor = make_model(seed=1)
+    engine = make_engine()
+    results: list = []
+    weights = list(donor.state_dict().items())
+    with engine.weight_update() as apply:
+        apply(weights[: len(weights) // 2])
+        worker = threading.Thread(target=lambda: results.extend(
+            engine.generate_batch([request(PROMPTS[0], temperature=0.0, max_tokens=8)])))
+        worker.start()
+        worker.join(timeout=0.3)
+        assert worker.is_alive() and engine.stats.steps == 0  # no step runs on half-new weights
+        apply(weights[len(weights) // 2 :])
+    worker.join(timeout=60)
+    assert results[0][0].response_ids == reference_greedy(donor, PROMPTS[0], 8, {EOS})
+
+
 def test_update_weights_rejects_unknown_names_and_wrong_shapes():
     engine = make_engine()
     with pytest.raises(ValueError, match=r"unknown parameter 'model.layers.0.mlp.gate.weight'.*gate_proj"):
