@@ -28,6 +28,7 @@ for dict results ``reward/extra/<key>/mean`` over the samples that returned ``<k
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -35,10 +36,12 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from multiprocessing.connection import Connection
@@ -82,6 +85,27 @@ _JOIN_TIMEOUT_S = 5.0
 _SHUTDOWN_GRACE_S = 1.0
 # Enough for sympy and a custom reward that loads a small library; far below a host's RAM.
 DEFAULT_MEMORY_LIMIT_MB = 4096
+
+
+@contextlib.contextmanager
+def _unimportable_main_hidden() -> Iterator[None]:
+    """Start spawned workers from a script read on stdin (``python - <<EOF``) or a REPL.
+
+    ``spawn`` re-runs the parent's ``__main__`` in the child from ``__main__.__file__``; for a
+    script read on stdin that is ``"<stdin>"``, no file, and every worker would die at start.
+    The workers never need the parent's ``__main__`` (their target lives in
+    ``hybridflow.rewards.worker``), so an unimportable one is hidden while a worker starts.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 @dataclass(frozen=True)
@@ -350,7 +374,8 @@ class RewardManager:
             ),
             name=f"hybridflow-reward-worker-{slot}",
         )
-        process.start()
+        with _unimportable_main_hidden():
+            process.start()
         child_conn.close()  # only the child holds its end now, so its exit reads as EOF here
         startup_deadline = time.monotonic() + self._startup_timeout_s
         return _WorkerHandle(process, parent_conn, _State.STARTING, startup_deadline)
