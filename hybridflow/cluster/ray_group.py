@@ -16,6 +16,11 @@ that raised or died turns into a ``WorkerError`` naming the role, the rank, the 
 worker's own error (Ray's ``RayTaskError`` / ``RayActorError`` unwrapped). A multi-rank group
 with a failed rank is torn down at once (its peers may be blocked in a collective) and refuses
 later calls.
+
+Two groups can run the two sides of one collective (actor rank 0 broadcasting weights to the
+rollout rank): ``submit_all`` / ``submit_one`` start a call and return a ``RayPendingCall``, and
+``wait_all`` waits on several at once with the same failure rules across groups; a group whose
+call is still running after a peer group failed is blocked on it, and is torn down too.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch
 
-from hybridflow.cluster.worker_group import WorkerError, refuse_collective
+from hybridflow.cluster.worker_group import PendingCall, WorkerError, meeting_host, refuse_collective
 from hybridflow.training import distributed
 from hybridflow.types import TrainBatch
 from hybridflow.utils.watchdog import activity
@@ -222,11 +227,10 @@ class RayWorkerGroup(Generic[W]):
     def _start(self, factory: Callable[[int, int], W], device: torch.device) -> None:
         """Rank 0 picks the rendezvous (loopback when every rank is on its node), then all ranks
         join the process group and build their worker together."""
-        addr, port = self._wait([(0, self._ranks[0].rendezvous.remote())], "rendezvous")[0]
-        nodes = self._wait([(r, h.node_address.remote()) for r, h in enumerate(self._ranks)], "node_address")
-        master = "127.0.0.1" if all(n == addr for n in nodes) else addr
-        self._wait([(r, h.start.remote(factory, master, port, device)) for r, h in enumerate(self._ranks)],
-                   f"{self.role}.__init__")
+        addr, port = self.rendezvous(0)
+        master = meeting_host(addr, self.node_addresses())
+        refs = [(r, h.start.remote(factory, master, port, device)) for r, h in enumerate(self._ranks)]
+        RayPendingCall(self, refs, f"{self.role}.__init__").wait()
 
     @property
     def world_size(self) -> int:
@@ -234,25 +238,42 @@ class RayWorkerGroup(Generic[W]):
 
     # ---------------------------------------------------------------- protocol
     def call_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        import ray
-
-        payload = ray.put((args, kwargs))  # one copy in the object store, however many ranks
-        return self._call([(rank, payload) for rank in range(self.world_size)], method)
+        return self.submit_all(method, *args, **kwargs).wait()
 
     def call_one(self, rank: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
-        if not 0 <= rank < self.world_size:
-            raise IndexError(f"{self.role} has ranks 0..{self.world_size - 1}, not {rank}")
-        refuse_collective(self.role, method)
-        return self._call([(rank, (args, kwargs))], method)[0]
+        return self.submit_one(rank, method, *args, **kwargs).wait()[0]
 
     def call_each(self, method: Callable[..., R], per_rank_args: Sequence[tuple], **kwargs: Any) -> list[R]:
         if len(per_rank_args) != self.world_size:
             raise ValueError(f"{self.role}: {len(per_rank_args)} argument tuples for {self.world_size} ranks")
-        return self._call([(rank, (tuple(args), kwargs)) for rank, args in enumerate(per_rank_args)], method)
+        return self._submit([(rank, (tuple(args), kwargs)) for rank, args in enumerate(per_rank_args)], method).wait()
 
     def split_gather(self, method: Callable[[W, TrainBatch], R], batch: TrainBatch) -> list[R]:
         shards = batch.chunk(self.world_size)
-        return self._call([(rank, ((shard,), {})) for rank, shard in enumerate(shards)], method)
+        return self._submit([(rank, ((shard,), {})) for rank, shard in enumerate(shards)], method).wait()
+
+    def submit_all(
+        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> RayPendingCall[R]:
+        import ray
+
+        payload = ray.put((args, kwargs))  # one copy in the object store, however many ranks
+        return self._submit([(rank, payload) for rank in range(self.world_size)], method)
+
+    def submit_one(
+        self, rank: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> RayPendingCall[R]:
+        self._check_rank(rank)
+        refuse_collective(self.role, method)
+        return self._submit([(rank, (args, kwargs))], method)
+
+    def node_addresses(self) -> list[str]:
+        refs = [(rank, handle.node_address.remote()) for rank, handle in enumerate(self._ranks)]
+        return RayPendingCall(self, refs, "node_address").wait()
+
+    def rendezvous(self, rank: int) -> tuple[str, int]:
+        self._check_rank(rank)
+        return RayPendingCall(self, [(rank, self._ranks[rank].rendezvous.remote())], "rendezvous").wait()[0]
 
     def close(self) -> None:
         """End every rank's process (safe to call twice, and after a failure)."""
@@ -264,69 +285,118 @@ class RayWorkerGroup(Generic[W]):
         self._failed = self._failed or "the group was closed"
 
     # ---------------------------------------------------------------- internals
-    def _call(self, calls: list[tuple[int, Any]], method: Callable[..., R]) -> list[R]:
-        """Run ``method`` on the listed ranks with their (args, kwargs), or an object-store
-        reference to them; results in the order of ``calls``."""
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"{self.role} has ranks 0..{self.world_size - 1}, not {rank}")
+
+    def _submit(self, calls: list[tuple[int, Any]], method: Callable[..., R]) -> RayPendingCall[R]:
+        """Start ``method`` on the listed ranks with their (args, kwargs), or an object-store
+        reference to them; the pending call's results come in the order of ``calls``."""
         name = getattr(method, "__qualname__", repr(method))
         if self._failed is not None:
             raise WorkerError(f"{self.role} cannot run {name}: {self._failed}")
-        ranks = ",".join(str(rank) for rank, _ in calls)
-        # The watchdog names this call if the phase around it stalls.
-        with activity("call", f"{self.role} rank {ranks} {name}"):
-            refs = [(rank, self._ranks[rank].execute.remote(method, payload)) for rank, payload in calls]
-            return self._wait(refs, name)
+        refs = [(rank, self._ranks[rank].execute.remote(method, payload)) for rank, payload in calls]
+        return RayPendingCall(self, refs, name)
 
-    def _wait(self, refs: list[tuple[int, Any]], name: str) -> list[Any]:
-        """Results of ``refs`` (rank, ObjectRef) in order. The first failure (in completion
-        order, so a dead rank is reported while its peers still wait on it) raises
-        ``WorkerError`` at once, after a short grace for the peers' own failures."""
-        import ray
+    def _tear_down(self, reason: str) -> None:
+        """Close the group and make later calls fail with ``reason``."""
+        self.close()
+        self._failed = reason
 
-        pending = {ref: index for index, (_, ref) in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
+
+class RayPendingCall(Generic[R]):
+    """A call running on some ranks of a ``RayWorkerGroup``: ``refs`` holds (rank, ObjectRef)."""
+
+    def __init__(self, group: RayWorkerGroup[Any], refs: list[tuple[int, Any]], name: str) -> None:
+        self.group, self.refs, self.name = group, refs, name
+
+    @property
+    def label(self) -> str:
+        return f"{self.group.role} rank {','.join(str(rank) for rank, _ in self.refs)} {self.name}"
+
+    def wait(self) -> list[R]:
+        return wait_ray_calls(self)[0]
+
+
+@dataclass(frozen=True)
+class _Failure:
+    order: int  # the call's position in wait_ray_calls: ties between calls go to the first
+    call: RayPendingCall[Any]
+    rank: int
+    error: Exception
+
+
+def wait_ray_calls(*calls: PendingCall[Any]) -> list[list[Any]]:
+    """Results of each call (in rank order), waiting on all their ranks at once.
+
+    The first failure (in completion order, so a dead rank is reported while its peers still
+    wait on it) raises ``WorkerError`` at once, after a short grace for the peers' own failures.
+    """
+    import ray
+
+    ray_calls = [_as_ray_call(call) for call in calls]
+    pending = {ref: (c, i) for c, call in enumerate(ray_calls) for i, (_, ref) in enumerate(call.refs)}
+    results: list[list[Any]] = [[None] * len(call.refs) for call in ray_calls]
+    # The watchdog names these calls if the phase around them stalls.
+    with activity("call", "; ".join(call.label for call in ray_calls)):
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
-            failures = _collect(ready, pending, refs, results)
+            failures = _collect(ready, pending, ray_calls, results)
             if failures:
                 if pending:
                     late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S)
-                    failures += _collect(late, pending, refs, results)
-                raise self._fail(name, failures)
-        return results
+                    failures += _collect(late, pending, ray_calls, results)
+                stuck = {ray_calls[c].group for c, _ in pending.values()}
+                raise _fail(failures, stuck)
+    return results
 
-    def _fail(self, name: str, failures: list[tuple[int, Exception]]) -> WorkerError:
-        """One error naming the root cause first: a rank whose process died, else the lowest rank."""
-        import ray
 
-        failures = sorted(failures, key=lambda f: (not isinstance(f[1], ray.exceptions.RayActorError), f[0]))
-        rank, exc = failures[0]
-        message = describe_ray_error(self.role, rank, name, exc)
-        others = [f"rank {r}: {type(e).__name__}" for r, e in failures[1:]]
-        if others:
-            message += f"\n(also failed: {', '.join(others)})"
-        if self.world_size > 1:
-            # Peers of a failed rank may sit in a collective that can no longer complete.
-            self.close()
-            self._failed = f"rank {rank} failed earlier in {name}"
-        error = WorkerError(message)
-        error.__cause__ = exc
-        return error
+def _as_ray_call(call: PendingCall[Any]) -> RayPendingCall[Any]:
+    if not isinstance(call, RayPendingCall):
+        raise TypeError(f"wait_all cannot wait on a {type(call).__name__} together with Ray calls; use its wait()")
+    return call
 
 
 def _collect(
-    ready: list[Any], pending: dict[Any, int], refs: list[tuple[int, Any]], results: list[Any]
-) -> list[tuple[int, Exception]]:
+    ready: list[Any], pending: dict[Any, tuple[int, int]], calls: list[RayPendingCall[Any]], results: list[list[Any]]
+) -> list[_Failure]:
     """Move finished refs out of ``pending``: values into ``results``, errors returned with their rank."""
     import ray
 
-    failures: list[tuple[int, Exception]] = []
+    failures: list[_Failure] = []
     for ref in ready:
-        index = pending.pop(ref)
+        c, index = pending.pop(ref)
         try:
-            results[index] = ray.get(ref)
+            results[c][index] = ray.get(ref)
         except ray.exceptions.RayError as exc:
-            failures.append((refs[index][0], exc))
+            failures.append(_Failure(c, calls[c], calls[c].refs[index][0], exc))
     return failures
+
+
+def _fail(failures: list[_Failure], stuck: set[RayWorkerGroup[Any]]) -> WorkerError:
+    """One error naming the root cause first: a rank whose process died, else the first call's
+    lowest rank. Tears down every group that cannot take another call: a multi-rank group with a
+    failed rank, and a group in ``stuck`` (still running, so blocked on the failed side)."""
+    import ray
+
+    failures = sorted(failures, key=lambda f: (not isinstance(f.error, ray.exceptions.RayActorError), f.order, f.rank))
+    first = failures[0]
+    message = describe_ray_error(first.call.group.role, first.rank, first.call.name, first.error)
+    others = [f"{f.call.group.role} rank {f.rank}: {type(f.error).__name__}" for f in failures[1:]]
+    if others:
+        message += f"\n(also failed: {', '.join(others)})"
+    for group in {f.call.group for f in failures} | stuck:
+        own = next((f for f in failures if f.call.group is group), None)
+        if own is not None and group.world_size > 1:
+            # Peers of a failed rank may sit in a collective that can no longer complete.
+            group._tear_down(f"rank {own.rank} failed earlier in {own.call.name}")
+        elif own is None:
+            # Still running after the grace: blocked in a collective with the failed side.
+            group._tear_down(f"it was left waiting on {first.call.group.role} rank {first.rank}, which failed "
+                             f"earlier in {first.call.name}")
+    error = WorkerError(message)
+    error.__cause__ = first.error
+    return error
 
 
 def describe_ray_error(role: str, rank: int, method: str, exc: Exception) -> str:

@@ -5,6 +5,8 @@ The fan-out of every call is explicit at the call site and typed, so an IDE can 
     logprobs = actor.split_gather(ActorWorker.compute_logprobs, batch)   # shard over DP ranks, gather
     metrics = actor.call_all(ActorWorker.update_actor, shards)           # same method on every rank
     scores, _ = reward.call_one(0, RewardWorker.score, trajectories)      # one rank
+    sent, received = wait_all(actor.submit_all(ActorWorker.send_weights),  # two groups at once
+                              rollout.submit_all(RolloutWorker.receive_weights))
 
 Methods are passed as unbound functions of the worker class (``ActorWorker.compute_logprobs``),
 never looked up by a string built at run time. A backend only has to turn "call this function
@@ -15,17 +17,24 @@ One rule crosses the fan-out: a method declared ``@collective``
 (``hybridflow.training.distributed``) gathers or saves state sharded over the ranks, so every
 rank must run it. ``call_one`` refuses such a method (one rank alone would wait on its peers
 forever); the call site says ``call_all(method)[0]``, so the fan-out stays visible there.
+
+A collective may also span two groups (actor rank 0 streaming weights to the rollout ranks): both
+sides must run at the same time, so ``submit_all`` / ``submit_one`` start a call and return a
+``PendingCall``, and ``wait_all`` waits on several together. The protocol has them on every
+backend, so the controller never asks which backend it drives: in-process they run the call at
+once (a cross-group collective never runs in-process: ``trainer.backend=local`` copies weights
+directly), on Ray they run concurrently and a failure on either side is reported at once.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import torch
 
-from hybridflow.training.distributed import is_collective
+from hybridflow.training.distributed import free_port, is_collective
 from hybridflow.types import TrainBatch
 from hybridflow.utils.watchdog import activity
 
@@ -35,6 +44,14 @@ if TYPE_CHECKING:
 W = TypeVar("W")
 R = TypeVar("R")
 P = ParamSpec("P")
+
+LOOPBACK = "127.0.0.1"
+
+
+class PendingCall(Protocol[R]):
+    """A submitted call; ``wait`` gives its results in rank order or raises ``WorkerError``."""
+
+    def wait(self) -> list[R]: ...
 
 
 class WorkerGroup(Protocol[W]):
@@ -59,9 +76,51 @@ class WorkerGroup(Protocol[W]):
         """Split ``batch`` into ``world_size`` equal shards, rank r gets shard r; results in rank order."""
         ...
 
+    def submit_all(
+        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> PendingCall[R]:
+        """``call_all`` without waiting: start ``method`` on every rank, collect with ``wait_all``."""
+        ...
+
+    def submit_one(
+        self, rank: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> PendingCall[R]:
+        """``call_one`` without waiting; a ``@collective`` method is refused."""
+        ...
+
+    def node_addresses(self) -> list[str]:
+        """Each rank's node address, in rank order (where a peer in another group reaches it)."""
+        ...
+
+    def rendezvous(self, rank: int) -> tuple[str, int]:
+        """(node address, a TCP port free there a moment ago) of ``rank``: where a group that
+        rank leads (e.g. weight sync) can listen."""
+        ...
+
     def close(self) -> None:
         """Release the ranks (processes, reserved resources); the group is unusable after."""
         ...
+
+
+def meeting_host(listener: str, peers: Iterable[str]) -> str:
+    """The address peers dial to reach a rendezvous on node ``listener``: loopback when every
+    peer is on that node (a local Ray cluster listens on 127.0.0.1 only), the node's address
+    otherwise."""
+    return LOOPBACK if all(peer == listener for peer in peers) else listener
+
+
+def wait_all(*calls: PendingCall[Any]) -> list[list[Any]]:
+    """Results of calls submitted together (the two sides of a cross-group collective), in order.
+
+    Ray calls are waited on jointly: the first failure on any side raises ``WorkerError`` at once,
+    and a side still waiting on the failed one is torn down rather than left blocked in the
+    collective. In-process calls have already run.
+    """
+    if all(isinstance(call, CompletedCall) for call in calls):
+        return [call.wait() for call in calls]
+    from hybridflow.cluster.ray_group import wait_ray_calls
+
+    return wait_ray_calls(*calls)
 
 
 def refuse_collective(role: str, method: Callable[..., Any]) -> None:
@@ -74,6 +133,24 @@ def refuse_collective(role: str, method: Callable[..., Any]) -> None:
 
 class WorkerError(RuntimeError):
     """A worker raised; the message names the role, the rank and the method."""
+
+
+class CompletedCall(Generic[R]):
+    """A submitted call that has already run (in-process groups run it at once): ``wait`` returns
+    its results or raises its ``WorkerError``, as a Ray call's ``wait`` would."""
+
+    def __init__(self, run: Callable[[], list[R]]) -> None:
+        self._results: list[R] = []
+        self._error: WorkerError | None = None
+        try:
+            self._results = run()
+        except WorkerError as error:
+            self._error = error
+
+    def wait(self) -> list[R]:
+        if self._error is not None:
+            raise self._error
+        return self._results
 
 
 class LocalWorkerGroup(Generic[W]):
@@ -120,11 +197,38 @@ class LocalWorkerGroup(Generic[W]):
         shards = batch.chunk(self.world_size)
         return [self._call(rank, method, shard) for rank, shard in enumerate(shards)]
 
+    def submit_all(
+        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> CompletedCall[R]:
+        return CompletedCall(lambda: self.call_all(method, *args, **kwargs))
+
+    def submit_one(
+        self, rank: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> CompletedCall[R]:
+        # A bad rank or a @collective method raises here (not a WorkerError), as it does on Ray.
+        return CompletedCall(lambda: [self.call_one(rank, method, *args, **kwargs)])
+
+    def node_addresses(self) -> list[str]:
+        return [LOOPBACK] * self.world_size
+
+    def rendezvous(self, rank: int) -> tuple[str, int]:
+        return LOOPBACK, free_port()
+
     def close(self) -> None:
         """Nothing to release: the workers live and die with the controller's process."""
 
 
 BACKENDS = ("local", "ray")
+# Backends whose roles all live in the controller's process: they share memory, so weights are
+# copied directly and a cross-process transport would have no peer to talk to.
+IN_PROCESS_BACKENDS = frozenset({"local"})
+
+
+def runs_in_process(backend: str) -> bool:
+    """Whether ``backend`` (trainer.backend) runs every role in the controller's process."""
+    if backend not in BACKENDS:
+        raise ValueError(f"trainer.backend={backend!r} is not available; choose one of {sorted(BACKENDS)}")
+    return backend in IN_PROCESS_BACKENDS
 
 
 def build_worker_group(

@@ -248,7 +248,23 @@ class RolloutConfig:
     top_p: float = f(1.0, "Nucleus sampling threshold.")
     top_k: int = f(-1, "Top-k filter (-1: off).")
     max_batch_size: int = f(256, "Most sequences decoded together by the engine.")
-    dtype: str = f("float32", "Rollout compute dtype: float32 | bfloat16.", choices=("float32", "bfloat16"))
+    dtype: str = f(
+        "auto", "Rollout compute dtype: auto (bfloat16 on a GPU, float32 on a CPU) | float32 | bfloat16.",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    enforce_eager: bool = f(
+        False, "Decode without CUDA graphs on a GPU (they replay each decode step with one launch; captured "
+        "lazily per batch and key-length bucket). No effect on a CPU, which always decodes eagerly.",
+    )
+    weight_sync: str = f(
+        "auto",
+        "How the actor's new weights reach the rollout after each step: auto (broadcast when the rollout runs in "
+        "another process than actor rank 0, i.e. trainer.backend=ray; else object_store) | object_store (actor "
+        "rank 0 returns the full weights to the controller, which hands them to the rollout: through Ray's object "
+        "store, or a direct copy in-process) | broadcast (actor rank 0 streams them to the rollout process in "
+        "buckets over torch.distributed: gloo, or NCCL between ranks on different GPUs; needs trainer.backend=ray).",
+        choices=("auto", "object_store", "broadcast"),
+    )
     val_kwargs: ValKwargsConfig = sub(ValKwargsConfig, "Sampling for validation.")
     multi_turn: MultiTurnConfig = sub(
         MultiTurnConfig, "Agent episodes: multi-turn generation with tool calls (data column agent_name picks the loop)."

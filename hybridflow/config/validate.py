@@ -565,6 +565,12 @@ def _check_backend(cfg: Config, report: _Report) -> None:
             f"trainer.n_workers={t.n_workers} counts CPU ranks, but trainer.device=cuda: GPU ranks are "
             f"trainer.n_gpus_per_node x trainer.nnodes; set n_workers to null"
         )
+    if t.backend == "local" and cfg.rollout.weight_sync == "broadcast":
+        report.error(
+            "rollout.weight_sync=broadcast streams weights from actor rank 0 to the rollout process, but "
+            "trainer.backend=local runs both in this process, where weights are copied directly; use "
+            "rollout.weight_sync=auto, or trainer.backend=ray"
+        )
     if t.backend == "local":
         for key, value in (("ray_address", t.ray_address), ("ray_dashboard", t.ray_dashboard)):
             if value:

@@ -6,7 +6,9 @@
 3. load data, build the sampler and the step plan,
 4. start the worker groups (actor, rollout, reference when a KL term needs it, reward): in this
    process (``trainer.backend=local``) or as Ray actors (``ray``), where the actor and
-   reference ranks each form a torch.distributed group and the rollout rank shares bundle 0,
+   reference ranks each form a torch.distributed group and the rollout rank shares bundle 0;
+   with ``rollout.weight_sync`` resolving to broadcast, actor rank 0 and the rollout ranks form
+   the weight-sync group,
 5. open the loggers.
 """
 
@@ -25,7 +27,15 @@ from hybridflow.agents import AGENT_LOOPS, build_tool_parser, load_tools
 from hybridflow.agents.registry import resolve_object
 from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
 from hybridflow.cluster.ray_group import ResourcePool
-from hybridflow.cluster.worker_group import WorkerGroup, build_worker_group, reserve_placements
+from hybridflow.cluster.worker_group import (
+    WorkerError,
+    WorkerGroup,
+    build_worker_group,
+    meeting_host,
+    reserve_placements,
+    runs_in_process,
+    wait_all,
+)
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.schema import DataConfig, MultiTurnConfig, WarmStartConfig
 from hybridflow.config.validate import TOOL_TASKS, data_parallel_size
@@ -57,6 +67,52 @@ BUILTIN_TASK_SEED = 0
 BUILTIN_TASK_WRITERS = {"arithmetic": write_arithmetic_task, "calculator": write_calculator_task}
 # Loops that run a row in one generation, what a run without rollout.multi_turn does anyway.
 SINGLE_TURN_AGENTS = frozenset({"single_turn", "single_turn_agent"})
+# rollout.weight_sync, resolved (``auto`` becomes one of them).
+OBJECT_STORE, BROADCAST = "object_store", "broadcast"
+
+
+def resolve_weight_sync(mode: str, backend: str) -> str:
+    """``rollout.weight_sync`` for ``trainer.backend``: ``auto`` broadcasts when the rollout runs in
+    another process than actor rank 0, and otherwise copies in-process (``object_store``)."""
+    in_process = runs_in_process(backend)
+    if mode == "auto":
+        return OBJECT_STORE if in_process else BROADCAST
+    if mode == BROADCAST and in_process:
+        # An error, not a silent fallback: the user asked for a transport that has no peer here.
+        raise ConfigError(
+            f"rollout.weight_sync=broadcast streams weights from actor rank 0 to the rollout process, but "
+            f"trainer.backend={backend} runs both in this process, where weights are copied directly; use "
+            f"rollout.weight_sync=auto, or trainer.backend=ray",
+            key="rollout.weight_sync",
+        )
+    return mode
+
+
+def connect_weight_sync(actor: WorkerGroup[ActorWorker], rollout: WorkerGroup[RolloutWorker]) -> None:
+    """Form the weight-sync group: actor rank 0 sends, rollout rank r receives as member r + 1.
+    Both sides join at once (each blocks until all members have), at a port on actor rank 0's node."""
+    address, port = actor.rendezvous(0)
+    host = meeting_host(address, rollout.node_addresses())
+    gpus = [actor.call_one(0, ActorWorker.device_uuid), *rollout.call_all(RolloutWorker.device_uuid)]
+    # NCCL needs every member on a GPU of its own. CPU ranks, and a rollout sharing actor rank 0's
+    # GPU (the colocated placement: both in bundle 0), go through host memory with gloo.
+    on_gpu = None not in gpus and len(set(gpus)) == len(gpus)
+    members = 1 + rollout.world_size
+    wait_all(actor.submit_one(0, ActorWorker.join_weight_sync, host, port, members, on_gpu),
+             rollout.submit_all(RolloutWorker.join_weight_sync, host, port, members, on_gpu))
+    log.info("weight sync: actor rank 0 -> %d rollout rank(s) by broadcast via %s:%d (%s)",
+             rollout.world_size, host, port, "nccl" if on_gpu else "gloo")
+
+
+def close_weight_sync(actor: WorkerGroup[ActorWorker], rollout: WorkerGroup[RolloutWorker]) -> None:
+    """Both sides leave the weight-sync group before their processes end. Best effort: after a
+    failure a torn-down group refuses calls, and its processes took their connections with them."""
+    for role, close in (("actor", lambda: actor.call_one(0, ActorWorker.close_weight_sync)),
+                        ("rollout", lambda: rollout.call_all(RolloutWorker.close_weight_sync))):
+        try:
+            close()
+        except WorkerError as error:
+            log.debug("weight sync: the %s could not leave the group: %s", role, error)
 
 
 @dataclass
@@ -82,11 +138,14 @@ class RunSetup:
     progress: ProgressBar
     warnings: list[str] = field(default_factory=list)
     pool: ResourcePool | None = None  # Ray resources reserved for the trainer ranks
+    weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
 
     def close(self) -> None:
         self.progress.close()
         self.tracker.close()
         self.reward.call_all(RewardWorker.close)
+        if self.weight_sync == BROADCAST:
+            close_weight_sync(self.actor, self.rollout)
         groups = [self.actor, self.rollout, self.reference, self.reward]
         for group in groups:
             if group is not None:
@@ -214,6 +273,7 @@ def build_run(cfg: Config) -> RunSetup:
     warnings = validate_config(cfg)
     for w in warnings:
         log.warning("config: %s", w)
+    weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend)
     adv_estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
     needs = estimator_needs(adv_estimator)
     if "values" in needs:
@@ -287,10 +347,13 @@ def build_run(cfg: Config) -> RunSetup:
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))
     rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
-                                 max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent, **common)
+                                 max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
+                                 enforce_eager=cfg.rollout.enforce_eager, **common)
     # One rollout rank: generation stays single-rank (its seeds derive from (seed, step, index)).
     rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, rollout_setup), 1,
                                  placements.get("rollout"))
+    if weight_sync == BROADCAST:
+        connect_weight_sync(actor, rollout)
     reference = None
     if with_reference:
         ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
@@ -320,6 +383,6 @@ def build_run(cfg: Config) -> RunSetup:
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
-        tracker=tracker, progress=progress, warnings=warnings, pool=pool,
+        tracker=tracker, progress=progress, warnings=warnings, pool=pool, weight_sync=weight_sync,
     )
 

@@ -21,10 +21,10 @@ import torch
 
 from hybridflow.agents import answer_view, compute_agent_metrics
 from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_mean
-from hybridflow.cluster.worker_group import WorkerGroup
+from hybridflow.cluster.worker_group import WorkerGroup, wait_all
 from hybridflow.config import config_to_yaml
 from hybridflow.controller.checkpoint import CheckpointManager
-from hybridflow.controller.setup import RunSetup
+from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
 from hybridflow.tracking import compute_batch_metrics, compute_throughput_metrics, compute_validation_metrics, reduce_metrics
@@ -322,7 +322,14 @@ class RLTrainer:
         return metrics
 
     def sync_weights(self) -> None:
-        """Push the actor's new weights to every rollout rank (in-process: tensor copies)."""
+        """Push the actor's new weights to every rollout rank: streamed from actor rank 0 by
+        broadcast (``rollout.weight_sync``), else through this process (in-process: tensor copies)."""
+        if self.run.weight_sync == BROADCAST:
+            # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
+            # that the rollout applies as they arrive.
+            wait_all(self.actor.submit_all(ActorWorker.send_weights),
+                     self.rollout.submit_all(RolloutWorker.receive_weights))
+            return
         # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
         weights = dict(self.actor.call_all(ActorWorker.weights_for_sync)[0])
         self.rollout.call_all(RolloutWorker.update_weights, weights.items())

@@ -11,6 +11,7 @@ lazily, so naming an engine whose optional dependency is missing fails only when
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -45,6 +46,12 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def weight_update(self) -> AbstractContextManager[Callable[[list[tuple[str, torch.Tensor]]], None]]:
+        """A context in which a whole update arrives in parts: it yields ``apply(bucket)`` (checks
+        and copies one list of ``(name, tensor)`` pairs); no generation step runs until it exits,
+        so every request sees the old weights or the new ones, never a mix."""
+        ...
+
     def sleep(self) -> None:
         """Release generation memory (KV cache) while the trainer needs the device."""
         ...
@@ -64,6 +71,7 @@ def _build_native(
     dtype: torch.dtype | str,
     seed: int,
     tokenizer: Any = None,
+    enforce_eager: bool = False,
 ) -> RolloutEngine:
     from hybridflow.rollout.native import NativeEngine
 
@@ -76,7 +84,17 @@ def _build_native(
         dtype=dtype,
         seed=seed,
         tokenizer=tokenizer,
+        decode_mode="eager" if enforce_eager else None,  # None: CUDA graphs on a GPU
     )
+
+
+def resolve_rollout_dtype(dtype: str, device: torch.device | str) -> str:
+    """``rollout.dtype``: ``auto`` is bfloat16 on a GPU (the usual rollout precision there) and
+    float32 on a CPU (bf16 matmuls are only fast on CPUs with avx512_bf16/AMX, and fp32 keeps
+    rollout and trainer logprobs equal; bench/rollout_compute_bound.py measures both)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
 # Config ``rollout.name`` → builder. Every builder takes the keyword arguments of
@@ -97,12 +115,14 @@ def build_rollout_engine(
     dtype: torch.dtype | str,
     seed: int = 0,
     tokenizer: Any = None,
+    enforce_eager: bool = False,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
     The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
     ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
-    ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings.
+    ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings. ``enforce_eager`` turns
+    off CUDA graphs (``rollout.enforce_eager``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``).
     """
     try:
         builder = ROLLOUT_ENGINES[name]
@@ -116,7 +136,8 @@ def build_rollout_engine(
         pad_token_id=pad_token_id,
         max_batch_size=max_batch_size,
         device=device,
-        dtype=dtype,
+        dtype=resolve_rollout_dtype(dtype, device) if isinstance(dtype, str) else dtype,
         seed=seed,
         tokenizer=tokenizer,
+        enforce_eager=enforce_eager,
     )

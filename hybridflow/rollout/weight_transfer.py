@@ -64,6 +64,23 @@ STORE_PREFIX = "hybridflow/weight_sync"
 DEFAULT_TRANSFER_BUCKET_BYTES = 32 * 1024 * 1024
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The UUID of the GPU ``device`` computes on (None off CUDA): two processes on one GPU see it
+    under the same UUID, whatever index each one's CUDA_VISIBLE_DEVICES gives it."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def sync_device(device: torch.device, on_gpu: bool) -> torch.device:
+    """Where a member's sync buffers live: its own GPU (NCCL) when every member of the group has a
+    GPU of its own (``on_gpu``), else host memory (gloo). NCCL refuses two ranks on one GPU, which is
+    where a rollout colocated with actor rank 0 runs."""
+    if not on_gpu:
+        return torch.device("cpu")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 class WeightSyncError(RuntimeError):
     """A sync ended on this rank because another rank refused or failed it."""
 
@@ -142,6 +159,8 @@ class WeightSyncGroup:
         ``world_size`` ranks have joined, or raises after ``timeout_s``.
         """
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" alone: this process's current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=rank == SENDER_RANK, timeout=timeout)
         prefixed = dist.PrefixStore(STORE_PREFIX, store)

@@ -7,6 +7,11 @@ With ``world_size > 1`` each rank is one process of a torch.distributed group (t
 forms it before building the worker): the engine shards the model with FSDP2, the loss is
 normalised by counts summed over ranks, so N ranks train exactly like one rank on the same
 global batch.
+
+Weight sync to a rollout in another process (``rollout.weight_sync=broadcast``): rank 0 joins a
+weight-sync group as its sender (``join_weight_sync``); at each sync every rank takes part in the
+full-state gather and rank 0 streams it in buckets (``send_weights``). The other ranks never join
+that group.
 """
 
 from __future__ import annotations
@@ -17,13 +22,31 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.algorithms import agg_loss, batch_counts, compute_rollout_correction, get_policy_loss, kl_penalty
+from hybridflow.algorithms import (
+    agg_loss,
+    batch_counts,
+    compute_rollout_correction,
+    get_policy_loss,
+    kl_penalty,
+)
 from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.data.batching import num_micro_batches_for_budget
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
+from hybridflow.rollout import weight_transfer
+from hybridflow.rollout.weight_transfer import (
+    SENDER_RANK,
+    TransferStats,
+    WeightSyncGroup,
+    gpu_uuid,
+    sync_device,
+)
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
-from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.engine import (
+    OptimSpec,
+    TrainEngine,
+    token_budget_micro_batches,
+)
 from hybridflow.training.packing import sequence_lengths
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
@@ -106,6 +129,7 @@ class ActorWorker:
         )
         self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
         self.consecutive_skips = 0
+        self.weight_sync: WeightSyncGroup | None = None  # rank 0, once joined (rollout.weight_sync=broadcast)
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of the response tokens under the current weights (old_logprobs).  # (B, R)"""
@@ -268,6 +292,38 @@ class ActorWorker:
         """Full weights by HF name on rank 0 (a list, so it can cross a process boundary); []
         on the other ranks."""
         return self.engine.named_weights()
+
+    def device_uuid(self) -> str | None:
+        """This rank's GPU (None on CPU), so the controller can tell whether NCCL can link it to
+        the rollout ranks."""
+        return gpu_uuid(self.setup.device)
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, on_gpu: bool) -> None:
+        """Join the weight-sync group at ``host:port`` as its sender, listening there; returns once
+        all ``world_size`` members (this rank and the rollout ranks) have joined."""
+        if self.rank != SENDER_RANK:
+            raise ValueError(f"actor rank {self.rank}: only rank {SENDER_RANK} joins the weight-sync group")
+        self.weight_sync = WeightSyncGroup.connect(rank=SENDER_RANK, world_size=world_size, host=host, port=port,
+                                                   device=sync_device(self.setup.device, on_gpu))
+
+    @collective
+    def send_weights(self) -> TransferStats | None:
+        """One weight sync: every rank takes part in the full-state gather (FSDP2), then rank 0
+        streams it to the rollout ranks, which run ``receive_weights`` at the same time. Returns
+        once they applied every bucket: the transfer's stats on rank 0, None on the others."""
+        # The engine gathers eagerly (a list on rank 0); streaming needs no second copy of it.
+        weights = self.engine.named_weights()
+        if self.rank != SENDER_RANK:
+            return None
+        if self.weight_sync is None:
+            raise RuntimeError("actor rank 0 has not joined a weight-sync group: call join_weight_sync first")
+        return weight_transfer.send_weights(self.weight_sync, weights)
+
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group (a no-op when not in one)."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
 
     @collective
     def save_checkpoint(self, out_dir: str) -> None:

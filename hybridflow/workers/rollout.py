@@ -7,6 +7,11 @@ Two paths, chosen once at construction:
 - with ``AgentSetup``: each request runs as ``n`` agent episodes (``hybridflow.agents``),
   the loop picked per row by its ``agent_name`` (else the default loop), every episode
   concurrently against the same engine.
+
+New weights arrive either as ``(name, tensor)`` pairs through the controller (``update_weights``)
+or, when the rollout runs in another process than actor rank 0 (``rollout.weight_sync=broadcast``),
+straight from it: the worker joins the weight-sync group as a receiver (``join_weight_sync``) and
+applies each bucket as it arrives (``receive_weights``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ import torch
 
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
-from hybridflow.rollout import build_rollout_engine
+from hybridflow.rollout import build_rollout_engine, weight_transfer
+from hybridflow.rollout.weight_transfer import (
+    SENDER_RANK,
+    TransferStats,
+    WeightSyncGroup,
+    gpu_uuid,
+    sync_device,
+)
 from hybridflow.types import GenerationRequest, Trajectory
 
 
@@ -46,6 +58,7 @@ class RolloutSetup:
     seed: int
     trust_remote_code: bool = False
     agent: AgentSetup | None = None  # None: single-turn generation, no agent loop
+    enforce_eager: bool = False  # no CUDA graphs for decode
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -64,11 +77,15 @@ def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
 
 class RolloutWorker:
     def __init__(self, rank: int, world_size: int, setup: RolloutSetup) -> None:
-        self.rank = rank
+        self.rank, self.device = rank, setup.device
         tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
         # The engine owns its own copy of the weights (possibly in another dtype); the trainer
         # pushes updates with update_weights after each step.
         model = load_causal_lm(setup.model_path, device=setup.device, trust_remote_code=setup.trust_remote_code)
+        # The module the engine serves (it may cast or move it in place): its state dict names the
+        # parameters and shapes a broadcast sync is checked against.
+        self.model = model
+        self.weight_sync: WeightSyncGroup | None = None  # once joined (rollout.weight_sync=broadcast)
         self.engine = build_rollout_engine(
             setup.engine,
             model=model,
@@ -79,6 +96,7 @@ class RolloutWorker:
             dtype=setup.dtype,
             seed=setup.seed + rank,
             tokenizer=tokenizer,
+            enforce_eager=setup.enforce_eager,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
 
@@ -104,3 +122,32 @@ class RolloutWorker:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(weights)
+
+    # ------------------------------------------------------------ weight sync (broadcast)
+    def device_uuid(self) -> str | None:
+        """This rank's GPU (None on CPU), so the controller can tell whether NCCL can link it to
+        actor rank 0."""
+        return gpu_uuid(self.device)
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, on_gpu: bool) -> None:
+        """Join the weight-sync group at ``host:port`` as receiver ``rank + 1`` (actor rank 0 is
+        the sender); returns once all ``world_size`` members have joined."""
+        self.weight_sync = WeightSyncGroup.connect(rank=SENDER_RANK + 1 + self.rank, world_size=world_size, host=host,
+                                                   port=port, device=sync_device(self.device, on_gpu))
+
+    def receive_weights(self) -> TransferStats:
+        """One weight sync from actor rank 0 (which runs ``send_weights`` at the same time): each
+        bucket is checked against the model's names and shapes, then applied by the engine
+        (cast to its dtype) as it arrives. The engine runs no step until the last bucket is in, so
+        no request sees a mix of old and new weights."""
+        if self.weight_sync is None:
+            raise RuntimeError(f"rollout rank {self.rank} has not joined a weight-sync group: call join_weight_sync "
+                               f"first")
+        with self.engine.weight_update() as apply:
+            return weight_transfer.receive_weights(self.weight_sync, self.model.state_dict(), apply)
+
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group (a no-op when not in one)."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None

@@ -22,11 +22,17 @@ pytest.importorskip("ray")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from hybridflow.api import make_config  # noqa: E402
 from hybridflow.cluster.ray_group import Placement, RayWorkerGroup, ResourcePool, init_ray  # noqa: E402
 from hybridflow.cluster.worker_group import WorkerError  # noqa: E402
+from hybridflow.controller.setup import build_run  # noqa: E402
+from hybridflow.controller.sync import RLTrainer  # noqa: E402
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
+from hybridflow.models.loading import load_causal_lm  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
 from hybridflow.training.distributed import collective  # noqa: E402
+from hybridflow.workers.actor import ActorWorker  # noqa: E402
+from hybridflow.workers.rollout import RolloutWorker  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +86,54 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
     config = json.loads((exported / "model" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert (exported / "model" / "model.safetensors").is_file() and (exported / "optim.pt").is_file()
+
+
+# ------------------------------------------------------------------------- weight sync
+def _engine_weights(worker: RolloutWorker) -> dict[str, torch.Tensor]:
+    """What the rollout engine serves, run on the rollout rank."""
+    return {name: tensor.clone() for name, tensor in worker.engine.model.state_dict().items()}
+
+
+# These runs reserve their own Ray resources: they come before the tests below, whose module
+# fixture holds every CPU of the local cluster while it lives.
+@pytest.mark.parametrize(("n_workers", "rollout_dtype"), [(1, "float32"), (2, "bfloat16")],
+                         ids=["one-rank", "two-ranks-fsdp2-bf16-rollout"])
+def test_broadcast_weight_sync_gives_the_rollout_the_actors_weights(
+    tmp_path: Path, n_workers: int, rollout_dtype: str
+) -> None:
+    import ray
+
+    model_dir = write_tiny_model(tmp_path / "model")
+    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
+    reward = tmp_path / "reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    cfg = make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2", "data.max_response_length=4",
+        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0",
+        "trainer.save_final=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
+        "trainer.backend=ray", f"trainer.n_workers={n_workers}", "rollout.weight_sync=broadcast",
+        f"rollout.dtype={rollout_dtype}", f"trainer.output_dir={tmp_path / 'out'}",
+    ])
+    initial = load_causal_lm(str(model_dir)).state_dict()
+    run = build_run(cfg)
+    try:
+        assert run.weight_sync == "broadcast"
+        RLTrainer(run).fit()
+        # Collective: every actor rank joins the gather, rank 0 holds the full weights.
+        actor = dict(run.actor.call_all(ActorWorker.weights_for_sync)[0])
+        served = run.rollout.call_one(0, _engine_weights)
+    finally:
+        run.close()
+        ray.shutdown()
+    assert set(actor) <= set(served)
+    for name, tensor in actor.items():
+        assert torch.equal(served[name], tensor.to(served[name].dtype)), name
+    assert any(not torch.equal(actor[name], initial[name]) for name in actor)  # so the sync moved something
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["training/global_step"] for s in steps] == [1.0, 2.0]
+    assert all(s["timing_s/update_weights"] > 0 for s in steps)
 
 
 # ------------------------------------------------------------------------------ worker groups

@@ -1,0 +1,51 @@
+"""rollout.weight_sync: a typed key with named choices; ``auto`` broadcasts exactly when the rollout
+runs in another process than actor rank 0 (trainer.backend=ray), and ``broadcast`` in-process is a
+ConfigError naming the key, raised before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config
+from hybridflow.config.schema import RolloutConfig
+from hybridflow.controller.setup import build_run, resolve_weight_sync
+
+
+def test_the_key_defaults_to_auto_and_accepts_its_choices() -> None:
+    assert RolloutConfig().weight_sync == "auto"
+    for mode in ("auto", "object_store", "broadcast"):
+        assert load_config("grpo", overrides=[f"rollout.weight_sync={mode}"]).rollout.weight_sync == mode
+
+
+def test_a_bad_value_names_the_key_and_the_choices() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo", overrides=["rollout.weight_sync=broadcasts"])
+    message = str(info.value)
+    assert "'rollout.weight_sync' is 'broadcasts'" in message
+    assert "auto, object_store, broadcast" in message and "did you mean 'broadcast'" in message
+    assert info.value.key == "rollout.weight_sync"
+
+
+@pytest.mark.parametrize(
+    ("mode", "backend", "resolved"),
+    [
+        ("auto", "local", "object_store"),  # one process: the direct copy
+        ("auto", "ray", "broadcast"),  # the rollout is another process than actor rank 0
+        ("object_store", "ray", "object_store"),
+        ("object_store", "local", "object_store"),
+        ("broadcast", "ray", "broadcast"),
+    ],
+)
+def test_auto_broadcasts_only_across_processes(mode: str, backend: str, resolved: str) -> None:
+    assert resolve_weight_sync(mode, backend) == resolved
+
+
+def test_broadcast_in_process_is_an_error_naming_the_key_before_any_model_loads(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"rollout.weight_sync=broadcast .* trainer.backend=local") as info:
+        resolve_weight_sync("broadcast", "local")
+    assert info.value.key == "rollout.weight_sync"
+    # build_run refuses it among the config checks, before the output folder or a model exists.
+    cfg = load_config("grpo", overrides=["rollout.weight_sync=broadcast", f"trainer.output_dir={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError, match="rollout.weight_sync=broadcast"):
+        build_run(cfg)
+    assert not (tmp_path / "out").exists()
