@@ -279,9 +279,11 @@ class RLTrainer:
     def score_answers(self, trajectories: list[Trajectory], shaping: bool = True) -> tuple[list[float], dict[str, float]]:
         """Score each trajectory's final answer (``answer_view``: its last assistant turn, not the
         tool replies before it) and set its ``reward`` and ``reward_extra``. A single-turn
-        trajectory is scored as it is. Overlong shaping then measures the final turn only."""
+        trajectory is scored as it is. Overlong shaping measures the whole response: every turn
+        spends the data.max_response_length budget."""
         views = [answer_view(t) for t in trajectories]
-        scores, metrics = self.reward.call_one(0, RewardWorker.score, views, shaping=shaping)
+        lengths = [len(t.response_ids) for t in trajectories]
+        scores, metrics = self.reward.call_one(0, RewardWorker.score, views, shaping=shaping, response_lengths=lengths)
         for t, view in zip(trajectories, views, strict=True):
             t.reward, t.reward_extra = view.reward, view.reward_extra
         return scores, metrics

@@ -38,12 +38,16 @@ class RewardWorker:
             setup.custom_path, setup.custom_name, timeout_s=setup.timeout_s, num_workers=setup.num_workers
         )
 
-    def score(self, trajectories: list[Trajectory], shaping: bool = True) -> tuple[list[float], dict[str, float]]:
+    def score(
+        self, trajectories: list[Trajectory], shaping: bool = True, response_lengths: list[int] | None = None
+    ) -> tuple[list[float], dict[str, float]]:
         """Score each trajectory in place; returns the scores and reward metrics.
 
         ``.reward_extra`` gets the scorer's score as ``acc`` plus any numeric extras it returned;
         ``.reward`` gets that score plus the overlong penalty when shaping is configured and
-        ``shaping`` is true (training), or the plain score (validation).
+        ``shaping`` is true (training), or the plain score (validation). The penalty measures
+        ``response_lengths`` (default: each trajectory's response): an agent episode is scored on
+        its final answer but spends its length budget on every turn.
         """
         # Decode only the policy's own tokens' span; special tokens (EOS) are not part of the answer.
         texts = self.tokenizer.batch_decode([t.response_ids for t in trajectories], skip_special_tokens=True)
@@ -60,7 +64,10 @@ class RewardWorker:
         scores, metrics = list(output.scores), dict(output.metrics)
         s = self.setup
         if shaping and s.overlong_buffer_len is not None:
-            lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+            if response_lengths is not None and len(response_lengths) != len(trajectories):
+                raise ValueError(f"RewardWorker.score: {len(response_lengths)} response_lengths for "
+                                 f"{len(trajectories)} trajectories")
+            lengths = torch.tensor(response_lengths or [len(t.response_ids) for t in trajectories])
             penalty = compute_overlong_penalty(
                 lengths, max_response_length=s.max_response_length, buffer_len=s.overlong_buffer_len,
                 penalty_factor=s.overlong_penalty_factor,
