@@ -64,6 +64,10 @@ def key_bucket(key_length: int, capacity: int) -> int:
     return min(-(-key_length // KEY_BUCKET) * KEY_BUCKET, capacity)
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode step failed (an operation a CUDA graph cannot hold); eager decode works."""
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -139,6 +143,13 @@ class StaticDecoder:
             for _ in range(WARMUP_RUNS):
                 self._step(bucket, keys)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
+        try:
+            return self._record(bucket, keys)
+        except Exception as exc:  # whatever the capture hit, the step itself is fine eagerly
+            raise GraphCaptureError(f"capturing the decode step (batch {bucket}, {keys} keys) failed: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+
+    def _record(self, bucket: int, keys: int) -> _Captured:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the engine steps in a worker thread; CUDA work another thread does meanwhile
         # (a colocated trainer, a server's tokenisation) must neither join nor break the capture.

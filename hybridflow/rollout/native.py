@@ -56,7 +56,7 @@ from typing import Any, Protocol
 import torch
 
 from hybridflow.rollout.compact import CompactCausalLM
-from hybridflow.rollout.graphs import StaticDecoder
+from hybridflow.rollout.graphs import GraphCaptureError, StaticDecoder
 from hybridflow.rollout.kv_cache import SlotKVCache
 from hybridflow.rollout.sampling import (
     RowProfile,
@@ -954,10 +954,15 @@ class NativeEngine:
         samples = [s for s in self._rows[:batch] if s is not None]
         assert len(samples) == batch, "decode rows must be packed before a step"
         positions = state.positions[:batch]
-        logits: torch.Tensor | None
+        logits: torch.Tensor | None = None
         if self._static_decoder is not None:
-            logits = self._static_decoder.forward(state.last_tokens[:batch], positions, plan.key_length)
-        else:
+            try:
+                logits = self._static_decoder.forward(state.last_tokens[:batch], positions, plan.key_length)
+            except GraphCaptureError as exc:
+                # A model op a graph cannot hold must not end the run: decode eagerly from now on.
+                logger.warning("NativeEngine: %s; decoding without CUDA graphs from now on", exc)
+                self._static_decoder, self.decode_mode = None, "eager"
+        if logits is None:
             access = self._cache.decode_access(batch, positions, plan.key_length)
             logits = self._compact.forward(state.last_tokens[:batch, None], positions[:, None], access, plan.key_length)
         assert logits is not None

@@ -100,3 +100,17 @@ def test_decode_mode_is_checked():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             make_engine(decode_mode="cuda_graph")
     assert make_engine().decode_mode == "eager"  # the default off CUDA: padding would cost real work
+
+
+def test_a_failed_graph_capture_falls_back_to_eager_decode(monkeypatch, caplog):
+    def fail(self, tokens, positions, key_length):
+        raise graphs.GraphCaptureError("capturing the decode step failed: an op a graph cannot hold")
+
+    monkeypatch.setattr(StaticDecoder, "forward", fail)
+    engine = make_engine(make_model(), decode_mode="static")
+    requests = [request(p, temperature=0.0, max_tokens=6) for p in PROMPTS]
+    got = [group[0].response_ids for group in engine.generate_batch(requests)]
+    expected = [group[0].response_ids for group in make_engine(make_model()).generate_batch(requests)]
+    assert got == expected
+    assert engine.decode_mode == "eager"
+    assert "decoding without CUDA graphs from now on" in caplog.text
