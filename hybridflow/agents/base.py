@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -116,10 +117,22 @@ class AgentContext:
         return self.tools.schemas() if self.tools is not None else []
 
 
+def agent_loop_class(name: str) -> type:
+    """The class registered as ``name`` (``AGENT_LOOPS``), or at ``module:Class``, checked to be
+    a class with an ``async def run`` *before* anything calls it: a row naming ``os:system``
+    must not get ``os.system(context)`` run."""
+    loop_class = resolve_object(AGENT_LOOPS.get(name, name), "agent loop", known=AGENT_LOOPS)
+    if not inspect.isclass(loop_class) or not asyncio.iscoroutinefunction(getattr(loop_class, "run", None)):
+        raise TypeError(
+            f"agent loop {name!r} ({loop_class!r}) is not a class or has no async run(prompt_ids, metadata, params, "
+            f"engine)"
+        )
+    return loop_class
+
+
 def build_agent_loop(name: str, context: AgentContext) -> AgentLoop:
     """The loop registered as ``name`` (``AGENT_LOOPS``), or the class at ``module:Class``."""
-    loop_class = resolve_object(AGENT_LOOPS.get(name, name), "agent loop", known=AGENT_LOOPS)
-    loop = loop_class(context)
+    loop = agent_loop_class(name)(context)
     if not isinstance(loop, AgentLoop) or not asyncio.iscoroutinefunction(loop.run):
         raise TypeError(f"agent loop {name!r} ({loop_class!r}) has no async run(prompt_ids, metadata, params, engine)")
     return loop

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridflow.algorithms.core import F, check_same_shape, masked_whiten, register_into, resolve
+from hybridflow.algorithms.core import F, check_keyword_call, check_same_shape, masked_whiten, register_into, resolve
 
 
 class AdvantageEstimatorFn(Protocol):
@@ -68,6 +68,11 @@ ADV_ESTIMATORS: dict[str, AdvantageEstimatorFn] = {}
 # An estimator declares what it needs in a ``needs`` attribute (a tuple of these names); a
 # ``module:function`` estimator can set the same attribute.
 OPTIONAL_ESTIMATOR_INPUTS: tuple[str, ...] = ("values", "reward_baselines")
+
+# The keywords the trainer calls every estimator with (plus the optional inputs it ``needs``).
+ESTIMATOR_KEYWORDS: tuple[str, ...] = (
+    "token_level_rewards", "response_mask", "group_ids", "gamma", "lam", "norm_adv_by_std_in_grpo",
+)
 
 
 def register_adv_estimator(name: str, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
@@ -103,7 +108,10 @@ def get_adv_estimator(name: str) -> AdvantageEstimatorFn:
     Raises ``UnknownNameError`` (a ValueError and a KeyError) listing the registered names and
     the closest one.
     """
-    return resolve(ADV_ESTIMATORS, name, "advantage estimator")
+    fn = resolve(ADV_ESTIMATORS, name, "advantage estimator")
+    if name not in ADV_ESTIMATORS:  # a user's module:function: check it now, not at step 1
+        check_keyword_call(fn, (*ESTIMATOR_KEYWORDS, *sorted(estimator_needs(fn))), "advantage estimator", name)
+    return fn
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any, TypeVar
 
@@ -168,6 +169,30 @@ def resolve(registry: MutableMapping[str, F], name: str, what: str) -> F:
             raise UnknownNameError(f"{what} {name!r}: module {module_name!r} has no callable {attr!r}")
         return fn  # type: ignore[no-any-return]
     raise UnknownNameError(unknown_name_message(what, name, registry))
+
+
+def check_keyword_call(fn: Callable[..., Any], keywords: Iterable[str], what: str, name: str) -> None:
+    """Raise ``UnknownNameError`` unless ``fn`` can be called with exactly these keyword arguments.
+
+    A ``module:function`` path is checked at start-up, not at the first call minutes into the
+    run: ``os:system`` is callable, yet no advantage estimator. A callable without an
+    introspectable signature (a C builtin) is refused too, since nothing about it can be checked.
+    """
+    keywords = tuple(keywords)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise UnknownNameError(
+            f"{what} {name!r} has no inspectable signature (a builtin?); it must be a Python function "
+            f"taking the keywords {', '.join(keywords)}"
+        ) from None
+    try:
+        signature.bind(**{keyword: None for keyword in keywords})
+    except TypeError as error:
+        raise UnknownNameError(
+            f"{what} {name!r}{signature} cannot be called with the keywords the trainer passes "
+            f"({', '.join(keywords)}): {error}; add the missing parameters, or **kwargs to ignore the rest"
+        ) from None
 
 
 def check_same_shape(**tensors: torch.Tensor) -> None:

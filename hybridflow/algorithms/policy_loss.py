@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from hybridflow.algorithms.aggregation import Count, agg_loss
-from hybridflow.algorithms.core import F, check_same_shape, masked_mean, masked_sum, register_into, resolve
+from hybridflow.algorithms.core import F, check_keyword_call, check_same_shape, masked_mean, masked_sum, register_into, resolve
 
 # exp(20) ≈ 4.9e8 is finite in fp32/bf16; a larger log-ratio means the sample is hopelessly
 # off-policy and only needs to be finite (verl clamps the same way).
@@ -73,6 +73,15 @@ class PolicyLossFn(Protocol):
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
+# The keywords the actor calls every policy loss with (workers/actor.py); a loss ignores the
+# ones that are not its own through ``**kwargs``.
+POLICY_LOSS_KEYWORDS: tuple[str, ...] = (
+    "old_logprobs", "logprobs", "advantages", "response_mask", "clip_ratio_low", "clip_ratio_high",
+    "clip_ratio_c", "loss_agg_mode", "rollout_is_weights", "tau_pos", "tau_neg", "clip_cov_ratio",
+    "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "generator", "global_num_tokens",
+    "global_num_seqs", "loss_scale_factor", "dp_size",
+)
+
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
     """Decorator: add a policy loss under ``name`` (the value of ``actor.loss_mode``)."""
@@ -85,7 +94,10 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     Raises ``UnknownNameError`` (a ValueError and a KeyError) listing the registered names and
     the closest one.
     """
-    return resolve(POLICY_LOSSES, name, "policy loss")
+    fn = resolve(POLICY_LOSSES, name, "policy loss")
+    if name not in POLICY_LOSSES:  # a user's module:function: check it now, not at step 1
+        check_keyword_call(fn, POLICY_LOSS_KEYWORDS, "policy loss", name)
+    return fn
 
 
 @register_policy_loss("vanilla")

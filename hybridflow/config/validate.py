@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,35 @@ _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.num_threads", 1),
 )
 """Like ``_POSITIVE_INTS`` but None is allowed (it means "no limit" / "default")."""
+
+
+_MAXIMA: tuple[tuple[str, int, str], ...] = (
+    # Each cap is far above any real use and far below what silently hangs or exhausts memory: a
+    # value past it is a typo (an extra zero, 1e8 for 8), and the run would otherwise sit silent.
+    ("rollout.n", 4096, "samples per prompt"),
+    ("rollout.val_kwargs.n", 4096, "samples per validation prompt"),
+    ("data.train_batch_size", 1 << 20, "prompts per step"),
+    ("data.val_batch_size", 1 << 20, "validation prompts per generation call"),
+    ("data.max_prompt_length", 1 << 20, "tokens"),
+    ("data.max_response_length", 1 << 20, "tokens"),
+    ("rollout.max_batch_size", 1 << 16, "sequences decoded together"),
+    ("rollout.multi_turn.max_assistant_turns", 1024, "turns per episode"),
+    ("rollout.multi_turn.max_parallel_calls", 1024, "tool calls per turn"),
+    ("rollout.multi_turn.max_tool_response_length", 1 << 20, "characters"),
+    ("reward.num_workers", 256, "scoring processes"),
+    ("actor.ppo_epochs", 1000, "passes over each rollout batch"),
+    ("warm_start.steps", 10_000_000, "SFT steps"),
+    ("trainer.num_threads", 4096, "torch threads"),
+)
+"""Integer keys and their largest accepted value, with the unit for the message."""
+
+MAX_SAMPLES_PER_STEP = 1 << 20
+"""``data.train_batch_size x rollout.n``: one step's trajectories all live in memory at once."""
+
+MIN_TRAIN_TEMPERATURE = 1e-2
+"""The trainer recomputes logprobs of logits / temperature. At 0 they are undefined (greedy has
+no distribution) and far below 1e-2 they overflow float32 (1e-45 turns logits into inf), so the
+loss is NaN at every step. Real RL sampling uses 0.6-1.2; validation may still decode greedily."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +233,34 @@ class _Report:
 # Checks
 
 
+def _check_finite(node: Any, prefix: str, report: _Report) -> None:
+    """Every float in the config is finite: YAML's .inf and .nan parse as floats, and no key means
+    anything by them."""
+    for fld in dataclasses.fields(node):
+        value = getattr(node, fld.name)
+        path = f"{prefix}{fld.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{path}.", report)
+        elif isinstance(value, float) and not math.isfinite(value):
+            report.error(f"{path}={value} must be a finite number")
+
+
+def _check_maxima(cfg: Config, report: _Report) -> None:
+    for path, maximum, unit in _MAXIMA:
+        value = _get(cfg, path)
+        if value is not None and value > maximum:
+            report.error(f"{path}={value} is over the limit of {maximum} {unit}; is it a typo?")
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    if samples > MAX_SAMPLES_PER_STEP:
+        report.error(
+            f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = {samples} samples per "
+            f"step is over the limit of {MAX_SAMPLES_PER_STEP} (they are all held in memory at once)"
+        )
+
+
 def _check_ranges(cfg: Config, report: _Report) -> None:
+    _check_finite(cfg, "", report)
+    _check_maxima(cfg, report)
     for path, minimum in _POSITIVE_INTS:
         value = _get(cfg, path)
         if value < minimum:
@@ -265,9 +322,21 @@ def _check_ranges(cfg: Config, report: _Report) -> None:
         report.error(f"algorithm.kl_ctrl.target_kl={algorithm.kl_ctrl.target_kl} must be > 0")
 
 
-def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, report: _Report) -> None:
-    if temperature < 0:
-        report.error(f"{prefix}.temperature={temperature} must be >= 0 (0: greedy)")
+def _check_sampling(
+    prefix: str, temperature: float, top_p: float, top_k: int, report: _Report, training: bool = False
+) -> None:
+    if training and temperature < MIN_TRAIN_TEMPERATURE:
+        report.error(
+            f"{prefix}.temperature={temperature} must be >= {MIN_TRAIN_TEMPERATURE} for training: the trainer's "
+            f"logprobs of logits / temperature are undefined at 0 (greedy) and overflow below that, so every "
+            f"loss would be NaN; sample with a temperature such as 1.0 (greedy validation is "
+            f"rollout.val_kwargs.temperature=0)"
+        )
+    elif not training and (temperature < 0 or 0 < temperature < MIN_TRAIN_TEMPERATURE):
+        report.error(
+            f"{prefix}.temperature={temperature} must be 0 (greedy) or >= {MIN_TRAIN_TEMPERATURE} (below that the "
+            f"tempered logits overflow)"
+        )
     if not 0 < top_p <= 1:
         report.error(f"{prefix}.top_p={top_p} must be in (0, 1] (1: no nucleus filtering)")
     if top_k != -1 and top_k < 1:
@@ -276,7 +345,7 @@ def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, r
 
 def _check_all_sampling(cfg: Config, report: _Report) -> None:
     rollout, val = cfg.rollout, cfg.rollout.val_kwargs
-    _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k, report)
+    _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k, report, training=True)
     _check_sampling("rollout.val_kwargs", val.temperature, val.top_p, val.top_k, report)
 
 
@@ -377,11 +446,6 @@ def _check_algorithm(cfg: Config, report: _Report) -> None:
                 f"group mean is taken as 0 and the std as 1 and the advantage is just reward / (1 + 1e-6), "
                 f"with no baseline; use rollout.n >= 2 (GRPO usually uses 4 to 16)"
             )
-    if cfg.rollout.temperature == 0 and n > 1:
-        report.warn(
-            f"rollout.temperature=0 is greedy decoding: all rollout.n={n} samples of a prompt are identical, "
-            f"so group-relative advantages are 0 and nothing is learned; use a temperature such as 1.0"
-        )
     if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         report.warn(
             "both actor.use_kl_loss and algorithm.use_kl_in_reward are true: the KL to the reference "

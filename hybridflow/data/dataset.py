@@ -26,7 +26,7 @@ import logging
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, overload
@@ -58,6 +58,7 @@ class BadRowReason:
     ROLE_INVALID = "role_invalid"
     DATA_SOURCE_MISSING = "data_source_missing"
     DATA_SOURCE_INVALID = "data_source_invalid"
+    DATA_SOURCE_UNKNOWN = "data_source_unknown"
     ABILITY_INVALID = "ability_invalid"
     REWARD_MODEL_MISSING = "reward_model_missing"
     REWARD_MODEL_INVALID = "reward_model_invalid"
@@ -415,6 +416,7 @@ class RLDataset(Sequence[PromptRow]):
         truncation: str = "error",
         filter_overlong_prompts: bool = True,
         on_bad_row: str = "error",
+        data_sources: Collection[str] | None = None,
     ) -> RLDataset:
         """Load, validate and tokenize every row of ``files`` (concatenated in order).
 
@@ -423,6 +425,9 @@ class RLDataset(Sequence[PromptRow]):
         - A prompt longer than ``max_prompt_length`` tokens after the chat template is dropped
           and counted when ``filter_overlong_prompts``; otherwise ``truncation`` decides:
           ``"error"`` raises, ``"left"`` keeps the last tokens, ``"right"`` the first.
+        - A row whose ``data_source`` is not in ``data_sources`` (when given: the sources the
+          run's reward can score) is malformed too: found here, not at the first step that
+          samples it, minutes into the run.
         - A dataset left empty raises ``DataError`` saying what removed the rows.
         """
         file_list = [files] if isinstance(files, (str, os.PathLike)) else list(files)
@@ -460,6 +465,13 @@ class RLDataset(Sequence[PromptRow]):
                     continue
                 try:
                     valid = _validate_row(record.value, prompt_key)
+                    if data_sources is not None and valid.data_source not in data_sources:
+                        raise _RowProblem(
+                            BadRowReason.DATA_SOURCE_UNKNOWN,
+                            f"no reward function scores data_source {valid.data_source!r} (known: "
+                            f"{', '.join(sorted(data_sources))}); fix the row's data_source, or set "
+                            "reward.custom_reward_function.path to a function that scores it",
+                        )
                 except _RowProblem as problem:
                     reject(location, problem)
                     continue

@@ -88,24 +88,34 @@ DEFAULT_MEMORY_LIMIT_MB = 4096
 
 
 @contextlib.contextmanager
-def _unimportable_main_hidden() -> Iterator[None]:
-    """Start spawned workers from a script read on stdin (``python - <<EOF``) or a REPL.
+def _parent_main_hidden() -> Iterator[None]:
+    """Start spawned workers without re-running the parent's ``__main__``.
 
-    ``spawn`` re-runs the parent's ``__main__`` in the child from ``__main__.__file__``; for a
-    script read on stdin that is ``"<stdin>"``, no file, and every worker would die at start.
-    The workers never need the parent's ``__main__`` (their target lives in
-    ``hybridflow.rewards.worker``), so an unimportable one is hidden while a worker starts.
+    ``spawn`` re-runs the parent's ``__main__`` in the child, from ``__main__.__spec__`` (``python
+    -m pkg``) or ``__main__.__file__``. A user's script that calls ``api.train`` without an ``if
+    __name__ == "__main__":`` guard would then start a second training run inside every worker,
+    and a script read on stdin (``python - <<EOF``) has no file at all, so every worker died at
+    start. The workers never need the parent's ``__main__`` (their target lives in
+    ``hybridflow.rewards.worker`` and custom reward files are loaded by path), so it is hidden
+    while a worker starts.
     """
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or path is None or os.path.exists(path):
+    if main is None:
         yield
         return
-    del main.__file__
+    missing = object()
+    saved = {name: getattr(main, name, missing) for name in ("__file__", "__spec__")}
+    if "__file__" in vars(main):
+        del main.__file__
+    main.__spec__ = None
     try:
         yield
     finally:
-        main.__file__ = path
+        for name, value in saved.items():
+            if value is missing:
+                vars(main).pop(name, None)
+            else:
+                setattr(main, name, value)
 
 
 @dataclass(frozen=True)
@@ -374,7 +384,7 @@ class RewardManager:
             ),
             name=f"hybridflow-reward-worker-{slot}",
         )
-        with _unimportable_main_hidden():
+        with _parent_main_hidden():
             process.start()
         child_conn.close()  # only the child holds its end now, so its exit reads as EOF here
         startup_deadline = time.monotonic() + self._startup_timeout_s

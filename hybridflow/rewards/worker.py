@@ -112,6 +112,16 @@ def _as_real(value: Any) -> float | None:
     return None
 
 
+MAX_ABS_SCORE = 1e18
+"""The largest score magnitude accepted. Scores train in float32, where 1e308 is inf; and the
+group statistics square them (a variance of 1e20-sized scores overflows float32's 3.4e38). A
+finite float64 beyond this is garbage from the reward code: counted and scored 0, like NaN."""
+
+
+def _usable(score: float | None) -> bool:
+    return score is not None and math.isfinite(score) and abs(score) <= MAX_ABS_SCORE
+
+
 def classify(value: Any) -> Outcome:
     """Turn a reward function's return value into ``(status, score, extra, message)``.
 
@@ -124,20 +134,26 @@ def classify(value: Any) -> Outcome:
             keys = _describe(list(value))
             return STATUS_NONFINITE, 0.0, {}, f"returned a dict without 'score' (keys: {keys})"
         score = _as_real(value["score"])
-        if score is None or not math.isfinite(score):
-            return STATUS_NONFINITE, 0.0, {}, f"returned score {_describe(value['score'])}"
+        if not _usable(score):
+            return STATUS_NONFINITE, 0.0, {}, f"returned score {_describe(value['score'])}{_range_note(score)}"
         extra: dict[str, float] = {}
         for key, item in value.items():
             if key == "score" or not isinstance(key, str):
                 continue
             number = _as_real(item)
-            if number is not None and math.isfinite(number):
+            if _usable(number):
                 extra[key] = number
         return STATUS_OK, score, extra, ""
     score = _as_real(value)
-    if score is None or not math.isfinite(score):
-        return STATUS_NONFINITE, 0.0, {}, f"returned {_describe(value)}"
+    if not _usable(score):
+        return STATUS_NONFINITE, 0.0, {}, f"returned {_describe(value)}{_range_note(score)}"
     return STATUS_OK, score, {}, ""
+
+
+def _range_note(score: float | None) -> str:
+    if score is not None and math.isfinite(score):
+        return f" (beyond the usable range ±{MAX_ABS_SCORE:g}: it would overflow float32 training)"
+    return ""
 
 
 def _score_one(fn: Callable[..., Any], request: tuple[str, str, Any, Any]) -> Outcome:

@@ -118,8 +118,8 @@ def test_warm_start_lines(tmp_path: Path) -> None:
 
 
 def test_warnings_are_listed() -> None:
-    text = explain_config(load_config(overrides=["rollout.temperature=0"]))
-    assert text.split("\nWarnings\n", 1)[1].startswith("  - rollout.temperature=0 is greedy")
+    text = explain_config(load_config(overrides=["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"]))
+    assert text.split("\nWarnings\n", 1)[1].startswith("  - both actor.use_kl_loss and algorithm.use_kl_in_reward")
     assert explain_config(load_config()).endswith("Warnings\n  none\n")
 
 

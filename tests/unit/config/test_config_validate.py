@@ -219,8 +219,38 @@ def test_grpo_with_one_sample_is_a_warning() -> None:
     assert any("rollout.n=1 with algorithm.adv_estimator=grpo" in w and "reward / (1 + 1e-6)" in w for w in warnings)
 
 
-def test_greedy_rollout_with_groups_warns() -> None:
-    assert any("rollout.temperature=0 is greedy" in w for w in warnings_for("rollout.temperature=0"))
+@pytest.mark.parametrize("temperature", ["0", "1e-45", "0.009"])
+def test_training_refuses_a_temperature_whose_logprobs_are_undefined(temperature: str) -> None:
+    # At 0 (greedy) the trainer's logprobs of logits / T are undefined and every loss was NaN.
+    message = errors_for(f"rollout.temperature={temperature}")
+    assert f"rollout.temperature={float(temperature)} must be >= 0.01 for training" in message
+    assert "rollout.val_kwargs.temperature=0" in message  # where greedy decoding belongs
+
+
+def test_validation_may_decode_greedily_but_not_at_an_overflowing_temperature() -> None:
+    assert warnings_for("rollout.val_kwargs.temperature=0") == []
+    assert "must be 0 (greedy) or >= 0.01" in errors_for("rollout.val_kwargs.temperature=1e-45")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["rollout.n=100000000"], "rollout.n=100000000 is over the limit of 4096 samples per prompt"),
+        (["data.max_response_length=100000000"], "data.max_response_length=100000000 is over the limit"),
+        (["reward.num_workers=100000"], "reward.num_workers=100000 is over the limit of 256"),
+        (["data.train_batch_size=4096", "rollout.n=4096", "data.builtin_train_size=8192"],
+         "4096 x rollout.n=4096 = 16777216 samples per step is over the limit"),
+    ],
+)
+def test_sizes_are_bounded(overrides: list[str], expected: str) -> None:
+    assert expected in errors_for(*overrides)
+
+
+def test_a_programmatic_config_with_a_non_finite_float_is_refused() -> None:
+    cfg = load_config()
+    cfg.actor.optim.lr = float("nan")  # the loader refuses .nan; an API caller can still set it
+    with pytest.raises(ConfigError, match="actor.optim.lr=nan must be a finite number"):
+        validate_config(cfg)
 
 
 def test_both_kl_terms_warn() -> None:

@@ -371,3 +371,28 @@ def test_invalid_arguments(tmp_path, tokenizer, kwargs, message):
     path = write_jsonl(tmp_path / "t.jsonl", [good_row(0)])
     with pytest.raises(ValueError, match=message):
         RLDataset.from_files(path, tokenizer, **{"max_prompt_length": 64, **kwargs})
+
+
+# --------------------------------------------------------------------------------------------
+# Rows whose data_source no reward function scores (found at load time, not at the first step
+# that samples them)
+
+
+def test_a_row_without_a_scorer_is_named_at_load_time(tokenizer, tmp_path: Path) -> None:
+    rows = [good_row(0), {**good_row(1), "data_source": "nobody/scores-this"}, good_row(2)]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        RLDataset.from_files(path, tokenizer, max_prompt_length=64, data_sources={"test/source"})
+    message = str(info.value)
+    assert message.startswith(f"{path} row 1 (line 2): no reward function scores data_source 'nobody/scores-this'")
+    assert "known: test/source" in message and "reward.custom_reward_function.path" in message
+
+
+def test_skip_mode_counts_rows_without_a_scorer(tokenizer, tmp_path: Path) -> None:
+    rows = [good_row(0), {**good_row(1), "data_source": "nobody/scores-this"}, good_row(2)]
+    path = write_parquet(tmp_path / "train.parquet", rows)
+    data = RLDataset.from_files(path, tokenizer, max_prompt_length=64, on_bad_row="skip", data_sources={"test/source"})
+    assert [row.ground_truth for row in data] == ["0", "2"]
+    assert data.stats.bad_rows == {BadRowReason.DATA_SOURCE_UNKNOWN: 1}
+    # Without a set of scorable sources (a custom reward decides per call) every source loads.
+    assert len(RLDataset.from_files(path, tokenizer, max_prompt_length=64)) == 3

@@ -157,6 +157,12 @@ class _Scalar:
         ({"acc": 1}, STATUS_NONFINITE, 0.0, {}),
         ({"score": None}, STATUS_NONFINITE, 0.0, {}),
         ({"score": float("inf"), "acc": 1}, STATUS_NONFINITE, 0.0, {}),
+        # Finite in float64 but inf in the float32 the trainer uses (or inf once squared by the
+        # group statistics): garbage, counted like NaN, never a crash of the update.
+        (1e308, STATUS_NONFINITE, 0.0, {}),
+        (-1e30, STATUS_NONFINITE, 0.0, {}),
+        ({"score": 1e20}, STATUS_NONFINITE, 0.0, {}),
+        ({"score": 1e18, "big": 1e300, "ok": -2.5}, STATUS_OK, 1e18, {"ok": -2.5}),
     ],
 )
 def test_classify(value: object, status: int, score: float, extra: dict[str, float]) -> None:
