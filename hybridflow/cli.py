@@ -10,21 +10,31 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import sys
+import traceback
 
 from hybridflow.config import ConfigError, explain_config, list_presets, load_config
 from hybridflow.controller.checkpoint import CheckpointError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
+    _add_debug(p)
     p.add_argument("--preset", default="grpo", help=f"starting preset: {', '.join(list_presets())} (default grpo)")
     p.add_argument("--config", dest="config_file", default=None, help="a YAML file of overrides")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 actor.optim.lr=1e-5")
 
 
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a subcommand's default must not overwrite `hybridflow --debug train`'s value.
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training for LLMs")
+    parser.add_argument("--debug", action="store_true", help=f"show tracebacks (or set {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run RL training (no arguments: the built-in tiny model and task)")
     _add_config_args(train)
@@ -37,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint folder (global_step_N), or a run folder: its newest checkpoint")
     export.add_argument("out_dir", help="the folder to write (config, tokenizer, safetensors)")
     export.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    _add_debug(export)
     _add_serve_parser(sub)
     return parser
 
@@ -82,38 +93,93 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+DEBUG_ENV = "HYBRIDFLOW_DEBUG"
+"""Set to 1 (like ``--debug``) to see the traceback behind an error instead of its one line."""
+
+
+def _one_line(text: object) -> str:
+    """``text`` on one line; a listed error (``N config errors:\n  - a\n  - b``) reads ``...: a; b``."""
+    text = str(text).replace(":\n  - ", ": ").replace("\n  - ", "; ")
+    return " ".join(text.split())
+
+
+def describe_error(error: BaseException) -> tuple[str, int]:
+    """The one line a user sees for ``error`` (what, where, the fix) and the exit code: 2 for a
+    mistake in the config or the data (fix the input, run again), 1 for a failure while running."""
+    from hybridflow.cluster.worker_group import WorkerError
+    from hybridflow.data.dataset import DataError
+
+    if isinstance(error, ConfigError):
+        return f"config error: {_one_line(error)}", 2
+    if isinstance(error, DataError):
+        return f"data error: {_one_line(error)}", 2
+    if isinstance(error, CheckpointError):
+        return f"checkpoint error: {_one_line(error)}", 1
+    cause = _disk_full_cause(error)
+    if cause is not None:
+        where = f" on {cause.filename}" if cause.filename else ""
+        return f"error: no space left{where}; free some disk space or point trainer.output_dir elsewhere", 1
+    if isinstance(error, WorkerError):
+        return f"worker error: {_one_line(error)}", 1
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"error: {error.strerror or type(error).__name__}: {error.filename}", 1
+    return f"error: {type(error).__name__}: {_one_line(error)}", 1
+
+
+def _disk_full_cause(error: BaseException) -> OSError | None:
+    """The ENOSPC behind ``error``, following its causes (torch wraps it in a RuntimeError)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "export":
-            from hybridflow.controller.export import export_checkpoint
-
-            print(export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite))
-            return 0
-        if args.command == "config" and args.config_command == "presets":
-            print("\n".join(list_presets()))
-            return 0
-        cfg = load_config(args.preset, args.config_file, args.overrides)
-        if args.command == "config":
-            print(explain_config(cfg))
-            return 0
-        from hybridflow.api import train  # heavy imports (torch, transformers) only when training
-
-        train(cfg)
-        return 0
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except (CheckpointError, FileExistsError) as exc:
-        print(f"checkpoint error: {exc}", file=sys.stderr)
-        return 1
+        return _run(args)
     except KeyboardInterrupt as exc:
         # Never exit 0 short of the planned steps; 130 is the shell's code for SIGINT.
         print(f"stopped: {exc}" if str(exc) else "stopped by Ctrl-C", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        message, code = describe_error(exc)
+        hint = "" if debug else f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
+        print(message + (hint if code == 1 else ""), file=sys.stderr)
+        return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "export":
+        from hybridflow.controller.export import export_checkpoint
+
+        print(export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite))
+        return 0
+    if args.command == "config" and args.config_command == "presets":
+        print("\n".join(list_presets()))
+        return 0
+    cfg = load_config(args.preset, args.config_file, args.overrides)
+    if args.command == "config":
+        from hybridflow.controller.setup import resolve_plugins
+
+        text = explain_config(cfg)  # validates the config
+        resolve_plugins(cfg)  # a wrong pluggable name fails here too, not only when training
+        print(text)
+        return 0
+    from hybridflow.api import train  # heavy imports (torch, transformers) only when training
+
+    train(cfg)
+    return 0
 
 
 if __name__ == "__main__":

@@ -295,6 +295,10 @@ class RewardConfig:
     )
     timeout_s: float = f(10.0, "Per-sample scoring timeout; a timed-out sample scores 0 and is counted.")
     num_workers: int = f(1, "Scoring worker processes.")
+    startup_timeout_s: float = f(
+        60.0, "How long a scoring worker may take to start and load the reward function (an import that hangs fails "
+        "the run at start-up after this).",
+    )
     overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO's soft overlong punishment.")
 
 

@@ -308,6 +308,8 @@ def _check_ranges(cfg: Config, report: _Report) -> None:
 
     if cfg.warm_start.lr <= 0:
         report.error(f"warm_start.lr={cfg.warm_start.lr} must be > 0")
+    if cfg.reward.startup_timeout_s <= 0:
+        report.error(f"reward.startup_timeout_s={cfg.reward.startup_timeout_s} must be > 0 seconds")
     if cfg.reward.timeout_s <= 0:
         report.error(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 seconds")
 

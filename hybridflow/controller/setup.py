@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,8 +24,8 @@ from typing import Any
 
 import torch
 
-from hybridflow.agents import AGENT_LOOPS, build_tool_parser, load_tools
-from hybridflow.agents.registry import resolve_object
+from hybridflow.agents import build_tool_parser, load_tools
+from hybridflow.agents.base import agent_loop_class, agent_name_of
 from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
 from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import (
@@ -42,6 +43,7 @@ from hybridflow.config.validate import TOOL_TASKS, data_parallel_size
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model
 from hybridflow.data import PromptRow, RLDataset, ResumableSampler
+from hybridflow.data.dataset import DataError
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
 from hybridflow.data.tasks.calculator import (
     MIXED_STAGE_LR_SCALE,
@@ -50,7 +52,9 @@ from hybridflow.data.tasks.calculator import (
     make_calculator_rows,
     write_calculator_task,
 )
-from hybridflow.models.loading import load_tokenizer
+from hybridflow.models.loading import check_model_dir, load_tokenizer
+from hybridflow.rewards.registry import known_data_sources
+from hybridflow.rollout.base import ROLLOUT_ENGINES
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.utils.device import configure_threads, resolve_device
@@ -155,13 +159,36 @@ class RunSetup:
 
 
 def resolve_output_dir(cfg: Config) -> Path:
+    """The run's folder, created and checked writable now (not at the first checkpoint)."""
     if cfg.trainer.output_dir:
         out = Path(cfg.trainer.output_dir).expanduser()
     else:
         out = Path("runs") / f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         cfg.trainer.output_dir = str(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"trainer.output_dir={str(out)!r} is not writable ({error.strerror or error}); choose a folder you can "
+            f"write to", key="trainer.output_dir",
+        ) from error
     return out
+
+
+def check_model_path(path: str) -> Path | None:
+    """``model.path`` as a local model directory (None for the built-in model), checked before
+    anything loads or any output is written."""
+    if path == BUILTIN_TINY:
+        return None
+    if path.startswith("builtin:"):
+        raise ConfigError(f"model.path={path!r}: the only built-in model is {BUILTIN_TINY}", key="model.path")
+    try:
+        return check_model_dir(path)
+    except FileNotFoundError as error:
+        raise ConfigError(str(error), key="model.path") from error
 
 
 @dataclass
@@ -241,8 +268,7 @@ def check_agent_setup(agent: AgentSetup, data: DataConfig) -> None:
         except (ValueError, TypeError, RuntimeError) as error:  # RuntimeError: no sandbox for python
             raise ConfigError(f"rollout.multi_turn.{key}: {error}") from error
 
-    loop = AGENT_LOOPS.get(agent.default_agent, agent.default_agent)
-    resolved("default_agent_loop", lambda: resolve_object(loop, "agent loop", known=AGENT_LOOPS))
+    resolved("default_agent_loop", lambda: agent_loop_class(agent.default_agent))
     resolved("format", lambda: build_tool_parser(agent.tool_parser))
     tools = resolved("tool_config_path", lambda: load_tools(
         agent.tool_config_path, agent.max_tool_response_length, agent.tool_timeout_s))
@@ -253,6 +279,23 @@ def check_agent_setup(agent: AgentSetup, data: DataConfig) -> None:
             f"data.builtin_task={data.builtin_task} needs the {tool} tool, but rollout.multi_turn.tool_config_path="
             f"{agent.tool_config_path!r} gives: {have}"
         )
+
+
+def check_row_agents(datasets: Iterable[RLDataset]) -> None:
+    """Resolve every agent loop the rows name (``agent_name``, possibly ``module:Class``) now,
+    not when a step first samples the row. Raises ``DataError`` naming the first row."""
+    first_row: dict[str, str] = {}
+    for data in datasets:
+        for row in data:
+            # The name the rollout worker will read: the row's, or one inside extra_info.
+            name = agent_name_of(row.metadata(), default="")
+            if name:
+                first_row.setdefault(name, row.source)
+    for name, source in first_row.items():
+        try:
+            agent_loop_class(name)
+        except (ValueError, TypeError, ImportError) as error:
+            raise DataError(f"{source}: agent_name {name!r}: {error}") from error
 
 
 def agent_name_warning(rows: Iterable[PromptRow], multi_turn: MultiTurnConfig) -> str | None:
@@ -268,52 +311,122 @@ def agent_name_warning(rows: Iterable[PromptRow], multi_turn: MultiTurnConfig) -
     )
 
 
+@dataclass
+class Plugins:
+    """What the config's pluggable names resolved to."""
+
+    adv_estimator: Any
+    estimator_needs: frozenset[str]
+    kl_controller: Any
+    agent: AgentSetup | None
+
+
+def _resolved(key: str, resolve: Callable[[], Any]) -> Any:
+    """``resolve()``, with a registry's or an import's error turned into a ``ConfigError`` on ``key``."""
+    try:
+        return resolve()
+    except (ValueError, KeyError, TypeError, ImportError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"{key}: {error}", key=key) from error
+
+
+def resolve_plugins(cfg: Config) -> Plugins:
+    """Resolve every name the config plugs in (registries and ``module:function`` paths, whose
+    signatures are checked against the call the trainer makes), so a wrong one fails at start-up
+    in well under a second, not at step 1 after the models loaded. ``config explain`` runs it too."""
+    alg = cfg.algorithm
+    adv_estimator = _resolved("algorithm.adv_estimator", lambda: get_adv_estimator(alg.adv_estimator))
+    needs = _resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator))
+    if "values" in needs:
+        raise ConfigError(
+            f"algorithm.adv_estimator={alg.adv_estimator} needs critic values, and hybridflow has no "
+            f"critic worker yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)",
+            key="algorithm.adv_estimator",
+        )
+    _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
+    if cfg.rollout.name not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.name={cfg.rollout.name!r} is not a rollout engine; available: "
+                          f"{', '.join(sorted(ROLLOUT_ENGINES))}", key="rollout.name")
+    agent = agent_setup(cfg.rollout.multi_turn)
+    if agent is not None:
+        check_agent_setup(agent, cfg.data)
+    kl = alg.kl_ctrl
+    kl_controller = _resolved("algorithm.kl_ctrl.type", lambda: get_kl_controller(
+        kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)) if alg.use_kl_in_reward else None
+    return Plugins(adv_estimator, needs, kl_controller, agent)
+
+
+def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker]:
+    """The reward role, in this process on every backend: scoring writes each trajectory's reward
+    in place, and the manager already runs the scorers in supervised subprocesses. A custom reward
+    function that cannot be loaded is a ``ConfigError`` on ``reward.custom_reward_function``."""
+    custom, ob, d = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer, cfg.data
+    setup = RewardSetup(
+        tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
+        timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+        startup_timeout_s=cfg.reward.startup_timeout_s,
+        overlong_buffer_len=(resolve_overlong_buffer(ob.len, d.max_response_length) if ob.enable else None),
+        overlong_penalty_factor=ob.penalty_factor, max_response_length=d.max_response_length,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    try:
+        return build_worker_group("local", "reward", lambda r, w: RewardWorker(r, w, setup), 1)
+    except (ImportError, AttributeError, SyntaxError, TypeError, OSError, TimeoutError, RuntimeError) as error:
+        if custom.path is None:
+            raise
+        key = "reward.custom_reward_function.name" if isinstance(error, AttributeError) else \
+            "reward.custom_reward_function.path"
+        raise ConfigError(f"{key}: {error}", key=key) from error
+
+
 def build_run(cfg: Config) -> RunSetup:
     # 1. Config and names: everything that can be wrong in the config fails here.
     warnings = validate_config(cfg)
     for w in warnings:
         log.warning("config: %s", w)
     weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend)
-    adv_estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
-    needs = estimator_needs(adv_estimator)
-    if "values" in needs:
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs critic values, and hybridflow has no "
-            f"critic worker yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
-        )
-    get_policy_loss(cfg.actor.policy_loss.loss_mode)
-    agent = agent_setup(cfg.rollout.multi_turn)
-    if agent is not None:
-        check_agent_setup(agent, cfg.data)
+    plugins = resolve_plugins(cfg)
+    adv_estimator, needs, kl_controller, agent = (
+        plugins.adv_estimator, plugins.estimator_needs, plugins.kl_controller, plugins.agent)
     t, d, a = cfg.trainer, cfg.data, cfg.actor
-    kl_controller = (
-        get_kl_controller(cfg.algorithm.kl_ctrl.type, kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
-                          target_kl=cfg.algorithm.kl_ctrl.target_kl, horizon=cfg.algorithm.kl_ctrl.horizon)
-        if cfg.algorithm.use_kl_in_reward else None
-    )
+    try:
+        device = resolve_device(t.device)
+    except (RuntimeError, ValueError) as error:  # cuda without CUDA, an unknown device string
+        raise ConfigError(str(error), key="trainer.device") from error
+    check_model_path(cfg.model.path)
+    output_dir = resolve_output_dir(cfg)
     threads = configure_threads(t.num_threads)
     seed_everything(t.seed)
-    device = resolve_device(t.device)
-    output_dir = resolve_output_dir(cfg)
     (output_dir / "config.yaml").write_text(config_to_yaml(cfg))
     log.info("output: %s  device: %s  torch threads: %d", output_dir, device, threads)
 
     # 2-3. Files, data and the plan.
     model_path, train_files, val_files = resolve_builtin(cfg, device)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    # Without a custom reward function only the built-in scorers can score a row: check each
+    # row's data_source now (a custom function decides per call what it scores).
+    scorable = None if cfg.reward.custom_reward_function.path else known_data_sources()
     data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
-                       filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row)
+                       filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
+                       data_sources=scorable)
     train_data = RLDataset.from_files(train_files, tokenizer, **data_kwargs)
     log.info("train data: %s", train_data.describe())
     val_data = RLDataset.from_files(val_files, tokenizer, **data_kwargs) if val_files else None
     if val_data is None:
         log.warning("no data.val_files: validation is skipped")
+    if agent is not None:
+        check_row_agents([train_data, *([val_data] if val_data is not None else [])])
     agent_warning = agent_name_warning(train_data, cfg.rollout.multi_turn)
     if agent_warning is not None:
         log.warning("data: %s", agent_warning)
         warnings.append(agent_warning)
     # With dynamic sampling a step may draw several generation rounds of gen_batch_size prompts.
     gen_batch = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size else d.train_batch_size
+    if gen_batch > len(train_data):
+        key = "data.gen_batch_size" if gen_batch != d.train_batch_size else "data.train_batch_size"
+        raise ConfigError(f"{key}={gen_batch} prompts per step is more than the {len(train_data)} prompts loaded from "
+                          f"data.train_files ({train_data.describe()}); use a smaller batch or more data", key=key)
     sampler = ResumableSampler(len(train_data), gen_batch, shuffle=d.shuffle,
                                seed=d.seed if d.seed is not None else t.seed)
     total_steps = planned_total_steps(sampler.steps_per_epoch, t.total_epochs, t.total_training_steps)
@@ -324,6 +437,10 @@ def build_run(cfg: Config) -> RunSetup:
     # Rollout correction compares the trainer's old logprobs with the engine's.
     rc = cfg.algorithm.rollout_correction
     needs_old = updates_per_batch > 1 or cfg.algorithm.use_kl_in_reward or bool(rc.rollout_is or rc.rollout_rs)
+
+    # Reward first: its workers load a custom reward function, the config's last pluggable name,
+    # so a missing name, a syntax error or an import that hangs fails before any model loads.
+    reward = build_reward_group(cfg, model_path)
 
     # 4. Workers.
     dp = data_parallel_size(t)
@@ -365,15 +482,6 @@ def build_run(cfg: Config) -> RunSetup:
                                    **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,
                                        placements.get("reference"))
-    custom, ob = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer
-    # Reward stays in this process on every backend: scoring writes each trajectory's reward in
-    # place, and the manager already runs the scorers in supervised subprocesses.
-    reward = build_worker_group("local", "reward", lambda r, w: RewardWorker(r, w, RewardSetup(
-        tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
-        timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
-        overlong_buffer_len=(resolve_overlong_buffer(ob.len, d.max_response_length) if ob.enable else None),
-        overlong_penalty_factor=ob.penalty_factor, max_response_length=d.max_response_length, **common)), 1)
-
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))

@@ -81,7 +81,7 @@ class RLTrainer:
             return {}
         metrics: dict[str, float] = {}
         with self.watchdog(), _GracefulInterrupt() as interrupt:
-            if trainer_cfg.val_before_train and self.step == 0:
+            if trainer_cfg.val_before_train and self.step == 0 and run.val_data is not None:
                 run.tracker.log(self.validate(), step=0)
             while self.step < run.total_steps:
                 self.step += 1
@@ -347,7 +347,10 @@ class RLTrainer:
         )
 
     def validate(self) -> dict[str, float]:
-        """Held-out prompts with ``rollout.val_kwargs`` sampling (greedy by default)."""
+        """Held-out prompts with ``rollout.val_kwargs`` sampling (greedy by default). A run without
+        validation data (``data.val_files`` empty, set up says so once) has nothing to measure."""
+        if self.run.val_data is None:
+            return {}
         with activity("phase", "testing"):
             return self._validate()
 

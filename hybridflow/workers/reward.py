@@ -28,6 +28,7 @@ class RewardSetup:
     overlong_buffer_len: int | None = None  # None: off
     overlong_penalty_factor: float = 1.0
     max_response_length: int = 0
+    startup_timeout_s: float = 60.0  # a scoring worker's limit to start and load the reward function
 
 
 class RewardWorker:
@@ -35,7 +36,8 @@ class RewardWorker:
         self.setup = setup
         self.tokenizer = load_tokenizer(setup.tokenizer_path, setup.trust_remote_code)
         self.manager = RewardManager(
-            setup.custom_path, setup.custom_name, timeout_s=setup.timeout_s, num_workers=setup.num_workers
+            setup.custom_path, setup.custom_name, timeout_s=setup.timeout_s, num_workers=setup.num_workers,
+            startup_timeout_s=setup.startup_timeout_s,
         )
 
     def score(
