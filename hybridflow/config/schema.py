@@ -393,7 +393,18 @@ class TrainerConfig:
     save_final: bool = f(True, "Checkpoint after the last step.")
     resume_mode: str = f("auto", "auto | disable | path.", choices=("auto", "disable", "path"))
     resume_from_path: str | None = f(None, "Checkpoint folder for resume_mode=path.")
-    max_ckpt_to_keep: int | None = f(2, "Keep at most this many checkpoints (None: all).")
+    max_ckpt_to_keep: int | None = f(
+        2,
+        "Keep at most this many intact checkpoints (None: all). A damaged one is never deleted: it is "
+        "reported and left in place.",
+    )
+    on_save_error: str = f(
+        "stop",
+        "A checkpoint save that fails (e.g. no space left on the disk) removes its partial folder and leaves "
+        "the earlier checkpoints intact; then: stop (end the run with a one-line error) | warn (log it and "
+        "keep training without that checkpoint).",
+        choices=("stop", "warn"),
+    )
     seed: int = f(1, "Global seed (model init, sampling, data order).")
     output_dir: str | None = f(None, "Where the run writes everything. None: runs/<experiment>-<time>.")
     project_name: str = f("hybridflow", "Project name for loggers.")

@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from hybridflow.agents import answer_view, compute_agent_metrics
 from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_mean
 from hybridflow.cluster.worker_group import WorkerGroup, wait_all
 from hybridflow.config import config_to_yaml
-from hybridflow.controller.checkpoint import CheckpointManager
+from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
 from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
@@ -379,8 +380,17 @@ class RLTrainer:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
+        """Save one checkpoint. A save that fails (a full disk: "no space left on <path>") has
+        removed its partial folder and left the earlier checkpoints alone; then the run stops
+        with that ``CheckpointError`` or, with ``trainer.on_save_error=warn``, goes on without
+        this checkpoint."""
         with activity("phase", "save_checkpoint"):
-            self._save_checkpoint()
+            try:
+                self._save_checkpoint()
+            except CheckpointError as exc:
+                if self.cfg.trainer.on_save_error != "warn":
+                    raise
+                log.warning("%s; training goes on without this checkpoint (trainer.on_save_error=warn)", exc)
 
     def _save_checkpoint(self) -> None:
         state = {
@@ -396,22 +406,42 @@ class RLTrainer:
         )
 
     def resume(self) -> None:
+        """Continue from a checkpoint (``trainer.resume_mode``). ``auto`` takes the newest one that
+        verifies and loads, reporting each newer one skipped, and raises ``CheckpointError`` rather
+        than start over when checkpoints exist and none does; ``path`` loads that one or raises."""
         t = self.cfg.trainer
+        # This run owns its output folder: what killed saves and deletions left there goes now.
+        self.checkpoints.clean_leftovers()
         if t.resume_mode == "disable":
             return
-        ckpt = self.checkpoints.find(t.resume_mode, t.resume_from_path)
-        if ckpt is None:
+        found = self.checkpoints.resume(t.resume_mode, t.resume_from_path, load=self._load_checkpoint)
+        if found is None:
             return
-        state = self.checkpoints.load_state(ckpt)
-        self.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor"))
-        self.run.sampler.load_state_dict(state["sampler"])
-        if self.run.kl_controller is not None and state.get("kl_controller"):
-            self.run.kl_controller.load_state_dict(state["kl_controller"])
-        if state.get("rng"):
-            restore_rng_state(state["rng"])
+        ckpt, state = found
+        assert state is not None
         self.step = int(state["step"])
         self.sync_weights()
         log.info("resumed from %s at step %d", ckpt, self.step)
+
+    def _load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        """Read ``ckpt`` into the actor, sampler, KL controller and RNGs; its trainer state.
+
+        Any part may refuse; the manager then loads an older checkpoint over all of it, so each
+        part is checked before it changes anything (the actor, sampler and KL controller check
+        first; the RNGs are put back as they were)."""
+        state = self.checkpoints.load_state(ckpt)
+        self.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor"))
+        rng = capture_rng_state()
+        try:
+            self.run.sampler.load_state_dict(state["sampler"])
+            if self.run.kl_controller is not None and state.get("kl_controller"):
+                self.run.kl_controller.load_state_dict(state["kl_controller"])
+            if state.get("rng"):
+                restore_rng_state(state["rng"])
+        except (ValueError, TypeError, KeyError) as exc:
+            restore_rng_state(rng)
+            raise CheckpointError(f"checkpoint state {ckpt / STATE_FILE} does not fit this run: {exc}") from exc
+        return state
 
 
 def _by_group(trajectories: list[Trajectory]) -> list[list[Trajectory]]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from hybridflow.data.batching import num_micro_batches_for_budget, token_budget_
 from hybridflow.training import distributed
 from hybridflow.training.packing import enable_varlen_attention, pack_batch, sequence_lengths, unpack_responses
 from hybridflow.types import TrainBatch
+from hybridflow.utils.errors import CheckpointError, one_line
 
 # loss_fn(micro_batch, logprobs (b,R), entropy (b,R) | None) -> (scalar loss, metrics)
 LossFn = Callable[[TrainBatch, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, dict[str, float]]"]
@@ -336,7 +336,7 @@ class TrainEngine:
         if self.optimizer is not None and self.scheduler is not None:
             torch.save(
                 {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                out_dir / "optim.pt",
+                out_dir / OPTIM_FILE,
             )
 
     def _save_gathered(self, out_dir: Path, tokenizer) -> None:
@@ -351,39 +351,132 @@ class TrainEngine:
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir / "model")
             if self.optimizer is not None and self.scheduler is not None:
-                torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, out_dir / "optim.pt")
+                torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, out_dir / OPTIM_FILE)
         # Nobody reads the checkpoint (or renames its folder) before rank 0 has finished writing.
         distributed.barrier()
 
     def load(self, ckpt_dir: Path) -> None:
-        """Weights and, when present, optimizer and schedule. Sharded: every rank reads the
-        full files and keeps its shard (a collective)."""
-        from safetensors.torch import load_file
+        """Weights and, with an optimizer, its state and schedule, as ``save`` wrote them.
+        Sharded: every rank reads the full files and keeps its shard (a collective).
 
-        weights = {}
-        for f in sorted((ckpt_dir / "model").glob("*.safetensors")):
-            weights.update(load_file(f))
-        if self.data_parallel:
-            missing, unexpected = distributed.load_model_state(self.model, weights)
-        else:
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        # Tied embeddings are saved once; anything else missing is a real problem.
-        missing = [m for m in missing if not m.endswith("lm_head.weight")]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {ckpt_dir} does not match the model: missing {missing}, unexpected {unexpected}")
-        if self.optimizer is not None and self.scheduler is not None and (ckpt_dir / "optim.pt").is_file():
-            path = ckpt_dir / "optim.pt"
-            try:
-                # weights_only: tensors and plain containers only; a pickle that would build other
-                # objects (and so could run code) is refused before anything in it executes.
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-                raise RuntimeError(f"{path}: refused to load optimizer state: {exc}") from exc
+        Only the files ``save`` writes are read: the weight files that the safetensors index
+        names (or ``model.safetensors``), never a glob. Everything is read and checked against
+        this engine first (the name and shape of every weight and optimizer moment, the
+        schedule) and only then applied, so a refused checkpoint leaves the engine as it was.
+        Any failure is a ``CheckpointError`` naming the file."""
+        weights = _read_weights(ckpt_dir / "model")
+        self._check_weights(weights, ckpt_dir / "model")
+        optim_state = None
+        if self.optimizer is not None and self.scheduler is not None:
+            optim_state = _read_optimizer_file(ckpt_dir / OPTIM_FILE)
+            self._check_optimizer_state(optim_state, ckpt_dir / OPTIM_FILE)
+        try:
             if self.data_parallel:
-                distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+                distributed.load_model_state(self.model, weights)
             else:
-                self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+                self.model.load_state_dict(weights, strict=False)
+            if optim_state is not None:
+                assert self.optimizer is not None and self.scheduler is not None
+                if self.data_parallel:
+                    distributed.load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"])
+                else:
+                    self.optimizer.load_state_dict(optim_state["optimizer"])
+                # Only the schedule's own keys: load_state_dict sets whatever it is given as attributes.
+                own = self.scheduler.state_dict()
+                self.scheduler.load_state_dict({k: optim_state["scheduler"][k] for k in own if k in optim_state["scheduler"]})
+        except Exception as exc:
+            raise CheckpointError(f"{ckpt_dir}: loading failed after its files were checked: {one_line(exc)}") from exc
+
+    def _check_weights(self, weights: dict[str, torch.Tensor], model_dir: Path) -> None:
+        """Same names and shapes as the model (DTensor shapes are the full ones when sharded)."""
+        expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        # Tied embeddings are saved once; anything else missing is a real problem.
+        missing = [k for k in expected if k not in weights and not k.endswith("lm_head.weight")]
+        unexpected = [k for k in weights if k not in expected]
+        wrong = [f"{k} {tuple(v.shape)} (the model has {expected[k]})" for k, v in weights.items()
+                 if k in expected and tuple(v.shape) != expected[k]]
+        if missing or unexpected or wrong:
+            problems = [f"{label} {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+                        for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]
+            raise CheckpointError(f"the weights in {model_dir} do not match the model: {'; '.join(problems)}")
+
+    def _check_optimizer_state(self, state: object, path: Path) -> None:
+        """The single-process ``optimizer.state_dict()`` layout for this optimizer's parameters."""
+        assert self.optimizer is not None and self.scheduler is not None
+
+        def refuse(why: str) -> CheckpointError:
+            return CheckpointError(f"{path} does not match this model's optimizer: {why}")
+
+        if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict) or not isinstance(state.get("scheduler"), dict):
+            raise refuse("expected a dict with 'optimizer' and 'scheduler' state")
+        groups, moments = state["optimizer"].get("param_groups"), state["optimizer"].get("state")
+        if not isinstance(groups, list) or not isinstance(moments, dict) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+        ):
+            raise refuse("expected 'param_groups' (each with 'params') and 'state'")
+        shapes = [[tuple(p.shape) for p in g["params"]] for g in self.optimizer.param_groups]
+        if [len(g["params"]) for g in groups] != [len(s) for s in shapes]:
+            raise refuse(f"parameters per group {[len(g['params']) for g in groups]}, the model has {[len(s) for s in shapes]}")
+        shape_of = {pid: shape for g, group_shapes in zip(groups, shapes, strict=True)
+                    for pid, shape in zip(g["params"], group_shapes, strict=True)}
+        for pid, entry in moments.items():
+            if pid not in shape_of or not isinstance(entry, dict):
+                raise refuse(f"state for unknown parameter {pid!r}")
+            for key, value in entry.items():
+                # Adam's moments have the parameter's shape; its step count is a scalar.
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shape_of[pid]:
+                    raise refuse(f"{key} of parameter {pid} has shape {tuple(value.shape)}, the parameter {shape_of[pid]}")
+        missing = [k for k in ("last_epoch", "base_lrs") if k not in state["scheduler"]]
+        if missing or not isinstance(state["scheduler"].get("last_epoch"), int):
+            raise refuse(f"the schedule state lacks an integer last_epoch and base_lrs (missing {missing})")
+
+
+OPTIM_FILE = "optim.pt"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The files ``save_pretrained`` wrote: the shards its index names, or its one file."""
+    index = model_dir / SAFETENSORS_INDEX
+    if not index.is_file():
+        return [model_dir / "model.safetensors"]
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        # A shard is a plain file name next to the index, never a path elsewhere.
+        if not names or not all(isinstance(n, str) and n == Path(n).name and n not in (".", "..") for n in names):
+            raise ValueError("weight_map must name files in its own folder")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise CheckpointError(f"{index} is corrupt: {one_line(exc)}") from exc
+    return [model_dir / n for n in names]
+
+
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_dir):
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        try:
+            tensors = load_file(path)
+        except Exception as exc:  # safetensors raises its own error type for a bad header
+            raise CheckpointError(f"{path} is not a readable safetensors file: {one_line(exc)}") from exc
+        repeated = sorted(set(tensors) & set(weights))
+        if repeated:
+            raise CheckpointError(f"{path} repeats weights of another shard: {', '.join(repeated[:3])}")
+        weights.update(tensors)
+    return weights
+
+
+def _read_optimizer_file(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint holds no optimizer state")
+    try:
+        # weights_only: tensors and plain containers only; a pickle that would build other
+        # objects (and so could run code) is refused before anything in it executes.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: refused to load optimizer state: {one_line(exc)}") from exc
 
 
 def _restore_architecture(model_dir: Path, architecture: str) -> None:

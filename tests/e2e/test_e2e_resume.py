@@ -82,24 +82,34 @@ def test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run(user_files, t
     assert again.returncode == 0 and "nothing to do" in again.stderr
 
 
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def test_damaged_checkpoints_are_named_and_pickles_never_run(user_files, tmp_path):
+    from hybridflow.controller.checkpoint import write_manifest
+
     out = tmp_path / "run"
+    ckpts = out / "checkpoints"
     first = train(out, user_files, extra=("trainer.total_training_steps=2",))
     assert first.returncode == 0, first.stderr[-3000:]
-    ckpt = out / "checkpoints" / "global_step_2"
+    ckpt = ckpts / "global_step_2"
 
     # A truncated weights file in the newest checkpoint: auto-resume names it and falls back to step 1.
     weights = next((ckpt / "actor").rglob("*.safetensors"))
     original = weights.read_bytes()
     weights.write_bytes(original[: len(original) // 2])
+    damaged_2 = snapshot(ckpt)
     resumed = train(out, user_files, extra=("trainer.total_training_steps=3",))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"{weights.name} is truncated" in resumed.stderr
     assert "resumed from" in resumed.stderr and "global_step_1" in resumed.stderr
+    # Saving step 2 again moved the damaged one aside, whole: never deleted.
+    assert snapshot(ckpts / "damaged-global_step_2") == damaged_2
 
     # resume_mode=path on a checkpoint whose optimizer state was replaced by a malicious pickle:
     # the manifest catches it, and the payload never runs.
-    ckpt3 = out / "checkpoints" / "global_step_3"
+    ckpt3 = ckpts / "global_step_3"
     marker = tmp_path / "pwned"
     optim = next((ckpt3 / "actor").rglob("optim.pt"))
     optim.write_bytes(pickle.dumps(_Payload(str(marker))))
@@ -108,6 +118,33 @@ def test_damaged_checkpoints_are_named_and_pickles_never_run(user_files, tmp_pat
     assert refused.returncode != 0
     assert "optim.pt is" in refused.stderr and "manifest" in refused.stderr
     assert not marker.exists()
+
+    # The same pickle with a manifest rewritten to match: verification passes, the loader refuses
+    # it (weights_only), and auto-resume falls back to the next checkpoint, saying why.
+    write_manifest(ckpt3)
+    fallback = train(out, user_files, extra=("trainer.total_training_steps=4",))
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "skipping checkpoint" in fallback.stderr and "optim.pt: refused to load optimizer state" in fallback.stderr
+    assert "Traceback" not in fallback.stderr
+    assert f"resumed from {ckpts / 'global_step_2'} at step 2" in fallback.stderr
+    assert not marker.exists()
+    assert (ckpts / "damaged-global_step_3" / "actor" / "optim.pt").read_bytes() == pickle.dumps(_Payload(str(marker)))
+
+    # Every checkpoint damaged: refuse with one line naming them and how to start fresh; exit 1,
+    # no step trained, nothing deleted.
+    for name in ("global_step_3", "global_step_4"):
+        w = next((ckpts / name / "actor").rglob("*.safetensors"))
+        w.write_bytes(w.read_bytes()[:100])
+    before = snapshot(ckpts)
+    logged = per_step(out)
+    stuck = train(out, user_files, extra=("trainer.total_training_steps=5",))
+    assert stuck.returncode == 1, stuck.stderr[-3000:]
+    last = stuck.stderr.strip().splitlines()[-1]
+    assert f"none of the 2 checkpoint(s) under {ckpts} verifies and loads" in last
+    assert "global_step_4: checkpoint file" in last and "trainer.resume_mode=disable" in last
+    assert "Traceback" not in stuck.stderr
+    assert snapshot(ckpts) == before
+    assert per_step(out) == logged
 
 
 class _Payload:
