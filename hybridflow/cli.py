@@ -4,7 +4,7 @@
     hybridflow config explain [--preset ...] [--config ...] [key=value ...]
     hybridflow config presets
     hybridflow export <checkpoint or run folder> <out dir> [--overwrite]
-    hybridflow serve <model dir> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-batch-size 256]
+    hybridflow serve <model dir | builtin:tiny> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-n 128]
 """
 
 from __future__ import annotations
@@ -52,11 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _host_list(text: str) -> list[str]:
+    return [host.strip() for host in text.split(",") if host.strip()]
+
+
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/serving.md)")
-    serve.add_argument("model_dir", help="a local Hugging Face model directory")
+    serve.add_argument("model_dir", help="a local Hugging Face model directory, or builtin:tiny")
+    serve.add_argument(
+        "overrides", nargs="*",
+        help="builtin:tiny only: config overrides for the built-in model, e.g. warm_start.enable=false",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; no authentication!)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
     serve.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     serve.add_argument("--max-batch-size", type=int, default=256, help="most sequences decoded together")
@@ -65,31 +80,72 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--seed", type=int, default=0, help="engine seed, used by requests that carry none")
     serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: model_dir)")
+    serve.add_argument(
+        "--max-n", type=_positive_int, default=None, help="most samples one request may ask for, n x prompts (128)"
+    )
+    serve.add_argument("--max-logprobs", type=_positive_int, default=None, help="largest logprobs/top_logprobs (20)")
+    serve.add_argument(
+        "--max-request-bytes", type=_positive_int, default=None,
+        help="largest request body (default: 32 bytes per context token, at least 1 MiB)",
+    )
+    serve.add_argument(
+        "--allowed-hosts", type=_host_list, action="extend", default=[],
+        help="comma-separated Host names to answer besides localhost/127.0.0.1/[::1] ('*': any)",
+    )
+
+
+def _serve_model_dir(args: argparse.Namespace, device: str) -> str:
+    """``args.model_dir``, with builtin:tiny resolved to its directory as ``hybridflow train`` does."""
+    from hybridflow.config.explain import BUILTIN_TINY
+    from hybridflow.rollout.server import ServeError
+
+    if args.model_dir != BUILTIN_TINY:
+        if args.overrides:
+            raise ServeError(
+                f"config overrides ({' '.join(args.overrides)}) apply to builtin:tiny only; "
+                f"serving {args.model_dir!r}, remove them"
+            )
+        return args.model_dir
+    import torch
+
+    from hybridflow.controller.setup import resolve_builtin
+
+    # The same model `hybridflow train` starts from with these overrides (warm-started unless
+    # warm_start.enable=false; cached in warm_start.cache_dir after the first time).
+    cfg = load_config("grpo", None, args.overrides)
+    model_dir, _, _ = resolve_builtin(cfg, torch.device(device))
+    return model_dir
 
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
-    from hybridflow.models.loading import check_model_dir
-    from hybridflow.rollout.server import serve  # FastAPI, uvicorn, torch: only when serving
+    from hybridflow.rollout.server import ServeError, ServerLimits, serve  # FastAPI, uvicorn: only when serving
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    defaults = ServerLimits()
+    limits = ServerLimits(
+        max_n=args.max_n or defaults.max_n,
+        max_logprobs=args.max_logprobs or defaults.max_logprobs,
+        max_request_bytes=args.max_request_bytes,
+    )
     try:
-        check_model_dir(args.model_dir)
-    except FileNotFoundError as exc:
+        serve(
+            _serve_model_dir(args, device),
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name or args.model_dir,
+            limits=limits,
+            allowed_hosts=args.allowed_hosts,
+            dtype=args.dtype,
+            device=device,
+            max_batch_size=args.max_batch_size,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+        )
+    except ServeError as exc:
         print(f"serve error: {exc}", file=sys.stderr)
         return 1
-    serve(
-        args.model_dir,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        device=device,
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
     return 0
 
 
