@@ -116,9 +116,10 @@ MIN_TEMPERATURE = 0.01
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_SEED = 2**63 - 1  # seeds are int64, as OpenAI documents them
 # ---- off-loop work
-# Texts up to this many characters are tokenized on the event loop (well under a millisecond);
-# longer ones, chat templates and large answers go to the server's threads.
-INLINE_TEXT_CHARS = 16_384
+# Requests with up to this many characters of text are tokenized on the event loop (a few ms at
+# most, for a byte-level tokenizer at ~2 us a character); longer ones, long chat conversations and
+# large answers go to the server's threads.
+INLINE_TEXT_CHARS = 4096
 INLINE_ANSWER_TOKENS = 4096  # answer tokens x (1 + top logprobs) rendered on the loop
 # Threads for tokenizing and rendering: the tokenizer releases the GIL, so one huge prompt keeps
 # one thread busy while the other, and the inline path, serve everyone else.
@@ -836,7 +837,7 @@ class OpenAIServer:
         params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs)
         # Every bound that does not need the tokens is checked before tokenizing (the costly part).
         self._check_sampling(params, len(items), "", prompt_field="prompt")
-        prompts = [await self._tokenize(item) if isinstance(item, str) else item for item in items]
+        prompts = await self._tokenize(items)
         self._check_prompts(prompts, "prompt")
         fmt = _CompletionFormat(self.tokenizer, body.logprobs)
         return await self._respond(request, body, prompts, params, fmt, "prompt")
@@ -986,10 +987,15 @@ class OpenAIServer:
             message = f"model {model!r} does not exist; this server serves {self.model_name!r}"
             raise ApiError(404, message, "model", "model_not_found")
 
-    async def _tokenize(self, text: str) -> list[int]:
-        if len(text) <= INLINE_TEXT_CHARS:
-            return self.tokenizer.encode(text)
-        return await self._off_loop(lambda: self.tokenizer.encode(text))
+    async def _tokenize(self, items: list[str | list[Any]]) -> list[list[Any]]:
+        """Token ids for each text (token-id prompts pass through): on the loop when the texts are
+        short in total, otherwise in one of the server's threads."""
+
+        def encode() -> list[list[Any]]:
+            return [self.tokenizer.encode(item) if isinstance(item, str) else item for item in items]
+
+        size = sum(len(item) for item in items if isinstance(item, str))
+        return encode() if size <= INLINE_TEXT_CHARS else await self._off_loop(encode)
 
     async def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
