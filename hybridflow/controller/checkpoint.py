@@ -429,6 +429,8 @@ class CheckpointManager:
                 log.warning("using checkpoint %s; skipped %d newer one(s) that failed verification or loading, left "
                             "in place: %s", ckpt, len(skipped), "; ".join(skipped))
             return ckpt, result
+        if skipped and load is None:
+            raise CheckpointError(f"none of the {len(skipped)} checkpoint(s) under {self.root} is intact: {'; '.join(skipped)}")
         if skipped:
             raise CheckpointError(
                 f"none of the {len(skipped)} checkpoint(s) under {self.root} verifies and loads, so there is nothing "

@@ -430,7 +430,9 @@ class RLTrainer:
         part is checked before it changes anything (the actor, sampler and KL controller check
         first; the RNGs are put back as they were)."""
         state = self.checkpoints.load_state(ckpt)
-        self.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor"))
+        refusals = [r for r in self.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor")) if r]
+        if refusals:
+            raise CheckpointError(refusals[0])
         rng = capture_rng_state()
         try:
             self.run.sampler.load_state_dict(state["sampler"])

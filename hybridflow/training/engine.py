@@ -356,36 +356,43 @@ class TrainEngine:
         distributed.barrier()
 
     def load(self, ckpt_dir: Path) -> None:
-        """Weights and, with an optimizer, its state and schedule, as ``save`` wrote them.
-        Sharded: every rank reads the full files and keeps its shard (a collective).
+        """Weights and, with an optimizer, its state and schedule, as ``save`` wrote them:
+        ``read_checkpoint`` then ``apply_checkpoint``. Sharded: a collective."""
+        self.apply_checkpoint(self.read_checkpoint(ckpt_dir))
 
-        Only the files ``save`` writes are read: the weight files that the safetensors index
-        names (or ``model.safetensors``), never a glob. Everything is read and checked against
-        this engine first (the name and shape of every weight and optimizer moment, the
-        schedule) and only then applied, so a refused checkpoint leaves the engine as it was.
-        Any failure is a ``CheckpointError`` naming the file."""
+    def read_checkpoint(self, ckpt_dir: Path) -> LoadedCheckpoint:
+        """Read ``ckpt_dir`` and check it against this engine, changing nothing: the name and
+        shape of every weight and optimizer moment, and the schedule. Only the files ``save``
+        writes are read: the weight files that the safetensors index names (or
+        ``model.safetensors``), never a glob. A refusal is a ``CheckpointError`` naming the file.
+        Sharded: every rank reads the full files, and no collective runs here, so every rank
+        refuses the same checkpoint alike."""
         weights = _read_weights(ckpt_dir / "model")
         self._check_weights(weights, ckpt_dir / "model")
         optim_state = None
         if self.optimizer is not None and self.scheduler is not None:
             optim_state = _read_optimizer_file(ckpt_dir / OPTIM_FILE)
             self._check_optimizer_state(optim_state, ckpt_dir / OPTIM_FILE)
+        return LoadedCheckpoint(ckpt_dir, weights, optim_state)
+
+    def apply_checkpoint(self, loaded: LoadedCheckpoint) -> None:
+        """Put a checked checkpoint in place. Sharded: a collective (each rank keeps its shard)."""
         try:
             if self.data_parallel:
-                distributed.load_model_state(self.model, weights)
+                distributed.load_model_state(self.model, loaded.weights)
             else:
-                self.model.load_state_dict(weights, strict=False)
-            if optim_state is not None:
+                self.model.load_state_dict(loaded.weights, strict=False)
+            if loaded.optim_state is not None:
                 assert self.optimizer is not None and self.scheduler is not None
                 if self.data_parallel:
-                    distributed.load_optimizer_state(self.model, self.optimizer, optim_state["optimizer"])
+                    distributed.load_optimizer_state(self.model, self.optimizer, loaded.optim_state["optimizer"])
                 else:
-                    self.optimizer.load_state_dict(optim_state["optimizer"])
+                    self.optimizer.load_state_dict(loaded.optim_state["optimizer"])
                 # Only the schedule's own keys: load_state_dict sets whatever it is given as attributes.
-                own = self.scheduler.state_dict()
-                self.scheduler.load_state_dict({k: optim_state["scheduler"][k] for k in own if k in optim_state["scheduler"]})
+                own, saved = self.scheduler.state_dict(), loaded.optim_state["scheduler"]
+                self.scheduler.load_state_dict({k: saved[k] for k in own if k in saved})
         except Exception as exc:
-            raise CheckpointError(f"{ckpt_dir}: loading failed after its files were checked: {one_line(exc)}") from exc
+            raise CheckpointError(f"{loaded.path}: loading failed after its files were checked: {one_line(exc)}") from exc
 
     def _check_weights(self, weights: dict[str, torch.Tensor], model_dir: Path) -> None:
         """Same names and shapes as the model (DTensor shapes are the full ones when sharded)."""
@@ -433,6 +440,15 @@ class TrainEngine:
 
 OPTIM_FILE = "optim.pt"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read and checked by ``TrainEngine.read_checkpoint``, not yet applied."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]
+    optim_state: dict | None  # {"optimizer": ..., "scheduler": ...}; None without an optimizer
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

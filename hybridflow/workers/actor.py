@@ -50,6 +50,7 @@ from hybridflow.training.engine import (
 from hybridflow.training.packing import sequence_lengths
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
+from hybridflow.utils.errors import CheckpointError
 
 
 @dataclass
@@ -330,6 +331,21 @@ class ActorWorker:
         self.engine.save(Path(out_dir), tokenizer=self.tokenizer)
 
     @collective
-    def load_checkpoint(self, ckpt_dir: str) -> None:
-        self.engine.load(Path(ckpt_dir))
+    def load_checkpoint(self, ckpt_dir: str) -> str | None:
+        """Load the checkpoint the actor saved in ``ckpt_dir``: None when it is in place, else
+        why it was refused (one line naming the file), with nothing changed.
+
+        The refusal is returned, not raised: a raising rank makes a multi-rank Ray group tear
+        itself down, and the controller must be able to try an older checkpoint on the same
+        workers. Every rank checks the same files, then the ranks agree before the collective
+        that applies them: one rank refusing alone would leave the others waiting in it."""
+        try:
+            loaded, refusal = self.engine.read_checkpoint(Path(ckpt_dir)), None
+        except CheckpointError as exc:
+            loaded, refusal = None, str(exc)
+        if distributed.all_reduce_max(int(refusal is not None)):
+            return refusal or f"{ckpt_dir}: another actor rank refused this checkpoint"
+        assert loaded is not None
+        self.engine.apply_checkpoint(loaded)
+        return None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.utils.errors import CheckpointError
+from hybridflow.workers.actor import ActorWorker
 
 SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
 
@@ -151,3 +153,18 @@ def test_sharded_weights_are_read_through_their_index(saved, tmp_path):
     index.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is corrupt: weight_map must name files"):
         target.load(ckpt)
+
+
+def test_the_actor_returns_a_refusal_rather_than_raising(saved):
+    """A raise would tear down a multi-rank Ray group; the controller needs it to try another."""
+    source, target, ckpt = saved
+    worker = SimpleNamespace(engine=target)  # all that load_checkpoint uses
+    before = state(target)
+    good = (ckpt / "optim.pt").read_bytes()
+    (ckpt / "optim.pt").write_bytes(b"not a zip file")
+    refusal = ActorWorker.load_checkpoint(worker, str(ckpt))
+    assert refusal is not None and refusal.startswith(f"{ckpt / 'optim.pt'}: refused to load optimizer state")
+    assert same(state(target), before)
+    (ckpt / "optim.pt").write_bytes(good)
+    assert ActorWorker.load_checkpoint(worker, str(ckpt)) is None
+    assert same(state(target), state(source))
