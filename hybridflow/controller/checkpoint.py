@@ -248,10 +248,14 @@ class CheckpointManager:
                 continue
             if not stale:
                 continue
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not remove %s, left by an interrupted save or deletion: %s", p, exc)
+                continue
             removed.append(p.name)
         if removed:
             log.info("removed leftovers of interrupted checkpoint saves or deletions in %s: %s", self.root, ", ".join(removed))
@@ -371,8 +375,18 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # Ctrl-C mid-write: leave no partial folder
             raise
         # Only a finished folder is renamed into place, so a global_step_<N> folder is complete.
-        trash = self._set_aside(final) if final.exists() else None
-        os.replace(tmp, final)
+        trash = None
+        try:
+            trash = self._set_aside(final) if final.exists() else None
+            os.replace(tmp, final)
+        except OSError as exc:
+            if trash is not None and not final.exists():
+                os.replace(trash, final)  # put the one it was to replace back
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"could not save checkpoint {final.name}: renaming it into place failed: {one_line(exc)}; the partial "
+                f"save was removed and the checkpoints already there are untouched"
+            ) from exc
         _fsync_dir(self.root)
         self._intact.add(final.name)
         if trash is not None:

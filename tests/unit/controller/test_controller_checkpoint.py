@@ -348,3 +348,22 @@ def test_write_manifest_lists_nested_files(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "c.bin").write_bytes(b"c")
     assert set(write_manifest(tmp_path)["files"]) == {"a/b/c.bin"}
+
+
+def test_a_failed_publish_puts_the_replaced_checkpoint_back(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    mgr.save(1, {"step": 1}, write_actor)
+    before = snapshot(tmp_path)
+    real_replace = os.replace
+
+    def refuse_publish(src, dst):
+        if os.path.basename(str(src)).startswith(".tmp-global_step_1"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt_module.os, "replace", refuse_publish)
+    with pytest.raises(CheckpointError, match="could not save checkpoint global_step_1: renaming it into place failed"):
+        mgr.save(1, {"step": 1}, write_actor)
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == before
+    verify_checkpoint(tmp_path / "global_step_1")
