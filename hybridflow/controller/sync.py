@@ -92,15 +92,16 @@ class RLTrainer:
                 if last or (trainer_cfg.test_freq > 0 and self.step % trainer_cfg.test_freq == 0):
                     metrics.update(self.validate())
                 save = (trainer_cfg.save_freq > 0 and self.step % trainer_cfg.save_freq == 0) or (last and trainer_cfg.save_final)
-                if save or (interrupt.requested and not last):
-                    self.save_checkpoint()
+                saved = (save or (interrupt.requested and not last)) and self.save_checkpoint()
                 run.tracker.log(metrics, step=self.step)
                 run.progress.update(self.step, {k: metrics[m] for k, m in PROGRESS_KEYS.items() if m in metrics})
                 maybe_fault("after_step", self.step)
                 if interrupt.requested and not last:
                     raise TrainingInterrupted(
                         f"interrupted after step {self.step} of {run.total_steps}; a checkpoint was saved: run the "
-                        f"same command again to resume"
+                        f"same command again to resume" if saved else
+                        f"interrupted after step {self.step} of {run.total_steps}; saving its checkpoint failed (see "
+                        f"the warning above): the same command resumes from the newest earlier checkpoint"
                     )
         return metrics
 
@@ -379,11 +380,11 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> None:
-        """Save one checkpoint. A save that fails (a full disk: "no space left on <path>") has
-        removed its partial folder and left the earlier checkpoints alone; then the run stops
-        with that ``CheckpointError`` or, with ``trainer.on_save_error=warn``, goes on without
-        this checkpoint."""
+    def save_checkpoint(self) -> bool:
+        """Save one checkpoint; True when it was saved. A save that fails (a full disk: "no space
+        left on <path>") has removed its partial folder and left the earlier checkpoints alone;
+        then the run stops with that ``CheckpointError`` or, with ``trainer.on_save_error=warn``,
+        goes on without this checkpoint (False)."""
         with activity("phase", "save_checkpoint"):
             try:
                 self._save_checkpoint()
@@ -391,6 +392,8 @@ class RLTrainer:
                 if self.cfg.trainer.on_save_error != "warn":
                     raise
                 log.warning("%s; training goes on without this checkpoint (trainer.on_save_error=warn)", exc)
+                return False
+        return True
 
     def _save_checkpoint(self) -> None:
         state = {
