@@ -1,0 +1,49 @@
+"""CPU feature detection: parsing /proc/cpuinfo and what the flags mean for bf16."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.utils.device import CpuFeatures, cpu_features, parse_cpuinfo
+
+SAPPHIRE_RAPIDS = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu
+"""
+MILAN = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse avx avx2 fma
+"""
+
+
+def test_cpuinfo_is_read_from_the_first_processor() -> None:
+    vendor, model, flags = parse_cpuinfo(SAPPHIRE_RAPIDS)
+    assert (vendor, model) == ("GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+")
+    assert {"avx512_bf16", "amx_bf16"} <= flags and "avx512f" in flags
+
+
+def test_native_bf16_needs_avx512_bf16_or_amx() -> None:
+    def features(text: str) -> CpuFeatures:
+        vendor, model, flags = parse_cpuinfo(text)
+        return CpuFeatures(vendor=vendor, model_name=model, flags=flags, capability="AVX2")
+
+    spr, milan = features(SAPPHIRE_RAPIDS), features(MILAN)
+    assert spr.avx512_bf16 and spr.amx_bf16 and spr.native_bf16
+    assert not (milan.avx512_bf16 or milan.amx_bf16 or milan.native_bf16)
+    assert "avx512_bf16, amx_bf16" in spr.describe() and "no avx512_bf16/amx_bf16" in milan.describe()
+    only_avx512_bf16 = CpuFeatures(vendor="AuthenticAMD", model_name="Zen 4", flags=frozenset({"avx512_bf16"}),
+                                   capability="AVX512")
+    assert only_avx512_bf16.native_bf16
+
+
+def test_this_machine_is_described_with_torchs_dispatch_level() -> None:
+    features = cpu_features()
+    assert features.capability == torch.backends.cpu.get_cpu_capability()
+    assert features is cpu_features()  # read once per process
