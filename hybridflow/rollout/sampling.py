@@ -141,6 +141,7 @@ class SamplingTensors:
     needs_filter: bool  # some sampled row has top-k or top-p < 1
     needs_min_p: bool
     needs_penalty: bool
+    needs_temperature: bool = True  # some row's temperature is not 1 (dividing by 1 is exact: skipped)
 
     @property
     def batch_size(self) -> int:
@@ -183,6 +184,7 @@ class SamplingTensors:
             needs_filter=any(p.filter for p in profiles),
             needs_min_p=any(p.min_p for p in profiles),
             needs_penalty=any(p.penalty for p in profiles),
+            needs_temperature=any(p.temperature for p in profiles),
         )
 
 
@@ -194,6 +196,7 @@ class RowProfile:
     filter: bool
     min_p: bool
     penalty: bool
+    temperature: bool = True  # a sampled row whose temperature is not 1
 
 
 def row_profile(params: SamplingParams) -> RowProfile:
@@ -203,6 +206,7 @@ def row_profile(params: SamplingParams) -> RowProfile:
         filter=not greedy and (params.top_k != -1 or params.top_p < 1.0),
         min_p=not greedy and params.min_p > 0.0,
         penalty=params.repetition_penalty != 1.0,
+        temperature=not greedy and params.temperature != 1.0,
     )
 
 
@@ -318,14 +322,15 @@ def sample_tokens(
     if sampling.all_greedy:
         assert tokens is not None
         return tokens, compute_token_logprobs(raw, tokens, sampling.temperatures)
-    scaled = processed / sampling.temperatures[:, None]
+    # Every row at temperature 1 (greedy rows store 1 too): x / 1 is x exactly, so skip a pass.
+    scaled = processed / sampling.temperatures[:, None] if sampling.needs_temperature else processed
     unchanged = processed is raw and not (sampling.needs_filter or sampling.needs_min_p)
     if sampling.needs_filter:
         scaled = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
     if sampling.needs_min_p:
         scaled = filter_min_p(scaled, sampling.min_p)
     peak = scaled.amax(dim=-1, keepdim=True)
-    probs = (scaled - peak).exp()
+    probs = torch.sub(scaled, peak).exp_()  # one (B, V) buffer for both passes
     drawn = sample_from_probs(probs, counter_uniforms(sampling.keys, sampling.counters))
     tokens = drawn if tokens is None else torch.where(sampling.greedy, tokens, drawn)
     if not unchanged:

@@ -16,8 +16,9 @@ from transformers import (
 )
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.rollout.compact import CompactCausalLM
+from hybridflow.rollout.compact import CompactCausalLM, onednn_packing_available, resolve_weight_layout
 from hybridflow.rollout.kv_cache import SlotKVCache
+from hybridflow.utils.device import CpuFeatures
 
 torch.set_num_threads(1)
 
@@ -108,6 +109,54 @@ def test_logits_match_hugging_face_in_float32(family):
     # The HF model still runs (its fused parameters are views) and gives the same logits.
     with torch.no_grad():
         assert torch.equal(hf(ids).logits[:, 10:], expected)
+
+
+ONEDNN = onednn_packing_available(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN")
+@pytest.mark.parametrize("family", ["tiny", "qwen2", "qwen3", "llama-bias"])
+def test_onednn_packed_weights_give_hugging_faces_logits(family):
+    hf = random_model(family)
+    ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits[:, 10:]
+    compact = CompactCausalLM.from_hf(hf, max_positions=128)
+    compact.set_weight_layout("onednn", batch_hint=3)
+    assert compact.weight_layout == "onednn"
+    got = compact_logits(compact, ids, prefill=10)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN")
+def test_the_packed_copy_follows_the_weights_only_when_repacked():
+    hf = random_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    compact = CompactCausalLM.from_hf(hf, max_positions=128)
+    compact.set_weight_layout("onednn", batch_hint=2)
+    before = compact_logits(compact, ids, prefill=6)
+    with torch.no_grad():
+        hf.model.layers[0].mlp.up_proj.weight.mul_(-1.0)  # writes the fused tensor through its view
+    assert torch.equal(compact_logits(compact, ids, prefill=6), before)  # the packed copy is stale...
+    compact.repack()
+    with torch.no_grad():
+        expected = hf(ids).logits[:, 6:]
+    assert (compact_logits(compact, ids, prefill=6) - expected).abs().max().item() < 1e-4  # ...until repacked
+
+
+def test_auto_weight_layout_packs_only_where_it_was_measured_faster():
+    amd = CpuFeatures(vendor="AuthenticAMD", model_name="AMD EPYC", flags=frozenset({"avx2"}), capability="AVX2")
+    intel = CpuFeatures(vendor="GenuineIntel", model_name="Xeon", flags=frozenset({"avx512f"}), capability="AVX512")
+    assert resolve_weight_layout("auto", "cpu", torch.float32, amd) == ("onednn" if ONEDNN else "dense")
+    assert resolve_weight_layout("auto", "cpu", torch.float32, intel) == "dense"
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16, amd) == "dense"
+    assert resolve_weight_layout("auto", "cuda", torch.float32, amd) == "dense"
+    assert resolve_weight_layout("dense", "cpu", torch.float32, amd) == "dense"  # explicit choices are kept
+    with pytest.raises(ValueError, match="unknown weight layout 'packed'"):
+        resolve_weight_layout("packed", "cpu", torch.float32, amd)
+    compact = CompactCausalLM.from_hf(random_model("tiny").to(torch.bfloat16), max_positions=128)
+    with pytest.raises(ValueError, match="'onednn' needs float32 weights on a CPU"):
+        compact.set_weight_layout("onednn")
 
 
 def test_weights_are_shared_with_the_hf_model_not_copied():

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.rollout.compact import onednn_packing_available
 from hybridflow.rollout.native import NativeEngine, resolve_dtype
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
@@ -276,6 +277,42 @@ def test_update_weights_changes_outputs_and_restores_them():
     engine.update_weights(original.items())
     restored = engine.generate_batch(prompt_requests)
     assert [r[0].response_ids for r in restored] == [r[0].response_ids for r in before]
+
+
+LAYOUTS = ["dense"] + (["onednn"] if onednn_packing_available(torch.device("cpu"), torch.float32) else [])
+
+
+def outputs(engine: NativeEngine) -> list[list[tuple[list[int], list[float]]]]:
+    """Sampled (seeded, n=2) and greedy responses to every prompt, with their logprobs."""
+    requests = [request(p, temperature=1.0, max_tokens=8, seed=i, n=2) for i, p in enumerate(PROMPTS)]
+    requests += [request(p, temperature=0.0, max_tokens=8) for p in PROMPTS]
+    return [[(t.response_ids, t.rollout_logprobs) for t in r] for r in engine.generate_batch(requests)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_after_bucketed_updates_the_fused_engine_matches_one_loaded_with_the_new_weights(layout):
+    donor = make_model(seed=1)
+    engine = make_engine(weight_layout=layout)
+    outputs(engine)  # the old weights have served
+    # Buckets of one tensor each: q, k and v (and gate and up) of a layer arrive separately.
+    engine.update_weights(donor.state_dict().items(), max_bucket_bytes=4096)
+    fused = engine._compact.layers[1]  # the fused tensors the compact forward reads
+    attention, mlp = donor.model.layers[1].self_attn, donor.model.layers[1].mlp
+    assert torch.equal(fused.qkv_weight, torch.cat([attention.q_proj.weight, attention.k_proj.weight,
+                                                    attention.v_proj.weight]))
+    assert fused.qkv_bias is not None
+    assert torch.equal(fused.qkv_bias, torch.cat([attention.q_proj.bias, attention.k_proj.bias, attention.v_proj.bias]))
+    assert torch.equal(fused.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert outputs(engine) == outputs(make_engine(make_model(seed=1), weight_layout=layout))
+
+    # A partial update (one slice of each fused tensor) through weight_update, as a sync applies it.
+    mixed = make_model(seed=1)
+    partial = {name: make_model(seed=2).state_dict()[name]
+               for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight")}
+    mixed.load_state_dict(partial, strict=False)
+    with engine.weight_update() as apply:
+        apply(list(partial.items()))
+    assert outputs(engine) == outputs(make_engine(mixed, weight_layout=layout))
 
 
 def test_a_weight_update_in_parts_is_seen_whole_by_requests_served_meanwhile():
