@@ -10,13 +10,20 @@ lazily, so naming an engine whose optional dependency is missing fails only when
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from hybridflow.types import GenerationRequest, Trajectory
+from hybridflow.utils.device import CpuFeatures, cpu_features
+
+if TYPE_CHECKING:
+    from hybridflow.rollout.precision import DtypeChoice
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -88,13 +95,61 @@ def _build_native(
     )
 
 
-def resolve_rollout_dtype(dtype: str, device: torch.device | str) -> str:
-    """``rollout.dtype``: ``auto`` is bfloat16 on a GPU (the usual rollout precision there) and
-    float32 on a CPU (bf16 matmuls are only fast on CPUs with avx512_bf16/AMX, and fp32 keeps
-    rollout and trainer logprobs equal; bench/rollout_compute_bound.py measures both)."""
+def resolve_rollout_dtype(
+    dtype: str,
+    device: torch.device | str,
+    *,
+    model: torch.nn.Module | None = None,
+    batch: int = 1,
+    max_logprob_mismatch: float | None = None,
+    cpu: CpuFeatures | None = None,
+) -> str:
+    """``rollout.dtype``: an explicit dtype is kept; ``auto`` is bfloat16 on a GPU (the usual
+    rollout precision there) and, on a CPU, whatever ``choose_rollout_dtype`` decides."""
+    return choose_rollout_dtype(dtype, device, model=model, batch=batch, max_logprob_mismatch=max_logprob_mismatch,
+                                cpu=cpu).dtype
+
+
+def choose_rollout_dtype(
+    dtype: str,
+    device: torch.device | str,
+    *,
+    model: torch.nn.Module | None = None,
+    batch: int = 1,
+    max_logprob_mismatch: float | None = None,
+    cpu: CpuFeatures | None = None,
+) -> DtypeChoice:
+    """``resolve_rollout_dtype`` with its reason (and figures, when it measured).
+
+    On a CPU ``auto`` is bfloat16 only with bf16 hardware (avx512_bf16/AMX, ``cpu`` or this
+    machine's) and when a probe of ``model`` at ``batch`` rows finds bf16 decode faster and its
+    logprobs within ``max_logprob_mismatch`` (default: the health check's threshold) of fp32; see
+    ``precision``. Without a model to probe it stays float32.
+    """
+    from hybridflow.rollout import precision
+
     if dtype != "auto":
-        return dtype
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+        return precision.DtypeChoice(dtype, "set explicitly")
+    if torch.device(device).type == "cuda":
+        return precision.DtypeChoice("bfloat16", "auto on a GPU")
+    threshold = precision.DEFAULT_MAX_LOGPROB_MISMATCH if max_logprob_mismatch is None else max_logprob_mismatch
+    cpu = cpu or cpu_features()
+
+    def probe() -> precision.PrecisionProbe:
+        if model is None:
+            raise _NoModel
+        return precision.probe_decode_precision(model, batch=min(batch, precision.PROBE_MAX_BATCH))
+
+    try:
+        choice = precision.choose_cpu_rollout_dtype(cpu, probe, max_logprob_mismatch=threshold)
+    except _NoModel:
+        return precision.DtypeChoice("float32", "bf16 hardware, but no model to measure bf16 on")
+    logger.info("rollout.dtype=auto on %s: %s (%s)", cpu.describe(), choice.dtype, choice.reason)
+    return choice
+
+
+class _NoModel(Exception):
+    """Raised inside a probe that has no model to measure."""
 
 
 # Config ``rollout.name`` → builder. Every builder takes the keyword arguments of
@@ -116,13 +171,15 @@ def build_rollout_engine(
     seed: int = 0,
     tokenizer: Any = None,
     enforce_eager: bool = False,
+    max_logprob_mismatch: float | None = None,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
     The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
     ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
     ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings. ``enforce_eager`` turns
-    off CUDA graphs (``rollout.enforce_eager``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``).
+    off CUDA graphs (``rollout.enforce_eager``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
+    ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
     """
     try:
         builder = ROLLOUT_ENGINES[name]
@@ -136,7 +193,8 @@ def build_rollout_engine(
         pad_token_id=pad_token_id,
         max_batch_size=max_batch_size,
         device=device,
-        dtype=resolve_rollout_dtype(dtype, device) if isinstance(dtype, str) else dtype,
+        dtype=resolve_rollout_dtype(dtype, device, model=model, batch=max_batch_size,
+                                    max_logprob_mismatch=max_logprob_mismatch) if isinstance(dtype, str) else dtype,
         seed=seed,
         tokenizer=tokenizer,
         enforce_eager=enforce_eager,

@@ -25,7 +25,7 @@ Weight layouts (``set_weight_layout``): ``dense`` runs every matmul on the fused
 (``F.linear``: MKL on a CPU). ``onednn`` keeps, beside them, a copy of every matmul weight packed
 in oneDNN's blocked layout for this CPU, so a decode step's matmuls read the weights the way the
 kernels consume them instead of re-packing all of them on every call: +11% matmul throughput and
-+5% per fp32 decode step at batch 128 on an AVX2 AMD EPYC (on the AVX-512 Xeon measured before,
++7% per fp32 decode step at batch 128 on an AVX2 AMD EPYC (on the AVX-512 Xeon measured before,
 no gain), for one more copy of the matmul weights in memory. The packed copy is derived state:
 ``repack()`` rebuilds it from the fused tensors after a weight update (the engine does so when
 ``weight_update`` ends). ``resolve_weight_layout("auto", ...)`` picks it only where it was

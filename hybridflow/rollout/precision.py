@@ -1,0 +1,178 @@
+"""Which dtype ``rollout.dtype=auto`` means on a CPU: bf16 only where it was measured to pay.
+
+On a GPU the answer is bf16 (``base.resolve_rollout_dtype``). On a CPU, bf16 matmuls are fast only
+with bf16 hardware (``utils.device.NATIVE_BF16_FLAGS``: avx512_bf16 or AMX); elsewhere torch
+converts to fp32 on the fly, which measured ~10x *slower* than fp32 decode on an AVX2 EPYC. And
+even where bf16 is fast it changes the rollout logprobs the trainer (fp32 by default) recomputes:
+the policy ratio then starts off 1 by the mismatch, which ``trainer.health.logprob_mismatch``
+watches (mean |log pi_trainer - log pi_rollout| per token).
+
+So on a CPU, ``auto`` resolves in two stages (``choose_cpu_rollout_dtype``):
+
+1. no avx512_bf16/amx_bf16 flag → float32, without measuring anything (the common case);
+2. with one, a short probe (``probe_decode_precision``) decodes the model itself at the rollout
+   batch in both dtypes, from the same prompts and the same tokens (drawn by the bf16 run, as a
+   bf16 rollout would draw them; the fp32 run is teacher-forced on them), and bf16 is chosen only
+   when its decode step is at least ``MIN_BF16_SPEEDUP`` times faster *and* the mean |logprob
+   difference| of those tokens stays within the health threshold. Otherwise float32.
+
+The margin keeps a borderline machine from flipping between runs on timing noise (a resumed run
+must draw its rollouts in the dtype it started with to reproduce). The decision and its figures
+are logged, and ``bench/rollout_compute_bound.py`` prints them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.rollout.compact import CompactCausalLM
+from hybridflow.rollout.kv_cache import SlotKVCache
+from hybridflow.rollout.sampling import counter_uniforms, sample_from_probs
+from hybridflow.tracking.health import HealthThresholds
+from hybridflow.utils.device import CpuFeatures
+
+logger = logging.getLogger(__name__)
+
+# bf16 must beat fp32 by this factor: below it the gain does not pay for the logprob mismatch it
+# adds, and timing noise on a shared machine could flip the choice from one run to the next.
+MIN_BF16_SPEEDUP = 1.2
+# The default ceiling on the mean |logprob difference|: the health check's own default.
+DEFAULT_MAX_LOGPROB_MISMATCH = HealthThresholds().logprob_mismatch
+# Probe workload: enough rows to be in the regime the rollout runs in, few enough steps to take
+# seconds on a CPU even for a 1B model.
+PROBE_PROMPT_TOKENS = 16
+PROBE_DECODE_STEPS = 8
+PROBE_MAX_BATCH = 32
+
+
+@dataclass(frozen=True)
+class PrecisionProbe:
+    """fp32 against bf16 decode of one model: median step times and logprob agreement."""
+
+    batch: int
+    float32_step_s: float
+    bfloat16_step_s: float
+    logprob_mismatch: float  # mean |log p_bf16 - log p_fp32| over the probe's decoded tokens
+    logprob_mismatch_max: float
+
+    @property
+    def bfloat16_speedup(self) -> float:
+        return self.float32_step_s / self.bfloat16_step_s
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # "float32" or "bfloat16"
+    reason: str
+    probe: PrecisionProbe | None = None
+
+
+def choose_cpu_rollout_dtype(
+    cpu: CpuFeatures,
+    probe: Callable[[], PrecisionProbe],
+    max_logprob_mismatch: float = DEFAULT_MAX_LOGPROB_MISMATCH,
+    min_speedup: float = MIN_BF16_SPEEDUP,
+) -> DtypeChoice:
+    """The CPU rollout dtype for ``auto`` (module docstring); ``probe`` runs only on bf16 hardware."""
+    if not cpu.native_bf16:
+        return DtypeChoice("float32", f"no avx512_bf16/amx_bf16 on {cpu.model_name or 'this CPU'}: bf16 would be "
+                                      "emulated, far slower than fp32")
+    measured = probe()
+    figures = (f"bf16 decode {measured.bfloat16_speedup:.2f}x fp32 at batch {measured.batch}, mean |logprob "
+               f"difference| {measured.logprob_mismatch:.4f} (max {measured.logprob_mismatch_max:.3f})")
+    if measured.bfloat16_speedup < min_speedup:
+        return DtypeChoice("float32", f"{figures}: not at least {min_speedup:.2f}x faster", measured)
+    if not measured.logprob_mismatch <= max_logprob_mismatch:  # NaN refuses too
+        return DtypeChoice("float32", f"{figures}: above the logprob mismatch threshold {max_logprob_mismatch}",
+                           measured)
+    return DtypeChoice("bfloat16", f"{figures}: faster and within the logprob mismatch threshold "
+                                   f"{max_logprob_mismatch}", measured)
+
+
+@torch.inference_mode()
+def probe_decode_precision(
+    model: torch.nn.Module,
+    batch: int,
+    prompt_tokens: int = PROBE_PROMPT_TOKENS,
+    steps: int = PROBE_DECODE_STEPS,
+    seed: int = 0,
+) -> PrecisionProbe:
+    """Decode ``steps`` tokens for ``batch`` random prompts in bf16 (sampling at temperature 1),
+    then teacher-force the same tokens in fp32; compare step times and the tokens' logprobs.
+
+    ``model`` (a supported HF causal LM on the CPU) is not modified: each dtype runs on a copy.
+    """
+    config = model.config
+    length = min(prompt_tokens + steps, int(config.max_position_embeddings))
+    prompt_tokens = max(1, length - steps)
+    generator = torch.Generator().manual_seed(seed)
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    prompts = torch.randint(0, vocab, (batch, prompt_tokens), generator=generator)
+    keys = torch.randint(0, 2**32, (batch, 2), generator=generator)
+    bf16_times, bf16_logprobs, tokens = _decode(model, torch.bfloat16, prompts, steps, keys, forced=None)
+    fp32_times, fp32_logprobs, _ = _decode(model, torch.float32, prompts, steps, keys, forced=tokens)
+    difference = (bf16_logprobs - fp32_logprobs).abs()
+    return PrecisionProbe(
+        batch=batch,
+        float32_step_s=statistics.median(fp32_times),
+        bfloat16_step_s=statistics.median(bf16_times),
+        logprob_mismatch=float(difference.mean()),
+        logprob_mismatch_max=float(difference.max()),
+    )
+
+
+def _decode(
+    model: torch.nn.Module, dtype: torch.dtype, prompts: torch.Tensor, steps: int, keys: torch.Tensor,
+    forced: torch.Tensor | None,
+) -> tuple[list[float], torch.Tensor, torch.Tensor]:
+    """Prefill ``prompts`` (B, P) and decode ``steps`` tokens (drawn, or ``forced`` (B, T)).
+
+    Returns the decode step times (the first, which pays one-off allocations, left out), the
+    tokens' logprobs (B, T) at temperature 1, and the tokens (B, T).
+    """
+    twin = copy.deepcopy(model)
+    for parameter in twin.parameters():  # as the engine casts: parameters only, RoPE buffers stay fp32
+        parameter.data = parameter.data.to(dtype=dtype)
+    batch, prompt_length = prompts.shape
+    capacity = prompt_length + steps
+    compact = CompactCausalLM.from_hf(twin, max_positions=capacity)
+    cache = SlotKVCache(
+        num_layers=compact.num_layers, num_kv_heads=compact.shape.num_kv_heads, head_dim=compact.shape.head_dim,
+        dtype=dtype, device=compact.device, max_decode_rows=batch, prompt_rows=batch, memory_budget_bytes=2**62,
+        max_capacity=capacity,
+    )
+    cache.ensure_capacity(capacity, live_rows=0)
+    rows = list(range(batch))
+    if prompt_length > 1:  # all prompt tokens but the last, as the engine prefills them
+        width = prompt_length - 1
+        positions = torch.arange(width).repeat(batch, 1)
+        access = cache.prefill_access(rows, torch.arange(batch * width), torch.arange(batch).repeat_interleave(width),
+                                      positions.reshape(-1), width)
+        compact.forward(prompts[:, :-1], positions, access, width, with_logits=False)
+        cache.copy_prompts(rows, rows, width)
+    tokens, logprobs, times = [], [], []
+    feed = prompts[:, -1]
+    for step in range(steps):
+        position = prompt_length - 1 + step
+        positions = torch.full((batch,), position)
+        start = time.perf_counter()
+        access = cache.decode_access(batch, positions, position + 1)
+        logits = compact.forward(feed[:, None], positions[:, None], access, position + 1)
+        assert logits is not None
+        log_probs = logits.float().log_softmax(dim=-1)
+        if forced is None:
+            drawn = sample_from_probs(log_probs.exp(), counter_uniforms(keys, torch.full((batch,), step)))
+        else:
+            drawn = forced[:, step]
+        times.append(time.perf_counter() - start)
+        tokens.append(drawn)
+        logprobs.append(log_probs.gather(-1, drawn[:, None]).squeeze(-1))
+        feed = drawn
+    return times[1:] or times, torch.stack(logprobs, dim=1), torch.stack(tokens, dim=1)
