@@ -26,8 +26,17 @@ on this machine under this accounting: the matmul FLOPs of every decoded and pre
 the measured matmul rate, plus the cached keys and values each decode step must read at the
 measured copy bandwidth (weights streaming assumed perfectly overlapped with compute):
 
-    ceiling = useful FLOPs / (rate x (matmul FLOPs incl. prefill / rate + KV bytes read / bandwidth)) The bf16 engine (``--dtypes float32 bfloat16``) is compared with the bf16 matmul
-rate; HF runs in fp32 only (the reference figure of the issue).
+    ceiling = useful FLOPs / (rate x (matmul FLOPs incl. prefill / rate + KV bytes read / bandwidth))
+
+The bf16 engine (``--dtypes float32 bfloat16``) is compared with the bf16 matmul rate; HF runs in
+fp32 only (the reference figure of the issue). fp32 engines run once per ``--weight-layouts``
+entry (``dense``: F.linear on the fused weights; ``onednn``: a packed copy, see
+``hybridflow.rollout.compact``), bf16 ones dense.
+
+The header names the CPU (vendor, torch's dispatch level, avx512_bf16/amx_bf16) and what the
+``auto`` settings resolve to on it: the weight layout, and ``rollout.dtype=auto`` with its reason,
+next to the figures of a bf16-vs-fp32 decode probe of this model (``rollout.precision``; printed on
+every CPU, although ``auto`` measures only on CPUs with bf16 hardware).
 
     python bench/rollout_compute_bound.py --threads 2
     python bench/rollout_compute_bound.py --threads 1 --profile   # where the engine's time goes
@@ -52,8 +61,12 @@ from rollout_long_tail import (  # the ~20M shape, one definition
     build_model,
 )
 
+from hybridflow.rollout.base import choose_rollout_dtype
+from hybridflow.rollout.compact import WEIGHT_LAYOUTS, onednn_packing_available, resolve_weight_layout
 from hybridflow.rollout.native import NativeEngine, resolve_dtype
+from hybridflow.rollout.precision import probe_decode_precision
 from hybridflow.types import GenerationRequest, SamplingParams
+from hybridflow.utils.device import cpu_features
 
 WARM_UP_TOKENS = 8  # the warm-up run: first-call allocations and the KV cache sizing
 
@@ -176,7 +189,7 @@ def measure(sides: list[Side], repeats: int, matmul_size: int) -> None:
             side.tokens_per_s.append(tokens / (time.perf_counter() - start))
 
 
-def build_engine(dtype: str, batch: int) -> NativeEngine:
+def build_engine(dtype: str, batch: int, weight_layout: str = "auto") -> NativeEngine:
     return NativeEngine(
         model=build_model("qwen2-20m"),
         eos_token_ids=[EOS_TOKEN_ID],
@@ -184,7 +197,22 @@ def build_engine(dtype: str, batch: int) -> NativeEngine:
         max_batch_size=batch,
         dtype=dtype,
         seed=0,
+        weight_layout=weight_layout,
     )
+
+
+def print_machine(batch: int) -> None:
+    """The CPU, what the ``auto`` settings resolve to on it, and the bf16-vs-fp32 probe's figures."""
+    cpu = cpu_features()
+    print(f"cpu: {cpu.describe()}")
+    print(f"weight_layout=auto -> {resolve_weight_layout('auto', 'cpu', torch.float32)} (float32)")
+    model = build_model("qwen2-20m")
+    choice = choose_rollout_dtype("auto", "cpu", model=model, batch=batch)
+    print(f"rollout.dtype=auto -> {choice.dtype}: {choice.reason}")
+    probe = choice.probe or probe_decode_precision(model, batch=min(batch, 32))
+    print(f"bf16 probe (batch {probe.batch}, decode): fp32 {probe.float32_step_s * 1e3:.1f} ms/step, bf16 "
+          f"{probe.bfloat16_step_s * 1e3:.1f} ms/step (bf16 {probe.bfloat16_speedup:.2f}x fp32), mean |logprob "
+          f"difference| {probe.logprob_mismatch:.4f} (max {probe.logprob_mismatch_max:.3f})")
 
 
 def profile_engine(engine: NativeEngine, prompts: list[list[int]], max_tokens: int, rows: int) -> None:
@@ -214,11 +242,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (fixed for comparability)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--weight-layouts", nargs="+", default=["dense", "onednn"],
+                        choices=[w for w in WEIGHT_LAYOUTS if w != "auto"], help="fp32 engine sides (onednn where available)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the engine's top ops (first dtype)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
+    print_machine(args.batch)
     prompts = build_prompts(args.batch, args.prompt_tokens)
     flops = FlopModel.of(build_model("qwen2-20m"))
     context = args.prompt_tokens + (args.max_tokens - 1) / 2
@@ -231,13 +262,16 @@ def main() -> None:
         f"FLOPs/token = 2 x {flops.matmul_params} + 4 x {flops.layers} x {flops.heads} x {flops.head_dim} x "
         f"{context:.1f} = {per_token / 1e6:.2f} MFLOP"
     )
-    sides = [engine_side(dtype, prompts, args) for dtype in args.dtypes]
+    layouts = [w for w in args.weight_layouts
+               if w == "dense" or onednn_packing_available(torch.device("cpu"), torch.float32)]
+    sides = [engine_side(dtype, layout, prompts, args) for dtype in args.dtypes
+             for layout in (layouts if dtype == "float32" else ["dense"])]
     if not args.skip_hf:
         sides.append(hf_side(prompts, args))
     measure(sides, args.repeats, args.matmul_size)
     for side in sides:
         print(
-            f"{side.label:22s} {statistics.median(side.tokens_per_s):9.1f} tokens/s  matmul {side.dtype} "
+            f"{side.label:29s} {statistics.median(side.tokens_per_s):9.1f} tokens/s  matmul {side.dtype} "
             f"{statistics.median(side.matmul_rates) / 1e9:6.1f} GFLOP/s  fraction {statistics.median(side.fractions(per_token)):.2f}"
             f"  (runs: {' '.join(f'{f:.2f}' for f in side.fractions(per_token))})"
         )
@@ -248,16 +282,16 @@ def main() -> None:
         bandwidth = copy_bandwidth()
         ceiling = ceiling_fraction(flops, kv_per_position, args.batch, args.prompt_tokens, args.max_tokens,
                                    statistics.median(fp32_rates), bandwidth)
-        print(f"ceiling (float32)      fraction {ceiling:.2f}  (copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        print(f"ceiling (float32)             fraction {ceiling:.2f}  (copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
               f"prefill and KV reads at their bounds)")
     if args.profile:
         profile_engine(build_engine(args.dtypes[0], args.batch), prompts, args.max_tokens, rows=25)
 
 
-def engine_side(dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> Side:
-    engine = build_engine(dtype, len(prompts))
+def engine_side(dtype: str, layout: str, prompts: list[list[int]], args: argparse.Namespace) -> Side:
+    engine = build_engine(dtype, len(prompts), layout)
     engine_run(engine, prompts[:4], WARM_UP_TOKENS)  # first-call allocations, KV cache sizing
-    return Side(f"native_engine {dtype}", dtype, lambda: engine_run(engine, prompts, args.max_tokens))
+    return Side(f"native_engine {dtype} {layout}", dtype, lambda: engine_run(engine, prompts, args.max_tokens))
 
 
 def hf_side(prompts: list[list[int]], args: argparse.Namespace) -> Side:
