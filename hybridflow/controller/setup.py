@@ -465,7 +465,8 @@ def build_run(cfg: Config) -> RunSetup:
                                placements.get("actor"))
     rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
-                                 enforce_eager=cfg.rollout.enforce_eager, **common)
+                                 enforce_eager=cfg.rollout.enforce_eager,
+                                 max_logprob_mismatch=t.health.logprob_mismatch, **common)
     # One rollout rank: generation stays single-rank (its seeds derive from (seed, step, index)).
     rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, rollout_setup), 1,
                                  placements.get("rollout"))

@@ -59,6 +59,9 @@ class RolloutSetup:
     trust_remote_code: bool = False
     agent: AgentSetup | None = None  # None: single-turn generation, no agent loop
     enforce_eager: bool = False  # no CUDA graphs for decode
+    # The largest mean |logprob difference| from fp32 a CPU's bf16 decode may show to be chosen by
+    # rollout.dtype=auto (trainer.health.logprob_mismatch); None: the engine's default.
+    max_logprob_mismatch: float | None = None
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -97,6 +100,7 @@ class RolloutWorker:
             seed=setup.seed + rank,
             tokenizer=tokenizer,
             enforce_eager=setup.enforce_eager,
+            max_logprob_mismatch=setup.max_logprob_mismatch,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
 
