@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from hybridflow.utils.errors import CheckpointError, causes, find_cause, one_line
 from hybridflow.utils.faults import maybe_fault
+from hybridflow.utils.files import give_default_modes
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +362,8 @@ class CheckpointManager:
                 _write_text_atomic(tmp / name, text)
             _write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))
             maybe_fault("checkpoint_write", step)
+            # safetensors writes model.safetensors with mode 0600: publish what others may read.
+            give_default_modes(tmp)
             _fsync_tree(tmp)
             write_manifest(tmp)
         except Exception as exc:

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, verify_checkpoint
+from hybridflow.utils.files import give_default_modes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(model_dir, tmp)
+    give_default_modes(tmp)  # checkpoints written before modes were fixed hold a 0600 model.safetensors
     _check_loads(tmp)
     if out.exists():
         shutil.rmtree(out)

@@ -35,6 +35,7 @@ from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
+from hybridflow.utils.files import give_default_modes
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ def run_sft(
     out = Path(out_dir)
     engine.model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    give_default_modes(out)  # safetensors writes mode 0600; a shared warm_start.cache_dir must stay readable
     metrics["sft/time_s"] = time.perf_counter() - start
     return metrics
 

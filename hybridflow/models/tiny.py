@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.utils.files import give_default_modes
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -116,5 +118,6 @@ def write_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModel
     out.mkdir(parents=True, exist_ok=True)
     build_tiny_model(spec, seed).save_pretrained(out, safe_serialization=True)
     build_tiny_tokenizer().save_pretrained(out)
+    give_default_modes(out)  # safetensors writes mode 0600
     return out
 
