@@ -497,6 +497,9 @@ def load_config(
     ``preset`` argument (the file is the more specific choice), and is applied before the
     file's own keys. ``preset=None`` means the plain schema defaults.
 
+    A run left unnamed (``trainer.experiment_name`` at the schema default) is named after the
+    preset and the data (``default_experiment_name``): ``--preset dapo`` writes ``runs/dapo-...``.
+
     The result is type-checked but not semantically validated: call ``validate_config``.
     """
     if isinstance(overrides, str):
@@ -521,7 +524,31 @@ def load_config(
         _apply_mapping(cfg, file_mapping, "", f"config file '{config_file}'")
     for override in overrides:
         apply_override(cfg, override)
+    if cfg.trainer.experiment_name == _UNNAMED_RUN:
+        cfg.trainer.experiment_name = default_experiment_name(preset, cfg)
     return cfg
+
+
+_UNNAMED_RUN = Config().trainer.experiment_name
+"""The schema's ``trainer.experiment_name``: a run nobody named, whose name follows what it runs."""
+
+_NAME_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def default_experiment_name(preset: str | None, cfg: Config) -> str:
+    """``<preset>-<data>`` for a run left unnamed: ``dapo-arithmetic``, ``grpo-gsm8k``.
+
+    The preset, not the schema default, says which algorithm runs (``preset=None`` is the schema
+    defaults: GRPO). The data part is the built-in task, or the folder of the first training file
+    (``~/data/gsm8k/train.parquet`` -> ``gsm8k``), so a run folder is recognisable in ``runs/``.
+    """
+    if cfg.data.train_files:
+        first = Path(cfg.data.train_files[0]).expanduser()
+        data = first.parent.name or first.stem
+    else:
+        data = cfg.data.builtin_task
+    name = f"{preset or 'grpo'}-{data}"
+    return _NAME_UNSAFE_RE.sub("_", name).strip("_") or "run"
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "the config mapping") -> Config:
