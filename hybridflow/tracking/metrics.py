@@ -34,6 +34,9 @@ TIMING_UPDATE_ACTOR = "timing_s/update_actor"
 TIMING_UPDATE_WEIGHTS = "timing_s/update_weights"
 TIMING_SAVE_CHECKPOINT = "timing_s/save_checkpoint"
 TIMING_TESTING = "timing_s/testing"
+TIMING_OUTSIDE_STEP = frozenset({TIMING_TESTING, TIMING_SAVE_CHECKPOINT})
+"""Phases timed around a step, not inside ``timing_s/step``: never a share of the step's time.
+Every other ``timing_s/<phase>`` is a disjoint part of the step (``PhaseTimer`` refuses nesting)."""
 
 # --- throughput -------------------------------------------------------------------------------
 PERF_THROUGHPUT = "perf/throughput"  # tokens / s / GPU (or CPU rank)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,10 +114,11 @@ def summarize_run(metrics_jsonl: Path) -> str:
     - train score first → last: mean ``critic/score/mean`` over the first and the last
       ``SUMMARY_WINDOW_STEPS`` training steps;
     - val score before → after: the first and the last ``val/score/mean``, with their steps;
-    - time breakdown: each ``timing_s/<phase>`` summed over the run as a share of the summed
-      ``timing_s/step`` (over the steps that have one), largest first. Phases measured only on
-      some steps (validation, checkpoints) are therefore weighted by how often they ran.
-      Nested phases may add up to more than 100%.
+    - time breakdown: each phase inside the step (``timing_s/<phase>``, the phases of one step
+      are disjoint) summed over the run as a share of the summed ``timing_s/step`` (over the
+      steps that have one), largest first, then ``other`` for the rest of the step (batching,
+      metrics): the shares add up to 100%. Phases outside the step (validation, checkpoints:
+      ``TIMING_OUTSIDE_STEP``) are no share of it; their seconds are listed after.
     """
     metrics_jsonl = Path(metrics_jsonl)
     records = read_metrics_jsonl(metrics_jsonl)
@@ -152,22 +153,48 @@ def summarize_run(metrics_jsonl: Path) -> str:
         )
 
     if total_time > 0:
-        phase_totals: dict[str, float] = {}
-        for record in records:
-            step_time = record.metrics.get(m.TIMING_STEP, math.nan)
-            if not math.isfinite(step_time):
-                continue  # e.g. validation before training: not part of any step's time
-            for key, value in record.metrics.items():
-                if (
-                    key.startswith(m.TIMING_PREFIX)
-                    and key != m.TIMING_STEP
-                    and math.isfinite(value)
-                ):
-                    phase_totals[key] = phase_totals.get(key, 0.0) + value
-        if phase_totals:
-            lines.append("  time per phase (share of step time):")
-            width = max(len(k) - len(m.TIMING_PREFIX) for k in phase_totals)
-            for key, seconds in sorted(phase_totals.items(), key=lambda kv: -kv[1]):
-                phase = key[len(m.TIMING_PREFIX) :]
-                lines.append(f"    {phase:<{width}}  {100.0 * seconds / total_time:5.1f}%")
+        lines += _step_time_shares(records, total_time)
+    outside = _phase_totals(records, lambda key: key in m.TIMING_OUTSIDE_STEP, timed_steps_only=False)
+    if outside:
+        listed = ", ".join(f"{key[len(m.TIMING_PREFIX):]} {seconds:.1f} s" for key, seconds in _largest_first(outside))
+        lines.append(f"  outside step time: {listed}")
     return "\n".join(lines)
+
+
+OTHER_PHASE = "other"
+"""The part of a step no named phase timed (collating, balancing, batch metrics)."""
+
+
+def _step_time_shares(records: Sequence[MetricsRecord], total_time: float) -> list[str]:
+    """The phases inside the step as shares of the summed step time, then ``other``."""
+    inside = _phase_totals(
+        records, lambda key: key != m.TIMING_STEP and key not in m.TIMING_OUTSIDE_STEP, timed_steps_only=True
+    )
+    if not inside:
+        return []
+    # Disjoint phases inside the step sum to at most its time; max() absorbs float rounding.
+    rows = [(key[len(m.TIMING_PREFIX) :], seconds) for key, seconds in _largest_first(inside)]
+    rows.append((OTHER_PHASE, max(0.0, total_time - math.fsum(inside.values()))))
+    width = max(len(phase) for phase, _ in rows)
+    return ["  time per phase (share of step time):"] + [
+        f"    {phase:<{width}}  {100.0 * seconds / total_time:5.1f}%" for phase, seconds in rows
+    ]
+
+
+def _phase_totals(
+    records: Sequence[MetricsRecord], wanted: Callable[[str], bool], *, timed_steps_only: bool
+) -> dict[str, float]:
+    """Seconds per ``timing_s/<phase>`` key that ``wanted`` accepts, summed over the records
+    (with ``timed_steps_only``, over those with a finite ``timing_s/step``)."""
+    totals: dict[str, float] = {}
+    for record in records:
+        if timed_steps_only and not math.isfinite(record.metrics.get(m.TIMING_STEP, math.nan)):
+            continue  # e.g. validation before training: not part of any step's time
+        for key, value in record.metrics.items():
+            if key.startswith(m.TIMING_PREFIX) and wanted(key) and math.isfinite(value):
+                totals[key] = totals.get(key, 0.0) + value
+    return totals
+
+
+def _largest_first(totals: dict[str, float]) -> list[tuple[str, float]]:
+    return sorted(totals.items(), key=lambda kv: -kv[1])

@@ -10,19 +10,32 @@ from hybridflow.utils.watchdog import activity
 
 
 class PhaseTimer:
-    """Accumulates wall time per named phase; ``metrics()`` returns ``timing_s/<phase>``."""
+    """Accumulates wall time per named phase; ``metrics()`` returns ``timing_s/<phase>``.
+
+    Phases nest one level at most: an outer phase (the step) and disjoint phases inside it, so
+    each inner phase is a share of the outer one and the shares add up to at most 100%. A phase
+    opened inside an inner one would count the same seconds twice, and is refused.
+    """
 
     def __init__(self) -> None:
         self._seconds: dict[str, float] = {}
+        self._open: list[str] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time ``name``; it is also an open activity that the watchdog holds to its limit."""
+        if len(self._open) >= 2:
+            raise ValueError(
+                f"phase {name!r} opened inside {self._open[-1]!r}, itself inside {self._open[0]!r}: phases inside a "
+                f"step must be disjoint, or their shares of the step count the same seconds twice"
+            )
         start = time.perf_counter()
+        self._open.append(name)
         try:
             with activity("phase", name):
                 yield
         finally:
+            self._open.pop()
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
 
     def seconds(self, name: str) -> float:

@@ -81,13 +81,45 @@ def test_summarize_run_contents(tmp_path):
     # first five training steps 0.1..0.5 -> 0.3; last five 0.6..1.0 -> 0.8
     assert "train score:  0.3000 -> 0.8000 (mean of first/last 5 steps)" in text
     assert "val score:    0.1000 -> 0.7000 (step 0 -> step 10)" in text
-    # gen 10 s, update_actor 5 s, testing 2 s (the 3 s before training is outside any step)
-    phases = lines[lines.index("  time per phase (share of step time):") + 1 :]
+    # gen 10 s, update_actor 5 s, the rest of the 20 s of steps "other"; validation (3 s before
+    # training, 2 s after step 10) is outside the steps: no share of their time
+    start = lines.index("  time per phase (share of step time):") + 1
+    phases = lines[start : start + 3]
     assert [p.split() for p in phases] == [
         ["gen", "50.0%"],
         ["update_actor", "25.0%"],
-        ["testing", "10.0%"],
+        ["other", "25.0%"],
     ]
+    assert lines[start + 3] == "  outside step time: testing 5.0 s"
+
+
+def _shares(text: str) -> dict[str, float]:
+    lines = text.splitlines()
+    start = lines.index("  time per phase (share of step time):") + 1
+    rows = [line.split() for line in lines[start:] if line.startswith("    ")]
+    return {phase: float(share.rstrip("%")) for phase, share in rows}
+
+
+def test_one_step_shares_are_of_disjoint_phases_and_add_up_to_100(tmp_path):
+    """Issue 22: a 1-step run's shares added up to more than 100%, because the validation after
+    the last step (as long as the step itself here) counted as a share of the step's time."""
+    records = [
+        {"step": 0, "val/score/mean": 0.1, "timing_s/testing": 0.9},
+        {"step": 1, "critic/score/mean": 0.2, "timing_s/step": 1.0, "timing_s/gen": 0.5, "timing_s/reward": 0.1,
+         "timing_s/update_actor": 0.3, "timing_s/update_weights": 0.02, "val/score/mean": 0.2,
+         "timing_s/testing": 1.0, "timing_s/save_checkpoint": 0.4},
+    ]
+    text = summarize_run(_write(tmp_path / "metrics.jsonl", records))
+    shares = _shares(text)
+    assert set(shares) == {"gen", "reward", "update_actor", "update_weights", "other"}
+    assert shares["other"] == pytest.approx(8.0)
+    assert sum(shares.values()) == pytest.approx(100.0, abs=0.3)
+    assert "  outside step time: testing 1.9 s, save_checkpoint 0.4 s" in text.splitlines()
+
+
+def test_no_other_row_goes_negative(tmp_path):
+    records = [{"step": 1, "timing_s/step": 1.0, "timing_s/gen": 0.6, "timing_s/update_actor": 0.4000000001}]
+    assert _shares(summarize_run(_write(tmp_path / "metrics.jsonl", records)))["other"] == 0.0
 
 
 def test_summarize_run_short_run_without_val_or_timing(tmp_path):

@@ -1,0 +1,59 @@
+"""Issue 22, a new user's first read: what a short ``hybridflow train`` run prints and leaves behind.
+
+One real run of the CLI in a subprocess (a pipe, not a terminal, as in CI logs and test output):
+the tiny model, the built-in task, one step with validation before and after it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
+
+pytestmark = pytest.mark.slow
+
+SMALL_MODEL = TinyModelSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1)
+ONE_STEP = [
+    "trainer.total_training_steps=1",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=4",
+    "rollout.n=2",
+    "data.max_response_length=4",
+    "data.builtin_train_size=64",
+    "data.builtin_val_size=8",
+    "trainer.num_threads=1",
+]
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    root = tmp_path_factory.mktemp("first-read")
+    model = write_tiny_model(root / "model", SMALL_MODEL)
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", f"model.path={model}", f"trainer.output_dir={root / 'run'}",
+         *ONE_STEP],
+        cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def phase_shares(summary: str) -> dict[str, float]:
+    lines = summary.splitlines()
+    start = lines.index("  time per phase (share of step time):") + 1
+    rows = [line.split() for line in lines[start:] if line.startswith("    ")]
+    return {phase: float(share.rstrip("%")) for phase, share in rows}
+
+
+def test_a_one_step_runs_time_shares_add_up_to_at_most_100(one_step_run):
+    """The validation after the last step was counted as a share of the step: over 100%."""
+    shares = phase_shares(one_step_run.stdout)
+    assert {"gen", "update_actor", "other"} <= set(shares) and "testing" not in shares, shares
+    assert sum(shares.values()) <= 100.0 + 0.05 * len(shares), shares  # each share rounded to 0.1
+    assert "  outside step time: testing " in one_step_run.stdout
