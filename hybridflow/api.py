@@ -39,13 +39,16 @@ def train(cfg: Config) -> RunResult:
     """Build the run, fit, then write the plot and print the summary."""
     from hybridflow.controller.setup import build_run
     from hybridflow.controller.sync import RLTrainer
+    from hybridflow.models.loading import hf_progress_bars_off
     from hybridflow.tracking import plot_run, summarize_run
 
-    run = build_run(cfg)
-    try:
-        metrics = RLTrainer(run).fit()
-    finally:
-        run.close()
+    # Checkpoints save through transformers (in this process with the in-process backend).
+    with hf_progress_bars_off():
+        run = build_run(cfg)
+        try:
+            metrics = RLTrainer(run).fit()
+        finally:
+            run.close()
     metrics_path = run.output_dir / "metrics.jsonl"
     plot_path = summary = None
     if metrics_path.is_file():

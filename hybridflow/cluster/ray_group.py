@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 import torch
 
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, meeting_host, refuse_collective
+from hybridflow.models.loading import disable_hf_progress_bars
 from hybridflow.training import distributed
 from hybridflow.types import TrainBatch
 from hybridflow.utils.watchdog import activity
@@ -166,6 +167,8 @@ class RankHost:
     def __init__(self, role: str, rank: int, world_size: int, num_threads: int) -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
         torch.set_num_threads(max(1, num_threads))
+        # Every load and save in this process is ours: no transformers bars in the driver's console.
+        disable_hf_progress_bars()
         self.worker: Any = None
 
     def rendezvous(self) -> tuple[str, int]:

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, verify_checkpoint
+from hybridflow.models.loading import hf_progress_bars_off
 from hybridflow.utils.files import give_default_modes
 
 log = logging.getLogger(__name__)
@@ -58,4 +59,5 @@ def _check_loads(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    with hf_progress_bars_off():
+        AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)

@@ -31,7 +31,7 @@ import torch
 from hybridflow.agents.tokens import TurnTemplate
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.data import ResumableSampler
-from hybridflow.models.loading import load_causal_lm, load_tokenizer
+from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm, load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
@@ -138,7 +138,8 @@ def run_sft(
             log.info("warm start step %d/%d  loss %.3f  %.0f s", step, spec.steps, metrics["sft/loss"],
                      time.perf_counter() - start)
     out = Path(out_dir)
-    engine.model.save_pretrained(out, safe_serialization=True)
+    with hf_progress_bars_off():
+        engine.model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     give_default_modes(out)  # safetensors writes mode 0600; a shared warm_start.cache_dir must stay readable
     metrics["sft/time_s"] = time.perf_counter() - start

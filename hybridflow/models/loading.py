@@ -9,11 +9,81 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 BUILTIN_PREFIX = "builtin:"
+
+# transformers draws a "Loading weights" bar for every from_pretrained and a "Writing model
+# shards" bar for every save_pretrained: a run loads and saves several times, and each bar
+# clutters the console, test logs and our own progress bar. They are switched off while our
+# code loads or saves (the flags are process-wide, so nested and concurrent users share one
+# switch: the first one in turns them off, the last one out puts back what was there).
+_BARS_LOCK = threading.Lock()
+_bars_users = 0
+_bars_saved: tuple[bool, dict[str, bool] | None] | None = None
+
+
+def _user_forces_bars() -> bool:
+    """``HF_HUB_DISABLE_PROGRESS_BARS=0``: the user asked for the bars; leave them on."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_DISABLE_PROGRESS_BARS is False
+
+
+def _hub_bar_states() -> dict[str, bool] | None:
+    """huggingface_hub's per-group bar switches (a module-level dict), to put back exactly."""
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    states = getattr(hub_tqdm, "progress_bar_states", None)
+    return states if isinstance(states, dict) else None
+
+
+@contextmanager
+def hf_progress_bars_off() -> Iterator[None]:
+    """transformers' and huggingface_hub's progress bars off inside the block, as before after it."""
+    global _bars_users, _bars_saved
+    from transformers.utils import logging as hf_logging
+
+    with _BARS_LOCK:
+        _bars_users += 1
+        if _bars_users == 1 and not _user_forces_bars():
+            states = _hub_bar_states()
+            _bars_saved = (hf_logging.is_progress_bar_enabled(), None if states is None else dict(states))
+            hf_logging.disable_progress_bar()  # turns huggingface_hub's bars off too
+    try:
+        yield
+    finally:
+        with _BARS_LOCK:
+            _bars_users -= 1
+            if _bars_users == 0 and _bars_saved is not None:
+                _restore_bars(*_bars_saved)
+                _bars_saved = None
+
+
+def _restore_bars(transformers_on: bool, hub_states: dict[str, Any] | None) -> None:
+    from transformers.utils import logging as hf_logging
+
+    if transformers_on:
+        hf_logging.enable_progress_bar()  # also switches huggingface_hub's on: its own states follow
+    states = _hub_bar_states()
+    if states is not None and hub_states is not None:
+        states.clear()
+        states.update(hub_states)
+
+
+def disable_hf_progress_bars() -> None:
+    """transformers' and huggingface_hub's bars off for good: for processes that only run our code
+    (a Ray rank), where every load and save is ours."""
+    if not _user_forces_bars():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def is_builtin(path: str) -> bool:
@@ -60,13 +130,14 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     p = check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        p,
-        dtype=dtype,
-        local_files_only=True,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=True,
-    )
+    with hf_progress_bars_off():
+        model = AutoModelForCausalLM.from_pretrained(
+            p,
+            dtype=dtype,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=True,
+        )
     return model.to(device)
 
 

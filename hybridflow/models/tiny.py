@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.models.loading import hf_progress_bars_off
 from hybridflow.utils.files import give_default_modes
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -116,7 +117,8 @@ def write_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModel
     """Write a random-init tiny model and its tokenizer as a Hugging Face directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tiny_model(spec, seed).save_pretrained(out, safe_serialization=True)
+    with hf_progress_bars_off():
+        build_tiny_model(spec, seed).save_pretrained(out, safe_serialization=True)
     build_tiny_tokenizer().save_pretrained(out)
     give_default_modes(out)  # safetensors writes mode 0600
     return out

@@ -351,11 +351,56 @@ class Tracker:
         self.close()
 
 
+class _BarSafeHandler(logging.StreamHandler):
+    """A console handler that prints through ``tqdm.write``: the bar's line is cleared, the record
+    printed on a line of its own, and the bar drawn again below it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+# Loggers whose console handlers print while the bar is shown: ours (through the root logger)
+# and transformers' (its own stderr handler, not propagated to the root).
+_CONSOLE_LOGGERS = ("", "transformers")
+
+
+def _is_console_handler(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
+
+
+def _bar_safe(handler: logging.StreamHandler) -> _BarSafeHandler:
+    safe = _BarSafeHandler(handler.stream)
+    safe.setLevel(handler.level)
+    safe.setFormatter(handler.formatter)
+    for log_filter in handler.filters:
+        safe.addFilter(log_filter)
+    return safe
+
+
+def _route_console_logs_through_tqdm() -> list[tuple[logging.Logger, list[logging.Handler]]]:
+    """Swap each console handler of ``_CONSOLE_LOGGERS`` for one that writes through ``tqdm.write``
+    (without it a record is printed onto the end of the bar's line); returns what to put back."""
+    saved = []
+    for name in _CONSOLE_LOGGERS:
+        logger_ = logging.getLogger(name)
+        if any(_is_console_handler(h) for h in logger_.handlers):
+            saved.append((logger_, list(logger_.handlers)))
+            logger_.handlers = [_bar_safe(h) if _is_console_handler(h) else h for h in logger_.handlers]
+    return saved
+
+
 class ProgressBar:
     """A tqdm bar over training steps; ``update(step, summary)`` moves it and shows the summary.
 
     ``enabled=False`` makes every method a no-op, so the loop calls it unconditionally.
-    ``initial_step`` starts the bar where a resumed run picks up.
+    ``initial_step`` starts the bar where a resumed run picks up. While the bar is shown, console
+    log records are printed through ``tqdm.write``, each on a line of its own above the bar.
     """
 
     def __init__(
@@ -369,6 +414,7 @@ class ProgressBar:
         if total_steps < 0:
             raise ValueError(f"ProgressBar: total_steps must be >= 0, got {total_steps}")
         self._bar: tqdm | None = None
+        self._saved_handlers: list[tuple[logging.Logger, list[logging.Handler]]] = []
         if enabled:
             self._bar = tqdm(
                 total=total_steps,
@@ -378,6 +424,7 @@ class ProgressBar:
                 dynamic_ncols=True,
                 file=file,
             )
+            self._saved_handlers = _route_console_logs_through_tqdm()
 
     @property
     def step(self) -> int | None:
@@ -395,6 +442,9 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        for logger_, handlers in reversed(self._saved_handlers):
+            logger_.handlers = handlers
+        self._saved_handlers = []
 
     def __enter__(self) -> ProgressBar:
         return self

@@ -7,6 +7,7 @@ the tiny model, the built-in task, one step with validation before and after it.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,10 @@ import pytest
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 
 pytestmark = pytest.mark.slow
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+LOG_RECORD = re.compile(r" (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")  # the CLI's "%(levelname)s %(name)s: "
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) ")
 
 SMALL_MODEL = TinyModelSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                             num_key_value_heads=1)
@@ -57,3 +62,35 @@ def test_a_one_step_runs_time_shares_add_up_to_at_most_100(one_step_run):
     assert {"gen", "update_actor", "other"} <= set(shares) and "testing" not in shares, shares
     assert sum(shares.values()) <= 100.0 + 0.05 * len(shares), shares  # each share rounded to 0.1
     assert "  outside step time: testing " in one_step_run.stdout
+
+
+def rendered_lines(text: str) -> list[str]:
+    """What a terminal shows for ``text``: ``\\r`` returns to the start of the line and later
+    characters overwrite earlier ones."""
+    lines = []
+    for raw in ANSI.sub("", text).split("\n"):
+        cells: list[str] = []
+        for segment in raw.split("\r"):
+            for column, char in enumerate(segment):
+                if column < len(cells):
+                    cells[column] = char
+                else:
+                    cells.append(char)
+        lines.append("".join(cells).rstrip())
+    return [line for line in lines if line]
+
+
+def test_no_transformers_progress_bars(one_step_run):
+    """The run loads the model (actor, rollout) and saves a checkpoint: none of it may draw a
+    transformers bar."""
+    for text in ("Loading weights", "Writing model shards"):
+        assert text not in one_step_run.stderr
+
+
+def test_log_records_start_on_their_own_line_under_the_progress_bar(one_step_run):
+    lines = rendered_lines(one_step_run.stderr)
+    records = [line for line in lines if LOG_RECORD.search(line)]
+    # Validation runs and the checkpoint save are logged while the bar is shown.
+    assert any("validation at step 1" in line for line in records), lines
+    assert any("training:" in line for line in lines), lines  # the bar was drawn
+    assert [line for line in records if not LOG_LINE.match(line)] == []
