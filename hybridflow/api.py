@@ -37,13 +37,16 @@ def make_config(preset: str | None = "grpo", config_file: str | None = None, ove
 
 def train(cfg: Config) -> RunResult:
     """Build the run, fit, then write the plot and print the summary."""
+    from hybridflow.controller.run_folder import discard_run_folder_on_failure
     from hybridflow.controller.setup import build_run
     from hybridflow.controller.sync import RLTrainer
     from hybridflow.models.loading import hf_progress_bars_off
     from hybridflow.tracking import plot_run, summarize_run
 
     # Checkpoints save through transformers (in this process with the in-process backend).
-    with hf_progress_bars_off():
+    # A run that fails before writing results (a bad model, a reward function that fails to
+    # load) takes its new folder with it: runs/ holds runs, not one config.yaml per attempt.
+    with hf_progress_bars_off(), discard_run_folder_on_failure(cfg):
         run = build_run(cfg)
         try:
             metrics = RLTrainer(run).fit()

@@ -42,7 +42,7 @@ def one_step_run(tmp_path_factory) -> subprocess.CompletedProcess:
     model = write_tiny_model(root / "model", SMALL_MODEL)
     done = subprocess.run(
         [sys.executable, "-m", "hybridflow.cli", "train", f"model.path={model}", f"trainer.output_dir={root / 'run'}",
-         *ONE_STEP],
+         f"warm_start.cache_dir={root / 'cache'}", *ONE_STEP],
         cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -94,3 +94,29 @@ def test_log_records_start_on_their_own_line_under_the_progress_bar(one_step_run
     assert any("validation at step 1" in line for line in records), lines
     assert any("training:" in line for line in lines), lines  # the bar was drawn
     assert [line for line in records if not LOG_LINE.match(line)] == []
+
+
+@pytest.mark.parametrize("failure", ["a model directory that does not load", "a reward function that fails to load"])
+def test_a_run_that_fails_in_set_up_leaves_no_folder_in_runs(tmp_path, monkeypatch, failure):
+    """Set-up writes runs/<name>/config.yaml before it loads the model and the reward function;
+    a failure there used to leave that folder behind, holding only the config."""
+    from hybridflow.cli import main
+    from hybridflow.data.tasks.arithmetic import write_arithmetic_task
+
+    train, val = write_arithmetic_task(tmp_path / "data", train_size=64, val_size=16)
+    model = write_tiny_model(tmp_path / "model", SMALL_MODEL)
+    overrides = [f"data.train_files=[{train}]", f"data.val_files=[{val}]", *ONE_STEP]
+    if failure == "a model directory that does not load":
+        broken = tmp_path / "broken-model"
+        broken.mkdir()
+        (broken / "config.json").write_text("{}")  # passes the start-up check, fails to load
+        overrides.append(f"model.path={broken}")
+    else:
+        reward = tmp_path / "my_reward.py"
+        reward.write_text("raise RuntimeError('the reward server is down')\n")
+        overrides += [f"model.path={model}", f"reward.custom_reward_function.path={reward}"]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["train", *overrides]) != 0
+    assert not (work / "runs").exists(), list((work / "runs").rglob("*"))

@@ -1,0 +1,96 @@
+"""A run that fails before its first step takes its new folder with it; results are never lost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.controller.run_folder import discard_run_folder_on_failure, holds_results
+from hybridflow.controller.setup import resolve_output_dir
+
+
+def write_config(out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text("trainer: {}\n")
+    return out
+
+
+def test_set_up_files_are_not_results(tmp_path):
+    out = write_config(tmp_path / "run")
+    assert not holds_results(out)
+    (out / "checkpoints").mkdir()
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1").write_bytes(b"header")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/score/mean": 0.3}) + "\n" + '{"step": 1, "cri')
+    assert not holds_results(out)  # validation before training and a torn line are no step
+
+
+@pytest.mark.parametrize(
+    "result",
+    ["a checkpoint", "a step's metrics", "a file set-up does not write", "a folder set-up does not make"],
+)
+def test_results_are_recognised(tmp_path, result):
+    out = write_config(tmp_path / "run")
+    if result == "a checkpoint":
+        (out / "checkpoints" / "global_step_1").mkdir(parents=True)
+        (out / "checkpoints" / "global_step_1" / "manifest.json").write_text("{}")
+    elif result == "a step's metrics":
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "critic/score/mean": 0.5}) + "\n")
+    elif result == "a file set-up does not write":
+        (out / "notes.txt").write_text("mine")
+    else:
+        (out / "wandb").mkdir()
+    assert holds_results(out)
+
+
+def fail_in_set_up(cfg, *, after_step: bool = False) -> None:
+    """What set-up does before loading the model (folder, config.yaml), then a failure."""
+    with pytest.raises(RuntimeError, match="reward function failed"):
+        with discard_run_folder_on_failure(cfg):
+            out = resolve_output_dir(cfg)
+            write_config(out)
+            if after_step:
+                (out / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+            raise RuntimeError("reward function failed to load")
+
+
+def test_a_failed_set_up_leaves_no_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fail_in_set_up(load_config("dapo"))
+    assert not (tmp_path / "runs").exists()  # nor the runs/ folder this first run made
+
+
+def test_other_runs_folders_stay(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    earlier = write_config(tmp_path / "runs" / "grpo-arithmetic-20250101-000000")
+    fail_in_set_up(load_config("grpo"))
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [earlier.name]
+
+
+def test_a_named_output_folder_goes_too_but_not_its_parents(tmp_path):
+    out = tmp_path / "experiments" / "try-3"
+    fail_in_set_up(load_config("grpo", overrides=[f"trainer.output_dir={out}"]))
+    assert not out.exists() and (tmp_path / "experiments").is_dir()
+
+
+def test_a_folder_with_results_stays(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fail_in_set_up(load_config("grpo"), after_step=True)
+    (run,) = (tmp_path / "runs").iterdir()
+    assert (run / "metrics.jsonl").is_file()
+
+
+def test_a_folder_that_was_there_before_stays(tmp_path):
+    out = write_config(tmp_path / "resumed")  # a run resumed in its own folder
+    fail_in_set_up(load_config("grpo", overrides=[f"trainer.output_dir={out}"]))
+    assert (out / "config.yaml").is_file()
+
+
+def test_a_run_that_succeeds_keeps_its_folder(tmp_path):
+    cfg = load_config("grpo", overrides=[f"trainer.output_dir={tmp_path / 'run'}"])
+    with discard_run_folder_on_failure(cfg):
+        write_config(resolve_output_dir(cfg))
+    assert (tmp_path / "run" / "config.yaml").is_file()
