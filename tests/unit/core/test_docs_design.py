@@ -114,3 +114,13 @@ def test_relative_links_resolve_inside_the_repository(doc):
 def test_the_readme_points_at_the_design_notes():
     assert "(docs/design.md)" in README.read_text(encoding="utf-8")
 
+
+def test_the_readme_shows_laptops_the_cpu_only_torch_build():
+    """A plain ``pip install torch`` on Linux brings ~2.2 GB of CUDA wheels (issue 22): the
+    README gives the CPU build's command, pinned to the same torch as its set-up commands."""
+    text = README.read_text(encoding="utf-8")
+    bash = "\n".join(b for b in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M))
+    installs = [line for line in bash.splitlines() if "pip install" in line and "torch" in line]
+    cpu = [line for line in installs if "--index-url https://download.pytorch.org/whl/cpu" in line]
+    assert cpu, installs
+    assert len({re.search(r"torch==([\w.]+)", line).group(1) for line in installs}) == 1, installs
