@@ -405,3 +405,60 @@ def token_budget_partitions(
             parts = _split_to_count(lengths, feasible, count)
     costs = workload.costs(lengths)
     return sorted((sorted(p) for p in parts), key=lambda p: (-sum(costs[i] for i in p), p))
+
+
+# --------------------------------------------------------------------------------------------
+# Token-budget micro-batches for the padded path
+# --------------------------------------------------------------------------------------------
+
+
+def padded_cost(prompt_lengths: Sequence[int], response_lengths: Sequence[int], part: Sequence[int]) -> int:
+    """Token slots of a padded micro-batch trimmed to its own width: rows x (longest prompt +
+    longest response), the prompts being left-padded and the responses right-padded."""
+    if not part:
+        return 0
+    return len(part) * (max(prompt_lengths[i] for i in part) + max(response_lengths[i] for i in part))
+
+
+def padded_budget_partitions(
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    max_token_len: int,
+    *,
+    num_micro_batches: int | None = None,
+) -> list[list[int]]:
+    """Micro-batches (index lists) whose *padded* size, ``padded_cost``, is at most ``max_token_len``.
+
+    A padded forward pays for every slot of its rectangle, so samples of similar length belong
+    together (the packed path's KK balancing would mix long and short ones and pad the short
+    ones to the long). Samples are taken longest response first (then longest prompt) and a
+    micro-batch is closed when the next sample would push its rectangle over the budget. With
+    ``num_micro_batches`` (the count agreed over ranks, at least this rank's own need) the
+    micro-batch of most rows is halved, in length order, until there are that many: a subset of
+    a fitting rectangle fits. Micro-batches come heaviest first, like ``token_budget_partitions``.
+    """
+    if len(prompt_lengths) != len(response_lengths):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} responses")
+    _check_budget([p + r for p, r in zip(prompt_lengths, response_lengths)], max_token_len)
+    order = sorted(range(len(prompt_lengths)), key=lambda i: (-response_lengths[i], -prompt_lengths[i], i))
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and padded_cost(prompt_lengths, response_lengths, parts[-1] + [i]) <= max_token_len:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    count = len(parts) if num_micro_batches is None else num_micro_batches
+    if count < len(parts):
+        raise ValueError(
+            f"num_micro_batches={count} is fewer than the {len(parts)} this rank needs to fit "
+            f"max_token_len={max_token_len}; agree on the count with agree_num_micro_batches"
+        )
+    if count > len(order):
+        raise ValueError(f"cannot form {count} non-empty micro-batches from {len(order)} samples")
+    while len(parts) < count:
+        widest = max(range(len(parts)), key=lambda k: (len(parts[k]), -k))
+        part = parts.pop(widest)
+        half = len(part) // 2
+        parts[widest:widest] = [part[:half], part[half:]]
+    cost = {id(p): padded_cost(prompt_lengths, response_lengths, p) for p in parts}
+    return [sorted(p) for p in sorted(parts, key=lambda p: (-cost[id(p)], sorted(p)))]

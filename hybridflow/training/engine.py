@@ -8,14 +8,19 @@ the model is sharded with FSDP2 (``hybridflow.training.distributed``) behind the
 gradients are averaged over ranks, the clipping norm is global, micro-batch counts are agreed
 over ranks, and weights/checkpoints are gathered to full tensors on rank 0.
 
-Two opt-in speed paths, both keyword arguments with defaults that keep the padded behaviour:
+Two speed paths, keyword arguments (the actor turns both on by default):
 
 - ``use_remove_padding=True``: each micro-batch runs as one packed, padding-free row
   (``hybridflow.training.packing``); results are unpacked to (b, R) before ``loss_fn`` sees
   them, so every loss works unchanged.
 - ``max_token_len`` (``compute_logprobs``) / ``token_budget_micro_batches`` (for
   ``optimizer_step``): micro-batches formed by a token budget instead of a sample count
-  (``hybridflow.data.batching``).
+  (``hybridflow.data.batching``); padded micro-batches count their padded slots.
+
+Either way only the rows that predict a response token reach the LM head, and where the head is
+a plain linear layer (one rank) the logits are never materialised: ``hybridflow.training.lm_head``
+computes logprobs and entropy from the hidden states in row chunks. A padded micro-batch runs at
+its own width (``trim_padding``), not the whole step's.
 """
 
 from __future__ import annotations
@@ -29,9 +34,17 @@ from pathlib import Path
 import torch
 
 from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits
-from hybridflow.data.batching import num_micro_batches_for_budget, token_budget_partitions
+from hybridflow.data.batching import padded_budget_partitions, token_budget_partitions
 from hybridflow.training import distributed
-from hybridflow.training.packing import enable_varlen_attention, pack_batch, sequence_lengths, unpack_responses
+from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_logprobs
+from hybridflow.training.packing import (
+    enable_varlen_attention,
+    pack_batch,
+    pad_responses,
+    sequence_lengths,
+    trim_padding,
+    unpack_responses,
+)
 from hybridflow.types import TrainBatch
 from hybridflow.utils.errors import CheckpointError, one_line
 
@@ -67,18 +80,37 @@ def _lr_lambda(spec: OptimSpec) -> Callable[[int], float]:
     return factor
 
 
-def token_budget_micro_batches(
-    batch: TrainBatch, max_token_len: int, *, num_micro_batches: int | None = None
-) -> tuple[list[TrainBatch], list[list[int]]]:
-    """Micro-batches of at most ``max_token_len`` valid tokens each, heaviest first.
+def _budget_partitions(
+    batch: TrainBatch, max_token_len: int, num_micro_batches: int | None, padded: bool
+) -> list[list[int]]:
+    if not padded:
+        return token_budget_partitions(sequence_lengths(batch), max_token_len, num_micro_batches=num_micro_batches)
+    valid = batch.attention_mask
+    prompts = valid[:, : batch.prompt_length].sum(dim=1).tolist()
+    responses = valid[:, batch.prompt_length :].sum(dim=1).tolist()
+    return padded_budget_partitions(prompts, responses, max_token_len, num_micro_batches=num_micro_batches)
 
+
+def token_budget_micro_batches(
+    batch: TrainBatch, max_token_len: int, *, num_micro_batches: int | None = None, padded: bool = False
+) -> tuple[list[TrainBatch], list[list[int]]]:
+    """Micro-batches of at most ``max_token_len`` tokens each, heaviest first.
+
+    Packed (``padded=False``) a micro-batch costs its valid tokens, and samples are balanced
+    over micro-batches (KK); padded it costs rows x its own width, and samples of similar
+    length are grouped (``hybridflow.data.batching.padded_budget_partitions``).
     ``num_micro_batches``: the count agreed over data-parallel ranks
     (``hybridflow.data.batching.agree_num_micro_batches`` over every rank's
-    ``num_micro_batches_for_budget``); None uses this batch's own minimum.
+    ``num_token_budget_micro_batches``); None uses this batch's own minimum.
     Returns the micro-batches and the row indices of ``batch`` each one holds.
     """
-    partitions = token_budget_partitions(sequence_lengths(batch), max_token_len, num_micro_batches=num_micro_batches)
+    partitions = _budget_partitions(batch, max_token_len, num_micro_batches, padded)
     return [batch.select(part) for part in partitions], partitions
+
+
+def num_token_budget_micro_batches(batch: TrainBatch, max_token_len: int, *, padded: bool = False) -> int:
+    """How many token-budget micro-batches this rank needs on its own (before agreement)."""
+    return len(_budget_partitions(batch, max_token_len, None, padded))
 
 
 class TrainEngine:
@@ -94,6 +126,7 @@ class TrainEngine:
         fsdp_size: int | None = None,
         offload_params: bool = False,
         offload_optimizer: bool = False,
+        fused_lm_head: bool = True,
     ) -> None:
         """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
         ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
@@ -107,7 +140,10 @@ class TrainEngine:
         forward runs under ``torch.autocast``. Logprobs and losses are computed in fp32 either way.
         ``fsdp_size`` and ``offload_params``: see ``distributed.shard_model`` (sharded only).
         ``offload_optimizer``: keep the optimizer state on the CPU between optimizer steps, so
-        a colocated rollout gets that memory back (moved to the device for the step only)."""
+        a colocated rollout gets that memory back (moved to the device for the step only).
+        ``fused_lm_head``: compute logprobs and entropy from the hidden states in row chunks
+        (``hybridflow.training.lm_head``) where the model's head is a plain linear layer and the
+        model is not sharded (FSDP2 gathers the head's weight in the root module's forward)."""
         self.model = model.to(device)
         if varlen_attention:
             enable_varlen_attention(self.model)
@@ -127,6 +163,7 @@ class TrainEngine:
             raise ValueError("offload_params applies to the sharded (data_parallel) engine only")
         # One rank: autocast does what FSDP2's mixed-precision policy does for sharded ranks.
         self.autocast_dtype = mixed_precision if not data_parallel else None
+        self.fused_lm_head = fused_lm_head and not data_parallel and fused_lm_head_supported(self.model)
         if self.autocast_dtype is not None and next(self.model.parameters()).dtype != torch.float32:
             raise ValueError("mixed_precision needs fp32 master weights; load the model in float32")
         self.offload_optimizer = offload_optimizer
@@ -154,6 +191,23 @@ class TrainEngine:
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
             return self.model(**inputs)
 
+    def _hidden_states(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """The last hidden states of the model without its head (autocast as in ``_model``)."""
+        base = self.model.base_model
+        if self.autocast_dtype is None:
+            return base(**inputs).last_hidden_state
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+            return base(**inputs).last_hidden_state
+
+    def _head(
+        self, rows: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropy) of ``labels`` predicted by hidden ``rows``.  # (M, H) -> (M,)"""
+        return lm_head_logprobs(
+            rows, self.model.get_output_embeddings(), labels, temperature=temperature, with_entropy=with_entropy,
+            compute_dtype=self.autocast_dtype or rows.dtype,
+        )
+
     def _response_logits(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """Logits predicting each response token: positions P-1 .. P+R-2.  # (B, R, V)"""
         r = batch.response_length
@@ -170,33 +224,61 @@ class TrainEngine:
             logits = logits / temperature
         return logits
 
+    def _forward_padded(
+        self, batch: TrainBatch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_logprobs`` on padded rows, at the micro-batch's own width.  # (B, R)"""
+        full_r = batch.response_length
+        batch = trim_padding(batch)
+        p = batch.prompt_length
+        if self.fused_lm_head and p > 0:
+            hidden = self._hidden_states(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False,
+            )
+            valid = batch.attention_mask[:, p:].bool()  # (B, R') response tokens
+            # The hidden state at position P+t-1 predicts response token t; padding never reaches the head.
+            logprobs, entropy = self._head(hidden[:, p - 1 : -1][valid], batch.responses[valid], temperature,
+                                           with_entropy)
+            zeros = torch.zeros(valid.shape, dtype=logprobs.dtype, device=logprobs.device)
+            logprobs = zeros.masked_scatter(valid, logprobs)
+            entropy = zeros.masked_scatter(valid, entropy) if entropy is not None else None
+        else:
+            logits = self._response_logits(batch, temperature)
+            logprobs = logprobs_from_logits(logits, batch.responses)
+            entropy = entropy_from_logits_chunked(logits) if with_entropy else None
+        return pad_responses(logprobs, full_r), None if entropy is None else pad_responses(entropy, full_r)
+
     def _forward_packed(
         self, batch: TrainBatch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_logprobs`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
         packed = pack_batch(batch)
-        # Only response-predicting positions reach the LM head.  # (1, M, V) -> (M, V)
-        logits = self._model(**packed.model_inputs()).logits[0].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs = unpack_responses(logprobs_from_logits(logits, packed.labels), packed)
-        entropy = unpack_responses(entropy_from_logits_chunked(logits), packed) if with_entropy else None
-        return logprobs, entropy
+        if self.fused_lm_head:
+            inputs = packed.model_inputs()
+            del inputs["logits_to_keep"]
+            rows = self._hidden_states(**inputs)[0, packed.logit_positions]  # (M, H)
+            logprobs, entropy = self._head(rows, packed.labels, temperature, with_entropy)
+        else:
+            # Only response-predicting positions reach the LM head.  # (1, M, V) -> (M, V)
+            logits = self._model(**packed.model_inputs()).logits[0].float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            logprobs = logprobs_from_logits(logits, packed.labels)
+            entropy = entropy_from_logits_chunked(logits) if with_entropy else None
+        return unpack_responses(logprobs, packed), None if entropy is None else unpack_responses(entropy, packed)
 
     def forward_logprobs(
         self, batch: TrainBatch, temperature: float, with_entropy: bool = False, *, use_remove_padding: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs of the response tokens under logits/temperature (the rollout's quantity).  # (B, R)
 
-        ``use_remove_padding``: run the batch packed; padding positions then hold 0 (the padded
-        path leaves whatever the model predicts there; both are masked out by response_mask).
+        ``use_remove_padding``: run the batch packed. Positions past a sample's response hold 0
+        or, padded, whatever the model predicts there; response_mask masks them out either way.
         """
         if use_remove_padding:
             return self._forward_packed(batch, temperature, with_entropy)
-        logits = self._response_logits(batch, temperature)
-        logprobs = logprobs_from_logits(logits, batch.responses)
-        entropy = entropy_from_logits_chunked(logits) if with_entropy else None
-        return logprobs, entropy
+        return self._forward_padded(batch, temperature, with_entropy)
 
     @torch.no_grad()
     def compute_logprobs(
@@ -213,16 +295,18 @@ class TrainEngine:
         """Logprobs (and entropy) of every response token, in the batch's row order.  # (B, R)
 
         Micro-batches hold ``micro_batch_size`` rows, or, with ``max_token_len``, at most that
-        many valid tokens (``micro_batch_size`` is then ignored; ``num_micro_batches`` forces
-        the count agreed over ranks). ``use_remove_padding`` runs each micro-batch packed.
+        many tokens (valid ones packed, padded slots padded; ``micro_batch_size`` is then ignored;
+        ``num_micro_batches`` forces the count agreed over ranks). ``use_remove_padding`` runs
+        each micro-batch packed.
         """
         was_training = self.model.training
         self.model.eval()
+        padded = not use_remove_padding
         if self.data_parallel and max_token_len is not None and num_micro_batches is None:
-            local_count = num_micro_batches_for_budget(sequence_lengths(batch), max_token_len)
+            local_count = num_token_budget_micro_batches(batch, max_token_len, padded=padded)
             num_micro_batches = self.agree_num_micro_batches(local_count)
         micro_batches, order = _logprob_micro_batches(
-            batch.to(self.device), micro_batch_size, max_token_len, num_micro_batches
+            batch.to(self.device), micro_batch_size, max_token_len, num_micro_batches, padded
         )
         self._check_same_count(len(micro_batches), "compute_logprobs")
         logprobs, entropies = [], []
@@ -504,11 +588,14 @@ def _restore_architecture(model_dir: Path, architecture: str) -> None:
 
 
 def _logprob_micro_batches(
-    batch: TrainBatch, micro_batch_size: int | None, max_token_len: int | None, num_micro_batches: int | None
+    batch: TrainBatch, micro_batch_size: int | None, max_token_len: int | None, num_micro_batches: int | None,
+    padded: bool,
 ) -> tuple[list[TrainBatch], torch.Tensor | None]:
     """Micro-batches for a logprob pass and, when they reorder rows, the row ids in their order."""
     if max_token_len is not None:
-        micro_batches, partitions = token_budget_micro_batches(batch, max_token_len, num_micro_batches=num_micro_batches)
+        micro_batches, partitions = token_budget_micro_batches(
+            batch, max_token_len, num_micro_batches=num_micro_batches, padded=padded
+        )
         return micro_batches, torch.tensor([i for part in partitions for i in part], dtype=torch.long)
     if micro_batch_size is None:
         raise ValueError("compute_logprobs needs micro_batch_size or max_token_len")

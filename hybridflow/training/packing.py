@@ -24,6 +24,7 @@ Shapes: B batch, P prompt, R response, N packed tokens, M response tokens in the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,48 @@ def unpack_responses(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     """Per-response-token values (M,) back to (B, R), zero on padding. Differentiable."""
     flat = values.new_zeros(packed.batch_size * packed.response_length)
     return flat.index_copy(0, packed.response_index, values).view(packed.batch_size, packed.response_length)
+
+
+def trim_padding(batch: TrainBatch) -> TrainBatch:
+    """The batch without the columns that are padding in every row (a padded micro-batch's own width).
+
+    ``collate_trajectories`` pads a whole step's samples to its longest prompt and longest
+    response; a micro-batch of short samples cut from it would otherwise run (and keep
+    activations for) the step's full width. Prompt columns are dropped on the left, response
+    columns on the right, so every valid token keeps its position id and neighbours, and a
+    response token is still predicted from the last prompt column. (B, R) fields are cut to the
+    kept responses; ``pad_responses`` puts per-token results back to the batch's R.
+    """
+    p, r = batch.prompt_length, batch.response_length
+    valid = batch.attention_mask.bool()
+    prompt_used = valid[:, :p].any(dim=0)
+    response_used = valid[:, p:].any(dim=0)
+    # Keep at least one prompt column (the logits of the last one predict the first response token).
+    first = min(int(prompt_used.int().argmax()), p - 1) if bool(prompt_used.any()) else max(0, p - 1)
+    keep_r = max(1, int(response_used.nonzero().max()) + 1) if bool(response_used.any()) else 1
+    if first == 0 and keep_r == r:
+        return batch
+    kwargs: dict[str, Any] = {"prompt_length": p - first}
+    for f in dataclasses.fields(batch):
+        if f.name == "prompt_length":
+            continue
+        value = getattr(batch, f.name)
+        if value is not None and value.dim() == 2 and value.shape[1] == p + r and f.name in _TOKEN_FIELDS:
+            value = value[:, first : p + keep_r]
+        elif value is not None and value.dim() == 2 and value.shape[1] == r:
+            value = value[:, :keep_r]
+        kwargs[f.name] = value
+    return TrainBatch(**kwargs)
+
+
+# (B, P+R) fields; every other 2-D field of a TrainBatch is (B, R).
+_TOKEN_FIELDS = ("input_ids", "attention_mask", "position_ids")
+
+
+def pad_responses(values: torch.Tensor, response_length: int) -> torch.Tensor:
+    """(B, R') per-token values of a trimmed batch back to (B, R), zero on the right. Differentiable."""
+    missing = response_length - values.shape[1]
+    return values if missing == 0 else F.pad(values, (0, missing))
 
 
 # --------------------------------------------------------------------------------------------

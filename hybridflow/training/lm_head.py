@@ -1,0 +1,166 @@
+"""Response logprobs and entropy straight from the last hidden states: the LM head in row chunks.
+
+The logits are the largest activation of a training step: (tokens, V) in float32, with V in the
+tens of thousands for real vocabularies. Asking the model for them (``model(...).logits``) makes
+autograd keep them alive until backward, next to their float32 gradient and the softmax
+temporaries of the logprob and entropy, several vocab-sized rows per token. Here the model runs
+without its head (``model.base_model``), and ``lm_head_logprobs`` projects ``chunk_size`` hidden
+rows at a time through the head, keeping only per-row results (the sampled token's logprob, the
+log-normaliser, the entropy). Backward recomputes each chunk's logits: one more (rows, H) x (H, V)
+matmul, in exchange for never holding more than ``chunk_size`` rows of logits.
+
+Only the rows that predict a response token go through the head (prompt and padding positions
+never pay for the vocabulary), and results come back per row, for the caller to scatter into its
+(B, R) layout.
+
+Models whose head is more than a linear layer (logit soft-capping, logit scaling) are not
+supported (``fused_lm_head_supported``); the engine then asks the model for logits as before.
+
+Shapes: N rows, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Rows of logits alive at once: 1024 x V floats (16 MiB at V = 4096, 600 MiB at V = 150k) bounds
+# the working set while keeping each head matmul large enough to run at full speed.
+DEFAULT_CHUNK_ROWS = 1024
+
+# Config attributes that make a head more than ``hidden @ weight.T``: soft-capping (Gemma 2/3),
+# logit scaling (Cohere, Granite, MiniCPM, Falcon-H1 ...). Their models keep the logits path.
+_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                    "lm_head_multiplier")
+
+
+def fused_lm_head_supported(model: Any) -> bool:
+    """Whether ``model``'s logits are exactly ``base_model(...) @ lm_head.weight.T (+ bias)``."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    base = getattr(model, "base_model", None)
+    if not isinstance(head, torch.nn.Linear) or base is None or base is model:
+        return False
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _HEAD_TRANSFORMS:
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1.0:
+            return False
+    return True
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """float32 logits / temperature of a chunk of rows; the matmul runs in ``dtype``.  # (n, V)"""
+    z = hidden.to(dtype) @ weight.to(dtype).T
+    if bias is not None:
+        z = z + bias.to(dtype)
+    z = z.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+class _LMHeadLogprobs(torch.autograd.Function):
+    """log p(y) = z_y − lse(z), H = lse(z) − E_p[z] with z = h·Wᵀ/T, chunk by chunk.
+
+    dz = g_lp·(onehot(y) − p) − g_H·p ⊙ (z − E_p[z]);  dh = dz·W/T;  dW = dzᵀ·h/T.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,  # (N, H)
+        weight: torch.Tensor,  # (V, H)
+        bias: torch.Tensor | None,  # (V,)
+        labels: torch.Tensor,  # (N,) long
+        temperature: float,
+        chunk_rows: int,
+        with_entropy: bool,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = hidden.shape[0]
+        logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        lse_all = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(rows if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, chunk_rows):
+            stop = min(rows, start + chunk_rows)
+            z = _chunk_logits(hidden[start:stop], weight, bias, temperature, dtype)
+            lse = torch.logsumexp(z, dim=-1)
+            logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse
+            lse_all[start:stop] = lse
+            if with_entropy:
+                probs = torch.exp(z - lse.unsqueeze(-1))
+                entropy[start:stop] = lse - (probs * z).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
+        ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        hidden, weight, bias, labels, lse_all = ctx.saved_tensors
+        temperature, chunk_rows, dtype = ctx.temperature, ctx.chunk_rows, ctx.dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+        w = weight.to(dtype)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            stop = min(hidden.shape[0], start + chunk_rows)
+            z = _chunk_logits(hidden[start:stop], weight, bias, temperature, dtype)
+            probs = torch.exp(z - lse_all[start:stop].unsqueeze(-1))
+            dz = torch.zeros_like(z)
+            if grad_logprobs is not None:
+                g = grad_logprobs[start:stop].float().unsqueeze(-1)
+                dz -= g * probs
+                dz.scatter_add_(-1, labels[start:stop].unsqueeze(-1), g)
+            if grad_entropy is not None and grad_entropy.numel():
+                g = grad_entropy[start:stop].float().unsqueeze(-1)
+                mean_z = (probs * z).sum(dim=-1, keepdim=True)
+                dz -= g * probs * (z - mean_z)
+            if temperature != 1.0:
+                dz /= temperature
+            dz_c = dz.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = (dz_c @ w).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += (dz_c.T @ hidden[start:stop].to(dtype)).float()
+            if grad_bias is not None:
+                grad_bias += dz.sum(dim=0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None, None, None,
+        )
+
+
+def lm_head_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of ``labels`` (and entropy) under softmax(head(hidden) / temperature).  # (N,), (N,)|None
+
+    Equal in value and gradient to ``logprobs_from_logits(head(hidden).float() / temperature,
+    labels)`` (and ``entropy_from_logits``) without materialising the (N, V) logits. The head's
+    matmul runs in ``compute_dtype`` (default: the hidden states' dtype), the softmax in float32.
+    The entropy is differentiable; when the loss does not use it, its backward costs nothing.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    dtype = compute_dtype or hidden.dtype
+    logprobs, entropy = _LMHeadLogprobs.apply(
+        hidden, head.weight, head.bias, labels.long(), float(temperature), chunk_rows, with_entropy, dtype
+    )
+    return logprobs, entropy if with_entropy else None

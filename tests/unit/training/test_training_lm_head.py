@@ -1,0 +1,109 @@
+"""The chunked LM head: logprobs and entropy from hidden states equal the logits path in value and
+gradient, without materialising the logits; the engine uses it where the head is a plain linear layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+from hybridflow.algorithms.entropy import entropy_from_logits, logprobs_from_logits
+from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.training.engine import TrainEngine
+from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_logprobs
+from hybridflow.training.packing import pad_responses, trim_padding
+from hybridflow.types import Trajectory, collate_trajectories
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize(("bias", "temperature", "chunk_rows"), [(False, 1.0, 8), (True, 0.7, 5), (False, 1.3, 100)])
+def test_values_and_gradients_match_the_logits_path(bias, temperature, chunk_rows):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=bias).double()
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (37,))
+    weights_lp, weights_ent = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
+
+    logprobs, entropy = lm_head_logprobs(hidden, head, labels, temperature=temperature, with_entropy=True,
+                                         chunk_rows=chunk_rows)
+    (logprobs * weights_lp + entropy * weights_ent).sum().backward()
+    fused = [hidden.grad.clone()] + [p.grad.clone() for p in head.parameters()]
+    hidden.grad = None
+    head.zero_grad()
+
+    logits = head(hidden) / temperature
+    expected_lp, expected_ent = logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+    (expected_lp * weights_lp + expected_ent * weights_ent).sum().backward()
+    # The softmax runs in float32 on both sides of the comparison only in ours: 1e-6 is float32 rounding.
+    assert (logprobs - expected_lp).abs().max() < 1e-5
+    assert (entropy - expected_ent).abs().max() < 1e-5
+    for got, want in zip(fused, [hidden.grad] + [p.grad for p in head.parameters()]):
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_an_unused_entropy_costs_no_gradient_and_changes_nothing():
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 30, bias=False)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    labels = torch.randint(0, 30, (10,))
+    logprobs, entropy = lm_head_logprobs(hidden, head, labels, with_entropy=True)
+    logprobs.sum().backward()
+    with_entropy = hidden.grad.clone()
+    hidden.grad = None
+    lm_head_logprobs(hidden, head, labels)[0].sum().backward()
+    assert torch.equal(with_entropy, hidden.grad)
+    assert lm_head_logprobs(hidden, head, labels)[1] is None
+
+
+def test_supported_heads():
+    assert fused_lm_head_supported(build_tiny_model())
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    assert not fused_lm_head_supported(gemma)  # soft-capped logits: the engine keeps the logits path
+    assert not fused_lm_head_supported(torch.nn.Linear(2, 2))
+
+
+def _wide_batch():
+    """Row 0 is long; rows 1-3 are short: a micro-batch of rows 1-3 is mostly padding at full width."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(9, 20), (2, 3), (3, 1), (2, 4)]
+    trajectories = []
+    for p, r in shapes:
+        ids = torch.randint(0, 256, (p + r,), generator=g).tolist()
+        trajectories.append(Trajectory(ids[:p], ids[p:], [1] * r, [0.0] * r, "stop"))
+    return collate_trajectories(trajectories, pad_token_id=256)
+
+
+def test_trim_padding_keeps_only_the_micro_batch_width():
+    short = _wide_batch().select([1, 2, 3])
+    trimmed = trim_padding(short)
+    assert trimmed.prompt_length == 3 and trimmed.response_length == 4
+    assert trimmed.input_ids.shape == (3, 7)
+    assert torch.equal(trimmed.responses[trimmed.attention_mask[:, 3:].bool()],
+                       short.responses[short.attention_mask[:, short.prompt_length:].bool()])
+    assert pad_responses(torch.ones(3, 4), 20).shape == (3, 20)
+    full = _wide_batch()
+    assert trim_padding(full) is full  # nothing to trim
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_short_micro_batch_cut_from_a_wide_batch_gives_the_logprobs_of_its_own_batch(fused):
+    engine = TrainEngine(build_tiny_model(TinyModelSpec()), None, torch.device("cpu"), fused_lm_head=fused)
+    assert engine.fused_lm_head == fused
+    wide = _wide_batch()
+    cut = wide.select([1, 2, 3])
+    alone = collate_trajectories(
+        [Trajectory(cut.input_ids[i, cut.attention_mask[i].bool()][: int(cut.attention_mask[i, : cut.prompt_length]
+                                                                           .sum())].tolist(),
+                    cut.responses[i, cut.attention_mask[i, cut.prompt_length:].bool()].tolist(),
+                    [1] * int(cut.attention_mask[i, cut.prompt_length:].sum()),
+                    [0.0] * int(cut.attention_mask[i, cut.prompt_length:].sum()), "stop")
+         for i in range(3)], pad_token_id=256)
+    got, got_ent = engine.forward_logprobs(cut, 0.8, with_entropy=True)
+    want, want_ent = engine.forward_logprobs(alone, 0.8, with_entropy=True)
+    assert got.shape == (3, 20) and want.shape == (3, 4)
+    mask = alone.response_mask.bool()
+    assert (got[:, :4][mask] - want[mask]).abs().max() < 1e-5
+    assert (got_ent[:, :4][mask] - want_ent[mask]).abs().max() < 1e-5
+    assert got[:, 4:].abs().max() == 0  # columns past every response of the micro-batch
