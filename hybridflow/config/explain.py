@@ -11,6 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridflow.config.budget import (
+    BYTES,
+    MAX_AUTO_TOKENS,
+    auto_token_budget,
+    available_host_memory_bytes,
+    packing_decision,
+    read_model_shape,
+    training_bytes_per_token,
+)
 from hybridflow.config.loader import config_to_yaml
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import dp_source, batch_plan, validate_config
@@ -86,10 +95,20 @@ def _plan_lines(cfg: Config) -> list[str]:
         f"x actor.ppo_epochs={actor.ppo_epochs})",
         f"samples per optimizer step: {plan.samples_per_mini_batch} ({actor.ppo_mini_batch_size} prompts x "
         f"rollout.n={n}); {plan.samples_per_rank_per_mini_batch} per rank",
-        f"micro-batches per optimizer step per rank: {plan.grad_accum_steps} "
-        f"({plan.samples_per_rank_per_mini_batch} / actor.ppo_micro_batch_size_per_gpu="
-        f"{actor.ppo_micro_batch_size_per_gpu}) = {plan.grad_accum_steps} gradient-accumulation steps",
     ]
+    if actor.use_dynamic_bsz:
+        lines.append(
+            f"micro-batches per optimizer step per rank: as many as the token budget needs for the "
+            f"{plan.samples_per_rank_per_mini_batch} samples (actor.use_dynamic_bsz=true; "
+            f"actor.ppo_micro_batch_size_per_gpu is unused)"
+        )
+    else:
+        lines.append(
+            f"micro-batches per optimizer step per rank: {plan.grad_accum_steps} "
+            f"({plan.samples_per_rank_per_mini_batch} / actor.ppo_micro_batch_size_per_gpu="
+            f"{actor.ppo_micro_batch_size_per_gpu}) = {plan.grad_accum_steps} gradient-accumulation steps"
+        )
+    lines += _forward_lines(cfg, plan.dp)
 
     lines.append(_rollout_line(cfg))
     per_epoch = steps_per_epoch(data.train_files, data.builtin_train_size, data.train_batch_size)
@@ -138,6 +157,49 @@ def _plan_lines(cfg: Config) -> list[str]:
         lines.append(f"warm start: yes, {cfg.warm_start.steps} SFT steps before RL ({why})")
     else:
         lines.append(f"warm start: no ({why})")
+    return lines
+
+
+def _forward_lines(cfg: Config, dp: int) -> list[str]:
+    """Packed or padded forwards, and the token budgets, as the actor will decide them."""
+    actor, path = cfg.actor, cfg.model.path
+    shape = read_model_shape(path)
+    if shape is None:
+        return [f"forward path and token budget: decided at start-up from {path}/config.json (not readable now)"]
+    packed, why = packing_decision(actor.use_remove_padding, shape.model_type, shape.custom_code)
+    lines = [f"forward path: {'packed, one padding-free row per micro-batch' if packed else 'padded'} ({why})"]
+    if not actor.use_dynamic_bsz:
+        lines.append(
+            f"token budget: off (actor.use_dynamic_bsz=false): micro-batches of "
+            f"actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} / "
+            f"log_prob_micro_batch_size_per_gpu={actor.log_prob_micro_batch_size_per_gpu} samples"
+        )
+        return lines
+    unit = "tokens" if packed else "padded token slots (rows x the micro-batch's width)"
+    configured = actor.ppo_max_token_len_per_gpu, actor.log_prob_max_token_len_per_gpu
+    if None not in configured:
+        lines.append(f"token budget: {configured[0]} {unit} per training micro-batch, {configured[1]} per logprob "
+                     f"micro-batch (actor.ppo_max_token_len_per_gpu, actor.log_prob_max_token_len_per_gpu)")
+        return lines
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    compute_bytes = BYTES[cfg.model.dtype]
+    # Sharded ranks keep the model's own head (full logits); one rank computes from hidden states.
+    kwargs = dict(compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                  full_logits=dp > 1)
+    if cfg.trainer.device == "cuda":
+        per_token = training_bytes_per_token(shape, **kwargs)
+        lines.append(
+            f"token budget: auto, measured at start-up: 0.25 x free GPU memory / {per_token / 2**10:.0f} KiB of "
+            f"activations per token, a power of two in [{longest}, {MAX_AUTO_TOKENS['cuda']}]; logprob passes 2x"
+        )
+        return lines
+    label = "available host memory" + (" now (a GPU run uses its free GPU memory)" if cfg.trainer.device == "auto"
+                                       else " now")
+    budget = auto_token_budget(shape, available_host_memory_bytes(), longest, memory_label=label, **kwargs)
+    ppo = configured[0] if configured[0] is not None else budget.ppo
+    log_prob = configured[1] if configured[1] is not None else budget.log_prob
+    lines.append(f"token budget: {ppo} {unit} per training micro-batch, {log_prob} per logprob micro-batch "
+                 f"({budget.reason})")
     return lines
 
 

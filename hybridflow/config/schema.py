@@ -162,15 +162,26 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = f(64, "Samples per forward/backward on one rank.")
     log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per logprob forward on one rank.")
     use_remove_padding: bool = f(
-        False, "Pack each micro-batch's sequences into one padding-free row (no compute on padding)."
+        True,
+        "Pack each micro-batch's sequences into one padding-free row (no compute on padding). Models without "
+        "a packed attention path (families other than llama, qwen2, qwen3, or modeling code shipped with the "
+        "checkpoint) run padded, with a note. false: always padded (each micro-batch at its own width).",
     )
     use_dynamic_bsz: bool = f(
-        False,
-        "Form micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of a sample count; "
-        "best with use_remove_padding=true.",
+        True,
+        "Form micro-batches by a token budget (ppo_max_token_len_per_gpu, log_prob_max_token_len_per_gpu) "
+        "instead of a sample count (the *_micro_batch_size_per_gpu keys are then unused). Padded micro-batches "
+        "count their padded slots and group samples of similar length.",
     )
-    ppo_max_token_len_per_gpu: int = f(16384, "Token budget of a training micro-batch with use_dynamic_bsz.")
-    log_prob_max_token_len_per_gpu: int = f(16384, "Token budget of a logprob micro-batch with use_dynamic_bsz.")
+    ppo_max_token_len_per_gpu: int | None = f(
+        None,
+        "Token budget of a training micro-batch with use_dynamic_bsz. None: derived from the model's shape and "
+        "the free memory at start-up, at most 4096 on a CPU and 16384 on a GPU (hybridflow config explain shows the "
+        "value and the formula).",
+    )
+    log_prob_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a logprob micro-batch with use_dynamic_bsz. None: 2x the training budget."
+    )
     ppo_epochs: int = f(1, "Passes over each rollout batch.")
     shuffle: bool = f(False, "Shuffle samples between PPO epochs.")
     clip_ratio: float = f(0.2, "PPO clip range (default for clip_ratio_low/high).")
@@ -195,8 +206,9 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per reference logprob forward on one rank.")
-    log_prob_max_token_len_per_gpu: int = f(
-        16384, "Token budget of a reference micro-batch when actor.use_dynamic_bsz is on."
+    log_prob_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a reference micro-batch when actor.use_dynamic_bsz is on. None: as the actor's logprob "
+        "budget (derived the same way)."
     )
 
 

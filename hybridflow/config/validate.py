@@ -411,14 +411,16 @@ def _check_batches(cfg: Config, report: _Report) -> None:
             )
         per_rank = mini_samples // dp
         share = f"ppo_mini_batch_size={mini} prompts x rollout.n={n} / dp={dp}"
-        if micro > per_rank:
+        # With actor.use_dynamic_bsz the token budget forms the micro-batches; the sample count is unused.
+        fixed_micro = not cfg.actor.use_dynamic_bsz
+        if fixed_micro and micro > per_rank:
             report.error(
                 f"actor.ppo_micro_batch_size_per_gpu={micro} samples is larger than the {per_rank} samples "
                 f"each rank gets per optimizer step ({share}): there would be no full micro-batch "
                 f"(0 gradient-accumulation steps); use ppo_micro_batch_size_per_gpu <= {per_rank} that divides "
                 f"it, e.g. {_or_list(_divisors_near(per_rank, micro))}"
             )
-        elif per_rank % micro:
+        elif fixed_micro and per_rank % micro:
             report.error(
                 f"each rank gets {per_rank} samples per optimizer step ({share}), which is not a multiple of "
                 f"actor.ppo_micro_batch_size_per_gpu={micro}: the last micro-batch would hold "
@@ -585,12 +587,12 @@ def _check_trainer(cfg: Config, report: _Report) -> None:
         for key, value in (("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
                            ("actor.log_prob_max_token_len_per_gpu", a.log_prob_max_token_len_per_gpu),
                            ("ref.log_prob_max_token_len_per_gpu", cfg.ref.log_prob_max_token_len_per_gpu)):
-            if value < longest:
+            if value is not None and value < longest:
                 report.error(
                     f"{key}={value} tokens is below the longest possible sample (data.max_prompt_length + "
                     f"data.max_response_length = {longest}): such a sample fits no micro-batch; use >= {longest}"
                 )
-    elif a.ppo_max_token_len_per_gpu != 16384 or a.log_prob_max_token_len_per_gpu != 16384:
+    elif a.ppo_max_token_len_per_gpu is not None or a.log_prob_max_token_len_per_gpu is not None:
         report.warn("actor.*_max_token_len_per_gpu has no effect while actor.use_dynamic_bsz=false")
     if trainer.max_consecutive_skips < 1:
         report.error(f"trainer.max_consecutive_skips={trainer.max_consecutive_skips} must be >= 1")

@@ -457,7 +457,7 @@ def build_run(cfg: Config) -> RunSetup:
     actor_setup = ActorSetup(
         model_path=model_path, dtype=cfg.model.dtype, device=device, temperature=cfg.rollout.temperature,
         rollout_n=cfg.rollout.n, total_optimizer_steps=total_steps * updates_per_batch,
-        max_response_length=d.max_response_length,
+        max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips, **common,
     )
@@ -477,8 +477,9 @@ def build_run(cfg: Config) -> RunSetup:
         ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
                                    temperature=cfg.rollout.temperature,
                                    micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu,
-                                   use_remove_padding=a.use_remove_padding,
-                                   max_token_len=cfg.ref.log_prob_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                                   use_remove_padding=a.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
+                                   max_token_len=cfg.ref.log_prob_max_token_len_per_gpu,
+                                   longest_sample=d.max_prompt_length + d.max_response_length,
                                    fsdp_size=a.fsdp_config.fsdp_size,
                                    **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,

@@ -17,6 +17,7 @@ that group.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +30,14 @@ from hybridflow.algorithms import (
     get_policy_loss,
     kl_penalty,
 )
+from hybridflow.config.budget import (
+    BYTES,
+    ModelShape,
+    auto_token_budget,
+    available_host_memory_bytes,
+    packing_decision,
+)
 from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
-from hybridflow.data.batching import num_micro_batches_for_budget
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
@@ -45,12 +52,14 @@ from hybridflow.training.distributed import collective
 from hybridflow.training.engine import (
     OptimSpec,
     TrainEngine,
+    num_token_budget_micro_batches,
     token_budget_micro_batches,
 )
-from hybridflow.training.packing import sequence_lengths
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
 from hybridflow.utils.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +77,7 @@ class ActorSetup:
     trust_remote_code: bool = False
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     max_consecutive_skips: int = 10
+    max_prompt_length: int = 0  # with max_response_length: the longest sample, the floor of a token budget
 
 
 def check_rank_group(role: str, rank: int, world_size: int) -> None:
@@ -90,6 +100,60 @@ def model_precision(dtype: str, *, trainable: bool, data_parallel: bool) -> tupl
     if weights != torch.float32 and (trainable or data_parallel):
         return torch.float32, weights
     return weights, None
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """How a role cuts its batches into forwards (``config explain`` prints the same decisions)."""
+
+    use_remove_padding: bool
+    ppo_max_token_len: int | None  # None: fixed-size micro-batches (use_dynamic_bsz=false)
+    log_prob_max_token_len: int | None
+    notes: tuple[str, ...]
+
+
+def plan_micro_batches(
+    engine: TrainEngine,
+    *,
+    use_remove_padding: bool,
+    use_dynamic_bsz: bool,
+    ppo_max_token_len: int | None,
+    log_prob_max_token_len: int | None,
+    longest_sample: int,
+    gradient_checkpointing: bool = False,
+) -> MicroBatchPlan:
+    """Packed or padded (``hybridflow.config.budget.packing_decision`` on the loaded model), and
+    the token budgets: the configured ones, or ``auto_token_budget`` from the model's shape and
+    the free memory of the engine's device. With several ranks every rank takes the smallest
+    rank's budget (a collective), so all cut their batches alike."""
+    model = engine.model
+    # config.auto_map names modeling code shipped with the checkpoint (trust_remote_code).
+    shape = ModelShape.from_config(model.config.to_dict())
+    packed, why = packing_decision(use_remove_padding, shape.model_type, custom_code=shape.custom_code)
+    notes = [f"{'packed' if packed else 'padded'} micro-batches: {why}"]
+    if not use_dynamic_bsz:
+        return MicroBatchPlan(packed, None, None, tuple(notes))
+    if ppo_max_token_len is None or log_prob_max_token_len is None:
+        if engine.device.type == "cuda":
+            free, label = torch.cuda.mem_get_info(engine.device)[0], "free GPU memory"
+        else:
+            free, label = available_host_memory_bytes(), "available host memory"
+        dtype = engine.autocast_dtype or next(model.parameters()).dtype
+        auto = auto_token_budget(
+            shape, free, longest_sample, compute_bytes=BYTES.get(str(dtype).removeprefix("torch."), 4),
+            gradient_checkpointing=gradient_checkpointing, full_logits=not engine.fused_lm_head, memory_label=label,
+            device_type=engine.device.type,
+        )
+        ppo = ppo_max_token_len if ppo_max_token_len is not None else auto.ppo
+        log_prob = log_prob_max_token_len if log_prob_max_token_len is not None else auto.log_prob
+        if engine.data_parallel:
+            ppo, log_prob = -distributed.all_reduce_max(-ppo), -distributed.all_reduce_max(-log_prob)
+        notes.append(f"token budget: {ppo} tokens per training micro-batch, {log_prob} per logprob micro-batch "
+                     f"({auto.reason})")
+        return MicroBatchPlan(packed, ppo, log_prob, tuple(notes))
+    notes.append(f"token budget: {ppo_max_token_len} tokens per training micro-batch, {log_prob_max_token_len} per "
+                 f"logprob micro-batch (configured)")
+    return MicroBatchPlan(packed, ppo_max_token_len, log_prob_max_token_len, tuple(notes))
 
 
 class ActorWorker:
@@ -128,17 +192,24 @@ class ActorWorker:
             offload_params=cfg.fsdp_config.param_offload,
             offload_optimizer=cfg.fsdp_config.optimizer_offload,
         )
+        self.plan = plan_micro_batches(
+            self.engine, use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
+            ppo_max_token_len=cfg.ppo_max_token_len_per_gpu, log_prob_max_token_len=cfg.log_prob_max_token_len_per_gpu,
+            longest_sample=setup.max_prompt_length + setup.max_response_length,
+            gradient_checkpointing=setup.gradient_checkpointing,
+        )
+        if rank == 0:
+            for note in self.plan.notes:
+                log.info("actor: %s", note)
         self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
         self.consecutive_skips = 0
         self.weight_sync: WeightSyncGroup | None = None  # rank 0, once joined (rollout.weight_sync=broadcast)
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of the response tokens under the current weights (old_logprobs).  # (B, R)"""
-        cfg = self.cfg
         logprobs, _ = self.engine.compute_logprobs(
-            batch, temperature=self.setup.temperature, micro_batch_size=cfg.log_prob_micro_batch_size_per_gpu,
-            use_remove_padding=cfg.use_remove_padding,
-            max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            batch, temperature=self.setup.temperature, micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
+            use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
         )
         return logprobs
 
@@ -167,7 +238,7 @@ class ActorWorker:
                         self._loss_fn(num_tokens, num_seqs, len(micro_batches), generator),
                         temperature=self.setup.temperature,
                         with_entropy=True,
-                        use_remove_padding=cfg.use_remove_padding,
+                        use_remove_padding=self.plan.use_remove_padding,
                     )
                 )
                 self._count_skip(skipped=self.engine.skipped_steps > skipped_before)
@@ -177,12 +248,11 @@ class ActorWorker:
 
     def _micro_batches(self, mini: TrainBatch) -> list[TrainBatch]:
         """Fixed-size micro-batches, or token-budget ones in a count agreed over ranks."""
-        cfg = self.cfg
-        if not cfg.use_dynamic_bsz:
-            return mini.split(cfg.ppo_micro_batch_size_per_gpu)
-        budget = cfg.ppo_max_token_len_per_gpu
-        count = self.engine.agree_num_micro_batches(num_micro_batches_for_budget(sequence_lengths(mini), budget))
-        return token_budget_micro_batches(mini, budget, num_micro_batches=count)[0]
+        budget, padded = self.plan.ppo_max_token_len, not self.plan.use_remove_padding
+        if budget is None:
+            return mini.split(self.cfg.ppo_micro_batch_size_per_gpu)
+        count = self.engine.agree_num_micro_batches(num_token_budget_micro_batches(mini, budget, padded=padded))
+        return token_budget_micro_batches(mini, budget, num_micro_batches=count, padded=padded)[0]
 
     def _count_skip(self, skipped: bool) -> None:
         """A skipped step leaves the weights alone; many in a row mean the run is broken, so stop."""
@@ -241,6 +311,13 @@ class ActorWorker:
             dp_size=self.world_size,
         )
 
+        def token_mean_metric(values: torch.Tensor, mask: torch.Tensor) -> float:
+            """This micro-batch's share of the mini-batch's token mean, x the micro-batch count:
+            the engine's average over micro-batches (and the mean over ranks) then gives the mean
+            over every token of the mini-batch, however the samples were cut into micro-batches."""
+            share = agg_loss(values.detach(), mask, "token-mean", global_num_tokens=num_tokens, dp_size=self.world_size)
+            return float(share) * num_micro
+
         def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
             if mb.advantages is None:
                 raise ValueError("update_actor needs advantages on the batch")
@@ -269,9 +346,9 @@ class ActorWorker:
             if mb.old_logprobs is None:
                 # On-policy, this forward *is* the old policy: the engine mismatch comes for free.
                 diff = (logprobs.detach() - mb.rollout_logprobs).abs()
-                metrics["rollout_corr/log_ratio_abs_mean"] = float(agg_loss(diff, mask, "token-mean"))
+                metrics["rollout_corr/log_ratio_abs_mean"] = token_mean_metric(diff, mask)
             if entropy is not None:
-                metrics["actor/entropy"] = float(agg_loss(entropy.detach(), mask, "token-mean"))
+                metrics["actor/entropy"] = token_mean_metric(entropy, mask)
                 if cfg.entropy_coeff != 0:
                     loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
             if cfg.use_kl_loss:
@@ -279,7 +356,7 @@ class ActorWorker:
                     raise ValueError("actor.use_kl_loss=true but the batch has no reference logprobs")
                 kl = kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_loss_type)
                 loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
-                metrics["actor/kl_loss"] = float(agg_loss(kl.detach(), mask, "token-mean"))
+                metrics["actor/kl_loss"] = token_mean_metric(kl, mask)
                 metrics["actor/kl_coef"] = cfg.kl_loss_coef
             return loss, metrics
 

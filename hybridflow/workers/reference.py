@@ -9,7 +9,7 @@ import torch
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.training.engine import TrainEngine
 from hybridflow.types import TrainBatch
-from hybridflow.workers.actor import check_rank_group, model_precision
+from hybridflow.workers.actor import check_rank_group, model_precision, plan_micro_batches
 
 
 @dataclass
@@ -20,8 +20,10 @@ class ReferenceSetup:
     temperature: float
     micro_batch_size: int
     trust_remote_code: bool = False
-    use_remove_padding: bool = False
-    max_token_len: int | None = None  # token-budget micro-batches (actor.use_dynamic_bsz)
+    use_remove_padding: bool = False  # where the model has a packed path (as the actor decides)
+    use_dynamic_bsz: bool = False  # token-budget micro-batches (actor.use_dynamic_bsz)
+    max_token_len: int | None = None  # their budget; None: derived like the actor's logprob budget
+    longest_sample: int = 0  # max prompt + max response: the floor of a derived budget
     fsdp_size: int | None = None  # shard group size with several ranks (actor.fsdp_config.fsdp_size)
 
 
@@ -44,11 +46,15 @@ class ReferenceWorker:
             model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
             fsdp_size=setup.fsdp_size,
         )
+        self.plan = plan_micro_batches(
+            self.engine, use_remove_padding=setup.use_remove_padding, use_dynamic_bsz=setup.use_dynamic_bsz,
+            ppo_max_token_len=None, log_prob_max_token_len=setup.max_token_len, longest_sample=setup.longest_sample,
+        )
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
         s = self.setup
         logprobs, _ = self.engine.compute_logprobs(
             batch, temperature=s.temperature, micro_batch_size=s.micro_batch_size,
-            use_remove_padding=s.use_remove_padding, max_token_len=s.max_token_len,
+            use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
         )
         return logprobs

@@ -307,7 +307,8 @@ def test_packed_token_budget_updates_match_padded_fixed_micro_batches(model_and_
         *SMALL, "trainer.total_training_steps=1",
     ]
     padded = api.train(api.make_config("grpo", overrides=[
-        *common, f"trainer.output_dir={tmp_path / 'padded'}", "trainer.balance_batch=false"])).final_metrics
+        *common, f"trainer.output_dir={tmp_path / 'padded'}", "trainer.balance_batch=false",
+        "actor.use_remove_padding=false", "actor.use_dynamic_bsz=false"])).final_metrics
     packed = api.train(api.make_config("grpo", overrides=[
         *common, f"trainer.output_dir={tmp_path / 'packed'}", "actor.use_remove_padding=true",
         "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96", "actor.log_prob_max_token_len_per_gpu=96",

@@ -35,8 +35,9 @@ def test_plan_numbers_for_defaults() -> None:
     assert "prompts per step: 32 (data.train_batch_size)" in plan
     assert "samples per step: 256 (32 prompts x rollout.n=8)" in plan
     assert "optimizer steps per rollout batch: 1 (32 / actor.ppo_mini_batch_size=32" in plan
-    assert "micro-batches per optimizer step per rank: 4 (256 / actor.ppo_micro_batch_size_per_gpu=64)" in plan
-    assert "4 gradient-accumulation steps" in plan
+    assert "micro-batches per optimizer step per rank: as many as the token budget needs for the 256 samples" in plan
+    assert "forward path: packed, one padding-free row per micro-batch (actor.use_remove_padding=true and qwen2" in plan
+    assert "token budget: " in plan and " tokens per training micro-batch" in plan
     assert "steps per epoch: 128 (built-in task: data.builtin_train_size=4096 // 32 prompts" in plan
     assert "total steps: 100 (trainer.total_training_steps;" in plan
 
@@ -49,6 +50,7 @@ def test_plan_numbers_with_dp_and_epochs() -> None:
             "actor.ppo_epochs=2",
             "rollout.n=4",
             "actor.ppo_micro_batch_size_per_gpu=8",
+            "actor.use_dynamic_bsz=false",
             "trainer.backend=ray",
             "trainer.n_gpus_per_node=2",
             "trainer.total_training_steps=null",
@@ -64,6 +66,8 @@ def test_plan_numbers_with_dp_and_epochs() -> None:
     )
     assert "samples per optimizer step: 64 (16 prompts x rollout.n=4); 32 per rank" in plan
     assert "micro-batches per optimizer step per rank: 4 (32 / actor.ppo_micro_batch_size_per_gpu=8)" in plan
+    assert "4 gradient-accumulation steps" in plan
+    assert "token budget: off (actor.use_dynamic_bsz=false): micro-batches of actor.ppo_micro_batch_size_per_gpu=8" in plan
     assert "steps per epoch: 64" in plan
     assert "total steps: 192 (trainer.total_epochs=3 x 64)" in plan
 
@@ -125,7 +129,7 @@ def test_warnings_are_listed() -> None:
 
 def test_explain_raises_on_invalid_config() -> None:
     with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu=48"):
-        explain_config(load_config(overrides=["actor.ppo_micro_batch_size_per_gpu=48"]))
+        explain_config(load_config(overrides=["actor.ppo_micro_batch_size_per_gpu=48", "actor.use_dynamic_bsz=false"]))
 
 
 # --------------------------------------------------------------------------------------------

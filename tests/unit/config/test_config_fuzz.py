@@ -83,7 +83,8 @@ def test_a_wrong_typed_int_is_named(key: str, value: str) -> None:
 @given(train=st.integers(1, 64), mini=st.integers(1, 64), n=st.integers(1, 8), micro=st.integers(1, 64))
 def test_batch_arithmetic_is_either_valid_or_explained_with_its_keys(train: int, mini: int, n: int, micro: int) -> None:
     overrides = [f"data.train_batch_size={train}", f"actor.ppo_mini_batch_size={mini}", f"rollout.n={n}",
-                 f"actor.ppo_micro_batch_size_per_gpu={micro}", "data.builtin_train_size=4096"]
+                 f"actor.ppo_micro_batch_size_per_gpu={micro}", "data.builtin_train_size=4096",
+                 "actor.use_dynamic_bsz=false"]
     cfg = load_config(overrides=overrides)
     start = time.perf_counter()
     try:

@@ -84,7 +84,8 @@ def test_step_samples_not_divisible_by_dp() -> None:
 
 def test_micro_batch_larger_than_rank_share() -> None:
     message = errors_for(
-        "actor.ppo_mini_batch_size=4", "data.train_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=64"
+        "actor.ppo_mini_batch_size=4", "data.train_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=64",
+        "actor.use_dynamic_bsz=false",
     )
     assert "actor.ppo_micro_batch_size_per_gpu=64 samples is larger than the 32 samples each rank gets" in message
     assert "ppo_mini_batch_size=4 prompts x rollout.n=8 / dp=1" in message
@@ -92,14 +93,14 @@ def test_micro_batch_larger_than_rank_share() -> None:
 
 
 def test_micro_batch_larger_than_rank_share_with_dp() -> None:
-    message = errors_for("actor.ppo_micro_batch_size_per_gpu=256", "trainer.n_gpus_per_node=2")
+    message = errors_for("actor.ppo_micro_batch_size_per_gpu=256", "trainer.n_gpus_per_node=2", "actor.use_dynamic_bsz=false")
     # 32 prompts x 8 samples / 2 ranks = 128 per rank.
     assert "ppo_micro_batch_size_per_gpu=256 samples is larger than the 128 samples" in message
     assert "/ dp=2" in message
 
 
 def test_rank_share_not_multiple_of_micro_batch() -> None:
-    message = errors_for("actor.ppo_micro_batch_size_per_gpu=48")
+    message = errors_for("actor.ppo_micro_batch_size_per_gpu=48", "actor.use_dynamic_bsz=false")
     assert "each rank gets 256 samples per optimizer step" in message
     assert "not a multiple of actor.ppo_micro_batch_size_per_gpu=48" in message
     assert "the last micro-batch would hold 16 samples" in message
@@ -328,7 +329,7 @@ def test_missing_custom_reward_file(tmp_path: Path) -> None:
     [
         (["actor.optim.lrr=1e-5"], "actor.optim.lrr"),
         (["data.train_batch_size=0"], "data.train_batch_size"),
-        (["actor.ppo_micro_batch_size_per_gpu=512"], "actor.ppo_micro_batch_size_per_gpu"),
+        (["actor.ppo_micro_batch_size_per_gpu=512", "actor.use_dynamic_bsz=false"], "actor.ppo_micro_batch_size_per_gpu"),
         (["data.shuffle=maybe"], "data.shuffle"),
         (
             ["rollout.n=3", "trainer.n_gpus_per_node=2", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1"],
