@@ -420,7 +420,11 @@ class TrainerConfig:
     seed: int = f(1, "Global seed (model init, sampling, data order).")
     output_dir: str | None = f(None, "Where the run writes everything. None: runs/<experiment>-<time>.")
     project_name: str = f("hybridflow", "Project name for loggers.")
-    experiment_name: str = f("grpo-arithmetic", "Run name for loggers and the output folder.")
+    experiment_name: str = f(
+        "grpo-arithmetic",
+        "Run name for loggers and the output folder. Left at this default, a run is named <preset>-<data> "
+        "(e.g. dapo-arithmetic, grpo-gsm8k from the first train file's folder).",
+    )
     logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb.")
     backend: str = f(
         "local",
@@ -442,7 +446,11 @@ class TrainerConfig:
     )
     ray_dashboard: bool = f(False, "Start the Ray dashboard (on 127.0.0.1) with the local cluster; needs ray[default].")
     device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
-    num_threads: int | None = f(None, "torch CPU threads. None: all cores.")
+    num_threads: int | None = f(
+        None,
+        "torch CPU threads of this process. None: every core, and fewer while other processes keep cores busy "
+        "(looked at each phase, at most once a second; one busy process on 2 cores: 1 thread). A number fixes it.",
+    )
     progress_bar: bool = f(True, "Show a progress bar on the console.")
     balance_batch: bool = f(
         True,

@@ -59,6 +59,7 @@ from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
+from hybridflow.utils.threads import stop_following
 from hybridflow.workers.actor import ActorSetup, ActorWorker
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
@@ -145,6 +146,7 @@ class RunSetup:
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
 
     def close(self) -> None:
+        stop_following()  # the thread governor lives as long as the run (configure_threads)
         self.progress.close()
         self.tracker.close()
         self.reward.call_all(RewardWorker.close)

@@ -36,6 +36,7 @@ from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
 from hybridflow.utils.files import give_default_modes
+from hybridflow.utils.threads import adjust_threads
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ def run_sft(
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     for step in range(1, spec.steps + 1):
+        adjust_threads()  # follow the cores other processes leave free (no-op with trainer.num_threads set)
         batch = collate_trajectories([examples[i] for i in sampler.next_batch()], pad)
         num_tokens, _ = batch_counts(batch.response_mask)
 

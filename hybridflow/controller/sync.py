@@ -148,6 +148,7 @@ class RLTrainer:
             **self.batch_metrics(batch, trajectories),
             **timer.metrics(),
             **compute_throughput_metrics(int(batch.attention_mask.sum()), timer.seconds("step"), self.actor.world_size),
+            "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads, or what others left free
         }
 
     def collect(self, timer: PhaseTimer) -> tuple[list[list[Trajectory]], dict[str, float]]:

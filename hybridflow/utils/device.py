@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.utils.threads import fix_threads, follow_free_cores, process_cores
+
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` picks CUDA when present, else CPU; ``cuda`` without CUDA is an error."""
@@ -20,14 +22,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def configure_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op threads deliberately (default: every core the process may use)."""
+    """Set torch's intra-op threads deliberately. ``None``: every core the process may use, then
+    as many as other processes leave free (``hybridflow.utils.threads``); a number: that many."""
     if num_threads is None:
-        try:
-            num_threads = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            num_threads = os.cpu_count() or 1
-    torch.set_num_threads(max(1, num_threads))
-    return torch.get_num_threads()
+        return follow_free_cores(len(process_cores())).threads
+    return fix_threads(num_threads)
 
 
 def parse_dtype(name: str) -> torch.dtype:

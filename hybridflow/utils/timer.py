@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from hybridflow.utils.threads import adjust_threads
 from hybridflow.utils.watchdog import activity
 
 
@@ -29,6 +30,7 @@ class PhaseTimer:
                 f"phase {name!r} opened inside {self._open[-1]!r}, itself inside {self._open[0]!r}: phases inside a "
                 f"step must be disjoint, or their shares of the step count the same seconds twice"
             )
+        adjust_threads()  # a phase boundary: follow the cores other processes left free (no-op if fixed)
         start = time.perf_counter()
         self._open.append(name)
         try:

@@ -1,0 +1,98 @@
+"""The thread governor: torch threads follow the cores other processes leave free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hybridflow.utils import threads
+from hybridflow.utils.device import configure_threads
+from hybridflow.utils.threads import CoreUseMeter, ThreadGovernor, process_cores, threads_for
+
+
+@pytest.mark.parametrize(("others", "expected"), [
+    (0.0, 4), (0.5, 4), (0.69, 4), (0.71, 3), (1.0, 3), (1.6, 3), (1.8, 2), (3.9, 1), (9.0, 1),
+])
+def test_a_core_counts_as_taken_once_others_use_most_of_it(others, expected):
+    assert threads_for(4, others) == expected
+
+
+class FakeMeter:
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.reads = 0
+
+    def read(self):
+        self.reads += 1
+        return self.readings.pop(0) if self.readings else 0.0
+
+
+def test_the_governor_follows_the_others_and_looks_at_most_once_per_interval():
+    now = [0.0]
+    calls: list[int] = []
+    meter = FakeMeter([None, 1.0, 1.0, 0.0])
+    governor = ThreadGovernor(2, meter, min_interval_s=1.0, clock=lambda: now[0], set_threads=calls.append)
+    assert governor.threads == 2 and calls == [2] and meter.reads == 1  # starts at every core
+    assert governor.adjust() == 2 and meter.reads == 1  # the interval has not passed: no look
+    now[0] = 1.0
+    assert governor.adjust() == 1 and calls == [2, 1]  # a busy process took a core
+    now[0] = 1.5
+    assert governor.adjust() == 1 and meter.reads == 2
+    now[0] = 2.0
+    assert governor.adjust() == 1 and calls == [2, 1]  # unchanged: torch is not asked again
+    now[0] = 3.0
+    assert governor.adjust() == 2 and calls == [2, 1, 2]  # the other process ended
+
+
+def test_a_meter_without_proc_stat_reads_nothing(tmp_path):
+    meter = CoreUseMeter([0], stat_path=str(tmp_path / "absent"))
+    assert meter.read() is None and meter.read() is None
+
+
+def test_the_meter_sees_a_busy_process_and_not_this_ones_own_work():
+    """A real busy process on this machine shows as most of a core; this process's own
+    computing does not count as others'."""
+    meter = CoreUseMeter(process_cores())
+    meter.read()
+    spinner = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
+    try:
+        time.sleep(1.5)
+        busy = meter.read()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and busy >= 0.6, busy
+    meter.read()
+    end = time.monotonic() + 1.0
+    x = 0
+    while time.monotonic() < end:  # one core of our own work
+        x += 1
+    assert meter.read() < busy
+
+
+def test_configure_threads_installs_the_governor_only_when_the_count_is_left_open():
+    before = torch.get_num_threads()
+    try:
+        assert configure_threads(1) == 1 and threads._governor is None
+        assert configure_threads(None) == len(process_cores()) and threads._governor is not None
+        configure_threads(1)
+        assert threads._governor is None
+    finally:
+        threads.fix_threads(before)
+
+
+def test_stop_following_gives_back_the_starting_count():
+    before = torch.get_num_threads()
+    try:
+        governor = threads.follow_free_cores(2)
+        governor.threads = 1
+        torch.set_num_threads(1)
+        threads.stop_following()
+        assert threads._governor is None and torch.get_num_threads() == 2
+        threads.adjust_threads()  # a no-op without a governor
+    finally:
+        threads.fix_threads(before)
