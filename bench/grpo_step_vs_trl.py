@@ -64,6 +64,8 @@ CONFIGS: dict[str, list[str] | dict] = {
     "padded": ["actor.use_remove_padding=false"],
     "packed_fixed": ["actor.use_dynamic_bsz=false"],
     "padded_fixed": ["actor.use_remove_padding=false", "actor.use_dynamic_bsz=false"],
+    # The rollout's KV cache kept through the update (no sleep between generation and training).
+    "keep_cache": ["rollout.free_cache_engine=false"],
 }
 LABELS = {
     "trl": "TRL GRPOTrainer (micro-batch 64, no checkpointing)",
@@ -72,6 +74,7 @@ LABELS = {
     "padded": "hybridflow, use_remove_padding=false",
     "packed_fixed": "hybridflow, use_dynamic_bsz=false",
     "padded_fixed": "hybridflow, both false (the old defaults)",
+    "keep_cache": "hybridflow, rollout.free_cache_engine=false",
 }
 EOS_TOKEN_ID = 258  # <|im_end|>
 PAD_TOKEN_ID = 256  # <|endoftext|>

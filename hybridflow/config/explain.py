@@ -22,7 +22,7 @@ from hybridflow.config.budget import (
 )
 from hybridflow.config.loader import config_to_yaml
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import dp_source, batch_plan, validate_config
+from hybridflow.config.validate import batch_plan, dp_source, rollout_replicas, validate_config
 
 BUILTIN_TINY = "builtin:tiny"
 """``model.path`` of the built-in tiny model, the only one ``warm_start.enable=auto`` warm-starts."""
@@ -111,6 +111,7 @@ def _plan_lines(cfg: Config) -> list[str]:
     lines += _forward_lines(cfg, plan.dp)
 
     lines.append(_rollout_line(cfg))
+    lines.append(_replica_line(cfg))
     per_epoch = steps_per_epoch(data.train_files, data.builtin_train_size, data.train_batch_size)
     if not data.train_files:
         lines.append(f"data: the built-in {data.builtin_task} task (data.builtin_task; data.train_files is empty)")
@@ -215,6 +216,22 @@ def _rollout_line(cfg: Config) -> str:
         f"and data.max_response_length={cfg.data.max_response_length} tokens per episode (tool replies included, "
         f"loss mask 0)"
     )
+
+
+def _replica_line(cfg: Config) -> str:
+    """Where generation runs: how many engine replicas, on which ranks and devices."""
+    t = cfg.trainer
+    replicas = rollout_replicas(cfg)
+    sleep = ("KV caches freed after each step's generation (rollout.free_cache_engine=true)"
+             if cfg.rollout.free_cache_engine else "KV caches kept between steps (rollout.free_cache_engine=false)")
+    if t.backend == "local":
+        return f"rollout replicas: 1, in this process, tensor parallel 1 (trainer.backend=local); {sleep}"
+    gpu = t.n_workers is None
+    where = ", ".join(f"replica {r}: {'GPU' if gpu else 'CPU rank'} {r}" for r in range(min(replicas, 4)))
+    more = f", ... (one per rank up to {replicas - 1})" if replicas > 4 else ""
+    return (f"rollout replicas: {replicas}, tensor parallel 1, each in its data-parallel rank's placement next to "
+            f"that actor rank ({where}{more}); requests placed by the router on the replica with the fewest "
+            f"in-flight tokens; {sleep}")
 
 
 def explain_config(cfg: Config) -> str:

@@ -268,6 +268,11 @@ class RolloutConfig:
         False, "Decode without CUDA graphs on a GPU (they replay each decode step with one launch; captured "
         "lazily per batch and key-length bucket). No effect on a CPU, which always decodes eagerly.",
     )
+    free_cache_engine: bool = f(
+        True, "Free the rollout engines' KV caches after each step's generation, while the actor computes "
+        "logprobs and updates (verl's key; the next generation rebuilds them): lower peak memory for a rebuild per "
+        "step.",
+    )
     weight_sync: str = f(
         "auto",
         "How the actor's new weights reach the rollout after each step: auto (broadcast when the rollout runs in "

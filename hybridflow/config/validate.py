@@ -163,6 +163,11 @@ def data_parallel_size(trainer: TrainerConfig) -> int:
     return trainer.n_gpus_per_node * trainer.nnodes
 
 
+def rollout_replicas(cfg: Config) -> int:
+    """Rollout replicas: one per data-parallel rank (each an engine in that rank's placement)."""
+    return data_parallel_size(cfg.trainer)
+
+
 def dp_source(trainer: TrainerConfig) -> str:
     """Where ``data_parallel_size`` came from, for messages."""
     if trainer.n_workers is not None:

@@ -6,9 +6,9 @@
 3. load data, build the sampler and the step plan,
 4. start the worker groups (actor, rollout, reference when a KL term needs it, reward): in this
    process (``trainer.backend=local``) or as Ray actors (``ray``), where the actor and
-   reference ranks each form a torch.distributed group and the rollout rank shares bundle 0;
-   with ``rollout.weight_sync`` resolving to broadcast, actor rank 0 and the rollout ranks form
-   the weight-sync group,
+   reference ranks each form a torch.distributed group and rollout replica r shares bundle r
+   with actor rank r; with ``rollout.weight_sync`` resolving to broadcast, actor rank 0 and the
+   rollout replicas form the weight-sync group,
 5. open the loggers.
 """
 
@@ -39,7 +39,7 @@ from hybridflow.cluster.worker_group import (
 )
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.schema import DataConfig, MultiTurnConfig, WarmStartConfig
-from hybridflow.config.validate import TOOL_TASKS, data_parallel_size
+from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model
 from hybridflow.data import PromptRow, RLDataset, ResumableSampler
@@ -469,9 +469,10 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  max_logprob_mismatch=t.health.logprob_mismatch, **common)
-    # One rollout rank: generation stays single-rank (its seeds derive from (seed, step, index)).
-    rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, rollout_setup), 1,
-                                 placements.get("rollout"))
+    # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
+    # Samples are seeded per request, so the replica count does not change what is generated.
+    rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, rollout_setup),
+                                 rollout_replicas(cfg), placements.get("rollout"))
     if weight_sync == BROADCAST:
         connect_weight_sync(actor, rollout)
     reference = None

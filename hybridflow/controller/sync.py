@@ -25,6 +25,7 @@ from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_
 from hybridflow.cluster.worker_group import WorkerGroup, wait_all
 from hybridflow.config import config_to_yaml
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
+from hybridflow.controller.replicas import RolloutReplicas
 from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
@@ -53,6 +54,8 @@ class RLTrainer:
         self.cfg = run.cfg
         self.actor: WorkerGroup[ActorWorker] = run.actor
         self.rollout: WorkerGroup[RolloutWorker] = run.rollout
+        # Requests reach the rollout ranks (one replica each) through a router.
+        self.replicas = RolloutReplicas(run.rollout, free_cache_engine=self.cfg.rollout.free_cache_engine)
         self.reference: WorkerGroup[ReferenceWorker] | None = run.reference
         self.reward: WorkerGroup[RewardWorker] = run.reward
         self.checkpoints = CheckpointManager(run.output_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep)
@@ -130,6 +133,8 @@ class RLTrainer:
                 with timer.phase("gen_baseline"):
                     extra_inputs["reward_baselines"], baseline_metrics = self.greedy_baselines(groups)
                     collect_metrics |= baseline_metrics
+            rollout_metrics = self.replicas.take_metrics()
+            self.replicas.sleep()  # generation is over for this step: free the KV caches for training
             with timer.phase("adv"):
                 adv_metrics = self.compute_advantages(batch, **extra_inputs)
             if fault_requested("nan_advantages", self.step):  # tests: a NaN that must not reach the weights
@@ -142,6 +147,7 @@ class RLTrainer:
             "training/global_step": float(self.step),
             "training/epoch": float(self.run.sampler.epoch),
             **collect_metrics,
+            **rollout_metrics,
             **balance_metrics,
             **adv_metrics,
             **actor_metrics,
@@ -262,18 +268,10 @@ class RLTrainer:
     def _generate_sharded(
         self, requests: list[GenerationRequest], metadata: list[dict[str, Any]]
     ) -> list[list[Trajectory]]:
-        """Requests dealt round-robin over the rollout ranks, each with its row's fields (the agent
-        loops read them); results in request order."""
-        world = self.rollout.world_size
+        """Requests placed on the rollout replicas by the router, each with its row's fields (the
+        agent loops read them); results in request order."""
         # Only agent loops read the row fields: a single-turn run sends the requests alone.
-        agents = self.cfg.rollout.multi_turn.enable
-        shards = [(requests[r::world], metadata[r::world] if agents else None) for r in range(world)]
-        per_rank = self.rollout.call_each(RolloutWorker.generate, shards)
-        results: list[list[Trajectory]] = [[] for _ in requests]
-        for r, outputs in enumerate(per_rank):
-            for j, samples in enumerate(outputs):
-                results[r + j * world] = samples
-        return results
+        return self.replicas.generate(requests, metadata if self.cfg.rollout.multi_turn.enable else None)
 
     def score(self, trajectories: list[Trajectory]) -> dict[str, float]:
         _, metrics = self.score_answers(trajectories)
@@ -377,6 +375,8 @@ class RLTrainer:
         )
         metrics |= {f"val/{key}": value for key, value in self.agent_metrics(trajectories).items()}
         metrics["timing_s/testing"] = time.perf_counter() - start
+        self.replicas.take_metrics()  # the step's rollout metrics are of training generation only
+        self.replicas.sleep()
         log.info("validation at step %d: val/score/mean %.3f", self.step, metrics["val/score/mean"])
         return metrics
 

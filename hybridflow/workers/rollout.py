@@ -16,8 +16,9 @@ applies each bucket as it arrives (``receive_weights``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +79,17 @@ def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
     return AgentRunner(context, default_agent=setup.default_agent)
 
 
+@dataclass
+class ReplicaOutput:
+    """What one replica returns for the requests the router gave it in one round."""
+
+    trajectories: list[list[Trajectory]]  # per request, in the order sent
+    seconds: float  # wall time the replica spent on them
+    # The engine's counters over the round (``EngineStats`` fields that count: prefill and
+    # generated tokens, forwards, ...), for the controller's rollout metrics.
+    engine_counts: dict[str, float] = field(default_factory=dict)
+
+
 class RolloutWorker:
     def __init__(self, rank: int, world_size: int, setup: RolloutSetup) -> None:
         self.rank, self.device = rank, setup.device
@@ -124,6 +136,23 @@ class RolloutWorker:
             grouped[trajectory.group_id].append(trajectory)
         return grouped
 
+    def serve(self, requests: list[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None) -> ReplicaOutput:
+        """``generate``, timed, with the engine's counters over the call: what a replica answers
+        the controller's router."""
+        before = _engine_counts(self.engine)
+        start = time.perf_counter()
+        trajectories = self.generate(requests, metadata) if requests else []
+        seconds = time.perf_counter() - start
+        after = _engine_counts(self.engine)
+        return ReplicaOutput(trajectories, seconds, {k: after[k] - before.get(k, 0.0) for k in after})
+
+    def sleep(self) -> None:
+        """Free generation memory (the KV cache) while the trainer works (``rollout.free_cache_engine``)."""
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(weights)
 
@@ -155,3 +184,11 @@ class RolloutWorker:
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
+
+
+def _engine_counts(engine: Any) -> dict[str, float]:
+    """The numeric counters of an engine's ``stats`` (none for an engine without them)."""
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return {}
+    return {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -229,3 +229,35 @@ def test_a_rank_that_cannot_build_its_worker_fails_the_group_start(pool) -> None
         assert group.call_all(Flaky.rank_sum) == [1.0, 1.0]
     finally:
         group.close()
+
+
+# ------------------------------------------------------------------------------ rollout replicas
+class DyingReplica(RolloutWorker):
+    """Replica 1's process exits while it generates (an OOM kill, a lost node)."""
+
+    def generate(self, requests, metadata=None):
+        if self.rank == 1:
+            os._exit(9)
+        return super().generate(requests, metadata)
+
+
+def test_a_replica_that_dies_mid_generation_fails_the_call_naming_it(pool, tmp_path: Path) -> None:
+    from hybridflow.controller.replicas import RolloutReplicas
+    from hybridflow.types import GenerationRequest, SamplingParams
+    from hybridflow.workers.rollout import RolloutSetup
+
+    model_dir = str(write_tiny_model(tmp_path / "model"))
+    setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
+                         max_batch_size=8, seed=0)
+    placement = Placement(pool, share=0.5, num_threads=1, device=torch.device("cpu"))
+    group = RayWorkerGroup("rollout", lambda r, w: DyingReplica(r, w, setup), 2, placement)
+    replicas = RolloutReplicas(group, free_cache_engine=True)
+    requests = [GenerationRequest([5, 6, 7, 8], SamplingParams(n=2, max_tokens=64, seed=i)) for i in range(6)]
+    start = time.perf_counter()
+    try:
+        with pytest.raises(WorkerError, match=r"rollout rank 1 died in RolloutWorker.serve \(its process exited\)"):
+            replicas.generate(requests)
+        assert time.perf_counter() - start < PROMPT_S
+        assert not replicas.router.loads[1].alive
+    finally:
+        group.close()

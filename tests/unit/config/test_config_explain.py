@@ -164,3 +164,16 @@ def test_steps_per_epoch_drops_incomplete_batch() -> None:
 )
 def test_planned_total_steps(per_epoch: int | None, epochs: int, limit: int | None, expected: int | None) -> None:
     assert planned_total_steps(per_epoch, epochs, limit) == expected
+
+
+def test_plan_shows_the_rollout_replica_layout() -> None:
+    local = plan_of(explain_config(load_config()))
+    assert "rollout replicas: 1, in this process, tensor parallel 1 (trainer.backend=local)" in local
+    assert "KV caches freed after each step's generation (rollout.free_cache_engine=true)" in local
+    ray = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=2",
+                                                        "rollout.free_cache_engine=false"])))
+    assert "rollout replicas: 2, tensor parallel 1" in ray
+    assert "(replica 0: CPU rank 0, replica 1: CPU rank 1)" in ray
+    assert "rollout.free_cache_engine=false" in ray
+    gpus = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_gpus_per_node=8"])))
+    assert "rollout replicas: 8" in gpus and "replica 3: GPU 3, ... (one per rank up to 7)" in gpus

@@ -1,0 +1,96 @@
+"""Rollout replicas behind the router: the same trajectories with 1 or 2 replicas (per-request
+seeds), requests spread by tokens, metrics, sleep between steps, and a failing replica named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerError
+from hybridflow.controller.replicas import RolloutReplicas
+from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
+from hybridflow.types import GenerationRequest, SamplingParams
+from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1)
+    return str(write_tiny_model(tmp_path_factory.mktemp("replicas") / "model", spec, seed=3))
+
+
+def replicas(model_dir: str, count: int, *, free_cache_engine: bool = True) -> RolloutReplicas:
+    setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
+                         max_batch_size=32, seed=0)
+    group = LocalWorkerGroup("rollout", lambda r, w: RolloutWorker(r, w, setup), count)
+    return RolloutReplicas(group, free_cache_engine=free_cache_engine)
+
+
+def requests() -> list[GenerationRequest]:
+    # Prompts of different lengths, sampled (temperature 1) with per-request seeds, as the RL loop sends them.
+    return [GenerationRequest(list(range(3, 3 + 4 + 7 * (i % 4))), SamplingParams(n=3, max_tokens=12, seed=100 + i))
+            for i in range(8)]
+
+
+def _tokens(groups) -> list[list[tuple[list[int], list[float]]]]:
+    return [[(t.response_ids, t.rollout_logprobs) for t in group] for group in groups]
+
+
+def test_one_or_two_replicas_generate_the_same_trajectories(model_dir) -> None:
+    one, two = replicas(model_dir, 1), replicas(model_dir, 2)
+    a, b = one.generate(requests()), two.generate(requests())
+    assert [[t.response_ids for t in g] for g in a] == [[t.response_ids for t in g] for g in b]
+    for group_a, group_b in zip(a, b, strict=True):
+        for ta, tb in zip(group_a, group_b, strict=True):
+            assert ta.rollout_logprobs == pytest.approx(tb.rollout_logprobs, abs=1e-5)
+    # Both replicas served: every request went to one of them by load.
+    loads = two.router.loads
+    assert loads[0].requests > 0 and loads[1].requests > 0
+    assert loads[0].requests + loads[1].requests == len(requests())
+
+
+def test_round_metrics_and_token_counts(model_dir) -> None:
+    two = replicas(model_dir, 2)
+    groups = two.generate(requests())
+    metrics = two.take_metrics()
+    generated = sum(len(t.response_ids) for g in groups for t in g)
+    assert metrics["rollout/generated_tokens"] == generated
+    assert metrics["rollout/prefill_tokens"] > 0
+    assert metrics["rollout/replica_load_imbalance"] >= 1.0
+    assert metrics["rollout/replica_0/tokens_per_s"] > 0 and metrics["rollout/replica_1/tokens_per_s"] > 0
+    assert two.take_metrics() == {}  # taken
+
+
+def test_sleep_frees_the_kv_caches_and_the_next_generation_wakes_them(model_dir) -> None:
+    two = replicas(model_dir, 2)
+    first = two.generate(requests())
+    engines = [two.group.call_one(r, _engine) for r in range(2)]
+    assert all(e.kv_cache_bytes > 0 for e in engines)
+    two.sleep()
+    assert all(e.kv_cache_bytes == 0 for e in engines)
+    again = two.generate(requests())
+    assert _tokens(again) == _tokens(first)
+    kept = replicas(model_dir, 1, free_cache_engine=False)
+    kept.generate(requests())
+    kept.sleep()  # rollout.free_cache_engine=false: a no-op
+    assert kept.group.call_one(0, _engine).kv_cache_bytes > 0
+
+
+def _engine(worker: RolloutWorker):
+    return worker.engine
+
+
+def test_a_failing_replica_is_named_and_marked_dead(model_dir) -> None:
+    two = replicas(model_dir, 2)
+    broken = two.group.call_one(1, _engine)
+
+    async def fail(request):
+        raise RuntimeError("engine crashed")
+
+    broken.generate = fail  # type: ignore[method-assign]
+    with pytest.raises(WorkerError, match="rollout rank 1 failed in RolloutWorker.serve"):
+        two.generate(requests())
+    assert not any(load.alive for load in two.router.loads)
