@@ -78,6 +78,12 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
     local, ray_run = _step_one(tmp_path / "local"), _step_one(tmp_path / "ray")
     assert local["critic/score/mean"] == ray_run["critic/score/mean"]  # the same samples
+    # Two rollout replicas generated them (one per rank), the same tokens as one replica.
+    assert "rollout/replica_1/tokens_per_s" in ray_run and "rollout/replica_1/tokens_per_s" not in local
+    assert ray_run["rollout/generated_tokens"] == local["rollout/generated_tokens"] > 0
+    # The trainer's recomputed logprobs match both engines' (fp32).
+    for run in (local, ray_run):
+        assert run["rollout_corr/log_ratio_abs_mean"] < 1e-4
     assert local["actor/pg_loss"] != 0.0
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
         assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
