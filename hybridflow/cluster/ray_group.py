@@ -25,6 +25,7 @@ call is still running after a peer group failed is blocked on it, and is torn do
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -150,14 +151,19 @@ class ResourcePool:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where and how a group's ranks run: rank r in bundle r of ``pool`` with ``share`` of it,
-    ``num_threads`` torch threads each, computing on ``device`` (which also picks the process
-    group backend: NCCL for CUDA, gloo otherwise)."""
+    """Where and how a group's ranks run: rank r in bundle ``first_bundle + r`` of ``pool`` with
+    ``share`` of it, ``num_threads`` torch threads each, computing on ``device`` (which also picks
+    the process group backend: NCCL for CUDA, gloo otherwise)."""
 
     pool: ResourcePool
     share: float
     num_threads: int
     device: torch.device
+    first_bundle: int = 0  # a group on part of the pool (one rollout replica of several)
+
+    def from_bundle(self, first_bundle: int) -> Placement:
+        """The same placement for a group whose rank 0 sits in ``first_bundle``."""
+        return dataclasses.replace(self, first_bundle=first_bundle)
 
 
 # -------------------------------------------------------------------------------- rank process
@@ -207,15 +213,17 @@ class RayWorkerGroup(Generic[W]):
 
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if world_size > placement.pool.num_bundles:
-            raise ValueError(f"{role}: {world_size} ranks on a pool of {placement.pool.num_bundles} bundles")
+        if placement.first_bundle + world_size > placement.pool.num_bundles:
+            raise ValueError(f"{role}: {world_size} ranks from bundle {placement.first_bundle} on a pool of "
+                             f"{placement.pool.num_bundles} bundles")
         self.role = role
         self._failed: str | None = None
         host_cls = ray.remote(RankHost)
         self._ranks: list[ActorHandle] = [
             host_cls.options(
                 max_restarts=0,  # a dead rank is reported, never silently replaced
-                **placement.pool.actor_options(rank, placement.share, gpu=placement.device.type == "cuda"),
+                **placement.pool.actor_options(placement.first_bundle + rank, placement.share,
+                                               gpu=placement.device.type == "cuda"),
             ).remote(role, rank, world_size, placement.num_threads)
             for rank in range(world_size)
         ]

@@ -1,26 +1,33 @@
 """The rollout replicas as the controller sees them: requests in, trajectories out, via the router.
 
-Each rank of the rollout worker group is one replica with its own engine (on Ray: one process per
-data-parallel rank, colocated with that rank's actor). Every request is placed by the router
-(``rollout.router``: fewest in-flight tokens, heaviest first); each replica then gets the requests
-placed on it in one call and batches them continuously, and all replicas run at once. Samples are
-seeded per request, so which replica serves a request does not change what it generates: a run's
-trajectories are the same with 1 or 2 replicas.
+A replica is one worker group of its own (``rollout replica k``) holding one engine: on Ray, one
+process per data-parallel rank, in that rank's placement bundle next to its actor rank. Every
+request is placed by the router (``rollout.router``: fewest in-flight tokens, heaviest first); each
+replica then gets the requests placed on it in one call and batches them continuously, and all
+replicas run at once. Samples are seeded per request, so which replica serves a request does not
+change what it generates: a run's trajectories are the same with 1 or 2 replicas.
+
+Weights reach every replica after each step: by copy (``update_weights``) or as receivers of the
+broadcast from actor rank 0 (``join_weight_sync`` / ``submit_receive``), replica k as member k + 1.
 
 Between generation and training the replicas sleep (``rollout.free_cache_engine``): their KV
 caches are freed while the actor computes logprobs and updates, and the next generation wakes them.
 
-A replica whose process dies, or that raises, fails the call with a ``WorkerError`` naming it (the
-worker group's failure handling); the router marks it dead, so nothing is placed on it again.
+A replica whose process dies, or that raises, fails the call with a ``WorkerError`` naming it
+(``rollout replica k``, from the worker group's failure handling); the router marks it dead, so
+nothing is placed on it again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from hybridflow.cluster.worker_group import WorkerError, WorkerGroup
+import torch
+
+from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest
+from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker
 
@@ -28,20 +35,28 @@ from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker
 _SUMMED_COUNTS = ("prefill_tokens", "generated_tokens")
 
 
-class RolloutReplicas:
-    """The rollout worker group's ranks as replicas behind one router."""
+def replica_role(index: int) -> str:
+    """The worker-group role of replica ``index``: what errors name."""
+    return f"rollout replica {index}"
 
-    def __init__(self, group: WorkerGroup[RolloutWorker], *, free_cache_engine: bool) -> None:
-        self.group = group
-        self.router = ReplicaRouter(group.world_size)
+
+class RolloutReplicas:
+    """The rollout replicas (one worker group each) behind one router."""
+
+    def __init__(self, groups: Sequence[WorkerGroup[RolloutWorker]], *, free_cache_engine: bool) -> None:
+        if not groups:
+            raise ValueError("RolloutReplicas needs at least one replica")
+        self.groups = list(groups)
+        self.router = ReplicaRouter(len(self.groups))
         self.free_cache_engine = free_cache_engine
         self._asleep = False
         self._metrics: list[dict[str, float]] = []  # one per generation round since take_metrics
 
     @property
     def num_replicas(self) -> int:
-        return self.group.world_size
+        return len(self.groups)
 
+    # ------------------------------------------------------------------ generation
     def generate(
         self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
     ) -> list[list[Trajectory]]:
@@ -51,13 +66,17 @@ class RolloutReplicas:
         tickets = self.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
                                      for r in requests])
         placed = [[i for i, t in enumerate(tickets) if t.replica == r] for r in range(self.num_replicas)]
-        shards = [([requests[i] for i in idx], None if metadata is None else [metadata[i] for i in idx])
-                  for idx in placed]
+        calls = [
+            group.submit_one(0, RolloutWorker.serve, [requests[i] for i in idx],
+                             None if metadata is None else [metadata[i] for i in idx])
+            for group, idx in zip(self.groups, placed, strict=True)
+        ]
         try:
-            outputs: list[ReplicaOutput] = self.group.call_each(RolloutWorker.serve, shards)
+            outputs: list[ReplicaOutput] = [results[0] for results in wait_all(*calls)]
         except WorkerError as error:
-            for r in range(self.num_replicas):  # the group is torn down: nothing more goes to it
-                self.router.mark_dead(r, str(error).splitlines()[0])
+            for ticket in tickets:  # the whole round failed: none of its requests is in flight
+                self.router.abandon(ticket)
+            self._mark_failed(str(error))
             raise
         results: list[list[Trajectory]] = [[] for _ in requests]
         for r, (idx, output) in enumerate(zip(placed, outputs, strict=True)):
@@ -67,6 +86,13 @@ class RolloutReplicas:
             self.router.loads[r].busy_seconds += output.seconds
         self._metrics.append(self._round_metrics(outputs))
         return results
+
+    def _mark_failed(self, message: str) -> None:
+        """The replicas the error names are dead to the router (the error's first line names the
+        replica that failed first; later lines may name others)."""
+        for r in range(self.num_replicas):
+            if f"{replica_role(r)} rank" in message:
+                self.router.mark_dead(r, message.splitlines()[0])
 
     def _round_metrics(self, outputs: list[ReplicaOutput]) -> dict[str, float]:
         tokens = [int(o.engine_counts.get("generated_tokens", 0)) for o in outputs]
@@ -86,14 +112,48 @@ class RolloutReplicas:
             merged[f"rollout/{name}"] = sum(m[f"rollout/{name}"] for m in rounds)
         return merged
 
+    # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Free the replicas' KV caches until the next ``generate`` (no-op unless
         ``rollout.free_cache_engine``)."""
         if self.free_cache_engine and not self._asleep:
-            self.group.call_all(RolloutWorker.sleep)
+            self._each(RolloutWorker.sleep)
             self._asleep = True
 
     def wake_up(self) -> None:
         if self._asleep:
-            self.group.call_all(RolloutWorker.wake_up)
+            self._each(RolloutWorker.wake_up)
             self._asleep = False
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights into every replica (the object-store path)."""
+        items = list(weights)
+        self._each(RolloutWorker.update_weights, items)
+
+    def device_uuids(self) -> list[str | None]:
+        """Each replica's GPU (None on CPU), for the choice of weight-sync transport."""
+        return self._each(RolloutWorker.device_uuid)
+
+    def node_addresses(self) -> list[str]:
+        return [address for group in self.groups for address in group.node_addresses()]
+
+    def submit_join_weight_sync(self, host: str, port: int, world_size: int, on_gpu: bool) -> list[PendingCall[None]]:
+        """Every replica joins the weight-sync group, replica k as member k + 1 (actor rank 0 sends)."""
+        return [group.submit_one(0, RolloutWorker.join_weight_sync, host, port, world_size, on_gpu,
+                                 member=SENDER_RANK + 1 + k) for k, group in enumerate(self.groups)]
+
+    def submit_receive(self) -> list[PendingCall[TransferStats]]:
+        """Every replica receives the sync that actor rank 0 sends at the same time."""
+        return [group.submit_one(0, RolloutWorker.receive_weights) for group in self.groups]
+
+    def close_weight_sync(self) -> None:
+        self._each(RolloutWorker.close_weight_sync)
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.close()
+
+    def _each(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` on every replica at once; results in replica order."""
+        return [results[0] for results in wait_all(*(group.submit_one(0, method, *args) for group in self.groups))]

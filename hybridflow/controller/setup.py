@@ -27,7 +27,7 @@ import torch
 from hybridflow.agents import build_tool_parser, load_tools
 from hybridflow.agents.base import agent_loop_class, agent_name_of
 from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
-from hybridflow.cluster.ray_group import ResourcePool
+from hybridflow.cluster.ray_group import Placement, ResourcePool
 from hybridflow.cluster.worker_group import (
     WorkerError,
     WorkerGroup,
@@ -41,6 +41,7 @@ from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yam
 from hybridflow.config.schema import DataConfig, MultiTurnConfig, WarmStartConfig
 from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
+from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model
 from hybridflow.data import PromptRow, RLDataset, ResumableSampler
 from hybridflow.data.dataset import DataError
@@ -93,27 +94,27 @@ def resolve_weight_sync(mode: str, backend: str) -> str:
     return mode
 
 
-def connect_weight_sync(actor: WorkerGroup[ActorWorker], rollout: WorkerGroup[RolloutWorker]) -> None:
-    """Form the weight-sync group: actor rank 0 sends, rollout rank r receives as member r + 1.
+def connect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas) -> None:
+    """Form the weight-sync group: actor rank 0 sends, rollout replica k receives as member k + 1.
     Both sides join at once (each blocks until all members have), at a port on actor rank 0's node."""
     address, port = actor.rendezvous(0)
-    host = meeting_host(address, rollout.node_addresses())
-    gpus = [actor.call_one(0, ActorWorker.device_uuid), *rollout.call_all(RolloutWorker.device_uuid)]
-    # NCCL needs every member on a GPU of its own. CPU ranks, and a rollout sharing actor rank 0's
+    host = meeting_host(address, replicas.node_addresses())
+    gpus = [actor.call_one(0, ActorWorker.device_uuid), *replicas.device_uuids()]
+    # NCCL needs every member on a GPU of its own. CPU ranks, and a replica sharing actor rank 0's
     # GPU (the colocated placement: both in bundle 0), go through host memory with gloo.
     on_gpu = None not in gpus and len(set(gpus)) == len(gpus)
-    members = 1 + rollout.world_size
+    members = 1 + replicas.num_replicas
     wait_all(actor.submit_one(0, ActorWorker.join_weight_sync, host, port, members, on_gpu),
-             rollout.submit_all(RolloutWorker.join_weight_sync, host, port, members, on_gpu))
-    log.info("weight sync: actor rank 0 -> %d rollout rank(s) by broadcast via %s:%d (%s)",
-             rollout.world_size, host, port, "nccl" if on_gpu else "gloo")
+             *replicas.submit_join_weight_sync(host, port, members, on_gpu))
+    log.info("weight sync: actor rank 0 -> %d rollout replica(s) by broadcast via %s:%d (%s)",
+             replicas.num_replicas, host, port, "nccl" if on_gpu else "gloo")
 
 
-def close_weight_sync(actor: WorkerGroup[ActorWorker], rollout: WorkerGroup[RolloutWorker]) -> None:
+def close_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas) -> None:
     """Both sides leave the weight-sync group before their processes end. Best effort: after a
     failure a torn-down group refuses calls, and its processes took their connections with them."""
     for role, close in (("actor", lambda: actor.call_one(0, ActorWorker.close_weight_sync)),
-                        ("rollout", lambda: rollout.call_all(RolloutWorker.close_weight_sync))):
+                        ("rollout", replicas.close_weight_sync)):
         try:
             close()
         except WorkerError as error:
@@ -136,7 +137,7 @@ class RunSetup:
     estimator_needs: frozenset[str]
     kl_controller: Any
     actor: WorkerGroup[ActorWorker]
-    rollout: WorkerGroup[RolloutWorker]
+    rollout: RolloutReplicas
     reference: WorkerGroup[ReferenceWorker] | None
     reward: WorkerGroup[RewardWorker]
     tracker: Tracker
@@ -152,12 +153,28 @@ class RunSetup:
         self.reward.call_all(RewardWorker.close)
         if self.weight_sync == BROADCAST:
             close_weight_sync(self.actor, self.rollout)
-        groups = [self.actor, self.rollout, self.reference, self.reward]
+        self.rollout.close()
+        groups = [self.actor, self.reference, self.reward]
         for group in groups:
             if group is not None:
                 group.close()
         if self.pool is not None:
             self.pool.close()
+
+
+def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None) -> RolloutReplicas:
+    """``rollout_replicas(cfg)`` replicas, each a worker group of its own: replica k's rank in
+    bundle k of the pool (on Ray), so a failing replica is named and torn down alone."""
+    groups: list[WorkerGroup[RolloutWorker]] = []
+    try:
+        for k in range(rollout_replicas(cfg)):
+            groups.append(build_worker_group(cfg.trainer.backend, replica_role(k), lambda r, w: RolloutWorker(r, w, setup),
+                                             1, None if placement is None else placement.from_bundle(k)))
+    except BaseException:
+        for group in groups:  # nobody else holds the replicas started so far
+            group.close()
+        raise
+    return RolloutReplicas(groups, free_cache_engine=cfg.rollout.free_cache_engine)
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -471,8 +488,7 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_logprob_mismatch=t.health.logprob_mismatch, **common)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
-    rollout = build_worker_group(t.backend, "rollout", lambda r, w: RolloutWorker(r, w, rollout_setup),
-                                 rollout_replicas(cfg), placements.get("rollout"))
+    rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))
     if weight_sync == BROADCAST:
         connect_weight_sync(actor, rollout)
     reference = None

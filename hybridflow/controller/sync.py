@@ -40,7 +40,6 @@ from hybridflow.utils.watchdog import Watchdog, activity, parse_phase_timeouts
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardWorker
-from hybridflow.workers.rollout import RolloutWorker
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,8 @@ class RLTrainer:
         self.run = run
         self.cfg = run.cfg
         self.actor: WorkerGroup[ActorWorker] = run.actor
-        self.rollout: WorkerGroup[RolloutWorker] = run.rollout
-        # Requests reach the rollout ranks (one replica each) through a router.
-        self.replicas = RolloutReplicas(run.rollout, free_cache_engine=self.cfg.rollout.free_cache_engine)
+        # The rollout replicas: requests reach them through a router.
+        self.replicas: RolloutReplicas = run.rollout
         self.reference: WorkerGroup[ReferenceWorker] | None = run.reference
         self.reward: WorkerGroup[RewardWorker] = run.reward
         self.checkpoints = CheckpointManager(run.output_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep)
@@ -330,12 +328,11 @@ class RLTrainer:
         if self.run.weight_sync == BROADCAST:
             # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
             # that the rollout applies as they arrive.
-            wait_all(self.actor.submit_all(ActorWorker.send_weights),
-                     self.rollout.submit_all(RolloutWorker.receive_weights))
+            wait_all(self.actor.submit_all(ActorWorker.send_weights), *self.replicas.submit_receive())
             return
         # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
         weights = dict(self.actor.call_all(ActorWorker.weights_for_sync)[0])
-        self.rollout.call_all(RolloutWorker.update_weights, weights.items())
+        self.replicas.update_weights(weights.items())
 
     def batch_metrics(self, batch: TrainBatch, trajectories: list[Trajectory]) -> dict[str, float]:
         return compute_batch_metrics(

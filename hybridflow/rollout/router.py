@@ -130,6 +130,13 @@ class ReplicaRouter:
         self._finished_samples += ticket.n
         self._mean_response = total / self._finished_samples if self._finished_samples else None
 
+    def abandon(self, ticket: Ticket) -> None:
+        """The request of ``ticket`` failed or was dropped: its tokens leave the replica's load,
+        and nothing is learnt from it."""
+        load = self.loads[ticket.replica]
+        load.in_flight_tokens = max(0, load.in_flight_tokens - ticket.cost)
+        load.in_flight_requests = max(0, load.in_flight_requests - 1)
+
     def mark_dead(self, replica: int, reason: str) -> None:
         """``replica`` takes no more requests; its in-flight ones are the caller's to fail."""
         load = self.loads[replica]

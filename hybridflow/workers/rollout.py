@@ -162,11 +162,12 @@ class RolloutWorker:
         actor rank 0."""
         return gpu_uuid(self.device)
 
-    def join_weight_sync(self, host: str, port: int, world_size: int, on_gpu: bool) -> None:
-        """Join the weight-sync group at ``host:port`` as receiver ``rank + 1`` (actor rank 0 is
-        the sender); returns once all ``world_size`` members have joined."""
-        self.weight_sync = WeightSyncGroup.connect(rank=SENDER_RANK + 1 + self.rank, world_size=world_size, host=host,
-                                                   port=port, device=sync_device(self.device, on_gpu))
+    def join_weight_sync(self, host: str, port: int, world_size: int, on_gpu: bool, member: int | None = None) -> None:
+        """Join the weight-sync group at ``host:port`` as receiver ``member`` (default ``rank + 1``;
+        actor rank 0 is the sender, member 0); returns once all ``world_size`` members have joined."""
+        member = SENDER_RANK + 1 + self.rank if member is None else member
+        self.weight_sync = WeightSyncGroup.connect(rank=member, world_size=world_size, host=host, port=port,
+                                                   device=sync_device(self.device, on_gpu))
 
     def receive_weights(self) -> TransferStats:
         """One weight sync from actor rank 0 (which runs ``send_weights`` at the same time): each

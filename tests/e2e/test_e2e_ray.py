@@ -129,7 +129,12 @@ def test_broadcast_weight_sync_gives_the_rollout_the_actors_weights(
         RLTrainer(run).fit()
         # Collective: every actor rank joins the gather, rank 0 holds the full weights.
         actor = dict(run.actor.call_all(ActorWorker.weights_for_sync)[0])
-        served = run.rollout.call_one(0, _engine_weights)
+        # Every replica (one per rank) serves them.
+        assert run.rollout.num_replicas == n_workers
+        served_by = [group.call_one(0, _engine_weights) for group in run.rollout.groups]
+        served = served_by[0]
+        for other in served_by[1:]:
+            assert other.keys() == served.keys() and all(torch.equal(other[k], served[k]) for k in served)
     finally:
         run.close()
         ray.shutdown()
@@ -239,16 +244,20 @@ def test_a_rank_that_cannot_build_its_worker_fails_the_group_start(pool) -> None
 
 # ------------------------------------------------------------------------------ rollout replicas
 class DyingReplica(RolloutWorker):
-    """Replica 1's process exits while it generates (an OOM kill, a lost node)."""
+    """A replica whose process exits while it generates (an OOM kill, a lost node), if ``dies``."""
+
+    def __init__(self, rank, world_size, setup, dies: bool) -> None:
+        super().__init__(rank, world_size, setup)
+        self.dies = dies
 
     def generate(self, requests, metadata=None):
-        if self.rank == 1:
+        if self.dies:
             os._exit(9)
         return super().generate(requests, metadata)
 
 
 def test_a_replica_that_dies_mid_generation_fails_the_call_naming_it(pool, tmp_path: Path) -> None:
-    from hybridflow.controller.replicas import RolloutReplicas
+    from hybridflow.controller.replicas import RolloutReplicas, replica_role
     from hybridflow.types import GenerationRequest, SamplingParams
     from hybridflow.workers.rollout import RolloutSetup
 
@@ -256,14 +265,17 @@ def test_a_replica_that_dies_mid_generation_fails_the_call_naming_it(pool, tmp_p
     setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
                          max_batch_size=8, seed=0)
     placement = Placement(pool, share=0.5, num_threads=1, device=torch.device("cpu"))
-    group = RayWorkerGroup("rollout", lambda r, w: DyingReplica(r, w, setup), 2, placement)
-    replicas = RolloutReplicas(group, free_cache_engine=True)
+    groups = [RayWorkerGroup(replica_role(k), lambda r, w, k=k: DyingReplica(r, w, setup, dies=k == 1), 1,
+                             placement.from_bundle(k))
+              for k in range(2)]
+    replicas = RolloutReplicas(groups, free_cache_engine=True)
     requests = [GenerationRequest([5, 6, 7, 8], SamplingParams(n=2, max_tokens=64, seed=i)) for i in range(6)]
     start = time.perf_counter()
     try:
-        with pytest.raises(WorkerError, match=r"rollout rank 1 died in RolloutWorker.serve \(its process exited\)"):
+        with pytest.raises(WorkerError, match=r"rollout replica 1 rank 0 died in RolloutWorker.serve \(its process "
+                                              r"exited\)"):
             replicas.generate(requests)
         assert time.perf_counter() - start < PROMPT_S
         assert not replicas.router.loads[1].alive
     finally:
-        group.close()
+        replicas.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerError
-from hybridflow.controller.replicas import RolloutReplicas
+from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.types import GenerationRequest, SamplingParams
 from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
@@ -25,8 +25,8 @@ def model_dir(tmp_path_factory) -> str:
 def replicas(model_dir: str, count: int, *, free_cache_engine: bool = True) -> RolloutReplicas:
     setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
                          max_batch_size=32, seed=0)
-    group = LocalWorkerGroup("rollout", lambda r, w: RolloutWorker(r, w, setup), count)
-    return RolloutReplicas(group, free_cache_engine=free_cache_engine)
+    groups = [LocalWorkerGroup(replica_role(k), lambda r, w: RolloutWorker(r, w, setup)) for k in range(count)]
+    return RolloutReplicas(groups, free_cache_engine=free_cache_engine)
 
 
 def requests() -> list[GenerationRequest]:
@@ -67,7 +67,7 @@ def test_round_metrics_and_token_counts(model_dir) -> None:
 def test_sleep_frees_the_kv_caches_and_the_next_generation_wakes_them(model_dir) -> None:
     two = replicas(model_dir, 2)
     first = two.generate(requests())
-    engines = [two.group.call_one(r, _engine) for r in range(2)]
+    engines = [group.call_one(0, _engine) for group in two.groups]
     assert all(e.kv_cache_bytes > 0 for e in engines)
     two.sleep()
     assert all(e.kv_cache_bytes == 0 for e in engines)
@@ -76,7 +76,7 @@ def test_sleep_frees_the_kv_caches_and_the_next_generation_wakes_them(model_dir)
     kept = replicas(model_dir, 1, free_cache_engine=False)
     kept.generate(requests())
     kept.sleep()  # rollout.free_cache_engine=false: a no-op
-    assert kept.group.call_one(0, _engine).kv_cache_bytes > 0
+    assert kept.groups[0].call_one(0, _engine).kv_cache_bytes > 0
 
 
 def _engine(worker: RolloutWorker):
@@ -85,12 +85,16 @@ def _engine(worker: RolloutWorker):
 
 def test_a_failing_replica_is_named_and_marked_dead(model_dir) -> None:
     two = replicas(model_dir, 2)
-    broken = two.group.call_one(1, _engine)
+    broken = two.groups[1].call_one(0, _engine)
 
     async def fail(request):
         raise RuntimeError("engine crashed")
 
     broken.generate = fail  # type: ignore[method-assign]
-    with pytest.raises(WorkerError, match="rollout rank 1 failed in RolloutWorker.serve"):
+    with pytest.raises(WorkerError, match="rollout replica 1 rank 0 failed in RolloutWorker.serve"):
         two.generate(requests())
-    assert not any(load.alive for load in two.router.loads)
+    assert [load.alive for load in two.router.loads] == [True, False]
+    # The router places nothing more on it: the next round runs on replica 0 alone.
+    again = two.generate(requests())
+    assert len(again) == len(requests()) and two.router.loads[0].requests == len(requests())
+    assert two.router.loads[0].in_flight_tokens == 0

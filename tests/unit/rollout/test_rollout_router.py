@@ -40,6 +40,15 @@ def test_finished_requests_free_their_tokens_and_teach_the_expected_length() -> 
     assert router.loads[ticket.replica].tokens_per_s == pytest.approx(50.0)
 
 
+def test_an_abandoned_request_frees_its_tokens_without_teaching_anything() -> None:
+    router = ReplicaRouter(1)
+    request = RouteRequest(10, 2, 50)
+    (ticket,) = router.place([request])
+    router.abandon(ticket)
+    assert router.loads[0].in_flight_tokens == 0 and router.loads[0].requests == 0
+    assert router.cost(request) == 10 + 2 * 50
+
+
 def test_in_flight_load_steers_later_requests() -> None:
     router = ReplicaRouter(2)
     (busy,) = router.place([RouteRequest(1000, 1, 1)])
