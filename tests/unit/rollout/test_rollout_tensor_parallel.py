@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -308,13 +309,11 @@ def test_silent_leader_fails_the_follower_naming_the_leader_within_the_timeout(c
 
 
 def test_heads_and_mlp_must_split_evenly():
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(num_attention_heads=6, num_key_value_heads=3, intermediate_size=126, hidden_size=96)
+    config = SimpleNamespace(num_attention_heads=6, num_key_value_heads=3, intermediate_size=126)
     check_tensor_parallel_shape(config, 3)
     with pytest.raises(ValueError, match="num_key_value_heads=3 is not divisible by .*=2"):
         check_tensor_parallel_shape(config, 2)
-    odd_mlp = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=129, hidden_size=64)
+    odd_mlp = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=129)
     with pytest.raises(ValueError, match="intermediate_size=129 is not divisible"):
         check_tensor_parallel_shape(odd_mlp, 2)
     assert tp_rank_layout(4, 2) == [[0, 1], [2, 3]]
