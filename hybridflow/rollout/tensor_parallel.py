@@ -21,8 +21,8 @@ sampling, stop rules) over a sharded forward and cache that *mirror* their work:
 every cache change is described in a small command (op name and arguments, e.g. token ids,
 positions, row indices) broadcast over the group. The other ranks, the *followers*, run
 ``TensorParallelFollower.follow()``, a blocking loop that executes commands until ``stop``. Cache
-changes run on the leader first and travel queued with the next forward (one header and one
-payload broadcast per step, then the forward's all-reduces); a forward is announced before it runs,
+changes run on the leader first and travel queued with the next forward (one broadcast per decode
+step, its few tensors inside the header, then the forward's all-reduces); a forward is announced before it runs,
 so every rank enters its all-reduces together. A command that fails on a follower but not on the
 leader means the replica has diverged: the follower raises and exits, and the leader's next
 collective fails.
@@ -77,7 +77,11 @@ DEFAULT_TP_TIMEOUT_S = 60.0
 # replica (the trainer's turn) never times out while its leader lives.
 KEEPALIVE_FRACTION = 0.25
 # A command header rides in one broadcast of this many bytes; a larger one takes a second.
-HEADER_BYTES = 4096
+HEADER_BYTES = 16384
+# Tensors of a command up to this many bytes in all ride inside the header (a decode step of 256
+# rows carries 6 KiB): one broadcast per step instead of two. Larger ones (long prefill chunks)
+# follow in one broadcast per dtype.
+INLINE_PAYLOAD_BYTES = 12288
 _LENGTH_BYTES = 8
 
 # Which LayerWeights fields are split, and how. Row-split tensors are a concatenation of blocks
@@ -321,12 +325,21 @@ def _restore_tensors(value: Any, payload: dict[torch.dtype, list[torch.Tensor]])
     return value
 
 
+def _flat_payload(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors if t.dtype == dtype]).to(device)
+
+
 def _send_commands(comm: _Comm, commands: list[Command]) -> None:
-    """Leader: one header broadcast (two when it is large), then one payload broadcast per dtype."""
+    """Leader: one header broadcast (two when it is large), then one payload broadcast per dtype
+    unless the tensors are small enough to ride inside the header."""
     tensors: list[torch.Tensor] = []
     stripped = _strip_tensors(commands, tensors)
     dtypes = list(dict.fromkeys(t.dtype for t in tensors))
-    header = pickle.dumps((stripped, dtypes), protocol=pickle.HIGHEST_PROTOCOL)
+    inline: dict[torch.dtype, bytes] | None = None
+    if sum(t.numel() * t.element_size() for t in tensors) <= INLINE_PAYLOAD_BYTES:
+        cpu = torch.device("cpu")
+        inline = {d: _flat_payload(tensors, d, cpu).view(torch.uint8).numpy().tobytes() for d in dtypes}
+    header = pickle.dumps((stripped, dtypes, inline), protocol=pickle.HIGHEST_PROTOCOL)
     buffer = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     buffer[:_LENGTH_BYTES] = torch.frombuffer(bytearray(len(header).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
     first = header[: HEADER_BYTES - _LENGTH_BYTES]
@@ -335,9 +348,9 @@ def _send_commands(comm: _Comm, commands: list[Command]) -> None:
     rest = header[len(first) :]
     if rest:
         comm.broadcast(torch.frombuffer(bytearray(rest), dtype=torch.uint8).to(comm.device), "sending a command")
-    for dtype in dtypes:
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors if t.dtype == dtype]).to(comm.device)
-        comm.broadcast(flat, "sending a command's tensors")
+    if inline is None:
+        for dtype in dtypes:
+            comm.broadcast(_flat_payload(tensors, dtype, comm.device), "sending a command's tensors")
 
 
 def _receive_commands(comm: _Comm, device: torch.device) -> list[Command]:
@@ -351,15 +364,19 @@ def _receive_commands(comm: _Comm, device: torch.device) -> list[Command]:
         rest = torch.empty(length - len(header), dtype=torch.uint8, device=comm.device)
         comm.broadcast(rest, "waiting for a command")
         header += rest.cpu().numpy().tobytes()
-    stripped, dtypes = pickle.loads(header)
+    stripped, dtypes, inline = pickle.loads(header)
     refs: list[_TensorRef] = []
     _collect_refs(stripped, refs)
     payload: dict[torch.dtype, list[torch.Tensor]] = {}
     for dtype in dtypes:
         shapes = [r.shape for r in sorted((r for r in refs if r.dtype == dtype), key=lambda r: r.index)]
         sizes = [int(torch.Size(s).numel()) for s in shapes]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=comm.device)
-        comm.broadcast(flat, "receiving a command's tensors")
+        if inline is not None:
+            data = inline[dtype]
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype) if data else torch.empty(0, dtype=dtype)
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=comm.device)
+            comm.broadcast(flat, "receiving a command's tensors")
         flat = flat.to(device)
         payload[dtype] = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
     return _restore_tensors(stripped, payload)

@@ -97,11 +97,21 @@ def plain_engine(family: str, seed: int, device: str) -> Any:
     return NativeEngine(model=make_model(family, seed), **engine_kwargs(device))
 
 
+def wire_format(family: str) -> None:
+    """Llama's replica sends every header in two parts and every tensor apart from its header
+    (the paths large prefill chunks take); Qwen2's the usual way. Both ranks must agree."""
+    from hybridflow.rollout import tensor_parallel
+
+    tensor_parallel.HEADER_BYTES = 64 if family == "llama" else 16384
+    tensor_parallel.INLINE_PAYLOAD_BYTES = 0 if family == "llama" else 12288
+
+
 def leader_scenarios(group: Any, device: str) -> dict[str, Any]:
     from hybridflow.rollout.tensor_parallel import build_tp_engine
 
     report: dict[str, Any] = {}
     for family in FAMILIES:
+        wire_format(family)
         reference = run(plain_engine(family, 0, device))
         updated_reference = run(plain_engine(family, 1, device))
         leader = build_tp_engine(make_model(family, 0), group, timeout_s=GROUP_TIMEOUT_S, **engine_kwargs(device))
@@ -126,6 +136,7 @@ def follower_scenarios(group: Any, device: str) -> dict[str, Any]:
 
     report: dict[str, Any] = {}
     for family in FAMILIES:
+        wire_format(family)
         # Different weights than the leader's on purpose: the leader's must win.
         follower = build_tp_engine(make_model(family, 7), group, timeout_s=GROUP_TIMEOUT_S, **engine_kwargs(device))
         follower.follow()
