@@ -617,18 +617,19 @@ class _MirroredCache(SlotKVCache):
         self._mirror("rebuild", (), super().rebuild, flush=True)
 
     def move_rows(self, destinations: list[int], sources: list[int], length: int) -> None:
-        self._mirror("move_rows", (destinations, sources, length), lambda: super(_MirroredCache, self).move_rows(
-            destinations, sources, length))
+        # Lists are copied: the command is pickled when it is sent, after the caller may reuse them.
+        self._mirror("move_rows", (list(destinations), list(sources), length),
+                     lambda: super(_MirroredCache, self).move_rows(destinations, sources, length))
 
     def copy_prompts(self, decode_rows: list[int], prompt_slots: list[int], length: int) -> None:
-        self._mirror("copy_prompts", (decode_rows, prompt_slots, length),
+        self._mirror("copy_prompts", (list(decode_rows), list(prompt_slots), length),
                      lambda: super(_MirroredCache, self).copy_prompts(decode_rows, prompt_slots, length))
 
     def zero_rows(self, rows: list[int]) -> None:
-        self._mirror("zero_rows", (rows,), lambda: super(_MirroredCache, self).zero_rows(rows))
+        self._mirror("zero_rows", (list(rows),), lambda: super(_MirroredCache, self).zero_rows(rows))
 
     def zero_prompt_slots(self, slots: list[int]) -> None:
-        self._mirror("zero_prompt_slots", (slots,), lambda: super(_MirroredCache, self).zero_prompt_slots(slots))
+        self._mirror("zero_prompt_slots", (list(slots),), lambda: super(_MirroredCache, self).zero_prompt_slots(slots))
 
     def decode_access(self, batch_size: int, positions: torch.Tensor, key_length: int) -> KVAccess:
         local = super().decode_access(batch_size, positions, key_length)
@@ -637,7 +638,7 @@ class _MirroredCache(SlotKVCache):
     def prefill_access(self, prompt_slots: list[int], flat_index: torch.Tensor, flat_slots: torch.Tensor,
                        flat_positions: torch.Tensor, key_length: int) -> KVAccess:
         local = super().prefill_access(prompt_slots, flat_index, flat_slots, flat_positions, key_length)
-        spec = ("prefill_access", (prompt_slots, flat_index, flat_slots, flat_positions, key_length))
+        spec = ("prefill_access", (list(prompt_slots), flat_index, flat_slots, flat_positions, key_length))
         return _MirroredAccess(spec, local)
 
 

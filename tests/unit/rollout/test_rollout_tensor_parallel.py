@@ -106,7 +106,7 @@ def wire_format(family: str) -> None:
     tensor_parallel.INLINE_PAYLOAD_BYTES = 0 if family == "llama" else 12288
 
 
-def leader_scenarios(group: Any, device: str) -> dict[str, Any]:
+def leader_scenarios(group: Any, solo: Any, device: str) -> dict[str, Any]:
     from hybridflow.rollout.tensor_parallel import build_tp_engine
 
     report: dict[str, Any] = {}
@@ -123,8 +123,10 @@ def leader_scenarios(group: Any, device: str) -> dict[str, Any]:
         asleep_bytes = engine.kv_cache_bytes
         engine.wake_up()
         woken = run(engine)
+        # A replica of one rank is the plain engine (no mirroring, no group traffic).
+        alone = build_tp_engine(make_model(family, 0), solo, **engine_kwargs(device))
         report[family] = {
-            "reference": reference, "tp": tp, "updated_reference": updated_reference, "updated": updated,
+            "alone": run(alone.engine), "reference": reference, "tp": tp, "updated_reference": updated_reference, "updated": updated,
             "woken": woken, "asleep_bytes": asleep_bytes, "leader_kv_heads": engine._cache.num_kv_heads,
         }
         leader.close()
@@ -221,10 +223,11 @@ def worker(rank: int, port: int, out_dir: str, device_type: str) -> None:
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = new_tp_group(2, timeout_s=GROUP_TIMEOUT_S, backend=backend)
+    solo = new_tp_group(1, timeout_s=GROUP_TIMEOUT_S, backend=backend)
     gone_group = new_tp_group(2, timeout_s=GONE_TIMEOUT_S, backend=backend)
     kill_group = new_tp_group(2, timeout_s=KILL_TIMEOUT_S, backend=backend)
     if rank == 0:
-        report = leader_scenarios(group, device)
+        report = leader_scenarios(group, solo, device)
         Path(out_dir, "rank0.json").write_text(json.dumps(report))
         if device_type == "cpu":  # NCCL's watchdog aborts the process instead of raising
             leader_goes_silent(gone_group, device)
@@ -279,6 +282,7 @@ def test_tp2_generates_what_the_plain_engine_does(cpu_run, family):
     report = cpu_run["rank0"][family]
     assert_same_generation(report["tp"], report["reference"])
     assert report["tp"]["admitted_while_decoding"] > 0  # samples joined a running batch
+    assert report["alone"] == report["reference"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
