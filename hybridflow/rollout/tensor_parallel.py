@@ -43,6 +43,17 @@ as dead); every later step fails with the same error until the replica is rebuil
 collective with a dead peer is aborted by the NCCL watchdog at the group's timeout instead.
 
 Not supported: CUDA-graph and static decode (a TP engine decodes eagerly).
+
+Use, on every rank of the rollout world once the default process group is up::
+
+    group = new_tp_group(tp, timeout_s)  # collective: every rank builds every replica's group
+    role = build_tp_engine(model, group, timeout_s=timeout_s, **native_engine_kwargs)
+    if isinstance(role, TensorParallelFollower):
+        role.follow()  # blocks until the leader's close(); raises TensorParallelError if it is lost
+    else:
+        engine = role.engine  # generate, update_weights / weight_update, sleep, wake_up as usual
+        ...
+        role.close()
 """
 
 from __future__ import annotations
@@ -438,6 +449,8 @@ class _CommandSender:
         self._keepalive.join(timeout=5.0)
 
     def _keep_alive(self) -> None:
+        if self.comm.device.type == "cuda":
+            torch.cuda.set_device(self.comm.device)  # NCCL work from this thread runs on the replica's device
         interval = self.comm.timeout_s * KEEPALIVE_FRACTION
         while not self._closed.wait(interval / 4):
             if time.monotonic() - self._last_sent < interval or not self.lock.acquire(blocking=False):
@@ -743,9 +756,10 @@ def build_tp_engine(
     ``engine_kwargs`` (NativeEngine's keyword arguments; ``device`` may differ per rank: ``cpu``
     with gloo, this rank's ``cuda`` device with NCCL). TP rank 0 gets a ``TensorParallelLeader``,
     whose ``engine`` serves requests; the others get a ``TensorParallelFollower`` and must call its
-    ``follow()`` next (the leader's engine construction already sends it commands). The leader's
-    weights, dtype, context length and cache settings are the replica's; ``kv_cache_memory_bytes``
-    unset is the smallest default budget over the ranks. ``timeout_s`` must be the group's timeout
+    ``follow()`` next (the leader's engine construction already sends it commands). The ranks'
+    models, ``dtype`` and ``max_model_len`` must agree (checked); the leader's weights and cache
+    settings are the replica's; ``kv_cache_memory_bytes`` unset is the smallest default budget
+    over the ranks. ``timeout_s`` must be the group's timeout
     (``new_tp_group``): it sets the leader's keep-alive period and the error messages.
 
     Raises ``ValueError`` when the heads or MLP do not split over ``group``'s size or the ranks'

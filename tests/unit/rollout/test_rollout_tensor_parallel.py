@@ -211,6 +211,17 @@ def follower_loses_leader(group: Any, device: str) -> dict[str, Any]:
     return {"error": error, "seconds": time.monotonic() - start}
 
 
+def mismatched_build(group: Any, device: str, rank: int) -> str:
+    """Ranks that disagree on the context length: every rank refuses, none hangs."""
+    from hybridflow.rollout.tensor_parallel import build_tp_engine
+
+    try:
+        build_tp_engine(make_model("qwen2", 0), group, **{**engine_kwargs(device), "max_model_len": 128 - 64 * rank})
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def worker(rank: int, port: int, out_dir: str, device_type: str) -> None:
     import torch.distributed as dist
 
@@ -226,6 +237,7 @@ def worker(rank: int, port: int, out_dir: str, device_type: str) -> None:
     solo = new_tp_group(1, timeout_s=GROUP_TIMEOUT_S, backend=backend)
     gone_group = new_tp_group(2, timeout_s=GONE_TIMEOUT_S, backend=backend)
     kill_group = new_tp_group(2, timeout_s=KILL_TIMEOUT_S, backend=backend)
+    Path(out_dir, f"mismatch{rank}.json").write_text(json.dumps(mismatched_build(group, device, rank)))
     if rank == 0:
         report = leader_scenarios(group, solo, device)
         Path(out_dir, "rank0.json").write_text(json.dumps(report))
@@ -257,7 +269,7 @@ def launch(out: Path, device_type: str) -> dict[str, Any]:
         if process.is_alive():
             process.kill()
             pytest.fail(f"the tensor-parallel processes did not finish within {DEADLINE_S:.0f} s (a rank hangs)")
-    files = {name: out / f"{name}.json" for name in ("rank0", "rank1", "kill", "gone")}
+    files = {name: out / f"{name}.json" for name in ("rank0", "rank1", "kill", "gone", "mismatch0", "mismatch1")}
     optional = ("kill", "gone") if device_type == "cuda" else ()
     missing = [name for name, path in files.items() if not path.exists() and name not in optional]
     assert not missing, f"ranks wrote no results for {missing}: exit codes {[p.exitcode for p in processes]}"
@@ -321,6 +333,12 @@ def test_silent_leader_fails_the_follower_naming_the_leader_within_the_timeout(c
     gone = cpu_run["gone"]
     assert "lost the leader TP rank 0" in gone["error"], gone["error"]
     assert gone["seconds"] < GONE_TIMEOUT_S + 10
+
+
+def test_ranks_that_disagree_all_refuse_to_build(cpu_run):
+    for rank in (0, 1):
+        message = cpu_run[f"mismatch{rank}"]
+        assert "TP rank 1" in message and "different engine" in message and "max_model_len" in message, message
 
 
 def test_heads_and_mlp_must_split_evenly():
