@@ -260,6 +260,11 @@ class RolloutConfig:
     top_p: float = f(1.0, "Nucleus sampling threshold.")
     top_k: int = f(-1, "Top-k filter (-1: off).")
     max_batch_size: int = f(256, "Most sequences decoded together by the engine.")
+    tensor_model_parallel_size: int = f(
+        1, "Ranks one rollout engine replica spans (tensor parallelism: attention heads, MLP and KV cache split "
+        "over them; must divide num_attention_heads, num_key_value_heads and intermediate_size, checked when the "
+        "engine is built). 1: every rollout rank is a whole engine.",
+    )
     dtype: str = f(
         "auto", "Rollout compute dtype: auto (bfloat16 on a GPU, float32 on a CPU) | float32 | bfloat16.",
         choices=("auto", "float32", "bfloat16"),

@@ -144,6 +144,8 @@ class TokenEvent:
 
 
 TokenListener = Callable[[TokenEvent], None]
+# Builds the engine's forward from its HF model (already on the device and dtype) and its context.
+CompactFactory = Callable[[torch.nn.Module, int], CompactCausalLM]
 
 
 @dataclass
@@ -344,6 +346,10 @@ class NativeEngine:
     ``decode_mode`` is one of ``DECODE_MODES`` (None: CUDA graphs on a GPU, eager elsewhere).
     ``weight_layout`` is how the matmul weights are laid out (``compact.WEIGHT_LAYOUTS``; ``auto``
     packs a copy for oneDNN on CPUs where that was measured faster, see ``compact``).
+    ``compact_factory(model, max_model_len)`` and ``cache_factory(**SlotKVCache arguments)`` build
+    the forward and the KV cache; the defaults are the single-device ones, and
+    ``tensor_parallel.build_tp_engine`` passes sharded ones that mirror every forward and cache
+    change to the other ranks of a tensor-parallel replica.
     """
 
     def __init__(
@@ -364,6 +370,8 @@ class NativeEngine:
         logits_processors: Sequence[LogitsProcessor] = (),
         decode_mode: str | None = None,
         weight_layout: str = "auto",
+        compact_factory: CompactFactory = CompactCausalLM.from_hf,
+        cache_factory: Callable[..., SlotKVCache] = SlotKVCache,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"NativeEngine: max_batch_size must be >= 1, got {max_batch_size}")
@@ -383,7 +391,7 @@ class NativeEngine:
         if max_model_len is None:
             max_model_len = int(getattr(model.config, "max_position_embeddings"))
         self._max_model_len = max_model_len
-        self._compact = CompactCausalLM.from_hf(model, max_positions=max_model_len)
+        self._compact = compact_factory(model, max_model_len)
         self._compact.set_weight_layout(weight_layout, batch_hint=max_batch_size)
         self._eos_token_ids = frozenset(eos_token_ids)
         self._pad_token_id = pad_token_id
@@ -394,7 +402,7 @@ class NativeEngine:
         self._generator = torch.Generator()
         self._generator.manual_seed(seed)
         shape = self._compact.shape
-        self._cache = SlotKVCache(
+        self._cache = cache_factory(
             num_layers=self._compact.num_layers,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,

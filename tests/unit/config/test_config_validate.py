@@ -174,6 +174,8 @@ def test_batch_plan_of_defaults() -> None:
         ("algorithm.gamma=1.5", "algorithm.gamma=1.5 must be in [0, 1]"),
         ("actor.loss_scale_factor=0", "actor.loss_scale_factor=0.0 must be > 0 or null"),
         ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep=0 must be >= 1 or null"),
+        ("rollout.tensor_model_parallel_size=0", "rollout.tensor_model_parallel_size=0 must be >= 1"),
+        ("rollout.tensor_model_parallel_size=2048", "over the limit of 1024 ranks per rollout replica"),
     ],
 )
 def test_range_errors(override: str, expected: str) -> None:
