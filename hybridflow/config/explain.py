@@ -226,12 +226,20 @@ def _replica_line(cfg: Config) -> str:
              if cfg.rollout.free_cache_engine else "KV caches kept between steps (rollout.free_cache_engine=false)")
     if t.backend == "local":
         return f"rollout replicas: 1, in this process, tensor parallel 1 (trainer.backend=local); {sleep}"
-    gpu = t.n_workers is None
-    where = ", ".join(f"replica {r}: {'GPU' if gpu else 'CPU rank'} {r}" for r in range(min(replicas, 4)))
-    more = f", ... (one per rank up to {replicas - 1})" if replicas > 4 else ""
-    return (f"rollout replicas: {replicas}, tensor parallel 1, each in its data-parallel rank's placement next to "
-            f"that actor rank ({where}{more}); requests placed by the router on the replica with the fewest "
-            f"in-flight tokens; {sleep}")
+    tp = cfg.rollout.tensor_model_parallel_size
+    unit = "CPU rank" if t.n_workers is not None else "GPU"
+    units = unit + ("s" if tp > 1 else "")
+
+    def ranks(r: int) -> str:
+        return f"{r * tp}" if tp == 1 else f"{r * tp}-{(r + 1) * tp - 1}"
+
+    where = ", ".join(f"replica {r}: {units} {ranks(r)}" for r in range(min(replicas, 4)))
+    more = f", ... (up to replica {replicas - 1})" if replicas > 4 else ""
+    split = ("" if tp == 1 else "; heads, MLP and KV cache split over each replica's ranks, its first rank samples "
+             "(rollout.tensor_model_parallel_size)")
+    return (f"rollout replicas: {replicas}, tensor parallel {tp}, each in its ranks' placements next to those actor "
+            f"ranks ({where}{more}){split}; requests placed by the router on the replica with the fewest in-flight "
+            f"tokens; {sleep}")
 
 
 def explain_config(cfg: Config) -> str:

@@ -166,8 +166,9 @@ def data_parallel_size(trainer: TrainerConfig) -> int:
 
 
 def rollout_replicas(cfg: Config) -> int:
-    """Rollout replicas: one per data-parallel rank (each an engine in that rank's placement)."""
-    return data_parallel_size(cfg.trainer)
+    """Rollout replicas: the data-parallel ranks in groups of ``rollout.tensor_model_parallel_size``
+    (each replica one engine over its ranks' placements)."""
+    return max(1, data_parallel_size(cfg.trainer) // cfg.rollout.tensor_model_parallel_size)
 
 
 def dp_source(trainer: TrainerConfig) -> str:
@@ -640,6 +641,20 @@ def _check_backend(cfg: Config, report: _Report) -> None:
             f"trainer.n_workers={t.n_workers} counts CPU ranks, but trainer.device=cuda: GPU ranks are "
             f"trainer.n_gpus_per_node x trainer.nnodes; set n_workers to null"
         )
+    tp = cfg.rollout.tensor_model_parallel_size
+    if tp > 1 and t.backend == "local":
+        report.error(
+            f"rollout.tensor_model_parallel_size={tp} spreads one engine over {tp} processes, but trainer.backend=local "
+            f"runs in this one; use trainer.backend=ray with {dp_source(t)} a multiple of {tp}, or 1"
+        )
+    elif tp > 1 and dp % tp:
+        report.error(
+            f"rollout.tensor_model_parallel_size={tp} must divide the {dp} data-parallel ranks ({dp_source(t)}): "
+            f"each rollout replica spans {tp} of them"
+        )
+    if tp > 1 and cfg.rollout.name != "native":
+        report.error(f"rollout.tensor_model_parallel_size={tp} is built for rollout.name=native, not "
+                     f"{cfg.rollout.name!r}")
     if t.backend == "local" and cfg.rollout.weight_sync == "broadcast":
         report.error(
             "rollout.weight_sync=broadcast streams weights from actor rank 0 to the rollout process, but "

@@ -163,13 +163,16 @@ class RunSetup:
 
 
 def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None) -> RolloutReplicas:
-    """``rollout_replicas(cfg)`` replicas, each a worker group of its own: replica k's rank in
-    bundle k of the pool (on Ray), so a failing replica is named and torn down alone."""
+    """``rollout_replicas(cfg)`` replicas, each a worker group of its own: replica k's
+    ``rollout.tensor_model_parallel_size`` ranks in bundles from k x tp on (on Ray; the group's
+    process group is the replica's tensor-parallel group), so a failing replica is named and torn
+    down alone."""
     groups: list[WorkerGroup[RolloutWorker]] = []
+    tp = cfg.rollout.tensor_model_parallel_size
     try:
         for k in range(rollout_replicas(cfg)):
             groups.append(build_worker_group(cfg.trainer.backend, replica_role(k), lambda r, w: RolloutWorker(r, w, setup),
-                                             1, None if placement is None else placement.from_bundle(k)))
+                                             tp, None if placement is None else placement.from_bundle(k * tp)))
     except BaseException:
         for group in groups:  # nobody else holds the replicas started so far
             group.close()

@@ -16,6 +16,8 @@ applies each bucket as it arrives (``receive_weights``).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ import torch
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.rollout import build_rollout_engine, weight_transfer
+from hybridflow.rollout.base import resolve_rollout_dtype
 from hybridflow.rollout.weight_transfer import (
     SENDER_RANK,
     TransferStats,
@@ -34,6 +37,8 @@ from hybridflow.rollout.weight_transfer import (
     sync_device,
 )
 from hybridflow.types import GenerationRequest, Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +68,8 @@ class RolloutSetup:
     # The largest mean |logprob difference| from fp32 a CPU's bf16 decode may show to be chosen by
     # rollout.dtype=auto (trainer.health.logprob_mismatch); None: the engine's default.
     max_logprob_mismatch: float | None = None
+    # A tensor-parallel replica's collectives fail after this long instead of hanging on a dead rank.
+    tp_timeout_s: float = 60.0
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -101,6 +108,14 @@ class RolloutWorker:
         # parameters and shapes a broadcast sync is checked against.
         self.model = model
         self.weight_sync: WeightSyncGroup | None = None  # once joined (rollout.weight_sync=broadcast)
+        self.agents: AgentRunner | None = None
+        if world_size > 1:
+            # One replica over ``world_size`` ranks (rollout.tensor_model_parallel_size): rank 0
+            # serves, the others follow its commands.
+            self.engine = self._build_tensor_parallel(model, tokenizer, setup, world_size)
+            if rank == 0 and setup.agent is not None:
+                self.agents = build_agent_runner(tokenizer, setup.agent)
+            return
         self.engine = build_rollout_engine(
             setup.engine,
             model=model,
@@ -115,6 +130,29 @@ class RolloutWorker:
             max_logprob_mismatch=setup.max_logprob_mismatch,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
+
+    def _build_tensor_parallel(self, model: torch.nn.Module, tokenizer: Any, setup: RolloutSetup, size: int) -> Any:
+        """This rank's part of a tensor-parallel native engine over the group's ``size`` ranks: the
+        engine on rank 0; on the others None, and a thread that executes rank 0's commands until
+        it stops (so this worker's construction returns while rank 0's still sends them)."""
+        from hybridflow.rollout.tensor_parallel import TensorParallelFollower, build_tp_engine, new_tp_group
+
+        if setup.engine != "native":
+            raise ValueError(f"rollout.tensor_model_parallel_size={size} needs rollout.name=native, not {setup.engine!r}")
+        group = new_tp_group(size, setup.tp_timeout_s)
+        # Every rank must agree on the dtype: an explicit one, or what ``auto`` gives without a probe.
+        role = build_tp_engine(
+            model, group, timeout_s=setup.tp_timeout_s, eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
+            pad_token_id=int(tokenizer.pad_token_id), max_batch_size=setup.max_batch_size, device=setup.device,
+            dtype=resolve_rollout_dtype(setup.dtype, setup.device), seed=setup.seed, tokenizer=tokenizer,
+        )
+        if isinstance(role, TensorParallelFollower):
+            follower = threading.Thread(target=_follow, args=(role, self.rank), daemon=True,
+                                        name=f"tp-follower-{self.rank}")
+            follower.start()
+            return None
+        self.tp_leader = role
+        return role.engine
 
     def generate(
         self, requests: list[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
@@ -193,3 +231,11 @@ def _engine_counts(engine: Any) -> dict[str, float]:
     if stats is None:
         return {}
     return {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _follow(follower: Any, rank: int) -> None:
+    """A follower rank's life: execute the leader's commands until it stops or is lost."""
+    try:
+        follower.follow()
+    except Exception:  # the leader is gone: its own error names the replica; this one is logged
+        logger.exception("tensor-parallel rank %d stopped following", rank)

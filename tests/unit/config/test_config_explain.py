@@ -176,4 +176,18 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
     assert "(replica 0: CPU rank 0, replica 1: CPU rank 1)" in ray
     assert "rollout.free_cache_engine=false" in ray
     gpus = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_gpus_per_node=8"])))
-    assert "rollout replicas: 8" in gpus and "replica 3: GPU 3, ... (one per rank up to 7)" in gpus
+    assert "rollout replicas: 8" in gpus and "replica 3: GPU 3, ... (up to replica 7)" in gpus
+    tp = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4",
+                                                       "rollout.tensor_model_parallel_size=2"])))
+    assert "rollout replicas: 2, tensor parallel 2" in tp
+    assert "(replica 0: CPU ranks 0-1, replica 1: CPU ranks 2-3); heads, MLP and KV cache split" in tp
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.tensor_model_parallel_size=2"], "trainer.backend=local runs in this one"),
+    (["trainer.backend=ray", "trainer.n_workers=3", "data.train_batch_size=24", "actor.ppo_mini_batch_size=3",
+      "rollout.tensor_model_parallel_size=2"], "must divide the 3 data-parallel ranks"),
+])
+def test_tensor_parallel_layouts_that_cannot_work_are_config_errors(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        explain_config(load_config(overrides=overrides))
