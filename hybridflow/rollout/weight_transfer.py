@@ -264,6 +264,8 @@ def send_buckets(group: WeightSyncGroup, buckets: Iterable[list[NamedTensor]]) -
         if flat.numel():  # a bucket of empty tensors has no bytes to send
             group.broadcast(flat)
         count, tensors, payload = count + 1, tensors + len(specs), payload + sum(s.nbytes for s in specs)
+        # ``flat`` may be a gathered tensor's own bytes: free it before the next bucket is gathered.
+        del prepared, flat
 
 
 def _prepare_or_abort(
@@ -280,6 +282,13 @@ def _prepare_or_abort(
         if bucket is None:
             return None
         specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in bucket]
+        if len(bucket) == 1 and _sendable_as_is(bucket[0][1], scratch.device):
+            # A tensor alone in its bucket (often one larger than a bucket: the embedding) travels
+            # from its own bytes, no copy; the scratch, smaller than it, is dropped rather than
+            # held beside it, so the sender's peak stays max(tensor, bucket + scratch).
+            tensor = bucket[0][1]
+            scratch.release_below(tensor.numel() * tensor.element_size())
+            return specs, _as_bytes(tensor)
         return specs, _flatten(bucket, specs, scratch)
     except Exception as exc:
         group.broadcast_json({"abort": f"{type(exc).__name__}: {exc}"})
@@ -293,6 +302,12 @@ def _flatten(bucket: list[NamedTensor], specs: list[TensorSpec], scratch: _Scrat
     for (_, tensor), spec, offset in zip(bucket, specs, offsets, strict=True):
         flat[offset : offset + spec.nbytes].copy_(_as_bytes(tensor))
     return flat
+
+
+def _sendable_as_is(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether a broadcast can read ``tensor``'s own memory: one dense block on the group's device.
+    Never written on the sender (the broadcast's root), so a model's parameter qualifies."""
+    return tensor.is_contiguous() and tensor.device == device and tensor.layout == torch.strided
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -386,6 +401,11 @@ class _Scratch:
             self._buffer = None
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffer[:nbytes]
+
+    def release_below(self, nbytes: int) -> None:
+        """Drop the buffer if it is smaller than ``nbytes`` (a tensor about to be sent as is)."""
+        if self._buffer is not None and self._buffer.numel() < nbytes:
+            self._buffer = None
 
 
 def _check_verdicts(group: WeightSyncGroup, verdicts: list[str | None], error: Exception | None) -> None:
