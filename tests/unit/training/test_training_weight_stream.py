@@ -6,7 +6,8 @@ every scenario in order, because starting processes costs seconds:
 
 1. a sync, after which the receiver's weights equal the trainer's full state bitwise;
 2. a receiver that refuses a bucket (a wrong shape): the receiver, the sender and the
-   non-sending trainer rank all raise naming the parameter, and nobody hangs;
+   non-sending trainer rank all raise naming the parameter, and nobody hangs; then rank 0
+   fails before its first gather, and rank 1 raises with its message instead of waiting;
 3. the trainer's weights change and a second sync lands exactly: both groups stay usable;
 4. the same sync with the gathers counted: live gathered bytes never exceed one bucket, and a
    control that gathers every bucket first is seen to hold the whole model (so the count can
@@ -106,6 +107,8 @@ def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, An
     result: dict[str, Any] = {"sync": outcome(sync)}
     save_full_state("trainer_1.pt")
     result["mismatch"] = outcome(sync)
+    # Rank 0 fails before its first gather (it never joined a weight-sync group): rank 1 hears it.
+    result["unjoined"] = outcome(lambda: stream_weights(engine, rank, None, BUCKET_BYTES))
     with torch.no_grad():  # new weights, so the next sync must really land
         for param in engine.model.parameters():
             param.mul_(-0.5)
@@ -197,6 +200,14 @@ def test_a_refused_bucket_raises_on_every_side_naming_the_parameter(processes) -
         assert side["mismatch"]["error"] == "WeightSyncError"
         assert repr(REFUSED) in side["mismatch"]["message"]
     assert follower["mismatch"]["message"].startswith("actor rank 1: the weight sync failed on rank 0")
+
+
+def test_a_sender_failing_before_any_gather_releases_the_other_rank(processes) -> None:
+    _, (sender, follower, _receiver) = processes
+    assert sender["unjoined"]["error"] == "RuntimeError"
+    assert "has not joined a weight-sync group" in sender["unjoined"]["message"]
+    assert follower["unjoined"]["error"] == "WeightSyncError"
+    assert "RuntimeError: actor rank 0 has not joined a weight-sync group" in follower["unjoined"]["message"]
 
 
 def test_groups_stay_usable_after_a_refused_sync(processes) -> None:
