@@ -34,8 +34,10 @@ from hybridflow.training.engine import TrainEngine
 
 TRAINER_RANKS = 2
 BUCKET_BYTES = 16 * 1024  # smaller than the embedding: many buckets, and tensors that go alone
-GROUP_TIMEOUT_S = 30.0  # a rank stuck in a collective fails the test instead of hanging it
-DEADLINE_S = 150.0
+# A rank stuck in a collective fails the test instead of hanging it. Generous: on a loaded 2-core
+# machine three processes importing transformers at once take tens of seconds to meet.
+GROUP_TIMEOUT_S = 60.0
+DEADLINE_S = 240.0
 REFUSED = "model.norm.weight"  # late in the walk: the other trainer rank is mid-plan when it stops
 
 
@@ -88,13 +90,13 @@ def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, An
     from hybridflow.rollout.weight_transfer import WeightSyncGroup
     from hybridflow.workers.actor import stream_weights
 
+    group = None
+    if rank == 0:  # first, so the receiver is not kept waiting while the model is built
+        group = WeightSyncGroup.connect(rank=0, world_size=2, host="127.0.0.1", port=sync_port,
+                                        timeout_s=GROUP_TIMEOUT_S)
     distributed.init_process_group(rank=rank, world_size=TRAINER_RANKS, master_addr="127.0.0.1", master_port=port,
                                    device=torch.device("cpu"), timeout_s=GROUP_TIMEOUT_S)
     engine = TrainEngine(make_model(seed=1), None, torch.device("cpu"), data_parallel=True)
-    group = None
-    if rank == 0:
-        group = WeightSyncGroup.connect(rank=0, world_size=2, host="127.0.0.1", port=sync_port,
-                                        timeout_s=GROUP_TIMEOUT_S)
 
     def sync() -> Any:
         return stream_weights(engine, rank, group, BUCKET_BYTES)
@@ -163,6 +165,8 @@ def worker(index: int, port: int, sync_port: int, out_dir: str) -> None:
 def processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("weight_stream")
     ports = (distributed.free_port(), distributed.free_port())
+    while ports[1] == ports[0]:  # the two groups' rendezvous must not share a port
+        ports = (ports[0], distributed.free_port())
     context = mp.start_processes(worker, args=(*ports, str(out)), nprocs=TRAINER_RANKS + 1, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + DEADLINE_S
