@@ -27,7 +27,9 @@ returning means the rollout side serves the new weights.
 Memory: each side passes every bucket through one byte buffer, allocated for the first bucket and
 reused (``_Scratch``), so the extra peak is one bucket on the receivers; on the sender, one bucket
 plus whatever its iterator materialises for the bucket being flattened (nothing for a
-``state_dict()``; the gathered tensors for a sharded trainer's lazy gather). Each
+``state_dict()``; one bucket's gathered tensors for a sharded trainer, which plans its buckets
+from the shards' full shapes and gathers each only when ``send_buckets`` asks for it, freed once
+it is flattened: ``hybridflow.workers.actor.stream_weights``). Each
 bucket is applied as it arrives, with one ``apply`` call per bucket: the engine's lock is held per
 bucket, not across the sync, so sync while the engine is idle (as the RL loop does) when no step
 may see a mix of old and new weights.
@@ -233,11 +235,23 @@ def send_weights(
     name, wrong shape) or fails to apply one; the receivers have then applied the buckets before
     it. If ``weights`` raises, the receivers are told to abort and the error propagates here.
     """
+    return send_buckets(group, iter_buckets(weights, max_bucket_bytes))
+
+
+def send_buckets(group: WeightSyncGroup, buckets: Iterable[list[NamedTensor]]) -> TransferStats:
+    """``send_weights`` of buckets grouped by the caller: a sharded trainer plans its buckets
+    from the shards' full shapes and gathers each one only when it is asked for the next
+    (``distributed.lead_bucket_gathers``).
+
+    A bucket is taken from ``buckets`` only after the previous one was sent, and no reference to
+    it is kept once it is flattened (before its header goes out), so a lazy iterator's tensors
+    are freed before the next bucket is materialised: the sender's extra memory is one bucket
+    plus the flat buffer. The receivers apply bucket k while the sender materialises k + 1."""
     if not group.is_sender:
         raise ValueError(f"send_weights runs on rank {SENDER_RANK} of the weight-sync group, not rank {group.rank}")
     start = time.perf_counter()
-    buckets = tensors = payload = 0
-    pending = iter_buckets(weights, max_bucket_bytes)
+    count = tensors = payload = 0
+    pending = iter(buckets)
     scratch = _Scratch(group.device)
     while True:
         prepared = _prepare_or_abort(group, pending, scratch)
@@ -245,11 +259,13 @@ def send_weights(
         group.broadcast_json(header)
         _check_verdicts(group, group.all_gather_text(None), error=None)
         if prepared is None:
-            return TransferStats(buckets, tensors, payload, time.perf_counter() - start)
+            return TransferStats(count, tensors, payload, time.perf_counter() - start)
         specs, flat = prepared
         if flat.numel():  # a bucket of empty tensors has no bytes to send
             group.broadcast(flat)
-        buckets, tensors, payload = buckets + 1, tensors + len(specs), payload + sum(s.nbytes for s in specs)
+        count, tensors, payload = count + 1, tensors + len(specs), payload + sum(s.nbytes for s in specs)
+        # ``flat`` may be a gathered tensor's own bytes: free it before the next bucket is gathered.
+        del prepared, flat
 
 
 def _prepare_or_abort(
@@ -259,12 +275,20 @@ def _prepare_or_abort(
 
     Flattened before its header goes out, so that whatever fails on the sender (its iterator, a
     tensor that cannot be read) fails before the receivers expect data: they are told to abort.
+    The bucket's tensors are dropped on return, so gathered ones are freed before the broadcast.
     """
     try:
         bucket = next(buckets, None)
         if bucket is None:
             return None
         specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in bucket]
+        if len(bucket) == 1 and _sendable_as_is(bucket[0][1], scratch.device):
+            # A tensor alone in its bucket (often one larger than a bucket: the embedding) travels
+            # from its own bytes, no copy; the scratch, smaller than it, is dropped rather than
+            # held beside it, so the sender's peak stays max(tensor, bucket + scratch).
+            tensor = bucket[0][1]
+            scratch.release_below(tensor.numel() * tensor.element_size())
+            return specs, _as_bytes(tensor)
         return specs, _flatten(bucket, specs, scratch)
     except Exception as exc:
         group.broadcast_json({"abort": f"{type(exc).__name__}: {exc}"})
@@ -278,6 +302,12 @@ def _flatten(bucket: list[NamedTensor], specs: list[TensorSpec], scratch: _Scrat
     for (_, tensor), spec, offset in zip(bucket, specs, offsets, strict=True):
         flat[offset : offset + spec.nbytes].copy_(_as_bytes(tensor))
     return flat
+
+
+def _sendable_as_is(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether a broadcast can read ``tensor``'s own memory: one dense block on the group's device.
+    Never written on the sender (the broadcast's root), so a model's parameter qualifies."""
+    return tensor.is_contiguous() and tensor.device == device and tensor.layout == torch.strided
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -371,6 +401,11 @@ class _Scratch:
             self._buffer = None
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffer[:nbytes]
+
+    def release_below(self, nbytes: int) -> None:
+        """Drop the buffer if it is smaller than ``nbytes`` (a tensor about to be sent as is)."""
+        if self._buffer is not None and self._buffer.numel() < nbytes:
+            self._buffer = None
 
 
 def _check_verdicts(group: WeightSyncGroup, verdicts: list[str | None], error: Exception | None) -> None:

@@ -10,6 +10,12 @@ gloo ranks give the same gradient norm as one process to 1e-7 relative, so no DD
 needed. The gradient reduce-scatter *averages* over ranks, which is why losses are normalised
 by global counts times ``dp_size`` (``hybridflow.algorithms.aggregation``).
 
+Weight sync streams full tensors without gathering the whole model: every rank walks the same
+buckets of ``model.state_dict()`` (DTensors carry the full shape and dtype, so the plan needs no
+gather) and gathers one bucket at a time, rank 0 leading (``lead_bucket_gathers``) and the others
+following in lockstep (``follow_bucket_gathers``); see those functions for how a sync that stops
+early reaches every rank.
+
 Checkpoints stay world-size independent: the model is exported as one full HF safetensors file
 (gathered on rank 0) and the optimizer as the single-process ``optimizer.state_dict()`` layout
 (integer parameter ids), gathered with ``torch.distributed.checkpoint.state_dict``. A run saved
@@ -19,7 +25,8 @@ with N ranks resumes with M, and ``torch.load(weights_only=True)`` still guards 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -116,6 +123,26 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_text(text: str | None) -> str | None:
+    """Rank 0's ``text`` on every rank (the others pass anything); ``text`` itself without a
+    process group. One collective for None, a second one only to carry a message."""
+    if not is_data_parallel():
+        return text
+    device = _comm_device()
+    payload = b"" if text is None else text.encode()
+    code = torch.tensor([-1 if text is None else len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(code, src=0)
+    length = int(code.item())
+    if length < 0:
+        return None
+    data = torch.zeros(length, dtype=torch.uint8)
+    if dist.get_rank() == 0 and payload:
+        data[:] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    data = data.to(device)
+    dist.broadcast(data, src=0)
+    return data.cpu().numpy().tobytes().decode()
+
+
 # ---------------------------------------------------------------------------------- sharding
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks to shard one by one: HF models name them in ``_no_split_modules``
@@ -196,6 +223,77 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered to a plain tensor (a collective); plain tensors pass through."""
     gather = getattr(value, "full_tensor", None)
     return gather() if callable(gather) else value
+
+
+def gather_weight(value: torch.Tensor) -> torch.Tensor:
+    """``full_tensor`` of a model weight, whose shard may live off the mesh's device: offloaded
+    shards (``CPUOffloadPolicy``) sit in host memory while NCCL gathers only GPU tensors, so they
+    travel to the mesh's device first, as ``get_model_state_dict`` does. Plain tensors pass
+    through, uncopied."""
+    mesh = getattr(value, "device_mesh", None)
+    if mesh is not None and value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    return full_tensor(value)
+
+
+# ------------------------------------------------------------------ lockstep bucket gathers
+NamedTensor = tuple[str, torch.Tensor]
+# Rank 0 broadcasts None before each bucket (one small collective), and once at the end this
+# marker, or the error that ended the stream (never the marker: it has no "Type: " prefix).
+_GATHER_DONE = "done"
+
+
+@contextmanager
+def lead_bucket_gathers(buckets: Iterable[list[NamedTensor]]) -> Iterator[Iterator[list[NamedTensor]]]:
+    """Rank 0's side of a lockstep gather: yields an iterator of the buckets' full tensors,
+    each bucket gathered only when the consumer asks for it.
+
+    ``buckets`` holds this rank's weights as ``model.state_dict()`` lists them (DTensors when
+    sharded), grouped the same way on every rank (planned from names, full shapes and dtypes).
+    Before gathering a bucket rank 0 tells the other ranks to join (``follow_bucket_gathers``);
+    on leaving the block it tells them how the stream ended: done, or the error that left it,
+    which they return. So a consumer that stops early (a receiver refused a bucket) leaves no
+    rank waiting in a gather that will not come.
+
+    Memory: a bucket's full tensors are referenced only by the list handed to the consumer, not
+    kept here, so they are freed as soon as the consumer drops that list. One rank: no
+    collective at all, and the tensors are the model's own (plain tensors pass through)."""
+    try:
+        yield _gathered(buckets)
+    except BaseException as exc:
+        broadcast_text(f"{type(exc).__name__}: {exc}")
+        raise
+    broadcast_text(_GATHER_DONE)
+
+
+def _gathered(buckets: Iterable[list[NamedTensor]]) -> Iterator[list[NamedTensor]]:
+    for bucket in buckets:
+        broadcast_text(None)  # the others join this bucket's gathers
+        # Yielded without a local name: this frame keeps no reference while the consumer works.
+        yield [(name, gather_weight(tensor)) for name, tensor in bucket]
+
+
+def follow_bucket_gathers(buckets: Iterable[list[NamedTensor]]) -> str | None:
+    """The other ranks' side of ``lead_bucket_gathers``: join each gather rank 0 leads, with the
+    same ``buckets``, and drop the result. Returns None when rank 0 finished the stream, else
+    its error message (rank 0 raised it; the caller raises here too)."""
+    planned = iter(buckets)
+    done = 0
+    while True:
+        status = broadcast_text(None)
+        if status == _GATHER_DONE:
+            if next(planned, None) is not None:  # rank 0 stopped early without an error
+                return f"rank 0 ended the stream after {done} bucket(s) of a longer plan"
+            return None
+        if status is not None:
+            return status
+        bucket = next(planned, None)
+        if bucket is None:
+            raise RuntimeError(f"rank 0 gathers more than the {done} bucket(s) this rank planned: the ranks' "
+                               f"weights differ in names or shapes")
+        for _, tensor in bucket:
+            gather_weight(tensor)  # a collective every rank joins; only rank 0 keeps the result
+        done += 1
 
 
 # ------------------------------------------------------------------------------ full state

@@ -400,11 +400,19 @@ class TrainEngine:
 
     # ------------------------------------------------------------- weights/IO
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters and buffers by HF name, for weight sync to the rollout engine.
+        """Parameters and buffers by HF name, all at once (the object-store sync: one object).
 
         Sharded: a collective that gathers full tensors to rank 0 (CPU); other ranks get []."""
         if self.data_parallel:
             return list(distributed.gather_model_state(self.model).items())
+        return list(self.model.state_dict().items())
+
+    def named_weight_shards(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters and buffers by HF name as this rank holds them, nothing gathered or copied:
+        the model's own tensors on one rank, DTensors when sharded (their shape, dtype and numel
+        are the full tensor's). Every rank lists the same names, shapes and order, so buckets
+        planned from them agree across ranks; ``distributed.gather_weight`` gathers one (a
+        collective), ``distributed.lead_bucket_gathers`` streams them bucket by bucket."""
         return list(self.model.state_dict().items())
 
     def save(self, out_dir: Path, tokenizer=None) -> None:

@@ -9,9 +9,11 @@ normalised by counts summed over ranks, so N ranks train exactly like one rank o
 global batch.
 
 Weight sync to a rollout in another process (``rollout.weight_sync=broadcast``): rank 0 joins a
-weight-sync group as its sender (``join_weight_sync``); at each sync every rank takes part in the
-full-state gather and rank 0 streams it in buckets (``send_weights``). The other ranks never join
-that group.
+weight-sync group as its sender (``join_weight_sync``); at each sync every rank walks the same
+buckets and gathers them one at a time in lockstep, and rank 0 streams each to the rollout as it
+is gathered (``send_weights``, ``stream_weights``): the model is never gathered whole. The other
+ranks never join that group; rank 0 tells them over their own group when to gather and how the
+sync ended.
 """
 
 from __future__ import annotations
@@ -41,12 +43,15 @@ from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
+    DEFAULT_TRANSFER_BUCKET_BYTES,
     SENDER_RANK,
     TransferStats,
+    WeightSyncError,
     WeightSyncGroup,
     gpu_uuid,
     sync_device,
 )
+from hybridflow.rollout.weights import iter_buckets
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import (
@@ -78,6 +83,34 @@ class ActorSetup:
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     max_consecutive_skips: int = 10
     max_prompt_length: int = 0  # with max_response_length: the longest sample, the floor of a token budget
+
+
+def stream_weights(
+    engine: TrainEngine, rank: int, group: WeightSyncGroup | None,
+    max_bucket_bytes: int = DEFAULT_TRANSFER_BUCKET_BYTES,
+) -> TransferStats | None:
+    """One weight sync from a (possibly sharded) training engine, without gathering the model.
+
+    Every rank plans the same buckets from its shards' names and full shapes (no collective),
+    then rank 0 sends them with ``weight_transfer.send_buckets`` while gathering each bucket only
+    when the sender asks for it; the other ranks join those gathers in lockstep. So the sender's
+    extra memory is one bucket's full tensors plus the flat buffer, not the model. One rank: the
+    model's own tensors are sent, nothing gathered or copied.
+
+    Returns rank 0's stats, None on the others. When the sync fails (a receiver refused a bucket,
+    naming the parameter) rank 0 raises ``WeightSyncError`` and tells the other ranks, which
+    raise it too instead of waiting in a gather that will not come. A collective over the
+    engine's ranks; rank 0 passes its weight-sync ``group``."""
+    plan = iter_buckets(engine.named_weight_shards(), max_bucket_bytes)
+    if rank != SENDER_RANK:
+        error = distributed.follow_bucket_gathers(plan)
+        if error is not None:
+            raise WeightSyncError(f"actor rank {rank}: the weight sync failed on rank {SENDER_RANK}: {error}")
+        return None
+    with distributed.lead_bucket_gathers(plan) as buckets:
+        if group is None:
+            raise RuntimeError("actor rank 0 has not joined a weight-sync group: call join_weight_sync first")
+        return weight_transfer.send_buckets(group, buckets)
 
 
 def check_rank_group(role: str, rank: int, world_size: int) -> None:
@@ -368,7 +401,8 @@ class ActorWorker:
     @collective
     def weights_for_sync(self) -> list[tuple[str, torch.Tensor]]:
         """Full weights by HF name on rank 0 (a list, so it can cross a process boundary); []
-        on the other ranks."""
+        on the other ranks. The object-store path returns the model as one object, so sharded
+        ranks gather it whole here; one rank returns the model's own tensors, uncopied."""
         return self.engine.named_weights()
 
     def device_uuid(self) -> str | None:
@@ -385,17 +419,12 @@ class ActorWorker:
                                                    device=sync_device(self.setup.device, on_gpu))
 
     @collective
-    def send_weights(self) -> TransferStats | None:
-        """One weight sync: every rank takes part in the full-state gather (FSDP2), then rank 0
-        streams it to the rollout ranks, which run ``receive_weights`` at the same time. Returns
-        once they applied every bucket: the transfer's stats on rank 0, None on the others."""
-        # The engine gathers eagerly (a list on rank 0); streaming needs no second copy of it.
-        weights = self.engine.named_weights()
-        if self.rank != SENDER_RANK:
-            return None
-        if self.weight_sync is None:
-            raise RuntimeError("actor rank 0 has not joined a weight-sync group: call join_weight_sync first")
-        return weight_transfer.send_weights(self.weight_sync, weights)
+    def send_weights(self, max_bucket_bytes: int = DEFAULT_TRANSFER_BUCKET_BYTES) -> TransferStats | None:
+        """One weight sync: rank 0 streams the weights bucket by bucket to the rollout ranks, which
+        run ``receive_weights`` at the same time, and every rank joins each bucket's gather
+        (FSDP2) as it is sent (``stream_weights``). Returns once they applied every bucket: the
+        transfer's stats on rank 0, None on the others."""
+        return stream_weights(self.engine, self.rank, self.weight_sync, max_bucket_bytes)
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group (a no-op when not in one)."""

@@ -1,0 +1,243 @@
+"""Streaming weight sync from FSDP2 shards: two gloo trainer ranks, one receiving process.
+
+The sender never gathers the whole model: every trainer rank walks the same buckets and gathers
+one at a time in lockstep (``hybridflow.workers.actor.stream_weights``). One spawned trio runs
+every scenario in order, because starting processes costs seconds:
+
+1. a sync, after which the receiver's weights equal the trainer's full state bitwise;
+2. a receiver that refuses a bucket (a wrong shape): the receiver, the sender and the
+   non-sending trainer rank all raise naming the parameter, and nobody hangs; then rank 0
+   fails before its first gather, and rank 1 raises with its message instead of waiting;
+3. the trainer's weights change and a second sync lands exactly: both groups stay usable;
+4. the same sync with the gathers counted: live gathered bytes never exceed one bucket, and a
+   control that gathers every bucket first is seen to hold the whole model (so the count can
+   fail).
+
+Each process writes what it saw to files; the assertions run here, in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hybridflow.rollout.weights import iter_buckets
+from hybridflow.training import distributed
+from hybridflow.training.engine import TrainEngine
+
+TRAINER_RANKS = 2
+BUCKET_BYTES = 16 * 1024  # smaller than the embedding: many buckets, and tensors that go alone
+# A rank stuck in a collective fails the test instead of hanging it. Generous: on a loaded 2-core
+# machine three processes importing transformers at once take tens of seconds to meet.
+GROUP_TIMEOUT_S = 60.0
+DEADLINE_S = 240.0
+REFUSED = "model.norm.weight"  # late in the walk: the other trainer rank is mid-plan when it stops
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2), seed=seed)
+
+
+def outcome(call: Any) -> dict[str, Any]:
+    try:
+        result = call()
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"stats": None if result is None else [result.buckets, result.tensors, result.bytes]}
+
+
+class GatherCounter:
+    """Counts the bytes of gathered full tensors alive at once on this rank (its peak).
+
+    Wraps ``distributed.gather_weight``, the one function the lockstep stream gathers with; a
+    finalizer subtracts each tensor when it is freed. Every gathered byte passes through it, so
+    a sync that gathered some other way would show a total short of the model's bytes."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.total = 0
+        self._gather = distributed.gather_weight
+
+    def __enter__(self) -> GatherCounter:
+        distributed.gather_weight = self._counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        distributed.gather_weight = self._gather
+
+    def _counted(self, value: torch.Tensor) -> torch.Tensor:
+        full = self._gather(value)
+        nbytes = full.numel() * full.element_size()
+        self.live += nbytes
+        self.total += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(full, self._freed, nbytes)
+        return full
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, Any]:
+    from hybridflow.rollout.weight_transfer import WeightSyncGroup
+    from hybridflow.workers.actor import stream_weights
+
+    group = None
+    if rank == 0:  # first, so the receiver is not kept waiting while the model is built
+        group = WeightSyncGroup.connect(rank=0, world_size=2, host="127.0.0.1", port=sync_port,
+                                        timeout_s=GROUP_TIMEOUT_S)
+    distributed.init_process_group(rank=rank, world_size=TRAINER_RANKS, master_addr="127.0.0.1", master_port=port,
+                                   device=torch.device("cpu"), timeout_s=GROUP_TIMEOUT_S)
+    engine = TrainEngine(make_model(seed=1), None, torch.device("cpu"), data_parallel=True)
+
+    def sync() -> Any:
+        return stream_weights(engine, rank, group, BUCKET_BYTES)
+
+    def save_full_state(name: str) -> None:
+        state = distributed.gather_model_state(engine.model)  # the old full gather, as the reference
+        if rank == 0:
+            torch.save(state, out / name)
+
+    result: dict[str, Any] = {"sync": outcome(sync)}
+    save_full_state("trainer_1.pt")
+    result["mismatch"] = outcome(sync)
+    # Rank 0 fails before its first gather (it never joined a weight-sync group): rank 1 hears it.
+    result["unjoined"] = outcome(lambda: stream_weights(engine, rank, None, BUCKET_BYTES))
+    with torch.no_grad():  # new weights, so the next sync must really land
+        for param in engine.model.parameters():
+            param.mul_(-0.5)
+    result["restore"] = outcome(sync)
+    save_full_state("trainer_2.pt")
+
+    plan = list(iter_buckets(engine.named_weight_shards(), BUCKET_BYTES))
+    result["largest_bucket"] = max(sum(t.numel() * t.element_size() for _, t in b) for b in plan)
+    result["model_bytes"] = sum(t.numel() * t.element_size() for b in plan for _, t in b)
+    with GatherCounter() as counted:
+        result["counted_sync"] = outcome(sync)
+    result["gathered"] = {"peak": counted.peak, "total": counted.total}
+    with GatherCounter() as control:  # every bucket gathered before any is used: the old peak
+        if rank == 0:
+            with distributed.lead_bucket_gathers(plan) as buckets:
+                everything = list(buckets)
+            del everything
+        else:
+            distributed.follow_bucket_gathers(plan)
+    result["control_peak"] = control.peak
+    if group is not None:
+        group.close()
+    return result
+
+
+def run_receiver(sync_port: int, out: Path) -> dict[str, Any]:
+    from hybridflow.rollout.weight_transfer import WeightSyncGroup, receive_weights
+
+    group = WeightSyncGroup.connect(rank=1, world_size=2, host="127.0.0.1", port=sync_port, timeout_s=GROUP_TIMEOUT_S)
+    model = make_model(seed=0)
+    targets = model.state_dict()
+    result: dict[str, Any] = {"sync": outcome(lambda: receive_weights(group, targets))}
+    torch.save(model.state_dict(), out / "receiver_1.pt")
+    wrong = dict(targets)
+    wrong[REFUSED] = torch.zeros(wrong[REFUSED].numel() + 1)
+    result["mismatch"] = outcome(lambda: receive_weights(group, wrong))
+    result["restore"] = outcome(lambda: receive_weights(group, targets))
+    torch.save(model.state_dict(), out / "receiver_2.pt")
+    result["counted_sync"] = outcome(lambda: receive_weights(group, targets))
+    group.close()
+    return result
+
+
+def worker(index: int, port: int, sync_port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    result = run_trainer(index, port, sync_port, out) if index < TRAINER_RANKS else run_receiver(sync_port, out)
+    (out / f"process{index}.json").write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("weight_stream")
+    ports = (distributed.free_port(), distributed.free_port())
+    while ports[1] == ports[0]:  # the two groups' rendezvous must not share a port
+        ports = (ports[0], distributed.free_port())
+    context = mp.start_processes(worker, args=(*ports, str(out)), nprocs=TRAINER_RANKS + 1, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the trainer and receiver processes did not finish within {DEADLINE_S:.0f} s (a rank hangs)")
+    return out, [json.loads((out / f"process{i}.json").read_text()) for i in range(TRAINER_RANKS + 1)]
+
+
+def assert_same_state(received: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> None:
+    assert set(received) == set(full)
+    for name, tensor in full.items():
+        assert torch.equal(received[name], tensor), name
+
+
+def test_receiver_weights_equal_the_sharded_trainers_full_state(processes) -> None:
+    out, (sender, follower, receiver) = processes
+    assert "error" not in sender["sync"] and follower["sync"] == {"stats": None}
+    buckets, tensors, payload = sender["sync"]["stats"]
+    assert buckets > 3 and payload == sender["model_bytes"]
+    assert receiver["sync"]["stats"] == [buckets, tensors, payload]
+    full, received = torch.load(out / "trainer_1.pt"), torch.load(out / "receiver_1.pt")
+    before = make_model(seed=0).state_dict()["model.embed_tokens.weight"]  # the receiver's own weights
+    assert not torch.equal(full["model.embed_tokens.weight"], before)
+    assert_same_state(received, full)
+
+
+def test_a_refused_bucket_raises_on_every_side_naming_the_parameter(processes) -> None:
+    _, (sender, follower, receiver) = processes
+    assert receiver["mismatch"]["error"] == "ValueError"
+    assert f"{REFUSED!r} has shape (65,)" in receiver["mismatch"]["message"]
+    for side in (sender, follower):  # the follower learnt it from rank 0 instead of waiting in a gather
+        assert side["mismatch"]["error"] == "WeightSyncError"
+        assert repr(REFUSED) in side["mismatch"]["message"]
+    assert follower["mismatch"]["message"].startswith("actor rank 1: the weight sync failed on rank 0")
+
+
+def test_a_sender_failing_before_any_gather_releases_the_other_rank(processes) -> None:
+    _, (sender, follower, _receiver) = processes
+    assert sender["unjoined"]["error"] == "RuntimeError"
+    assert "has not joined a weight-sync group" in sender["unjoined"]["message"]
+    assert follower["unjoined"]["error"] == "WeightSyncError"
+    assert "RuntimeError: actor rank 0 has not joined a weight-sync group" in follower["unjoined"]["message"]
+
+
+def test_groups_stay_usable_after_a_refused_sync(processes) -> None:
+    out, (sender, follower, receiver) = processes
+    assert "error" not in sender["restore"] and "error" not in follower["restore"]
+    assert "error" not in receiver["restore"]
+    full, received = torch.load(out / "trainer_2.pt"), torch.load(out / "receiver_2.pt")
+    assert not torch.equal(full["model.norm.weight"], torch.load(out / "trainer_1.pt")["model.norm.weight"])
+    assert_same_state(received, full)
+
+
+def test_the_sender_holds_one_buckets_full_tensors_at_a_time(processes) -> None:
+    _, (sender, follower, receiver) = processes
+    assert "error" not in receiver["counted_sync"]
+    for side in (sender, follower):
+        assert "error" not in side["counted_sync"]
+        # Every byte was gathered through the counted path, one bucket alive at a time ...
+        assert side["gathered"]["total"] == side["model_bytes"]
+        assert 0 < side["gathered"]["peak"] <= side["largest_bucket"]
+    # ... while gathering every bucket first holds the whole model: the count would catch it.
+    assert sender["control_peak"] == sender["model_bytes"] > 2 * sender["largest_bucket"]
+
+
+def test_one_rank_streams_the_models_own_tensors_uncopied() -> None:
+    engine = TrainEngine(make_model(seed=0), None, torch.device("cpu"))
+    params = {name: p.data_ptr() for name, p in engine.model.state_dict().items()}
+    with distributed.lead_bucket_gathers(iter_buckets(engine.named_weight_shards(), BUCKET_BYTES)) as buckets:
+        streamed = [(name, tensor.data_ptr()) for bucket in buckets for name, tensor in bucket]
+    assert streamed == list(params.items())
