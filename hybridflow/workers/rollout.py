@@ -62,6 +62,7 @@ class RolloutSetup:
     # The largest mean |logprob difference| from fp32 a CPU's bf16 decode may show to be chosen by
     # rollout.dtype=auto (trainer.health.logprob_mismatch); None: the engine's default.
     max_logprob_mismatch: float | None = None
+    enable_prefix_caching: bool = True  # rollout.enable_prefix_caching
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -101,6 +102,7 @@ class RolloutWorker:
             tokenizer=tokenizer,
             enforce_eager=setup.enforce_eager,
             max_logprob_mismatch=setup.max_logprob_mismatch,
+            enable_prefix_caching=setup.enable_prefix_caching,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
 
