@@ -34,7 +34,7 @@ tokens, in a prefix cache (``prefix_cache.PrefixCache``; least recently used blo
 stay within the KV budget). A new prompt's longest cached prefix is copied into its slot and only
 the rest is prefilled: turn k+1 of an agent episode (turn k's prompt + response + tool output)
 prefills the tool output and the tail of the response, and a system prompt shared by many requests
-is prefilled once. A finished row is kept up to its response's second-to-last token: the last
+is prefilled once (prompts arriving together wait a step for the first one's blocks). A finished row is kept up to its response's second-to-last token: the last
 sampled token was never fed back, so no keys or values exist for it. Every weight update clears
 the cache, and a row computed (even in part) under replaced weights is never kept.
 
@@ -68,7 +68,7 @@ import torch
 from hybridflow.rollout.compact import CompactCausalLM
 from hybridflow.rollout.graphs import GraphCaptureError, StaticDecoder
 from hybridflow.rollout.kv_cache import SlotKVCache
-from hybridflow.rollout.prefix_cache import CachedBlock, PrefixCache
+from hybridflow.rollout.prefix_cache import CachedBlock, PrefixCache, block_digests
 from hybridflow.rollout.sampling import (
     RowProfile,
     SamplingTensors,
@@ -100,6 +100,9 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 # Prompt slots: prompts being prefilled, or waiting for rows for their samples. Demand-driven
 # prefill keeps few of them busy; 64 lets a GRPO batch of 64 prompts prefill together.
 DEFAULT_MAX_PREFILL_PROMPTS = 64
+# Waiting prompts a step may hold back because another prompt's prefill is computing their next
+# prefix block (see _start_prefills); bounds the scan of the queue per step.
+MAX_DEFERRED_PROMPTS = 256
 # How decode forwards run: "eager" at the exact shapes; "static" padded to bucketed shapes;
 # "cuda_graph" static shapes replayed from CUDA graphs (graphs.StaticDecoder). None picks
 # cuda_graph on CUDA (launch-bound there) and eager elsewhere (no launch cost to save on a CPU,
@@ -196,6 +199,7 @@ class _Request:
     prefilled: int = 0  # prompt tokens already in the prompt slot
     admitted: int = 0  # samples started so far
     weights_version: int = 0  # the engine's weights when this request's keys and values started
+    digests: list[bytes] | None = None  # prefix-cache names of the prefilled part's whole blocks
 
     @property
     def prompt(self) -> list[int]:
@@ -898,12 +902,20 @@ class NativeEngine:
         claimed = sum(r.request.params.n - r.admitted for r in (*self._ready, *self._prefilling))
         chunks: list[_Chunk] = []
         restores: list[_Restore] = []
+        producing = self._blocks_in_prefill()
+        deferred: list[_Request] = []
         while self._waiting and budget > 0 and self._free_slots:
             request = self._waiting[0]
             free = self._free_rows(max(self._needed_capacity(), request.cache_length), live)
             if claimed >= free and (claimed or live):
                 break
             self._waiting.popleft()
+            if len(deferred) < MAX_DEFERRED_PROMPTS and self._next_block_in_prefill(request, producing):
+                # Its next prefix block is being computed by a prompt already prefilling (requests
+                # sharing a system prompt arrived together): wait a step and copy it instead.
+                deferred.append(request)
+                continue
+            producing.update(self._prefix_digests(request))
             request.prompt_slot = self._free_slots.pop()
             request.weights_version = self._weights_version
             blocks = self._lookup(request)
@@ -917,13 +929,35 @@ class NativeEngine:
             request.prefilled = end
             self._prefilling.append(request)
             claimed += request.request.params.n
+        self._waiting.extendleft(reversed(deferred))
         return chunks, restores
+
+    def _prefix_digests(self, request: _Request) -> list[bytes]:
+        """The prefix-cache names of ``request``'s prefilled part (none with the cache off)."""
+        if self._prefix_cache is None:
+            return []
+        if request.digests is None:
+            request.digests = block_digests(request.prompt[: request.prefix_length], self._prefix_cache.block_size)
+        return request.digests
+
+    def _blocks_in_prefill(self) -> set[bytes]:
+        """Blocks that prompts now prefilling will add to the prefix cache when they complete."""
+        return {d for r in self._prefilling for d in self._prefix_digests(r)}
+
+    def _next_block_in_prefill(self, request: _Request, producing: set[bytes]) -> bool:
+        """Whether the first block of ``request`` that is not cached is being prefilled by another
+        prompt (progress is certain: that prompt keeps prefilling until it completes or fails)."""
+        if self._prefix_cache is None or not producing:
+            return False
+        digests = self._prefix_digests(request)
+        cached = self._prefix_cache.cached_count(digests)
+        return cached < len(digests) and digests[cached] in producing
 
     def _lookup(self, request: _Request) -> list[CachedBlock]:
         """The cached blocks of ``request``'s prefilled part (``prefix_length`` tokens), counted."""
         if self._prefix_cache is None:
             return []
-        blocks = self._prefix_cache.match(request.prompt[: request.prefix_length])
+        blocks = self._prefix_cache.match_digests(self._prefix_digests(request))
         self.stats.prefix_cache_queries += 1
         self.stats.prefix_cache_query_tokens += request.prefix_length
         self.stats.prefix_cache_hit_tokens += len(blocks) * self._prefix_cache.block_size

@@ -80,13 +80,20 @@ class PrefixCache:
 
     def match(self, tokens: Sequence[int]) -> list[CachedBlock]:
         """The cached blocks of the longest cached prefix of ``tokens`` (whole blocks), touched."""
-        found: list[bytes] = []
-        for digest in block_digests(tokens, self.block_size):
-            if digest not in self._blocks:
-                break
-            found.append(digest)
+        return self.match_digests(block_digests(tokens, self.block_size))
+
+    def match_digests(self, digests: Sequence[bytes]) -> list[CachedBlock]:
+        """``match`` for a prefix given by its blocks' digests (``block_digests``)."""
+        found = list(digests[: self.cached_count(digests)])
         self._touch(found)
         return [self._blocks[d] for d in found]
+
+    def cached_count(self, digests: Sequence[bytes]) -> int:
+        """How many leading blocks of ``digests`` are cached (no recency change)."""
+        for index, digest in enumerate(digests):
+            if digest not in self._blocks:
+                return index
+        return len(digests)
 
     def missing(self, tokens: Sequence[int]) -> tuple[list[bytes], list[int]]:
         """All full blocks' digests of ``tokens``, and the indices of those not cached yet."""

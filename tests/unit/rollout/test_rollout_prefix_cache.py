@@ -136,6 +136,19 @@ def test_a_shared_system_prompt_is_prefilled_once_per_engine():
     assert on.stats.prefill_tokens == off.stats.prefill_tokens - 96
 
 
+def test_requests_arriving_together_with_one_system_prompt_prefill_it_once():
+    """Later arrivals wait a step for the first prompt's blocks instead of computing them again."""
+    on, off = pair()
+    requests = [request(SYSTEM + [20 + i, 21], temperature=1.0, max_tokens=6, seed=i, n=2) for i in range(5)]
+    assert_same(on.generate_batch(requests), off.generate_batch(requests))
+    assert on.stats.prefix_cache_hit_tokens == 4 * 32
+    assert on.stats.prefill_tokens == off.stats.prefill_tokens - 4 * 32
+    # Others that share nothing are not held back.
+    other = make_engine(make_model())
+    other.generate_batch([request([(9 * j + i) % 250 for j in range(40)], max_tokens=2) for i in range(3)])
+    assert other.stats.prefill_forwards == 1
+
+
 def test_concurrent_requests_sharing_prefixes_match_the_cache_off_engine():
     on, off = pair(max_batch_size=3)  # too few rows for all: later prompts start mid-flight
 
