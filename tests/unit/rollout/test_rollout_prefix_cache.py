@@ -12,11 +12,15 @@ import asyncio
 import pytest
 import torch
 
+from hybridflow.config.schema import RolloutConfig
+from hybridflow.rollout.base import build_rollout_engine
 from hybridflow.rollout.native import NativeEngine
 from hybridflow.rollout.prefix_cache import CachedBlock, PrefixCache, block_digests
 from hybridflow.types import Trajectory
 
-from test_rollout_native_engine import EOS, make_engine, make_model, reference_greedy, request
+from hybridflow.workers.rollout import RolloutSetup
+
+from test_rollout_native_engine import EOS, PAD, make_engine, make_model, reference_greedy, request
 
 torch.set_num_threads(1)
 
@@ -109,6 +113,15 @@ def test_multi_turn_episodes_match_the_cache_off_engine_and_prefill_only_new_tok
     assert on.stats.prefill_tokens < 0.5 * off.stats.prefill_tokens
     assert 0.5 < on.stats.prefix_cache_hit_rate < 1.0
     assert off.stats.prefix_cache_queries == 0 and off.stats.prefix_cache_hit_rate == 0.0
+
+
+def test_multi_turn_episodes_with_static_decode_shapes_match_the_cache_off_engine():
+    on, off = pair(decode_mode="static")
+    starts = [SYSTEM + [1, 2, 3], SYSTEM[:20] + [9, 9], [5] * 30]
+    params = {"temperature": 1.0, "max_tokens": 10, "n": 2}
+    for got, want in zip(episodes(on, 3, starts, **params), episodes(off, 3, starts, **params), strict=True):
+        assert_same(got, want)
+    assert on.stats.prefix_cache_hit_tokens > 0
 
 
 def test_a_turn_ending_on_a_block_boundary_recomputes_the_unfed_last_token():
@@ -237,3 +250,14 @@ def test_requests_fully_covered_by_the_cache_start_without_a_prefill():
                 off.generate_batch([request(prompt, temperature=1.0, max_tokens=6, n=3, seed=2)]))
     assert on.stats.prefill_forwards == forwards
 
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_factory_passes_enable_prefix_caching_through(enabled):
+    engine = build_rollout_engine(
+        "native", model=make_model(), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=4, device="cpu",
+        dtype="float32", enable_prefix_caching=enabled,
+    )
+    engine.generate_batch([request(SYSTEM, temperature=0.0, max_tokens=2)] * 2)
+    assert (engine.stats.prefix_cache_queries > 0) is enabled
+    assert RolloutConfig().enable_prefix_caching and RolloutSetup.__dataclass_fields__["enable_prefix_caching"].default
