@@ -55,13 +55,17 @@ def random_tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(count)]
 
 
-async def episode(engine: NativeEngine, args: argparse.Namespace, seed: int, system: list[int]) -> tuple[float, list[int]]:
+async def episode(
+    engine: NativeEngine, args: argparse.Namespace, seed: int, system: list[int]
+) -> tuple[float, list[int]]:
     rng = random.Random(seed)
     prompt = system + random_tokens(rng, args.user_tokens)
     responses: list[int] = []
     start = time.perf_counter()
     for turn in range(args.turns):
-        params = SamplingParams(temperature=1.0, max_tokens=args.response_tokens, ignore_eos=True, seed=seed * 100 + turn)
+        params = SamplingParams(
+            temperature=1.0, max_tokens=args.response_tokens, ignore_eos=True, seed=seed * 100 + turn
+        )
         (trajectory,) = await engine.generate(GenerationRequest(prompt_ids=prompt, params=params))
         responses += trajectory.response_ids
         prompt = prompt + trajectory.response_ids + random_tokens(rng, args.tool_tokens)
@@ -143,7 +147,8 @@ def main() -> None:
     for side in ("off", "on"):
         print(f"{side:>5} {median(side, 'prefill_tokens_per_episode'):>20.1f} {median(side, 'wall_s'):>8.3f} "
               f"{median(side, 'episode_s'):>10.3f} {median(side, 'hit_rate'):>9.3f}")
-    print(f"off/on: prefill tokens {median('off', 'prefill_tokens_per_episode') / median('on', 'prefill_tokens_per_episode'):.2f}x, "
+    prefill = median("off", "prefill_tokens_per_episode") / median("on", "prefill_tokens_per_episode")
+    print(f"off/on: prefill tokens {prefill:.2f}x, "
           f"wall {median('off', 'wall_s') / median('on', 'wall_s'):.2f}x, "
           f"episode {median('off', 'episode_s') / median('on', 'episode_s'):.2f}x")
 

@@ -34,9 +34,10 @@ tokens, in a prefix cache (``prefix_cache.PrefixCache``; least recently used blo
 stay within the KV budget). A new prompt's longest cached prefix is copied into its slot and only
 the rest is prefilled: turn k+1 of an agent episode (turn k's prompt + response + tool output)
 prefills the tool output and the tail of the response, and a system prompt shared by many requests
-is prefilled once (prompts arriving together wait a step for the first one's blocks). A finished row is kept up to its response's second-to-last token: the last
-sampled token was never fed back, so no keys or values exist for it. Every weight update clears
-the cache, and a row computed (even in part) under replaced weights is never kept.
+is prefilled once (prompts arriving together wait a step for the first one's blocks). A finished
+row is kept up to its response's second-to-last token: the last sampled token was never fed back,
+so no keys or values exist for it. Every weight update clears the cache, and a row computed (even
+in part) under replaced weights is never kept.
 
 Admission control: a sample starts only in a free decode row; the number of rows is
 ``max_batch_size`` or what fits ``kv_cache_memory_bytes`` at the current row length, whichever is
