@@ -278,6 +278,12 @@ class RolloutConfig:
         "logprobs and updates (verl's key; the next generation rebuilds them): lower peak memory for a rebuild per "
         "step.",
     )
+    enable_prefix_caching: bool = f(
+        True, "Keep the keys and values of finished prompts and responses (16-token blocks, least recently "
+        "used evicted within the KV cache budget) so that a prompt opening with an already computed prefix (the "
+        "next turn of an agent episode, a shared system prompt) prefills only the rest. Outputs are unchanged; "
+        "every weight sync clears the cache. Metric rollout/prefix_cache_hit_rate.",
+    )
     weight_sync: str = f(
         "auto",
         "How the actor's new weights reach the rollout after each step: auto (broadcast when the rollout runs in "

@@ -32,7 +32,7 @@ from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker
 
 # Engine counters summed over replicas into ``rollout/<name>`` metrics.
-_SUMMED_COUNTS = ("prefill_tokens", "generated_tokens")
+_SUMMED_COUNTS = ("prefill_tokens", "generated_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
 
 
 def replica_role(index: int) -> str:
@@ -110,6 +110,10 @@ class RolloutReplicas:
         merged = dict(rounds[-1])
         for name in _SUMMED_COUNTS:
             merged[f"rollout/{name}"] = sum(m[f"rollout/{name}"] for m in rounds)
+        looked_up = merged.pop("rollout/prefix_cache_query_tokens")
+        # Share of prompt tokens whose keys and values came from the prefix cache, not a prefill.
+        merged["rollout/prefix_cache_hit_rate"] = merged.pop("rollout/prefix_cache_hit_tokens") / looked_up \
+            if looked_up else 0.0
         return merged
 
     # ------------------------------------------------------------------ memory

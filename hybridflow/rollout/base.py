@@ -59,12 +59,15 @@ class RolloutEngine(Protocol):
         so every request sees the old weights or the new ones, never a mix."""
         ...
 
-    def sleep(self) -> None:
-        """Release generation memory (KV cache) while the trainer needs the device."""
+    def sleep(self, level: int = 1) -> None:
+        """Release generation memory while the trainer needs the device: level 1 the KV cache (and
+        any prefix cache), level 2 the weights as well; after level 2 the next weight update must
+        cover every parameter before the engine generates again."""
         ...
 
     def wake_up(self) -> None:
-        """Make the engine ready to generate again after ``sleep``."""
+        """Make the engine ready to generate again after ``sleep`` (weights dropped by level 2
+        come back with the next full weight update, not here)."""
         ...
 
 
@@ -79,6 +82,7 @@ def _build_native(
     seed: int,
     tokenizer: Any = None,
     enforce_eager: bool = False,
+    enable_prefix_caching: bool = True,
 ) -> RolloutEngine:
     from hybridflow.rollout.native import NativeEngine
 
@@ -92,6 +96,7 @@ def _build_native(
         seed=seed,
         tokenizer=tokenizer,
         decode_mode="eager" if enforce_eager else None,  # None: CUDA graphs on a GPU
+        enable_prefix_caching=enable_prefix_caching,
     )
 
 
@@ -172,13 +177,15 @@ def build_rollout_engine(
     tokenizer: Any = None,
     enforce_eager: bool = False,
     max_logprob_mismatch: float | None = None,
+    enable_prefix_caching: bool = True,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
     The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
     ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
     ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings. ``enforce_eager`` turns
-    off CUDA graphs (``rollout.enforce_eager``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
+    off CUDA graphs (``rollout.enforce_eager``). ``enable_prefix_caching`` keeps computed prefixes
+    across requests (``rollout.enable_prefix_caching``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
     ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
     """
     try:
@@ -198,4 +205,5 @@ def build_rollout_engine(
         seed=seed,
         tokenizer=tokenizer,
         enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
     )

@@ -245,6 +245,17 @@ class CompactCausalLM:
         ]
         self._packed_lm_head = pack(self.lm_head)
 
+    def packed_tensors(self) -> list[torch.Tensor]:
+        """The packed copy's tensors (none with the dense layout), for memory accounting."""
+        if self._packed is None:
+            return []
+        layers = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down)]
+        return layers + ([self._packed_lm_head] if self._packed_lm_head is not None else [])
+
+    def release_packed(self) -> None:
+        """Drop the packed copy (the engine's sleep level 2); ``repack`` rebuilds it."""
+        self._packed = self._packed_lm_head = None
+
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 packed: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ b) on the packed copy when there is one (x (N, K) → (N, out))."""

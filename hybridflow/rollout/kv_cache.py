@@ -148,6 +148,35 @@ class SlotKVCache:
         """Start sequences: copy prompt slots' first ``length`` positions into decode rows."""
         self.move_rows(decode_rows, [self.decode_rows + s for s in prompt_slots], length)
 
+    def prompt_row(self, slot: int) -> int:
+        """The cache row of prompt slot ``slot``."""
+        return self.decode_rows + slot
+
+    def read_positions(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row ``row``'s keys ``(layers, KV, D, end - start)`` and values
+        ``(layers, KV, end - start, D)`` at positions ``[start, end)`` (for the prefix cache)."""
+        keys, values = self._tensors()
+        contiguous = torch.contiguous_format
+        return (keys[:, row, :, :, start:end].clone(memory_format=contiguous),
+                values[:, row, :, start:end].clone(memory_format=contiguous))
+
+    def write_positions(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys ``(layers, KV, D, N)`` and values ``(layers, KV, N, D)`` at positions
+        ``[0, N)`` of row ``row`` (a prefix-cache hit restored into a prompt slot)."""
+        own_keys, own_values = self._tensors()
+        length = keys.shape[-1]
+        own_keys[:, row, :, :, :length] = keys
+        own_values[:, row, :, :length] = values
+
+    def planned_nbytes(self, length: int) -> int:
+        """Bytes the cache holds after ``ensure_capacity(length, ...)`` succeeds (the prefix cache
+        gets what the budget leaves, so it makes room before the slots grow)."""
+        if self.keys is not None and length <= self.capacity:
+            return self.nbytes
+        capacity = self.aligned(max(length, self.capacity))
+        rows = max(0, self.rows_that_fit(capacity)) + self.prompt_rows
+        return rows * capacity * self.bytes_per_position
+
     def zero_rows(self, rows: list[int]) -> None:
         if self.keys is None or self.values is None or not rows:
             return

@@ -168,8 +168,9 @@ class LLM:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._engine.update_weights(weights)
 
-    def sleep(self) -> None:
-        self._engine.sleep()
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's levels: 1 frees the KV cache, 2 the weights too (reload them with update_weights)."""
+        self._engine.sleep(level)
 
     def wake_up(self) -> None:
         self._engine.wake_up()

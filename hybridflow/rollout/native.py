@@ -28,6 +28,17 @@ of the KV cache (``kv_cache.SlotKVCache``); each of its samples copies them into
 and starts decoding by feeding the prompt's last token. That makes every row of a decode step
 alike (one token in, one token out) and a group of ``n`` samples costs one prefill.
 
+Prefill once per prefix (``enable_prefix_caching``): a prompt slot whose prefill completes and the
+row of every sample that finishes are kept, in 16-token blocks named by a chained hash of their
+tokens, in a prefix cache (``prefix_cache.PrefixCache``; least recently used blocks are evicted to
+stay within the KV budget). A new prompt's longest cached prefix is copied into its slot and only
+the rest is prefilled: turn k+1 of an agent episode (turn k's prompt + response + tool output)
+prefills the tool output and the tail of the response, and a system prompt shared by many requests
+is prefilled once (prompts arriving together wait a step for the first one's blocks). A finished
+row is kept up to its response's second-to-last token: the last sampled token was never fed back,
+so no keys or values exist for it. Every weight update clears the cache, and a row computed (even
+in part) under replaced weights is never kept.
+
 Admission control: a sample starts only in a free decode row; the number of rows is
 ``max_batch_size`` or what fits ``kv_cache_memory_bytes`` at the current row length, whichever is
 smaller (the cache grows its rows on demand to the longest ``prompt + max_tokens`` admitted).
@@ -58,6 +69,7 @@ import torch
 from hybridflow.rollout.compact import CompactCausalLM
 from hybridflow.rollout.graphs import GraphCaptureError, StaticDecoder
 from hybridflow.rollout.kv_cache import SlotKVCache
+from hybridflow.rollout.prefix_cache import CachedBlock, PrefixCache, block_digests
 from hybridflow.rollout.sampling import (
     RowProfile,
     SamplingTensors,
@@ -89,6 +101,9 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 # Prompt slots: prompts being prefilled, or waiting for rows for their samples. Demand-driven
 # prefill keeps few of them busy; 64 lets a GRPO batch of 64 prompts prefill together.
 DEFAULT_MAX_PREFILL_PROMPTS = 64
+# Waiting prompts a step may hold back because another prompt's prefill is computing their next
+# prefix block (see _start_prefills); bounds the scan of the queue per step.
+MAX_DEFERRED_PROMPTS = 256
 # How decode forwards run: "eager" at the exact shapes; "static" padded to bucketed shapes;
 # "cuda_graph" static shapes replayed from CUDA graphs (graphs.StaticDecoder). None picks
 # cuda_graph on CUDA (launch-bound there) and eager elsewhere (no launch cost to save on a CPU,
@@ -155,12 +170,21 @@ class EngineStats:
     steps: int = 0  # scheduler steps: each runs at most one prefill and one decode forward
     forward_passes: int = 0  # model calls, prefill and decode
     prefill_forwards: int = 0
-    prefill_tokens: int = 0  # prompt tokens run through prefill: P - 1 per request, whatever its n
+    prefill_tokens: int = 0  # prompt tokens run through prefill: P - 1 per request (whatever its n), less its cache hit
     generated_tokens: int = 0  # tokens appended to responses
     admitted_samples: int = 0
     admitted_while_decoding: int = 0  # samples that joined a batch with sequences already decoding
     row_moves: int = 0  # live rows moved into holes left by finished ones
     max_running: int = 0  # the most sequences decoded in one step
+    prefix_cache_queries: int = 0  # requests looked up in the prefix cache
+    prefix_cache_query_tokens: int = 0  # prompt tokens looked up: P - 1 per request
+    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (not prefilled)
+    prefix_cache_evicted_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens found cached (``rollout/prefix_cache_hit_rate``); 0 before any."""
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
 
 
 @dataclass(eq=False)
@@ -177,6 +201,8 @@ class _Request:
     prompt_slot: int | None = None  # prompt row of the KV cache while prefilling or holding
     prefilled: int = 0  # prompt tokens already in the prompt slot
     admitted: int = 0  # samples started so far
+    weights_version: int = 0  # the engine's weights when this request's keys and values started
+    digests: list[bytes] | None = None  # prefix-cache names of the prefilled part's whole blocks
 
     @property
     def prompt(self) -> list[int]:
@@ -234,12 +260,32 @@ class _Chunk:
     end: int
 
 
+@dataclass(frozen=True)
+class _Restore:
+    """Prefix-cache blocks copied into a prompt slot before this step's prefill (they are held
+    here, so an eviction between planning and executing cannot take them away)."""
+
+    slot: int
+    blocks: list[CachedBlock]
+
+
+@dataclass(frozen=True)
+class _Save:
+    """Keys and values of ``tokens`` at positions ``[0, len(tokens))`` of cache row ``row``, to keep
+    in the prefix cache if the weights are still those of ``weights_version``."""
+
+    row: int
+    tokens: list[int]
+    weights_version: int
+
+
 @dataclass
 class _Plan:
     """What one step does, decided on the event-loop thread; tensors are touched only in ``_execute``."""
 
     capacity: int  # cache positions per row needed after this step's admissions
     moves: list[tuple[int, int]]  # (source, destination) decode rows, applied first
+    restores: list[_Restore]  # prefix-cache hits, written into prompt slots before the prefill
     chunks: list[_Chunk]
     admits: list[tuple[_Sample, int, int | None]]  # (sample, decode row, prompt slot or None)
     batch_size: int  # decode rows [0, batch_size) run this step
@@ -350,6 +396,10 @@ class NativeEngine:
     the forward and the KV cache; the defaults are the single-device ones, and
     ``tensor_parallel.build_tp_engine`` passes sharded ones that mirror every forward and cache
     change to the other ranks of a tensor-parallel replica.
+    ``enable_prefix_caching`` keeps the keys and values of finished prompts and samples
+    (``prefix_cache``) so that a request opening with an already computed prefix (the next turn
+    of an agent episode, a shared system prompt) prefills only the rest; the cache takes what
+    ``kv_cache_memory_bytes`` leaves beside the slot cache and is cleared by every weight update.
     """
 
     def __init__(
@@ -372,6 +422,7 @@ class NativeEngine:
         weight_layout: str = "auto",
         compact_factory: CompactFactory = CompactCausalLM.from_hf,
         cache_factory: Callable[..., SlotKVCache] = SlotKVCache,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"NativeEngine: max_batch_size must be >= 1, got {max_batch_size}")
@@ -382,7 +433,10 @@ class NativeEngine:
         model.to(device=self._device)
         for parameter in model.parameters():
             parameter.requires_grad_(False)
-            parameter.data = parameter.data.to(dtype=self._dtype)
+            data = parameter.data.to(dtype=self._dtype)
+            # sleep(level=2) frees weights by resizing their storage in place, which memory-mapped
+            # checkpoint tensors (from_pretrained on a CPU) do not allow: the engine copies those.
+            parameter.data = data if data.untyped_storage().resizable() else data.clone()
         self._model = model.eval()
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         for name, token in [("pad_token_id", pad_token_id)] + [("eos_token_ids", t) for t in eos_token_ids]:
@@ -415,6 +469,12 @@ class NativeEngine:
         )
         self._state = _RowState(max_batch_size, self._vocab_size, self._device)
         self._static_decoder = self._build_static_decoder(decode_mode)
+        self._prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self._pending_saves: list[_Save] = []  # rows finished in the step being applied
+        # Bumped by every weight update: keys and values computed under another version are stale.
+        self._weights_version = 0
+        # Set by sleep(level=2): the weights' storage is freed until a full weight update.
+        self._dropped_weights: list[tuple[torch.UntypedStorage, int]] | None = None
 
         self._waiting: deque[_Request] = deque()  # not yet prefilling
         self._prefilling: list[_Request] = []  # holding a prompt slot, prefill incomplete
@@ -471,6 +531,18 @@ class NativeEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache holds now (0 while asleep or before the first request)."""
         return self._cache.nbytes
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes the prefix cache holds now (within ``kv_cache_memory_bytes`` with the slot cache)."""
+        return self._prefix_cache.nbytes if self._prefix_cache is not None else 0
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight storage the engine holds: parameters (fused) and any packed copy; 0
+        after ``sleep(level=2)``."""
+        packed = sum(t.numel() * t.element_size() for t in self._compact.packed_tensors())
+        return sum(nbytes for _, nbytes in self._weight_storages()) + packed
 
     async def generate(self, request: GenerationRequest) -> list[Trajectory]:
         """The ``request.params.n`` samples of one prompt, batched with concurrent requests."""
@@ -534,49 +606,131 @@ class NativeEngine:
         apply)``) is seen whole by every request, even while others are being served.
         """
         targets = self._model.state_dict(keep_vars=True)
+        covered: set[int] = set()  # ids of the parameters written, for a restore after sleep(level=2)
 
         def apply(bucket: list[tuple[str, torch.Tensor]]) -> None:
             check_bucket(bucket, targets)
             copy_bucket(bucket, targets)
+            covered.update(id(targets[name]) for name, _ in bucket)
 
         with self._model_lock, torch.no_grad():
+            # Keys and values computed with the old weights must never serve a new request.
+            self._weights_version += 1
+            self._clear_prefix_cache()
+            restoring = self._dropped_weights is not None
+            if restoring:
+                self._restore_weight_storage()
             try:
                 yield apply
+                if restoring:
+                    self._check_restored(covered)
+            except BaseException:
+                if restoring:
+                    self._drop_weight_storage()
+                raise
             finally:
                 # The fused tensors changed through the HF parameters (their views); a packed copy
                 # of them must follow before the next step (also after a failed update, which
                 # may have applied some buckets).
-                self._compact.repack()
+                if self._dropped_weights is None:
+                    self._compact.repack()
 
-    def sleep(self) -> None:
-        """Release the KV cache; ``generate`` refuses requests until ``wake_up``.
+    def sleep(self, level: int = 1) -> None:
+        """Release generation memory; ``generate`` refuses requests until ``wake_up``.
 
-        Requires an idle engine. On CUDA the allocator's cached blocks are returned to the device.
-        Weights stay resident (a colocated trainer typically owns and updates them in place).
+        Level 1 frees the KV cache and the prefix cache; the weights stay resident (a colocated
+        trainer typically owns and updates them in place). Level 2 also frees the weights' storage
+        (fused, packed and HF parameters keep their shapes, with no memory behind them): the next
+        weight update must then cover every parameter, and generating before one raises. Requires
+        an idle engine. On CUDA the allocator's cached blocks are returned to the device.
         """
+        if level not in (1, 2):
+            raise ValueError(f"NativeEngine.sleep(): level must be 1 or 2, got {level!r}")
         in_flight = self._count_in_flight()
         if in_flight:
             raise RuntimeError(
                 f"NativeEngine.sleep(): {in_flight} samples are still being generated; "
                 "await their requests before sleeping"
             )
-        self._asleep = True
-        self._cache.release()
-        if self._static_decoder is not None:
-            self._static_decoder.reset()  # the graphs read the released cache and hold pool memory
-        self._state.seen = None
+        with self._model_lock:
+            self._asleep = True
+            self._cache.release()
+            self._clear_prefix_cache()
+            if self._static_decoder is not None:
+                self._static_decoder.reset()  # the graphs read the released cache and hold pool memory
+            self._state.seen = None
+            if level == 2 and self._dropped_weights is None:
+                self._drop_weight_storage()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        """Rebuild the KV cache at its last size and accept requests again."""
+        """Rebuild the KV cache at its last size and accept requests again (after ``sleep(level=2)``
+        the weights come back with the next full weight update, before or after this)."""
         if self._asleep:
             self._cache.rebuild()
         self._asleep = False
 
+    # ------------------------------------------------------------------ weight storage (sleep level 2)
+
+    def _weight_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
+        """Each distinct storage behind the parameters (fused tensors included), with its bytes now.
+        The packed copy is opaque to torch (no storage to resize): it is dropped and rebuilt whole."""
+        seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for parameter in self._model.parameters():
+            storage = parameter.data.untyped_storage()
+            seen.setdefault(storage._cdata, (storage, storage.nbytes()))
+        return list(seen.values())
+
+    def _drop_weight_storage(self) -> None:
+        """Free every weight's storage in place: views keep their shape, offset and stride, so the
+        HF model and the compact forward point at the same tensors once it is re-allocated."""
+        self._compact.release_packed()
+        storages = self._weight_storages()
+        for storage, _ in storages:
+            if not storage.resizable():
+                raise RuntimeError(
+                    "NativeEngine.sleep(level=2): a weight lives in storage that cannot be freed in place "
+                    "(memory-mapped or borrowed from another library); use sleep(level=1)"
+                )
+        for storage, _ in storages:
+            storage.resize_(0)
+        self._dropped_weights = storages
+
+    def _restore_weight_storage(self) -> None:
+        assert self._dropped_weights is not None
+        for storage, nbytes in self._dropped_weights:
+            storage.resize_(nbytes)
+        # Zeros rather than whatever the allocator hands back, so a parameter that a failed update
+        # missed can never read as plausible weights.
+        for parameter in self._model.parameters():
+            parameter.data.zero_()
+        self._dropped_weights = None
+
+    def _check_restored(self, covered: set[int]) -> None:
+        """After ``sleep(level=2)`` a weight update must bring back every parameter."""
+        names = {id(parameter): name for name, parameter in self._model.named_parameters()}
+        missing = [name for key, name in names.items() if key not in covered]
+        if missing:
+            shown = ", ".join(repr(n) for n in sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+            raise RuntimeError(
+                f"NativeEngine: the weights were dropped by sleep(level=2) and this update left {len(missing)} "
+                f"parameters unset ({shown}); send every parameter (model.state_dict()) with update_weights"
+            )
+
+    def _clear_prefix_cache(self) -> None:
+        if self._prefix_cache is not None:
+            self._prefix_cache.clear()
+        self._pending_saves.clear()
+
     # ------------------------------------------------------------------ intake
 
     def _check_accepting(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._dropped_weights is not None:
+            raise RuntimeError(
+                "NativeEngine has no weights: sleep(level=2) dropped them; load every parameter with "
+                "update_weights(model.state_dict().items()) (and wake_up()) before generate()"
+            )
         if self._asleep:
             raise RuntimeError("NativeEngine is asleep: call wake_up() before generate()")
         task, bound = self._scheduler_task, self._scheduler_loop
@@ -638,6 +792,7 @@ class NativeEngine:
             stop_strings=StopStrings(self._tokenizer, params.stop) if params.stop else None,
             cache_length=len(request.prompt_ids) + max_tokens - 1,
             unfinished=params.n,
+            weights_version=self._weights_version,
         )
         # Unseeded requests draw a seed from the engine's generator: reproducible given the engine
         # seed and the order requests arrive in, and the same per-sample streams as seeded ones.
@@ -689,10 +844,13 @@ class NativeEngine:
             return None
         budget = self._max_prefill_tokens
         chunks, budget = self._continue_prefills(budget)
-        chunks += self._start_prefills(budget, live)
+        started, restores = self._start_prefills(budget, live)
+        chunks += started
         capacity = self._needed_capacity()
         admits: list[tuple[_Sample, int | None]] = []  # (sample, prompt slot to copy from)
-        completing = [c.request for c in chunks if c.end == c.request.prefix_length]
+        # Requests still listed as prefilling but complete got there this step (by chunks or by a
+        # full prefix-cache hit): _settle_queues moved earlier ones to _ready.
+        completing = [r for r in self._prefilling if r.prefilled == r.prefix_length]
         for request in [*self._ready, *completing]:
             take = min(self._free_rows(capacity, live + len(admits)), request.request.params.n - request.admitted)
             if take <= 0:
@@ -703,7 +861,7 @@ class NativeEngine:
         # out by _start_prefills, which ran above, so the next reuse comes after this step.
         self._settle_queues()
         moves, placed = self._place_rows(admits)
-        if not chunks and not self._rows:
+        if not chunks and not restores and not self._rows:
             # Unreachable while every admitted request fits the cache alone (checked at intake);
             # without this, a scheduling bug would spin here instead of failing loudly.
             raise RuntimeError("NativeEngine scheduler: requests are queued but none can start")
@@ -711,6 +869,7 @@ class NativeEngine:
         return _Plan(
             capacity=capacity,
             moves=moves,
+            restores=restores,
             chunks=chunks,
             admits=placed,
             batch_size=len(self._rows),
@@ -741,29 +900,77 @@ class NativeEngine:
             request.prefilled = end
         return chunks, budget
 
-    def _start_prefills(self, budget: int, live: int) -> list[_Chunk]:
+    def _start_prefills(self, budget: int, live: int) -> tuple[list[_Chunk], list[_Restore]]:
         """Start prefilling waiting prompts while their samples would find free rows.
 
         Demand-driven: prompts already prefilled or prefilling have first claim on the free rows,
         and a new prompt starts only when rows would otherwise stay empty, or when nothing at all is
-        running (so the engine always makes progress).
+        running (so the engine always makes progress). A prompt's longest cached prefix is copied
+        into its slot (a restore) and only the tokens after it are prefilled.
         """
         claimed = sum(r.request.params.n - r.admitted for r in (*self._ready, *self._prefilling))
         chunks: list[_Chunk] = []
+        restores: list[_Restore] = []
+        producing = self._blocks_in_prefill()
+        deferred: list[_Request] = []
         while self._waiting and budget > 0 and self._free_slots:
             request = self._waiting[0]
             free = self._free_rows(max(self._needed_capacity(), request.cache_length), live)
             if claimed >= free and (claimed or live):
                 break
             self._waiting.popleft()
+            if len(deferred) < MAX_DEFERRED_PROMPTS and self._next_block_in_prefill(request, producing):
+                # Its next prefix block is being computed by a prompt already prefilling (requests
+                # sharing a system prompt arrived together): wait a step and copy it instead.
+                deferred.append(request)
+                continue
+            producing.update(self._prefix_digests(request))
             request.prompt_slot = self._free_slots.pop()
-            end = min(request.prefix_length, budget)
-            chunks.append(_Chunk(request, request.prompt_slot, 0, end))
-            budget -= end
+            request.weights_version = self._weights_version
+            blocks = self._lookup(request)
+            if blocks:
+                restores.append(_Restore(request.prompt_slot, blocks))
+            start = len(blocks) * self._prefix_cache.block_size if self._prefix_cache is not None else 0
+            end = min(request.prefix_length, start + budget)
+            if end > start:
+                chunks.append(_Chunk(request, request.prompt_slot, start, end))
+            budget -= end - start
             request.prefilled = end
             self._prefilling.append(request)
             claimed += request.request.params.n
-        return chunks
+        self._waiting.extendleft(reversed(deferred))
+        return chunks, restores
+
+    def _prefix_digests(self, request: _Request) -> list[bytes]:
+        """The prefix-cache names of ``request``'s prefilled part (none with the cache off)."""
+        if self._prefix_cache is None:
+            return []
+        if request.digests is None:
+            request.digests = block_digests(request.prompt[: request.prefix_length], self._prefix_cache.block_size)
+        return request.digests
+
+    def _blocks_in_prefill(self) -> set[bytes]:
+        """Blocks that prompts now prefilling will add to the prefix cache when they complete."""
+        return {d for r in self._prefilling for d in self._prefix_digests(r)}
+
+    def _next_block_in_prefill(self, request: _Request, producing: set[bytes]) -> bool:
+        """Whether the first block of ``request`` that is not cached is being prefilled by another
+        prompt (progress is certain: that prompt keeps prefilling until it completes or fails)."""
+        if self._prefix_cache is None or not producing:
+            return False
+        digests = self._prefix_digests(request)
+        cached = self._prefix_cache.cached_count(digests)
+        return cached < len(digests) and digests[cached] in producing
+
+    def _lookup(self, request: _Request) -> list[CachedBlock]:
+        """The cached blocks of ``request``'s prefilled part (``prefix_length`` tokens), counted."""
+        if self._prefix_cache is None:
+            return []
+        blocks = self._prefix_cache.match_digests(self._prefix_digests(request))
+        self.stats.prefix_cache_queries += 1
+        self.stats.prefix_cache_query_tokens += request.prefix_length
+        self.stats.prefix_cache_hit_tokens += len(blocks) * self._prefix_cache.block_size
+        return blocks
 
     def _settle_queues(self) -> None:
         """Move fully prefilled prompts to ``_ready`` and fully started ones out, freeing their slots."""
@@ -827,6 +1034,7 @@ class NativeEngine:
         return owners | set(self._waiting) | set(self._prefilling) | set(self._ready)
 
     def _drop_everything(self) -> None:
+        self._pending_saves.clear()
         for request in (*self._prefilling, *self._ready):
             self._release_slot(request)
         self._waiting.clear()
@@ -848,6 +1056,7 @@ class NativeEngine:
         # Reallocated zeroed on the next step. Stale values past a row's length get attention weight
         # 0, but 0 x NaN is NaN: after non-finite logits no cached value can be trusted.
         self._cache.release()
+        self._clear_prefix_cache()
 
     @staticmethod
     def _fail_requests(owners: Iterable[_Request], failure: BaseException) -> None:
@@ -873,10 +1082,25 @@ class NativeEngine:
             self._append(sample, row, result)
             if sample.finish_reason is not None:
                 self._rows[row] = None
+                self._keep_finished(sample, row)
                 owner = sample.owner
                 owner.unfinished -= 1
                 if owner.unfinished == 0:
                     owner.future.set_result([s.to_trajectory() for s in owner.samples])
+        if self._pending_saves:
+            # Now, before the next plan looks anything up: the next turn of an episode that just
+            # finished arrives next and should find this turn's keys and values.
+            self._save_finished()
+
+    def _keep_finished(self, sample: _Sample, row: int) -> None:
+        """Queue a finished sample's row for the prefix cache (saved at the end of ``_apply``):
+        prompt + response, the last token excepted, whose keys and values would come only from
+        feeding it back."""
+        if self._prefix_cache is None:
+            return
+        tokens = sample.owner.prompt + sample.response_ids[:-1]
+        if len(tokens) >= self._prefix_cache.block_size:
+            self._pending_saves.append(_Save(row, tokens, sample.owner.weights_version))
 
     def _append(self, sample: _Sample, row: int, result: _StepResult) -> None:
         token = result.tokens[row]
@@ -923,16 +1147,67 @@ class NativeEngine:
                 sources, destinations = (list(side) for side in zip(*plan.moves, strict=True))
                 cache.move_rows(destinations, sources, plan.key_length)
                 self._state.move(sources, destinations)
+            if self._prefix_cache is not None:
+                # The slot cache has first claim on the budget: make room before it grows.
+                self._trim_prefix_cache(cache.planned_nbytes(plan.capacity))
             # After the moves, rows [0, batch_size) are all that must survive a reallocation.
             if not cache.ensure_capacity(plan.capacity, live_rows=plan.batch_size):
                 raise RuntimeError(f"KV cache cannot hold {plan.batch_size} rows of {plan.capacity} positions")
+            for restore in plan.restores:
+                keys = torch.cat([b.keys for b in restore.blocks], dim=-1)
+                values = torch.cat([b.values for b in restore.blocks], dim=-2)
+                cache.write_positions(cache.prompt_row(restore.slot), keys, values)
             if plan.chunks:
                 self._prefill(plan.chunks)
+                if self._prefix_cache is not None:
+                    self._save_rows([
+                        _Save(cache.prompt_row(c.slot), c.request.prompt[: c.end], c.request.weights_version)
+                        for c in plan.chunks if c.end == c.request.prefix_length
+                    ])
             if plan.admits:
                 self._admit(plan.admits)
             if plan.batch_size == 0:
                 return _StepResult(tokens=[], logprobs=[], top_ids=None, top_values=None)
             return self._decode(plan)
+
+    def _save_finished(self) -> None:
+        """Keep the rows of samples that finished this step (event-loop thread, between steps).
+
+        Copying a few blocks is short next to a step, so it runs here rather than costing a thread
+        hop. The lock is only ever busy now with a weight update in another thread, which makes
+        these rows stale anyway: they are dropped rather than waited for.
+        """
+        saves, self._pending_saves = self._pending_saves, []
+        if not self._model_lock.acquire(blocking=False):
+            return
+        try:
+            with torch.inference_mode():
+                if self._cache.is_allocated:
+                    self._save_rows(saves)
+        finally:
+            self._model_lock.release()
+
+    def _save_rows(self, saves: list[_Save]) -> None:
+        """Copy the full blocks of each row that the prefix cache lacks into it, then trim it to
+        what the budget leaves beside the slot cache."""
+        cache, prefix_cache = self._cache, self._prefix_cache
+        assert prefix_cache is not None
+        size = prefix_cache.block_size
+        for save in saves:
+            if save.weights_version != self._weights_version:
+                continue  # computed, at least in part, with weights since replaced
+            digests, missing = prefix_cache.missing(save.tokens)
+            blocks = {}
+            for index in missing:
+                keys, values = cache.read_positions(save.row, index * size, (index + 1) * size)
+                blocks[index] = CachedBlock(keys, values)
+            prefix_cache.insert(digests, blocks)
+        self._trim_prefix_cache(cache.nbytes)
+
+    def _trim_prefix_cache(self, slot_cache_bytes: int) -> None:
+        assert self._prefix_cache is not None
+        limit = self._cache.memory_budget_bytes - slot_cache_bytes
+        self.stats.prefix_cache_evicted_blocks += self._prefix_cache.trim(max(0, limit))
 
     def _prefill(self, chunks: list[_Chunk]) -> None:
         """One forward over prompt chunks, right-padded to the longest, writing their prompt slots."""

@@ -779,8 +779,9 @@ class OpenAIServer:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    async def server_stats(self) -> dict[str, int]:
-        return {**asdict(self.engine.stats), **asdict(self.stats)}
+    async def server_stats(self) -> dict[str, float]:
+        engine = self.engine.stats
+        return {**asdict(engine), "prefix_cache_hit_rate": engine.prefix_cache_hit_rate, **asdict(self.stats)}
 
     async def models(self) -> dict[str, Any]:
         card = {

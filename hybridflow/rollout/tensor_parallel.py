@@ -108,7 +108,11 @@ _REPLICATED = ("input_norm", "q_norm", "k_norm", "o_bias", "post_norm", "down_bi
 _CACHE_MIRRORED = ("ensure_capacity", "release", "rebuild", "move_rows", "copy_prompts", "zero_rows",
                    "zero_prompt_slots")
 _CACHE_ACCESS = ("decode_access", "prefill_access")
-_CACHE_READ_ONLY = ("rows_that_fit", "aligned", "fits_alone")
+_CACHE_READ_ONLY = ("rows_that_fit", "aligned", "fits_alone", "prompt_row", "planned_nbytes")
+# The prefix cache's copies out of and into rows: each rank would need its own block store of its
+# heads, which is not built, so a tensor-parallel engine runs without the prefix cache and never
+# calls these.
+_CACHE_PREFIX_ONLY = ("read_positions", "write_positions")
 # The same for CompactCausalLM (``_LeaderCompact`` overrides the mirrored ones).
 _COMPACT_MIRRORED = ("forward", "set_weight_layout", "repack")
 _COMPACT_READ_ONLY = ("from_hf",)
@@ -772,7 +776,10 @@ def build_tp_engine(
         raise NotImplementedError(f"a tensor-parallel engine decodes eagerly; decode_mode={decode_mode!r} is not supported")
     if size == 1:
         return TensorParallelLeader(NativeEngine(model=model, decode_mode="eager", **engine_kwargs), None, 1)
-    _check_classified(SlotKVCache, _CACHE_MIRRORED, _CACHE_ACCESS, _CACHE_READ_ONLY)
+    if engine_kwargs.get("enable_prefix_caching", True):
+        logger.info("tensor-parallel replica: the prefix cache is off (not built for split KV caches)")
+    engine_kwargs["enable_prefix_caching"] = False
+    _check_classified(SlotKVCache, _CACHE_MIRRORED, _CACHE_ACCESS, _CACHE_READ_ONLY, _CACHE_PREFIX_ONLY)
     _check_classified(CompactCausalLM, _COMPACT_MIRRORED, _COMPACT_READ_ONLY)
     device = torch.device(engine_kwargs.get("device", "cpu"))
     backend = dist.get_backend(group)

@@ -70,6 +70,7 @@ class RolloutSetup:
     max_logprob_mismatch: float | None = None
     # A tensor-parallel replica's collectives fail after this long instead of hanging on a dead rank.
     tp_timeout_s: float = 60.0
+    enable_prefix_caching: bool = True  # rollout.enable_prefix_caching
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -128,6 +129,7 @@ class RolloutWorker:
             tokenizer=tokenizer,
             enforce_eager=setup.enforce_eager,
             max_logprob_mismatch=setup.max_logprob_mismatch,
+            enable_prefix_caching=setup.enable_prefix_caching,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
 

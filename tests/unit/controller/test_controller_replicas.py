@@ -59,6 +59,7 @@ def test_round_metrics_and_token_counts(model_dir) -> None:
     generated = sum(len(t.response_ids) for g in groups for t in g)
     assert metrics["rollout/generated_tokens"] == generated
     assert metrics["rollout/prefill_tokens"] > 0
+    assert 0.0 <= metrics["rollout/prefix_cache_hit_rate"] <= 1.0
     assert metrics["rollout/replica_load_imbalance"] >= 1.0
     assert metrics["rollout/replica_0/tokens_per_s"] > 0 and metrics["rollout/replica_1/tokens_per_s"] > 0
     assert two.take_metrics() == {}  # taken
@@ -77,6 +78,18 @@ def test_sleep_frees_the_kv_caches_and_the_next_generation_wakes_them(model_dir)
     kept.generate(requests())
     kept.sleep()  # rollout.free_cache_engine=false: a no-op
     assert kept.groups[0].call_one(0, _engine).kv_cache_bytes > 0
+
+
+def test_the_prefix_cache_hit_rate_reaches_the_metrics(model_dir) -> None:
+    one = replicas(model_dir, 1)
+    first = [GenerationRequest(list(range(3 + i, 43 + i)), SamplingParams(n=1, max_tokens=12, seed=i)) for i in range(4)]
+    answers = one.generate(first)
+    assert one.take_metrics()["rollout/prefix_cache_hit_rate"] == 0.0  # nothing cached yet
+    # Each episode's next turn: its prompt, the sampled response and a tool reply.
+    turns = [GenerationRequest(r.prompt_ids + a[0].response_ids + [7] * 5, SamplingParams(n=1, max_tokens=4, seed=1))
+             for r, a in zip(first, answers, strict=True)]
+    one.generate(turns)
+    assert one.take_metrics()["rollout/prefix_cache_hit_rate"] > 0.5
 
 
 def _engine(worker: RolloutWorker):
