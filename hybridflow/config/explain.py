@@ -222,7 +222,8 @@ def _replica_line(cfg: Config) -> str:
     """Where generation runs: how many engine replicas, on which ranks and devices."""
     t = cfg.trainer
     replicas = rollout_replicas(cfg)
-    sleep = ("KV caches freed after each step's generation (rollout.free_cache_engine=true)"
+    freed = "KV caches" if cfg.rollout.sleep_level == 1 else "KV caches and engine weights (rollout.sleep_level=2)"
+    sleep = (f"{freed} freed after each step's generation (rollout.free_cache_engine=true)"
              if cfg.rollout.free_cache_engine else "KV caches kept between steps (rollout.free_cache_engine=false)")
     if t.backend == "local":
         return f"rollout replicas: 1, in this process, tensor parallel 1 (trainer.backend=local); {sleep}"

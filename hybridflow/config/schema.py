@@ -278,6 +278,10 @@ class RolloutConfig:
         "logprobs and updates (verl's key; the next generation rebuilds them): lower peak memory for a rebuild per "
         "step.",
     )
+    sleep_level: int = f(
+        1, "What rollout.free_cache_engine frees: 1, the KV caches; 2, the engines' weights too (the weight sync "
+        "after the update restores them; saves a model copy per replica during training for a full copy per sync).",
+    )
     enable_prefix_caching: bool = f(
         True, "Keep the keys and values of finished prompts and responses (16-token blocks, least recently "
         "used evicted within the KV cache budget) so that a prompt opening with an already computed prefix (the "

@@ -61,6 +61,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("rollout.n", 1),
     ("rollout.max_batch_size", 1),
     ("rollout.tensor_model_parallel_size", 1),
+    ("rollout.sleep_level", 1),
     ("rollout.val_kwargs.n", 1),
     ("rollout.multi_turn.max_assistant_turns", 1),
     ("rollout.multi_turn.max_parallel_calls", 1),
@@ -94,6 +95,7 @@ _MAXIMA: tuple[tuple[str, int, str], ...] = (
     ("data.max_response_length", 1 << 20, "tokens"),
     ("rollout.max_batch_size", 1 << 16, "sequences decoded together"),
     ("rollout.tensor_model_parallel_size", 1024, "ranks per rollout replica"),
+    ("rollout.sleep_level", 2, "(1: KV cache, 2: KV cache and weights)"),
     ("rollout.multi_turn.max_assistant_turns", 1024, "turns per episode"),
     ("rollout.multi_turn.max_parallel_calls", 1024, "tool calls per turn"),
     ("rollout.multi_turn.max_tool_response_length", 1 << 20, "characters"),
@@ -652,6 +654,9 @@ def _check_backend(cfg: Config, report: _Report) -> None:
             f"rollout.tensor_model_parallel_size={tp} must divide the {dp} data-parallel ranks ({dp_source(t)}): "
             f"each rollout replica spans {tp} of them"
         )
+    if tp > 1 and cfg.rollout.sleep_level == 2 and cfg.rollout.free_cache_engine:
+        report.error(f"rollout.sleep_level=2 (drop the weights between steps) is not built for tensor-parallel replicas "
+                     f"(rollout.tensor_model_parallel_size={tp}); use rollout.sleep_level=1")
     if tp > 1 and cfg.rollout.name != "native":
         report.error(f"rollout.tensor_model_parallel_size={tp} is built for rollout.name=native, not "
                      f"{cfg.rollout.name!r}")

@@ -43,12 +43,13 @@ def replica_role(index: int) -> str:
 class RolloutReplicas:
     """The rollout replicas (one worker group each) behind one router."""
 
-    def __init__(self, groups: Sequence[WorkerGroup[RolloutWorker]], *, free_cache_engine: bool) -> None:
+    def __init__(self, groups: Sequence[WorkerGroup[RolloutWorker]], *, free_cache_engine: bool,
+                 sleep_level: int = 1) -> None:
         if not groups:
             raise ValueError("RolloutReplicas needs at least one replica")
         self.groups = list(groups)
         self.router = ReplicaRouter(len(self.groups))
-        self.free_cache_engine = free_cache_engine
+        self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
         self._metrics: list[dict[str, float]] = []  # one per generation round since take_metrics
 
@@ -118,10 +119,10 @@ class RolloutReplicas:
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Free the replicas' KV caches until the next ``generate`` (no-op unless
-        ``rollout.free_cache_engine``)."""
+        """Free the replicas' KV caches (and weights, ``rollout.sleep_level=2``; the next weight
+        sync restores them) until the next ``generate`` (no-op unless ``rollout.free_cache_engine``)."""
         if self.free_cache_engine and not self._asleep:
-            self._each(RolloutWorker.sleep)
+            self._each(RolloutWorker.sleep, self.sleep_level)
             self._asleep = True
 
     def wake_up(self) -> None:

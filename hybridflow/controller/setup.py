@@ -177,7 +177,7 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
         for group in groups:  # nobody else holds the replicas started so far
             group.close()
         raise
-    return RolloutReplicas(groups, free_cache_engine=cfg.rollout.free_cache_engine)
+    return RolloutReplicas(groups, free_cache_engine=cfg.rollout.free_cache_engine, sleep_level=cfg.rollout.sleep_level)
 
 
 def resolve_output_dir(cfg: Config) -> Path:

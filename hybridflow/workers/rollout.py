@@ -186,9 +186,10 @@ class RolloutWorker:
         after = _engine_counts(self.engine)
         return ReplicaOutput(trajectories, seconds, {k: after[k] - before.get(k, 0.0) for k in after})
 
-    def sleep(self) -> None:
-        """Free generation memory (the KV cache) while the trainer works (``rollout.free_cache_engine``)."""
-        self.engine.sleep()
+    def sleep(self, level: int = 1) -> None:
+        """Free generation memory while the trainer works (``rollout.free_cache_engine``): the KV
+        cache, and at level 2 the weights too (the next full weight update restores them)."""
+        self.engine.sleep(level)
 
     def wake_up(self) -> None:
         self.engine.wake_up()

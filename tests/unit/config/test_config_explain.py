@@ -185,6 +185,9 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.tensor_model_parallel_size=2"], "trainer.backend=local runs in this one"),
+    (["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2", "rollout.sleep_level=2"],
+     "rollout.sleep_level=2 .* is not built for tensor-parallel replicas"),
+    (["rollout.sleep_level=3"], "rollout.sleep_level"),
     (["trainer.backend=ray", "trainer.n_workers=3", "data.train_batch_size=24", "actor.ppo_mini_batch_size=3",
       "rollout.tensor_model_parallel_size=2"], "must divide the 3 data-parallel ranks"),
 ])

@@ -8,6 +8,7 @@ import torch
 
 from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerError
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
+from hybridflow.models.loading import load_causal_lm
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.types import GenerationRequest, SamplingParams
 from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
@@ -22,11 +23,11 @@ def model_dir(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("replicas") / "model", spec, seed=3))
 
 
-def replicas(model_dir: str, count: int, *, free_cache_engine: bool = True) -> RolloutReplicas:
+def replicas(model_dir: str, count: int, *, free_cache_engine: bool = True, sleep_level: int = 1) -> RolloutReplicas:
     setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
                          max_batch_size=32, seed=0)
     groups = [LocalWorkerGroup(replica_role(k), lambda r, w: RolloutWorker(r, w, setup)) for k in range(count)]
-    return RolloutReplicas(groups, free_cache_engine=free_cache_engine)
+    return RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=sleep_level)
 
 
 def requests() -> list[GenerationRequest]:
@@ -78,6 +79,18 @@ def test_sleep_frees_the_kv_caches_and_the_next_generation_wakes_them(model_dir)
     kept.generate(requests())
     kept.sleep()  # rollout.free_cache_engine=false: a no-op
     assert kept.groups[0].call_one(0, _engine).kv_cache_bytes > 0
+
+
+def test_sleep_level_two_drops_the_weights_until_the_next_sync_brings_them(model_dir) -> None:
+    two = replicas(model_dir, 2, sleep_level=2)
+    first = two.generate(requests())
+    engines = [group.call_one(0, _engine) for group in two.groups]
+    held = [e.weight_bytes for e in engines]
+    two.sleep()
+    assert all(before > 0 for before in held) and all(e.weight_bytes == 0 for e in engines)
+    two.update_weights(load_causal_lm(model_dir).state_dict().items())  # what the sync after the update does
+    assert [e.weight_bytes for e in engines] == held
+    assert _tokens(two.generate(requests())) == _tokens(first)
 
 
 def test_the_prefix_cache_hit_rate_reaches_the_metrics(model_dir) -> None:
