@@ -115,7 +115,9 @@ _CACHE_READ_ONLY = ("rows_that_fit", "aligned", "fits_alone", "prompt_row", "pla
 _CACHE_PREFIX_ONLY = ("read_positions", "write_positions")
 # The same for CompactCausalLM (``_LeaderCompact`` overrides the mirrored ones).
 _COMPACT_MIRRORED = ("forward", "set_weight_layout", "repack")
-_COMPACT_READ_ONLY = ("from_hf",)
+# ``release_packed`` (sleep level 2) acts on the leader alone: a follower keeping its packed copy
+# is only memory, and the mirrored ``repack`` rebuilds every rank's.
+_COMPACT_READ_ONLY = ("from_hf", "packed_tensors", "release_packed")
 
 
 class TensorParallelError(RuntimeError):
