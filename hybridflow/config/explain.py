@@ -238,9 +238,13 @@ def _replica_line(cfg: Config) -> str:
     more = f", ... (up to replica {replicas - 1})" if replicas > 4 else ""
     split = ("" if tp == 1 else "; heads, MLP and KV cache split over each replica's ranks, its first rank samples "
              "(rollout.tensor_model_parallel_size)")
-    return (f"rollout replicas: {replicas}, tensor parallel {tp}, each in its ranks' placements next to those actor "
-            f"ranks ({where}{more}){split}; requests placed by the router on the replica with the fewest in-flight "
-            f"tokens; {sleep}")
+    if cfg.rollout.placement == "split":
+        pool = (f"in a resource pool of their own (rollout.placement=split: {replicas * tp} more {unit}s beside the "
+                f"trainer's)")
+    else:
+        pool = "each in its ranks' placements next to those actor ranks"
+    return (f"rollout replicas: {replicas}, tensor parallel {tp}, {pool} ({where}{more}){split}; requests placed by "
+            f"the router on the replica with the fewest in-flight tokens; {sleep}")
 
 
 def explain_config(cfg: Config) -> str:

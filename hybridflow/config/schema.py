@@ -273,6 +273,13 @@ class RolloutConfig:
         False, "Decode without CUDA graphs on a GPU (they replay each decode step with one launch; captured "
         "lazily per batch and key-length bucket). No effect on a CPU, which always decodes eagerly.",
     )
+    placement: str = f(
+        "colocated",
+        "Where the rollout replicas run on Ray: colocated (replica k in the placement bundles of the actor ranks it "
+        "takes its ranks from, sharing their devices; generation and training take turns) | split (a resource pool "
+        "of its own with as many bundles as the trainer's: other GPUs, or other CPU slots, than the actor's).",
+        choices=("colocated", "split"),
+    )
     free_cache_engine: bool = f(
         True, "Free the rollout engines' KV caches after each step's generation, while the actor computes "
         "logprobs and updates (verl's key; the next generation rebuilds them): lower peak memory for a rebuild per "

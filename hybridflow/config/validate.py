@@ -643,6 +643,9 @@ def _check_backend(cfg: Config, report: _Report) -> None:
             f"trainer.n_workers={t.n_workers} counts CPU ranks, but trainer.device=cuda: GPU ranks are "
             f"trainer.n_gpus_per_node x trainer.nnodes; set n_workers to null"
         )
+    if cfg.rollout.placement == "split" and t.backend == "local":
+        report.error("rollout.placement=split gives the rollout a resource pool of its own, but trainer.backend=local "
+                     "runs every role in this process; use trainer.backend=ray, or rollout.placement=colocated")
     tp = cfg.rollout.tensor_model_parallel_size
     if tp > 1 and t.backend == "local":
         report.error(

@@ -143,7 +143,7 @@ class RunSetup:
     tracker: Tracker
     progress: ProgressBar
     warnings: list[str] = field(default_factory=list)
-    pool: ResourcePool | None = None  # Ray resources reserved for the trainer ranks
+    pools: list[ResourcePool] = field(default_factory=list)  # Ray resources reserved (trainer, split rollout)
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
 
     def close(self) -> None:
@@ -158,8 +158,8 @@ class RunSetup:
         for group in groups:
             if group is not None:
                 group.close()
-        if self.pool is not None:
-            self.pool.close()
+        for pool in self.pools:
+            pool.close()
 
 
 def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None) -> RolloutReplicas:
@@ -470,9 +470,11 @@ def build_run(cfg: Config) -> RunSetup:
         raise ConfigError(f"trainer.n_workers={t.n_workers} counts CPU ranks, but this run computes on {device}: "
                           "GPU ranks are trainer.n_gpus_per_node x trainer.nnodes; set trainer.n_workers=null")
     with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward)
-    pool, placements = reserve_placements(
+    split = cfg.rollout.placement == "split"
+    pools, placements = reserve_placements(
         t.backend, data_parallel_size=dp, device=device,
-        colocated_roles=["actor", "rollout", *(["reference"] if with_reference else [])],
+        colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if with_reference else [])],
+        split_roles=["rollout"] if split else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
     )
     common = dict(trust_remote_code=cfg.model.trust_remote_code)
@@ -516,6 +518,6 @@ def build_run(cfg: Config) -> RunSetup:
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
-        tracker=tracker, progress=progress, warnings=warnings, pool=pool, weight_sync=weight_sync,
+        tracker=tracker, progress=progress, warnings=warnings, pools=pools, weight_sync=weight_sync,
     )
 

@@ -48,7 +48,7 @@ def test_backend_factory_names_every_backend_and_ray_needs_a_placement() -> None
         build_worker_group("ray", "actor", Counter, 1)
     assert isinstance(build_worker_group("local", "actor", Counter, 1), LocalWorkerGroup)
     cpu = torch.device("cpu")
-    assert reserve_placements("local", data_parallel_size=1, device=cpu, colocated_roles=["actor"]) == (None, {})
+    assert reserve_placements("local", data_parallel_size=1, device=cpu, colocated_roles=["actor"]) == ([], {})
     with pytest.raises(ValueError, match=r"trainer.backend='slurm'"):
         reserve_placements("slurm", data_parallel_size=1, device=cpu, colocated_roles=["actor"])
 

@@ -180,6 +180,10 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
     tp = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4",
                                                        "rollout.tensor_model_parallel_size=2"])))
     assert "rollout replicas: 2, tensor parallel 2" in tp
+    split = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=2",
+                                                          "rollout.placement=split"])))
+    assert "rollout replicas: 2, tensor parallel 1, in a resource pool of their own (rollout.placement=split: 2 more " \
+           "CPU ranks beside the trainer's)" in split
     assert "(replica 0: CPU ranks 0-1, replica 1: CPU ranks 2-3); heads, MLP and KV cache split" in tp
 
 
@@ -188,6 +192,7 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
     (["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2", "rollout.sleep_level=2"],
      "rollout.sleep_level=2 .* is not built for tensor-parallel replicas"),
     (["rollout.sleep_level=3"], "rollout.sleep_level"),
+    (["rollout.placement=split"], "rollout.placement=split gives the rollout a resource pool of its own"),
     (["trainer.backend=ray", "trainer.n_workers=3", "data.train_batch_size=24", "actor.ppo_mini_batch_size=3",
       "rollout.tensor_model_parallel_size=2"], "must divide the 3 data-parallel ranks"),
 ])
