@@ -166,9 +166,9 @@ def median_tokens_per_s(run: Callable[[], int], warm_up: Callable[[], int], repe
     return statistics.median(rates), tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=("tiny", "qwen2-20m"))
+def add_workload_args(parser: argparse.ArgumentParser, model: str = "tiny") -> None:
+    """The long-tailed GRPO workload's options (shared with ``rollout_replicas.py``)."""
+    parser.add_argument("--model", default=model, choices=("tiny", "qwen2-20m"))
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -176,6 +176,11 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--max-batch-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (fixed for comparability)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--device", default="cpu")

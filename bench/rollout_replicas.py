@@ -32,6 +32,7 @@ from rollout_long_tail import (  # noqa: E402
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     EngineOracle,
+    add_workload_args,
     build_model,
     build_prompts,
     engine_run,
@@ -101,14 +102,7 @@ def place(count: int, prompts: list[list[int]], args: argparse.Namespace) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2-20m", choices=("tiny", "qwen2-20m"))
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--median-tokens", type=float, default=32.0)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--max-batch-size", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_workload_args(parser, model="qwen2-20m")
     args = parser.parse_args()
 
     prompts = build_prompts(args.prompts)
