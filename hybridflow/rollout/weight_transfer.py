@@ -261,23 +261,25 @@ def send_weights(
     it. If ``weights`` raises, the receivers are told to abort and the error propagates here.
     """
     planned = plan_buckets(weights, max_bucket_bytes)
-    return send_buckets(group, ([(entry, _rows_view(entry)) for entry in bucket] for bucket in planned))
+    return send_buckets(group, ((bucket, map(_rows_view, bucket)) for bucket in planned))
 
 
 def _rows_view(entry: WeightSlice) -> torch.Tensor:
     return entry.tensor if entry.rows is None else entry.tensor[entry.rows[0] : entry.rows[1]]
 
 
-def send_buckets(group: WeightSyncGroup, buckets: Iterable[list[tuple[WeightSlice, torch.Tensor]]]) -> TransferStats:
-    """``send_weights`` of buckets planned by the caller, each entry with its bytes (the whole
-    tensor, or the rows of a slice): a sharded trainer plans its buckets from the shards' full
-    shapes and gathers each one only when it is asked for the next
+def send_buckets(
+    group: WeightSyncGroup, buckets: Iterable[tuple[list[WeightSlice], Iterable[torch.Tensor]]]
+) -> TransferStats:
+    """``send_weights`` of buckets planned by the caller, each as its entries and their bytes in
+    that order (the whole tensor, or the rows of a slice): a sharded trainer plans its buckets
+    from the shards' full shapes and gathers each tensor only when it is asked for it
     (``distributed.lead_bucket_gathers``).
 
-    A bucket is taken from ``buckets`` only after the previous one was sent, and no reference to
-    it is kept once it is flattened (before its header goes out), so a lazy iterator's tensors
-    are freed before the next bucket is materialised: the sender's extra memory is one bucket
-    plus the flat buffer. The receivers apply bucket k while the sender materialises k + 1."""
+    A bucket is taken from ``buckets`` only after the previous one was sent, and each tensor is
+    copied into the flat buffer and dropped before the next one is asked for, so a lazy
+    iterator's tensors are freed as they go: the sender's extra memory is the flat buffer (one
+    bucket) plus one tensor. The receivers apply bucket k while the sender materialises k + 1."""
     if not group.is_sender:
         raise ValueError(f"send_weights runs on rank {SENDER_RANK} of the weight-sync group, not rank {group.rank}")
     start = time.perf_counter()
@@ -300,7 +302,7 @@ def send_buckets(group: WeightSyncGroup, buckets: Iterable[list[tuple[WeightSlic
 
 
 def _prepare_or_abort(
-    group: WeightSyncGroup, buckets: Iterator[list[tuple[WeightSlice, torch.Tensor]]], scratch: _Scratch
+    group: WeightSyncGroup, buckets: Iterator[tuple[list[WeightSlice], Iterable[torch.Tensor]]], scratch: _Scratch
 ) -> tuple[list[TensorSpec], torch.Tensor] | None:
     """The next bucket's specs and flat bytes, None at the end.
 
@@ -312,37 +314,49 @@ def _prepare_or_abort(
         bucket = next(buckets, None)
         if bucket is None:
             return None
-        specs = [_spec_of(entry, data) for entry, data in bucket]
-        if len(bucket) == 1 and _sendable_as_is(bucket[0][1], scratch.device):
-            # A tensor or row slice alone in its bucket (often a slice of one larger than a
-            # bucket: the embedding) travels from its own bytes, no copy; the scratch, if smaller,
-            # is dropped rather than held beside it, so the sender's peak stays one bucket.
-            tensor = bucket[0][1]
-            scratch.release_below(tensor.numel() * tensor.element_size())
-            return specs, _as_bytes(tensor)
-        return specs, _flatten(bucket, specs, scratch)
+        entries, tensors = bucket
+        del bucket
+        specs = [TensorSpec(e.name, tuple(e.tensor.shape), e.tensor.dtype, e.rows) for e in entries]
+        data = iter(tensors)
+        if len(specs) == 1:
+            tensor = _checked(specs[0], next(data))
+            if _sendable_as_is(tensor, scratch.device):
+                # A tensor or row slice alone in its bucket (often a slice of one larger than a
+                # bucket: the embedding) travels from its own bytes, no copy; the scratch, unless
+                # larger, is dropped rather than held beside it (a received slice is about a bucket,
+                # as is the scratch): the peak stays one bucket, at the cost of allocating the
+                # scratch again after a run of such tensors.
+                scratch.release_unless_larger(tensor.numel() * tensor.element_size())
+                return specs, _as_bytes(tensor)
+            data = iter([tensor])
+            del tensor
+        return specs, _flatten(specs, data, scratch)
     except Exception as exc:
         group.broadcast_json({"abort": f"{type(exc).__name__}: {exc}"})
         raise
 
 
-def _spec_of(entry: WeightSlice, data: torch.Tensor) -> TensorSpec:
-    """The manifest entry of a planned tensor or slice, checked against the bytes about to go."""
-    spec = TensorSpec(entry.name, tuple(entry.tensor.shape), entry.tensor.dtype, entry.rows)
+def _checked(spec: TensorSpec, data: torch.Tensor) -> torch.Tensor:
+    """``data``, once it is seen to be the bytes the manifest entry announces."""
     if tuple(data.shape) != spec.data_shape or data.dtype != spec.dtype:
         raise ValueError(f"weight sync: {spec.describe()} was planned as {spec.data_shape} {spec.dtype} but its data "
                          f"is {tuple(data.shape)} {data.dtype}")
-    return spec
+    return data
 
 
-def _flatten(
-    bucket: list[tuple[WeightSlice, torch.Tensor]], specs: list[TensorSpec], scratch: _Scratch
-) -> torch.Tensor:
-    """The bucket's bytes at ``_layout`` offsets in one uint8 buffer (``scratch``'s)."""
+def _flatten(specs: list[TensorSpec], data: Iterator[torch.Tensor], scratch: _Scratch) -> torch.Tensor:
+    """The bucket's bytes at ``_layout`` offsets in one uint8 buffer (``scratch``'s), each tensor
+    taken from ``data`` only once the previous one was copied and dropped."""
     offsets, total = _layout(specs)
     flat = scratch.take(total)
-    for (_, tensor), spec, offset in zip(bucket, specs, offsets, strict=True):
-        flat[offset : offset + spec.nbytes].copy_(_as_bytes(tensor))
+    for spec, offset in zip(specs, offsets, strict=True):
+        tensor = next(data, None)
+        if tensor is None:
+            raise ValueError(f"weight sync: no bytes were given for {spec.describe()}")
+        flat[offset : offset + spec.nbytes].copy_(_as_bytes(_checked(spec, tensor)))
+        del tensor  # before the next one is gathered
+    if next(data, None) is not None:
+        raise ValueError(f"weight sync: a bucket of {len(specs)} tensor(s) was given more bytes than that")
     return flat
 
 
@@ -535,9 +549,9 @@ class _Scratch:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffer[:nbytes]
 
-    def release_below(self, nbytes: int) -> None:
-        """Drop the buffer if it is smaller than ``nbytes`` (a tensor about to be sent as is)."""
-        if self._buffer is not None and self._buffer.numel() < nbytes:
+    def release_unless_larger(self, nbytes: int) -> None:
+        """Drop the buffer unless it is larger than ``nbytes`` (a tensor about to be sent as is)."""
+        if self._buffer is not None and self._buffer.numel() <= nbytes:
             self._buffer = None
 
 

@@ -30,7 +30,7 @@ import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -329,36 +329,62 @@ _GATHER_DONE = "done"
 
 
 @contextmanager
-def lead_bucket_gathers(buckets: Iterable[list[P]]) -> Iterator[Iterator[list[tuple[P, torch.Tensor]]]]:
-    """Rank 0's side of a lockstep gather: yields an iterator of the buckets, each entry paired
-    with its bytes (the full tensor, or its rows), each bucket gathered only when the consumer
-    asks for it.
+def lead_bucket_gathers(buckets: Iterable[list[P]]) -> Iterator[Iterator[tuple[list[P], Iterator[torch.Tensor]]]]:
+    """Rank 0's side of a lockstep gather: yields an iterator of the buckets, each as its planned
+    entries and an iterator of their bytes (the full tensor, or a slice's rows), in that order,
+    each gathered only when the consumer asks for it.
 
     ``buckets`` holds this rank's weights as ``model.state_dict()`` lists them (DTensors when
     sharded), grouped the same way on every rank (planned from names, full shapes and dtypes;
     a tensor larger than a bucket as row slices cut at ``shard_row_cuts``). Before gathering a
     bucket rank 0 tells the other ranks to join (``follow_bucket_gathers``); on leaving the block
-    it tells them how the stream ended: done, or the error that left it, which they return. So
-    a consumer that stops early (a receiver refused a bucket) leaves no rank waiting in a gather
+    it finishes the bucket's gathers the consumer did not ask for (the others are in them) and
+    tells them how the stream ended: done, or the error that left it, which they return. So a
+    consumer that stops early (a receiver refused a bucket) leaves no rank waiting in a gather
     that will not come.
 
-    Memory: a bucket's tensors are referenced only by the list handed to the consumer, not kept
-    here, so they are freed as soon as the consumer drops that list; a row slice is received
-    alone (``gather_rows``), so no rank holds more than about one bucket. One rank: no collective
-    at all, and the tensors are the model's own (plain tensors and their row slices are views)."""
+    Memory: each tensor is referenced only by the consumer once yielded, not kept here, so a
+    consumer that copies it out and drops it before asking for the next (``send_buckets``)
+    holds one tensor beside its flat buffer, never a whole bucket of gathered tensors; a row
+    slice is received alone (``gather_rows``). One rank: no collective at all, and the tensors
+    are the model's own (plain tensors and their row slices are views)."""
+    lead = _LeadGathers(buckets)
     try:
-        yield _gathered(buckets)
+        yield iter(lead)
     except BaseException as exc:
+        lead.finish_bucket()
         broadcast_text(f"{type(exc).__name__}: {exc}")
         raise
+    lead.finish_bucket()
     broadcast_text(_GATHER_DONE)
 
 
-def _gathered(buckets: Iterable[list[P]]) -> Iterator[list[tuple[P, torch.Tensor]]]:
-    for bucket in buckets:
-        broadcast_text(None)  # the others join this bucket's gathers
+class _LeadGathers(Generic[P]):
+    """The buckets ``lead_bucket_gathers`` hands out, and the one being gathered."""
+
+    def __init__(self, buckets: Iterable[list[P]]) -> None:
+        self._buckets = buckets
+        self._pending: Iterator[torch.Tensor] | None = None
+
+    def __iter__(self) -> Iterator[tuple[list[P], Iterator[torch.Tensor]]]:
+        for bucket in self._buckets:
+            self.finish_bucket()  # the consumer skipped some of the previous bucket's bytes
+            broadcast_text(None)  # the others join this bucket's gathers
+            self._pending = _gathered(bucket)
+            yield bucket, self._pending
+
+    def finish_bucket(self) -> None:
+        """Join the current bucket's remaining gathers, dropping their results."""
+        if self._pending is not None:
+            for _ in self._pending:
+                pass
+            self._pending = None
+
+
+def _gathered(bucket: list[P]) -> Iterator[torch.Tensor]:
+    for entry in bucket:
         # Yielded without a local name: this frame keeps no reference while the consumer works.
-        yield [(entry, _on_rank_zero(_materialise(entry), entry)) for entry in bucket]
+        yield _on_rank_zero(_materialise(entry), entry)
 
 
 def _on_rank_zero(data: torch.Tensor | None, entry: PlannedTensor) -> torch.Tensor:

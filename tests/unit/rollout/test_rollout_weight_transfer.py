@@ -34,7 +34,7 @@ from hybridflow.rollout.weight_transfer import (
     send_buckets,
     send_weights,
 )
-from hybridflow.rollout.weights import NamedTensor, plan_buckets
+from hybridflow.rollout.weights import NamedTensor, WeightSlice, plan_buckets
 from hybridflow.training.distributed import free_port
 from hybridflow.types import GenerationRequest, SamplingParams
 
@@ -86,12 +86,12 @@ def failing_midway(weights: dict[str, torch.Tensor]) -> Iterator[NamedTensor]:
         yield pair
 
 
-def without_last_slice(weights: dict[str, torch.Tensor]) -> Iterator[list[Any]]:
+def without_last_slice(weights: dict[str, torch.Tensor]) -> Iterator[tuple[list[WeightSlice], Iterator[torch.Tensor]]]:
     """The buckets of ``weights`` with the last row slice of ``SLICED`` left out."""
     for bucket in plan_buckets(weights.items(), BUCKET_BYTES):
         kept = [entry for entry in bucket if not (entry.name == SLICED and entry.rows and entry.rows[1] == 272)]
         if kept:
-            yield [(entry, _rows_view(entry)) for entry in kept]
+            yield kept, map(_rows_view, kept)
 
 
 def run_sender(group: WeightSyncGroup) -> dict[str, Any]:
