@@ -71,9 +71,12 @@ def plan_buckets(
     row slices of at most ``max_bucket_bytes`` (dim 0; at least one row), so that no side ever
     materialises more than about one bucket of it.
 
-    ``row_cuts(tensor)`` lists rows where a slice must end: a sharded trainer's shard boundaries,
-    so that each slice comes from one rank's shard (``distributed.shard_row_cuts``). Planned from
-    names, shapes and dtypes only: every rank given the same weights makes the same plan."""
+    ``row_cuts(tensor)`` lists rows where a slice must end: a sharded trainer's shard boundaries
+    (``distributed.shard_row_cuts``), so that each slice comes from one rank's shard. A tensor
+    with a cut is sliced even if it fits a bucket: its owners send their rows to the sender
+    instead of every rank all-gathering it, which holds the whole tensor twice on the sender
+    while it runs (gloo) and moves it to ranks that drop it. Planned from names, shapes and dtypes
+    only: every rank given the same weights makes the same plan."""
     if max_bucket_bytes < 1:
         raise ValueError(f"max_bucket_bytes must be >= 1, got {max_bucket_bytes}")
     bucket: list[WeightSlice] = []
@@ -92,14 +95,18 @@ def plan_buckets(
 def _row_slices(
     name: str, tensor: torch.Tensor, max_bytes: int, row_cuts: Callable[[torch.Tensor], Sequence[int]] | None
 ) -> Iterator[WeightSlice]:
-    """The tensor whole if it fits a bucket (or has no rows to split), else its row slices."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes <= max_bytes or tensor.dim() == 0 or tensor.shape[0] < 2:
+    """The tensor whole if it fits a bucket and has no cut inside (or has no rows to split), else
+    its row slices: of at most a bucket, and ending at every cut."""
+    if tensor.dim() == 0 or tensor.shape[0] < 2:
         yield WeightSlice(name, tensor)
         return
     total = int(tensor.shape[0])
-    per_slice = max(1, max_bytes // (nbytes // total))  # a row larger than a bucket goes alone
     cuts = sorted({int(c) for c in (row_cuts(tensor) if row_cuts is not None else ()) if 0 < c < total})
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes <= max_bytes and not cuts:
+        yield WeightSlice(name, tensor)
+        return
+    per_slice = max(1, max_bytes // (nbytes // total))  # a row larger than a bucket goes alone
     start = 0
     for stop in [*cuts, total]:  # each span between cuts is split on its own
         while start < stop:

@@ -14,9 +14,11 @@ Weight sync streams full tensors without gathering the whole model: every rank w
 buckets of ``model.state_dict()`` (DTensors carry the full shape and dtype, so the plan needs no
 gather) and gathers one bucket at a time, rank 0 leading (``lead_bucket_gathers``) and the others
 following in lockstep (``follow_bucket_gathers``); see those functions for how a sync that stops
-early reaches every rank. A tensor larger than a bucket is never gathered whole: it is planned as
-row slices cut at the shard boundaries (``shard_row_cuts``), and each slice's owner sends its
-rows to rank 0 (``gather_rows``), so no rank materialises more than about one bucket.
+early reaches every rank. A sharded tensor is never gathered whole: it is planned as row slices
+cut at the shard boundaries (``shard_row_cuts``) and at most a bucket long, and each slice's
+owner sends its rows to rank 0 (``gather_rows``), so no rank materialises more than about one
+bucket, and the others send only their own rows. ``gather_weight`` (an all-gather) remains for
+tensors not sharded on dim 0.
 
 Checkpoints stay world-size independent: the model is exported as one full HF safetensors file
 (gathered on rank 0) and the optimizer as the single-process ``optimizer.state_dict()`` layout

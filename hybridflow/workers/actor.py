@@ -92,12 +92,12 @@ def stream_weights(
     """One weight sync from a (possibly sharded) training engine, without gathering the model.
 
     Every rank plans the same buckets from its shards' names and full shapes (no collective),
-    a tensor larger than a bucket as row slices cut at the shard boundaries; then rank 0 sends
-    them with ``weight_transfer.send_buckets`` while gathering each bucket only when the sender
-    asks for it; the other ranks join those gathers in lockstep, and a slice's owner sends its
-    rows to rank 0. So no rank's extra memory exceeds about one bucket of tensors plus the flat
-    buffer, not the model, nor its largest tensor. One rank: the model's own tensors and views of
-    their rows are sent, nothing gathered or copied.
+    each sharded tensor as row slices cut at the shard boundaries and at most a bucket long; then
+    rank 0 sends them with ``weight_transfer.send_buckets`` while fetching each slice only when
+    the sender asks for it: the rank whose shard holds it sends it to rank 0, in lockstep with
+    the others. So rank 0's extra memory is the flat buffer plus one slice (about one bucket),
+    not the model, nor its largest tensor; the other ranks send views of their shards. One rank:
+    the model's own tensors and views of their rows are sent, nothing gathered or copied.
 
     Returns rank 0's stats, None on the others. When the sync fails (a receiver refused a bucket,
     naming the parameter) rank 0 raises ``WeightSyncError`` and tells the other ranks, which

@@ -268,6 +268,8 @@ def test_plan_cuts_tensors_larger_than_a_bucket_into_row_slices_at_the_given_cut
     # A row larger than a bucket goes alone; a tensor with one row, or none, is never cut.
     assert [e.rows for b in plan_buckets([("w", torch.zeros(2, 100))], 64) for e in b] == [(0, 1), (1, 2)]
     assert [e.rows for b in plan_buckets([("w", torch.zeros(1, 100))], 64) for e in b] == [None]
+    # A tensor that fits a bucket is still cut at a cut (a shard boundary): one slice per owner.
+    assert [e.rows for b in plan_buckets([("n", torch.zeros(6))], 64, lambda t: [4]) for e in b] == [(0, 4), (4, 6)]
 
 
 def test_receivers_refuse_slices_outside_dim_0_or_out_of_order_before_data_moves():

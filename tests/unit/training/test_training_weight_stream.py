@@ -1,8 +1,8 @@
 """Streaming weight sync from FSDP2 shards: two gloo trainer ranks, one receiving process.
 
 The sender never gathers the whole model, nor a tensor larger than a bucket: every trainer rank
-walks the same buckets and gathers one at a time in lockstep, the embedding (larger than
-``BUCKET_BYTES``) as row slices that each come from one rank's shard
+walks the same buckets in lockstep, and every sharded tensor travels as row slices that each come
+from one rank's shard, the embedding (larger than ``BUCKET_BYTES``) in slices of at most a bucket
 (``hybridflow.workers.actor.stream_weights``). One spawned trio runs every scenario in order,
 because starting processes costs seconds:
 
@@ -12,9 +12,10 @@ because starting processes costs seconds:
    sliced tensor (the embedding's full shape); then rank 0 fails before its first gather, and
    rank 1 raises with its message instead of waiting;
 3. the trainer's weights change and a second sync lands exactly: both groups stay usable;
-4. the same sync with the gathers counted: live gathered bytes never exceed one bucket on any
-   rank, and two controls show the count can fail: gathering whole tensors one bucket at a time
-   (the embedding whole) exceeds a bucket, gathering every bucket first holds the whole model.
+4. the same sync with the gathers counted: live gathered or received bytes never exceed one
+   bucket on any rank, and two controls show the count can fail: gathering whole tensors one
+   at a time (the embedding whole, the old plan) exceeds a bucket, keeping every bucket holds
+   the whole model.
 
 Each process writes what it saw to files; the assertions run here, in the parent.
 """
@@ -140,6 +141,7 @@ def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, An
     result["model_bytes"] = sum(entry.nbytes for b in plan for entry in b)
     result["whole_bytes"] = sum(entry.nbytes for b in plan for entry in b if entry.rows is None)
     result["slices"] = [list(entry.rows) for b in plan for entry in b if entry.name == SLICED and entry.rows]
+    result["norm_slices"] = [list(entry.rows) for b in plan for entry in b if entry.name == REFUSED and entry.rows]
     with GatherCounter() as counted:
         result["counted_sync"] = outcome(sync)
     result["gathered"] = {"peak": counted.peak, "total": counted.total}
@@ -261,26 +263,27 @@ def test_groups_stay_usable_after_a_refused_sync(processes) -> None:
     assert_same_state(received, full)
 
 
-def test_the_embedding_travels_as_row_slices_each_from_one_shard(processes) -> None:
+def test_tensors_travel_as_row_slices_each_from_one_shard(processes) -> None:
     _, (sender, follower, _receiver) = processes
-    rows = 272  # two shards of 136 rows; 16 KiB buckets hold 64 rows of 64 fp32
+    # The embedding: two shards of 136 rows; 16 KiB buckets hold 64 rows of 64 fp32.
     assert sender["slices"] == follower["slices"] == [[0, 64], [64, 128], [128, 136], [136, 200], [200, 264],
                                                       [264, 272]]
-    assert all(stop - start <= BUCKET_BYTES // (64 * 4) for start, stop in sender["slices"])
-    assert sender["slices"][-1][1] == rows
+    # A tensor that fits a bucket is cut at the shard boundary only: one slice per owner.
+    assert sender["norm_slices"] == [[0, 32], [32, 64]]
 
 
 def test_no_rank_holds_more_than_one_bucket_at_a_time(processes) -> None:
     _, (sender, follower, receiver) = processes
     assert "error" not in receiver["counted_sync"]
     assert sender["largest_bucket"] <= BUCKET_BYTES
-    for side in (sender, follower):
-        assert "error" not in side["counted_sync"]
-        # Each tensor is copied into the flat buffer and dropped before the next is gathered.
-        assert 0 < side["gathered"]["peak"] <= side["largest_entry"] <= side["largest_bucket"]
-    # Every byte rank 0 sent passed through the counted path; rank 1 kept no slice (it sends its own).
+    assert "error" not in sender["counted_sync"] and "error" not in follower["counted_sync"]
+    # Each slice is copied into the flat buffer and dropped before the next one is received.
+    assert 0 < sender["gathered"]["peak"] <= sender["largest_entry"] <= sender["largest_bucket"]
+    # Every byte rank 0 sent passed through the counted path. Every tensor of this model is
+    # sharded on dim 0, so all travel as slices cut at the shard boundary: rank 1 gathers
+    # nothing, it sends views of its own shard.
     assert sender["gathered"]["total"] == sender["model_bytes"]
-    assert follower["gathered"]["total"] == follower["whole_bytes"] < follower["model_bytes"]
+    assert follower["whole_bytes"] == 0 and follower["gathered"] == {"peak": 0, "total": 0}
     # The count would catch a tensor gathered whole (the old plan) and every bucket kept.
     assert sender["control_whole_peak"] >= 272 * 64 * 4 > BUCKET_BYTES
     assert sender["control_peak"] == sender["model_bytes"] > 2 * sender["largest_bucket"]
