@@ -23,8 +23,9 @@ into a plain model's ``state_dict``, no rollout engine). Two sender paths, alter
 - ``old``: ``engine.named_weights()`` gathers the whole model onto rank 0 (``get_model_state_dict``),
   then ``send_weights`` streams that list;
 - ``new``: ``hybridflow.workers.actor.stream_weights``: buckets planned from the shards' full
-  shapes, each gathered on both ranks only when the sender asks for it; a tensor larger than a
-  bucket (the embedding) as row slices, each sent to rank 0 by the rank whose shard holds it.
+  shapes, every sharded tensor as row slices cut at the shard boundaries (and at most a bucket:
+  the embedding is larger), each sent to rank 0 by the rank whose shard holds it only when the
+  sender asks for it.
 
 Reported per receiver count and bucket size: seconds per sync (rank 0, from the start of the
 gather to the receivers' last verdict) and per GB sent, and how much of it rank 0 spent gathering
