@@ -259,8 +259,9 @@ def gather_rows(value: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor | No
 
     Only that owner and rank 0 take part: the owner sends its local rows, rank 0 receives them
     into a buffer of the slice's size (point-to-point on the default group, in the order every
-    rank walks the same plan), the others return at once. So a tensor larger than a bucket is
-    never gathered whole, and no rank holds more than the slice. Rank 0 owning the rows itself,
+    rank walks the same plan), the others return at once. So a sharded tensor is never gathered
+    whole, and no rank holds more than the slice (checked with 3 gloo ranks and uneven shards,
+    empty ones included: each rank's local rows are ``torch.chunk``'s). Rank 0 owning the rows itself,
     or a plain tensor (one rank, or a buffer every rank holds whole): a view, nothing copied."""
     start, stop = rows
     if not 0 <= start < stop <= value.shape[0]:
@@ -285,6 +286,9 @@ def gather_rows(value: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor | No
         return None
     local = value.to_local()
     offset = shard * chunk
+    if local.shape[0] < stop - offset:
+        raise RuntimeError(f"rank {rank} holds {local.shape[0]} rows of a tensor of shape {tuple(value.shape)}, not "
+                           f"rows [{start}, {stop}) from row {offset}: its shards are not split like torch.chunk")
     if rank == owner == 0:
         return local[start - offset : stop - offset]
     device = _comm_device()
@@ -338,7 +342,7 @@ def lead_bucket_gathers(buckets: Iterable[list[P]]) -> Iterator[Iterator[tuple[l
 
     ``buckets`` holds this rank's weights as ``model.state_dict()`` lists them (DTensors when
     sharded), grouped the same way on every rank (planned from names, full shapes and dtypes;
-    a tensor larger than a bucket as row slices cut at ``shard_row_cuts``). Before gathering a
+    sharded tensors as row slices cut at ``shard_row_cuts``). Before gathering a
     bucket rank 0 tells the other ranks to join (``follow_bucket_gathers``); on leaving the block
     it finishes the bucket's gathers the consumer did not ask for (the others are in them) and
     tells them how the stream ended: done, or the error that left it, which they return. So a

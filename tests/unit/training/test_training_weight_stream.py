@@ -302,3 +302,55 @@ def test_one_rank_streams_the_models_own_tensors_and_row_views_uncopied() -> Non
         assert torch.equal(data, state[entry.name] if entry.rows is None else state[entry.name][slice(*entry.rows)])
     assert [entry.rows for entry, _ in streamed if entry.name == SLICED] == [(0, 64), (64, 128), (128, 192),
                                                                           (192, 256), (256, 272)]
+
+
+UNEVEN_RANKS = 3
+
+
+def uneven_worker(rank: int, port: int, out_dir: str) -> None:
+    """Shards of uneven sizes, empty ones included: rows fetched slice by slice from their owners
+    reassemble each tensor exactly."""
+    torch.set_num_threads(1)
+    from torch.distributed.fsdp import fully_shard
+
+    distributed.init_process_group(rank=rank, world_size=UNEVEN_RANKS, master_addr="127.0.0.1", master_port=port,
+                                   device=torch.device("cpu"), timeout_s=GROUP_TIMEOUT_S)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 3), torch.nn.Linear(3, 7), torch.nn.Linear(7, 1))
+    fully_shard(model)
+    state = model.state_dict()
+    plan = list(plan_buckets(state.items(), 16, distributed.shard_row_cuts))  # 16 bytes: one row of 3 fp32
+    if rank != 0:
+        error = distributed.follow_bucket_gathers(plan)
+        for tensor in state.values():  # rank 0's reference is a collective: join it
+            tensor.full_tensor()
+        Path(out_dir, f"uneven{rank}.json").write_text(json.dumps({"error": error}))
+        return
+    pieces: dict[str, list[torch.Tensor]] = {}
+    with distributed.lead_bucket_gathers(plan) as buckets:
+        for entries, tensors in buckets:
+            for entry, data in zip(entries, tensors, strict=True):
+                pieces.setdefault(entry.name, []).append(data.clone())
+    fulls = {name: tensor.full_tensor() for name, tensor in state.items()}
+    result = {
+        "equal": {name: torch.equal(torch.cat(pieces[name]), full) for name, full in fulls.items()},
+        "cuts": {name: distributed.shard_row_cuts(tensor) for name, tensor in state.items()},
+    }
+    Path(out_dir, "uneven0.json").write_text(json.dumps(result))
+
+
+def test_uneven_shards_reassemble_exactly_from_their_owners(tmp_path: Path) -> None:
+    context = mp.start_processes(uneven_worker, args=(distributed.free_port(), str(tmp_path)), nprocs=UNEVEN_RANKS,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {UNEVEN_RANKS} ranks did not finish within {DEADLINE_S:.0f} s (a rank hangs)")
+    lead = json.loads((tmp_path / "uneven0.json").read_text())
+    # 11 rows over 3 ranks: 4, 4, 3; 7: 3, 3, 1; 1 row: rank 0 alone (two empty shards, no cut).
+    assert lead["cuts"] == {"0.weight": [4, 8], "1.weight": [3, 6], "1.bias": [3, 6], "2.weight": [], "2.bias": []}
+    assert all(lead["equal"].values()), lead["equal"]
+    for rank in range(1, UNEVEN_RANKS):
+        assert json.loads((tmp_path / f"uneven{rank}.json").read_text()) == {"error": None}
