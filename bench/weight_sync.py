@@ -23,7 +23,9 @@ into a plain model's ``state_dict``, no rollout engine). Two sender paths, alter
 - ``old``: ``engine.named_weights()`` gathers the whole model onto rank 0 (``get_model_state_dict``),
   then ``send_weights`` streams that list;
 - ``new``: ``hybridflow.workers.actor.stream_weights``: buckets planned from the shards' full
-  shapes, each gathered on both ranks only when the sender asks for it.
+  shapes, every sharded tensor as row slices cut at the shard boundaries (and at most a bucket:
+  the embedding is larger), each sent to rank 0 by the rank whose shard holds it only when the
+  sender asks for it.
 
 Reported per receiver count and bucket size: seconds per sync (rank 0, from the start of the
 gather to the receivers' last verdict) and per GB sent, and how much of it rank 0 spent gathering
@@ -34,7 +36,8 @@ tracemalloc, and RSS is what the machine pays; glibc is told to serve every bloc
 more by mmap (``MALLOC_MMAP_THRESHOLD_``, set before the processes start), so a freed tensor leaves
 RSS at once and the next sync's baseline is not inflated by memory kept for reuse. For the new
 path the bytes of gathered full tensors alive at once are also counted exactly (a finalizer per
-tensor returned by ``distributed.gather_weight``): the part of the peak that the design bounds.
+tensor returned by ``distributed.gather_weight`` or ``distributed.gather_rows``): the part of the
+peak that the design bounds.
 Every process runs 1 torch thread.
 
     python bench/weight_sync.py --sharded --bucket-mb 4 32 --repeats 3
@@ -159,14 +162,16 @@ def reset_peak_rss() -> int:
 
 
 class GatheredBytes:
-    """Bytes of gathered full tensors alive at once (peak), from ``distributed.gather_weight``,
-    and the seconds spent gathering."""
+    """Bytes of gathered full tensors and received row slices alive at once (peak), from
+    ``distributed.gather_weight`` and ``distributed.gather_rows``, and the seconds spent in them."""
 
     def __init__(self) -> None:
         self.live = self.peak = 0
         self.seconds = 0.0
         self._gather = distributed.gather_weight
+        self._gather_rows = distributed.gather_rows
         distributed.gather_weight = self._counted
+        distributed.gather_rows = self._counted_rows
 
     def reset(self) -> None:
         self.peak, self.seconds = self.live, 0.0
@@ -175,6 +180,15 @@ class GatheredBytes:
         start = time.perf_counter()
         full = self._gather(value)
         self.seconds += time.perf_counter() - start
+        return self._count(full)
+
+    def _counted_rows(self, value: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor | None:
+        start = time.perf_counter()
+        data = self._gather_rows(value, rows)
+        self.seconds += time.perf_counter() - start
+        return None if data is None else self._count(data)
+
+    def _count(self, full: torch.Tensor) -> torch.Tensor:
         nbytes = full.numel() * full.element_size()
         self.live += nbytes
         self.peak = max(self.peak, self.live)
@@ -266,7 +280,7 @@ def main_sharded(args: argparse.Namespace) -> None:
           f"tied LM head is sent under both names; largest tensor {largest / 1e6:.1f} MB), FSDP2 over "
           f"{SHARDED_TRAINER_RANKS} gloo ranks, 1 thread per process, median of {args.repeats}")
     print("extra = RSS high-water during the sync - RSS before it; /model = over the parameter bytes; "
-          "gathered = gathered full tensors alive at once (new path, counted exactly)")
+          "gathered = gathered full tensors and row slices alive at once (new path, counted exactly)")
     header = (f"{'recv':>4} {'bucket':>7} {'path':>4} {'s/sync':>7} {'s/GB':>6} {'gather s':>8} {'rank0 extra':>12} "
               f"{'/model':>7} {'rank1 extra':>12} {'gathered':>9} {'/model':>7}")
     print(header)

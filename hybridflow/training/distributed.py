@@ -14,7 +14,11 @@ Weight sync streams full tensors without gathering the whole model: every rank w
 buckets of ``model.state_dict()`` (DTensors carry the full shape and dtype, so the plan needs no
 gather) and gathers one bucket at a time, rank 0 leading (``lead_bucket_gathers``) and the others
 following in lockstep (``follow_bucket_gathers``); see those functions for how a sync that stops
-early reaches every rank.
+early reaches every rank. A sharded tensor is never gathered whole: it is planned as row slices
+cut at the shard boundaries (``shard_row_cuts``) and at most a bucket long, and each slice's
+owner sends its rows to rank 0 (``gather_rows``), so no rank materialises more than about one
+bucket, and the others send only their own rows. ``gather_weight`` (an all-gather) remains for
+tensors not sharded on dim 0.
 
 Checkpoints stay world-size independent: the model is exported as one full HF safetensors file
 (gathered on rank 0) and the optimizer as the single-process ``optimizer.state_dict()`` layout
@@ -28,7 +32,7 @@ import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -236,47 +240,178 @@ def gather_weight(value: torch.Tensor) -> torch.Tensor:
     return full_tensor(value)
 
 
+def shard_row_cuts(value: torch.Tensor) -> list[int]:
+    """The rows of dim 0 where one rank's shard of ``value`` ends and the next one's begins (the
+    sorted starts of shards 1..S-1; trailing empty shards add nothing); [] for a plain tensor or
+    one not sharded on dim 0. A plan that cuts a tensor's row slices there takes each slice from
+    one owner rank (``gather_rows``). From the full shape and the mesh alone: every rank agrees."""
+    owner_dim = _row_shard_dim(value)
+    if owner_dim is None:
+        return []
+    shards = int(value.device_mesh.size(owner_dim))
+    chunk = _shard_rows(int(value.shape[0]), shards)
+    return [k * chunk for k in range(1, shards) if k * chunk < value.shape[0]]
+
+
+def gather_rows(value: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor | None:
+    """Rows ``[start, stop)`` of dim 0 of ``value`` on rank 0, None on the other ranks; the slice
+    must lie within one rank's shard (cut at ``shard_row_cuts``).
+
+    Only that owner and rank 0 take part: the owner sends its local rows, rank 0 receives them
+    into a buffer of the slice's size (point-to-point on the default group, in the order every
+    rank walks the same plan), the others return at once. So a sharded tensor is never gathered
+    whole, and no rank holds more than the slice (checked with 3 gloo ranks and uneven shards,
+    empty ones included: each rank's local rows are ``torch.chunk``'s). Rank 0 owning the rows itself,
+    or a plain tensor (one rank, or a buffer every rank holds whole): a view, nothing copied."""
+    start, stop = rows
+    if not 0 <= start < stop <= value.shape[0]:
+        raise ValueError(f"rows [{start}, {stop}) are outside dim 0 of a tensor of shape {tuple(value.shape)}")
+    rank = dist.get_rank() if is_data_parallel() else 0
+    owner_dim = _row_shard_dim(value)
+    if owner_dim is None:  # whole on every rank: rank 0 reads its own copy
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local[start:stop] if rank == 0 else None
+    mesh = value.device_mesh
+    chunk = _shard_rows(int(value.shape[0]), int(mesh.size(owner_dim)))
+    shard = start // chunk
+    if stop > (shard + 1) * chunk:
+        raise ValueError(f"rows [{start}, {stop}) of a tensor of shape {tuple(value.shape)} span two ranks' shards "
+                         f"(each holds {chunk} rows): cut the slices at shard_row_cuts")
+    # Rank 0 sits at coordinate 0 of every mesh dimension (``init_device_mesh`` numbers ranks in
+    # order), so the owner is the rank of shard ``shard`` in rank 0's replica group (HSDP).
+    coordinate = [0] * mesh.ndim
+    coordinate[owner_dim] = shard
+    owner = int(mesh.mesh[tuple(coordinate)].item())
+    if rank not in (0, owner):
+        return None
+    local = value.to_local()
+    offset = shard * chunk
+    if local.shape[0] < stop - offset:
+        raise RuntimeError(f"rank {rank} holds {local.shape[0]} rows of a tensor of shape {tuple(value.shape)}, not "
+                           f"rows [{start}, {stop}) from row {offset}: its shards are not split like torch.chunk")
+    if rank == owner == 0:
+        return local[start - offset : stop - offset]
+    device = _comm_device()
+    if rank == owner:
+        # Offloaded shards sit in host memory while NCCL sends only GPU tensors: one slice moves.
+        dist.send(local[start - offset : stop - offset].to(device).contiguous(), dst=0)
+        return None
+    received = torch.empty((stop - start, *value.shape[1:]), dtype=value.dtype, device=device)
+    dist.recv(received, src=owner)
+    return received
+
+
+def _row_shard_dim(value: torch.Tensor) -> int | None:
+    """The mesh dimension a DTensor's dim 0 is sharded over (FSDP2: the "shard" one), None if it
+    is replicated everywhere or a plain tensor. Other layouts are not FSDP2's: refused."""
+    placements = getattr(value, "placements", None)
+    if placements is None:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharded = [d for d, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    others = [p for p in placements if not isinstance(p, Replicate) and not (isinstance(p, Shard) and p.dim == 0)]
+    if others or len(sharded) > 1:
+        raise ValueError(f"row slices need a tensor sharded on dim 0 over one mesh dimension (FSDP2), "
+                         f"not placements {tuple(placements)}")
+    return sharded[0] if sharded else None
+
+
+def _shard_rows(total: int, shards: int) -> int:
+    """Rows per shard as FSDP2 and DTensor split dim 0 (``torch.chunk``: ceil, the last ranks
+    get fewer or none)."""
+    return -(-total // shards)
+
+
 # ------------------------------------------------------------------ lockstep bucket gathers
-NamedTensor = tuple[str, torch.Tensor]
+RowRange = tuple[int, int]
+# A planned bucket entry: the tensor ``name`` as this rank holds it, whole (rows None) or the
+# rows [start, stop) of its dim 0 (``hybridflow.rollout.weights.WeightSlice`` is one).
+PlannedTensor = tuple[str, torch.Tensor, RowRange | None]
+P = TypeVar("P", bound=PlannedTensor)
 # Rank 0 broadcasts None before each bucket (one small collective), and once at the end this
 # marker, or the error that ended the stream (never the marker: it has no "Type: " prefix).
 _GATHER_DONE = "done"
 
 
 @contextmanager
-def lead_bucket_gathers(buckets: Iterable[list[NamedTensor]]) -> Iterator[Iterator[list[NamedTensor]]]:
-    """Rank 0's side of a lockstep gather: yields an iterator of the buckets' full tensors,
-    each bucket gathered only when the consumer asks for it.
+def lead_bucket_gathers(buckets: Iterable[list[P]]) -> Iterator[Iterator[tuple[list[P], Iterator[torch.Tensor]]]]:
+    """Rank 0's side of a lockstep gather: yields an iterator of the buckets, each as its planned
+    entries and an iterator of their bytes (the full tensor, or a slice's rows), in that order,
+    each gathered only when the consumer asks for it.
 
     ``buckets`` holds this rank's weights as ``model.state_dict()`` lists them (DTensors when
-    sharded), grouped the same way on every rank (planned from names, full shapes and dtypes).
-    Before gathering a bucket rank 0 tells the other ranks to join (``follow_bucket_gathers``);
-    on leaving the block it tells them how the stream ended: done, or the error that left it,
-    which they return. So a consumer that stops early (a receiver refused a bucket) leaves no
-    rank waiting in a gather that will not come.
+    sharded), grouped the same way on every rank (planned from names, full shapes and dtypes;
+    sharded tensors as row slices cut at ``shard_row_cuts``). Before gathering a
+    bucket rank 0 tells the other ranks to join (``follow_bucket_gathers``); on leaving the block
+    it finishes the bucket's gathers the consumer did not ask for (the others are in them) and
+    tells them how the stream ended: done, or the error that left it, which they return. So a
+    consumer that stops early (a receiver refused a bucket) leaves no rank waiting in a gather
+    that will not come.
 
-    Memory: a bucket's full tensors are referenced only by the list handed to the consumer, not
-    kept here, so they are freed as soon as the consumer drops that list. One rank: no
-    collective at all, and the tensors are the model's own (plain tensors pass through)."""
+    Memory: each tensor is referenced only by the consumer once yielded, not kept here, so a
+    consumer that copies it out and drops it before asking for the next (``send_buckets``)
+    holds one tensor beside its flat buffer, never a whole bucket of gathered tensors; a row
+    slice is received alone (``gather_rows``). One rank: no collective at all, and the tensors
+    are the model's own (plain tensors and their row slices are views)."""
+    lead = _LeadGathers(buckets)
     try:
-        yield _gathered(buckets)
+        yield iter(lead)
     except BaseException as exc:
+        lead.finish_bucket()
         broadcast_text(f"{type(exc).__name__}: {exc}")
         raise
+    lead.finish_bucket()
     broadcast_text(_GATHER_DONE)
 
 
-def _gathered(buckets: Iterable[list[NamedTensor]]) -> Iterator[list[NamedTensor]]:
-    for bucket in buckets:
-        broadcast_text(None)  # the others join this bucket's gathers
+class _LeadGathers(Generic[P]):
+    """The buckets ``lead_bucket_gathers`` hands out, and the one being gathered."""
+
+    def __init__(self, buckets: Iterable[list[P]]) -> None:
+        self._buckets = buckets
+        self._pending: Iterator[torch.Tensor] | None = None
+
+    def __iter__(self) -> Iterator[tuple[list[P], Iterator[torch.Tensor]]]:
+        for bucket in self._buckets:
+            self.finish_bucket()  # the consumer skipped some of the previous bucket's bytes
+            broadcast_text(None)  # the others join this bucket's gathers
+            self._pending = _gathered(bucket)
+            yield bucket, self._pending
+
+    def finish_bucket(self) -> None:
+        """Join the current bucket's remaining gathers, dropping their results."""
+        if self._pending is not None:
+            for _ in self._pending:
+                pass
+            self._pending = None
+
+
+def _gathered(bucket: list[P]) -> Iterator[torch.Tensor]:
+    for entry in bucket:
         # Yielded without a local name: this frame keeps no reference while the consumer works.
-        yield [(name, gather_weight(tensor)) for name, tensor in bucket]
+        yield _on_rank_zero(_materialise(entry), entry)
 
 
-def follow_bucket_gathers(buckets: Iterable[list[NamedTensor]]) -> str | None:
+def _on_rank_zero(data: torch.Tensor | None, entry: PlannedTensor) -> torch.Tensor:
+    if data is None:  # gather_rows returns rows on rank 0 whatever the owner: a bug if not
+        raise RuntimeError(f"rank 0 got no rows {entry[2]} of {entry[0]!r}")
+    return data
+
+
+def _materialise(entry: PlannedTensor) -> torch.Tensor | None:
+    """The entry's bytes on rank 0 (None on another rank for a slice): a collective every rank
+    joins (``gather_weight``), or a slice that only its owner and rank 0 move (``gather_rows``).
+    Both looked up at call time, so tests and the bench can count what passes through them."""
+    _, tensor, rows = entry
+    return gather_weight(tensor) if rows is None else gather_rows(tensor, rows)
+
+
+def follow_bucket_gathers(buckets: Iterable[Sequence[PlannedTensor]]) -> str | None:
     """The other ranks' side of ``lead_bucket_gathers``: join each gather rank 0 leads, with the
-    same ``buckets``, and drop the result. Returns None when rank 0 finished the stream, else
-    its error message (rank 0 raised it; the caller raises here too)."""
+    same ``buckets``, and drop the result (a row slice: send it if this rank owns it). Returns
+    None when rank 0 finished the stream, else its error message (rank 0 raised it; the caller
+    raises here too)."""
     planned = iter(buckets)
     done = 0
     while True:
@@ -291,8 +426,8 @@ def follow_bucket_gathers(buckets: Iterable[list[NamedTensor]]) -> str | None:
         if bucket is None:
             raise RuntimeError(f"rank 0 gathers more than the {done} bucket(s) this rank planned: the ranks' "
                                f"weights differ in names or shapes")
-        for _, tensor in bucket:
-            gather_weight(tensor)  # a collective every rank joins; only rank 0 keeps the result
+        for entry in bucket:
+            _materialise(entry)  # only rank 0 keeps the result
         done += 1
 
 

@@ -51,7 +51,7 @@ from hybridflow.rollout.weight_transfer import (
     gpu_uuid,
     sync_device,
 )
-from hybridflow.rollout.weights import iter_buckets
+from hybridflow.rollout.weights import plan_buckets
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import (
@@ -92,16 +92,18 @@ def stream_weights(
     """One weight sync from a (possibly sharded) training engine, without gathering the model.
 
     Every rank plans the same buckets from its shards' names and full shapes (no collective),
-    then rank 0 sends them with ``weight_transfer.send_buckets`` while gathering each bucket only
-    when the sender asks for it; the other ranks join those gathers in lockstep. So the sender's
-    extra memory is one bucket's full tensors plus the flat buffer, not the model. One rank: the
-    model's own tensors are sent, nothing gathered or copied.
+    each sharded tensor as row slices cut at the shard boundaries and at most a bucket long; then
+    rank 0 sends them with ``weight_transfer.send_buckets`` while fetching each slice only when
+    the sender asks for it: the rank whose shard holds it sends it to rank 0, in lockstep with
+    the others. So rank 0's extra memory is the flat buffer plus one slice (about one bucket),
+    not the model, nor its largest tensor; the other ranks send views of their shards. One rank:
+    the model's own tensors and views of their rows are sent, nothing gathered or copied.
 
     Returns rank 0's stats, None on the others. When the sync fails (a receiver refused a bucket,
     naming the parameter) rank 0 raises ``WeightSyncError`` and tells the other ranks, which
     raise it too instead of waiting in a gather that will not come. A collective over the
     engine's ranks; rank 0 passes its weight-sync ``group``."""
-    plan = iter_buckets(engine.named_weight_shards(), max_bucket_bytes)
+    plan = plan_buckets(engine.named_weight_shards(), max_bucket_bytes, distributed.shard_row_cuts)
     if rank != SENDER_RANK:
         error = distributed.follow_bucket_gathers(plan)
         if error is not None:
