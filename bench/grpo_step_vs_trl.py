@@ -66,6 +66,8 @@ CONFIGS: dict[str, list[str] | dict] = {
     "padded_fixed": ["actor.use_remove_padding=false", "actor.use_dynamic_bsz=false"],
     # The rollout's KV cache kept through the update (no sleep between generation and training).
     "keep_cache": ["rollout.free_cache_engine=false"],
+    # The rollout's weights freed too between generation and the weight sync.
+    "sleep2": ["rollout.sleep_level=2"],
 }
 LABELS = {
     "trl": "TRL GRPOTrainer (micro-batch 64, no checkpointing)",
@@ -75,6 +77,7 @@ LABELS = {
     "packed_fixed": "hybridflow, use_dynamic_bsz=false",
     "padded_fixed": "hybridflow, both false (the old defaults)",
     "keep_cache": "hybridflow, rollout.free_cache_engine=false",
+    "sleep2": "hybridflow, rollout.sleep_level=2",
 }
 EOS_TOKEN_ID = 258  # <|im_end|>
 PAD_TOKEN_ID = 256  # <|endoftext|>
