@@ -165,14 +165,24 @@ class ReplicaRouter:
 
     # ------------------------------------------------------------------ reporting
     def metrics(self, busy_seconds: Sequence[float], generated_tokens: Sequence[int]) -> dict[str, float]:
-        """``rollout/replica_load_imbalance`` (the busiest replica's busy time over the mean: 1.0
-        is an even split; the step waits for the busiest) and each replica's tokens/s, for one
-        round of generation whose per-replica figures are given."""
+        """One generation round's load figures from each replica's busy time and generated tokens.
+
+        ``rollout/replica_load_imbalance``: the most tokens one replica generated over the mean (1.0
+        is an even split of the work; a function of the placement and the seeded samples, so a
+        resumed run logs the same value). Wall-clock figures go under ``perf/`` with the other
+        timings: ``perf/rollout/replica_busy_imbalance`` (the busiest replica's time over the mean:
+        what the step waits for) and ``perf/rollout/replica_<k>/tokens_per_s``.
+        """
         if len(busy_seconds) != self.num_replicas or len(generated_tokens) != self.num_replicas:
             raise ValueError(f"{self.num_replicas} replicas, got {len(busy_seconds)} times and "
                              f"{len(generated_tokens)} token counts")
-        mean = sum(busy_seconds) / len(busy_seconds)
-        metrics = {"rollout/replica_load_imbalance": max(busy_seconds) / mean if mean > 0 else 1.0}
+
+        def imbalance(values: Sequence[float]) -> float:
+            mean = sum(values) / len(values)
+            return max(values) / mean if mean > 0 else 1.0
+
+        metrics = {"rollout/replica_load_imbalance": imbalance(generated_tokens),
+                   "perf/rollout/replica_busy_imbalance": imbalance(busy_seconds)}
         for r, (seconds, tokens) in enumerate(zip(busy_seconds, generated_tokens, strict=True)):
-            metrics[f"rollout/replica_{r}/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+            metrics[f"perf/rollout/replica_{r}/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
         return metrics

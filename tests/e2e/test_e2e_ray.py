@@ -84,10 +84,10 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
     # The same samples every way.
     assert local["critic/score/mean"] == ray_run["critic/score/mean"] == tp_run["critic/score/mean"]
     # Two rollout replicas generated them (one per rank), the same tokens as one replica.
-    assert "rollout/replica_1/tokens_per_s" in ray_run and "rollout/replica_1/tokens_per_s" not in local
+    assert "perf/rollout/replica_1/tokens_per_s" in ray_run and "perf/rollout/replica_1/tokens_per_s" not in local
     assert ray_run["rollout/generated_tokens"] == local["rollout/generated_tokens"] > 0
     assert tp_run["rollout/generated_tokens"] == local["rollout/generated_tokens"]
-    assert "rollout/replica_1/tokens_per_s" not in tp_run  # one replica of two ranks
+    assert "perf/rollout/replica_1/tokens_per_s" not in tp_run  # one replica of two ranks
     # The trainer's recomputed logprobs match every engine's (fp32), the split one's too.
     for run in (local, ray_run, tp_run):
         assert run["rollout_corr/log_ratio_abs_mean"] < 1e-4

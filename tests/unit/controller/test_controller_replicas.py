@@ -62,7 +62,7 @@ def test_round_metrics_and_token_counts(model_dir) -> None:
     assert metrics["rollout/prefill_tokens"] > 0
     assert 0.0 <= metrics["rollout/prefix_cache_hit_rate"] <= 1.0
     assert metrics["rollout/replica_load_imbalance"] >= 1.0
-    assert metrics["rollout/replica_0/tokens_per_s"] > 0 and metrics["rollout/replica_1/tokens_per_s"] > 0
+    assert metrics["perf/rollout/replica_0/tokens_per_s"] > 0 and metrics["perf/rollout/replica_1/tokens_per_s"] > 0
     assert two.take_metrics() == {}  # taken
 
 

@@ -95,9 +95,10 @@ def test_dead_replicas_take_nothing_and_all_dead_is_an_error_naming_them() -> No
 
 def test_load_metrics() -> None:
     metrics = ReplicaRouter(2).metrics([3.0, 1.0], [300, 50])
-    assert metrics["rollout/replica_load_imbalance"] == pytest.approx(1.5)  # 3 / mean(3, 1)
-    assert metrics["rollout/replica_0/tokens_per_s"] == pytest.approx(100.0)
-    assert metrics["rollout/replica_1/tokens_per_s"] == pytest.approx(50.0)
+    assert metrics["rollout/replica_load_imbalance"] == pytest.approx(300 / 175)  # tokens: 300 / mean(300, 50)
+    assert metrics["perf/rollout/replica_busy_imbalance"] == pytest.approx(1.5)  # time: 3 / mean(3, 1)
+    assert metrics["perf/rollout/replica_0/tokens_per_s"] == pytest.approx(100.0)
+    assert metrics["perf/rollout/replica_1/tokens_per_s"] == pytest.approx(50.0)
     with pytest.raises(ValueError, match="2 replicas"):
         ReplicaRouter(2).metrics([1.0], [1])
 
