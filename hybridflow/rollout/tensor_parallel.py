@@ -318,28 +318,30 @@ class _TensorRef:
 Command = tuple[str, tuple[Any, ...]]  # (op, arguments); tensors may appear at any depth of lists/tuples
 
 
-def _strip_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        same = [t for t in tensors if t.dtype == value.dtype]
-        tensors.append(value)
-        return _TensorRef(value.dtype, len(same), tuple(value.shape))
+def _map_leaves(value: Any, leaf: Any) -> Any:
+    """``value`` with ``leaf`` applied to everything that is not a list, tuple or dict in it."""
     if isinstance(value, list | tuple):
-        stripped = [_strip_tensors(v, tensors) for v in value]
-        return stripped if isinstance(value, list) else tuple(stripped)
+        mapped = [_map_leaves(v, leaf) for v in value]
+        return mapped if isinstance(value, list) else tuple(mapped)
     if isinstance(value, dict):
-        return {k: _strip_tensors(v, tensors) for k, v in value.items()}
-    return value
+        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+    return leaf(value)
+
+
+def _strip_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by a reference to its place in ``tensors`` (appended)."""
+    def strip(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        same = [t for t in tensors if t.dtype == leaf.dtype]
+        tensors.append(leaf)
+        return _TensorRef(leaf.dtype, len(same), tuple(leaf.shape))
+
+    return _map_leaves(value, strip)
 
 
 def _restore_tensors(value: Any, payload: dict[torch.dtype, list[torch.Tensor]]) -> Any:
-    if isinstance(value, _TensorRef):
-        return payload[value.dtype][value.index]
-    if isinstance(value, list | tuple):
-        restored = [_restore_tensors(v, payload) for v in value]
-        return restored if isinstance(value, list) else tuple(restored)
-    if isinstance(value, dict):
-        return {k: _restore_tensors(v, payload) for k, v in value.items()}
-    return value
+    return _map_leaves(value, lambda leaf: payload[leaf.dtype][leaf.index] if isinstance(leaf, _TensorRef) else leaf)
 
 
 def _flat_payload(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
