@@ -55,7 +55,7 @@ from hybridflow.data.tasks.calculator import (
 )
 from hybridflow.models.loading import check_model_dir, load_tokenizer
 from hybridflow.rewards.registry import known_data_sources
-from hybridflow.rollout.base import ROLLOUT_ENGINES
+from hybridflow.rollout.base import engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.utils.device import configure_threads, resolve_device
@@ -367,9 +367,9 @@ def resolve_plugins(cfg: Config) -> Plugins:
             key="algorithm.adv_estimator",
         )
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
-    if cfg.rollout.name not in ROLLOUT_ENGINES:
-        raise ConfigError(f"rollout.name={cfg.rollout.name!r} is not a rollout engine; available: "
-                          f"{', '.join(sorted(ROLLOUT_ENGINES))}", key="rollout.name")
+    unavailable = engine_unavailable(cfg.rollout.name, resolve_device(cfg.trainer.device))
+    if unavailable is not None:
+        raise ConfigError(f"rollout.name={cfg.rollout.name}: {unavailable}", key="rollout.name")
     agent = agent_setup(cfg.rollout.multi_turn)
     if agent is not None:
         check_agent_setup(agent, cfg.data)

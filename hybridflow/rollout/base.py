@@ -10,9 +10,11 @@ lazily, so naming an engine whose optional dependency is missing fails only when
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -83,6 +85,7 @@ def _build_native(
     tokenizer: Any = None,
     enforce_eager: bool = False,
     enable_prefix_caching: bool = True,
+    model_path: str | None = None,  # the checkpoint's directory; the native engine serves ``model``
 ) -> RolloutEngine:
     from hybridflow.rollout.native import NativeEngine
 
@@ -157,11 +160,44 @@ class _NoModel(Exception):
     """Raised inside a probe that has no model to measure."""
 
 
-# Config ``rollout.name`` → builder. Every builder takes the keyword arguments of
-# ``build_rollout_engine`` below and returns a RolloutEngine.
-ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {
-    "native": _build_native,
+@dataclass(frozen=True)
+class EngineSpec:
+    """One registered rollout engine: how to build it, and what it needs to exist at all.
+
+    ``build`` takes the keyword arguments of ``build_rollout_engine`` below and returns a
+    RolloutEngine; it imports its backend lazily. ``package`` is the import name whose absence
+    makes the engine unavailable, ``extra`` the pip extra that installs it. ``available`` is the
+    config-time check (``engine_unavailable``): it runs before any model loads and must be
+    cheap (no importing a heavy backend), returning why the engine cannot run here or None.
+    ``loads_own_weights``: the engine reads the checkpoint itself from ``model_path`` (vLLM,
+    SGLang), so the rollout worker does not materialise a second copy of the model for it.
+    """
+
+    build: Callable[..., RolloutEngine]
+    package: str | None = None
+    extra: str | None = None
+    available: Callable[[torch.device], str | None] | None = None
+    loads_own_weights: bool = False
+
+
+# Config ``rollout.name`` → its spec.
+ROLLOUT_ENGINES: dict[str, EngineSpec] = {
+    "native": EngineSpec(build=_build_native),
 }
+
+
+def engine_unavailable(name: str, device: torch.device | str) -> str | None:
+    """Why ``rollout.name=name`` cannot run on ``device`` here (an unknown name, a missing
+    package with the command that installs it, a missing GPU), or None when it can. Cheap: the
+    backend is looked up, not imported, so ``config explain`` and ``train`` refuse it before any
+    model loads."""
+    spec = ROLLOUT_ENGINES.get(name)
+    if spec is None:
+        return f"unknown rollout engine {name!r}; available: {', '.join(sorted(ROLLOUT_ENGINES))}"
+    if spec.package is not None and importlib.util.find_spec(spec.package) is None:
+        extra = f"pip install 'hybridflow[{spec.extra}]'" if spec.extra else f"pip install {spec.package}"
+        return f"rollout engine {name!r} needs the {spec.package!r} package, which is not installed: {extra}"
+    return spec.available(torch.device(device)) if spec.available is not None else None
 
 
 def build_rollout_engine(
@@ -178,6 +214,7 @@ def build_rollout_engine(
     enforce_eager: bool = False,
     max_logprob_mismatch: float | None = None,
     enable_prefix_caching: bool = True,
+    model_path: str | None = None,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
@@ -185,16 +222,17 @@ def build_rollout_engine(
     ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
     ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings. ``enforce_eager`` turns
     off CUDA graphs (``rollout.enforce_eager``). ``enable_prefix_caching`` keeps computed prefixes
-    across requests (``rollout.enable_prefix_caching``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
+    across requests (``rollout.enable_prefix_caching``). ``model_path`` is the checkpoint's directory,
+    for engines that load their own weights (``EngineSpec.loads_own_weights``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
     ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
     """
     try:
-        builder = ROLLOUT_ENGINES[name]
+        spec = ROLLOUT_ENGINES[name]
     except KeyError:
         raise ValueError(
             f"unknown rollout engine {name!r} (rollout.name); available: {', '.join(sorted(ROLLOUT_ENGINES))}"
         ) from None
-    return builder(
+    return spec.build(
         model=model,
         eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id,
@@ -206,4 +244,5 @@ def build_rollout_engine(
         tokenizer=tokenizer,
         enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
+        model_path=model_path,
     )

@@ -130,6 +130,7 @@ class RolloutWorker:
             enforce_eager=setup.enforce_eager,
             max_logprob_mismatch=setup.max_logprob_mismatch,
             enable_prefix_caching=setup.enable_prefix_caching,
+            model_path=setup.model_path,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
 

@@ -134,7 +134,7 @@ def test_a_huge_finite_reward_is_counted_and_the_run_goes_on(files, tmp_path):
         ("actor.policy_loss.loss_mode=os:system", "config error: actor.policy_loss.loss_mode: policy loss 'os:system'"),
         ("actor.policy_loss.loss_mode=vanila", "config error: actor.policy_loss.loss_mode: unknown policy loss"),
         ("algorithm.adv_estimator=no.such.module:fn", "cannot import module 'no.such.module'"),
-        ("rollout.name=vllm", "config error: rollout.name='vllm' is not a rollout engine"),
+        ("rollout.name=vlm", "config error: rollout.name=vlm: unknown rollout engine 'vlm'; available: "),
     ],
 )
 def test_pluggable_names_are_resolved_and_checked_before_anything_loads(files, tmp_path, capsys, override, expected):

@@ -8,8 +8,10 @@ import torch
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.rollout.base import (
     ROLLOUT_ENGINES,
+    EngineSpec,
     RolloutEngine,
     build_rollout_engine,
+    engine_unavailable,
     resolve_rollout_dtype,
 )
 from hybridflow.types import GenerationRequest, SamplingParams
@@ -40,8 +42,40 @@ def test_native_engine_is_built_by_name_and_serves_the_builtin_model():
 
 def test_unknown_engine_name_lists_the_available_ones():
     assert "native" in ROLLOUT_ENGINES
-    with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm' \(rollout.name\); available: native"):
-        _build("vllm")
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'nonesuch' \(rollout.name\); available: .*native"):
+        _build("nonesuch")
+
+
+def test_engine_availability_is_checked_without_importing_the_backend(monkeypatch):
+    assert engine_unavailable("native", "cpu") is None
+    assert "unknown rollout engine 'nonesuch'" in engine_unavailable("nonesuch", "cpu")
+    monkeypatch.setitem(ROLLOUT_ENGINES, "absent", EngineSpec(build=_build, package="hybridflow_no_such_pkg",
+                                                                extra="absent"))
+    assert engine_unavailable("absent", "cpu") == (
+        "rollout engine 'absent' needs the 'hybridflow_no_such_pkg' package, which is not installed: "
+        "pip install 'hybridflow[absent]'")
+    seen: list[torch.device] = []
+
+    def needs_gpu(device: torch.device) -> str | None:
+        seen.append(device)
+        return None if device.type == "cuda" else "it needs a GPU (trainer.device=cuda)"
+
+    monkeypatch.setitem(ROLLOUT_ENGINES, "gpu_only", EngineSpec(build=_build, available=needs_gpu))
+    assert engine_unavailable("gpu_only", "cpu") == "it needs a GPU (trainer.device=cuda)"
+    assert engine_unavailable("gpu_only", "cuda") is None
+    assert seen == [torch.device("cpu"), torch.device("cuda")]
+
+
+def test_an_unavailable_engine_is_a_config_error_on_rollout_name_before_anything_loads(monkeypatch):
+    from hybridflow.api import make_config
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.setup import resolve_plugins
+
+    monkeypatch.setitem(ROLLOUT_ENGINES, "absent", EngineSpec(build=_build, package="hybridflow_no_such_pkg",
+                                                                extra="absent"))
+    with pytest.raises(ConfigError, match=r"rollout.name=absent: rollout engine 'absent' needs") as caught:
+        resolve_plugins(make_config(overrides=["rollout.name=absent"]))
+    assert caught.value.key == "rollout.name"
 
 
 def test_auto_rollout_dtype_is_bfloat16_on_a_gpu_and_float32_on_a_cpu():
