@@ -219,7 +219,16 @@ def _rollout_line(cfg: Config) -> str:
 
 
 def _replica_line(cfg: Config) -> str:
-    """Where generation runs: how many engine replicas, on which ranks and devices."""
+    """Where generation runs: how many engine replicas, on which ranks and devices, and how
+    requests reach them."""
+    line = _replica_layout(cfg)
+    if cfg.rollout.mode == "server":
+        line += ("; each replica serves its engine over HTTP on 127.0.0.1 and its requests and agent loops go "
+                 "through POST /generate (rollout.mode=server)")
+    return line
+
+
+def _replica_layout(cfg: Config) -> str:
     t = cfg.trainer
     replicas = rollout_replicas(cfg)
     freed = "KV caches" if cfg.rollout.sleep_level == 1 else "KV caches and engine weights (rollout.sleep_level=2)"

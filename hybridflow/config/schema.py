@@ -295,6 +295,14 @@ class RolloutConfig:
         "next turn of an agent episode, a shared system prompt) prefills only the rest. Outputs are unchanged; "
         "every weight sync clears the cache. Metric rollout/prefix_cache_hit_rate.",
     )
+    mode: str = f(
+        "engine",
+        "How a replica's requests reach its engine: engine (a method call in the rollout worker's process) | server "
+        "(verl's server mode: each replica serves its engine over HTTP on 127.0.0.1 with hybridflow's server, "
+        "POST /generate token ids in and out, and its requests and agent loops go through HTTP; same seeds, same "
+        "trajectories as engine mode). Native engine, one rank per replica.",
+        choices=("engine", "server"),
+    )
     weight_sync: str = f(
         "auto",
         "How the actor's new weights reach the rollout after each step: auto (broadcast when the rollout runs in "

@@ -660,6 +660,9 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     if tp > 1 and cfg.rollout.sleep_level == 2 and cfg.rollout.free_cache_engine:
         report.error(f"rollout.sleep_level=2 (drop the weights between steps) is not built for tensor-parallel replicas "
                      f"(rollout.tensor_model_parallel_size={tp}); use rollout.sleep_level=1")
+    if cfg.rollout.mode == "server" and (cfg.rollout.name != "native" or tp > 1):
+        report.error(f"rollout.mode=server serves the native engine of one-rank replicas over HTTP, not rollout.name="
+                     f"{cfg.rollout.name} with rollout.tensor_model_parallel_size={tp}; use rollout.mode=engine")
     if tp > 1 and cfg.rollout.name != "native":
         report.error(f"rollout.tensor_model_parallel_size={tp} is built for rollout.name=native, not "
                      f"{cfg.rollout.name!r}")

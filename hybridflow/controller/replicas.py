@@ -20,6 +20,7 @@ nothing is placed on it again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ from hybridflow.rollout.router import ReplicaRouter, RouteRequest
 from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker
+
+logger = logging.getLogger(__name__)
 
 # Engine counters summed over replicas into ``rollout/<name>`` metrics.
 _SUMMED_COUNTS = ("prefill_tokens", "generated_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
@@ -157,6 +160,10 @@ class RolloutReplicas:
 
     def close(self) -> None:
         for group in self.groups:
+            try:  # a replica's HTTP server (rollout.mode=server) stops before its process goes
+                wait_all(group.submit_one(0, RolloutWorker.close))
+            except Exception:  # a dead replica has nothing left to stop
+                logger.debug("closing %s", group, exc_info=True)
             group.close()
 
     def _each(self, method: Callable[..., Any], *args: Any) -> list[Any]:

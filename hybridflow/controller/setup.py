@@ -490,7 +490,7 @@ def build_run(cfg: Config) -> RunSetup:
     rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
                                  enforce_eager=cfg.rollout.enforce_eager,
-                                 enable_prefix_caching=cfg.rollout.enable_prefix_caching,
+                                 enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
                                  max_logprob_mismatch=t.health.logprob_mismatch, **common)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.

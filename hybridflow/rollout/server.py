@@ -1330,3 +1330,51 @@ def serve(
         uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
     finally:
         sock.close()
+
+
+class ServerThread:
+    """An app served by uvicorn on ``host`` (a free port) in a daemon thread with its own event
+    loop: how a rollout replica serves its engine over HTTP (``rollout.mode=server``) while its
+    worker goes on taking the controller's calls. The engine then runs on that thread's loop only.
+
+    Start-up is bounded (``start_timeout_s``): a server that is not answering by then is an error
+    naming ``name``, not a hang. ``close`` stops it and waits for the thread.
+    """
+
+    def __init__(self, app: FastAPI, *, name: str, host: str = "127.0.0.1", start_timeout_s: float = 30.0) -> None:
+        import threading
+
+        import uvicorn
+
+        self.name = name
+        self._sock = bind_socket(host, 0)
+        bound_host, port = self._sock.getsockname()[:2]
+        self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{port}"
+        # No access log: a training step makes hundreds of requests.
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"server-{name}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                why = f": {_one_line(self._error)}" if self._error is not None else f" within {start_timeout_s:g} s"
+                raise ServeError(f"{name}: the HTTP server did not start{why}")
+            time.sleep(0.01)
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        except BaseException as error:  # reported by __init__ (start-up) or logged (later)
+            self._error = error
+            logger.exception("%s: the HTTP server stopped", self.name)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()

@@ -71,6 +71,9 @@ class RolloutSetup:
     # A tensor-parallel replica's collectives fail after this long instead of hanging on a dead rank.
     tp_timeout_s: float = 60.0
     enable_prefix_caching: bool = True  # rollout.enable_prefix_caching
+    # rollout.mode: "engine" (method calls) or "server" (the engine behind an HTTP server in this
+    # process, requests and agent loops through HTTP).
+    mode: str = "engine"
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -133,6 +136,23 @@ class RolloutWorker:
             model_path=setup.model_path,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
+        self.server: Any = None
+        self.client: Any = None  # the HTTP client requests go through in server mode
+        if setup.mode == "server":
+            self._serve_over_http(tokenizer, setup)
+
+    def _serve_over_http(self, tokenizer: Any, setup: RolloutSetup) -> None:
+        """``rollout.mode=server``: the engine behind hybridflow's HTTP server on 127.0.0.1 in a
+        thread of this process, and a client through which every request of this replica goes."""
+        from hybridflow.rollout.http_client import HttpEngineClient
+        from hybridflow.rollout.server import ServerLimits, ServerThread, create_app
+
+        name = f"rollout replica {self.rank}"
+        # The trainer's own requests: as many samples as rollout.n asks for; the context is the model's.
+        app = create_app(self.engine, tokenizer, model_name=setup.model_path, limits=ServerLimits(max_n=1 << 20))
+        self.server = ServerThread(app, name=name)
+        self.client = HttpEngineClient(self.server.url, name=name)
+        logger.info("%s serves its engine on %s (rollout.mode=server)", name, self.server.url)
 
     def _build_tensor_parallel(self, model: torch.nn.Module, tokenizer: Any, setup: RolloutSetup, size: int) -> Any:
         """This rank's part of a tensor-parallel native engine over the group's ``size`` ranks: the
@@ -166,12 +186,17 @@ class RolloutWorker:
         agent loops read them, and each trajectory's metadata starts from them. Without agents
         it is not needed and the engine serves the requests directly.
         """
+        generator = self.client or self.engine
         if self.agents is None:
-            return self.engine.generate_batch(requests)
+            return generator.generate_batch(requests)
         if metadata is None or len(metadata) != len(requests):
             raise ValueError("RolloutWorker.generate with agent loops needs one metadata dict per request")
         rows = [AgentRow(list(r.prompt_ids), dict(m), group_id=i) for i, (r, m) in enumerate(zip(requests, metadata))]
-        episodes = self.agents.generate_sync(rows, [r.params for r in requests], self.engine)
+        params = [r.params for r in requests]
+        if self.client is not None:
+            episodes = self.client.run_sync(self.agents.generate(rows, params, self.client))
+        else:
+            episodes = self.agents.generate_sync(rows, params, self.engine)
         grouped: list[list[Trajectory]] = [[] for _ in requests]
         for trajectory in episodes:
             grouped[trajectory.group_id].append(trajectory)
@@ -227,6 +252,12 @@ class RolloutWorker:
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
+
+    def close(self) -> None:
+        """Stop this replica's HTTP server (server mode; a no-op otherwise)."""
+        if getattr(self, "server", None) is not None:
+            self.server.close()
+            self.server = None
 
 
 def _engine_counts(engine: Any) -> dict[str, float]:

@@ -89,3 +89,23 @@ def test_bad_names_fail_when_the_worker_is_built(model_dir) -> None:
         worker(model_dir, AgentSetup(default_agent="tool_agent", tool_config_path="builtin:abacus"))
     with pytest.raises(ValueError, match="unknown agent loop"):
         worker(model_dir, AgentSetup(default_agent="three_turn"))
+
+
+def test_agent_episodes_in_server_mode_are_the_engine_modes_through_http(model_dir) -> None:
+    """rollout.mode=server: every turn of every episode goes through the replica's HTTP server,
+    and the seeded episodes come out token for token as in engine mode."""
+    metadata = [{"data_source": "a"}, {"data_source": "b", "agent_name": "single_turn"}, {"data_source": "c"}]
+    direct = worker(model_dir, AGENT).generate(requests(), metadata)
+    setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
+                         max_batch_size=16, seed=0, agent=AGENT, mode="server")
+    served = RolloutWorker(0, 1, setup)
+    try:
+        assert served.client is not None and served.server.url.startswith("http://127.0.0.1:")
+        groups = served.generate(requests(), metadata)
+        assert served.engine.stats.generated_tokens > 0  # the served engine did the work
+    finally:
+        served.close()
+    for mine, theirs in zip(groups, direct):
+        for a, b in zip(mine, theirs):
+            assert (a.response_ids, a.loss_mask, a.num_turns) == (b.response_ids, b.loss_mask, b.num_turns)
+            assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)

@@ -185,6 +185,8 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
     assert "rollout replicas: 2, tensor parallel 1, in a resource pool of their own (rollout.placement=split: 2 more " \
            "CPU ranks beside the trainer's)" in split
     assert "(replica 0: CPU ranks 0-1, replica 1: CPU ranks 2-3); heads, MLP and KV cache split" in tp
+    served = plan_of(explain_config(load_config(overrides=["rollout.mode=server"])))
+    assert "each replica serves its engine over HTTP on 127.0.0.1" in served and "over HTTP" not in split
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -195,6 +197,9 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
     (["rollout.placement=split"], "rollout.placement=split gives the rollout a resource pool of its own"),
     (["trainer.backend=ray", "trainer.n_workers=3", "data.train_batch_size=24", "actor.ppo_mini_batch_size=3",
       "rollout.tensor_model_parallel_size=2"], "must divide the 3 data-parallel ranks"),
+    (["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2", "rollout.mode=server"],
+     "rollout.mode=server serves the native engine of one-rank replicas"),
+    (["rollout.mode=http"], "rollout.mode"),
 ])
 def test_tensor_parallel_layouts_that_cannot_work_are_config_errors(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
