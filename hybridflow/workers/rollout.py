@@ -113,6 +113,8 @@ class RolloutWorker:
         self.model = model
         self.weight_sync: WeightSyncGroup | None = None  # once joined (rollout.weight_sync=broadcast)
         self.agents: AgentRunner | None = None
+        self.server: Any = None  # rollout.mode=server: the engine's HTTP server in this process
+        self.client: Any = None  # ... and the client every request of this replica goes through
         if world_size > 1:
             # One replica over ``world_size`` ranks (rollout.tensor_model_parallel_size): rank 0
             # serves, the others follow its commands.
@@ -136,8 +138,6 @@ class RolloutWorker:
             model_path=setup.model_path,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
-        self.server: Any = None
-        self.client: Any = None  # the HTTP client requests go through in server mode
         if setup.mode == "server":
             self._serve_over_http(tokenizer, setup)
 
@@ -255,7 +255,7 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Stop this replica's HTTP server (server mode; a no-op otherwise)."""
-        if getattr(self, "server", None) is not None:
+        if self.server is not None:
             self.server.close()
             self.server = None
 

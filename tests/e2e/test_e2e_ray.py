@@ -69,7 +69,8 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
         "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true", f"actor.ppo_max_token_len_per_gpu={budget}",
         f"actor.log_prob_max_token_len_per_gpu={budget}", f"ref.log_prob_max_token_len_per_gpu={budget}",
     ]
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"],
+    # The two-replica run generates in server mode: each replica's engine behind its own HTTP server.
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.mode=server"],
             # One replica over two ranks (heads, MLP and KV cache split in two, over gloo), in a
             # resource pool of its own (other bundles than the actor's).
             "ray_tp2_split": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2",
