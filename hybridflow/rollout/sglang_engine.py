@@ -218,7 +218,7 @@ class SGLangClient:
                 try:
                     return task.result()
                 except httpx.HTTPError as exc:
-                    raise self._failure("/generate", exc) from exc
+                    raise self._failure("/generate", exc, await self._await_death(exc)) from exc
             dead = self.why_dead()
             if dead is not None:
                 raise SGLangServerError(f"{self.name}: {dead} while serving /generate")
@@ -239,7 +239,7 @@ class SGLangClient:
             response = httpx.post(self.url + path, json=body if body is not None else {},
                                   timeout=timeout_s or self.control_timeout_s)
         except httpx.HTTPError as exc:
-            raise self._failure(path, exc) from exc
+            raise self._failure(path, exc, self._wait_for_death(exc)) from exc
         reply = self._payload(response, path)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise SGLangServerError(f"{self.name}: {path} failed: {reply.get('message')}")
@@ -262,17 +262,33 @@ class SGLangClient:
         except ValueError:
             return response.text
 
-    def _failure(self, path: str, exc: Exception) -> SGLangServerError:
-        dead = self.why_dead()
-        if dead is None and isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException):
-            # A dropped connection is often the process dying: its socket closes a moment before
-            # it can be reaped. Say so if it is.
-            deadline = time.monotonic() + DEATH_GRACE_S
-            while dead is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                dead = self.why_dead()
+    def _failure(self, path: str, exc: Exception, dead: str | None = None) -> SGLangServerError:
+        dead = dead if dead is not None else self.why_dead()
         reason = dead if dead is not None else f"{type(exc).__name__}: {exc}"
         return SGLangServerError(f"{self.name}: {path} failed: {reason}")
+
+    def _wait_for_death(self, exc: Exception) -> str | None:
+        """Why the process is dead, watched for ``DEATH_GRACE_S`` after a dropped connection: the
+        process's socket closes a moment before it can be reaped. None when it lives on."""
+        if not _dropped(exc):
+            return None
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while (dead := self.why_dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return dead
+
+    async def _await_death(self, exc: Exception) -> str | None:
+        """``_wait_for_death`` without blocking the event loop."""
+        if not _dropped(exc):
+            return None
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while (dead := self.why_dead()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return dead
+
+
+def _dropped(exc: Exception) -> bool:
+    return isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
 
 
 # ------------------------------------------------------------------------------ server process
@@ -355,6 +371,7 @@ class SGLangServer:
 
     def close(self, grace_s: float = 10.0) -> None:
         """Terminate the server's process group; kill it if it has not exited after ``grace_s``."""
+        atexit.unregister(self.close)
         if self.process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -420,7 +437,7 @@ class DistributedWeightSync:
                  server_ranks: int = 1, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> None:
         self.client, self.backend, self.device = client, backend, torch.device(device)
         self.server_ranks, self.timeout_s = server_ranks, timeout_s
-        self.group_name = f"hybridflow-weights-{uuid.uuid4().hex[:8]}"
+        self.group_name = ""  # set by each connection
         self._group: Any = None
 
     def push(self, bucket: list[NamedTensor]) -> None:
@@ -443,6 +460,8 @@ class DistributedWeightSync:
         self._beside_call("/update_weights_from_distributed", body, send)
 
     def _connect(self) -> Any:
+        # A new name each time: torch keeps every group's name for the life of the process.
+        self.group_name = f"hybridflow-weights-{uuid.uuid4().hex[:8]}"
         port = free_port()
         body = {"master_address": HOST, "master_port": port, "rank_offset": 1,
                 "world_size": 1 + self.server_ranks, "group_name": self.group_name, "backend": self.backend}
@@ -458,19 +477,24 @@ class DistributedWeightSync:
 
     def _beside_call(self, path: str, body: dict[str, Any], work: Callable[[], None]) -> None:
         """Run ``work`` (this side of a collective) while ``path`` runs on the server, which returns
-        only once its side is done. If the server refuses first, ``work`` would wait for peers that
-        never come: that error is raised, not the collective's later timeout."""
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-sync") as pool:
+        only once its side is done. If the server refuses first, ``work`` waits for peers that
+        never come: the refusal is raised at once, and ``work``'s thread ends with the group's
+        timeout, without being waited for. Any failure drops the group: the next push builds a
+        new one."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-sync")
+        try:
             local = pool.submit(work)  # first: rank 0 hosts the rendezvous the server connects to
             call = pool.submit(self.client.post, path, body, self.timeout_s)
-            done, _ = concurrent.futures.wait([call, local], return_when=concurrent.futures.FIRST_EXCEPTION,
-                                              timeout=self.timeout_s)
-            if call.done() and call.exception() is not None:
-                self._group = None  # the group may hold a half-done collective: build a new one next time
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise call.exception()  # type: ignore[misc]
-            call.result(timeout=self.timeout_s)
-            local.result(timeout=self.timeout_s)
+            concurrent.futures.wait([call, local], timeout=self.timeout_s,
+                                    return_when=concurrent.futures.FIRST_EXCEPTION)
+            if not call.done() or call.exception() is None:
+                local.result(timeout=self.timeout_s)
+            call.result(timeout=0 if call.done() else self.timeout_s)
+        except BaseException:
+            self._group = None
+            raise
+        finally:
+            pool.shutdown(wait=False)
 
 
 # ------------------------------------------------------------------------------------- engine

@@ -174,6 +174,11 @@ async def fake_log() -> list[dict[str, Any]]:
     return LOG
 
 
+@app.post("/_fake/forget_groups")
+async def forget_groups() -> None:
+    GROUPS.clear()  # as after a restart: the next update is refused
+
+
 @app.get("/_fake/weights")
 async def fake_weights() -> dict[str, list[Any]]:
     return WEIGHTS

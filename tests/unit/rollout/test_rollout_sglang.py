@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 import time
@@ -166,6 +167,22 @@ def test_weights_travel_over_the_update_group_then_the_cache_is_flushed(server):
                       "group_name": init["group_name"], "flush_cache": False}
     engine.update_weights([("w", torch.ones(4, 3))])  # the group is reused
     assert paths(server, start + 3) == ["/update_weights_from_distributed", "/flush_cache"]
+
+
+def test_an_update_the_server_refuses_fails_at_once_and_the_next_one_reconnects(server):
+    client = SGLangClient(server.url, name=server.name, why_dead=server.why_dead)
+    engine = SGLangEngine(client, targets=targets(), weight_sync=DistributedWeightSync(client, timeout_s=5))
+    engine.update_weights([("w", torch.ones(4, 3))])
+    httpx.post(server.url + "/_fake/forget_groups")
+    began = time.monotonic()
+    with pytest.raises(SGLangServerError, match=re.escape(server.name) + r": /update_weights_from_distributed answered HTTP "
+                                                r"400: .*init_weights_update_group"):
+        engine.update_weights([("w", torch.ones(4, 3))])
+    assert time.monotonic() - began < 2  # not the group's 5 s timeout
+    start = len(log(server))
+    engine.update_weights([("w", torch.full((4, 3), 3.0))])
+    assert paths(server, start) == ["/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache"]
+    assert httpx.get(server.url + "/_fake/weights").json()["w"] == [[4, 3], 36.0]
 
 
 def test_sleep_releases_before_training_and_wake_resumes_before_generation(server):
