@@ -89,6 +89,36 @@ def test_n_samples_are_a_batch_with_one_seed_each():
     assert all("n" not in p for p in body["sampling_params"])
 
 
+def test_the_bodies_sent_are_accepted_by_sglangs_own_request_types():
+    """Where sglang is installed (its types import without a GPU), the bodies this engine sends
+    parse as the server parses them: the /generate contract, each sample's sampling_params after
+    SGLang's normalize and verify, and the control requests."""
+    api = pytest.importorskip("sglang.api.v1.api_types")
+    io = pytest.importorskip("sglang.srt.managers.io_struct")
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
+
+    from hybridflow.models.tiny import build_tiny_tokenizer
+
+    request = GenerationRequest([1, 2, 3], SamplingParams(n=2, temperature=0.7, top_k=5, stop=["x"], stop_token_ids=[4],
+                                                          logprobs=3, seed=9, repetition_penalty=1.2))
+    body = generate_body(request, 9, ["a-0", "a-1"])
+    parsed = api.GenerateRequest.from_json_value(body)
+    assert parsed.input_ids == [[1, 2, 3]] * 2 and parsed.top_logprobs_num == 3 and parsed.return_logprob
+    greedy = generate_body(GenerationRequest([1], SamplingParams(greedy=True)), 1, ["g"])["sampling_params"][0]
+    for params in [*body["sampling_params"], greedy]:
+        sampling = SGLangSamplingParams(**params)
+        sampling.normalize(build_tiny_tokenizer())
+        sampling.verify(272)
+        assert sampling.sampling_seed == params["sampling_seed"]
+    assert SGLangSamplingParams(**greedy).top_k == 1  # temperature 0: SGLang's greedy
+    io.InitWeightsUpdateGroupReqInput(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2,
+                                      group_name="g", backend="gloo")
+    io.UpdateWeightsFromDistributedReqInput(names=["w"], dtypes=["float32"], shapes=[[4, 3]], group_name="g",
+                                            flush_cache=False)
+    io.ReleaseMemoryOccupationReqInput(tags=["kv_cache", "weights"])
+    io.AbortReq(rid="a-0")
+
+
 def test_generation_maps_tokens_logprobs_finish_reasons_and_seeds(server):
     engine = engine_on(server)
     start = len(log(server))
@@ -275,7 +305,8 @@ def test_a_server_that_exits_during_startup_is_reported_with_its_log():
 def test_sglang_is_registered_and_checked_without_importing_it():
     spec = ROLLOUT_ENGINES["sglang"]
     assert (spec.package, spec.extra, spec.loads_own_weights) == ("sglang", "sglang", True)
+    before = set(sys.modules)
     reason = engine_unavailable("sglang", "cpu")
     assert reason is not None  # no sglang package here, or no GPU
-    assert "pip install 'hybridflow[sglang]'" in reason or "needs a GPU" in reason
-    assert "sglang" not in sys.modules
+    assert "pip install 'hybridflow[sglang]'" in reason or "needs a GPU (trainer.device=cuda)" in reason
+    assert not [m for m in set(sys.modules) - before if m.split(".")[0] == "sglang"]
