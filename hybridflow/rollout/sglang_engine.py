@@ -682,7 +682,7 @@ def build_sglang_engine(
     dtype_name = str(dtype).removeprefix("torch.")
     model.to("meta")
     targets = model.state_dict()
-    server = SGLangServer.launch(model_path, args=launch_args(
+    server = SGLangServer.launch(model_path, launcher=LAUNCHER, args=launch_args(
         dtype=dtype_name, seed=seed, max_batch_size=max_batch_size, enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching, device=device))
     client = SGLangClient(server.url, name=server.name, why_dead=server.why_dead)

@@ -39,6 +39,7 @@ WEIGHTS: dict[str, list[Any]] = {}
 ABORTED: set[str] = set()
 GROUPS: dict[str, Any] = {}
 STATE = {"healthy": True}
+ARGV: list[str] = []
 
 
 def text_of(token: int) -> str:
@@ -179,6 +180,11 @@ async def forget_groups() -> None:
     GROUPS.clear()  # as after a restart: the next update is refused
 
 
+@app.get("/_fake/argv")
+async def fake_argv() -> list[str]:
+    return ARGV
+
+
 @app.get("/_fake/weights")
 async def fake_weights() -> dict[str, list[Any]]:
     return WEIGHTS
@@ -191,6 +197,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fake-never-healthy", action="store_true")
     parser.add_argument("--fake-exit-at-start", action="store_true")
     args, _ = parser.parse_known_args(argv)  # SGLang's own flags are accepted and ignored
+    ARGV.extend(argv)
     if args.fake_exit_at_start:
         print("fake: failing at start-up as asked", flush=True)
         sys.exit(3)

@@ -302,6 +302,40 @@ def test_a_server_that_exits_during_startup_is_reported_with_its_log():
         launch("--fake-exit-at-start")
 
 
+def test_a_rollout_worker_launches_its_server_generates_and_syncs_weights(tmp_path, monkeypatch):
+    """rollout.name=sglang through the factory and the rollout worker, with the fake as the
+    launched server: SGLang's flags, the model reduced to its shapes, a full state dict synced."""
+    from hybridflow.models.tiny import build_tiny_model, write_tiny_model
+    from hybridflow.rollout import sglang_engine
+    from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
+
+    monkeypatch.setattr(sglang_engine, "LAUNCHER", tuple(FAKE))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    checkpoint = write_tiny_model(tmp_path / "tiny")
+    worker = RolloutWorker(0, 1, RolloutSetup(model_path=str(checkpoint), engine="sglang", dtype="float32",
+                                              device=torch.device("cpu"), max_batch_size=4, seed=3))
+    server = worker.engine.server
+    try:
+        argv = httpx.get(server.url + "/_fake/argv").json()
+        flags = dict(zip(argv, argv[1:]))
+        assert flags["--model-path"] == str(checkpoint) and flags["--dtype"] == "float32"
+        assert (flags["--random-seed"], flags["--max-running-requests"], flags["--device"]) == ("3", "4", "cpu")
+        assert {"--enable-deterministic-inference", "--enable-memory-saver"} <= set(argv)
+        assert {t.device.type for t in worker.model.state_dict().values()} == {"meta"}  # the server holds the weights
+        (group,) = worker.generate([GenerationRequest([257, 10], SamplingParams(n=2, max_tokens=3, seed=1,
+                                                                                ignore_eos=True))])
+        assert [len(t.response_ids) for t in group] == [3, 3]
+        actor = build_tiny_model(seed=5).state_dict()
+        worker.update_weights(actor.items())
+        received = httpx.get(server.url + "/_fake/weights").json()
+        assert set(received) == set(actor)
+        assert all(received[name] == [list(t.shape), pytest.approx(float(t.double().sum()), rel=1e-6)]
+                   for name, t in actor.items())
+    finally:
+        worker.engine.close()
+    assert server.process.poll() is not None
+
+
 def test_sglang_is_registered_and_checked_without_importing_it():
     spec = ROLLOUT_ENGINES["sglang"]
     assert (spec.package, spec.extra, spec.loads_own_weights) == ("sglang", "sglang", True)
