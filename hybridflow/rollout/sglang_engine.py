@@ -11,9 +11,12 @@ point it at a fake of those endpoints. Request and reply bodies follow sglang 0.
 
 ``SamplingParams`` → SGLang ``sampling_params``, field by field:
 
-- ``max_tokens`` → ``max_new_tokens``; ``temperature``, ``top_p``, ``repetition_penalty``,
-  ``ignore_eos``, ``stop`` (strings), ``stop_token_ids`` → the same names; ``top_k`` → ``top_k``
-  (-1 means off in both).
+- ``max_tokens`` → ``max_new_tokens``; ``temperature``, ``top_p``, ``ignore_eos``, ``stop``
+  (strings), ``stop_token_ids`` → the same names; ``top_k`` → ``top_k`` (-1 means off in both).
+- ``repetition_penalty`` → ``repetition_penalty``, with two differences from the native engine
+  (sglang 0.5.x ``penaltylib/repetition_penalty.py``): SGLang counts only generated tokens, not
+  the prompt's, and applies the penalty to the logits its logprobs come from, so with a penalty
+  other than 1 ``rollout_logprobs`` are not the trainer's quantity. SGLang also caps it at 2.
 - ``greedy`` → ``temperature=0`` (SGLang turns it into top-k 1; logprobs are then those of the
   unscaled distribution, as in the native engine).
 - ``seed`` → ``sampling_seed``, one per sample: sample ``i`` gets ``derive_sample_seed(seed, i)``
@@ -102,6 +105,7 @@ DEATH_GRACE_S = 1.0
 LOG_TAIL_LINES = 20
 LEVEL_TAGS = {1: ["kv_cache"], 2: ["kv_cache", "weights"]}
 SEED_MASK = 2**63 - 1  # sampling_seed is a signed 64-bit integer in SGLang
+MAX_REPETITION_PENALTY = 2.0  # SGLang's SamplingParams.verify refuses more
 
 
 class SGLangServerError(RuntimeError):
@@ -119,6 +123,9 @@ def to_sglang_sampling_params(params: SamplingParams, sampling_seed: int) -> dic
     if params.min_p > 0:
         raise ValueError(f"SamplingParams.min_p={params.min_p}: SGLang's seeded sampler has no min-p "
                          f"(rollout.name=sglang seeds every request); use min_p=0 or rollout.name=native")
+    if params.repetition_penalty > MAX_REPETITION_PENALTY:
+        raise ValueError(f"SamplingParams.repetition_penalty={params.repetition_penalty}: SGLang accepts at most "
+                         f"{MAX_REPETITION_PENALTY}")
     body: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
         "temperature": 0.0 if is_greedy(params) else params.temperature,
@@ -521,8 +528,10 @@ class SGLangEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._in_flight = 0
         self._updating = False
-        self._asleep = False
-        self._weights_released = False  # by sleep(level=2), until an update covers every parameter
+        self._asleep = False  # the KV cache is released
+        # SGLang refuses to resume a tag it did not release, so what is released is tracked exactly.
+        self._weights_released = False  # by sleep(level=2): resumed before the next update's bytes
+        self._weights_stale = False  # since sleep(level=2), until an update covers every parameter
 
     @property
     def name(self) -> str:
@@ -578,25 +587,24 @@ class SGLangEngine:
         if self.weight_sync is None:
             raise RuntimeError(f"{self.name}: this engine was built without a weight sync")
         covered: set[int] = set()
-        restoring = self._weights_released
-        resumed = False
 
         def apply(bucket: list[NamedTensor]) -> None:
-            nonlocal resumed
             check_bucket(bucket, self._targets)
-            if restoring and not resumed:  # the weights' memory must exist before bytes land in it
+            if self._weights_released:  # the weights' memory must exist before bytes land in it
                 self.client.post("/resume_memory_occupation", {"tags": ["weights"]})
-                resumed = True
+                self._weights_released = False
             self.weight_sync.push(bucket)
             covered.update(id(self._targets[name]) for name, _ in bucket)
 
         self._updating = True
         try:
             yield apply
-            if restoring:
+            if self._weights_stale:
                 self._check_restored(covered)
-                self._weights_released = False
-            self.client.post("/flush_cache")
+                self._weights_stale = False
+            # Asleep, the cache is empty: SGLang flushed it when it released the KV cache.
+            if not self._asleep:
+                self.client.post("/flush_cache")
         finally:
             self._updating = False
 
@@ -607,13 +615,13 @@ class SGLangEngine:
         if self._in_flight:
             raise RuntimeError(f"{self.name}: {self._in_flight} requests are still being generated; "
                                f"await them before sleeping")
-        tags = [t for t in LEVEL_TAGS[level] if not (t == "weights" and self._weights_released)]
-        if self._asleep:
-            tags.remove("kv_cache")
+        released = {"kv_cache": self._asleep, "weights": self._weights_released}
+        tags = [tag for tag in LEVEL_TAGS[level] if not released[tag]]
         if tags:
             self.client.post("/release_memory_occupation", {"tags": tags})
         self._asleep = True
-        self._weights_released = self._weights_released or level == 2
+        if level == 2:
+            self._weights_released = self._weights_stale = True
 
     def wake_up(self) -> None:
         """Resume the KV cache (weights released by level 2 come back with the next update)."""
@@ -629,9 +637,9 @@ class SGLangEngine:
         label = repr(request.request_id) if request.request_id else "(no request_id)"
         if not request.prompt_ids:
             raise ValueError(f"request {label}: empty prompt_ids (at least one token is needed)")
-        if self._asleep or self._weights_released:
+        if self._asleep or self._weights_stale:
             state = "its weights were released (sleep level 2) and no full weight update came since" \
-                if self._weights_released else "it is asleep: call wake_up() first"
+                if self._weights_stale else "it is asleep: call wake_up() first"
             raise RuntimeError(f"{self.name}: cannot generate request {label}: {state}")
         to_sglang_sampling_params(request.params, 0)  # refuses what SGLang cannot sample
 

@@ -77,6 +77,8 @@ def test_sampling_params_map_field_by_field():
     assert greedy["temperature"] == 0.0 and greedy["top_k"] == -1 and "stop" not in greedy
     with pytest.raises(ValueError, match=r"min_p=0.1: SGLang's seeded sampler has no min-p"):
         to_sglang_sampling_params(SamplingParams(min_p=0.1), 1)
+    with pytest.raises(ValueError, match=r"repetition_penalty=2.5: SGLang accepts at most 2.0"):
+        to_sglang_sampling_params(SamplingParams(repetition_penalty=2.5), 1)
 
 
 def test_n_samples_are_a_batch_with_one_seed_each():
@@ -231,25 +233,48 @@ def test_sleep_releases_before_training_and_wake_resumes_before_generation(serve
 
 
 def test_level_2_sleep_restores_weights_with_the_next_full_update(server):
+    """The RL loop's order: generate, sleep, train, sync weights while asleep, wake to generate."""
     engine = engine_on(server)
     request = GenerationRequest([5], SamplingParams(max_tokens=2))
     start = len(log(server))
     engine.sleep(2)
+    with pytest.raises(ValueError, match=r"must cover every parameter; 1 were not sent: 'b'"):
+        engine.update_weights([("w", torch.ones(4, 3))])
+    engine.update_weights([("w", torch.ones(4, 3)), ("b", torch.ones(3))])
+    engine.wake_up()
+    engine.generate_batch([request])
+    calls = [(e["path"], e["body"].get("tags") if e["body"] else None) for e in log(server)[start:]]
+    assert calls == [
+        ("/release_memory_occupation", ["kv_cache", "weights"]),
+        ("/resume_memory_occupation", ["weights"]),  # once, before the first bucket lands
+        ("/init_weights_update_group", None),
+        ("/update_weights_from_distributed", None),
+        ("/update_weights_from_distributed", None),  # no /flush_cache: releasing the KV cache emptied it
+        ("/resume_memory_occupation", ["kv_cache"]),
+        ("/generate", None),
+    ]
+
+
+def test_after_level_2_an_engine_refuses_to_generate_until_a_full_update(server):
+    engine = engine_on(server)
+    request = GenerationRequest([5], SamplingParams(max_tokens=2))
+    engine.sleep(2)
     engine.wake_up()
     with pytest.raises(RuntimeError, match=r"weights were released \(sleep level 2\)"):
         engine.generate_batch([request])
-    with pytest.raises(ValueError, match=r"must cover every parameter; 1 were not sent: 'b'"):
-        engine.update_weights([("w", torch.ones(4, 3))])
-    with pytest.raises(RuntimeError, match="weights were released"):  # still: a partial update restores nothing
+    with pytest.raises(ValueError, match="must cover every parameter"):
+        engine.update_weights([("b", torch.ones(3))])
+    with pytest.raises(RuntimeError, match="weights were released"):  # a partial update restores nothing
         engine.generate_batch([request])
+    start = len(log(server))
+    engine.sleep(2)  # both come back in use (KV cache: wake_up; weights: the partial update), both are released
+    engine.wake_up()
     engine.update_weights([("w", torch.ones(4, 3)), ("b", torch.ones(3))])
     engine.generate_batch([request])
     calls = [(e["path"], e["body"].get("tags") if e["body"] else None) for e in log(server)[start:]]
     assert calls[:3] == [("/release_memory_occupation", ["kv_cache", "weights"]),
-                         ("/resume_memory_occupation", ["kv_cache"]),
-                         ("/resume_memory_occupation", ["weights"])]  # before the first bucket lands
-    assert [c[0] for c in calls[-4:]] == ["/resume_memory_occupation", "/update_weights_from_distributed",
-                                          "/flush_cache", "/generate"]
+                         ("/resume_memory_occupation", ["kv_cache"]), ("/resume_memory_occupation", ["weights"])]
+    assert [c[0] for c in calls[-3:]] == ["/update_weights_from_distributed", "/flush_cache", "/generate"]
 
 
 def test_a_server_that_dies_mid_request_fails_it_naming_the_server():
