@@ -52,7 +52,16 @@ parameter before the engine generates again. After every update the radix cache 
 
 A server that dies or stops answering fails the call within a bounded time with an error naming
 it (URL and pid): requests are awaited beside a liveness poll of the process, and every HTTP call
-has a timeout.
+has a timeout (a non-streamed /generate can only be bounded as a whole: ``request_timeout_s``).
+
+Weight sync: the rollout worker's engine is rank 0 of the server's update group and pushes each
+checked bucket itself, so weights travel actor rank 0 → rollout worker (hybridflow's own sync) →
+server. The group is gloo by default: NCCL refuses two ranks on one GPU, which is where a server
+and its rollout worker sit. Gloo picks its network interface by resolving the hostname; where
+that is slow, ``GLOO_SOCKET_IFNAME=lo`` makes the first sync start at once.
+
+Lifetime: ``close`` (or this process's normal exit) kills the server's process group; a rollout
+process killed with SIGKILL leaves its server running.
 """
 
 from __future__ import annotations
