@@ -178,7 +178,8 @@ def test_a_cancelled_generate_aborts_its_samples_on_the_server(server):
 def test_a_manifest_mismatch_is_refused_before_any_request_is_sent(server):
     engine = engine_on(server)
     start = len(log(server))
-    with pytest.raises(ValueError, match=r"parameter 'w' has shape \(4, 3\) in the rollout model but \(3, 4\) was sent"):
+    shape = r"parameter 'w' has shape \(4, 3\) in the rollout model but \(3, 4\) was sent"
+    with pytest.raises(ValueError, match=shape):
         engine.update_weights([("b", torch.ones(3)), ("w", torch.ones(3, 4))])
     with pytest.raises(ValueError, match=r"unknown parameter 'bias'"):
         engine.update_weights([("bias", torch.ones(3))])
@@ -207,8 +208,8 @@ def test_an_update_the_server_refuses_fails_at_once_and_the_next_one_reconnects(
     engine.update_weights([("w", torch.ones(4, 3))])
     httpx.post(server.url + "/_fake/forget_groups")
     began = time.monotonic()
-    with pytest.raises(SGLangServerError, match=re.escape(server.name) + r": /update_weights_from_distributed answered HTTP "
-                                                r"400: .*init_weights_update_group"):
+    refused = re.escape(server.name) + r": /update_weights_from_distributed answered HTTP 400: .*init_weights_update"
+    with pytest.raises(SGLangServerError, match=refused):
         engine.update_weights([("w", torch.ones(4, 3))])
     assert time.monotonic() - began < 2  # not the group's 5 s timeout
     start = len(log(server))
@@ -300,7 +301,8 @@ def test_a_server_that_dies_mid_request_fails_it_naming_the_server():
 def test_a_server_that_stops_answering_fails_the_request_after_its_timeout(server):
     engine = engine_on(server, request_timeout_s=1.0)
     began = time.monotonic()
-    with pytest.raises(SGLangServerError, match=rf"SGLang server {server.url} \(pid \d+\): /generate failed: ReadTimeout"):
+    silent = re.escape(server.name) + r": /generate failed: ReadTimeout"
+    with pytest.raises(SGLangServerError, match=silent):
         engine.generate_batch([GenerationRequest([HANG, 2], SamplingParams())])
     assert time.monotonic() - began < 5
 
