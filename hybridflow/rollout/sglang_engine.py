@@ -82,7 +82,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import torch
@@ -442,6 +442,12 @@ def join_update_group(host: str, port: int, *, rank: int, world_size: int, group
     return group
 
 
+class WeightPusher(Protocol):
+    """Moves one checked bucket of ``(name, tensor)`` pairs into the server's model."""
+
+    def push(self, bucket: list[NamedTensor]) -> None: ...
+
+
 class DistributedWeightSync:
     """Buckets pushed to the server over a torch.distributed group: this process is rank 0, the
     server's tensor-parallel ranks follow (``/init_weights_update_group``). Each bucket is one
@@ -531,7 +537,7 @@ class SGLangEngine:
         client: SGLangClient,
         *,
         targets: Mapping[str, torch.Tensor],
-        weight_sync: Any = None,
+        weight_sync: WeightPusher | None = None,
         seed: int = 0,
         server: SGLangServer | None = None,
     ) -> None:
@@ -596,7 +602,8 @@ class SGLangEngine:
         """Yields ``apply(bucket)``: checks the bucket's names and shapes against ``targets`` (a
         mismatch raises before anything is sent) and pushes it. Requests wait until the block
         exits; then the server's cache is flushed (keys computed with old weights must not serve)."""
-        if self.weight_sync is None:
+        weight_sync = self.weight_sync
+        if weight_sync is None:
             raise RuntimeError(f"{self.name}: this engine was built without a weight sync")
         covered: set[int] = set()
 
@@ -605,7 +612,7 @@ class SGLangEngine:
             if self._weights_released:  # the weights' memory must exist before bytes land in it
                 self.client.post("/resume_memory_occupation", {"tags": ["weights"]})
                 self._weights_released = False
-            self.weight_sync.push(bucket)
+            weight_sync.push(bucket)
             covered.update(id(self._targets[name]) for name, _ in bucket)
 
         self._updating = True
