@@ -254,7 +254,7 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = f("native", "Rollout engine: native.")
+    name: str = f("native", "Rollout engine: native, or sglang (SGLang servers; a GPU and the sglang extra).")
     n: int = f(8, "Samples per prompt (group size for GRPO/RLOO).")
     temperature: float = f(1.0, "Sampling temperature.")
     top_p: float = f(1.0, "Nucleus sampling threshold.")

@@ -180,9 +180,25 @@ class EngineSpec:
     loads_own_weights: bool = False
 
 
+def _build_sglang(**kwargs: Any) -> RolloutEngine:
+    from hybridflow.rollout.sglang_engine import build_sglang_engine
+
+    return build_sglang_engine(**kwargs)
+
+
+def _needs_gpu(device: torch.device) -> str | None:
+    """SGLang's CPU backend needs AVX-512 kernels (sgl-kernel's CPU build) that hybridflow's
+    CPU machines lack (README, "SGLang"): the engine runs on a GPU only."""
+    if device.type == "cuda":
+        return None
+    return "rollout engine 'sglang' needs a GPU (trainer.device=cuda); on a CPU use rollout.name=native"
+
+
 # Config ``rollout.name`` → its spec.
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "native": EngineSpec(build=_build_native),
+    "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
+                         loads_own_weights=True),
 }
 
 
