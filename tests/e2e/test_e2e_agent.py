@@ -62,13 +62,13 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
     assert "val/hybridflow/calculator/score/mean" in records[0]
 
 
-def test_grpo_raises_the_tool_call_rate_and_the_reward(tmp_path):
+def test_grpo_raises_the_tool_call_rate_and_the_reward(tmp_path, tool_agent_cache):
     """The tool_agent preset (warm start: a quarter of the questions answered with a tool call,
     the rest directly and mostly wrongly), shortened from 40 to 10 RL steps: GRPO must raise the
     tool-call rate and the reward of the sampled episodes, and the held-out greedy score. The
     full preset measured tool_calls/mean 0.18 -> 1.0 by step 6, score 0.14 -> 0.85, val 0.14 -> 1.0."""
     cfg = api.make_config("tool_agent", overrides=[
-        f"warm_start.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / 'run'}",
+        f"warm_start.cache_dir={tool_agent_cache}", f"trainer.output_dir={tmp_path / 'run'}",
         "trainer.total_training_steps=10", "trainer.test_freq=10", "data.builtin_val_size=64", *COMMON,
     ])
     records = read_metrics(api.train(cfg).metrics_path)
