@@ -82,7 +82,8 @@ class RewardWorker:
         else the rule / custom scorer, run in the manager's workers on the decoded response."""
         scored = [i for i, t in enumerate(trajectories) if AGENT_REWARD_KEY not in t.metadata]
         # Decode only the policy's own tokens' span; special tokens (EOS) are not part of the answer.
-        texts = self.tokenizer.batch_decode([trajectories[i].response_ids for i in scored], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([trajectories[i].response_ids for i in scored], skip_special_tokens=True) \
+            if scored else []  # batch_decode([]) is not an empty list
         requests = [
             ScoreRequest(
                 data_source=t.metadata["data_source"],
