@@ -150,8 +150,8 @@ class EpisodeRecord:
         if not self.prompt_ids:
             self.prompt_ids = render_ids(self.tokenizer, self._for_template(messages), tools=tools,
                                          add_generation_prompt=True)
-        elif self._extends(normal, tools_key):
-            self._insert(template.delta([template_message(m) for m in messages[len(self._seen):]]))
+        elif self._extends(normal, tools_key) and (delta := self._delta(template, messages[len(self._seen):])):
+            self._insert(delta)
         else:
             self._rewrite(messages, tools)
         self._seen, self._tools_key = normal, tools_key
@@ -216,6 +216,15 @@ class EpisodeRecord:
             and len(normal) > len(self._seen)
             and normal[: len(self._seen)] == self._seen
         )
+
+    @staticmethod
+    def _delta(template: TurnTemplate, messages: Sequence[Message]) -> list[int] | None:
+        """The new messages' ids after a finished turn; None when the template cannot render them
+        incrementally (then the request is stitched as a rewrite)."""
+        try:
+            return template.delta([template_message(m) for m in messages])
+        except ValueError:
+            return None
 
     def _insert(self, ids: list[int]) -> None:
         """Append ids the policy did not produce (loss mask 0), cut at the budget."""

@@ -28,10 +28,11 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.agents.openai_episode import Completion, EpisodeRecord
+from hybridflow.agents.openai_episode import Completion, EpisodeRecord, Prepared
 from hybridflow.types import GenerationRequest, SamplingParams
 from hybridflow.utils.seed import derive_seed
 
@@ -139,7 +140,9 @@ class EpisodeServer:
         return episode
 
     # ------------------------------------------------------------------ generation
-    async def complete(self, episode_id: str, prepare: Any, parse_tools: bool, stop: list[str]) -> tuple[Completion, int]:
+    async def complete(
+        self, episode_id: str, prepare: Callable[[EpisodeRecord], Prepared], parse_tools: bool, stop: list[str]
+    ) -> tuple[Completion, int]:
         """Stitch a request with ``prepare(record)``, generate, record; the answer and the number
         of prompt tokens it was generated from."""
         episode = self.episode(episode_id)
@@ -179,6 +182,8 @@ class EpisodeServer:
             (sample,) = await asyncio.wrap_future(future)
         except (concurrent.futures.CancelledError, asyncio.CancelledError):
             raise ApiError(404, f"episode {episode_id!r} ended during this request", kind="not_found_error") from None
+        except ValueError as error:  # the engine refused the request (a stop string it cannot match, ...)
+            raise ApiError(400, f"the engine refused the request: {error}") from None
         finally:
             episode.in_flight.discard(future)
         return sample
@@ -191,6 +196,12 @@ def build_app(server: EpisodeServer) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # The agent sees OpenAI's error body (its client raises); the run's log keeps the traceback.
+        logger.error("openai agent server: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        return ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error").response()
 
     @app.get("/episodes/{episode_id}/v1/models")
     async def models(episode_id: str) -> dict[str, Any]:
@@ -221,8 +232,9 @@ def build_app(server: EpisodeServer) -> FastAPI:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be one string (token-id and batched prompts are not supported)", "prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "'prompt' must be one non-empty string (token-id and batched prompts are not "
+                                "supported)", "prompt")
         max_tokens = _max_tokens(body, default=16)
         completion, prompt_tokens = await server.complete(
             episode_id, lambda record: record.prepare_text(prompt, max_tokens), False, _stop(body)

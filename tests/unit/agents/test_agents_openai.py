@@ -169,6 +169,15 @@ def spends_the_budget(episode: OpenAIEpisode) -> float:
 SPENT: list = []
 
 
+def text_completions(episode: OpenAIEpisode) -> float:
+    """The legacy completions endpoint: a text prompt, then that prompt + the answer + more text."""
+    client = OpenAI(base_url=episode.base_url, api_key=episode.api_key)
+    first = client.completions.create(model=episode.model, prompt="Q: 6*7?\nA:", max_tokens=8)
+    client.completions.create(model=episode.model, prompt="Q: 6*7?\nA:" + first.choices[0].text + "\nQ: again?\nA:",
+                              max_tokens=8)
+    return 0.0
+
+
 def refusals(episode: OpenAIEpisode) -> float:
     parsed = urllib.parse.urlparse(episode.base_url)
     assert parsed.hostname == "127.0.0.1"
@@ -293,3 +302,14 @@ def test_config_errors_name_the_key(tmp_path):
     validate_config(cfg)
     with pytest.raises(ConfigError, match="rollout.multi_turn.openai_agent"):
         resolve_plugins(cfg)
+
+
+def test_text_completions_are_stitched_token_by_token(engine, model):
+    (trajectory,), tokenizer = run("text_completions", engine, tools=False)
+    first, second = engine.samples
+    assert tokenizer.decode(trajectory.prompt_ids) == "Q: 6*7?\nA:" and trajectory.num_turns == 2
+    assert second.prompt_ids == trajectory.prompt_ids + trajectory.response_ids[: -len(second.response_ids)]
+    logprobs, rollout, mask = recomputed_logprobs(model, [trajectory])
+    assert (logprobs[mask] - rollout[mask]).abs().max() < 1e-4
+    # Whether the first answer ended on <|im_end|> (dropped from its text, so a rewrite) or not.
+    assert trajectory.metadata["agent_metrics"]["history_rewrites"] == float(first.response_ids[-1] == IM_END)
