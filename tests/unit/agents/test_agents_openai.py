@@ -7,6 +7,7 @@ import asyncio
 import copy
 import time
 import urllib.parse
+from pathlib import Path
 
 import httpx
 import pytest
@@ -280,6 +281,10 @@ def test_the_server_refuses_streaming_and_several_choices_and_binds_loopback(eng
     assert REFUSED[3] == "hybridflow-policy" and REFUSED[4] == 404
     server = OpenAIAgentLoop.server()
     assert server.base_url("x").startswith("http://127.0.0.1:")
+    tcp = Path("/proc/net/tcp")
+    if tcp.exists():  # Linux: the listening socket's local address is 127.0.0.1 (0100007F), not 0.0.0.0
+        listening = [line.split()[1] for line in tcp.read_text().splitlines()[1:] if line.split()[3] == "0A"]
+        assert f"0100007F:{server.port:04X}" in listening
 
 
 def test_agent_functions_from_a_file_and_bad_names(tmp_path):
