@@ -26,7 +26,6 @@ blocking work in plain functions.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import importlib.util
 import inspect
