@@ -89,8 +89,8 @@ def test_an_agent_written_against_the_openai_client_trains_on_the_tool_task(tmp_
     (hybridflow/agents/examples/openai_calculator.py: chat.completions.create with the calculator
     tool, the tool run by the agent, the reward from the task's scorer): every completion is
     recorded and stitched, nothing is counted as a rewrite or a failure, and GRPO raises the
-    tool-call rate and the reward. Measured: score 0.16 -> 0.47-0.58 by step 3, about 70 s after
-    the (shared, cached) warm start."""
+    tool-call rate and the reward. Measured: score 0.16 -> 0.64 and tool calls 0.19 -> 0.91 by step
+    6, 45-65 s on 2 busy cores after the (shared, cached) warm start."""
     cfg = api.make_config("tool_agent", overrides=[
         f"warm_start.cache_dir={tool_agent_cache}", f"trainer.output_dir={tmp_path / 'run'}",
         "rollout.multi_turn.default_agent_loop=openai",
