@@ -4,6 +4,10 @@
   chosen per row by ``agent_name``), ``AgentRunner`` (what the rollout worker calls),
   ``compute_agent_metrics`` and ``answer_view`` (the final assistant turn, what a reward scores).
 - ``single_turn``, ``tool_agent``: the built-in loops.
+- ``openai_agent``: the ``openai`` loop, a user's black-box agent written against the OpenAI API
+  (``OpenAIEpisode`` is what it gets); ``openai_server``: the OpenAI-compatible server on
+  127.0.0.1 it talks to (FastAPI, imported only when the loop runs); ``openai_episode``: how its
+  requests are stitched into one trajectory. ``examples/``: agents to copy.
 - ``tokens``: incremental multi-turn token ids and ``check_token_consistency``.
 - ``parsers``: tool-call parsers (``<tool_call>`` JSON); ``tools``: tool declaration, the
   registry that runs calls, the ``calculator`` and ``python`` built-ins;
@@ -28,6 +32,7 @@ from hybridflow.agents.base import (
     final_turn_start,
 )
 from hybridflow.agents.interactions import Interaction, InteractionResponse, build_interaction
+from hybridflow.agents.openai_agent import OpenAIEpisode
 from hybridflow.agents.parsers import TOOL_PARSERS, HermesToolParser, MalformedCall, ParsedTurn, ToolCall, build_tool_parser
 from hybridflow.agents.tokens import TurnTemplate, check_token_consistency, render_ids
 from hybridflow.agents.tools import BUILTIN_TOOLS, Tool, ToolRegistry, ToolResult, load_tool_config, load_tools, tool
@@ -45,6 +50,7 @@ __all__ = [
     "Interaction",
     "InteractionResponse",
     "MalformedCall",
+    "OpenAIEpisode",
     "ParsedTurn",
     "Tool",
     "ToolCall",

@@ -13,7 +13,13 @@ What a loop records in ``Trajectory.metadata`` besides the row's own fields:
 - ``agent_messages`` (multi-turn loops): the turns added after the prompt, as chat messages;
 - ``agent_stop``: why the episode ended ("no_tool_call", "max_assistant_turns", "length",
   "interaction_done", "engine_<finish_reason>");
-- ``interaction_reward``: the last reward an interaction gave, when it gave one.
+- ``interaction_reward``: the last reward an interaction gave, when it gave one;
+- ``agent_reward`` (and ``agent_reward_extra``, its extra numbers): the reward the agent itself
+  gave (the ``openai`` loop: what the user's function returned). The reward role uses it instead
+  of the rule scorer.
+
+The loops read the row's fields from ``metadata``; ``prompt_messages`` is the row's prompt as
+chat messages (the ``openai`` loop hands them to the user's agent).
 
 How the rollout worker runs a batch::
 
@@ -57,6 +63,11 @@ METRIC_TOOL_TIMEOUT_RATE = "tool_calls/timeout_rate"  # per call
 # Share of response tokens with loss mask 0 (tool replies, user turns, template glue): tokens the
 # policy did not produce, left out of the loss.
 METRIC_MASKED_TOKEN_FRACTION = "response_length/masked_fraction"
+# The ``openai`` loop (black-box agents): requests that rewrote the recorded history (per batch),
+# and the share of episodes whose function raised or ran out of time (reward 0).
+METRIC_OPENAI_HISTORY_REWRITES = "agent/openai/history_rewrites"
+METRIC_OPENAI_ERROR_RATE = "agent/openai/error_rate"
+METRIC_OPENAI_TIMEOUT_RATE = "agent/openai/timeout_rate"
 
 # ``Trajectory.metadata`` keys written by the loops.
 AGENT_NAME_KEY = "agent_name"
@@ -64,6 +75,9 @@ AGENT_METRICS_KEY = "agent_metrics"
 AGENT_MESSAGES_KEY = "agent_messages"
 AGENT_STOP_KEY = "agent_stop"
 INTERACTION_REWARD_KEY = "interaction_reward"
+AGENT_REWARD_KEY = "agent_reward"
+AGENT_REWARD_EXTRA_KEY = "agent_reward_extra"
+PROMPT_MESSAGES_KEY = "prompt_messages"  # set by the dataset (PromptRow.metadata)
 
 # Config ``agent_name`` (dataset column) -> ``module:Class``. A class is built as
 # ``Class(context: AgentContext)`` and has ``async run(prompt_ids, metadata, params, engine)``.
@@ -71,6 +85,7 @@ AGENT_LOOPS: dict[str, str] = {
     "single_turn": "hybridflow.agents.single_turn:SingleTurnAgentLoop",
     "single_turn_agent": "hybridflow.agents.single_turn:SingleTurnAgentLoop",  # verl's name, in its datasets
     "tool_agent": "hybridflow.agents.tool_agent:ToolAgentLoop",
+    "openai": "hybridflow.agents.openai_agent:OpenAIAgentLoop",  # the user's agent, over an OpenAI API
 }
 DEFAULT_AGENT = "single_turn"
 
@@ -106,6 +121,8 @@ class AgentContext:
     max_user_turns: int = 5  # interaction replies per episode
     max_parallel_tool_calls: int = 8  # calls per turn; more are answered with an error
     interaction: Interaction | None = None
+    openai_agent: str | None = None  # the openai loop's function: module:function or file.py:function
+    openai_timeout_s: float = 300.0  # the openai loop's limit per episode
 
     def __post_init__(self) -> None:
         for name in ("max_assistant_turns", "max_user_turns", "max_parallel_tool_calls"):
@@ -178,6 +195,19 @@ def compute_agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float
         METRIC_TOOL_ERROR_RATE: sum(r.get("tool_errors", 0.0) for r in records) / total_calls if total_calls else 0.0,
         METRIC_TOOL_TIMEOUT_RATE: sum(r.get("tool_timeouts", 0.0) for r in records) / total_calls if total_calls else 0.0,
         METRIC_MASKED_TOKEN_FRACTION: masked / tokens if tokens else 0.0,
+        **_openai_metrics(records),
+    }
+
+
+def _openai_metrics(records: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The ``agent/openai/*`` metrics, when the batch ran the openai loop (its records have them)."""
+    records = [r for r in records if "history_rewrites" in r]
+    if not records:
+        return {}
+    return {
+        METRIC_OPENAI_HISTORY_REWRITES: sum(r["history_rewrites"] for r in records),
+        METRIC_OPENAI_ERROR_RATE: sum(r.get("agent_errors", 0.0) for r in records) / len(records),
+        METRIC_OPENAI_TIMEOUT_RATE: sum(r.get("agent_timeouts", 0.0) for r in records) / len(records),
     }
 
 
@@ -235,7 +265,10 @@ class AgentRunner:
         self.default_agent = default_agent
         self.max_concurrent_episodes = max_concurrent_episodes
         self._loops: dict[str, AgentLoop] = {}
-        self.loop(default_agent)  # a bad default fails at start-up, not on the first batch
+        # A bad default fails at start-up, not on the first batch. A loop that declares
+        # ``runs_every_row`` (the openai loop: the user's agent is the whole harness) overrides
+        # the rows' agent_name when it is the default.
+        self.every_row = bool(getattr(self.loop(default_agent), "runs_every_row", False))
 
     def loop(self, name: str) -> AgentLoop:
         """The loop for ``name``, built on first use and then shared."""
@@ -278,7 +311,7 @@ class AgentRunner:
         engine: GenerateEngine,
         limit: asyncio.Semaphore,
     ) -> Trajectory:
-        name = agent_name_of(row.metadata, self.default_agent)
+        name = self.default_agent if self.every_row else agent_name_of(row.metadata, self.default_agent)
         seed = None if params.seed is None else derive_seed(params.seed, index, sample)
         episode_params = dataclasses.replace(params, n=1, seed=seed)
         async with limit:

@@ -210,6 +210,13 @@ def _rollout_line(cfg: Config) -> str:
     if not mt.enable:
         return "generation: one turn per sample (rollout.multi_turn.enable=false)"
     tools = mt.tool_config_path or "none"
+    if mt.default_agent_loop == "openai":
+        return (
+            f"generation: agent episodes (rollout.multi_turn.enable=true): every row runs the openai loop's agent "
+            f"{mt.openai_agent} (its completions recorded, its return value the reward; limit "
+            f"{mt.openai_timeout_s:g} s); tools: {tools}; data.max_response_length={cfg.data.max_response_length} "
+            f"tokens per episode (inserted messages included, loss mask 0)"
+        )
     return (
         f"generation: agent episodes (rollout.multi_turn.enable=true): rows without agent_name run "
         f"{mt.default_agent_loop or 'tool_agent'}; tools: {tools}; up to {mt.max_assistant_turns} assistant turns "

@@ -247,8 +247,22 @@ class MultiTurnConfig:
     )
     default_agent_loop: str | None = f(
         None,
-        "Agent loop for rows without an agent_name column: single_turn | tool_agent | package.module:Class. "
-        "null: tool_agent.",
+        "Agent loop for rows without an agent_name column: single_turn | tool_agent | openai | "
+        "package.module:Class. null: tool_agent. openai runs rollout.multi_turn.openai_agent on every row "
+        "(the rows' agent_name is then ignored).",
+    )
+    openai_agent: str | None = f(
+        None,
+        "The openai loop's agent: a function written against the OpenAI API, as package.module:function or "
+        "path/to/file.py:function. It gets an OpenAIEpisode (base_url, api_key, model, messages, tools, "
+        "metadata, max_tokens) and returns the episode's reward (a float, or a dict with 'score'). Every "
+        "completion it makes is recorded for training; the episode's training sampling parameters apply, not "
+        "the client's. Needed when default_agent_loop=openai (README, \"Agents and tools\").",
+    )
+    openai_timeout_s: float = f(
+        300.0,
+        "Time limit of one openai-loop episode (the agent function's whole run); past it, or when the function "
+        "raises, the episode gets reward 0 and counts in agent/openai/timeout_rate or error_rate.",
     )
 
 

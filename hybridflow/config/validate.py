@@ -515,6 +515,9 @@ BUILTIN_TOOLS_PREFIX = "builtin:"
 The names are checked against the tool registry at start-up (``controller/setup.py``); the
 config layer does not import the agent layer."""
 
+OPENAI_LOOP = "openai"
+"""The agent loop (``hybridflow.agents.AGENT_LOOPS``) that runs ``rollout.multi_turn.openai_agent``."""
+
 TOOL_TASKS = {"calculator": "calculator"}
 """Built-in tasks (``data.builtin_task``) that are solved with a tool, and the tool they need."""
 
@@ -537,6 +540,13 @@ def _check_multi_turn(cfg: Config, report: _Report) -> None:
         )
     if mt.default_agent_loop is not None and not mt.default_agent_loop.strip():
         report.error("rollout.multi_turn.default_agent_loop must name an agent loop (e.g. tool_agent) or be null")
+    if mt.default_agent_loop == OPENAI_LOOP and not mt.openai_agent:
+        report.error(
+            "rollout.multi_turn.default_agent_loop=openai needs rollout.multi_turn.openai_agent: the agent function "
+            "to run, as package.module:function or path/to/file.py:function"
+        )
+    if mt.openai_timeout_s <= 0:
+        report.error(f"rollout.multi_turn.openai_timeout_s={mt.openai_timeout_s} must be > 0 seconds")
     tool = TOOL_TASKS.get(d.builtin_task)
     if tool is not None and not d.train_files:
         if not mt.enable:

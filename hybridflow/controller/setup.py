@@ -26,6 +26,7 @@ import torch
 
 from hybridflow.agents import build_tool_parser, load_tools
 from hybridflow.agents.base import agent_loop_class, agent_name_of
+from hybridflow.agents.openai_agent import load_agent_function
 from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
 from hybridflow.cluster.ray_group import Placement, ResourcePool
 from hybridflow.cluster.worker_group import (
@@ -277,6 +278,8 @@ def agent_setup(multi_turn: MultiTurnConfig) -> AgentSetup | None:
         max_parallel_calls=mt.max_parallel_calls,
         max_tool_response_length=mt.max_tool_response_length,
         tool_timeout_s=mt.tool_timeout_s,
+        openai_agent=mt.openai_agent,
+        openai_timeout_s=mt.openai_timeout_s,
     )
 
 
@@ -291,6 +294,8 @@ def check_agent_setup(agent: AgentSetup, data: DataConfig) -> None:
             raise ConfigError(f"rollout.multi_turn.{key}: {error}") from error
 
     resolved("default_agent_loop", lambda: agent_loop_class(agent.default_agent))
+    if agent.openai_agent is not None:
+        resolved("openai_agent", lambda: load_agent_function(agent.openai_agent))
     resolved("format", lambda: build_tool_parser(agent.tool_parser))
     tools = resolved("tool_config_path", lambda: load_tools(
         agent.tool_config_path, agent.max_tool_response_length, agent.tool_timeout_s))

@@ -99,6 +99,8 @@ class PromptRow:
             "ability": self.ability,
             "extra_info": self.extra_info,
             "source": self.source,
+            # The prompt as chat messages, for agent loops that hand it to an agent (openai).
+            "prompt_messages": self.messages,
         }
         if self.agent_name is not None:
             fields["agent_name"] = self.agent_name

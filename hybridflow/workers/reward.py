@@ -1,5 +1,8 @@
 """The reward role: decodes responses and scores them with rule or custom reward functions.
 
+A trajectory whose agent gave its own reward (``metadata["agent_reward"]``, the openai loop) keeps
+that reward instead: the user's agent function is then the reward function.
+
 Scoring runs in supervised worker processes (``RewardManager``): a reward function that
 raises, hangs or returns garbage costs that sample a score of 0 and a counter, never the run.
 """
@@ -10,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.agents.base import AGENT_REWARD_EXTRA_KEY, AGENT_REWARD_KEY
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.rewards import RewardManager, ScoreRequest
+from hybridflow.rewards.manager import RewardOutput
 from hybridflow.rewards.shaping import compute_overlong_penalty
 from hybridflow.types import Trajectory
 
@@ -51,18 +56,7 @@ class RewardWorker:
         ``response_lengths`` (default: each trajectory's response): an agent episode is scored on
         its final answer but spends its length budget on every turn.
         """
-        # Decode only the policy's own tokens' span; special tokens (EOS) are not part of the answer.
-        texts = self.tokenizer.batch_decode([t.response_ids for t in trajectories], skip_special_tokens=True)
-        requests = [
-            ScoreRequest(
-                data_source=t.metadata["data_source"],
-                solution_str=text,
-                ground_truth=t.metadata["ground_truth"],
-                extra_info=t.metadata.get("extra_info") or {},
-            )
-            for t, text in zip(trajectories, texts, strict=True)
-        ]
-        output = self.manager.score(requests)
+        output = self._rule_scores(trajectories)
         scores, metrics = list(output.scores), dict(output.metrics)
         s = self.setup
         if shaping and s.overlong_buffer_len is not None:
@@ -81,6 +75,35 @@ class RewardWorker:
             t.reward = score
             t.reward_extra = {"acc": raw, **extra}
         return scores, metrics
+
+    def _rule_scores(self, trajectories: list[Trajectory]) -> RewardOutput:
+        """Each trajectory's raw score and extras. The source is one of two: the reward the agent
+        gave itself (``metadata["agent_reward"]``: the openai loop's function returned it), or
+        else the rule / custom scorer, run in the manager's workers on the decoded response."""
+        scored = [i for i, t in enumerate(trajectories) if AGENT_REWARD_KEY not in t.metadata]
+        # Decode only the policy's own tokens' span; special tokens (EOS) are not part of the answer.
+        texts = self.tokenizer.batch_decode([trajectories[i].response_ids for i in scored], skip_special_tokens=True) \
+            if scored else []  # batch_decode([]) is not an empty list
+        requests = [
+            ScoreRequest(
+                data_source=t.metadata["data_source"],
+                solution_str=text,
+                ground_truth=t.metadata["ground_truth"],
+                extra_info=t.metadata.get("extra_info") or {},
+            )
+            for t, text in zip((trajectories[i] for i in scored), texts, strict=True)
+        ]
+        ruled = self.manager.score(requests) if requests else RewardOutput([], [], {})
+        scores = [float(t.metadata.get(AGENT_REWARD_KEY, 0.0)) for t in trajectories]
+        extra = [dict(t.metadata.get(AGENT_REWARD_EXTRA_KEY) or {}) for t in trajectories]
+        for position, score, numbers in zip(scored, ruled.scores, ruled.extra, strict=True):
+            scores[position], extra[position] = score, numbers
+        metrics = dict(ruled.metrics)
+        agent_given = [extra[i] for i, t in enumerate(trajectories) if AGENT_REWARD_KEY in t.metadata]
+        for key in sorted({k for numbers in agent_given for k in numbers}):
+            values = [numbers[key] for numbers in agent_given if key in numbers]
+            metrics.setdefault(f"reward/extra/{key}/mean", sum(values) / len(values))
+        return RewardOutput(scores, extra, metrics)
 
     def close(self) -> None:
         self.manager.close()

@@ -52,6 +52,8 @@ class AgentSetup:
     max_parallel_calls: int = 1
     max_tool_response_length: int = 256
     tool_timeout_s: float | None = None  # None: each tool's own limit
+    openai_agent: str | None = None  # the openai loop's function (module:function or file.py:function)
+    openai_timeout_s: float = 300.0  # the openai loop's limit per episode
 
 
 @dataclass
@@ -86,6 +88,8 @@ def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
         tool_parser=setup.tool_parser,
         max_assistant_turns=setup.max_assistant_turns,
         max_parallel_tool_calls=setup.max_parallel_calls,
+        openai_agent=setup.openai_agent,
+        openai_timeout_s=setup.openai_timeout_s,
     )
     return AgentRunner(context, default_agent=setup.default_agent)
 

@@ -62,13 +62,13 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
     assert "val/hybridflow/calculator/score/mean" in records[0]
 
 
-def test_grpo_raises_the_tool_call_rate_and_the_reward(tmp_path):
+def test_grpo_raises_the_tool_call_rate_and_the_reward(tmp_path, tool_agent_cache):
     """The tool_agent preset (warm start: a quarter of the questions answered with a tool call,
     the rest directly and mostly wrongly), shortened from 40 to 10 RL steps: GRPO must raise the
     tool-call rate and the reward of the sampled episodes, and the held-out greedy score. The
     full preset measured tool_calls/mean 0.18 -> 1.0 by step 6, score 0.14 -> 0.85, val 0.14 -> 1.0."""
     cfg = api.make_config("tool_agent", overrides=[
-        f"warm_start.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / 'run'}",
+        f"warm_start.cache_dir={tool_agent_cache}", f"trainer.output_dir={tmp_path / 'run'}",
         "trainer.total_training_steps=10", "trainer.test_freq=10", "data.builtin_val_size=64", *COMMON,
     ])
     records = read_metrics(api.train(cfg).metrics_path)
@@ -82,3 +82,33 @@ def test_grpo_raises_the_tool_call_rate_and_the_reward(tmp_path):
     assert gain("tool_calls/mean") >= 0.4
     assert gain("critic/score/mean") >= 0.3
     assert records[-1]["val/score/mean"] - records[0]["val/score/mean"] >= 0.3
+
+
+def test_an_agent_written_against_the_openai_client_trains_on_the_tool_task(tmp_path, tool_agent_cache):
+    """``rollout.multi_turn.default_agent_loop=openai`` with the example agent
+    (hybridflow/agents/examples/openai_calculator.py: chat.completions.create with the calculator
+    tool, the tool run by the agent, the reward from the task's scorer): every completion is
+    recorded and stitched, nothing is counted as a rewrite or a failure, and GRPO raises the
+    tool-call rate and the reward. Measured: score 0.16 -> 0.64 and tool calls 0.19 -> 0.91 by step
+    6, 45-65 s on 2 busy cores after the (shared, cached) warm start."""
+    cfg = api.make_config("tool_agent", overrides=[
+        f"warm_start.cache_dir={tool_agent_cache}", f"trainer.output_dir={tmp_path / 'run'}",
+        "rollout.multi_turn.default_agent_loop=openai",
+        "rollout.multi_turn.openai_agent=hybridflow.agents.examples.openai_calculator:run_episode",
+        "trainer.total_training_steps=6", "trainer.test_freq=0", "trainer.val_before_train=false",
+        "data.builtin_val_size=16", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *COMMON,
+    ])
+    records = read_metrics(api.train(cfg).metrics_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for record in records:
+        assert record["agent/openai/error_rate"] == 0.0 and record["agent/openai/timeout_rate"] == 0.0
+        assert record["agent/openai/history_rewrites"] == 0.0  # the agent only appends: every request extends
+        assert record["num_turns/max"] <= 2 and record["response_length/masked_fraction"] > 0.0
+    first, last = records[0], records[-3:]
+
+    def gain(key: str) -> float:
+        return sum(r[key] for r in last) / len(last) - first[key]
+
+    assert first["tool_calls/mean"] < 0.4, "the warm start should call the tool in a minority of episodes"
+    assert gain("tool_calls/mean") >= 0.25
+    assert gain("critic/score/mean") >= 0.2

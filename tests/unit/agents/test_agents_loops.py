@@ -230,7 +230,7 @@ def test_a_failing_loop_names_its_row_and_stops_the_batch(tokenizer, scripted) -
 
 
 def test_unknown_loops_fail_at_construction(tokenizer) -> None:
-    with pytest.raises(ValueError, match="known names: single_turn, single_turn_agent, tool_agent"):
+    with pytest.raises(ValueError, match="known names: openai, single_turn, single_turn_agent, tool_agent"):
         AgentRunner(AgentContext(tokenizer), default_agent="three_turn")
     with pytest.raises(TypeError, match="has no async run"):
         build_agent_loop(f"{__name__}:Quizmaster", AgentContext(tokenizer))

@@ -44,3 +44,16 @@ def test_overlong_penalty_measures_the_given_response_lengths(worker):
     assert unshaped == [1.0]
     with pytest.raises(ValueError, match="2 response_lengths for 1 trajectories"):
         worker.score([answer("7")], response_lengths=[3, 4])
+
+
+def test_an_agent_given_reward_replaces_the_rule_scorer(worker):
+    """The openai loop's trajectories carry the reward their agent function returned: it is the
+    score, its extra numbers are logged, and the rule scorer judges only the others."""
+    agent_scored, ruled = answer("8"), answer("7")
+    agent_scored.metadata |= {"agent_reward": 0.75, "agent_reward_extra": {"steps": 3.0}}
+    scores, metrics = worker.score([agent_scored, ruled])
+    assert scores == [0.75, 1.0]
+    assert agent_scored.reward_extra == {"acc": 0.75, "steps": 3.0} and ruled.reward_extra["acc"] == 1.0
+    assert metrics["reward/extra/steps/mean"] == 3.0
+    scores, _ = worker.score([agent_scored])  # nothing left for the rule scorer
+    assert scores == [0.75]
