@@ -358,6 +358,14 @@ def _resolved(key: str, resolve: Callable[[], Any]) -> Any:
         raise ConfigError(f"{key}: {error}", key=key) from error
 
 
+def config_device(name: str) -> torch.device:
+    """``trainer.device`` resolved, or a ``ConfigError`` on it (cuda without CUDA, an unknown string)."""
+    try:
+        return resolve_device(name)
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(str(error), key="trainer.device") from error
+
+
 def resolve_plugins(cfg: Config) -> Plugins:
     """Resolve every name the config plugs in (registries and ``module:function`` paths, whose
     signatures are checked against the call the trainer makes), so a wrong one fails at start-up
@@ -372,7 +380,7 @@ def resolve_plugins(cfg: Config) -> Plugins:
             key="algorithm.adv_estimator",
         )
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
-    unavailable = engine_unavailable(cfg.rollout.name, resolve_device(cfg.trainer.device))
+    unavailable = engine_unavailable(cfg.rollout.name, config_device(cfg.trainer.device))
     if unavailable is not None:
         raise ConfigError(f"rollout.name={cfg.rollout.name}: {unavailable}", key="rollout.name")
     agent = agent_setup(cfg.rollout.multi_turn)
@@ -417,10 +425,7 @@ def build_run(cfg: Config) -> RunSetup:
     adv_estimator, needs, kl_controller, agent = (
         plugins.adv_estimator, plugins.estimator_needs, plugins.kl_controller, plugins.agent)
     t, d, a = cfg.trainer, cfg.data, cfg.actor
-    try:
-        device = resolve_device(t.device)
-    except (RuntimeError, ValueError) as error:  # cuda without CUDA, an unknown device string
-        raise ConfigError(str(error), key="trainer.device") from error
+    device = config_device(t.device)
     check_model_path(cfg.model.path)
     output_dir = resolve_output_dir(cfg)
     threads = configure_threads(t.num_threads)

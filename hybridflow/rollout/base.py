@@ -10,12 +10,14 @@ lazily, so naming an engine whose optional dependency is missing fails only when
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib.util
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from hybridflow.rollout.precision import DtypeChoice
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -158,6 +162,42 @@ def choose_rollout_dtype(
 
 class _NoModel(Exception):
     """Raised inside a probe that has no model to measure."""
+
+
+def serve_batch(
+    generate: Callable[[GenerationRequest], Awaitable[list[Trajectory]]],
+    requests: list[GenerationRequest],
+    check: Callable[[GenerationRequest], None] | None = None,
+) -> list[list[Trajectory]]:
+    """``generate`` for every request concurrently, from synchronous code: each engine's
+    ``generate_batch``. ``check`` refuses a bad request before any runs (the error names its
+    position). Runs a private event loop that is closed before returning; called from inside a
+    running loop (a notebook, an async caller of sync helpers), it runs that private loop in a
+    short-lived thread, since the caller's loop is blocked for the call anyway."""
+    for position, request in enumerate(requests):
+        try:
+            if check is not None:
+                check(request)
+        except ValueError as exc:
+            raise ValueError(f"generate_batch: requests[{position}]: {exc}") from None
+    if not requests:
+        return []
+
+    async def serve() -> list[list[Trajectory]]:
+        return list(await asyncio.gather(*(generate(r) for r in requests)))
+
+    return run_sync(serve())
+
+
+def run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    """``asyncio.run(coroutine)``, or, when this thread already runs a loop, the same in a fresh
+    thread joined before returning (``asyncio.run`` refuses to nest)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-sync") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from hybridflow.rollout.base import run_sync
 from hybridflow.types import GenerationRequest, Trajectory
 
 try:
@@ -78,8 +79,8 @@ class HttpEngineClient:
         return self.run_sync(batch()) if requests else []
 
     def run_sync(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``coroutine`` (which calls ``generate``: a batch, agent episodes) on a fresh event
-        loop from synchronous code, closing this loop's connections before returning."""
+        """Run ``coroutine`` (which calls ``generate``) on a fresh event loop from synchronous code
+        (a batch, agent episodes), closing this loop's connections before returning."""
 
         async def run() -> _T:
             try:
@@ -87,7 +88,7 @@ class HttpEngineClient:
             finally:
                 await self._close_session()
 
-        return asyncio.run(run())
+        return run_sync(run())
 
     async def _close_session(self) -> None:
         if self._client is not None:

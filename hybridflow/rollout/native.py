@@ -54,7 +54,6 @@ one event loop at a time.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -66,6 +65,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridflow.rollout.base import serve_batch
 from hybridflow.rollout.compact import CompactCausalLM
 from hybridflow.rollout.graphs import GraphCaptureError, StaticDecoder
 from hybridflow.rollout.kv_cache import SlotKVCache
@@ -564,22 +564,7 @@ class NativeEngine:
         async worker calling sync helpers), it runs that private loop in a short-lived thread,
         because the caller's loop is blocked for the duration of this call anyway.
         """
-        for position, request in enumerate(requests):
-            try:
-                self._check_request(request)
-            except ValueError as exc:
-                raise ValueError(f"generate_batch: requests[{position}]: {exc}") from None
-        if not requests:
-            return []
-
-        async def serve() -> list[list[Trajectory]]:
-            return list(await asyncio.gather(*(self.generate(r) for r in requests)))
-
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(serve())
-        return _run_in_fresh_thread(serve())
+        return serve_batch(self.generate, requests, self._check_request)
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -1292,10 +1277,4 @@ class NativeEngine:
             return logits
 
         return adjust
-
-
-def _run_in_fresh_thread(coroutine: Coroutine[Any, Any, list[list[Trajectory]]]) -> list[list[Trajectory]]:
-    """Run ``coroutine`` on a new event loop in a thread that is joined before returning."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="NativeEngine") as pool:
-        return pool.submit(asyncio.run, coroutine).result()
 

@@ -87,6 +87,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from hybridflow.rollout.base import serve_batch
 from hybridflow.rollout.sampling import derive_sample_seed, is_greedy
 from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, NamedTensor, check_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
@@ -579,18 +580,7 @@ class SGLangEngine:
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:
         """``generate`` for every request concurrently, from synchronous code."""
-        for position, request in enumerate(requests):
-            try:
-                self._check_request(request)
-            except ValueError as exc:
-                raise ValueError(f"generate_batch: requests[{position}]: {exc}") from None
-        if not requests:
-            return []
-
-        async def serve() -> list[list[Trajectory]]:
-            return list(await asyncio.gather(*(self.generate(r) for r in requests)))
-
-        return _run_sync(serve())
+        return serve_batch(self.generate, requests, self._check_request)
 
     def update_weights(self, weights: Iterable[NamedTensor], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         with self.weight_update() as apply:
@@ -671,17 +661,6 @@ class SGLangEngine:
 
     def _draw_seed(self) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self._generator))
-
-
-def _run_sync(coroutine: Coroutine[Any, Any, list[list[Trajectory]]]) -> list[list[Trajectory]]:
-    """Run ``coroutine`` to completion from synchronous code, also when a loop runs in this thread
-    (then in a fresh thread, joined before returning)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="SGLangEngine") as pool:
-        return pool.submit(asyncio.run, coroutine).result()
 
 
 # ------------------------------------------------------------------------------------ builder

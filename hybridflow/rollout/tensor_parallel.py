@@ -81,6 +81,8 @@ from hybridflow.rollout.native import NativeEngine, default_kv_cache_bytes, reso
 
 logger = logging.getLogger(__name__)
 
+# How long a leader whose collective failed waits for a lost rank's process to show as exited.
+DEATH_GRACE_S = 2.0
 # Bounds every collective of a replica: a dead or stuck rank fails the others after this long
 # instead of hanging them. Long enough for the slowest forward or weight transfer step.
 DEFAULT_TP_TIMEOUT_S = 60.0
@@ -282,7 +284,12 @@ class _Comm:
                     f"nothing for {self.timeout_s:.0f} s: {type(exc).__name__}: {exc}")
         host = socket.gethostname()
         others = self.peers[1:]
-        dead = [p for p in others if p.host == host and _process_gone(p.pid)]
+        local = [p for p in others if p.host == host]
+        # A killed rank's sockets close while it exits, so the collective can fail a moment before
+        # the process shows as gone: look again for a short while before calling it stuck.
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not (dead := [p for p in local if _process_gone(p.pid)]) and local and time.monotonic() < deadline:
+            time.sleep(0.05)
         if dead:
             who = "; ".join(f"{p.describe()} is dead" for p in dead)
         else:
