@@ -101,6 +101,9 @@ _SEED_MODULUS = 1 << 63
 # within these bounds (vLLM refuses to start when the cache cannot hold one full-length sequence).
 _MIN_KV_CACHE_BYTES = 64 << 20
 _MAX_KV_CACHE_BYTES = 4 << 30
+# Tokens one step may take with chunked prefill off (a CPU): vLLM's own default budget, raised to
+# the model's context when that is longer.
+_MIN_STEP_TOKENS = 2048
 
 
 @dataclass
@@ -425,6 +428,13 @@ def _start_vllm(
     kv_bytes = None
     if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         kv_bytes = _kv_cache_bytes(manifest, max_batch_size, torch.finfo(torch_dtype).bits // 8)
+    # On a CPU, chunked prefill is off: when a seeded request's prompt is split over steps, vLLM
+    # 0.32 rewinds its generator with set_offset, which CPU generators do not have ("CPU Generator
+    # does not use offset"). Whole prompts then need a step budget of at least one full sequence.
+    chunking: dict[str, Any] = {}
+    if not on_gpu:
+        longest = int(manifest.config.max_position_embeddings)
+        chunking = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_MIN_STEP_TOKENS, longest)}
     args = EngineArgs(
         model=model_path,
         dtype=str(torch_dtype).removeprefix("torch."),
@@ -437,6 +447,7 @@ def _start_vllm(
         kv_cache_memory_bytes=kv_bytes,
         enable_sleep_mode=on_gpu,
         disable_log_stats=True,
+        **chunking,
     )
     # vLLM sets up its process as a server's: it reseeds the global generators, drops torch to one
     # thread and replaces torch.set_num_threads with a no-op (its CPU worker binds threads). Here

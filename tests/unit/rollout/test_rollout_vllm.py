@@ -166,6 +166,17 @@ def test_greedy_logprobs_use_temperature_one_and_top_logprobs_come_along(engine,
 
 
 @pytest.mark.vllm
+def test_seeded_prompts_beyond_one_steps_token_budget(engine):
+    """More prompt tokens than one step takes (2048): on a CPU vLLM must not split a seeded
+    prompt over steps (its generator rewind fails there), so they wait for the next step whole."""
+    prompts = [[(7 * i + j) % 250 for j in range(200)] for i in range(14)]
+    results = engine.generate_batch([request(p, max_tokens=3, seed=i) for i, p in enumerate(prompts)])
+    assert all(1 <= len(t.response_ids) <= 3 for (t,) in results)
+    alone = engine.generate_batch([request(prompts[9], max_tokens=3, seed=9)])[0][0]
+    assert results[9][0].response_ids == alone.response_ids
+
+
+@pytest.mark.vllm
 def test_concurrent_generate_calls_share_steps_and_match_generate_batch(engine):
     requests = [request(p, n=2, max_tokens=6, seed=10 + i) for i, p in enumerate(PROMPTS)]
 
