@@ -421,6 +421,9 @@ def _start_vllm(
     # Read by vLLM when the engine is made: the in-process core is what lets weights load as
     # tensors through collective_rpc.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM logs every engine detail at INFO; a training run's console keeps its warnings only
+    # (read when vLLM is first imported; a user's own setting wins).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
