@@ -11,8 +11,8 @@ One ``vllm.v1.engine.llm_engine.LLMEngine`` with its engine core *in this proces
 (``enable_multiprocessing=False``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weight updates then
 reach the model as plain tensors through ``collective_rpc`` (no serialisation, no second process
 to start or guard with ``__main__``), and this engine drives ``step()`` itself. Concurrent
-``generate`` calls share the steps: each adds its samples and awaits them; whichever call finds
-no driver running steps the engine until every sample in flight has finished.
+``generate`` calls share the steps: each adds its samples and awaits them, while one driver task
+per event loop steps the engine until every sample in flight has finished.
 
 Prompts go in as token ids (``TokensPrompt``), token ids come out (no re-tokenisation), and a
 request's ``n`` samples are ``n`` vLLM requests with ``n=1`` each, seeded
@@ -148,7 +148,7 @@ class VllmEngine:
         self._step_lock = threading.RLock()  # one step, or one weight update, at a time
         self._pending: dict[str, _Pending] = {}  # vLLM sample id -> its request
         self._next_id = 0
-        self._driving = False
+        self._driver: asyncio.Task[None] | None = None  # steps the engine for ``generate`` callers
         self._asleep = False
         self._warned_filters = False
         self._llm = _start_vllm(
@@ -161,27 +161,26 @@ class VllmEngine:
 
     async def generate(self, request: GenerationRequest) -> list[Trajectory]:
         """The ``n`` samples of one request; concurrent calls share the engine's steps."""
+        loop = asyncio.get_running_loop()
         pending = self._add(request)
-        pending.future = asyncio.get_running_loop().create_future()
-        if not self._driving:
-            self._driving = True
-            try:
-                while self._pending:
-                    self._step()
-                    await asyncio.sleep(0)  # let other callers add their requests between steps
-            except Exception as exc:  # every caller waiting on these steps gets the error, not a hang
-                self._fail_pending(exc)
-                raise
-            finally:
-                self._driving = False
-        return await pending.future
+        pending.future = loop.create_future()
+        # One driver task per loop steps for every caller; a task of its own, so that a caller
+        # cancelled mid-step does not leave the others waiting on steps nobody runs.
+        if self._driver is None or self._driver.done() or self._driver.get_loop() is not loop:
+            self._driver = loop.create_task(self._drive())
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            self._abort(pending.sample_ids)
+            raise
 
-    def _fail_pending(self, error: Exception) -> None:
-        for sample_id, pending in list(self._pending.items()):
-            self._llm.abort_request([sample_id])
-            if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(error)
-        self._pending.clear()
+    async def _drive(self) -> None:
+        try:
+            while self._pending:
+                self._step()
+                await asyncio.sleep(0)  # let other callers add their requests between steps
+        except Exception as exc:  # every caller waiting on these steps gets the error, not a hang
+            self._fail_pending(exc)
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:
         """Every request's samples, in request order, decoded together; no loop or thread used."""
@@ -191,9 +190,26 @@ class VllmEngine:
             except ValueError as exc:
                 raise ValueError(f"generate_batch: requests[{position}]: {exc}") from None
         batch = [self._add(request) for request in requests]
-        while not all(p.finished for p in batch):
-            self._step()
+        try:
+            while not all(p.finished for p in batch):
+                self._step()
+        except Exception as exc:
+            self._fail_pending(exc)
+            raise
         return [p.trajectories() for p in batch]
+
+    def _abort(self, sample_ids: list[str]) -> None:
+        live = [i for i in sample_ids if self._pending.pop(i, None) is not None]
+        if live:
+            with self._step_lock:
+                self._llm.abort_request(live)
+
+    def _fail_pending(self, error: Exception) -> None:
+        """Abort every sample in flight; callers awaiting them get ``error``."""
+        for pending in {id(p): p for p in self._pending.values()}.values():
+            self._abort(pending.sample_ids)
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(error)
 
     def _check_request(self, request: GenerationRequest) -> None:
         if self._asleep:
@@ -230,7 +246,9 @@ class VllmEngine:
         for output in outputs:
             if not output.finished:
                 continue
-            pending = self._pending.pop(output.request_id)
+            pending = self._pending.pop(output.request_id, None)
+            if pending is None:  # aborted (its caller was cancelled) after this step began
+                continue
             pending.done[output.request_id] = to_trajectory(pending.request, output.outputs[0])
             if pending.finished and pending.future is not None and not pending.future.done():
                 pending.future.set_result(pending.trajectories())

@@ -188,6 +188,22 @@ def test_concurrent_generate_calls_share_steps_and_match_generate_batch(engine):
     assert [[t.response_ids for t in g] for g in together] == [[t.response_ids for t in g] for g in batched]
 
 
+@pytest.mark.vllm
+def test_a_cancelled_caller_leaves_the_others_served(engine):
+    keep_request = request(PROMPTS[0], max_tokens=6, seed=1)
+
+    async def one_cancelled() -> list[Trajectory]:
+        keep = asyncio.ensure_future(engine.generate(keep_request))
+        drop = asyncio.ensure_future(engine.generate(request(PROMPTS[1], n=3, max_tokens=50, ignore_eos=True)))
+        await asyncio.sleep(0)  # both requests are in; the driver task has started
+        drop.cancel()
+        return await keep
+
+    kept = asyncio.run(one_cancelled())
+    assert [t.response_ids for t in kept] == [t.response_ids for t in engine.generate_batch([keep_request])[0]]
+    assert engine._pending == {}  # the cancelled request's samples were aborted
+
+
 # ------------------------------------------------------------------ weights
 
 
