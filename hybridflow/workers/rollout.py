@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
-from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
-from hybridflow.rollout import build_rollout_engine, weight_transfer
+from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
+from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine, weight_transfer
 from hybridflow.rollout.base import resolve_rollout_dtype
 from hybridflow.rollout.weight_transfer import (
     SENDER_RANK,
@@ -110,8 +110,13 @@ class RolloutWorker:
         self.rank, self.device = rank, setup.device
         tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
         # The engine owns its own copy of the weights (possibly in another dtype); the trainer
-        # pushes updates with update_weights after each step.
-        model = load_causal_lm(setup.model_path, device=setup.device, trust_remote_code=setup.trust_remote_code)
+        # pushes updates with update_weights after each step. An engine that reads the checkpoint
+        # itself (vLLM) gets the model on the meta device: names and shapes, no second copy.
+        spec = ROLLOUT_ENGINES.get(setup.engine)  # an unknown name fails in build_rollout_engine, with the list
+        if spec is not None and spec.loads_own_weights:
+            model = meta_causal_lm(setup.model_path, trust_remote_code=setup.trust_remote_code)
+        else:
+            model = load_causal_lm(setup.model_path, device=setup.device, trust_remote_code=setup.trust_remote_code)
         # The module the engine serves (it may cast or move it in place): its state dict names the
         # parameters and shapes a broadcast sync is checked against.
         self.model = model
