@@ -214,10 +214,17 @@ class RefConfig:
 
 @dataclass
 class ValKwargsConfig:
-    n: int = f(1, "Samples per validation prompt.")
-    temperature: float = f(0.0, "Validation temperature (0: greedy).")
-    top_p: float = f(1.0, "Validation top-p.")
-    top_k: int = f(-1, "Validation top-k (-1: off).")
+    n: int = f(
+        1, "Samples per validation prompt: N of the val-core/<source>/<var>/mean@N, best@k, worst@k and maj@k "
+        "metrics (k = 2, 4, ... up to N).",
+    )
+    do_sample: bool = f(
+        False, "Sample validation responses with temperature, top_p and top_k below (verl's key). false: greedy, "
+        "whatever they say (then n > 1 repeats one response).",
+    )
+    temperature: float = f(0.0, "Validation temperature when do_sample is true (0: greedy).")
+    top_p: float = f(1.0, "Validation top-p when do_sample is true.")
+    top_k: int = f(-1, "Validation top-k when do_sample is true (-1: off).")
 
 
 @dataclass
@@ -518,6 +525,23 @@ class TrainerConfig:
     )
     phase_timeouts: list[str] = f(
         [], "Per-phase limits overriding watchdog_timeout_s, e.g. [gen=7200,update_actor=1800]."
+    )
+    validation_data_dir: str | None = f(
+        None, "Write each validation's samples to <dir>/<step>.jsonl (input, output, gts, score, step, data_source and "
+        "the reward's extras such as acc and pred). A relative path is inside the run's output folder. null: off.",
+    )
+    rollout_data_dir: str | None = f(
+        None, "Write each training step's samples to <dir>/<step>.jsonl (prompt, response, gts, score, advantage, "
+        "step, group_id, the reward's extras, response_tokens and the first 512 rollout logprobs). A relative path "
+        "is inside the run's output folder. null: off.",
+    )
+    dump_max_samples: int = f(
+        256, "Most samples per file of validation_data_dir and rollout_data_dir (the first ones: whole prompt groups "
+        "first).",
+    )
+    dump_max_chars: int = f(
+        4000, "Longest text per field of those files (prompt, response, ground truth, reward extras), cut with a "
+        "'…[+N chars]' mark: a row stays under about 3 x this + 4 KB.",
     )
     health: HealthConfig = sub(HealthConfig, "Thresholds of the health warnings (health/* metrics).")
 

@@ -72,6 +72,8 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.total_epochs", 1),
     ("trainer.n_gpus_per_node", 1),
     ("trainer.nnodes", 1),
+    ("trainer.dump_max_samples", 1),
+    ("trainer.dump_max_chars", 1),
 )
 """Integer keys and their minimum (checked with the field's help text in the message)."""
 
@@ -359,6 +361,11 @@ def _check_all_sampling(cfg: Config, report: _Report) -> None:
     rollout, val = cfg.rollout, cfg.rollout.val_kwargs
     _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k, report, training=True)
     _check_sampling("rollout.val_kwargs", val.temperature, val.top_p, val.top_k, report)
+    if not val.do_sample and (val.temperature > 0 or val.top_p < 1 or val.top_k != -1):
+        report.warn(
+            "rollout.val_kwargs.temperature/top_p/top_k have no effect while rollout.val_kwargs.do_sample is false "
+            "(validation decodes greedily); set rollout.val_kwargs.do_sample=true to sample"
+        )
 
 
 def _check_names(cfg: Config, report: _Report) -> None:

@@ -143,7 +143,10 @@ class RunSetup:
     reward: WorkerGroup[RewardWorker]
     tracker: Tracker
     progress: ProgressBar
+    tokenizer: Any  # decodes prompts and responses for the generation dumps
     warnings: list[str] = field(default_factory=list)
+    validation_data_dir: Path | None = None  # trainer.validation_data_dir resolved (None: no dumps)
+    rollout_data_dir: Path | None = None  # trainer.rollout_data_dir resolved
     pools: list[ResourcePool] = field(default_factory=list)  # Ray resources reserved (trainer, split rollout)
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
 
@@ -179,6 +182,15 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
             group.close()
         raise
     return RolloutReplicas(groups, free_cache_engine=cfg.rollout.free_cache_engine, sleep_level=cfg.rollout.sleep_level)
+
+
+def dump_dir(path: str | None, output_dir: Path) -> Path | None:
+    """A generation dump folder (trainer.validation_data_dir, rollout_data_dir): a relative path is
+    inside the run's folder, so a run's dumps travel with its metrics and checkpoints."""
+    if not path:
+        return None
+    folder = Path(path).expanduser()
+    return folder if folder.is_absolute() else output_dir / folder
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -528,6 +540,8 @@ def build_run(cfg: Config) -> RunSetup:
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
-        tracker=tracker, progress=progress, warnings=warnings, pools=pools, weight_sync=weight_sync,
+        tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
+        weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
+        rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir),
     )
 
