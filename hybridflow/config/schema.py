@@ -131,8 +131,13 @@ class OptimConfig:
 class PolicyLossConfig:
     loss_mode: str = f(
         "vanilla",
-        "Policy loss: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean, or "
-        "package.module:function.",
+        "Policy loss: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean | dppo_tv | "
+        "dppo_kl | dro, or package.module:function. (bypass_mode is chosen by "
+        "algorithm.rollout_correction.bypass_mode.)",
+    )
+    dro_beta: float | None = f(
+        None, "dro: coefficient of the quadratic log-ratio penalty 0.5 * beta * (log pi - log pi_old)^2; required "
+        "(> 0) with loss_mode=dro, as in verl.",
     )
     tau_pos: float = f(1.0, "sapo: gate temperature for positive advantages.")
     tau_neg: float = f(1.05, "sapo: gate temperature for negative advantages.")
@@ -414,14 +419,33 @@ class RolloutCorrectionConfig:
     )
     rollout_rs_threshold: float = f(2.0, "Upper bound of the accepted ratio.")
     rollout_rs_threshold_lower: float | None = f(None, "Lower bound of the accepted ratio. None: 1 / upper.")
+    bypass_mode: bool = f(
+        False, "Use the rollout engine's logprobs as pi_old instead of recomputing them (verl's bypass mode: two "
+        "policies, no old-logprob forward). The policy loss becomes bypass_mode: loss_type's loss on pi_theta / "
+        "pi_rollout, with rollout_is weights and rollout_rs rejection computed against the current policy.",
+    )
+    loss_type: str = f(
+        "ppo_clip", "Bypass mode's loss: ppo_clip (PPO clip on pi_theta / pi_rollout, no extra weights) | reinforce "
+        "(-w * log pi * A with the rollout_is weights, or plain REINFORCE without rollout_is).",
+        choices=("ppo_clip", "reinforce"),
+    )
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = f(
         "grpo",
-        "Advantage estimator: grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
-        "grpo_passk | opo | gpg | gae (needs a critic), or package.module:function.",
+        "Advantage estimator: grpo | gdpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
+        "grpo_passk | opo | gpg | gae (needs a critic) | optimal_token_baseline | tir_optimal_token_baseline (need "
+        "sum_pi_squared from the actor, not built yet), or package.module:function.",
+    )
+    gdpo_reward_keys: list[str] = f(
+        [], "gdpo: the reward components, numbers the reward function returns in its dict beside 'score' (acc is "
+        "always there: the raw score); each is normalised within its group on its own, as verl.",
+    )
+    gdpo_reward_weights: list[float] | None = f(
+        None, "gdpo: one weight per gdpo_reward_keys entry for the weighted sum of the normalised components. "
+        "null: all 1.",
     )
     norm_adv_by_std_in_grpo: bool = f(True, "Divide GRPO advantages by the group std (false: Dr.GRPO).")
     gamma: float = f(1.0, "Discount factor.")

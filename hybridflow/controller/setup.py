@@ -391,6 +391,13 @@ def resolve_plugins(cfg: Config) -> Plugins:
             f"critic worker yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)",
             key="algorithm.adv_estimator",
         )
+    if "sum_pi_squared" in needs:
+        raise ConfigError(
+            f"algorithm.adv_estimator={alg.adv_estimator} needs sum_pi_squared, the sum of squared token "
+            f"probabilities at each response position (verl's actor.calculate_sum_pi_squared), which hybridflow's "
+            f"actor does not compute yet; use grpo, rloo, opo, ... meanwhile",
+            key="algorithm.adv_estimator",
+        )
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
     unavailable = engine_unavailable(cfg.rollout.name, config_device(cfg.trainer.device))
     if unavailable is not None:
@@ -479,8 +486,12 @@ def build_run(cfg: Config) -> RunSetup:
     # One optimizer step per rollout batch is exactly on-policy: old == current logprobs, so the
     # extra forward is skipped (the actor detaches its own logprobs). In-reward KL needs them.
     # Rollout correction compares the trainer's old logprobs with the engine's.
+    # Bypass mode uses the rollout's logprobs as the old ones and corrects inside the loss.
+    # An estimator may need them too (optimal_token_baseline).
     rc = cfg.algorithm.rollout_correction
-    needs_old = updates_per_batch > 1 or cfg.algorithm.use_kl_in_reward or bool(rc.rollout_is or rc.rollout_rs)
+    corrects_old = not rc.bypass_mode and bool(rc.rollout_is or rc.rollout_rs)
+    needs_old = (updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward or corrects_old \
+        or "old_logprobs" in needs
 
     # Reward first: its workers load a custom reward function, the config's last pluggable name,
     # so a missing name, a syntax error or an import that hangs fails before any model loads.

@@ -135,6 +135,7 @@ class RLTrainer:
                 with timer.phase("gen_baseline"):
                     extra_inputs["reward_baselines"], baseline_metrics = self.greedy_baselines(groups)
                     collect_metrics |= baseline_metrics
+            extra_inputs |= self.estimator_inputs(batch, trajectories)
             rollout_metrics = self.replicas.take_metrics()
             self.replicas.sleep()  # generation is over for this step: free the KV caches for training
             with timer.phase("adv"):
@@ -329,6 +330,20 @@ class RLTrainer:
         )
         return metrics
 
+    def estimator_inputs(self, batch: TrainBatch, trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+        """The optional inputs the estimator declared it needs that the batch already holds: the old
+        logprobs (optimal_token_baseline) and the reward's named numbers (gdpo's components)."""
+        needs, alg = self.run.estimator_needs, self.cfg.algorithm
+        inputs: dict[str, torch.Tensor] = {}
+        if "old_logprobs" in needs:
+            assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs them"
+            inputs["old_logprobs"] = batch.old_logprobs
+        if "reward_components" in needs:
+            inputs["reward_components"] = reward_components(trajectories, alg.gdpo_reward_keys)
+            if alg.gdpo_reward_weights is not None:
+                inputs["reward_component_weights"] = torch.tensor(alg.gdpo_reward_weights, dtype=torch.float32)
+        return inputs
+
     def sync_weights(self) -> None:
         """Push the actor's new weights to every rollout rank: streamed from actor rank 0 by
         broadcast (``rollout.weight_sync``), else through this process (in-process: tensor copies)."""
@@ -485,6 +500,19 @@ class RLTrainer:
             restore_rng_state(rng)
             raise CheckpointError(f"checkpoint state {ckpt / STATE_FILE} does not fit this run: {exc}") from exc
         return state
+
+
+def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:
+    """The reward's numbers named ``keys`` per sample, (B, K) (``algorithm.gdpo_reward_keys``). A sample
+    without one (its reward failed, and scored 0) counts 0; a key no sample has is a config error."""
+    present = {key for t in trajectories for key in t.reward_extra}
+    missing = [key for key in keys if key not in present]
+    if missing:
+        raise ValueError(
+            f"algorithm.gdpo_reward_keys {missing} are in no sample's reward (the reward returned: "
+            f"{sorted(present) or 'numbers only'}); return them in the reward function's dict beside 'score'"
+        )
+    return torch.tensor([[t.reward_extra.get(key, 0.0) for key in keys] for t in trajectories], dtype=torch.float32)
 
 
 def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
