@@ -352,7 +352,9 @@ def compute_gae_advantages(
     drops any reward placed on such a token; here it is added, undiscounted, to the reward of
     the policy token before it (a reward after the last tool call would otherwise be lost).
     The two agree whenever masked tokens carry no reward. Advantages and returns are 0 on
-    masked tokens (verl leaves carried-over values there; no loss reads them).
+    masked tokens, right padding included. verl leaves the carried-over advantage there, and its
+    returns are A + V everywhere (on right padding A = 0, so the critic's output at a padded
+    position); no loss reads either, and on masked-in tokens the two agree.
     """
     _check_inputs(token_level_rewards, response_mask)
     values = _require("values", values, "gae", "(B, R) critic values of the response tokens")
@@ -585,7 +587,9 @@ def compute_gdpo_advantages(
     _check_inputs(token_level_rewards, response_mask)
     components = _require("reward_components", reward_components, "gdpo", "(B, K) reward components")
     if components.dim() != 2 or components.shape[0] != token_level_rewards.shape[0]:
-        raise ValueError(f"reward_components must be ({token_level_rewards.shape[0]}, K), got {tuple(components.shape)}")
+        raise ValueError(
+            f"reward_components must be ({token_level_rewards.shape[0]}, K), got {tuple(components.shape)}"
+        )
     _check_finite_where("reward_components", components, torch.ones_like(components, dtype=torch.bool))
     dtype = _compute_dtype(token_level_rewards.dtype)
     weights = (torch.ones(components.shape[1], dtype=dtype) if reward_component_weights is None

@@ -389,7 +389,8 @@ class RLTrainer:
         scores, _ = self.score_answers(trajectories, shaping=False)
         sources, group_ids = [t.metadata["data_source"] for t in trajectories], [t.group_id for t in trajectories]
         metrics = compute_validation_metrics(sources, scores, group_ids)
-        metrics |= compute_val_core_metrics(sources, group_ids, *reward_variables(scores, [t.reward_info for t in trajectories]))
+        variables, preds = reward_variables(scores, [t.reward_info for t in trajectories])
+        metrics |= compute_val_core_metrics(sources, group_ids, variables, preds)
         if self.run.validation_data_dir is not None:
             self.dump_validation(trajectories, scores)
         metrics |= {f"val/{key}": value for key, value in self.agent_metrics(trajectories).items()}
@@ -420,7 +421,8 @@ class RLTrainer:
         kept = trajectories[: t.dump_max_samples]
         advantages = masked_mean(batch.advantages[: len(kept)], batch.response_mask[: len(kept)], dim=-1)
         rows = rollout_rows(
-            step=self.step, prompts=decode([x.prompt_ids for x in kept]), responses=decode([x.response_ids for x in kept]),
+            step=self.step, prompts=decode([x.prompt_ids for x in kept]),
+            responses=decode([x.response_ids for x in kept]),
             ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=[float(x.reward or 0.0) for x in kept],
             advantages=advantages.tolist(), logprobs=[x.rollout_logprobs for x in kept],
             reward_infos=[x.reward_info for x in kept], group_ids=[x.group_id for x in kept],
@@ -509,8 +511,8 @@ def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.
     missing = [key for key in keys if key not in present]
     if missing:
         raise ValueError(
-            f"algorithm.gdpo_reward_keys {missing} are in no sample's reward (the reward returned: "
-            f"{sorted(present) or 'numbers only'}); return them in the reward function's dict beside 'score'"
+            f"algorithm.gdpo_reward_keys {missing} are in no sample's reward (the rewards gave: "
+            f"{', '.join(sorted(present))}); return them in the reward function's dict beside 'score'"
         )
     return torch.tensor([[t.reward_extra.get(key, 0.0) for key in keys] for t in trajectories], dtype=torch.float32)
 

@@ -110,19 +110,26 @@ def _groups(data_sources: Sequence[str], group_ids: Sequence[int], variables: Ma
         sources = {data_sources[i] for i in members}
         if len(sources) > 1:
             raise ValueError(f"compute_val_core_metrics: one prompt's samples have data sources {sorted(sources)}")
-        answers = [preds[i] for i in members] if preds is not None else None
+        answers = [preds[i] for i in members] if preds is not None else []
+        known = [a for a in answers if a is not None]
         groups.append(_Group(
             data_source=data_sources[members[0]],
             values={var: [float(column[i]) for i in members] for var, column in variables.items()},
-            preds=answers if answers is not None and all(a is not None for a in answers) else None,  # type: ignore[misc]
+            preds=known if known and len(known) == len(members) else None,
         ))
     return groups
 
 
+def _split(metric: str) -> tuple[str, int]:
+    """``best@4/mean`` -> (``best``, 4)."""
+    name, rest = metric.split("@")
+    return name, int(rest.split("/")[0])
+
+
 def _metric_key(source: str, var: str, metric: str, core_var: str, n_max: int) -> str:
-    """verl's split: the core variable's mean/best/maj at the largest N is val-core."""
-    at = int(metric.split("@")[1].split("/")[0])
-    core = var == core_var and metric.split("@")[0] in ("mean", "best", "maj") and at == n_max
+    """verl's split: the core variable's mean/best/maj (and their std) at the largest N is val-core."""
+    name, at = _split(metric)
+    core = var == core_var and name in ("mean", "best", "maj") and at == n_max
     return f"{VAL_CORE_PREFIX if core else VAL_AUX_PREFIX}{source}/{var}/{metric}"
 
 
@@ -156,7 +163,7 @@ def compute_val_core_metrics(
     for source, by_var in per_prompt.items():
         core_var = CORE_VAR_IF_PRESENT if CORE_VAR_IF_PRESENT in by_var else REWARD_VAR
         for var, by_metric in by_var.items():
-            n_max = max(int(metric.split("@")[1].split("/")[0]) for metric in by_metric)
+            n_max = max(_split(metric)[1] for metric in by_metric)
             for metric, values in by_metric.items():
                 out[_metric_key(source, var, metric, core_var, n_max)] = float(np.mean(values))
     return out
