@@ -79,6 +79,10 @@ class Trajectory:
     reward: float | None = None  # the score the advantages use (after any reward shaping)
     # The scorer's own numbers: "acc" (its score before shaping) and extra keys a reward returns.
     reward_extra: dict[str, float] = field(default_factory=dict)
+    # What the reward function returned beside "score", as it returned it: its numbers and its
+    # extracted answer "pred" (text), without the "acc" added above. verl's reward_extra_info:
+    # validation metrics (acc is the core variable only when the reward gave it) and dumps read it.
+    reward_info: dict[str, float | str] = field(default_factory=dict)
     num_turns: int = 1
     # Row fields the reward and the metrics need (data_source, ground_truth, extra_info, ...).
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -24,8 +24,10 @@ undocumented or contradicts its expectation.
 
 Not compared (no counterpart on one side): verl's IcePop ``rollout_is_threshold="lower_upper"``
 (zeroes weights; hybridflow rejects through the keep mask instead), ``rollout_is_batch_normalize``,
-the k2/k3, ``seq_mean_*`` and ``seq_max_*`` rejection statistics, and verl-only estimators and
-losses (gdpo, optimal_token_baseline, rloo_vectorized, dppo_*, dro, bypass_mode).
+the k2/k3, ``seq_mean_*`` and ``seq_max_*`` rejection statistics, the verl-only estimator
+rloo_vectorized, and the estimators and losses added after this script (gdpo,
+optimal_token_baseline, tir_optimal_token_baseline, dppo_tv, dppo_kl, dro, bypass_mode: their
+numbers were compared once with verl 0.9.0's functions on random batches, not by this script).
 
 Needs verl 0.9.1 (``verl.trainer.ppo.core_algos``) and hybridflow importable in one venv.
 """

@@ -18,6 +18,7 @@ from hybridflow.algorithms.advantages import (
     OPTIONAL_ESTIMATOR_INPUTS,
     AdvantageEstimatorFn,
     compute_gae_advantages,
+    compute_gdpo_advantages,
     compute_gpg_advantages,
     compute_grpo_advantages,
     compute_grpo_passk_advantages,
@@ -31,6 +32,7 @@ from hybridflow.algorithms.advantages import (
     register_adv_estimator,
 )
 from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, agg_loss, batch_counts
+from hybridflow.algorithms.bypass import BYPASS_LOSS_TYPES, compute_bypass_mode_loss
 from hybridflow.algorithms.core import (
     UnknownNameError,
     masked_mean,
@@ -39,6 +41,7 @@ from hybridflow.algorithms.core import (
     masked_whiten,
     suggest,
 )
+from hybridflow.algorithms.divergence_losses import compute_dppo_kl_loss, compute_dppo_tv_loss, compute_dro_loss
 from hybridflow.algorithms.entropy import (
     entropy_from_logits,
     entropy_from_logits_chunked,
@@ -73,14 +76,19 @@ from hybridflow.algorithms.rollout_correction import (
     RolloutCorrection,
     compute_rollout_correction,
 )
+from hybridflow.algorithms.token_baseline import (
+    compute_optimal_token_baseline_advantages,
+    compute_tir_optimal_token_baseline_advantages,
+)
 from hybridflow.algorithms.value import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "BYPASS_LOSS_TYPES",
     "KL_CONTROLLER_TYPES",
     "KL_PENALTY_KINDS",
-    "OPTIONAL_ESTIMATOR_INPUTS",
     "LOSS_AGG_MODES",
+    "OPTIONAL_ESTIMATOR_INPUTS",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
     "AdaptiveKLController",
@@ -92,9 +100,14 @@ __all__ = [
     "UnknownNameError",
     "agg_loss",
     "batch_counts",
+    "compute_bypass_mode_loss",
     "compute_cispo_loss",
     "compute_clip_cov_loss",
+    "compute_dppo_kl_loss",
+    "compute_dppo_tv_loss",
+    "compute_dro_loss",
     "compute_gae_advantages",
+    "compute_gdpo_advantages",
     "compute_geo_mean_loss",
     "compute_gpg_advantages",
     "compute_gpg_loss",
@@ -103,6 +116,7 @@ __all__ = [
     "compute_gspo_loss",
     "compute_kl_cov_loss",
     "compute_opo_advantages",
+    "compute_optimal_token_baseline_advantages",
     "compute_ppo_clip_loss",
     "compute_reinforce_plus_plus_advantages",
     "compute_reinforce_plus_plus_baseline_advantages",
@@ -110,6 +124,7 @@ __all__ = [
     "compute_rloo_advantages",
     "compute_rollout_correction",
     "compute_sapo_loss",
+    "compute_tir_optimal_token_baseline_advantages",
     "compute_value_loss",
     "compute_varied_group_mask",
     "entropy_from_logits",

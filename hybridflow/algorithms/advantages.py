@@ -13,8 +13,10 @@ Every estimator has the same keyword-only signature, so the controller calls
       -> (advantages (B, R), returns (B, R))
 
 Estimators ignore the inputs they do not use, and raise a ValueError naming the input when
-one they need is missing. Registered: ``gae``, ``grpo``, ``grpo_passk``, ``rloo``, ``opo``,
-``gpg``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``.
+one they need is missing. Registered: ``gae``, ``grpo``, ``gdpo``, ``grpo_passk``, ``rloo``,
+``opo``, ``gpg``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``; and in
+``hybridflow.algorithms.token_baseline`` ``optimal_token_baseline`` and
+``tir_optimal_token_baseline``.
 
 Masked tokens (``response_mask`` 0: padding, tool output inside a multi-turn response) are
 not steps of the policy: time does not advance over them and their advantages are 0 (returns
@@ -64,10 +66,17 @@ class AdvantageEstimatorFn(Protocol):
 ADV_ESTIMATORS: dict[str, AdvantageEstimatorFn] = {}
 
 # Inputs the trainer produces only for an estimator that asks for them, because each costs
-# work: ``values`` a critic forward, ``reward_baselines`` a greedy rollout and its scoring.
+# work: ``values`` a critic forward, ``reward_baselines`` a greedy rollout and its scoring,
+# ``reward_components`` (with ``reward_component_weights``) the reward's named extras as a (B, K)
+# tensor, ``old_logprobs`` an actor forward, ``sum_pi_squared`` Σ_v π(v)² per token from that forward.
 # An estimator declares what it needs in a ``needs`` attribute (a tuple of these names); a
 # ``module:function`` estimator can set the same attribute.
-OPTIONAL_ESTIMATOR_INPUTS: tuple[str, ...] = ("values", "reward_baselines")
+OPTIONAL_ESTIMATOR_INPUTS: tuple[str, ...] = (
+    "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared",
+)
+
+# Keywords that come along with an optional input (gdpo's weights, when configured).
+_COMPANION_INPUTS: dict[str, tuple[str, ...]] = {"reward_components": ("reward_component_weights",)}
 
 # The keywords the trainer calls every estimator with (plus the optional inputs it ``needs``).
 ESTIMATOR_KEYWORDS: tuple[str, ...] = (
@@ -110,7 +119,9 @@ def get_adv_estimator(name: str) -> AdvantageEstimatorFn:
     """
     fn = resolve(ADV_ESTIMATORS, name, "advantage estimator")
     if name not in ADV_ESTIMATORS:  # a user's module:function: check it now, not at step 1
-        check_keyword_call(fn, (*ESTIMATOR_KEYWORDS, *sorted(estimator_needs(fn))), "advantage estimator", name)
+        needs = sorted(estimator_needs(fn))
+        companions = [c for need in needs for c in _COMPANION_INPUTS.get(need, ())]
+        check_keyword_call(fn, (*ESTIMATOR_KEYWORDS, *needs, *companions), "advantage estimator", name)
     return fn
 
 
@@ -195,16 +206,20 @@ def compute_grpo_advantages(
     _check_inputs(token_level_rewards, response_mask)
     dtype = _compute_dtype(token_level_rewards.dtype)
     scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    advantage = _grpo_normalise(scores, group_ids, norm_adv_by_std_in_grpo, epsilon)
+    advantages = (advantage.unsqueeze(-1) * response_mask.to(dtype)).to(token_level_rewards.dtype)  # (B, R)
+    return advantages, advantages.clone()
+
+
+def _grpo_normalise(scores: torch.Tensor, group_ids: torch.Tensor, by_std: bool, epsilon: float) -> torch.Tensor:
+    """(r − mean_g) / (std_g + ε) per sample (B,), a singleton group using mean 0 and std 1."""
     inverse, num_groups = _group_index(group_ids, scores.shape[0])
     counts, mean, std = _group_stats(scores, inverse, num_groups)
     singleton = counts == 1
     mean = torch.where(singleton, torch.zeros_like(mean), mean)
     std = torch.where(singleton, torch.ones_like(std), std)
     advantage = scores - mean
-    if norm_adv_by_std_in_grpo:
-        advantage = advantage / (std + epsilon)
-    advantages = (advantage.unsqueeze(-1) * response_mask.to(dtype)).to(token_level_rewards.dtype)  # (B, R)
-    return advantages, advantages.clone()
+    return advantage / (std + epsilon) if by_std else advantage
 
 
 @register_adv_estimator("rloo")
@@ -337,7 +352,9 @@ def compute_gae_advantages(
     drops any reward placed on such a token; here it is added, undiscounted, to the reward of
     the policy token before it (a reward after the last tool call would otherwise be lost).
     The two agree whenever masked tokens carry no reward. Advantages and returns are 0 on
-    masked tokens (verl leaves carried-over values there; no loss reads them).
+    masked tokens, right padding included. verl leaves the carried-over advantage there, and its
+    returns are A + V everywhere (on right padding A = 0, so the critic's output at a padded
+    position); no loss reads either, and on masked-in tokens the two agree.
     """
     _check_inputs(token_level_rewards, response_mask)
     values = _require("values", values, "gae", "(B, R) critic values of the response tokens")
@@ -541,4 +558,46 @@ def compute_gpg_advantages(
     nonzero = int(torch.count_nonzero(scores))
     alpha = scores.shape[0] / max(1, nonzero)
     advantages = _broadcast(alpha * (scores - mean) / f_norm, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("gdpo", needs=("reward_components",))
+@torch.no_grad()
+def compute_gdpo_advantages(
+    *,
+    token_level_rewards: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    group_ids: torch.Tensor,  # (B,)
+    reward_components: torch.Tensor | None = None,  # (B, K)
+    reward_component_weights: torch.Tensor | None = None,  # (K,)
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    **unused: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO, group reward-decoupled normalisation (arXiv 2601.05242), verl's ``gdpo``.
+
+    Each reward component k (a number the reward function returns, named in
+    ``algorithm.gdpo_reward_keys``) is GRPO-normalised within its group on its own,
+    A_k = (c_k − mean_g) / (std_g + ε) (singleton: mean 0, std 1; Dr.GRPO without the std), so a
+    component with a large scale cannot drown the others; then A = Σ_k w_k·A_k (weights
+    ``algorithm.gdpo_reward_weights``, default 1) is whitened over every response token of the
+    batch and masked. Returns are the advantages. The score (``token_level_rewards``) is not used:
+    the components replace it, as in verl.
+    """
+    _check_inputs(token_level_rewards, response_mask)
+    components = _require("reward_components", reward_components, "gdpo", "(B, K) reward components")
+    if components.dim() != 2 or components.shape[0] != token_level_rewards.shape[0]:
+        raise ValueError(
+            f"reward_components must be ({token_level_rewards.shape[0]}, K), got {tuple(components.shape)}"
+        )
+    _check_finite_where("reward_components", components, torch.ones_like(components, dtype=torch.bool))
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    weights = (torch.ones(components.shape[1], dtype=dtype) if reward_component_weights is None
+               else reward_component_weights.to(dtype))
+    if weights.shape != (components.shape[1],):
+        raise ValueError(f"reward_component_weights must be ({components.shape[1]},), got {tuple(weights.shape)}")
+    normalised = [_grpo_normalise(c, group_ids, norm_adv_by_std_in_grpo, epsilon) for c in components.to(dtype).T]
+    combined = (torch.stack(normalised, dim=-1) * weights).sum(dim=-1)  # (B,)
+    mask = response_mask.to(dtype)
+    advantages = (masked_whiten(combined.unsqueeze(-1) * mask, mask) * mask).to(token_level_rewards.dtype)
     return advantages, advantages.clone()

@@ -17,7 +17,8 @@ Every policy loss has the same keyword-only signature, so the actor calls
 Mode-specific inputs (``tau_pos``, ``clip_cov_ratio``, ``generator``, ...) are optional keywords
 with verl's defaults; every loss accepts and ignores the others through ``**unused``.
 Registered: ``vanilla``, ``gspo``, ``sapo``, ``cispo``, ``gpg``, ``clip_cov``, ``kl_cov``,
-``geo_mean``.
+``geo_mean``; ``dppo_tv``, ``dppo_kl`` and ``dro`` in ``hybridflow.algorithms.divergence_losses``;
+``bypass_mode`` in ``hybridflow.algorithms.bypass``.
 
 Metrics use verl's names: ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``;
 they are means over this micro-batch's masked-in tokens. Every mode returns all three (the
@@ -79,7 +80,8 @@ POLICY_LOSS_KEYWORDS: tuple[str, ...] = (
     "old_logprobs", "logprobs", "advantages", "response_mask", "clip_ratio_low", "clip_ratio_high",
     "clip_ratio_c", "loss_agg_mode", "rollout_is_weights", "tau_pos", "tau_neg", "clip_cov_ratio",
     "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "generator", "global_num_tokens",
-    "global_num_seqs", "loss_scale_factor", "dp_size",
+    "global_num_seqs", "loss_scale_factor", "dp_size", "dro_beta", "rollout_logprobs", "bypass_loss_type",
+    "rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_band",
 )
 
 

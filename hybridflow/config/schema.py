@@ -131,8 +131,13 @@ class OptimConfig:
 class PolicyLossConfig:
     loss_mode: str = f(
         "vanilla",
-        "Policy loss: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean, or "
-        "package.module:function.",
+        "Policy loss: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean | dppo_tv | "
+        "dppo_kl | dro, or package.module:function. (bypass_mode is chosen by "
+        "algorithm.rollout_correction.bypass_mode.)",
+    )
+    dro_beta: float | None = f(
+        None, "dro: coefficient of the quadratic log-ratio penalty 0.5 * beta * (log pi - log pi_old)^2; required "
+        "(> 0) with loss_mode=dro, as in verl.",
     )
     tau_pos: float = f(1.0, "sapo: gate temperature for positive advantages.")
     tau_neg: float = f(1.05, "sapo: gate temperature for negative advantages.")
@@ -214,10 +219,17 @@ class RefConfig:
 
 @dataclass
 class ValKwargsConfig:
-    n: int = f(1, "Samples per validation prompt.")
-    temperature: float = f(0.0, "Validation temperature (0: greedy).")
-    top_p: float = f(1.0, "Validation top-p.")
-    top_k: int = f(-1, "Validation top-k (-1: off).")
+    n: int = f(
+        1, "Samples per validation prompt: N of the val-core/<source>/<var>/mean@N, best@k, worst@k and maj@k "
+        "metrics (k = 2, 4, ... up to N).",
+    )
+    do_sample: bool = f(
+        False, "Sample validation responses with temperature, top_p and top_k below (verl's key). false: greedy, "
+        "whatever they say (then n > 1 repeats one response).",
+    )
+    temperature: float = f(0.0, "Validation temperature when do_sample is true (0: greedy).")
+    top_p: float = f(1.0, "Validation top-p when do_sample is true.")
+    top_k: int = f(-1, "Validation top-k when do_sample is true (-1: off).")
 
 
 @dataclass
@@ -409,14 +421,33 @@ class RolloutCorrectionConfig:
     )
     rollout_rs_threshold: float = f(2.0, "Upper bound of the accepted ratio.")
     rollout_rs_threshold_lower: float | None = f(None, "Lower bound of the accepted ratio. None: 1 / upper.")
+    bypass_mode: bool = f(
+        False, "Use the rollout engine's logprobs as pi_old instead of recomputing them (verl's bypass mode: two "
+        "policies, no old-logprob forward). The policy loss becomes bypass_mode: loss_type's loss on pi_theta / "
+        "pi_rollout, with rollout_is weights and rollout_rs rejection computed against the current policy.",
+    )
+    loss_type: str = f(
+        "ppo_clip", "Bypass mode's loss: ppo_clip (PPO clip on pi_theta / pi_rollout, no extra weights) | reinforce "
+        "(-w * log pi * A with the rollout_is weights, or plain REINFORCE without rollout_is).",
+        choices=("ppo_clip", "reinforce"),
+    )
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = f(
         "grpo",
-        "Advantage estimator: grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
-        "grpo_passk | opo | gpg | gae (needs a critic), or package.module:function.",
+        "Advantage estimator: grpo | gdpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
+        "grpo_passk | opo | gpg | gae (needs a critic) | optimal_token_baseline | tir_optimal_token_baseline (need "
+        "sum_pi_squared from the actor, not built yet), or package.module:function.",
+    )
+    gdpo_reward_keys: list[str] = f(
+        [], "gdpo: the reward components, numbers the reward function returns in its dict beside 'score' (acc is "
+        "always there: the raw score); each is normalised within its group on its own, as verl.",
+    )
+    gdpo_reward_weights: list[float] | None = f(
+        None, "gdpo: one weight per gdpo_reward_keys entry for the weighted sum of the normalised components. "
+        "null: all 1.",
     )
     norm_adv_by_std_in_grpo: bool = f(True, "Divide GRPO advantages by the group std (false: Dr.GRPO).")
     gamma: float = f(1.0, "Discount factor.")
@@ -520,6 +551,23 @@ class TrainerConfig:
     )
     phase_timeouts: list[str] = f(
         [], "Per-phase limits overriding watchdog_timeout_s, e.g. [gen=7200,update_actor=1800]."
+    )
+    validation_data_dir: str | None = f(
+        None, "Write each validation's samples to <dir>/<step>.jsonl (input, output, gts, score, step, data_source and "
+        "the reward's extras such as acc and pred). A relative path is inside the run's output folder. null: off.",
+    )
+    rollout_data_dir: str | None = f(
+        None, "Write each training step's samples to <dir>/<step>.jsonl (prompt, response, gts, score, advantage, "
+        "step, group_id, the reward's extras, response_tokens and the first 512 rollout logprobs). A relative path "
+        "is inside the run's output folder. null: off.",
+    )
+    dump_max_samples: int = f(
+        256, "Most samples per file of validation_data_dir and rollout_data_dir (the first ones: whole prompt groups "
+        "first).",
+    )
+    dump_max_chars: int = f(
+        4000, "Longest text per field of those files (prompt, response, ground truth, reward extras), cut with a "
+        "'…[+N chars]' mark: a row stays under about 3 x this + 4 KB.",
     )
     health: HealthConfig = sub(HealthConfig, "Thresholds of the health warnings (health/* metrics).")
 

@@ -37,7 +37,7 @@ estimator, gradient of k2)."""
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 """Backends ``trainer.logger`` may list."""
 
-GROUP_ESTIMATORS_NEEDING_N2 = {"rloo": "error", "grpo": "warning"}
+GROUP_ESTIMATORS_NEEDING_N2 = {"rloo": "error", "grpo": "warning", "gdpo": "warning"}
 """Group-baseline estimators and what ``rollout.n=1`` means for them. RLOO's leave-one-out
 baseline is undefined for a single sample (an error). GRPO with a single sample takes the group
 mean as 0 and std as 1, so the advantage is reward / (1 + 1e-6): it runs, but learns with no
@@ -72,6 +72,8 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.total_epochs", 1),
     ("trainer.n_gpus_per_node", 1),
     ("trainer.nnodes", 1),
+    ("trainer.dump_max_samples", 1),
+    ("trainer.dump_max_chars", 1),
 )
 """Integer keys and their minimum (checked with the field's help text in the message)."""
 
@@ -375,6 +377,11 @@ def _check_all_sampling(cfg: Config, report: _Report) -> None:
     rollout, val = cfg.rollout, cfg.rollout.val_kwargs
     _check_sampling("rollout", rollout.temperature, rollout.top_p, rollout.top_k, report, training=True)
     _check_sampling("rollout.val_kwargs", val.temperature, val.top_p, val.top_k, report)
+    if not val.do_sample and (val.temperature > 0 or val.top_p < 1 or val.top_k != -1):
+        report.warn(
+            "rollout.val_kwargs.temperature/top_p/top_k have no effect while rollout.val_kwargs.do_sample is false "
+            "(validation decodes greedily); set rollout.val_kwargs.do_sample=true to sample"
+        )
 
 
 def _check_names(cfg: Config, report: _Report) -> None:
@@ -483,16 +490,51 @@ def _check_algorithm(cfg: Config, report: _Report) -> None:
         )
     if cfg.algorithm.kl_ctrl.type == "adaptive" and not cfg.algorithm.use_kl_in_reward:
         report.warn("algorithm.kl_ctrl.type=adaptive has no effect while algorithm.use_kl_in_reward is false")
-    if not cfg.algorithm.norm_adv_by_std_in_grpo and estimator != "grpo":
+    if not cfg.algorithm.norm_adv_by_std_in_grpo and estimator not in ("grpo", "gdpo", "grpo_passk"):
         report.warn(
             f"algorithm.norm_adv_by_std_in_grpo=false has no effect with algorithm.adv_estimator={estimator} "
-            f"(it only changes grpo)"
+            f"(it only changes grpo, gdpo and grpo_passk)"
         )
+    _check_gdpo(cfg, report)
+    _check_policy_loss_modes(cfg, report)
     _check_dapo_and_correction(cfg, report)
     if cfg.actor.loss_scale_factor is not None and cfg.actor.loss_agg_mode != "seq-mean-token-sum-norm":
         report.warn(
             f"actor.loss_scale_factor={cfg.actor.loss_scale_factor} has no effect with "
             f"actor.loss_agg_mode={cfg.actor.loss_agg_mode} (only seq-mean-token-sum-norm uses it)"
+        )
+
+
+def _check_gdpo(cfg: Config, report: _Report) -> None:
+    alg = cfg.algorithm
+    if alg.adv_estimator == "gdpo" and not alg.gdpo_reward_keys:
+        report.error(
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the numbers your reward function "
+            "returns beside 'score' to normalise one by one (e.g. [acc,format_reward])"
+        )
+    weights = alg.gdpo_reward_weights
+    if weights is not None and len(weights) != len(alg.gdpo_reward_keys):
+        report.error(
+            f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(alg.gdpo_reward_keys)} "
+            f"algorithm.gdpo_reward_keys; give one weight per key (or null: all 1)"
+        )
+
+
+def _check_policy_loss_modes(cfg: Config, report: _Report) -> None:
+    pl, rc = cfg.actor.policy_loss, cfg.algorithm.rollout_correction
+    if pl.loss_mode == "dro" and (pl.dro_beta is None or pl.dro_beta <= 0):
+        report.error(f"actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0, got {pl.dro_beta}")
+    if pl.loss_mode == "bypass_mode" and not rc.bypass_mode:
+        report.error(
+            "actor.policy_loss.loss_mode=bypass_mode is chosen by algorithm.rollout_correction.bypass_mode=true "
+            "(which also makes the rollout's logprobs pi_old); set that instead"
+        )
+    if rc.bypass_mode and pl.loss_mode not in ("vanilla", "bypass_mode"):
+        # verl silently replaces the loss; a config that names another one wants something else.
+        report.error(
+            f"algorithm.rollout_correction.bypass_mode=true replaces the policy loss by bypass_mode "
+            f"(algorithm.rollout_correction.loss_type=ppo_clip|reinforce), but actor.policy_loss.loss_mode="
+            f"{pl.loss_mode}; leave loss_mode at vanilla or turn bypass mode off"
         )
 
 

@@ -143,7 +143,10 @@ class RunSetup:
     reward: WorkerGroup[RewardWorker]
     tracker: Tracker
     progress: ProgressBar
+    tokenizer: Any  # decodes prompts and responses for the generation dumps
     warnings: list[str] = field(default_factory=list)
+    validation_data_dir: Path | None = None  # trainer.validation_data_dir resolved (None: no dumps)
+    rollout_data_dir: Path | None = None  # trainer.rollout_data_dir resolved
     pools: list[ResourcePool] = field(default_factory=list)  # Ray resources reserved (trainer, split rollout)
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
 
@@ -179,6 +182,15 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
             group.close()
         raise
     return RolloutReplicas(groups, free_cache_engine=cfg.rollout.free_cache_engine, sleep_level=cfg.rollout.sleep_level)
+
+
+def dump_dir(path: str | None, output_dir: Path) -> Path | None:
+    """A generation dump folder (trainer.validation_data_dir, rollout_data_dir): a relative path is
+    inside the run's folder, so a run's dumps travel with its metrics and checkpoints."""
+    if not path:
+        return None
+    folder = Path(path).expanduser()
+    return folder if folder.is_absolute() else output_dir / folder
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -379,6 +391,13 @@ def resolve_plugins(cfg: Config) -> Plugins:
             f"critic worker yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)",
             key="algorithm.adv_estimator",
         )
+    if "sum_pi_squared" in needs:
+        raise ConfigError(
+            f"algorithm.adv_estimator={alg.adv_estimator} needs sum_pi_squared, the sum of squared token "
+            f"probabilities at each response position (verl's actor.calculate_sum_pi_squared), which hybridflow's "
+            f"actor does not compute yet; use grpo, rloo, opo, ... meanwhile",
+            key="algorithm.adv_estimator",
+        )
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
     unavailable = engine_unavailable(cfg.rollout.name, config_device(cfg.trainer.device))
     if unavailable is not None:
@@ -467,8 +486,12 @@ def build_run(cfg: Config) -> RunSetup:
     # One optimizer step per rollout batch is exactly on-policy: old == current logprobs, so the
     # extra forward is skipped (the actor detaches its own logprobs). In-reward KL needs them.
     # Rollout correction compares the trainer's old logprobs with the engine's.
+    # Bypass mode uses the rollout's logprobs as the old ones and corrects inside the loss.
+    # An estimator may need them too (optimal_token_baseline).
     rc = cfg.algorithm.rollout_correction
-    needs_old = updates_per_batch > 1 or cfg.algorithm.use_kl_in_reward or bool(rc.rollout_is or rc.rollout_rs)
+    corrects_old = not rc.bypass_mode and bool(rc.rollout_is or rc.rollout_rs)
+    needs_old = (updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward or corrects_old \
+        or "old_logprobs" in needs
 
     # Reward first: its workers load a custom reward function, the config's last pluggable name,
     # so a missing name, a syntax error or an import that hangs fails before any model loads.
@@ -528,6 +551,8 @@ def build_run(cfg: Config) -> RunSetup:
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
-        tracker=tracker, progress=progress, warnings=warnings, pools=pools, weight_sync=weight_sync,
+        tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
+        weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
+        rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir),
     )
 

@@ -23,13 +23,17 @@ import torch
 from hybridflow.agents import answer_view, compute_agent_metrics
 from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_mean
 from hybridflow.cluster.worker_group import WorkerGroup, wait_all
-from hybridflow.config import config_to_yaml
+from hybridflow.config import ValKwargsConfig, config_to_yaml
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
 from hybridflow.controller.replicas import RolloutReplicas
 from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
-from hybridflow.tracking import compute_batch_metrics, compute_throughput_metrics, compute_validation_metrics, reduce_metrics
+from hybridflow.tracking import (
+    compute_batch_metrics, compute_throughput_metrics, compute_val_core_metrics, compute_validation_metrics,
+    reduce_metrics, reward_variables,
+)
+from hybridflow.tracking.generations import rollout_rows, validation_rows, write_jsonl
 from hybridflow.tracking.health import HealthMonitor, HealthThresholds
 from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
 from hybridflow.training.packing import sequence_lengths
@@ -131,12 +135,16 @@ class RLTrainer:
                 with timer.phase("gen_baseline"):
                     extra_inputs["reward_baselines"], baseline_metrics = self.greedy_baselines(groups)
                     collect_metrics |= baseline_metrics
+            extra_inputs |= self.estimator_inputs(batch, trajectories)
             rollout_metrics = self.replicas.take_metrics()
             self.replicas.sleep()  # generation is over for this step: free the KV caches for training
             with timer.phase("adv"):
                 adv_metrics = self.compute_advantages(batch, **extra_inputs)
             if fault_requested("nan_advantages", self.step):  # tests: a NaN that must not reach the weights
                 batch.advantages = torch.full_like(batch.advantages, float("nan"))
+            if self.run.rollout_data_dir is not None:
+                with timer.phase("dump_rollout"):
+                    self.dump_rollouts(batch, trajectories)
             with timer.phase("update_actor"):
                 actor_metrics = reduce_metrics(self.actor.split_gather(ActorWorker.update_actor, batch))
             with timer.phase("update_weights"):
@@ -284,7 +292,7 @@ class RLTrainer:
         lengths = [len(t.response_ids) for t in trajectories]
         scores, metrics = self.reward.call_one(0, RewardWorker.score, views, shaping=shaping, response_lengths=lengths)
         for t, view in zip(trajectories, views, strict=True):
-            t.reward, t.reward_extra = view.reward, view.reward_extra
+            t.reward, t.reward_extra, t.reward_info = view.reward, view.reward_extra, view.reward_info
         return scores, metrics
 
     def agent_metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -322,6 +330,20 @@ class RLTrainer:
         )
         return metrics
 
+    def estimator_inputs(self, batch: TrainBatch, trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+        """The optional inputs the estimator declared it needs that the batch already holds: the old
+        logprobs (optimal_token_baseline) and the reward's named numbers (gdpo's components)."""
+        needs, alg = self.run.estimator_needs, self.cfg.algorithm
+        inputs: dict[str, torch.Tensor] = {}
+        if "old_logprobs" in needs:
+            assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs them"
+            inputs["old_logprobs"] = batch.old_logprobs
+        if "reward_components" in needs:
+            inputs["reward_components"] = reward_components(trajectories, alg.gdpo_reward_keys)
+            if alg.gdpo_reward_weights is not None:
+                inputs["reward_component_weights"] = torch.tensor(alg.gdpo_reward_weights, dtype=torch.float32)
+        return inputs
+
     def sync_weights(self) -> None:
         """Push the actor's new weights to every rollout rank: streamed from actor rank 0 by
         broadcast (``rollout.weight_sync``), else through this process (in-process: tensor copies)."""
@@ -354,9 +376,7 @@ class RLTrainer:
 
     def _validate(self) -> dict[str, float]:
         start = time.perf_counter()
-        v = self.cfg.rollout.val_kwargs
-        params = SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
-                                max_tokens=self.cfg.data.max_response_length)
+        params = validation_sampling(self.cfg.rollout.val_kwargs, self.cfg.data.max_response_length)
         rows = list(self.run.val_data)
         trajectories: list[Trajectory] = []
         size = self.cfg.data.val_batch_size
@@ -367,15 +387,52 @@ class RLTrainer:
                 t.group_id += start_i
             trajectories.extend(chunk)
         scores, _ = self.score_answers(trajectories, shaping=False)
-        metrics = compute_validation_metrics(
-            [t.metadata["data_source"] for t in trajectories], scores, [t.group_id for t in trajectories]
-        )
+        sources, group_ids = [t.metadata["data_source"] for t in trajectories], [t.group_id for t in trajectories]
+        metrics = compute_validation_metrics(sources, scores, group_ids)
+        variables, preds = reward_variables(scores, [t.reward_info for t in trajectories])
+        metrics |= compute_val_core_metrics(sources, group_ids, variables, preds)
+        if self.run.validation_data_dir is not None:
+            self.dump_validation(trajectories, scores)
         metrics |= {f"val/{key}": value for key, value in self.agent_metrics(trajectories).items()}
         metrics["timing_s/testing"] = time.perf_counter() - start
         self.replicas.take_metrics()  # the step's rollout metrics are of training generation only
         self.replicas.sleep()
         log.info("validation at step %d: val/score/mean %.3f", self.step, metrics["val/score/mean"])
         return metrics
+
+    def dump_validation(self, trajectories: list[Trajectory], scores: list[float]) -> None:
+        """This validation's samples to ``trainer.validation_data_dir`` (bounded; see tracking.generations)."""
+        t, decode = self.cfg.trainer, self._decode
+        assert self.run.validation_data_dir is not None
+        kept = trajectories[: t.dump_max_samples]  # decode no more than is written
+        rows = validation_rows(
+            step=self.step, inputs=decode([x.prompt_ids for x in kept]), outputs=decode([x.response_ids for x in kept]),
+            ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=scores[: len(kept)],
+            reward_infos=[x.reward_info for x in kept], data_sources=[x.metadata["data_source"] for x in kept],
+            max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
+        )
+        write_jsonl(self.run.validation_data_dir, self.step, rows)
+
+    def dump_rollouts(self, batch: TrainBatch, trajectories: list[Trajectory]) -> None:
+        """This step's samples to ``trainer.rollout_data_dir``: each with its sequence advantage, the
+        mean over its loss tokens (the advantage itself for outcome estimators)."""
+        t, decode = self.cfg.trainer, self._decode
+        assert self.run.rollout_data_dir is not None and batch.advantages is not None
+        kept = trajectories[: t.dump_max_samples]
+        advantages = masked_mean(batch.advantages[: len(kept)], batch.response_mask[: len(kept)], dim=-1)
+        rows = rollout_rows(
+            step=self.step, prompts=decode([x.prompt_ids for x in kept]),
+            responses=decode([x.response_ids for x in kept]),
+            ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=[float(x.reward or 0.0) for x in kept],
+            advantages=advantages.tolist(), logprobs=[x.rollout_logprobs for x in kept],
+            reward_infos=[x.reward_info for x in kept], group_ids=[x.group_id for x in kept],
+            max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
+        )
+        write_jsonl(self.run.rollout_data_dir, self.step, rows)
+
+    def _decode(self, token_ids: list[list[int]]) -> list[str]:
+        # batch_decode([]) is not an empty list in every tokenizer
+        return list(self.run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)) if token_ids else []
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> bool:
@@ -445,6 +502,27 @@ class RLTrainer:
             restore_rng_state(rng)
             raise CheckpointError(f"checkpoint state {ckpt / STATE_FILE} does not fit this run: {exc}") from exc
         return state
+
+
+def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:
+    """The reward's numbers named ``keys`` per sample, (B, K) (``algorithm.gdpo_reward_keys``). A sample
+    without one (its reward failed, and scored 0) counts 0; a key no sample has is a config error."""
+    present = {key for t in trajectories for key in t.reward_extra}
+    missing = [key for key in keys if key not in present]
+    if missing:
+        raise ValueError(
+            f"algorithm.gdpo_reward_keys {missing} are in no sample's reward (the rewards gave: "
+            f"{', '.join(sorted(present))}); return them in the reward function's dict beside 'score'"
+        )
+    return torch.tensor([[t.reward_extra.get(key, 0.0) for key in keys] for t in trajectories], dtype=torch.float32)
+
+
+def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
+    """``rollout.val_kwargs`` as sampling parameters: greedy unless ``do_sample`` (verl's rule), then
+    its temperature, top_p and top_k; ``n`` samples per prompt either way."""
+    if not v.do_sample:
+        return SamplingParams(n=v.n, temperature=0.0, max_tokens=max_tokens)
+    return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, max_tokens=max_tokens)
 
 
 def _by_group(trajectories: list[Trajectory]) -> list[list[Trajectory]]:

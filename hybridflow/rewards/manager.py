@@ -132,10 +132,11 @@ class ScoreRequest:
 @dataclass
 class RewardOutput:
     """Scores aligned with the requests (0.0 for every failed sample), the numeric extras each
-    sample's dict result carried (``{}`` otherwise) and the batch's ``reward/*`` metrics."""
+    sample's dict result carried, with its text ``pred`` (``{}`` otherwise), and the batch's
+    ``reward/*`` metrics."""
 
     scores: list[float]
-    extra: list[dict[str, float]]
+    extra: list[dict[str, float | str]]
     metrics: dict[str, float]
 
 
@@ -168,7 +169,7 @@ class _Round:
     pending: deque[list[int]]
     statuses: list[int | None]
     scores: list[float]
-    extra: list[dict[str, float]]
+    extra: list[dict[str, float | str]]
     remaining: int
     restarts: int = 0
 
@@ -489,7 +490,7 @@ class RewardManager:
         round_: _Round | None,
         status: int,
         score: float,
-        extra: dict[str, float],
+        extra: dict[str, float | str],
         message: str,
     ) -> None:
         if round_ is None or worker.state is not _State.BUSY:
@@ -549,7 +550,7 @@ class RewardManager:
     # -- bookkeeping --------------------------------------------------------------------------
 
     def _record(
-        self, round_: _Round, index: int, status: int, score: float, extra: dict[str, float], message: str
+        self, round_: _Round, index: int, status: int, score: float, extra: dict[str, float | str], message: str
     ) -> None:
         round_.statuses[index] = status
         round_.scores[index] = score if status == protocol.STATUS_OK else 0.0
@@ -587,6 +588,8 @@ class RewardManager:
         counts: dict[str, int] = {}
         for extra in round_.extra:
             for key, value in extra.items():
+                if isinstance(value, str):  # the answer text: not a number to average
+                    continue
                 sums[key] = sums.get(key, 0.0) + value
                 counts[key] = counts.get(key, 0) + 1
         for key in sorted(sums):

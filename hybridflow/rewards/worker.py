@@ -51,7 +51,14 @@ STATUS_NONFINITE = 2  # it returned NaN/inf/None/a non-number/a dict without a n
 
 SHUTDOWN = b""
 
-Outcome = tuple[int, float, dict[str, float], str]  # (status, score, extra, message)
+Outcome = tuple[int, float, dict[str, float | str], str]  # (status, score, extra, message)
+
+PRED_KEY = "pred"
+"""The one text extra kept: the answer the reward function extracted (verl's key), which validation
+votes on for maj@k and the generation dumps show."""
+PRED_MAX_CHARS = 200
+"""An answer longer than this is cut: it crosses a pipe per sample and is compared as a whole, and
+a real extracted answer (a number, a boxed expression) is far shorter."""
 
 # Messages are for a log line: long enough for a traceback's last frame, short enough that a
 # hostile 1 GB exception text cannot flood the pipe or the log.
@@ -126,8 +133,9 @@ def classify(value: Any) -> Outcome:
     """Turn a reward function's return value into ``(status, score, extra, message)``.
 
     A usable result is a finite real number, or a dict whose ``"score"`` is one; the dict's other
-    finite real values (``bool`` included, so ``acc`` counts) become ``extra``. Non-numeric extras
-    such as ``pred`` are dropped: only numbers can be averaged into metrics.
+    finite real values (``bool`` included, so ``acc`` counts) become ``extra``, and so does a text
+    ``pred`` (the extracted answer, at most ``PRED_MAX_CHARS``). Other non-numeric extras are
+    dropped: only numbers can be averaged into metrics.
     """
     if isinstance(value, dict):
         if "score" not in value:
@@ -136,9 +144,12 @@ def classify(value: Any) -> Outcome:
         score = _as_real(value["score"])
         if not _usable(score):
             return STATUS_NONFINITE, 0.0, {}, f"returned score {_describe(value['score'])}{_range_note(score)}"
-        extra: dict[str, float] = {}
+        extra: dict[str, float | str] = {}
         for key, item in value.items():
             if key == "score" or not isinstance(key, str):
+                continue
+            if key == PRED_KEY and isinstance(item, str):
+                extra[key] = item[:PRED_MAX_CHARS]
                 continue
             number = _as_real(item)
             if _usable(number):

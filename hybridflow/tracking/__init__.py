@@ -20,6 +20,7 @@ from hybridflow.tracking.metrics import (
     reduce_metrics,
 )
 from hybridflow.tracking.plot import plot_run, summarize_run
+from hybridflow.tracking.validation import compute_val_core_metrics, reward_variables
 
 __all__ = [
     "BACKEND_NAMES",
@@ -32,11 +33,13 @@ __all__ = [
     "WandbBackend",
     "compute_batch_metrics",
     "compute_throughput_metrics",
+    "compute_val_core_metrics",
     "compute_validation_metrics",
     "format_console_line",
     "pass_at_k",
     "plot_run",
     "read_metrics_jsonl",
     "reduce_metrics",
+    "reward_variables",
     "summarize_run",
 ]

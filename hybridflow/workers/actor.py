@@ -236,7 +236,8 @@ class ActorWorker:
         if rank == 0:
             for note in self.plan.notes:
                 log.info("actor: %s", note)
-        self.policy_loss = get_policy_loss(cfg.policy_loss.loss_mode)
+        # Bypass mode replaces the loss (config validation allows it only over vanilla), as in verl.
+        self.policy_loss = get_policy_loss("bypass_mode" if setup.rollout_correction.bypass_mode else cfg.policy_loss.loss_mode)
         self.consecutive_skips = 0
         self.weight_sync: WeightSyncGroup | None = None  # rank 0, once joined (rollout.weight_sync=broadcast)
 
@@ -307,9 +308,9 @@ class ActorWorker:
         configured) there is nothing to compare. With them the mismatch metrics are always
         logged, so a drifting engine is visible before correction is turned on.
         """
-        if batch.old_logprobs is None:
-            return batch, {}
         rc = self.setup.rollout_correction
+        if batch.old_logprobs is None or rc.bypass_mode:  # bypass mode corrects inside its loss
+            return batch, {}
         common = dict(old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
                       response_mask=batch.response_mask)
         weights = compute_rollout_correction(**common, level=rc.rollout_is or "token", threshold=rc.rollout_is_threshold)
@@ -317,12 +318,8 @@ class ActorWorker:
         if rc.rollout_is is not None:
             batch = dataclasses.replace(batch, rollout_is_weights=weights.weights)
         if rc.rollout_rs is not None:
-            upper = rc.rollout_rs_threshold
-            lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
-            # verl's thresholds bound pi_rollout / pi_old (exp of its k1 statistic); the function's
-            # band bounds the inverse ratio pi_old / pi_rollout, hence (1/upper, 1/lower).
             rejection = compute_rollout_correction(
-                **common, level=rc.rollout_rs, threshold=rc.rollout_is_threshold, rejection_band=(1.0 / upper, 1.0 / lower)
+                **common, level=rc.rollout_rs, threshold=rc.rollout_is_threshold, rejection_band=_rejection_band(rc)
             )
             metrics |= {k: v for k, v in rejection.metrics.items() if "rs_" in k or "band" in k}
             # Rejected tokens leave the loss and its normaliser; advantages are unchanged.
@@ -336,9 +333,13 @@ class ActorWorker:
         scale = cfg.loss_scale_factor if cfg.loss_scale_factor is not None else float(self.setup.max_response_length)
         pl = cfg.policy_loss
         # Every loss takes the same keywords and ignores the ones that are not its own.
+        rc = self.setup.rollout_correction
         mode_kwargs = dict(tau_pos=pl.tau_pos, tau_neg=pl.tau_neg, clip_cov_ratio=pl.clip_cov_ratio,
                            clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-                           kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, generator=generator)
+                           kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, generator=generator,
+                           dro_beta=pl.dro_beta, bypass_loss_type=rc.loss_type, rollout_is=rc.rollout_is,
+                           rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
+                           rollout_rs_band=_rejection_band(rc))
         agg = dict(
             global_num_tokens=num_tokens,
             global_num_seqs=num_seqs,
@@ -370,6 +371,7 @@ class ActorWorker:
                 clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode,
                 rollout_is_weights=mb.rollout_is_weights,
+                rollout_logprobs=mb.rollout_logprobs,
                 **mode_kwargs,
                 **agg,
             )
@@ -457,3 +459,10 @@ class ActorWorker:
         self.engine.apply_checkpoint(loaded)
         return None
 
+
+def _rejection_band(rc: RolloutCorrectionConfig) -> tuple[float, float]:
+    """The band ``compute_rollout_correction`` accepts the ratio pi_old / pi_rollout in. verl's
+    thresholds bound pi_rollout / pi_old (exp of its k1 statistic), hence (1/upper, 1/lower)."""
+    upper = rc.rollout_rs_threshold
+    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
+    return 1.0 / upper, 1.0 / lower

@@ -51,6 +51,7 @@ class RewardWorker:
         """Score each trajectory in place; returns the scores and reward metrics.
 
         ``.reward_extra`` gets the scorer's score as ``acc`` plus any numeric extras it returned;
+        ``.reward_info`` what it returned beside the score, as it returned it (numbers and ``pred``);
         ``.reward`` gets that score plus the overlong penalty when shaping is configured and
         ``shaping`` is true (training), or the plain score (validation). The penalty measures
         ``response_lengths`` (default: each trajectory's response): an agent episode is scored on
@@ -73,7 +74,8 @@ class RewardWorker:
             metrics["reward/overlong_fraction"] = float((penalty < 0).float().mean()) if len(penalty) else 0.0
         for t, score, raw, extra in zip(trajectories, scores, output.scores, output.extra, strict=True):
             t.reward = score
-            t.reward_extra = {"acc": raw, **extra}
+            t.reward_extra = {"acc": raw, **{k: v for k, v in extra.items() if not isinstance(v, str)}}
+            t.reward_info = dict(extra)
         return scores, metrics
 
     def _rule_scores(self, trajectories: list[Trajectory]) -> RewardOutput:

@@ -346,3 +346,36 @@ def test_server_mode_generates_through_http_the_same_run_as_engine_mode(model_an
             else:
                 assert step_server[key] == value, key
     assert server[1]["rollout_corr/log_ratio_abs_mean"] < 1e-4  # the served engine got step 1's weights
+
+
+def test_sampled_validation_logs_verls_val_core_metrics_and_dumps_generations(model_and_data, tmp_path):
+    """rollout.val_kwargs sample N responses per held-out prompt; the val-core/val-aux bootstrap metrics
+    are logged; validation and training samples land in bounded JSONL files, one per step."""
+    model_dir, train, val = model_and_data
+    run = tmp_path / "run"
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"trainer.output_dir={run}", "trainer.logger=[jsonl]", "trainer.save_final=false",
+        "rollout.val_kwargs.n=4", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1.0",
+        "trainer.validation_data_dir=val_dump", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+        "trainer.dump_max_samples=5", *SMALL, "trainer.total_training_steps=1",
+    ])
+    records = read_metrics(api.train(cfg).metrics_path)
+    validation = records[0]  # val_before_train, at step 0
+    source = "hybridflow/arithmetic"  # its scorer returns a plain number: the core variable is reward
+    for key in ("mean@4", "best@4/mean", "best@4/std"):
+        assert f"val-core/{source}/reward/{key}" in validation, sorted(validation)
+    for key in ("std@4", "best@2/mean", "worst@4/mean"):
+        assert f"val-aux/{source}/reward/{key}" in validation
+    assert validation[f"val-core/{source}/reward/mean@4"] == pytest.approx(validation["val/score/mean"])
+    # the worst of 4 draws never beats their mean, which never beats the best
+    assert validation[f"val-aux/{source}/reward/worst@4/mean"] <= validation[f"val-core/{source}/reward/mean@4"] \
+        <= validation[f"val-core/{source}/reward/best@4/mean"]
+
+    val_rows = [json.loads(line) for line in (run / "val_dump" / "0.jsonl").read_text().splitlines()]
+    assert len(val_rows) == 5 and {"input", "output", "gts", "score", "step", "data_source"} <= set(val_rows[0])
+    assert (run / "val_dump" / "1.jsonl").exists()  # the last step validates too
+    rollout_rows = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert len(rollout_rows) == 5
+    assert {"prompt", "response", "score", "advantage", "logprobs", "step"} <= set(rollout_rows[0])
+    assert len(rollout_rows[0]["logprobs"]) == rollout_rows[0]["response_tokens"] <= 4

@@ -26,14 +26,17 @@ def run(name: str, rewards: torch.Tensor, mask: torch.Tensor, ids: list[int] | N
 def test_registry_lists_every_estimator() -> None:
     assert sorted(ADV_ESTIMATORS) == [
         "gae",
+        "gdpo",
         "gpg",
         "grpo",
         "grpo_passk",
         "opo",
+        "optimal_token_baseline",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",
         "rloo",
+        "tir_optimal_token_baseline",
     ]
 
 

@@ -32,7 +32,10 @@ def loss_and_grad(name: str, logprobs: list[list[float]], old: list[list[float]]
 
 
 def test_registry_lists_every_policy_loss() -> None:
-    assert sorted(POLICY_LOSSES) == ["cispo", "clip_cov", "geo_mean", "gpg", "gspo", "kl_cov", "sapo", "vanilla"]
+    assert sorted(POLICY_LOSSES) == [
+        "bypass_mode", "cispo", "clip_cov", "dppo_kl", "dppo_tv", "dro", "geo_mean", "gpg", "gspo", "kl_cov", "sapo",
+        "vanilla",
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +263,11 @@ ALL_INPUTS = dict(
     clip_cov_ub=5.0,
     kl_cov_ratio=2e-4,
     ppo_kl_coef=0.1,
+    dro_beta=0.1,
+    bypass_loss_type="ppo_clip",
+    rollout_is="token",
+    rollout_rs="token",
+    rollout_rs_band=(0.5, 2.0),
     an_input_no_loss_knows=object(),
 )
 
@@ -279,6 +287,7 @@ def test_every_loss_takes_the_uniform_signature_and_ignores_padding(name: str) -
         advantages=torch.randn(2, 3, generator=generator),
         response_mask=mask,
         rollout_is_weights=torch.where(mask != 0, 1.5, float("nan")),
+        rollout_logprobs=old,  # bypass_mode's pi_old
         generator=torch.Generator().manual_seed(0),
         **CLIP,
         **ALL_INPUTS,  # type: ignore[arg-type]
@@ -305,9 +314,11 @@ def test_micro_batches_with_global_counts_add_up_to_the_full_batch(name: str) ->
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
     common = dict(CLIP, loss_agg_mode="token-mean", global_num_tokens=int(mask.sum()), global_num_seqs=4)
     fn = get_policy_loss(name)
-    full, _ = fn(old_logprobs=old, logprobs=logprobs, advantages=advantages, response_mask=mask, **common)  # type: ignore[arg-type]
+    full, _ = fn(old_logprobs=old, logprobs=logprobs, advantages=advantages, response_mask=mask,
+                 rollout_logprobs=old, dro_beta=0.1, **common)  # type: ignore[arg-type]
     parts = [
-        fn(old_logprobs=old[s], logprobs=logprobs[s], advantages=advantages[s], response_mask=mask[s], **common)[0]  # type: ignore[arg-type]
+        fn(old_logprobs=old[s], logprobs=logprobs[s], advantages=advantages[s], response_mask=mask[s],
+           rollout_logprobs=old[s], dro_beta=0.1, **common)[0]  # type: ignore[arg-type]
         for s in (slice(0, 1), slice(1, 4))
     ]
     torch.testing.assert_close(sum(parts), full)

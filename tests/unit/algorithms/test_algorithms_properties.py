@@ -93,7 +93,7 @@ def test_policy_losses_are_split_invariant_over_micro_batches_and_ranks(batch, d
 
     def loss(rows: slice, **kw):
         value, _ = fn(old_logprobs=old[rows], logprobs=new[rows], advantages=adv[rows], response_mask=mask[rows],
-                      **common, **kw)
+                      rollout_logprobs=old[rows], dro_beta=0.1, **common, **kw)
         return value
 
     whole = loss(slice(None))
@@ -159,6 +159,9 @@ def _estimator_inputs(rows: int, length: int, lengths: list[int], rewards_equal:
         group_ids=torch.arange(rows) // 2,  # groups of two
         values=torch.zeros(rows, length),
         reward_baselines=torch.full((rows,), 0.5),
+        reward_components=torch.stack([torch.arange(rows).float() % 2, torch.ones(rows)], dim=-1),
+        old_logprobs=torch.full((rows, length), -0.7),
+        sum_pi_squared=torch.full((rows, length), 0.3),
     )
 
 
@@ -183,7 +186,8 @@ def test_every_policy_loss_is_finite_with_finite_gradient_on_degenerate_inputs(n
     mask, old, new, _ = _tensors(lengths, 3, seed=0)
     adv = torch.zeros_like(old)  # all-equal rewards: zero advantages
     loss, metrics = get_policy_loss(name)(old_logprobs=old, logprobs=new, advantages=adv, response_mask=mask,
-                                          clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg_mode)
+                                          clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg_mode,
+                                          rollout_logprobs=old, dro_beta=0.1)
     assert math.isfinite(float(loss.detach()))
     (grad,) = torch.autograd.grad(loss, new, allow_unused=True)
     assert grad is None or torch.isfinite(grad).all()

@@ -382,3 +382,32 @@ def test_a_lower_clip_range_of_one_is_only_allowed_for_cispo() -> None:
 def test_rollout_correction_level_must_be_a_known_choice() -> None:
     with pytest.raises(ConfigError, match="allowed values: token, sequence"):
         load_config(overrides=["algorithm.rollout_correction.rollout_is=tokens"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.adv_estimator=gdpo"], "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys"),
+        (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,len]", "algorithm.gdpo_reward_weights=[1]"],
+         "gdpo_reward_weights has 1 entries for 2"),
+        (["actor.policy_loss.loss_mode=dro"], "needs actor.policy_loss.dro_beta > 0, got None"),
+        (["actor.policy_loss.loss_mode=bypass_mode"], "set that instead"),
+        (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss.loss_mode=gspo"],
+         "replaces the policy loss by bypass_mode"),
+    ],
+)
+def test_verl_estimator_and_loss_settings_are_checked(overrides: list[str], message: str) -> None:
+    assert message in errors_for(*overrides)
+
+
+def test_verl_estimator_and_loss_settings_that_fit_are_accepted() -> None:
+    assert warnings_for("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]") == []
+    assert warnings_for("actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=0.1") == []
+    assert warnings_for("algorithm.rollout_correction.bypass_mode=true",
+                        "algorithm.rollout_correction.loss_type=reinforce") == []
+
+
+def test_greedy_validation_warns_that_its_sampling_settings_are_unused() -> None:
+    (warning,) = warnings_for("rollout.val_kwargs.temperature=1.0")
+    assert "do_sample" in warning
+    assert warnings_for("rollout.val_kwargs.temperature=1.0", "rollout.val_kwargs.do_sample=true") == []

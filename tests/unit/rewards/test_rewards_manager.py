@@ -21,7 +21,7 @@ import pytest
 
 from hybridflow.rewards.manager import RewardManager, ScoreRequest
 from hybridflow.rewards.registry import UnknownDataSourceError
-from hybridflow.rewards.worker import STATUS_NONFINITE, STATUS_OK, classify
+from hybridflow.rewards.worker import PRED_MAX_CHARS, STATUS_NONFINITE, STATUS_OK, classify
 
 HOSTILE_REWARD = textwrap.dedent(
     """
@@ -147,7 +147,7 @@ class _Scalar:
             {"score": 0.5, "acc": False, "pred": "1/2", "n": 2, "bad": float("nan"), 7: 1.0},
             STATUS_OK,
             0.5,
-            {"acc": 0.0, "n": 2.0},  # numeric, finite, string-keyed extras only
+            {"acc": 0.0, "pred": "1/2", "n": 2.0},  # numeric, finite, string-keyed extras; the answer text
         ),
         (float("nan"), STATUS_NONFINITE, 0.0, {}),
         (float("-inf"), STATUS_NONFINITE, 0.0, {}),
@@ -163,6 +163,8 @@ class _Scalar:
         (-1e30, STATUS_NONFINITE, 0.0, {}),
         ({"score": 1e20}, STATUS_NONFINITE, 0.0, {}),
         ({"score": 1e18, "big": 1e300, "ok": -2.5}, STATUS_OK, 1e18, {"ok": -2.5}),
+        ({"score": 1.0, "pred": "x" * 500, "note": "text"}, STATUS_OK, 1.0, {"pred": "x" * PRED_MAX_CHARS}),
+        ({"score": 1.0, "pred": 3}, STATUS_OK, 1.0, {"pred": 3.0}),  # a numeric answer is just a number
     ],
 )
 def test_classify(value: object, status: int, score: float, extra: dict[str, float]) -> None:
@@ -206,7 +208,7 @@ def test_dict_results_report_their_numeric_extras(hostile: RewardManager) -> Non
     dict_result = ScoreRequest("test/hostile", "dict", "2"), ScoreRequest("test/hostile", "dict", "4")
     output = hostile.score([dict_result[0], echo(1), dict_result[1]])
     assert output.scores == [0.25, 1.0, 0.25]
-    assert output.extra == [{"acc": 1.0, "steps": 2.0}, {}, {"acc": 1.0, "steps": 4.0}]
+    assert output.extra == [{"acc": 1.0, "pred": "x", "steps": 2.0}, {}, {"acc": 1.0, "pred": "x", "steps": 4.0}]
     # Means over the samples that carried the key; the non-numeric "pred" is not a metric.
     assert output.metrics["reward/extra/acc/mean"] == 1.0
     assert output.metrics["reward/extra/steps/mean"] == 3.0
@@ -285,7 +287,8 @@ def test_builtin_scorers_run_in_the_worker_including_math_verify(builtin: Reward
         ]
     )
     assert output.scores == [1.0, 0.0, 1.0]
-    assert output.extra == [{"acc": 1.0}, {"acc": 0.0}, {}]
+    # math returns its extracted answer too, which validation votes on (maj@k)
+    assert output.extra == [{"acc": 1.0, "pred": "0.5"}, {"acc": 0.0, "pred": "3"}, {}]
     assert output.metrics["reward/extra/acc/mean"] == 0.5
 
 

@@ -1,0 +1,34 @@
+"""Inputs the controller builds for estimators that declare them (gdpo's reward components) and the
+estimators it refuses at start-up because the trainer cannot build theirs (Σπ² for the token baselines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.config import ConfigError, load_config
+from hybridflow.controller.setup import resolve_plugins
+from hybridflow.controller.sync import reward_components
+from hybridflow.types import Trajectory
+
+
+def sample(**extra: float) -> Trajectory:
+    t = Trajectory(prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[-0.1], finish_reason="stop")
+    t.reward_extra = dict(extra)
+    return t
+
+
+def test_reward_components_are_the_named_extras_with_0_for_a_failed_sample():
+    got = reward_components([sample(acc=1.0, fmt=0.5), sample(), sample(acc=0.0, fmt=1.0)], ["fmt", "acc"])
+    assert torch.equal(got, torch.tensor([[0.5, 1.0], [0.0, 0.0], [1.0, 0.0]]))
+
+
+def test_a_component_no_reward_returned_is_named():
+    with pytest.raises(ValueError, match=r"\['fmt'\] are in no sample's reward"):
+        reward_components([sample(acc=1.0)], ["acc", "fmt"])
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_token_baseline_estimators_are_refused_until_the_actor_computes_sum_pi_squared(estimator):
+    with pytest.raises(ConfigError, match="needs sum_pi_squared"):
+        resolve_plugins(load_config(overrides=[f"algorithm.adv_estimator={estimator}"]))
