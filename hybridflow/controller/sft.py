@@ -15,18 +15,21 @@ tool replies, so the warm start teaches the token sequences RL will sample.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
+from filelock import Timeout as FileLockTimeout
 
 from hybridflow.agents.tokens import TurnTemplate
 from hybridflow.algorithms import agg_loss, batch_counts
@@ -199,6 +202,40 @@ def prepare_builtin_model(
         log.info("built-in model: using cached %s", final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    # One warm start per cache entry at a time: runs started together (a sweep, parallel tests)
+    # wait for the first to finish and reuse its model instead of each training its own copy.
+    with _exclusive(final.parent / f".{final.name}.lock", final):
+        if (final / "config.json").is_file():
+            log.info("built-in model: using %s, which another run just built", final)
+            return final
+        _build_builtin_model(final, pairs=pairs, spec=spec, device=device, model_spec=model_spec, stages=stages)
+    return final
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, what: Path) -> Iterator[None]:
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except FileLockTimeout:
+        log.info("built-in model: another run is building %s; waiting for it", what)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _build_builtin_model(
+    final: Path,
+    *,
+    pairs: list[SFTPair] | None,
+    spec: SFTSpec | None,
+    device: torch.device,
+    model_spec: TinyModelSpec,
+    stages: Sequence[SFTStage],
+) -> None:
+    """Write the built-in model (warm-started when ``spec`` is given) to ``final``, atomically."""
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     init_dir = tmp / "init"
@@ -217,7 +254,6 @@ def prepare_builtin_model(
             # Its own shuffle: the stage's seed differs from the first stage's.
             stage_spec = replace(spec, steps=stage.steps, seed=spec.seed + index, lr=stage.lr or spec.lr)
             run_sft(previous, stage.pairs, result, stage_spec, device)
-    if not final.exists():  # another process may have finished the same warm start first
-        os.replace(result, final)
+    shutil.rmtree(final, ignore_errors=True)  # a directory without config.json is not a model
+    os.replace(result, final)
     shutil.rmtree(tmp, ignore_errors=True)
-    return final

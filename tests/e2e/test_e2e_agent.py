@@ -62,6 +62,7 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
     assert "val/hybridflow/calculator/score/mean" in records[0]
 
 
+@pytest.mark.xdist_group("tool_agent_cache")  # one worker: the second reuses the first's warm start
 def test_grpo_raises_the_tool_call_rate_and_the_reward(tmp_path, tool_agent_cache):
     """The tool_agent preset (warm start: a quarter of the questions answered with a tool call,
     the rest directly and mostly wrongly), shortened from 40 to 10 RL steps: GRPO must raise the
@@ -84,6 +85,7 @@ def test_grpo_raises_the_tool_call_rate_and_the_reward(tmp_path, tool_agent_cach
     assert records[-1]["val/score/mean"] - records[0]["val/score/mean"] >= 0.3
 
 
+@pytest.mark.xdist_group("tool_agent_cache")  # one worker: the second reuses the first's warm start
 def test_an_agent_written_against_the_openai_client_trains_on_the_tool_task(tmp_path, tool_agent_cache):
     """``rollout.multi_turn.default_agent_loop=openai`` with the example agent
     (hybridflow/agents/examples/openai_calculator.py: chat.completions.create with the calculator

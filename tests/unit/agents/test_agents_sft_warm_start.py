@@ -5,6 +5,7 @@ same turns, and a staged warm start is cached under a key naming every stage."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -69,3 +70,39 @@ def test_stages_run_in_order_and_enter_the_cache_key(tmp_path, monkeypatch) -> N
     assert prepare_builtin_model(tmp_path / "cache", stages=[SFTStage(later, 2, lr=5e-4)], **common) == staged
     assert prepare_builtin_model(tmp_path / "cache", stages=[SFTStage(later, 2)], **common) != staged
     assert len(runs) == 5  # the cached staged model was reused; the other lr trained anew
+
+
+def test_runs_started_together_share_one_warm_start(tmp_path, monkeypatch) -> None:
+    """A second run asking for a warm start that another is building waits for it and reuses the
+    result, rather than training its own copy (a sweep, or parallel test workers, on one cache)."""
+    runs: list[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def slow_run_sft(model_dir, pairs, out_dir, spec, device):
+        runs.append(threading.current_thread().name)
+        started.set()
+        release.wait(timeout=30)
+        shutil.copytree(model_dir, out_dir)
+
+    monkeypatch.setattr("hybridflow.controller.sft.run_sft", slow_run_sft)
+    small = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1)
+    common = dict(pairs=[([{"role": "user", "content": "a"}], "x")], pairs_key="k", model_spec=small,
+                  spec=SFTSpec(steps=3, batch_size=2, lr=1e-3, seed=5), device=torch.device("cpu"))
+    results: dict[str, object] = {}
+
+    def prepare(name: str) -> None:
+        results[name] = prepare_builtin_model(tmp_path / "cache", **common)
+
+    first = threading.Thread(target=prepare, args=("first",), name="first")
+    first.start()
+    assert started.wait(timeout=30)
+    second = threading.Thread(target=prepare, args=("second",), name="second")
+    second.start()
+    second.join(timeout=1.0)
+    assert second.is_alive(), "the second run must wait for the warm start in progress"
+    release.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert runs == ["first"]
+    assert results["first"] == results["second"] and (results["second"] / "config.json").is_file()

@@ -1,0 +1,49 @@
+"""Settings for the whole test suite: parallel workers and the order tests start in.
+
+``python -m pytest`` runs on pytest-xdist workers (pyproject.toml: ``-n auto --dist loadgroup``),
+one per core up to MAX_WORKERS. A worker takes the next test as it frees up, so the suite's wall
+time is set by how the few long end-to-end runs fall: they start first, longest first (the
+classic longest-processing-time rule), and the short tests fill in around them. Tests that share
+an expensive cache (a warm-started model) carry ``pytest.mark.xdist_group`` so one worker runs them
+in turn instead of one waiting on another's lock.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# More workers than this buys little: the longest end-to-end run sets the suite's floor, and each
+# worker holds a trainer's memory (a few GB at peak).
+MAX_WORKERS = 4
+
+# Seconds each of the longest tests took (idle, 2 cores, one at a time): only their order is used.
+# A test missing here runs after these, in file order; a stale entry only costs balance.
+LONGEST_S = {
+    "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 430,
+    "tests/e2e/test_e2e_readme.py::test_every_python_block_runs_as_an_unguarded_script": 200,
+    "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 120,
+    "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 75,
+    "tests/e2e/test_e2e_agent.py::test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss": 55,
+    "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 50,
+    "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 40,
+}
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may use, at most MAX_WORKERS."""
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first, then the other end-to-end runs, then the unit tests (a stable
+    sort: file order within each)."""
+
+    def rank(item: pytest.Item) -> tuple[int, float]:
+        base = item.nodeid.split("[", 1)[0]
+        if base in LONGEST_S:
+            return 0, -LONGEST_S[base]
+        return (1 if item.get_closest_marker("slow") else 2), 0.0
+
+    items.sort(key=rank)
