@@ -14,6 +14,7 @@ from hybridflow.tracking.loggers import (
 )
 from hybridflow.tracking.metrics import (
     compute_batch_metrics,
+    compute_critic_metrics,
     compute_throughput_metrics,
     compute_validation_metrics,
     pass_at_k,
@@ -31,6 +32,7 @@ __all__ = [
     "Tracker",
     "WandbBackend",
     "compute_batch_metrics",
+    "compute_critic_metrics",
     "compute_throughput_metrics",
     "compute_validation_metrics",
     "format_console_line",
