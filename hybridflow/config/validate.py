@@ -83,6 +83,7 @@ _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.max_ckpt_to_keep", 1),
     ("trainer.num_threads", 1),
     ("critic.ppo_epochs", 1),
+    ("critic.ppo_mini_batch_size", 1),
 )
 """Like ``_POSITIVE_INTS`` but None is allowed (it means "no limit" / "default")."""
 
@@ -351,24 +352,25 @@ def _check_critic(cfg: Config, report: _Report) -> None:
             f"critic.cliprange_value={critic.cliprange_value} must be >= 0: a new value may move at most this far "
             f"from the rollout's value before its error stops counting (verl's default is 0.5)"
         )
-    if critic.loss_agg_mode not in LOSS_AGG_MODES:
-        report.error(f"critic.loss_agg_mode={critic.loss_agg_mode!r} is not one of: {', '.join(LOSS_AGG_MODES)}")
     if cfg.trainer.critic_warmup < 0:
         report.error(f"trainer.critic_warmup={cfg.trainer.critic_warmup} must be >= 0 steps")
     train, n, dp = cfg.data.train_batch_size, cfg.rollout.n, data_parallel_size(cfg.trainer)
-    mini = critic.ppo_mini_batch_size
-    if mini is None or min(train, n, dp) < 1:
-        return  # None: the actor's mini-batch, checked with the actor
-    if mini < 1 or mini > train or train % mini:
+    own = critic.ppo_mini_batch_size
+    # null: the actor's mini-batch, whose split _check_batches reports.
+    mini = own if own is not None else cfg.actor.ppo_mini_batch_size
+    if min(train, n, dp, mini, critic.ppo_micro_batch_size_per_gpu) < 1:
+        return  # reported by _check_ranges or below
+    if own is not None and (mini > train or train % mini):
         report.error(
             f"critic.ppo_mini_batch_size={mini} prompts must divide data.train_batch_size={train} prompts (e.g. "
-            f"{_or_list(_divisors_near(train, max(mini, 1)))}), or be null for actor.ppo_mini_batch_size"
+            f"{_or_list(_divisors_near(train, mini))}), or be null for actor.ppo_mini_batch_size"
         )
     elif mini * n % dp:
-        report.error(
-            f"a critic mini-batch of critic.ppo_mini_batch_size={mini} prompts x rollout.n={n} samples cannot be "
-            f"split evenly over {dp} data-parallel ranks; make it a multiple of {dp}"
-        )
+        if own is not None:
+            report.error(
+                f"a critic mini-batch of critic.ppo_mini_batch_size={mini} prompts x rollout.n={n} samples cannot be "
+                f"split evenly over {dp} data-parallel ranks; make it a multiple of {dp}"
+            )
     elif not critic.use_dynamic_bsz and (mini * n // dp) % critic.ppo_micro_batch_size_per_gpu:
         per_rank = mini * n // dp
         report.error(
@@ -416,6 +418,7 @@ def _check_names(cfg: Config, report: _Report) -> None:
         report.error(f"{path}={value!r} is not one of: {', '.join(allowed)}{hint}")
 
     one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, LOSS_AGG_MODES)
+    one_of("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
     kl_names = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
     one_of("actor.kl_loss_type", cfg.actor.kl_loss_type, kl_names)
     one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl_names)

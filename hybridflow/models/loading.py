@@ -165,8 +165,8 @@ def load_value_model(
 
     It is transformers' ``AutoModelForTokenClassification`` with one label (what verl's critic
     loads), so a saved critic is an ordinary Hugging Face directory that loads back the same
-    way. Its dropout is off: the value loss regresses onto returns, and dropout noise would only
-    add variance to it (and make the critic's forward differ from the one its targets came from).
+    way. Its dropout is off, as verl sets it: the value loss regresses onto returns, and dropout
+    noise would only add variance to it.
 
     A head that ``path`` does not hold (a causal LM: the usual start) is initialised to zero, so
     every first value is 0, a neutral guess on a reward scale centred near 0..1: the first
