@@ -156,6 +156,7 @@ def plan_micro_batches(
     log_prob_max_token_len: int | None,
     longest_sample: int,
     gradient_checkpointing: bool = False,
+    remove_padding_key: str = "actor.use_remove_padding",
 ) -> MicroBatchPlan:
     """Packed or padded (``hybridflow.config.budget.packing_decision`` on the loaded model), and
     the token budgets: the configured ones, or ``auto_token_budget`` from the model's shape and
@@ -164,7 +165,8 @@ def plan_micro_batches(
     model = engine.model
     # config.auto_map names modeling code shipped with the checkpoint (trust_remote_code).
     shape = ModelShape.from_config(model.config.to_dict())
-    packed, why = packing_decision(use_remove_padding, shape.model_type, custom_code=shape.custom_code)
+    packed, why = packing_decision(use_remove_padding, shape.model_type, custom_code=shape.custom_code,
+                                   key=remove_padding_key)
     notes = [f"{'packed' if packed else 'padded'} micro-batches: {why}"]
     if not use_dynamic_bsz:
         return MicroBatchPlan(packed, None, None, tuple(notes))

@@ -86,7 +86,7 @@ class CriticWorker:
             self.engine, use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
             ppo_max_token_len=cfg.ppo_max_token_len_per_gpu, log_prob_max_token_len=cfg.forward_max_token_len_per_gpu,
             longest_sample=setup.max_prompt_length + setup.max_response_length,
-            gradient_checkpointing=setup.gradient_checkpointing,
+            gradient_checkpointing=setup.gradient_checkpointing, remove_padding_key="critic.use_remove_padding",
         )
         if rank == 0:
             for note in self.plan.notes:
