@@ -1,8 +1,10 @@
 """The training engine: a model, its optimizer and schedule, and the two things a trainer does
-with them — forward passes that return per-token logprobs, and optimizer steps over
-gradient-accumulated micro-batches with a caller-supplied loss.
+with them — forward passes that return per-token logprobs (a causal LM) or values (a value
+model: ``output="values"``), and optimizer steps over gradient-accumulated micro-batches with a
+caller-supplied loss.
 
-The engine knows nothing about RL: the actor passes a ``loss_fn`` (policy loss, SFT loss, ...).
+The engine knows nothing about RL: the actor passes a ``loss_fn`` (policy loss, SFT loss, ...),
+the critic its value loss.
 Single-process by default; with ``data_parallel=True`` (one engine per rank of a process group)
 the model is sharded with FSDP2 (``hybridflow.training.distributed``) behind the same surface:
 gradients are averaged over ranks, the clipping norm is global, micro-batch counts are agreed
