@@ -565,9 +565,9 @@ class TrainerConfig:
     )
     critic_warmup: int = f(
         0,
-        "The first N steps update only the critic (the actor and its rollout stay as they are), so that PPO's "
-        "advantages start from a fitted value model. verl counts one step fewer (its step N already updates "
-        "the actor).",
+        "With a critic (algorithm.adv_estimator=gae), the first N steps update only the critic (the actor and "
+        "its rollout stay as they are), so that PPO's advantages start from a fitted value model; ignored "
+        "without one. verl counts one step fewer (its step N already updates the actor).",
     )
     health: HealthConfig = sub(HealthConfig, "Thresholds of the health warnings (health/* metrics).")
 

@@ -354,9 +354,10 @@ class RLTrainer:
                                                 response_mask=batch.response_mask)
 
     def update_actor(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
-        """The policy update; skipped in the first ``trainer.critic_warmup`` steps, which train
-        only the critic so that the actor's first advantages come from a fitted value model."""
-        if self.step <= self.cfg.trainer.critic_warmup:
+        """The policy update; skipped in the first ``trainer.critic_warmup`` steps of a run with a
+        critic, which train only the critic so that the actor's first advantages come from a
+        fitted value model (without a critic there is nothing to warm up: the key is ignored)."""
+        if self.critic is not None and self.step <= self.cfg.trainer.critic_warmup:
             return {}
         with timer.phase("update_actor"):
             return reduce_metrics(self.actor.split_gather(ActorWorker.update_actor, batch))
