@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from hybridflow.config import ConfigError, explain_config, list_presets, load_config
+from hybridflow.config import ConfigError, explain_config, list_presets, load_config, validate_config
 from hybridflow.controller.checkpoint import CheckpointError
 
 
@@ -226,11 +226,11 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     cfg = load_config(args.preset, args.config_file, args.overrides)
     if args.command == "config":
-        from hybridflow.controller.setup import resolve_plugins
+        from hybridflow.controller.setup import needs_critic, resolve_plugins
 
-        text = explain_config(cfg)  # validates the config
-        resolve_plugins(cfg)  # a wrong pluggable name fails here too, not only when training
-        print(text)
+        validate_config(cfg)  # every config error first, then the pluggable names
+        plugins = resolve_plugins(cfg)  # a wrong pluggable name fails here too, not only when training
+        print(explain_config(cfg, with_critic=needs_critic(plugins.estimator_needs)))
         return 0
     from hybridflow.api import train  # heavy imports (torch, transformers) only when training
 

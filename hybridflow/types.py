@@ -121,6 +121,7 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # (B, R)
     ref_logprobs: torch.Tensor | None = None  # (B, R)
     advantages: torch.Tensor | None = None  # (B, R)
+    values: torch.Tensor | None = None  # (B, R) the critic's values before its update (V_old)
     returns: torch.Tensor | None = None  # (B, R)
     token_level_rewards: torch.Tensor | None = None  # (B, R)
     rollout_is_weights: torch.Tensor | None = None  # (B, R) rollout-correction importance weights

@@ -102,10 +102,12 @@ def read_model_shape(model_path: str) -> ModelShape | None:
         return None
 
 
-def packing_decision(requested: bool, model_type: str, custom_code: bool = False) -> tuple[bool, str]:
-    """(run packed, why) for ``actor.use_remove_padding=requested`` on a model of ``model_type``."""
+def packing_decision(
+    requested: bool, model_type: str, custom_code: bool = False, key: str = "actor.use_remove_padding"
+) -> tuple[bool, str]:
+    """(run packed, why) for ``<key>=requested`` on a model of ``model_type``."""
     if not requested:
-        return False, "actor.use_remove_padding=false"
+        return False, f"{key}=false"
     if custom_code:
         return False, (
             f"the model ships its own modeling code (auto_map), whose attention may not respect packed sequences; "
@@ -116,7 +118,7 @@ def packing_decision(requested: bool, model_type: str, custom_code: bool = False
             f"model type {model_type!r} has no tested packed attention path; padded path "
             f"(families with one: {', '.join(PACKED_MODEL_TYPES)})"
         )
-    return True, f"actor.use_remove_padding=true and {model_type} has a packed attention path"
+    return True, f"{key}=true and {model_type} has a packed attention path"
 
 
 def training_bytes_per_token(

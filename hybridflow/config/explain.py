@@ -82,7 +82,7 @@ def planned_total_steps(
     return min(total_training_steps, by_epochs)
 
 
-def _plan_lines(cfg: Config) -> list[str]:
+def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
     plan = batch_plan(cfg)
     data, actor, trainer, n = cfg.data, cfg.actor, cfg.trainer, cfg.rollout.n
     lines = [
@@ -153,6 +153,12 @@ def _plan_lines(cfg: Config) -> list[str]:
         lines.append(f"  reference: yes, a frozen copy of the initial policy, because {causes}")
     else:
         lines.append("  no reference model: KL is off (actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)")
+    estimator = f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}"
+    if with_critic:
+        start = cfg.critic.model.path or "the policy's weights"
+        lines.append(f"  critic: yes, a value model ({start} + a scalar head), because {estimator} needs values")
+    else:
+        lines.append(f"  no critic: {estimator} needs no values")
     warm, why = warm_start_decision(cfg.warm_start.enable, cfg.model.path)
     if warm:
         lines.append(f"warm start: yes, {cfg.warm_start.steps} SFT steps before RL ({why})")
@@ -263,14 +269,16 @@ def _replica_layout(cfg: Config) -> str:
             f"the router on the replica with the fewest in-flight tokens; {sleep}")
 
 
-def explain_config(cfg: Config) -> str:
+def explain_config(cfg: Config, with_critic: bool = False) -> str:
     """The resolved config as YAML, then the plan in numbers, then the validation warnings.
+    ``with_critic``: the estimator needs values, so a critic is built (known once its name is
+    resolved, which this layer cannot do).
 
     Raises ``ConfigError`` if the config is invalid (the plan's arithmetic assumes it is not).
     """
     warnings = validate_config(cfg)
     parts = ["# Resolved config", config_to_yaml(cfg).rstrip(), "", "Plan"]
-    parts += [f"  {line}" for line in _plan_lines(cfg)]
+    parts += [f"  {line}" for line in _plan_lines(cfg, with_critic)]
     parts += ["", "Warnings"]
     parts += [f"  - {w}" for w in warnings] if warnings else ["  none"]
     return "\n".join(parts) + "\n"

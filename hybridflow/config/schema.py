@@ -218,6 +218,50 @@ class RefConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    path: str | None = f(
+        None,
+        "The value model's starting point: a local Hugging Face causal LM directory whose backbone gets a "
+        "scalar value head (a linear hidden -> 1, initialised to zero). None: model.path (the policy's weights).",
+    )
+
+
+@dataclass
+class CriticConfig:
+    """verl's ``critic`` section. A critic is built when the estimator needs values (gae)."""
+
+    model: CriticModelConfig = sub(CriticModelConfig, "The value model.")
+    ppo_mini_batch_size: int | None = f(
+        None, "Prompts per critic optimizer step (x rollout.n samples). None: actor.ppo_mini_batch_size."
+    )
+    ppo_micro_batch_size_per_gpu: int = f(64, "Samples per critic forward/backward on one rank.")
+    forward_micro_batch_size_per_gpu: int = f(128, "Samples per value forward (compute_values) on one rank.")
+    use_dynamic_bsz: bool = f(
+        True, "Form micro-batches by a token budget, as actor.use_dynamic_bsz (the *_micro_batch_size_per_gpu "
+        "keys are then unused).",
+    )
+    ppo_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a critic training micro-batch with use_dynamic_bsz. None: derived like the actor's."
+    )
+    forward_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a value-forward micro-batch with use_dynamic_bsz. None: 2x the training budget."
+    )
+    use_remove_padding: bool = f(True, "Pack micro-batches padding-free where the model allows (as the actor's).")
+    ppo_epochs: int | None = f(None, "Passes of the critic over each rollout batch. None: actor.ppo_epochs.")
+    shuffle: bool = f(False, "Shuffle samples between critic epochs.")
+    cliprange_value: float = f(
+        0.5, "Clip a new value prediction to V_old +- this before its squared error (PPO's value clipping)."
+    )
+    loss_agg_mode: str = f("token-mean", "Aggregation of the value loss over tokens (as actor.loss_agg_mode).")
+    grad_clip: float = f(1.0, "Max global gradient norm of the critic (<= 0: no clipping).")
+    optim: OptimConfig = sub(
+        OptimConfig, "The critic's optimizer (--preset ppo sets lr 1e-3 for the built-in tiny model; verl uses 1e-5 "
+        "with 0.5B-7B models).",
+    )
+    fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP2 sharding and offload of the critic (as the actor's).")
+
+
+@dataclass
 class ValKwargsConfig:
     n: int = f(
         1, "Samples per validation prompt: N of the val-core/<source>/<var>/mean@N, best@k, worst@k and maj@k "
@@ -438,8 +482,8 @@ class AlgorithmConfig:
     adv_estimator: str = f(
         "grpo",
         "Advantage estimator: grpo | gdpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
-        "grpo_passk | opo | gpg | gae (needs a critic) | optimal_token_baseline | tir_optimal_token_baseline (need "
-        "sum_pi_squared from the actor, not built yet), or package.module:function.",
+        "grpo_passk | opo | gpg | gae (trains a critic: the critic.* keys) | optimal_token_baseline | "
+        "tir_optimal_token_baseline (need sum_pi_squared from the actor, not built yet), or package.module:function.",
     )
     gdpo_reward_keys: list[str] = f(
         [], "gdpo: the reward components, numbers the reward function returns in its dict beside 'score' (acc is "
@@ -569,6 +613,12 @@ class TrainerConfig:
         4000, "Longest text per field of those files (prompt, response, ground truth, reward extras), cut with a "
         "'…[+N chars]' mark: a row stays under about 3 x this + 4 KB.",
     )
+    critic_warmup: int = f(
+        0,
+        "With a critic (algorithm.adv_estimator=gae), the first N steps update only the critic (the actor and "
+        "its rollout stay as they are), so that PPO's advantages start from a fitted value model; ignored "
+        "without one. verl counts one step fewer (its step N already updates the actor).",
+    )
     health: HealthConfig = sub(HealthConfig, "Thresholds of the health warnings (health/* metrics).")
 
 
@@ -579,6 +629,7 @@ class Config:
     warm_start: WarmStartConfig = sub(WarmStartConfig, "Supervised warm start for the built-in model.")
     actor: ActorConfig = sub(ActorConfig, "Policy optimisation.")
     ref: RefConfig = sub(RefConfig, "Reference model (for KL).")
+    critic: CriticConfig = sub(CriticConfig, "Value model (built when algorithm.adv_estimator needs values: gae).")
     rollout: RolloutConfig = sub(RolloutConfig, "Generation.")
     reward: RewardConfig = sub(RewardConfig, "Reward scoring.")
     algorithm: AlgorithmConfig = sub(AlgorithmConfig, "Advantage estimation and KL in reward.")

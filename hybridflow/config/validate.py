@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.loader import ConfigError
-from hybridflow.config.schema import Config, TrainerConfig
+from hybridflow.config.schema import Config, OptimConfig, TrainerConfig
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -56,6 +56,8 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("actor.ppo_micro_batch_size_per_gpu", 1),
     ("actor.log_prob_micro_batch_size_per_gpu", 1),
     ("actor.ppo_epochs", 1),
+    ("critic.ppo_micro_batch_size_per_gpu", 1),
+    ("critic.forward_micro_batch_size_per_gpu", 1),
     ("actor.optim.lr_warmup_steps", 0),
     ("ref.log_prob_micro_batch_size_per_gpu", 1),
     ("rollout.n", 1),
@@ -82,6 +84,8 @@ _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.total_training_steps", 1),
     ("trainer.max_ckpt_to_keep", 1),
     ("trainer.num_threads", 1),
+    ("critic.ppo_epochs", 1),
+    ("critic.ppo_mini_batch_size", 1),
 )
 """Like ``_POSITIVE_INTS`` but None is allowed (it means "no limit" / "default")."""
 
@@ -324,15 +328,7 @@ def _check_ranges(cfg: Config, report: _Report) -> None:
     if actor.kl_loss_coef < 0:
         report.error(f"actor.kl_loss_coef={actor.kl_loss_coef} must be >= 0")
 
-    optim = actor.optim
-    if optim.lr <= 0:
-        report.error(f"actor.optim.lr={optim.lr} must be > 0 (e.g. 1e-6)")
-    if optim.weight_decay < 0:
-        report.error(f"actor.optim.weight_decay={optim.weight_decay} must be >= 0")
-    if not 0 <= optim.min_lr_ratio <= 1:
-        report.error(f"actor.optim.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1] (a fraction of lr)")
-    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
-        report.error(f"actor.optim.betas={optim.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _check_optim("actor.optim", actor.optim, report)
 
     if cfg.warm_start.lr <= 0:
         report.error(f"warm_start.lr={cfg.warm_start.lr} must be > 0")
@@ -350,6 +346,56 @@ def _check_ranges(cfg: Config, report: _Report) -> None:
         report.error(f"algorithm.kl_ctrl.kl_coef={algorithm.kl_ctrl.kl_coef} must be >= 0")
     if algorithm.kl_ctrl.target_kl <= 0:
         report.error(f"algorithm.kl_ctrl.target_kl={algorithm.kl_ctrl.target_kl} must be > 0")
+
+
+def _check_optim(prefix: str, optim: OptimConfig, report: _Report) -> None:
+    """One optimizer section (``actor.optim``, ``critic.optim``)."""
+    if optim.lr <= 0:
+        report.error(f"{prefix}.lr={optim.lr} must be > 0 (e.g. 1e-6)")
+    if optim.weight_decay < 0:
+        report.error(f"{prefix}.weight_decay={optim.weight_decay} must be >= 0")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        report.error(f"{prefix}.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1] (a fraction of lr)")
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        report.error(f"{prefix}.betas={optim.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
+def _check_critic(cfg: Config, report: _Report) -> None:
+    """The ``critic`` section. Checked whatever the estimator: its defaults always pass, and a
+    value set wrong is wrong before a run switches to gae."""
+    critic = cfg.critic
+    _check_optim("critic.optim", critic.optim, report)
+    if not critic.cliprange_value >= 0:
+        report.error(
+            f"critic.cliprange_value={critic.cliprange_value} must be >= 0: a new value may move at most this far "
+            f"from the rollout's value before its error stops counting (verl's default is 0.5)"
+        )
+    if cfg.trainer.critic_warmup < 0:
+        report.error(f"trainer.critic_warmup={cfg.trainer.critic_warmup} must be >= 0 steps")
+    train, n, dp = cfg.data.train_batch_size, cfg.rollout.n, data_parallel_size(cfg.trainer)
+    own = critic.ppo_mini_batch_size
+    # null: the actor's mini-batch, whose split _check_batches reports.
+    mini = own if own is not None else cfg.actor.ppo_mini_batch_size
+    if min(train, n, dp, mini, critic.ppo_micro_batch_size_per_gpu) < 1:
+        return  # reported by _check_ranges or below
+    if own is not None and (mini > train or train % mini):
+        report.error(
+            f"critic.ppo_mini_batch_size={mini} prompts must divide data.train_batch_size={train} prompts (e.g. "
+            f"{_or_list(_divisors_near(train, mini))}), or be null for actor.ppo_mini_batch_size"
+        )
+    elif mini * n % dp:
+        if own is not None:
+            report.error(
+                f"a critic mini-batch of critic.ppo_mini_batch_size={mini} prompts x rollout.n={n} samples cannot be "
+                f"split evenly over {dp} data-parallel ranks; make it a multiple of {dp}"
+            )
+    elif not critic.use_dynamic_bsz and (mini * n // dp) % critic.ppo_micro_batch_size_per_gpu:
+        per_rank = mini * n // dp
+        report.error(
+            f"each rank gets {per_rank} samples per critic optimizer step, which is not a multiple of "
+            f"critic.ppo_micro_batch_size_per_gpu={critic.ppo_micro_batch_size_per_gpu}; use one that divides "
+            f"{per_rank}, e.g. {_or_list(_divisors_near(per_rank, critic.ppo_micro_batch_size_per_gpu))}"
+        )
 
 
 def _check_sampling(
@@ -395,6 +441,7 @@ def _check_names(cfg: Config, report: _Report) -> None:
         report.error(f"{path}={value!r} is not one of: {', '.join(allowed)}{hint}")
 
     one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, LOSS_AGG_MODES)
+    one_of("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
     kl_names = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
     one_of("actor.kl_loss_type", cfg.actor.kl_loss_type, kl_names)
     one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl_names)
@@ -767,6 +814,7 @@ _CHECKS = (
     _check_names,
     _check_batches,
     _check_algorithm,
+    _check_critic,
     _check_multi_turn,
     _check_trainer,
     _check_backend,

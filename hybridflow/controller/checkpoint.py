@@ -1,4 +1,5 @@
-"""Checkpoint folders: ``<root>/global_step_<N>/{actor/, manifest.json, trainer_state.json}``
+"""Checkpoint folders: ``<root>/global_step_<N>/{actor/, critic/ (PPO with a critic), manifest.json,
+trainer_state.json}``
 and ``<root>/latest``.
 
 Writing: everything goes into ``.tmp-global_step_<N>-<pid>`` (the actor's files, the resolved
@@ -346,9 +347,10 @@ class CheckpointManager:
         state: dict[str, Any],
         write_actor: Callable[[Path], None],
         extra_files: dict[str, str] | None = None,
+        write_roles: dict[str, Callable[[Path], None]] | None = None,
     ) -> Path:
-        """Write checkpoint ``step``: the actor's files, ``extra_files`` (name -> text), ``state``,
-        then the manifest. A failed write raises ``CheckpointError`` after removing the partial
+        """Write checkpoint ``step``: the actor's files, other roles' (``write_roles``: folder name
+        -> writer, e.g. the critic's), ``extra_files`` (name -> text), ``state``, then the manifest. A failed write raises ``CheckpointError`` after removing the partial
         folder; the checkpoints already there are untouched."""
         final = self.root / f"global_step_{step}"
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
@@ -358,6 +360,8 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             write_actor(tmp / "actor")
+            for folder, write in (write_roles or {}).items():
+                write(tmp / folder)
             for name, text in (extra_files or {}).items():
                 _write_text_atomic(tmp / name, text)
             _write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))

@@ -4,6 +4,10 @@ A checkpoint's ``actor/model`` folder is already in Hugging Face format (config,
 safetensors); exporting verifies the checkpoint against its manifest, copies only the model
 files (not the optimizer state), writes them atomically, and loads the result with
 ``transformers`` to prove it is usable before reporting success.
+
+Only the policy is exported: it is what a user deploys. A PPO checkpoint also holds the critic
+(``critic/model``, a Hugging Face token-classification model with one label, loadable with
+``AutoModelForTokenClassification`` as it is); it is needed only to resume training.
 """
 
 from __future__ import annotations

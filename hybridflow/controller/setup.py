@@ -4,7 +4,8 @@
    any model loads),
 2. resolve the built-in model and task into ordinary files on disk,
 3. load data, build the sampler and the step plan,
-4. start the worker groups (actor, rollout, reference when a KL term needs it, reward): in this
+4. start the worker groups (actor, rollout, reference when a KL term needs it, critic when the
+   estimator needs values, reward): in this
    process (``trainer.backend=local``) or as Ray actors (``ray``), where the actor and
    reference ranks each form a torch.distributed group and rollout replica r shares bundle r
    with actor rank r; with ``rollout.weight_sync`` resolving to broadcast, actor rank 0 and the
@@ -63,6 +64,7 @@ from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
 from hybridflow.utils.threads import stop_following
 from hybridflow.workers.actor import ActorSetup, ActorWorker
+from hybridflow.workers.critic import CriticSetup, CriticWorker
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
 from hybridflow.workers.rollout import AgentSetup, RolloutSetup, RolloutWorker
@@ -141,6 +143,7 @@ class RunSetup:
     rollout: RolloutReplicas
     reference: WorkerGroup[ReferenceWorker] | None
     reward: WorkerGroup[RewardWorker]
+    critic: WorkerGroup[CriticWorker] | None
     tracker: Tracker
     progress: ProgressBar
     tokenizer: Any  # decodes prompts and responses for the generation dumps
@@ -158,7 +161,7 @@ class RunSetup:
         if self.weight_sync == BROADCAST:
             close_weight_sync(self.actor, self.rollout)
         self.rollout.close()
-        groups = [self.actor, self.reference, self.reward]
+        groups = [self.actor, self.critic, self.reference, self.reward]
         for group in groups:
             if group is not None:
                 group.close()
@@ -224,6 +227,19 @@ def check_model_path(path: str) -> Path | None:
         return check_model_dir(path)
     except FileNotFoundError as error:
         raise ConfigError(str(error), key="model.path") from error
+
+
+def check_critic_model_path(path: str) -> None:
+    """``critic.model.path``: a local model directory (null starts from the policy's weights)."""
+    if path.startswith("builtin:"):
+        raise ConfigError(
+            f"critic.model.path={path!r}: a critic starts from a model directory; leave it null to start from the "
+            f"policy's weights (model.path, the built-in model after its warm start)", key="critic.model.path",
+        )
+    try:
+        check_model_dir(path)
+    except FileNotFoundError as error:
+        raise ConfigError(f"critic.model.path: {error}", key="critic.model.path") from error
 
 
 @dataclass
@@ -370,6 +386,11 @@ def _resolved(key: str, resolve: Callable[[], Any]) -> Any:
         raise ConfigError(f"{key}: {error}", key=key) from error
 
 
+def needs_critic(estimator_needs: frozenset[str]) -> bool:
+    """A critic is built when the advantage estimator needs its values (gae), as verl decides."""
+    return "values" in estimator_needs
+
+
 def config_device(name: str) -> torch.device:
     """``trainer.device`` resolved, or a ``ConfigError`` on it (cuda without CUDA, an unknown string)."""
     try:
@@ -385,12 +406,8 @@ def resolve_plugins(cfg: Config) -> Plugins:
     alg = cfg.algorithm
     adv_estimator = _resolved("algorithm.adv_estimator", lambda: get_adv_estimator(alg.adv_estimator))
     needs = _resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator))
-    if "values" in needs:
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} needs critic values, and hybridflow has no "
-            f"critic worker yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)",
-            key="algorithm.adv_estimator",
-        )
+    if needs_critic(needs) and cfg.critic.model.path is not None:
+        check_critic_model_path(cfg.critic.model.path)
     if "sum_pi_squared" in needs:
         raise ConfigError(
             f"algorithm.adv_estimator={alg.adv_estimator} needs sum_pi_squared, the sum of squared token "
@@ -432,6 +449,27 @@ def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker
         key = "reward.custom_reward_function.name" if isinstance(error, AttributeError) else \
             "reward.custom_reward_function.path"
         raise ConfigError(f"{key}: {error}", key=key) from error
+
+
+def build_critic_group(
+    cfg: Config, model_path: str, device: torch.device, total_steps: int, placement: Placement | None
+) -> WorkerGroup[CriticWorker]:
+    """The critic role, one rank per actor rank, in the actor's placement bundles (colocated like
+    the reference): trained like the actor, FSDP2 over its ranks. Its model starts from
+    ``critic.model.path``, or the policy's own weights (``model_path``, the built-in model after
+    its warm start)."""
+    c, d = cfg.critic, cfg.data
+    mini = c.ppo_mini_batch_size if c.ppo_mini_batch_size is not None else cfg.actor.ppo_mini_batch_size
+    epochs = c.ppo_epochs if c.ppo_epochs is not None else cfg.actor.ppo_epochs
+    setup = CriticSetup(
+        model_path=c.model.path or model_path, dtype=cfg.model.dtype, device=device, rollout_n=cfg.rollout.n,
+        ppo_mini_batch_size=mini, ppo_epochs=epochs,
+        total_optimizer_steps=total_steps * (d.train_batch_size // mini) * epochs,
+        max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
+        gradient_checkpointing=cfg.model.enable_gradient_checkpointing, trust_remote_code=cfg.model.trust_remote_code,
+    )
+    return build_worker_group(cfg.trainer.backend, "critic", lambda r, w: CriticWorker(r, w, c, setup),
+                              data_parallel_size(cfg.trainer), placement)
 
 
 def build_run(cfg: Config) -> RunSetup:
@@ -503,10 +541,12 @@ def build_run(cfg: Config) -> RunSetup:
         raise ConfigError(f"trainer.n_workers={t.n_workers} counts CPU ranks, but this run computes on {device}: "
                           "GPU ranks are trainer.n_gpus_per_node x trainer.nnodes; set trainer.n_workers=null")
     with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward)
+    with_critic = needs_critic(needs)
     split = cfg.rollout.placement == "split"
     pools, placements = reserve_placements(
         t.backend, data_parallel_size=dp, device=device,
-        colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if with_reference else [])],
+        colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if with_reference else []),
+                         *(["critic"] if with_critic else [])],
         split_roles=["rollout"] if split else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
     )
@@ -542,6 +582,7 @@ def build_run(cfg: Config) -> RunSetup:
                                    **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,
                                        placements.get("reference"))
+    critic = build_critic_group(cfg, model_path, device, total_steps, placements.get("critic")) if with_critic else None
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))
@@ -550,7 +591,7 @@ def build_run(cfg: Config) -> RunSetup:
         cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
-        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
+        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward, critic=critic,
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
         rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir),

@@ -1,7 +1,8 @@
 """The synchronous on-policy RL loop.
 
     sample prompts -> rollout n per prompt -> rewards -> old/ref logprobs where needed
-    -> advantages -> actor update -> weight sync -> validate / checkpoint
+    -> critic values (gae) -> advantages -> critic update -> actor update -> weight sync
+    -> validate / checkpoint
 
 ``RLTrainer.fit`` is the loop and reads as the algorithm; each phase is a named method. The
 trainer does no tensor math beyond gluing records together: algorithms come from registries
@@ -30,8 +31,8 @@ from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
 from hybridflow.tracking import (
-    compute_batch_metrics, compute_throughput_metrics, compute_val_core_metrics, compute_validation_metrics,
-    reduce_metrics, reward_variables,
+    compute_batch_metrics, compute_critic_metrics, compute_throughput_metrics, compute_val_core_metrics,
+    compute_validation_metrics, reduce_metrics, reward_variables,
 )
 from hybridflow.tracking.generations import rollout_rows, validation_rows, write_jsonl
 from hybridflow.tracking.health import HealthMonitor, HealthThresholds
@@ -42,6 +43,7 @@ from hybridflow.utils.seed import capture_rng_state, derive_seed, restore_rng_st
 from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import Watchdog, activity, parse_phase_timeouts
 from hybridflow.workers.actor import ActorWorker
+from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardWorker
 
@@ -59,6 +61,8 @@ class RLTrainer:
         # The rollout replicas: requests reach them through a router.
         self.replicas: RolloutReplicas = run.rollout
         self.reference: WorkerGroup[ReferenceWorker] | None = run.reference
+        # Built when the estimator needs values (gae); its phases are no-ops otherwise.
+        self.critic: WorkerGroup[CriticWorker] | None = run.critic
         self.reward: WorkerGroup[RewardWorker] = run.reward
         self.checkpoints = CheckpointManager(run.output_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep)
         self.step = 0
@@ -130,7 +134,7 @@ class RLTrainer:
             if self.reference is not None:
                 with timer.phase("ref"):
                     batch.ref_logprobs = torch.cat(self.reference.split_gather(ReferenceWorker.compute_ref_logprobs, batch))
-            extra_inputs: dict[str, torch.Tensor] = {}
+            extra_inputs = self.compute_values(batch, timer)
             if "reward_baselines" in self.run.estimator_needs:
                 with timer.phase("gen_baseline"):
                     extra_inputs["reward_baselines"], baseline_metrics = self.greedy_baselines(groups)
@@ -145,8 +149,8 @@ class RLTrainer:
             if self.run.rollout_data_dir is not None:
                 with timer.phase("dump_rollout"):
                     self.dump_rollouts(batch, trajectories)
-            with timer.phase("update_actor"):
-                actor_metrics = reduce_metrics(self.actor.split_gather(ActorWorker.update_actor, batch))
+            critic_metrics = self.update_critic(batch, timer)
+            actor_metrics = self.update_actor(batch, timer)
             with timer.phase("update_weights"):
                 self.sync_weights()
         return {
@@ -156,6 +160,7 @@ class RLTrainer:
             **rollout_metrics,
             **balance_metrics,
             **adv_metrics,
+            **critic_metrics,
             **actor_metrics,
             **self.batch_metrics(batch, trajectories),
             **timer.metrics(),
@@ -344,6 +349,35 @@ class RLTrainer:
                 inputs["reward_component_weights"] = torch.tensor(alg.gdpo_reward_weights, dtype=torch.float32)
         return inputs
 
+    def compute_values(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, torch.Tensor]:
+        """The critic's values of the response tokens (``batch.values``), as the estimator's
+        ``values`` input; nothing without a critic (one is built when the estimator needs them)."""
+        if self.critic is None:
+            return {}
+        with timer.phase("values"):
+            batch.values = torch.cat(self.critic.split_gather(CriticWorker.compute_values, batch))
+        return {"values": batch.values}
+
+    def update_critic(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
+        """Regress the critic onto the estimator's returns; with it, how well the values the step
+        used predicted them. Nothing without a critic."""
+        if self.critic is None:
+            return {}
+        assert batch.values is not None and batch.returns is not None
+        with timer.phase("update_critic"):
+            metrics = reduce_metrics(self.critic.split_gather(CriticWorker.update_critic, batch))
+        return metrics | compute_critic_metrics(values=batch.values, returns=batch.returns,
+                                                response_mask=batch.response_mask)
+
+    def update_actor(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
+        """The policy update; skipped in the first ``trainer.critic_warmup`` steps of a run with a
+        critic, which train only the critic so that the actor's first advantages come from a
+        fitted value model (without a critic there is nothing to warm up: the key is ignored)."""
+        if self.critic is not None and self.step <= self.cfg.trainer.critic_warmup:
+            return {}
+        with timer.phase("update_actor"):
+            return reduce_metrics(self.actor.split_gather(ActorWorker.update_actor, batch))
+
     def sync_weights(self) -> None:
         """Push the actor's new weights to every rollout rank: streamed from actor rank 0 by
         broadcast (``rollout.weight_sync``), else through this process (in-process: tensor copies)."""
@@ -458,9 +492,11 @@ class RLTrainer:
             "kl_controller": self.run.kl_controller.state_dict() if self.run.kl_controller else None,
             "rng": capture_rng_state(),
         }
+        critic = self.critic
+        roles = {"critic": lambda d: critic.call_all(CriticWorker.save_checkpoint, str(d))} if critic else {}
         self.checkpoints.save(
             self.step, state, write_actor=lambda d: self.actor.call_all(ActorWorker.save_checkpoint, str(d)),
-            extra_files={"config.yaml": config_to_yaml(self.cfg)},
+            extra_files={"config.yaml": config_to_yaml(self.cfg)}, write_roles=roles,
         )
 
     def resume(self) -> None:
@@ -482,13 +518,16 @@ class RLTrainer:
         log.info("resumed from %s at step %d", ckpt, self.step)
 
     def _load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
-        """Read ``ckpt`` into the actor, sampler, KL controller and RNGs; its trainer state.
+        """Read ``ckpt`` into the actor, the critic, sampler, KL controller and RNGs; its trainer
+        state.
 
         Any part may refuse; the manager then loads an older checkpoint over all of it, so each
-        part is checked before it changes anything (the actor, sampler and KL controller check
-        first; the RNGs are put back as they were)."""
+        part is checked before it changes anything (the actor, critic, sampler and KL controller
+        check first; the RNGs are put back as they were)."""
         state = self.checkpoints.load_state(ckpt)
         refusals = [r for r in self.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor")) if r]
+        if self.critic is not None and not refusals:
+            refusals = [r for r in self.critic.call_all(CriticWorker.load_checkpoint, str(ckpt / "critic")) if r]
         if refusals:
             raise CheckpointError(refusals[0])
         rng = capture_rng_state()

@@ -153,6 +153,79 @@ def meta_causal_lm(path: str | os.PathLike, *, trust_remote_code: bool = False):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
+# Where a transformers ``*ForTokenClassification`` model keeps its per-token head.
+VALUE_HEAD_NAMES = ("score", "classifier")
+
+
+def value_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The linear hidden -> 1 head of a value model (``load_value_model``)."""
+    for name in VALUE_HEAD_NAMES:
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+    raise ValueError(f"{type(model).__name__} has no value head (a linear layer named one of {VALUE_HEAD_NAMES})")
+
+
+def load_value_model(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+):
+    """A value model: the backbone of the causal LM at ``path`` with a scalar head per token.
+
+    It is transformers' ``AutoModelForTokenClassification`` with one label (what verl's critic
+    loads), so a saved critic is an ordinary Hugging Face directory that loads back the same
+    way. Its dropout is off, as verl sets it: the value loss regresses onto returns, and dropout
+    noise would only add variance to it.
+
+    A head that ``path`` does not hold (a causal LM: the usual start) is initialised to zero, so
+    every first value is 0, a neutral guess on a reward scale centred near 0..1: the first
+    advantages are the returns themselves rather than returns minus random noise. The backbone
+    gets gradients from the second update on, once the head's weights have moved off zero.
+    A head that ``path`` holds (a saved critic) is kept.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    p = check_model_dir(path)
+    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    with hf_progress_bars_off(), _transformers_quiet():
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            p,
+            config=config,
+            dtype=dtype,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=True,
+            output_loading_info=True,
+        )
+    head = value_head(model)
+    missing = set(info["missing_keys"])
+    if any(key.split(".")[0] in VALUE_HEAD_NAMES for key in missing):
+        with torch.no_grad():
+            head.weight.zero_()
+            if head.bias is not None:
+                head.bias.zero_()
+    return model.to(device)
+
+
+@contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' warnings off: loading a causal LM as a value model always "misses" the new
+    head and "ignores" the LM head, which is the point, not a problem to report."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def eos_token_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS plus generation_config's eos ids."""
     ids: set[int] = set()

@@ -14,6 +14,7 @@ from hybridflow.tracking.loggers import (
 )
 from hybridflow.tracking.metrics import (
     compute_batch_metrics,
+    compute_critic_metrics,
     compute_throughput_metrics,
     compute_validation_metrics,
     pass_at_k,
@@ -32,6 +33,7 @@ __all__ = [
     "Tracker",
     "WandbBackend",
     "compute_batch_metrics",
+    "compute_critic_metrics",
     "compute_throughput_metrics",
     "compute_val_core_metrics",
     "compute_validation_metrics",

@@ -62,6 +62,13 @@ CRITIC_VF_CLIPFRAC = "critic/vf_clipfrac"
 CRITIC_VPRED_MEAN = "critic/vpred_mean"
 CRITIC_VF_EXPLAINED_VAR = "critic/vf_explained_var"
 CRITIC_GRAD_NORM = "critic/grad_norm"
+CRITIC_LR = "critic/lr"
+VALUES_MEAN = "critic/values/mean"
+VALUES_MAX = "critic/values/max"
+VALUES_MIN = "critic/values/min"
+RETURNS_MEAN = "critic/returns/mean"
+RETURNS_MAX = "critic/returns/max"
+RETURNS_MIN = "critic/returns/min"
 
 SCORE_MEAN = "critic/score/mean"
 SCORE_MAX = "critic/score/max"
@@ -187,6 +194,29 @@ def compute_batch_metrics(
     metrics[PROMPT_LENGTH_MEAN], metrics[PROMPT_LENGTH_MAX], metrics[PROMPT_LENGTH_MIN] = _stats(
         prompt_lengths
     )
+    return metrics
+
+
+def compute_critic_metrics(
+    *,
+    values: torch.Tensor,  # (B, R) the critic's values the advantages were computed with
+    returns: torch.Tensor,  # (B, R) the estimator's returns (the critic's targets)
+    response_mask: torch.Tensor,  # (B, R) 1 on tokens that enter the loss
+) -> dict[str, float]:
+    """How well the values the step used predicted its returns, under verl's names, over the
+    masked-in tokens: ``critic/values/{mean,max,min}``, ``critic/returns/{mean,max,min}`` and
+    ``critic/vf_explained_var`` = 1 - Var(returns - values) / (Var(returns) + 1e-5) (1: the
+    values explain the returns; 0: no better than their mean; negative: worse). NaN when fewer
+    than two tokens are masked in."""
+    mask = response_mask.detach().bool()
+    v, r = values.detach()[mask].double(), returns.detach()[mask].double()
+    if v.numel() < 2:
+        return {key: math.nan for key in (VALUES_MEAN, VALUES_MAX, VALUES_MIN, RETURNS_MEAN, RETURNS_MAX,
+                                          RETURNS_MIN, CRITIC_VF_EXPLAINED_VAR)}
+    metrics: dict[str, float] = {}
+    metrics[VALUES_MEAN], metrics[VALUES_MAX], metrics[VALUES_MIN] = _stats(v)
+    metrics[RETURNS_MEAN], metrics[RETURNS_MAX], metrics[RETURNS_MIN] = _stats(r)
+    metrics[CRITIC_VF_EXPLAINED_VAR] = (1.0 - torch.var(r - v) / (torch.var(r) + 1e-5)).item()
     return metrics
 
 

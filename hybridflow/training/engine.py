@@ -1,8 +1,10 @@
 """The training engine: a model, its optimizer and schedule, and the two things a trainer does
-with them — forward passes that return per-token logprobs, and optimizer steps over
-gradient-accumulated micro-batches with a caller-supplied loss.
+with them — forward passes that return per-token logprobs (a causal LM) or values (a value
+model: ``output="values"``), and optimizer steps over gradient-accumulated micro-batches with a
+caller-supplied loss.
 
-The engine knows nothing about RL: the actor passes a ``loss_fn`` (policy loss, SFT loss, ...).
+The engine knows nothing about RL: the actor passes a ``loss_fn`` (policy loss, SFT loss, ...),
+the critic its value loss.
 Single-process by default; with ``data_parallel=True`` (one engine per rank of a process group)
 the model is sharded with FSDP2 (``hybridflow.training.distributed``) behind the same surface:
 gradients are averaged over ranks, the clipping norm is global, micro-batch counts are agreed
@@ -30,6 +32,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -48,7 +51,9 @@ from hybridflow.training.packing import (
 from hybridflow.types import TrainBatch
 from hybridflow.utils.errors import CheckpointError, one_line
 
-# loss_fn(micro_batch, logprobs (b,R), entropy (b,R) | None) -> (scalar loss, metrics)
+# What a forward computes per response token: a causal LM's logprobs, or a value model's values.
+Output = Literal["logprobs", "values"]
+# loss_fn(micro_batch, logprobs or values (b,R), entropy (b,R) | None) -> (scalar loss, metrics)
 LossFn = Callable[[TrainBatch, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, dict[str, float]]"]
 
 
@@ -127,6 +132,7 @@ class TrainEngine:
         offload_params: bool = False,
         offload_optimizer: bool = False,
         fused_lm_head: bool = True,
+        metrics_prefix: str = "actor",
     ) -> None:
         """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
         ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
@@ -143,7 +149,8 @@ class TrainEngine:
         a colocated rollout gets that memory back (moved to the device for the step only).
         ``fused_lm_head``: compute logprobs and entropy from the hidden states in row chunks
         (``hybridflow.training.lm_head``) where the model's head is a plain linear layer and the
-        model is not sharded (FSDP2 gathers the head's weight in the root module's forward)."""
+        model is not sharded (FSDP2 gathers the head's weight in the root module's forward).
+        ``metrics_prefix``: the role an optimizer step reports as (``<prefix>/grad_norm``, ``/lr``)."""
         self.model = model.to(device)
         if varlen_attention:
             enable_varlen_attention(self.model)
@@ -167,6 +174,7 @@ class TrainEngine:
         if self.autocast_dtype is not None and next(self.model.parameters()).dtype != torch.float32:
             raise ValueError("mixed_precision needs fp32 master weights; load the model in float32")
         self.offload_optimizer = offload_optimizer
+        self.metrics_prefix = metrics_prefix
         self.optim_spec = optim
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -280,6 +288,54 @@ class TrainEngine:
             return self._forward_packed(batch, temperature, with_entropy)
         return self._forward_padded(batch, temperature, with_entropy)
 
+    def forward_values(self, batch: TrainBatch, *, use_remove_padding: bool = False) -> torch.Tensor:
+        """A value model's (``load_value_model``) prediction for each response token.  # (B, R)
+
+        Aligned as logprobs are, and as verl's critic: the value of response token t is the head
+        on the hidden state at position P+t-1, the state in which token t is chosen. The whole
+        model's forward runs (not the backbone alone) so that FSDP2 gathers the head with the
+        root module. Values are fp32; positions past a response hold 0 (packed) or whatever the
+        model predicts there (padded); response_mask masks them out either way.
+        """
+        if use_remove_padding:
+            packed = pack_batch(batch)
+            inputs = packed.model_inputs()
+            del inputs["logits_to_keep"]  # a token-classification forward returns every position
+            values = self._model(**inputs).logits[0, packed.logit_positions, 0].float()  # (M,)
+            return unpack_responses(values, packed)
+        full_r = batch.response_length
+        batch = trim_padding(batch)
+        p = batch.prompt_length
+        if p < 1:
+            raise ValueError("forward_values needs at least one prompt token: the first value is read at position P-1")
+        out = self._model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=False)
+        return pad_responses(out.logits[:, p - 1 : -1, 0].float(), full_r)
+
+    def _forward(
+        self, batch: TrainBatch, output: Output, temperature: float, with_entropy: bool, use_remove_padding: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``output`` per response token (and entropy for logprobs).  # (B, R)"""
+        if output == "values":
+            return self.forward_values(batch, use_remove_padding=use_remove_padding), None
+        return self.forward_logprobs(batch, temperature, with_entropy, use_remove_padding=use_remove_padding)
+
+    @torch.no_grad()
+    def compute_values(
+        self,
+        batch: TrainBatch,
+        *,
+        micro_batch_size: int | None = None,
+        use_remove_padding: bool = False,
+        max_token_len: int | None = None,
+    ) -> torch.Tensor:
+        """A value model's values of every response token, in the batch's row order, micro-batched
+        as ``compute_logprobs``.  # (B, R)"""
+        values, _ = self._infer(batch, "values", temperature=1.0, micro_batch_size=micro_batch_size,
+                                with_entropy=False, use_remove_padding=use_remove_padding,
+                                max_token_len=max_token_len, num_micro_batches=None)
+        return values
+
     @torch.no_grad()
     def compute_logprobs(
         self,
@@ -299,6 +355,23 @@ class TrainEngine:
         ``num_micro_batches`` forces the count agreed over ranks). ``use_remove_padding`` runs
         each micro-batch packed.
         """
+        return self._infer(batch, "logprobs", temperature=temperature, micro_batch_size=micro_batch_size,
+                           with_entropy=with_entropy, use_remove_padding=use_remove_padding,
+                           max_token_len=max_token_len, num_micro_batches=num_micro_batches)
+
+    def _infer(
+        self,
+        batch: TrainBatch,
+        output: Output,
+        *,
+        temperature: float,
+        micro_batch_size: int | None,
+        with_entropy: bool,
+        use_remove_padding: bool,
+        max_token_len: int | None,
+        num_micro_batches: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``output`` (and entropy) of every response token over micro-batches, in row order."""
         was_training = self.model.training
         self.model.eval()
         padded = not use_remove_padding
@@ -308,15 +381,15 @@ class TrainEngine:
         micro_batches, order = _logprob_micro_batches(
             batch.to(self.device), micro_batch_size, max_token_len, num_micro_batches, padded
         )
-        self._check_same_count(len(micro_batches), "compute_logprobs")
-        logprobs, entropies = [], []
+        self._check_same_count(len(micro_batches), f"compute_{output}")
+        outputs, entropies = [], []
         for mb in micro_batches:
-            lp, ent = self.forward_logprobs(mb, temperature, with_entropy, use_remove_padding=use_remove_padding)
-            logprobs.append(lp.cpu())
+            out, ent = self._forward(mb, output, temperature, with_entropy, use_remove_padding)
+            outputs.append(out.cpu())
             if ent is not None:
                 entropies.append(ent.cpu())
         self.model.train(was_training)
-        return _in_row_order(torch.cat(logprobs), order), (
+        return _in_row_order(torch.cat(outputs), order), (
             _in_row_order(torch.cat(entropies), order) if with_entropy else None
         )
 
@@ -329,13 +402,15 @@ class TrainEngine:
         temperature: float,
         with_entropy: bool,
         use_remove_padding: bool = False,
+        output: Output = "logprobs",
     ) -> dict[str, float]:
         """One optimizer step over gradient-accumulated micro-batches.
 
         ``loss_fn`` must already normalise by the whole mini-batch (global token/sequence
         counts), so the micro-batch losses are summed, not averaged, here. Micro-batches may
         have any sizes (``token_budget_micro_batches``); ``use_remove_padding`` runs each one
-        packed and still hands ``loss_fn`` (b, R) logprobs and entropy.
+        packed and still hands ``loss_fn`` (b, R) logprobs and entropy. ``output="values"``
+        trains a value model: ``loss_fn`` gets its (b, R) values and no entropy.
         """
         if self.optimizer is None or self.scheduler is None or self.optim_spec is None:
             raise RuntimeError("this engine was built without an optimizer (a reference model)")
@@ -345,10 +420,8 @@ class TrainEngine:
         sums: dict[str, float] = {}
         for mb in micro_batches:
             mb = mb.to(self.device)
-            logprobs, entropy = self.forward_logprobs(
-                mb, temperature, with_entropy, use_remove_padding=use_remove_padding
-            )
-            loss, metrics = loss_fn(mb, logprobs, entropy)
+            outputs, entropy = self._forward(mb, output, temperature, with_entropy, use_remove_padding)
+            loss, metrics = loss_fn(mb, outputs, entropy)
             loss.backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -357,8 +430,8 @@ class TrainEngine:
         params = [p for p in self.model.parameters() if p.grad is not None]
         # Sharded gradients (DTensors) give the norm over every rank's shard: the global norm.
         grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
-        metrics["actor/grad_norm"] = float(grad_norm)
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics[f"{self.metrics_prefix}/grad_norm"] = float(grad_norm)
+        metrics[f"{self.metrics_prefix}/lr"] = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
             self._move_optimizer_state(self.device)
             self.optimizer.step()

@@ -39,7 +39,7 @@ from hybridflow.config.budget import (
     available_host_memory_bytes,
     packing_decision,
 )
-from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
+from hybridflow.config.schema import ActorConfig, OptimConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
@@ -156,6 +156,7 @@ def plan_micro_batches(
     log_prob_max_token_len: int | None,
     longest_sample: int,
     gradient_checkpointing: bool = False,
+    remove_padding_key: str = "actor.use_remove_padding",
 ) -> MicroBatchPlan:
     """Packed or padded (``hybridflow.config.budget.packing_decision`` on the loaded model), and
     the token budgets: the configured ones, or ``auto_token_budget`` from the model's shape and
@@ -164,7 +165,8 @@ def plan_micro_batches(
     model = engine.model
     # config.auto_map names modeling code shipped with the checkpoint (trust_remote_code).
     shape = ModelShape.from_config(model.config.to_dict())
-    packed, why = packing_decision(use_remove_padding, shape.model_type, custom_code=shape.custom_code)
+    packed, why = packing_decision(use_remove_padding, shape.model_type, custom_code=shape.custom_code,
+                                   key=remove_padding_key)
     notes = [f"{'packed' if packed else 'padded'} micro-batches: {why}"]
     if not use_dynamic_bsz:
         return MicroBatchPlan(packed, None, None, tuple(notes))
@@ -191,6 +193,43 @@ def plan_micro_batches(
     return MicroBatchPlan(packed, ppo_max_token_len, log_prob_max_token_len, tuple(notes))
 
 
+def optim_spec(o: OptimConfig, *, total_steps: int, grad_clip: float) -> OptimSpec:
+    """An ``actor.optim`` / ``critic.optim`` section as the engine's optimizer and schedule."""
+    return OptimSpec(
+        lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]), warmup_steps=o.lr_warmup_steps,
+        scheduler=o.lr_scheduler_type, min_lr_ratio=o.min_lr_ratio, total_steps=total_steps, grad_clip=grad_clip,
+    )
+
+
+def train_micro_batches(engine: TrainEngine, plan: MicroBatchPlan, mini: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+    """A mini-batch's training micro-batches: ``micro_batch_size`` samples each, or, with a token
+    budget (``plan.ppo_max_token_len``), as many as every rank agrees on. Actor and critic alike."""
+    budget, padded = plan.ppo_max_token_len, not plan.use_remove_padding
+    if budget is None:
+        return mini.split(micro_batch_size)
+    count = engine.agree_num_micro_batches(num_token_budget_micro_batches(mini, budget, padded=padded))
+    return token_budget_micro_batches(mini, budget, num_micro_batches=count, padded=padded)[0]
+
+
+def load_engine_checkpoint(engine: TrainEngine, ckpt_dir: Path, role: str) -> str | None:
+    """Load what ``engine.save`` wrote in ``ckpt_dir``: None when it is in place, else why it was
+    refused (one line naming the file), with nothing changed.
+
+    The refusal is returned, not raised: a raising rank makes a multi-rank Ray group tear itself
+    down, and the controller must be able to try an older checkpoint on the same workers. Every
+    rank checks the same files, then the ranks agree before the collective that applies them:
+    one rank refusing alone would leave the others waiting in it."""
+    try:
+        loaded, refusal = engine.read_checkpoint(ckpt_dir), None
+    except CheckpointError as exc:
+        loaded, refusal = None, str(exc)
+    if distributed.all_reduce_max(int(refusal is not None)):
+        return refusal or f"{ckpt_dir}: another {role} rank refused this checkpoint"
+    assert loaded is not None
+    engine.apply_checkpoint(loaded)
+    return None
+
+
 class ActorWorker:
     def __init__(self, rank: int, world_size: int, cfg: ActorConfig, setup: ActorSetup) -> None:
         check_rank_group("actor", rank, world_size)
@@ -207,19 +246,9 @@ class ActorWorker:
         )
         if setup.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        o = cfg.optim
         self.engine = TrainEngine(
             model,
-            OptimSpec(
-                lr=o.lr,
-                weight_decay=o.weight_decay,
-                betas=(o.betas[0], o.betas[1]),
-                warmup_steps=o.lr_warmup_steps,
-                scheduler=o.lr_scheduler_type,
-                min_lr_ratio=o.min_lr_ratio,
-                total_steps=setup.total_optimizer_steps,
-                grad_clip=cfg.grad_clip,
-            ),
+            optim_spec(cfg.optim, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip),
             setup.device,
             data_parallel=data_parallel,
             mixed_precision=compute_dtype,
@@ -263,7 +292,7 @@ class ActorWorker:
             order = torch.randperm(batch.batch_size, generator=generator) if cfg.shuffle else torch.arange(batch.batch_size)
             for start in range(0, batch.batch_size, mini_size):
                 mini = batch.select(order[start : start + mini_size])
-                micro_batches = self._micro_batches(mini)
+                micro_batches = train_micro_batches(self.engine, self.plan, mini, cfg.ppo_micro_batch_size_per_gpu)
                 # Normalise by the whole mini-batch over every rank, so accumulation over
                 # micro-batches and the gradient average over ranks reproduce the full-batch loss.
                 num_tokens, num_seqs = (int(c) for c in distributed.all_reduce_sum(batch_counts(mini.response_mask)))
@@ -281,14 +310,6 @@ class ActorWorker:
         metrics = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
         return metrics | correction_metrics
-
-    def _micro_batches(self, mini: TrainBatch) -> list[TrainBatch]:
-        """Fixed-size micro-batches, or token-budget ones in a count agreed over ranks."""
-        budget, padded = self.plan.ppo_max_token_len, not self.plan.use_remove_padding
-        if budget is None:
-            return mini.split(self.cfg.ppo_micro_batch_size_per_gpu)
-        count = self.engine.agree_num_micro_batches(num_token_budget_micro_batches(mini, budget, padded=padded))
-        return token_budget_micro_batches(mini, budget, num_micro_batches=count, padded=padded)[0]
 
     def _count_skip(self, skipped: bool) -> None:
         """A skipped step leaves the weights alone; many in a row mean the run is broken, so stop."""
@@ -442,22 +463,8 @@ class ActorWorker:
 
     @collective
     def load_checkpoint(self, ckpt_dir: str) -> str | None:
-        """Load the checkpoint the actor saved in ``ckpt_dir``: None when it is in place, else
-        why it was refused (one line naming the file), with nothing changed.
-
-        The refusal is returned, not raised: a raising rank makes a multi-rank Ray group tear
-        itself down, and the controller must be able to try an older checkpoint on the same
-        workers. Every rank checks the same files, then the ranks agree before the collective
-        that applies them: one rank refusing alone would leave the others waiting in it."""
-        try:
-            loaded, refusal = self.engine.read_checkpoint(Path(ckpt_dir)), None
-        except CheckpointError as exc:
-            loaded, refusal = None, str(exc)
-        if distributed.all_reduce_max(int(refusal is not None)):
-            return refusal or f"{ckpt_dir}: another actor rank refused this checkpoint"
-        assert loaded is not None
-        self.engine.apply_checkpoint(loaded)
-        return None
+        """Load the checkpoint the actor saved in ``ckpt_dir`` (``load_engine_checkpoint``)."""
+        return load_engine_checkpoint(self.engine, Path(ckpt_dir), "actor")
 
 
 def _rejection_band(rc: RolloutCorrectionConfig) -> tuple[float, float]:

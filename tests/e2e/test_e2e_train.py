@@ -128,11 +128,12 @@ def test_config_errors_exit_2_before_loading_anything(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "actor.optim.lr" in done.stderr
-    # gae needs a critic, which does not exist yet: refused before anything loads.
-    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "algorithm.adv_estimator=gae",
-                           f"trainer.output_dir={tmp_path / 'gae'}"], capture_output=True, text=True, timeout=60)
+    # A critic key set wrong is refused before anything loads, named.
+    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "--preset", "ppo",
+                           "critic.model.path=/no/such/critic", f"trainer.output_dir={tmp_path / 'gae'}"],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "needs critic values" in done.stderr
+    assert "critic.model.path" in done.stderr
 
 
 def test_builtin_model_with_a_fresh_sft_warm_start(tmp_path):
@@ -209,6 +210,7 @@ def test_every_policy_loss_trains_through_config_alone(model_and_data, tmp_path,
 PRESET_METRICS = {
     "dapo": ["filter/gen_rounds", "filter/varied_group_fraction", "reward/overlong_penalty_mean"],
     "remax": ["critic/reward_baseline/mean", "timing_s/gen_baseline"],
+    "ppo": ["critic/vf_loss", "critic/vf_explained_var", "critic/values/mean", "timing_s/update_critic"],
 }
 
 

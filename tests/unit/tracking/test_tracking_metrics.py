@@ -239,3 +239,17 @@ def test_metric_names_are_verl_names():
     assert m.val_score_key("openai/gsm8k") == "val/openai/gsm8k/score/mean"
     assert m.val_mean_at_k_key("x", 8) == "val/x/score/mean@8"
     assert m.val_pass_at_k_key("x", 8) == "val/x/pass@8"
+
+
+def test_critic_metrics_over_masked_in_tokens_by_hand() -> None:
+    """values (0, 1, 2) against returns (1, 1, 3): residuals (1, 0, 1) have variance 1/3, the
+    returns 4/3, so the values explain 1 - (1/3)/(4/3) = 3/4 of it. The masked-out fourth token
+    (a huge value) is not counted anywhere."""
+    values = torch.tensor([[0.0, 1.0, 2.0, 1e6]])
+    returns = torch.tensor([[1.0, 1.0, 3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    got = m.compute_critic_metrics(values=values, returns=returns, response_mask=mask)
+    assert (got["critic/values/mean"], got["critic/values/max"], got["critic/values/min"]) == (1.0, 2.0, 0.0)
+    assert got["critic/returns/mean"] == pytest.approx(5 / 3) and (got["critic/returns/max"], got["critic/returns/min"]) == (3.0, 1.0)
+    assert got["critic/vf_explained_var"] == pytest.approx(0.75, abs=1e-5)
+    assert math.isnan(m.compute_critic_metrics(values=values, returns=returns, response_mask=mask * 0)["critic/vf_explained_var"])

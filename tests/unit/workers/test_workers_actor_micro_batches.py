@@ -12,7 +12,7 @@ from hybridflow.algorithms.aggregation import LOSS_AGG_MODES
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.types import Trajectory, collate_trajectories
-from hybridflow.workers.actor import ActorSetup, ActorWorker
+from hybridflow.workers.actor import ActorSetup, ActorWorker, train_micro_batches
 
 torch.set_num_threads(1)
 
@@ -71,7 +71,7 @@ def test_every_way_of_cutting_the_batch_gives_the_same_update(model_dir, loss_ag
     for name, variant in VARIANTS.items():
         actor = _actor(model_dir, variant, loss_agg_mode)
         assert actor.plan.use_remove_padding == variant[0], name
-        micro_batches = actor._micro_batches(_batch())
+        micro_batches = train_micro_batches(actor.engine, actor.plan, _batch(), actor.cfg.ppo_micro_batch_size_per_gpu)
         assert len(micro_batches) > 1, name  # the test only means something if the batch is cut
         metrics, grads = _update(actor)
         scale = reference_grads.abs().max()
@@ -90,7 +90,7 @@ def test_sequence_level_losses_are_unchanged_by_micro_batching(model_dir):
 
 def test_padded_token_budget_groups_similar_lengths_within_the_budget(model_dir):
     actor = _actor(model_dir, VARIANTS["padded, token budget"], "token-mean")
-    for mb in actor._micro_batches(_batch()):
+    for mb in train_micro_batches(actor.engine, actor.plan, _batch(), actor.cfg.ppo_micro_batch_size_per_gpu):
         valid = mb.attention_mask.bool()
         width = int(valid[:, : mb.prompt_length].sum(1).max() + valid[:, mb.prompt_length:].sum(1).max())
         assert mb.batch_size * width <= 24
