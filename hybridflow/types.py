@@ -138,6 +138,15 @@ class TrainBatch:
     def responses(self) -> torch.Tensor:  # (B, R)
         return self.input_ids[:, self.prompt_length :]
 
+    @property
+    def response_attention_mask(self) -> torch.Tensor:  # (B, R) 1 on response tokens (tool output too)
+        return self.attention_mask[:, self.prompt_length :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens of every sequence, prompt and response."""
+        return int(self.attention_mask.sum())
+
     def _tensor_fields(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self) if f.name != "prompt_length"]
 

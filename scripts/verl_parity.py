@@ -428,10 +428,12 @@ class Estimator:
 
 
 def _ours_adv(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], **kw: Any) -> Side:
-    return lambda b: fn(
+    """Our estimator on the batch, its params built from ``kw`` (config-named settings)."""
+    params = hf.build_estimator_params(fn, kw)
+    return lambda b: fn(hf.AdvantageInputs(
         token_level_rewards=b.token_level_rewards, response_mask=b.response_mask, group_ids=b.group_ids,
-        values=b.values, reward_baselines=b.reward_baselines, **kw,
-    )
+        values=b.values, reward_baselines=b.reward_baselines,
+    ), params)
 
 
 def _estimators() -> list[Estimator]:
@@ -707,12 +709,13 @@ def _policy_sides(spec: PolicyLoss, mode: str, scale: Scale, weighted: bool) -> 
     def ours(b: Batch) -> list[torch.Tensor]:
         if spec.seeded:
             torch.manual_seed(_RNG_SEED)
-        loss, metrics = ours_fn(
-            old_logprobs=b.old_logprobs, logprobs=b.logprobs, advantages=b.advantages,
-            response_mask=b.response_mask, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH,
-            clip_ratio_c=CLIP_C, tau_pos=TAU_POS, tau_neg=TAU_NEG, loss_agg_mode=mode,
-            rollout_is_weights=b.rollout_is_weights if weighted else None, **scale.ours(b), **dict(spec.params),
+        settings = dict(clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C, tau_pos=TAU_POS,
+                        tau_neg=TAU_NEG, loss_agg_mode=mode, **dict(spec.params))
+        inputs = hf.LossInputs(
+            old_logprobs=b.old_logprobs, logprobs=b.logprobs, advantages=b.advantages, response_mask=b.response_mask,
+            rollout_is_weights=b.rollout_is_weights if weighted else None, **scale.ours(b),
         )
+        loss, metrics = ours_fn(inputs, hf.build_policy_loss_params(ours_fn, shared=settings, specific={}))
         # Only the metrics verl reports (gpg: none, clip_cov/kl_cov: some) are compared.
         keys = [k for k in _METRIC_KEYS if k in _verl_metric_keys(spec.mode)]
         return [loss, *_metric_values(metrics, keys)]

@@ -3,13 +3,16 @@
 torch only (no torch.distributed, no config objects), so every function runs on CPU in
 milliseconds and is tested with hand-worked numbers. Registries:
 
-- ``ADV_ESTIMATORS`` (``algorithm.adv_estimator``): ``get_adv_estimator(name)``
-- ``POLICY_LOSSES`` (``actor.loss_mode``): ``get_policy_loss(name)``
+- ``ADV_ESTIMATORS`` (``algorithm.adv_estimator``): ``get_adv_estimator(name)``, each
+  ``fn(AdvantageInputs, params) -> AdvantageOutputs``
+- ``POLICY_LOSSES`` (``actor.policy_loss.loss_mode``): ``get_policy_loss(name)``, each
+  ``fn(LossInputs, params) -> (loss, metrics)``
 - ``LOSS_AGG_MODES`` (``actor.loss_agg_mode``), ``KL_PENALTY_KINDS`` (``actor.kl_loss_type``,
   ``algorithm.kl_penalty``), ``KL_CONTROLLER_TYPES`` (``algorithm.kl_ctrl.type``),
   ``ROLLOUT_CORRECTION_LEVELS``.
 
-Plain functions: ``compute_value_loss`` (critic), ``compute_rollout_correction`` (importance
+Plain functions: ``place_outcome_rewards`` and ``apply_kl_penalty`` (score to token rewards),
+``select_varied_groups`` (DAPO's dynamic sampling), ``compute_value_loss`` (critic), ``compute_rollout_correction`` (importance
 weights and rejection between rollout-engine and trainer logprobs).
 """
 
@@ -17,6 +20,9 @@ from hybridflow.algorithms.advantages import (
     ADV_ESTIMATORS,
     OPTIONAL_ESTIMATOR_INPUTS,
     AdvantageEstimatorFn,
+    AdvantageInputs,
+    AdvantageOutputs,
+    build_estimator_params,
     compute_gae_advantages,
     compute_gdpo_advantages,
     compute_gpg_advantages,
@@ -47,7 +53,7 @@ from hybridflow.algorithms.entropy import (
     entropy_from_logits_chunked,
     logprobs_from_logits,
 )
-from hybridflow.algorithms.filtering import compute_varied_group_mask
+from hybridflow.algorithms.filtering import compute_varied_group_mask, select_varied_groups
 from hybridflow.algorithms.kl import (
     KL_CONTROLLER_TYPES,
     KL_PENALTY_KINDS,
@@ -59,7 +65,9 @@ from hybridflow.algorithms.kl import (
 )
 from hybridflow.algorithms.policy_loss import (
     POLICY_LOSSES,
+    LossInputs,
     PolicyLossFn,
+    build_policy_loss_params,
     compute_cispo_loss,
     compute_clip_cov_loss,
     compute_geo_mean_loss,
@@ -80,6 +88,7 @@ from hybridflow.algorithms.token_baseline import (
     compute_optimal_token_baseline_advantages,
     compute_tir_optimal_token_baseline_advantages,
 )
+from hybridflow.algorithms.token_rewards import KLPenalised, apply_kl_penalty, place_outcome_rewards
 from hybridflow.algorithms.value import compute_value_loss
 
 __all__ = [
@@ -93,13 +102,20 @@ __all__ = [
     "ROLLOUT_CORRECTION_LEVELS",
     "AdaptiveKLController",
     "AdvantageEstimatorFn",
+    "AdvantageInputs",
+    "AdvantageOutputs",
     "FixedKLController",
     "KLController",
+    "KLPenalised",
+    "LossInputs",
     "PolicyLossFn",
     "RolloutCorrection",
     "UnknownNameError",
     "agg_loss",
+    "apply_kl_penalty",
     "batch_counts",
+    "build_estimator_params",
+    "build_policy_loss_params",
     "compute_bypass_mode_loss",
     "compute_cispo_loss",
     "compute_clip_cov_loss",
@@ -139,7 +155,9 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "place_outcome_rewards",
     "register_adv_estimator",
     "register_policy_loss",
+    "select_varied_groups",
     "suggest",
 ]

@@ -1,30 +1,26 @@
 """Advantage estimators and their registry.
 
-Every estimator has the same keyword-only signature, so the controller calls
-``get_adv_estimator(name)(**inputs)`` and never branches on the algorithm::
+Every estimator takes one typed record of inputs and its own frozen parameters, so the
+controller calls ``estimator(inputs, params)`` and never branches on the algorithm::
 
-    fn(*, token_level_rewards,  # (B, R) float, reward per response token (outcome: at the last)
-          response_mask,        # (B, R) 0/1, 1 on tokens the policy produced
-          group_ids,            # (B,) integer, samples drawn from the same prompt share an id
-          gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
-          values=None,          # (B, R) critic values V(s_t) of the rollout policy (gae)
-          reward_baselines=None,  # (B,) reward of the greedy response to each prompt (remax)
-          **unused)             # inputs other estimators need
-      -> (advantages (B, R), returns (B, R))
+    fn(inputs: AdvantageInputs, params: <its params dataclass>) -> AdvantageOutputs
 
-Estimators ignore the inputs they do not use, and raise a ValueError naming the input when
-one they need is missing. Registered: ``gae``, ``grpo``, ``gdpo``, ``grpo_passk``, ``rloo``,
-``opo``, ``gpg``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``; and in
-``hybridflow.algorithms.token_baseline`` ``optimal_token_baseline`` and
+``AdvantageInputs`` holds every tensor an estimator may read (the always-present token rewards,
+response mask and group ids, plus the optional inputs the trainer produces only for an estimator
+that declares it ``needs`` them). The parameters are a frozen dataclass per estimator
+(``GAEParams``, ``GroupNormParams``, ...), declared at registration and built once from the
+config (``build_estimator_params``). Registered: ``gae``, ``grpo``, ``gdpo``, ``grpo_passk``,
+``rloo``, ``opo``, ``gpg``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``,
+``remax``; and in ``hybridflow.algorithms.token_baseline`` ``optimal_token_baseline`` and
 ``tir_optimal_token_baseline``.
 
 Masked tokens (``response_mask`` 0: padding, tool output inside a multi-turn response) are
 not steps of the policy: time does not advance over them and their advantages are 0 (returns
 there are not meaningful; no loss reads them). A reward placed on one still counts: outcome
 estimators sum every token's reward, and the sequential ones (gae, remax,
-reinforce_plus_plus) pass it back undiscounted to the policy token before it. (The controller
-puts the outcome reward on the last response token, which in a multi-turn response can be a
-tool-output token.)
+reinforce_plus_plus) pass it back undiscounted to the policy token before it. (The outcome
+reward sits on the last response token, ``place_outcome_rewards``, which in a multi-turn
+response can be a tool-output token.)
 
 Advantages are constants for the policy loss, so everything here runs under ``torch.no_grad``. Group statistics are vectorised with
 ``torch.unique(return_inverse=True)`` + ``index_add``: group ids may be any integers, in any
@@ -36,63 +32,142 @@ says so in the function's docstring.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from hybridflow.algorithms.core import F, check_keyword_call, check_same_shape, masked_whiten, register_into, resolve
+from hybridflow.algorithms.core import F, build_params, check_same_shape, check_typed_call, masked_whiten, register_into, resolve
+
+# What each optional input is, for the error an estimator raises when it is missing.
+_INPUT_DOCS: dict[str, str] = {
+    "values": "(B, R) critic values of the response tokens",
+    "reward_baselines": "(B,) score of the greedy response to each prompt",
+    "reward_components": "(B, K) reward components",
+    "old_logprobs": "(B, R) logprobs of the sampled tokens, before the update",
+    "sum_pi_squared": "(B, R) sum over the vocabulary of pi(v)^2 at each response position",
+}
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """Everything an advantage estimator may read; B samples, R response tokens, K components.
+
+    The first three are always present. The optional ones cost the trainer work (a critic
+    forward, a greedy rollout, an actor forward), so it produces only those the estimator
+    declares in its ``needs`` (``OPTIONAL_ESTIMATOR_INPUTS``); the others are None.
+    """
+
+    token_level_rewards: torch.Tensor  # (B, R) float, reward per response token (outcome: at the last)
+    response_mask: torch.Tensor  # (B, R) 0/1, 1 on tokens the policy produced
+    group_ids: torch.Tensor  # (B,) integer, samples drawn from the same prompt share an id
+    values: torch.Tensor | None = None  # (B, R) critic values V(s_t) of the rollout policy (gae)
+    reward_baselines: torch.Tensor | None = None  # (B,) reward of the greedy response to each prompt (remax)
+    reward_components: torch.Tensor | None = None  # (B, K) the reward's named numbers (gdpo)
+    old_logprobs: torch.Tensor | None = None  # (B, R) logπ_old of the sampled tokens (optimal_token_baseline)
+    sum_pi_squared: torch.Tensor | None = None  # (B, R) Σ_v π(v)² per response position (optimal_token_baseline)
+    rollout_is_weights: torch.Tensor | None = None  # (B, R) rollout importance weights (optimal_token_baseline)
+
+    def require(self, name: str, estimator: str) -> torch.Tensor:
+        """The optional input ``name``, or a ValueError naming the estimator and the field."""
+        tensor = getattr(self, name)
+        if tensor is None:
+            raise ValueError(
+                f"advantage estimator {estimator!r} needs AdvantageInputs.{name} ({_INPUT_DOCS.get(name, name)}); "
+                f"got None (declare it in the estimator's needs so the trainer produces it)"
+            )
+        return tensor  # type: ignore[no-any-return]
+
+
+class AdvantageOutputs(NamedTuple):
+    """An estimator's result; a tuple, so ``advantages, returns = fn(inputs, params)`` reads naturally."""
+
+    advantages: torch.Tensor  # (B, R), 0 on masked tokens
+    returns: torch.Tensor  # (B, R), the critic's regression target (gae) or the advantages
+
+
+# ------------------------------------------------------------------ per-estimator parameters
+# Field names are the config's keys (``algorithm.gamma``, ``algorithm.norm_adv_by_std_in_grpo``,
+# ...), so ``build_estimator_params`` fills them from the config section without a table.
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """For estimators without parameters (rloo, opo, remax, reinforce_plus_plus_baseline)."""
+
+
+@dataclass(frozen=True)
+class GroupNormParams:
+    """GRPO-style normalisation: (r − mean_g) / (std_g + ε), or Dr.GRPO's r − mean_g."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    epsilon: float = 1e-6
+
+
+@dataclass(frozen=True)
+class GDPOParams(GroupNormParams):
+    """GDPO: group normalisation per reward component, then a weighted sum."""
+
+    gdpo_reward_weights: tuple[float, ...] | None = None  # (K,), None: every component weighs 1
+
+
+@dataclass(frozen=True)
+class DiscountParams:
+    gamma: float = 1.0  # discount per policy token, in [0, 1]
+
+
+@dataclass(frozen=True)
+class GAEParams:
+    gamma: float = 1.0  # discount per policy token, in [0, 1]
+    lam: float = 1.0  # GAE's λ: bias (0, one-step TD) against variance (1, Monte Carlo), in [0, 1]
+
+
+@dataclass(frozen=True)
+class GPGParams:
+    f_norm: float = 1.0  # GPG's normalising constant, > 0
+
+
+@dataclass(frozen=True)
+class TokenBaselineParams:
+    handle_zero_tail: bool = True  # the longest response's lone tail gets baseline 0
 
 
 class AdvantageEstimatorFn(Protocol):
     """The signature every registered advantage estimator implements."""
 
-    def __call__(
-        self,
-        *,
-        token_level_rewards: torch.Tensor,
-        response_mask: torch.Tensor,
-        group_ids: torch.Tensor,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        norm_adv_by_std_in_grpo: bool = True,
-        epsilon: float = 1e-6,
-        values: torch.Tensor | None = None,
-        reward_baselines: torch.Tensor | None = None,
-        **unused: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, inputs: AdvantageInputs, params: Any, /) -> AdvantageOutputs: ...
 
 
 ADV_ESTIMATORS: dict[str, AdvantageEstimatorFn] = {}
 
+ESTIMATOR_SIGNATURE = "fn(inputs: AdvantageInputs, params) -> (advantages, returns)"
+
 # Inputs the trainer produces only for an estimator that asks for them, because each costs
 # work: ``values`` a critic forward, ``reward_baselines`` a greedy rollout and its scoring,
-# ``reward_components`` (with ``reward_component_weights``) the reward's named extras as a (B, K)
-# tensor, ``old_logprobs`` an actor forward, ``sum_pi_squared`` Σ_v π(v)² per token from that forward.
-# An estimator declares what it needs in a ``needs`` attribute (a tuple of these names); a
-# ``module:function`` estimator can set the same attribute.
+# ``reward_components`` the reward's named extras as a (B, K) tensor, ``old_logprobs`` an actor
+# forward, ``sum_pi_squared`` Σ_v π(v)² per token from that forward. An estimator declares what
+# it needs in a ``needs`` attribute (a tuple of these names, each a field of AdvantageInputs);
+# a ``module:function`` estimator can set the same attribute.
 OPTIONAL_ESTIMATOR_INPUTS: tuple[str, ...] = (
     "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared",
 )
 
-# Keywords that come along with an optional input (gdpo's weights, when configured).
-_COMPANION_INPUTS: dict[str, tuple[str, ...]] = {"reward_components": ("reward_component_weights",)}
 
-# The keywords the trainer calls every estimator with (plus the optional inputs it ``needs``).
-ESTIMATOR_KEYWORDS: tuple[str, ...] = (
-    "token_level_rewards", "response_mask", "group_ids", "gamma", "lam", "norm_adv_by_std_in_grpo",
-)
-
-
-def register_adv_estimator(name: str, needs: tuple[str, ...] = ()) -> Callable[[F], F]:
+def register_adv_estimator(
+    name: str, needs: tuple[str, ...] = (), params: type = NoParams
+) -> Callable[[F], F]:
     """Decorator: add an estimator under ``name`` (the value of ``algorithm.adv_estimator``).
 
-    ``needs`` names the optional inputs (``OPTIONAL_ESTIMATOR_INPUTS``) it cannot run without.
+    ``needs`` names the optional inputs (``OPTIONAL_ESTIMATOR_INPUTS``) it cannot run without;
+    ``params`` is its frozen parameters dataclass.
     """
     add = register_into(ADV_ESTIMATORS, name, "advantage estimator")
 
     def decorator(fn: F) -> F:
         fn.needs = tuple(needs)  # type: ignore[attr-defined]
+        fn.params = params  # type: ignore[attr-defined]
         estimator_needs(fn)  # validates the names now rather than mid-run
         return add(fn)
 
@@ -111,6 +186,21 @@ def estimator_needs(fn: Callable[..., Any]) -> frozenset[str]:
     return needs
 
 
+def estimator_params_type(fn: Callable[..., Any]) -> type:
+    """The params dataclass ``fn`` declared in its ``params`` attribute (``NoParams`` if none)."""
+    params = getattr(fn, "params", NoParams)
+    if not (isinstance(params, type) and dataclasses.is_dataclass(params)):
+        raise ValueError(f"advantage estimator {getattr(fn, '__qualname__', fn)!r}: params must be a dataclass type")
+    return params
+
+
+def build_estimator_params(fn: Callable[..., Any], settings: Mapping[str, Any]) -> Any:
+    """``fn``'s params record, each field taken from ``settings`` (the config's algorithm section
+    as a plain mapping) when present there, else its default."""
+    return build_params(estimator_params_type(fn), shared=settings, specific={},
+                        what=f"advantage estimator {getattr(fn, '__qualname__', fn)!r}")
+
+
 def get_adv_estimator(name: str) -> AdvantageEstimatorFn:
     """The estimator registered as ``name``, or a ``module:function`` path to import.
 
@@ -119,9 +209,9 @@ def get_adv_estimator(name: str) -> AdvantageEstimatorFn:
     """
     fn = resolve(ADV_ESTIMATORS, name, "advantage estimator")
     if name not in ADV_ESTIMATORS:  # a user's module:function: check it now, not at step 1
-        needs = sorted(estimator_needs(fn))
-        companions = [c for need in needs for c in _COMPANION_INPUTS.get(need, ())]
-        check_keyword_call(fn, (*ESTIMATOR_KEYWORDS, *needs, *companions), "advantage estimator", name)
+        check_typed_call(fn, "advantage estimator", name, ESTIMATOR_SIGNATURE)
+        estimator_needs(fn)
+        estimator_params_type(fn)
     return fn
 
 
@@ -185,17 +275,9 @@ def _group_stats(
 # --------------------------------------------------------------------------------------------
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", params=GroupNormParams)
 @torch.no_grad()
-def compute_grpo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_advantages(inputs: AdvantageInputs, params: GroupNormParams) -> AdvantageOutputs:
     """GRPO outcome advantages: A_i = (r_i − mean_g) / (std_g + ε), broadcast over tokens.
 
     ``r_i = token_level_rewards[i].sum()``; ``std_g`` is the unbiased (Bessel) std of group g.
@@ -203,12 +285,15 @@ def compute_grpo_advantages(
     ``norm_adv_by_std_in_grpo=False`` (Dr.GRPO) A_i = r_i − mean_g. A group whose rewards are
     all equal gets A = 0: it carries no learning signal. Returns are the advantages.
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
+    norm_adv_by_std_in_grpo, epsilon = params.norm_adv_by_std_in_grpo, params.epsilon
     _check_inputs(token_level_rewards, response_mask)
     dtype = _compute_dtype(token_level_rewards.dtype)
     scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
     advantage = _grpo_normalise(scores, group_ids, norm_adv_by_std_in_grpo, epsilon)
     advantages = (advantage.unsqueeze(-1) * response_mask.to(dtype)).to(token_level_rewards.dtype)  # (B, R)
-    return advantages, advantages.clone()
+    return AdvantageOutputs(advantages, advantages.clone())
 
 
 def _grpo_normalise(scores: torch.Tensor, group_ids: torch.Tensor, by_std: bool, epsilon: float) -> torch.Tensor:
@@ -224,18 +309,14 @@ def _grpo_normalise(scores: torch.Tensor, group_ids: torch.Tensor, by_std: bool,
 
 @register_adv_estimator("rloo")
 @torch.no_grad()
-def compute_rloo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_rloo_advantages(inputs: AdvantageInputs, params: NoParams) -> AdvantageOutputs:
     """RLOO: each sample's baseline is the mean reward of the other n − 1 in its group.
 
     A_i = r_i − mean_{j≠i} r_j = n/(n − 1)·(r_i − mean_g). A group of one has no other sample,
     so its advantage is the raw score (verl's ``rloo``; ``rloo_vectorized`` gives 0 instead).
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
     _check_inputs(token_level_rewards, response_mask)
     dtype = _compute_dtype(token_level_rewards.dtype)
     scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
@@ -244,18 +325,12 @@ def compute_rloo_advantages(
     leave_one_out = counts / (counts - 1).clamp(min=1) * (scores - mean)
     advantage = torch.where(counts > 1, leave_one_out, scores)
     advantages = (advantage.unsqueeze(-1) * response_mask.to(dtype)).to(token_level_rewards.dtype)  # (B, R)
-    return advantages, advantages.clone()
+    return AdvantageOutputs(advantages, advantages.clone())
 
 
-@register_adv_estimator("reinforce_plus_plus")
+@register_adv_estimator("reinforce_plus_plus", params=DiscountParams)
 @torch.no_grad()
-def compute_reinforce_plus_plus_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    gamma: float = 1.0,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_plus_plus_advantages(inputs: AdvantageInputs, params: DiscountParams) -> AdvantageOutputs:
     """REINFORCE++: discounted return-to-go, whitened over every response token of the batch.
 
     G_t = r_t + γ·G_{t+1} on policy tokens. A token with mask 0 (tool output inside a
@@ -267,6 +342,8 @@ def compute_reinforce_plus_plus_advantages(
 
     advantages = masked_whiten(G, mask) × mask; returns = G (unwhitened).
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    gamma = params.gamma
     _check_inputs(token_level_rewards, response_mask)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
@@ -282,19 +359,12 @@ def compute_reinforce_plus_plus_advantages(
         running = rewards[:, t] + discount[:, t] * running
         returns[:, t] = running
     advantages = masked_whiten(returns, mask) * mask
-    return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+    return AdvantageOutputs(advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype))
 
 
 # --------------------------------------------------------------------------------------------
 # Helpers for the estimators below
 # --------------------------------------------------------------------------------------------
-
-
-def _require(name: str, tensor: torch.Tensor | None, estimator: str, what: str) -> torch.Tensor:
-    """``tensor``, or a ValueError saying which estimator needs it and where it comes from."""
-    if tensor is None:
-        raise ValueError(f"advantage estimator {estimator!r} needs {name}= ({what}); got None")
-    return tensor
 
 
 def _check_finite_where(name: str, tensor: torch.Tensor, where: torch.Tensor) -> None:
@@ -329,17 +399,9 @@ def _group_mean_or_zero(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[
 # --------------------------------------------------------------------------------------------
 
 
-@register_adv_estimator("gae", needs=("values",))
+@register_adv_estimator("gae", needs=("values",), params=GAEParams)
 @torch.no_grad()
-def compute_gae_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    values: torch.Tensor | None = None,  # (B, R)
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae_advantages(inputs: AdvantageInputs, params: GAEParams) -> AdvantageOutputs:
     """Generalised advantage estimation (Schulman et al. 2016), verl's ``gae``.
 
     Backwards over policy tokens: δ_t = r_t + γ·V_{t'} − V_t with t' the next policy token
@@ -356,8 +418,10 @@ def compute_gae_advantages(
     returns are A + V everywhere (on right padding A = 0, so the critic's output at a padded
     position); no loss reads either, and on masked-in tokens the two agree.
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    gamma, lam = params.gamma, params.lam
     _check_inputs(token_level_rewards, response_mask)
-    values = _require("values", values, "gae", "(B, R) critic values of the response tokens")
+    values = inputs.require("values", "gae")
     check_same_shape(token_level_rewards=token_level_rewards, values=values)
     _check_unit_interval("gamma", gamma)
     _check_unit_interval("lam", lam)
@@ -384,18 +448,12 @@ def compute_gae_advantages(
         advantages[:, t] = running
     returns = torch.where(mask, advantages + v, zero)
     whitened = torch.where(mask, masked_whiten(advantages, mask.to(dtype)), zero)
-    return whitened.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+    return AdvantageOutputs(whitened.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype))
 
 
 @register_adv_estimator("remax", needs=("reward_baselines",))
 @torch.no_grad()
-def compute_remax_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    reward_baselines: torch.Tensor | None = None,  # (B,)
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_remax_advantages(inputs: AdvantageInputs, params: NoParams) -> AdvantageOutputs:
     """ReMax (Li et al. 2023): the baseline is the reward of the greedy response to the prompt.
 
     returns_t = Σ_{s ≥ t} r_s (undiscounted reward-to-go); A_t = returns_t − b.
@@ -404,10 +462,9 @@ def compute_remax_advantages(
     masked-in rewards; here a reward on a masked token also counts for the tokens before it
     (see the module docstring). Both are 0 on masked tokens.
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     _check_inputs(token_level_rewards, response_mask)
-    baselines = _require(
-        "reward_baselines", reward_baselines, "remax", "(B,) score of the greedy response to each prompt"
-    )
+    baselines = inputs.require("reward_baselines", "remax")
     if baselines.dim() != 1 or baselines.shape[0] != token_level_rewards.shape[0]:
         raise ValueError(
             f"reward_baselines must be ({token_level_rewards.shape[0]},) to match token_level_rewards, "
@@ -420,7 +477,7 @@ def compute_remax_advantages(
     reward_to_go = token_level_rewards.to(dtype).flip(-1).cumsum(-1).flip(-1)  # (B, R)
     returns = torch.where(mask, reward_to_go, zero)
     advantages = torch.where(mask, reward_to_go - baselines.to(dtype).unsqueeze(-1), zero)
-    return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+    return AdvantageOutputs(advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,17 +485,9 @@ def compute_remax_advantages(
 # --------------------------------------------------------------------------------------------
 
 
-@register_adv_estimator("grpo_passk")
+@register_adv_estimator("grpo_passk", params=GroupNormParams)
 @torch.no_grad()
-def compute_grpo_passk_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_passk_advantages(inputs: AdvantageInputs, params: GroupNormParams) -> AdvantageOutputs:
     """Pass@k training (Chen et al. 2025, arXiv 2503.19595), verl's ``grpo_passk``.
 
     Only the best response of each group is credited: A = r_max − r_second (the reward the
@@ -447,6 +496,9 @@ def compute_grpo_passk_advantages(
     lowest batch index is "best" and its advantage is 0 anyway (r_max = r_second). Every group
     needs at least two samples (verl raises too): the rule is undefined for one.
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
+    norm_adv_by_std_in_grpo, epsilon = params.norm_adv_by_std_in_grpo, params.epsilon
     _check_inputs(token_level_rewards, response_mask)
     dtype = _compute_dtype(token_level_rewards.dtype)
     scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
@@ -472,24 +524,20 @@ def compute_grpo_passk_advantages(
     if norm_adv_by_std_in_grpo:
         advantage = advantage / (std + epsilon)
     advantages = _broadcast(advantage, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return AdvantageOutputs(advantages, advantages.clone())
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline")
 @torch.no_grad()
-def compute_reinforce_plus_plus_baseline_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, params: NoParams) -> AdvantageOutputs:
     """REINFORCE++ with a group baseline (Hu 2025, arXiv 2501.03262).
 
     r_i − mean_g (0 for a singleton group) on every response token, then whitened over all
     response tokens of the batch (so a long response weighs more in the statistics, as in
     verl). Returns are the advantages.
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
     _check_inputs(token_level_rewards, response_mask)
     dtype = _compute_dtype(token_level_rewards.dtype)
     scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
@@ -499,24 +547,20 @@ def compute_reinforce_plus_plus_baseline_advantages(
     zero = torch.zeros((), dtype=dtype, device=centred.device)
     advantages = torch.where(mask, masked_whiten(centred, mask.to(dtype)), zero)
     advantages = advantages.to(token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return AdvantageOutputs(advantages, advantages.clone())
 
 
 @register_adv_estimator("opo")
 @torch.no_grad()
-def compute_opo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_opo_advantages(inputs: AdvantageInputs, params: NoParams) -> AdvantageOutputs:
     """On-Policy RL with the optimal baseline (OPO, arXiv 2505.23585), verl's ``opo``.
 
     The baseline is the length-weighted group mean b_g = Σ_i |y_i|·r_i / Σ_i |y_i| (|y_i| =
     masked-in tokens of response i), A_i = r_i − b_g. A singleton group has baseline 0 (A = r).
     A group whose responses are all empty also gets baseline 0 (verl divides 0 by 0 there).
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
     _check_inputs(token_level_rewards, response_mask)
     dtype = _compute_dtype(token_level_rewards.dtype)
     scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
@@ -529,19 +573,12 @@ def compute_opo_advantages(
         (counts > 1) & (total_length > 0), weighted / total_length.clamp(min=1), torch.zeros_like(counts)
     )
     advantages = _broadcast(scores - baseline[inverse], response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return AdvantageOutputs(advantages, advantages.clone())
 
 
-@register_adv_estimator("gpg")
+@register_adv_estimator("gpg", params=GPGParams)
 @torch.no_grad()
-def compute_gpg_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    f_norm: float = 1.0,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gpg_advantages(inputs: AdvantageInputs, params: GPGParams) -> AdvantageOutputs:
     """Group Policy Gradient (GPG, arXiv 2504.02546), verl's ``gpg``.
 
     A_i = α·(r_i − mean_g) / f_norm with α = B / max(1, #samples with a non-zero score): when
@@ -549,6 +586,9 @@ def compute_gpg_advantages(
     gradient keeps its size. No std normalisation; a singleton group has mean 0. verl's
     ``alpha`` argument is always overwritten by this formula, so it is not an input here.
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
+    f_norm = params.f_norm
     _check_inputs(token_level_rewards, response_mask)
     if not f_norm > 0:
         raise ValueError(f"f_norm must be > 0, got {f_norm}")
@@ -558,22 +598,12 @@ def compute_gpg_advantages(
     nonzero = int(torch.count_nonzero(scores))
     alpha = scores.shape[0] / max(1, nonzero)
     advantages = _broadcast(alpha * (scores - mean) / f_norm, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return AdvantageOutputs(advantages, advantages.clone())
 
 
-@register_adv_estimator("gdpo", needs=("reward_components",))
+@register_adv_estimator("gdpo", needs=("reward_components",), params=GDPOParams)
 @torch.no_grad()
-def compute_gdpo_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    reward_components: torch.Tensor | None = None,  # (B, K)
-    reward_component_weights: torch.Tensor | None = None,  # (K,)
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gdpo_advantages(inputs: AdvantageInputs, params: GDPOParams) -> AdvantageOutputs:
     """GDPO, group reward-decoupled normalisation (arXiv 2601.05242), verl's ``gdpo``.
 
     Each reward component k (a number the reward function returns, named in
@@ -584,20 +614,23 @@ def compute_gdpo_advantages(
     batch and masked. Returns are the advantages. The score (``token_level_rewards``) is not used:
     the components replace it, as in verl.
     """
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
+    norm_adv_by_std_in_grpo, epsilon = params.norm_adv_by_std_in_grpo, params.epsilon
     _check_inputs(token_level_rewards, response_mask)
-    components = _require("reward_components", reward_components, "gdpo", "(B, K) reward components")
+    components = inputs.require("reward_components", "gdpo")
     if components.dim() != 2 or components.shape[0] != token_level_rewards.shape[0]:
         raise ValueError(
             f"reward_components must be ({token_level_rewards.shape[0]}, K), got {tuple(components.shape)}"
         )
     _check_finite_where("reward_components", components, torch.ones_like(components, dtype=torch.bool))
     dtype = _compute_dtype(token_level_rewards.dtype)
-    weights = (torch.ones(components.shape[1], dtype=dtype) if reward_component_weights is None
-               else reward_component_weights.to(dtype))
+    weights = (torch.ones(components.shape[1], dtype=dtype) if params.gdpo_reward_weights is None
+               else torch.tensor(params.gdpo_reward_weights, dtype=torch.float32).to(dtype))
     if weights.shape != (components.shape[1],):
-        raise ValueError(f"reward_component_weights must be ({components.shape[1]},), got {tuple(weights.shape)}")
+        raise ValueError(f"gdpo_reward_weights must be ({components.shape[1]},), got {tuple(weights.shape)}")
     normalised = [_grpo_normalise(c, group_ids, norm_adv_by_std_in_grpo, epsilon) for c in components.to(dtype).T]
     combined = (torch.stack(normalised, dim=-1) * weights).sum(dim=-1)  # (B,)
     mask = response_mask.to(dtype)
     advantages = (masked_whiten(combined.unsqueeze(-1) * mask, mask) * mask).to(token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return AdvantageOutputs(advantages, advantages.clone())

@@ -17,16 +17,36 @@ loss ran; verl does the same). The ``rollout_corr/*`` metrics describe π_θ aga
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridflow.algorithms.aggregation import Count, agg_loss
+from hybridflow.algorithms.aggregation import agg_loss
 from hybridflow.algorithms.core import check_same_shape, masked_mean
-from hybridflow.algorithms.policy_loss import compute_ppo_clip_loss, register_policy_loss
+from hybridflow.algorithms.policy_loss import (
+    LossInputs,
+    PPOClipParams,
+    _normaliser,
+    compute_ppo_clip_loss,
+    register_policy_loss,
+)
 from hybridflow.algorithms.rollout_correction import compute_rollout_correction
 
 BYPASS_LOSS_TYPES: tuple[str, ...] = ("ppo_clip", "reinforce")
+
+
+@dataclass(frozen=True)
+class BypassParams(PPOClipParams):
+    """bypass_mode: PPO's clip settings plus ``algorithm.rollout_correction``'s (keys renamed:
+    ``loss_type`` is ``bypass_loss_type``, the band is resolved to (low, high))."""
+
+    bypass_loss_type: str = "ppo_clip"
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_band: tuple[float, float] | None = None
 
 
 def _reinforce(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -46,30 +66,13 @@ def _reinforce(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantage
     return loss, {"actor/pg_clipfrac": 0.0, "actor/pg_clipfrac_lower": 0.0, "actor/ppo_kl": kl}
 
 
-@register_policy_loss("bypass_mode")
-def compute_bypass_mode_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R) unused: the rollout's logprobs are π_old here
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    rollout_logprobs: torch.Tensor | None = None,  # (B, R)
-    bypass_loss_type: str = "ppo_clip",
-    rollout_is: str | None = None,
-    rollout_is_threshold: float = 2.0,
-    rollout_rs: str | None = None,
-    rollout_rs_band: tuple[float, float] | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass mode's loss (see the module docstring). ``rollout_rs_band`` bounds π_θ/π_rollout."""
+@register_policy_loss("bypass_mode", params=BypassParams)
+def compute_bypass_mode_loss(inputs: LossInputs, params: BypassParams) -> tuple[torch.Tensor, dict[str, float]]:
+    """Bypass mode's loss (see the module docstring). ``rollout_rs_band`` bounds π_θ/π_rollout;
+    ``inputs.old_logprobs`` is unused: the rollout's logprobs are π_old here."""
+    old_logprobs, logprobs, advantages = inputs.old_logprobs, inputs.logprobs, inputs.advantages
+    response_mask, rollout_logprobs = inputs.response_mask, inputs.rollout_logprobs
+    bypass_loss_type, rollout_is, rollout_rs = params.bypass_loss_type, params.rollout_is, params.rollout_rs
     check_same_shape(old_logprobs=old_logprobs, logprobs=logprobs, advantages=advantages, response_mask=response_mask)
     if bypass_loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(f"bypass_loss_type must be one of {BYPASS_LOSS_TYPES}, got {bypass_loss_type!r}")
@@ -80,21 +83,21 @@ def compute_bypass_mode_loss(
         current = logprobs.detach()
         correction = compute_rollout_correction(
             old_logprobs=current, rollout_logprobs=rollout_logprobs, response_mask=response_mask,
-            level=rollout_is or "token", threshold=rollout_is_threshold,
+            level=rollout_is or "token", threshold=params.rollout_is_threshold,
         )
         mask = response_mask
         if rollout_rs is not None:
             mask = compute_rollout_correction(
                 old_logprobs=current, rollout_logprobs=rollout_logprobs, response_mask=response_mask,
-                level=rollout_rs, threshold=rollout_is_threshold, rejection_band=rollout_rs_band,
+                level=rollout_rs, threshold=params.rollout_is_threshold, rejection_band=params.rollout_rs_band,
             ).keep_mask
-    agg = dict(loss_agg_mode=loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-               loss_scale_factor=loss_scale_factor, dp_size=dp_size)
+    agg = dict(loss_agg_mode=params.loss_agg_mode, **_normaliser(inputs))
     if bypass_loss_type == "ppo_clip":
-        loss, metrics = compute_ppo_clip_loss(
-            old_logprobs=rollout_logprobs, logprobs=logprobs, advantages=advantages, response_mask=mask,
-            clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **agg,
-        )
+        # No rollout IS weights: the clip already bounds π_θ/π_rollout (weights would count it twice).
+        clip_inputs = dataclasses.replace(inputs, old_logprobs=rollout_logprobs, response_mask=mask,
+                                          rollout_is_weights=None)
+        loss, metrics = compute_ppo_clip_loss(clip_inputs, PPOClipParams(
+            params.clip_ratio_low, params.clip_ratio_high, params.clip_ratio_c, params.loss_agg_mode))
     else:
         weights = correction.weights if rollout_is is not None else None
         loss, metrics = _reinforce(logprobs, rollout_logprobs, advantages, mask, weights, agg)

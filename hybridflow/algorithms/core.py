@@ -9,10 +9,11 @@ Shapes in trailing comments: B batch, R response tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 import torch
@@ -171,28 +172,53 @@ def resolve(registry: MutableMapping[str, F], name: str, what: str) -> F:
     raise UnknownNameError(unknown_name_message(what, name, registry))
 
 
-def check_keyword_call(fn: Callable[..., Any], keywords: Iterable[str], what: str, name: str) -> None:
-    """Raise ``UnknownNameError`` unless ``fn`` can be called with exactly these keyword arguments.
+def check_typed_call(fn: Callable[..., Any], what: str, name: str, signature_doc: str) -> None:
+    """Raise ``UnknownNameError`` unless ``fn`` can be called as ``fn(inputs, params)``.
 
     A ``module:function`` path is checked at start-up, not at the first call minutes into the
     run: ``os:system`` is callable, yet no advantage estimator. A callable without an
     introspectable signature (a C builtin) is refused too, since nothing about it can be checked.
     """
-    keywords = tuple(keywords)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         raise UnknownNameError(
             f"{what} {name!r} has no inspectable signature (a builtin?); it must be a Python function "
-            f"taking the keywords {', '.join(keywords)}"
+            f"{signature_doc}"
         ) from None
     try:
-        signature.bind(**{keyword: None for keyword in keywords})
+        signature.bind(None, None)
     except TypeError as error:
         raise UnknownNameError(
-            f"{what} {name!r}{signature} cannot be called with the keywords the trainer passes "
-            f"({', '.join(keywords)}): {error}; add the missing parameters, or **kwargs to ignore the rest"
+            f"{what} {name!r}{signature} cannot be called as {signature_doc}: {error}"
         ) from None
+
+
+P = TypeVar("P")
+
+
+def build_params(
+    params_type: type[P], shared: Mapping[str, Any], specific: Mapping[str, Any], what: str
+) -> P:
+    """A frozen params record of ``params_type`` filled from plain settings.
+
+    ``shared`` settings (``gamma``, ``clip_ratio_low``, ...) apply to many algorithms: each one
+    takes the fields it has and ignores the rest. ``specific`` settings belong to one algorithm
+    (``tau_pos`` to sapo); one that ``params_type`` has no field for is a mistake in the
+    caller's config, so it raises a ValueError naming the key and ``what`` (the algorithm).
+    Lists become tuples, so the record stays immutable.
+    """
+    if not dataclasses.is_dataclass(params_type):
+        raise TypeError(f"{what}: params type {params_type!r} must be a dataclass")
+    fields = {f.name for f in dataclasses.fields(params_type)}
+    stray = sorted(set(specific) - fields)
+    if stray:
+        raise ValueError(
+            f"{', '.join(stray)} do{'es' if len(stray) == 1 else ''} not apply to {what} "
+            f"(its parameters: {', '.join(sorted(fields)) or 'none'})"
+        )
+    values = {**{k: v for k, v in shared.items() if k in fields}, **specific}
+    return params_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def check_same_shape(**tensors: torch.Tensor) -> None:

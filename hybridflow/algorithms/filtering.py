@@ -8,6 +8,8 @@ groups keeps the effective batch size constant as accuracy approaches 0 or 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -38,3 +40,12 @@ def compute_varied_group_mask(
     size = torch.bincount(index, minlength=num_groups)
     varied = (g_max != g_min) | (size == 1) | torch.isnan(g_max) | torch.isnan(g_min)
     return varied[index]
+
+
+def select_varied_groups(values: Sequence[float], group_ids: Sequence[int]) -> frozenset[int]:
+    """The ids of the groups ``compute_varied_group_mask`` keeps, from plain per-sample lists.
+
+    The trainer's entry point for DAPO's dynamic sampling: it holds scored samples, not tensors.
+    """
+    keep = compute_varied_group_mask(torch.tensor(list(values)), torch.tensor(list(group_ids)))
+    return frozenset(g for g, k in zip(group_ids, keep.tolist(), strict=True) if k)

@@ -1,21 +1,16 @@
 """Policy losses and their registry.
 
-Every policy loss has the same keyword-only signature, so the actor calls
-``get_policy_loss(loss_mode)(**inputs)`` without branching::
+Every policy loss takes one typed record of inputs and its own frozen parameters, so the actor
+calls ``loss(inputs, params)`` without branching::
 
-    fn(*, old_logprobs,   # (B, R) logπ_old of the sampled tokens (behaviour policy, no grad)
-          logprobs,       # (B, R) logπ_θ (with grad)
-          advantages,     # (B, R)
-          response_mask,  # (B, R) 1 on tokens that enter the loss
-          clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
-          loss_agg_mode="token-mean",
-          global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None, dp_size=1,
-          rollout_is_weights=None,  # (B, R) importance weights multiplied into the token loss
-          **unused)
-      -> (loss: scalar tensor, metrics: dict[str, float])
+    fn(inputs: LossInputs, params: <its params dataclass>) -> (loss: scalar tensor, metrics: dict[str, float])
 
-Mode-specific inputs (``tau_pos``, ``clip_cov_ratio``, ``generator``, ...) are optional keywords
-with verl's defaults; every loss accepts and ignores the others through ``**unused``.
+``LossInputs`` holds the micro-batch's tensors (old and current logprobs, advantages, mask,
+optional rollout IS weights and rollout logprobs) and how its loss is normalised within the
+mini-batch (global token and sequence counts, data-parallel size). The parameters are a frozen
+dataclass per loss (``PPOClipParams``, ``SAPOParams``, ...), declared at registration and built
+once from the config (``build_policy_loss_params``): a setting that does not apply to the chosen
+loss is an error there, not silently ignored.
 Registered: ``vanilla``, ``gspo``, ``sapo``, ``cispo``, ``gpg``, ``clip_cov``, ``kl_cov``,
 ``geo_mean``; ``dppo_tv``, ``dppo_kl`` and ``dro`` in ``hybridflow.algorithms.divergence_losses``;
 ``bypass_mode`` in ``hybridflow.algorithms.bypass``.
@@ -36,58 +31,172 @@ loss nor the gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from hybridflow.algorithms.aggregation import Count, agg_loss
-from hybridflow.algorithms.core import F, check_keyword_call, check_same_shape, masked_mean, masked_sum, register_into, resolve
+from hybridflow.algorithms.core import (
+    F,
+    build_params,
+    check_same_shape,
+    check_typed_call,
+    masked_mean,
+    masked_sum,
+    register_into,
+    resolve,
+)
 
 # exp(20) ≈ 4.9e8 is finite in fp32/bf16; a larger log-ratio means the sample is hopelessly
 # off-policy and only needs to be finite (verl clamps the same way).
 LOG_RATIO_CLAMP = 20.0
 
+# verl's defaults for the mode-specific parameters (verl/workers/config/actor.py).
+SAPO_TAU_POS = 1.0
+SAPO_TAU_NEG = 1.05
+CLIP_COV_RATIO = 2e-4
+CLIP_COV_LB = 1.0
+CLIP_COV_UB = 5.0
+KL_COV_RATIO = 2e-4
+KL_COV_COEF = 0.1  # verl's config default (core_algos' own fallback is 1.0)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch as a policy loss sees it; B samples, R response tokens.
+
+    The four counts say how this micro-batch's loss is normalised so that micro-batches and
+    ranks add up to the mini-batch's loss (``agg_loss``); None means "this micro-batch alone".
+    """
+
+    old_logprobs: torch.Tensor  # (B, R) logπ_old of the sampled tokens (behaviour policy, no grad)
+    logprobs: torch.Tensor  # (B, R) logπ_θ (with grad)
+    advantages: torch.Tensor  # (B, R)
+    response_mask: torch.Tensor  # (B, R) 1 on tokens that enter the loss
+    rollout_is_weights: torch.Tensor | None = None  # (B, R) importance weights multiplied into the token loss
+    rollout_logprobs: torch.Tensor | None = None  # (B, R) the rollout engine's logprobs (bypass_mode)
+    global_num_tokens: Count | None = None  # masked-in tokens of the whole mini-batch, all ranks
+    global_num_seqs: Count | None = None  # non-empty sequences of the whole mini-batch, all ranks
+    loss_scale_factor: float | None = None  # divisor of seq-mean-token-sum-norm; None: R
+    dp_size: int = 1  # data-parallel ranks whose gradients are averaged
+    generator: torch.Generator | None = None  # random choices (clip_cov); None: the global RNG
+
+
+# ------------------------------------------------------------------ per-loss parameters
+# Field names are the config's keys (``actor.clip_ratio_low``, ``actor.policy_loss.tau_pos``,
+# ...), so ``build_policy_loss_params`` fills them without a table.
+
+
+@dataclass(frozen=True)
+class PPOClipParams:
+    """vanilla, dppo_tv, dppo_kl: a clip range, the dual-clip bound, the aggregation."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass(frozen=True)
+class ClipParams:
+    """cispo: a clip range and the aggregation."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass(frozen=True)
+class GSPOParams(ClipParams):
+    """gspo: as ``ClipParams``; the paper's objective is a mean over sequences."""
+
+    loss_agg_mode: str = "seq-mean-token-mean"
+
+
+@dataclass(frozen=True)
+class GeoMeanParams:
+    """geo_mean: a clip range in log space; it always averages over sequences."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+
+
+@dataclass(frozen=True)
+class AggParams:
+    """gpg: only the aggregation."""
+
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass(frozen=True)
+class SAPOParams:
+    """sapo: the gate temperatures for positive and negative advantages."""
+
+    tau_pos: float = SAPO_TAU_POS
+    tau_neg: float = SAPO_TAU_NEG
+
+
+@dataclass(frozen=True)
+class ClipCovParams(ClipParams):
+    """clip_cov: PPO's clip range plus the covariance rule's fraction and band."""
+
+    clip_cov_ratio: float = CLIP_COV_RATIO
+    clip_cov_lb: float = CLIP_COV_LB
+    clip_cov_ub: float = CLIP_COV_UB
+
+
+@dataclass(frozen=True)
+class KLCovParams(AggParams):
+    """kl_cov: the fraction of tokens penalised and the penalty's coefficient."""
+
+    kl_cov_ratio: float = KL_COV_RATIO
+    ppo_kl_coef: float = KL_COV_COEF
+
 
 class PolicyLossFn(Protocol):
     """The signature every registered policy loss implements."""
 
-    def __call__(
-        self,
-        *,
-        old_logprobs: torch.Tensor,
-        logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        clip_ratio_low: float,
-        clip_ratio_high: float,
-        clip_ratio_c: float = 3.0,
-        loss_agg_mode: str = "token-mean",
-        global_num_tokens: Count | None = None,
-        global_num_seqs: Count | None = None,
-        loss_scale_factor: float | None = None,
-        dp_size: int = 1,
-        rollout_is_weights: torch.Tensor | None = None,
-        **unused: Any,
-    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def __call__(self, inputs: LossInputs, params: Any, /) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
-# The keywords the actor calls every policy loss with (workers/actor.py); a loss ignores the
-# ones that are not its own through ``**kwargs``.
-POLICY_LOSS_KEYWORDS: tuple[str, ...] = (
-    "old_logprobs", "logprobs", "advantages", "response_mask", "clip_ratio_low", "clip_ratio_high",
-    "clip_ratio_c", "loss_agg_mode", "rollout_is_weights", "tau_pos", "tau_neg", "clip_cov_ratio",
-    "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "generator", "global_num_tokens",
-    "global_num_seqs", "loss_scale_factor", "dp_size", "dro_beta", "rollout_logprobs", "bypass_loss_type",
-    "rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_band",
-)
+POLICY_LOSS_SIGNATURE = "fn(inputs: LossInputs, params) -> (loss, metrics)"
 
 
-def register_policy_loss(name: str) -> Callable[[F], F]:
-    """Decorator: add a policy loss under ``name`` (the value of ``actor.loss_mode``)."""
-    return register_into(POLICY_LOSSES, name, "policy loss")  # type: ignore[arg-type]
+def register_policy_loss(name: str, params: type) -> Callable[[F], F]:
+    """Decorator: add a policy loss under ``name`` (the value of ``actor.policy_loss.loss_mode``)
+    with ``params``, its frozen parameters dataclass."""
+    add = register_into(POLICY_LOSSES, name, "policy loss")
+
+    def decorator(fn: F) -> F:
+        fn.params = params  # type: ignore[attr-defined]
+        return add(fn)
+
+    return decorator
+
+
+def policy_loss_params_type(fn: Callable[..., Any]) -> type:
+    """The params dataclass ``fn`` declared in its ``params`` attribute (``AggParams`` if none:
+    a user's loss then gets the aggregation mode and nothing else)."""
+    params = getattr(fn, "params", AggParams)
+    if not (isinstance(params, type) and dataclasses.is_dataclass(params)):
+        raise ValueError(f"policy loss {getattr(fn, '__qualname__', fn)!r}: params must be a dataclass type")
+    return params
+
+
+def build_policy_loss_params(
+    fn: Callable[..., Any], shared: Mapping[str, Any], specific: Mapping[str, Any], name: str | None = None
+) -> Any:
+    """``fn``'s params record. ``shared`` settings (clip ratios, aggregation: the actor's keys)
+    fill the fields the loss has; ``specific`` ones (``actor.policy_loss.*`` that were set) must
+    all be fields of it, else a ValueError names the key that does not apply and the loss
+    (``name``, its registry name, or the function's)."""
+    return build_params(policy_loss_params_type(fn), shared, specific,
+                        what=f"policy loss {name or getattr(fn, '__qualname__', fn)!r}")
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -98,28 +207,13 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     """
     fn = resolve(POLICY_LOSSES, name, "policy loss")
     if name not in POLICY_LOSSES:  # a user's module:function: check it now, not at step 1
-        check_keyword_call(fn, POLICY_LOSS_KEYWORDS, "policy loss", name)
+        check_typed_call(fn, "policy loss", name, POLICY_LOSS_SIGNATURE)
+        policy_loss_params_type(fn)
     return fn
 
 
-@register_policy_loss("vanilla")
-def compute_ppo_clip_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("vanilla", params=PPOClipParams)
+def compute_ppo_clip_loss(inputs: LossInputs, params: PPOClipParams) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with an asymmetric range and dual clip (verl's ``vanilla``).
 
     ratio = exp(clamp(logπ − logπ_old, ±20));
@@ -133,6 +227,9 @@ def compute_ppo_clip_loss(
     ``actor/pg_clipfrac_lower`` = fraction where the dual clip bound won (A < 0);
     ``actor/ppo_kl`` = mean of logπ_old − logπ (of the clamped log-ratio, as verl).
     """
+    old_logprobs, logprobs, advantages = inputs.old_logprobs, inputs.logprobs, inputs.advantages
+    response_mask, rollout_is_weights = inputs.response_mask, inputs.rollout_is_weights
+    clip_ratio_low, clip_ratio_high, clip_ratio_c = params.clip_ratio_low, params.clip_ratio_high, params.clip_ratio_c
     check_same_shape(
         old_logprobs=old_logprobs, logprobs=logprobs, advantages=advantages, response_mask=response_mask
     )
@@ -154,15 +251,7 @@ def compute_ppo_clip_loss(
     if rollout_is_weights is not None:
         token_losses = token_losses * rollout_is_weights
 
-    loss = agg_loss(
-        token_losses,
-        response_mask,
-        loss_agg_mode,
-        global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs,
-        loss_scale_factor=loss_scale_factor,
-        dp_size=dp_size,
-    )
+    loss = agg_loss(token_losses, response_mask, params.loss_agg_mode, **_normaliser(inputs))
     with torch.no_grad():
         mask = response_mask.to(clip_loss.dtype)
         metrics = {
@@ -179,14 +268,6 @@ def compute_ppo_clip_loss(
 # Shared pieces of the losses below
 # --------------------------------------------------------------------------------------------
 
-# verl's defaults for the mode-specific inputs (verl/workers/config/actor.py).
-SAPO_TAU_POS = 1.0
-SAPO_TAU_NEG = 1.05
-CLIP_COV_RATIO = 2e-4
-CLIP_COV_LB = 1.0
-CLIP_COV_UB = 5.0
-KL_COV_RATIO = 2e-4
-KL_COV_COEF = 0.1  # PolicyLossConfig.ppo_kl_coef (core_algos' own fallback is 1.0)
 # GSPO bounds the log of its combined ratio from above only: a sequence that became much more
 # likely gets a finite (clipped) weight; a much less likely one just underflows towards 0.
 GSPO_LOG_RATIO_MAX = 10.0
@@ -205,19 +286,15 @@ class _Prepared(NamedTuple):
     weights: torch.Tensor | None  # (B, R) rollout IS weights, 0 on masked positions
 
 
-def _prepare(
-    old_logprobs: torch.Tensor,
-    logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    rollout_is_weights: torch.Tensor | None,
-) -> _Prepared:
+def _prepare(inputs: LossInputs) -> _Prepared:
     """Check shapes and neutralise masked positions.
 
     ``torch.where`` is a select in the backward pass too, so a masked position gets an exact 0
     gradient even when its input was ``-inf`` or nan; a multiplication by the mask would turn
     such a value into a nan gradient.
     """
+    old_logprobs, logprobs, advantages = inputs.old_logprobs, inputs.logprobs, inputs.advantages
+    response_mask, rollout_is_weights = inputs.response_mask, inputs.rollout_is_weights
     check_same_shape(
         old_logprobs=old_logprobs, logprobs=logprobs, advantages=advantages, response_mask=response_mask
     )
@@ -264,27 +341,17 @@ def _metrics(
         }
 
 
-def _aggregate(
-    token_losses: torch.Tensor,
-    x: _Prepared,
-    loss_agg_mode: str,
-    global_num_tokens: Count | None,
-    global_num_seqs: Count | None,
-    loss_scale_factor: float | None,
-    dp_size: int,
-) -> torch.Tensor:
+def _normaliser(inputs: LossInputs) -> dict[str, Any]:
+    """``agg_loss``'s keywords that make micro-batches and ranks add up to the mini-batch loss."""
+    return dict(global_num_tokens=inputs.global_num_tokens, global_num_seqs=inputs.global_num_seqs,
+                loss_scale_factor=inputs.loss_scale_factor, dp_size=inputs.dp_size)
+
+
+def _aggregate(token_losses: torch.Tensor, x: _Prepared, loss_agg_mode: str, inputs: LossInputs) -> torch.Tensor:
     """Rollout IS weights times the token losses, reduced by ``agg_loss``."""
     if x.weights is not None:
         token_losses = token_losses * x.weights
-    return agg_loss(
-        token_losses,
-        x.mask_f,
-        loss_agg_mode,
-        global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs,
-        loss_scale_factor=loss_scale_factor,
-        dp_size=dp_size,
-    )
+    return agg_loss(token_losses, x.mask_f, loss_agg_mode, **_normaliser(inputs))
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,23 +359,8 @@ def _aggregate(
 # --------------------------------------------------------------------------------------------
 
 
-@register_policy_loss("gspo")
-def compute_gspo_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("gspo", params=GSPOParams)
+def compute_gspo_loss(inputs: LossInputs, params: GSPOParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071), verl's ``gspo``.
 
     One importance ratio per sequence, the geometric mean of its token ratios,
@@ -323,33 +375,21 @@ def compute_gspo_loss(
     verl's actor default is ``token-mean``, which weights long responses more.
     Metrics: ``pg_clipfrac`` = fraction of tokens where the clipped term won; no lower clip.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high)
-    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    _check_clip(params.clip_ratio_low, params.clip_ratio_high)
+    x = _prepare(inputs)
     lengths = x.mask_f.sum(dim=-1).clamp(min=1)  # (B,)
     seq_log_ratio = masked_sum(x.log_ratio, x.mask_f, dim=-1) / lengths  # (B,)
     log_s = x.logprobs - x.logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
     s = torch.exp(log_s.clamp(max=GSPO_LOG_RATIO_MAX))  # (B, R)
     unclipped = -x.advantages * s
-    clipped = -x.advantages * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = -x.advantages * s.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     token_losses = torch.maximum(unclipped, clipped)
-    loss = _aggregate(token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size)
+    loss = _aggregate(token_losses, x, params.loss_agg_mode, inputs)
     return loss, _metrics(x, clipped=clipped > unclipped)
 
 
-@register_policy_loss("sapo")
-def compute_sapo_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    tau_pos: float = SAPO_TAU_POS,
-    tau_neg: float = SAPO_TAU_NEG,
-    global_num_seqs: Count | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("sapo", params=SAPOParams)
+def compute_sapo_loss(inputs: LossInputs, params: SAPOParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Soft Adaptive Policy Optimization (arXiv 2511.20347), verl's ``sapo``.
 
     A smooth gate replaces the hard clip: L = −f_τ(r)·A with f_τ(r) = σ(τ(r − 1))·4/τ and
@@ -361,18 +401,18 @@ def compute_sapo_loss(
     Always aggregated with ``seq-mean-token-mean``, as verl: ``loss_agg_mode`` is ignored.
     There is no clip, so both clip fractions are 0.
     """
-    if not (tau_pos > 0 and tau_neg > 0):
-        raise ValueError(f"tau_pos and tau_neg must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
-    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    if not (params.tau_pos > 0 and params.tau_neg > 0):
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got tau_pos={params.tau_pos}, tau_neg={params.tau_neg}")
+    x = _prepare(inputs)
     ratio = torch.exp(x.log_ratio)
     tau = torch.where(
         x.advantages > 0,
-        torch.tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
-        torch.tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(params.tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(params.tau_neg, dtype=ratio.dtype, device=ratio.device),
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     token_losses = -gate * x.advantages
-    loss = _aggregate(token_losses, x, "seq-mean-token-mean", None, global_num_seqs, None, dp_size)
+    loss = _aggregate(token_losses, x, "seq-mean-token-mean", inputs)
     return loss, _metrics(x)
 
 
@@ -381,23 +421,8 @@ def compute_sapo_loss(
 # --------------------------------------------------------------------------------------------
 
 
-@register_policy_loss("cispo")
-def compute_cispo_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("cispo", params=ClipParams)
+def compute_cispo_loss(inputs: LossInputs, params: ClipParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped IS-weight policy optimization (MiniMax-M1, arXiv 2506.13585), verl's ``cispo``.
 
     L = −sg(clip(r, 1 − clip_ratio_low, 1 + clip_ratio_high))·A·logπ. The IS weight is
@@ -408,43 +433,26 @@ def compute_cispo_loss(
     Metrics: ``pg_clipfrac`` = fraction of tokens whose ratio was clipped (either side); no
     lower clip.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high)
-    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    _check_clip(params.clip_ratio_low, params.clip_ratio_high)
+    x = _prepare(inputs)
     ratio = torch.exp(x.log_ratio.detach())
-    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    weight = ratio.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     token_losses = -weight * x.advantages * x.logprobs
-    loss = _aggregate(
-        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
-    )
+    loss = _aggregate(token_losses, x, params.loss_agg_mode, inputs)
     return loss, _metrics(x, clipped=ratio != weight)
 
 
-@register_policy_loss("gpg")
-def compute_gpg_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("gpg", params=AggParams)
+def compute_gpg_loss(inputs: LossInputs, params: AggParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Group Policy Gradient (arXiv 2504.02546), verl's ``gpg``: plain REINFORCE, L = −A·logπ.
 
     No ratio and no clip: meant for one optimizer step per rollout batch (with more, nothing
     keeps the policy near π_old). Pair with the ``gpg`` advantage estimator. ``old_logprobs``
     only feed ``actor/ppo_kl``; both clip fractions are 0 (verl returns no metrics here).
     """
-    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    x = _prepare(inputs)
     token_losses = -x.advantages * x.logprobs
-    loss = _aggregate(
-        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
-    )
+    loss = _aggregate(token_losses, x, params.loss_agg_mode, inputs)
     return loss, _metrics(x)
 
 
@@ -464,27 +472,8 @@ def _centred_covariance(x: _Prepared) -> torch.Tensor:
         return (x.advantages - masked_mean(x.advantages, x.mask_f)) * (logp - masked_mean(logp, x.mask_f))
 
 
-@register_policy_loss("clip_cov")
-def compute_clip_cov_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    clip_cov_ratio: float = CLIP_COV_RATIO,
-    clip_cov_lb: float = CLIP_COV_LB,
-    clip_cov_ub: float = CLIP_COV_UB,
-    generator: torch.Generator | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("clip_cov", params=ClipCovParams)
+def compute_clip_cov_loss(inputs: LossInputs, params: ClipCovParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov, verl's ``clip_cov``: PPO clip, plus a random few high-covariance tokens dropped.
 
     Token losses are PPO's max(−A·r, −A·clip(r, 1 − low, 1 + high)) (no dual clip). Among the
@@ -497,50 +486,33 @@ def compute_clip_cov_loss(
     pass a seeded generator for reproducible steps. Metrics (verl): ``pg_clipfrac`` = fraction
     of tokens dropped by the covariance rule, no lower clip.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high)
-    _check_fraction("clip_cov_ratio", clip_cov_ratio)
-    if not clip_cov_lb < clip_cov_ub:
-        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {clip_cov_lb} >= {clip_cov_ub}")
-    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    _check_clip(params.clip_ratio_low, params.clip_ratio_high)
+    _check_fraction("clip_cov_ratio", params.clip_cov_ratio)
+    if not params.clip_cov_lb < params.clip_cov_ub:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {params.clip_cov_lb} >= {params.clip_cov_ub}")
+    x = _prepare(inputs)
     ratio = torch.exp(x.log_ratio)
     unclipped = -x.advantages * ratio
-    clipped = -x.advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = -x.advantages * ratio.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     with torch.no_grad():
         cov = _centred_covariance(x)
-        candidates = x.mask & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        candidates = x.mask & ~(clipped > unclipped) & (cov > params.clip_cov_lb) & (cov < params.clip_cov_ub)
         flat = candidates.flatten().nonzero().flatten()  # positions in the flattened (B·R)
-        budget = max(int(clip_cov_ratio * int(x.mask.sum())), 1)
+        budget = max(int(params.clip_cov_ratio * int(x.mask.sum())), 1)
         if flat.numel() > budget:
-            device = generator.device if generator is not None else torch.device("cpu")
-            order = torch.randperm(flat.numel(), generator=generator, device=device).to(flat.device)
+            device = inputs.generator.device if inputs.generator is not None else torch.device("cpu")
+            order = torch.randperm(flat.numel(), generator=inputs.generator, device=device).to(flat.device)
             flat = flat[order[:budget]]
         dropped = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
         dropped[flat] = True
         dropped = dropped.view_as(candidates)
     token_losses = torch.where(dropped, torch.zeros_like(unclipped), torch.maximum(unclipped, clipped))
-    loss = _aggregate(
-        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
-    )
+    loss = _aggregate(token_losses, x, params.loss_agg_mode, inputs)
     return loss, _metrics(x, clipped=dropped)
 
 
-@register_policy_loss("kl_cov")
-def compute_kl_cov_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    loss_scale_factor: float | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    kl_cov_ratio: float = KL_COV_RATIO,
-    ppo_kl_coef: float = KL_COV_COEF,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("kl_cov", params=KLCovParams)
+def compute_kl_cov_loss(inputs: LossInputs, params: KLCovParams) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov, verl's ``kl_cov``: −A·r, plus a KL penalty on the highest-covariance tokens.
 
     L = −A·r on every token (no clip: the penalty is the trust region), and
@@ -552,10 +524,10 @@ def compute_kl_cov_loss(
     Metrics (verl): ``actor/ppo_kl`` is the mean of |log r| here, not of −log r; no clip, so
     both clip fractions are 0.
     """
-    _check_fraction("kl_cov_ratio", kl_cov_ratio)
-    if not ppo_kl_coef >= 0:
-        raise ValueError(f"ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
-    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    _check_fraction("kl_cov_ratio", params.kl_cov_ratio)
+    if not params.ppo_kl_coef >= 0:
+        raise ValueError(f"ppo_kl_coef must be >= 0, got {params.ppo_kl_coef}")
+    x = _prepare(inputs)
     ratio = torch.exp(x.log_ratio)
     policy_term = -x.advantages * ratio
     with torch.no_grad():
@@ -563,13 +535,11 @@ def compute_kl_cov_loss(
         valid = x.mask.flatten().nonzero().flatten()
         if valid.numel() > 0:
             cov = _centred_covariance(x).flatten()[valid]
-            k = max(1, int(valid.numel() * kl_cov_ratio))
+            k = max(1, int(valid.numel() * params.kl_cov_ratio))
             penalised[valid[torch.topk(cov, k).indices]] = True
         penalised = penalised.view_as(x.mask)
-    token_losses = torch.where(penalised, policy_term + ppo_kl_coef * x.log_ratio.abs(), policy_term)
-    loss = _aggregate(
-        token_losses, x, loss_agg_mode, global_num_tokens, global_num_seqs, loss_scale_factor, dp_size
-    )
+    token_losses = torch.where(penalised, policy_term + params.ppo_kl_coef * x.log_ratio.abs(), policy_term)
+    loss = _aggregate(token_losses, x, params.loss_agg_mode, inputs)
     metrics = _metrics(x)
     with torch.no_grad():
         metrics["actor/ppo_kl"] = float(masked_mean(x.log_ratio.detach().abs(), x.mask_f))
@@ -581,20 +551,8 @@ def compute_kl_cov_loss(
 # --------------------------------------------------------------------------------------------
 
 
-@register_policy_loss("geo_mean")
-def compute_geo_mean_loss(
-    *,
-    old_logprobs: torch.Tensor,  # (B, R)
-    logprobs: torch.Tensor,  # (B, R)
-    advantages: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    global_num_seqs: Count | None = None,
-    dp_size: int = 1,
-    rollout_is_weights: torch.Tensor | None = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@register_policy_loss("geo_mean", params=GeoMeanParams)
+def compute_geo_mean_loss(inputs: LossInputs, params: GeoMeanParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Geometric-Mean Policy Optimization (GMPO, arXiv 2507.20673), verl's ``geo_mean``.
 
     Per token, the log-ratio ℓ = log r is clipped on the side the advantage pushes it, in log
@@ -613,10 +571,10 @@ def compute_geo_mean_loss(
     Metrics (verl): a token is "clipped" when ℓ is outside [−low, high];
     ``pg_clipfrac`` = clipped with A > 0, ``pg_clipfrac_lower`` = clipped with A < 0.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high)
-    x = _prepare(old_logprobs, logprobs, advantages, response_mask, rollout_is_weights)
+    _check_clip(params.clip_ratio_low, params.clip_ratio_high)
+    x = _prepare(inputs)
     sign = torch.sign(x.advantages)
-    bounded = x.log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    bounded = x.log_ratio.clamp(-params.clip_ratio_low, params.clip_ratio_high)
     # sign·min(sign·ℓ, sign·clip(ℓ)): the pessimistic side for this advantage's direction.
     pessimistic = sign * torch.minimum(sign * x.log_ratio, sign * bounded)
     lengths = x.mask_f.sum(dim=-1).clamp(min=1)  # (B,)
@@ -630,7 +588,7 @@ def compute_geo_mean_loss(
     # Σ_i loss_i / (number of non-empty sequences), with the global count when given.
     token_losses = seq_losses.unsqueeze(-1).expand_as(x.mask_f)
     loss = agg_loss(
-        token_losses, x.mask_f, "seq-mean-token-mean", global_num_seqs=global_num_seqs, dp_size=dp_size
+        token_losses, x.mask_f, "seq-mean-token-mean", global_num_seqs=inputs.global_num_seqs, dp_size=inputs.dp_size
     )
     out_of_range = bounded != x.log_ratio
     return loss, _metrics(x, clipped=out_of_range & (x.advantages > 0), clipped_lower=out_of_range & (x.advantages < 0))

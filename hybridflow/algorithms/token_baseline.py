@@ -32,15 +32,15 @@ advantages are 0 on masked tokens (verl's ``tir`` variant returns G there).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from hybridflow.algorithms.advantages import (
+    AdvantageInputs,
+    AdvantageOutputs,
+    TokenBaselineParams,
     _check_inputs,
     _compute_dtype,
     _group_index,
-    _require,
     register_adv_estimator,
 )
 from hybridflow.algorithms.core import check_same_shape
@@ -89,11 +89,11 @@ def _tail_start(lengths: torch.Tensor, inverse: torch.Tensor, num_groups: int, m
     return torch.where(alone, second[inverse], no_tail)
 
 
-def _inputs(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, old_logprobs: torch.Tensor | None,
-            sum_pi_squared: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(inputs: AdvantageInputs, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     _check_inputs(token_level_rewards, response_mask)
-    old = _require("old_logprobs", old_logprobs, name, "(B, R) logprobs of the sampled tokens, before the update")
-    spi = _require("sum_pi_squared", sum_pi_squared, name, "(B, R) Σ_v π(v)² at each response position")
+    old = inputs.require("old_logprobs", name)
+    spi = inputs.require("sum_pi_squared", name)
     check_same_shape(token_level_rewards=token_level_rewards, old_logprobs=old, sum_pi_squared=spi)
     dtype = _compute_dtype(token_level_rewards.dtype)
     mask = (response_mask != 0).to(dtype)
@@ -101,49 +101,31 @@ def _inputs(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, old_
     return (old.to(dtype) * mask, spi.to(dtype) * mask, mask)
 
 
-@register_adv_estimator("optimal_token_baseline", needs=("old_logprobs", "sum_pi_squared"))
+@register_adv_estimator("optimal_token_baseline", needs=("old_logprobs", "sum_pi_squared"), params=TokenBaselineParams)
 @torch.no_grad()
-def compute_optimal_token_baseline_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    old_logprobs: torch.Tensor | None = None,  # (B, R)
-    sum_pi_squared: torch.Tensor | None = None,  # (B, R)
-    rollout_is_weights: torch.Tensor | None = None,  # (B, R)
-    handle_zero_tail: bool = True,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_optimal_token_baseline_advantages(inputs: AdvantageInputs, params: TokenBaselineParams) -> AdvantageOutputs:
     """OTB with baselines per padded response position (see the module docstring)."""
-    old, spi, mask = _inputs(token_level_rewards, response_mask, old_logprobs, sum_pi_squared,
-                             "optimal_token_baseline")
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
+    old, spi, mask = _inputs(inputs, "optimal_token_baseline")
     returns = token_level_rewards.to(mask.dtype).flip(-1).cumsum(-1).flip(-1) * mask  # (B, R)
-    weights = _per_token_weights(old, spi, rollout_is_weights, mask)
+    weights = _per_token_weights(old, spi, inputs.rollout_is_weights, mask)
     everyone = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
-    baselines = _group_baselines(returns, weights, mask, group_ids, handle_zero_tail, everyone)
+    baselines = _group_baselines(returns, weights, mask, group_ids, params.handle_zero_tail, everyone)
     dtype = token_level_rewards.dtype
-    return ((returns - baselines) * mask).to(dtype), returns.to(dtype)
+    return AdvantageOutputs(((returns - baselines) * mask).to(dtype), returns.to(dtype))
 
 
-@register_adv_estimator("tir_optimal_token_baseline", needs=("old_logprobs", "sum_pi_squared"))
+@register_adv_estimator("tir_optimal_token_baseline", needs=("old_logprobs", "sum_pi_squared"), params=TokenBaselineParams)
 @torch.no_grad()
-def compute_tir_optimal_token_baseline_advantages(
-    *,
-    token_level_rewards: torch.Tensor,  # (B, R)
-    response_mask: torch.Tensor,  # (B, R)
-    group_ids: torch.Tensor,  # (B,)
-    old_logprobs: torch.Tensor | None = None,  # (B, R)
-    sum_pi_squared: torch.Tensor | None = None,  # (B, R)
-    rollout_is_weights: torch.Tensor | None = None,  # (B, R)
-    handle_zero_tail: bool = True,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_tir_optimal_token_baseline_advantages(inputs: AdvantageInputs, params: TokenBaselineParams) -> AdvantageOutputs:
     """OTB with baselines per policy-token index: the k-th generated token of each response in a
     group shares one baseline, whatever tool output came before it (see the module docstring)."""
-    old, spi, mask = _inputs(token_level_rewards, response_mask, old_logprobs, sum_pi_squared,
-                             "tir_optimal_token_baseline")
+    token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
+    group_ids = inputs.group_ids
+    old, spi, mask = _inputs(inputs, "tir_optimal_token_baseline")
     returns = token_level_rewards.to(mask.dtype).flip(-1).cumsum(-1).flip(-1) * mask  # (B, R)
-    weights = _per_token_weights(old, spi, rollout_is_weights, mask)
+    weights = _per_token_weights(old, spi, inputs.rollout_is_weights, mask)
     # Compact each row's policy tokens to the left: token t of row i moves to column index[i, t].
     lengths = mask.sum(dim=-1).long()  # (B,)
     index = (mask.cumsum(dim=-1) - 1).clamp(min=0).long()  # (B, R)
@@ -153,8 +135,8 @@ def compute_tir_optimal_token_baseline_advantages(
         return x.new_zeros(x.shape[0], width).scatter_add_(1, index, x * mask)
 
     compact_mask = (torch.arange(width, device=mask.device) < lengths.unsqueeze(-1)).to(mask.dtype)
-    baselines = _group_baselines(compact(returns), compact(weights), compact_mask, group_ids, handle_zero_tail,
+    baselines = _group_baselines(compact(returns), compact(weights), compact_mask, group_ids, params.handle_zero_tail,
                                  member=lengths > 0)
     advantages = (returns - baselines.gather(1, index)) * mask
     dtype = token_level_rewards.dtype
-    return advantages.to(dtype), returns.to(dtype)
+    return AdvantageOutputs(advantages.to(dtype), returns.to(dtype))

@@ -28,7 +28,13 @@ import torch
 from hybridflow.agents import build_tool_parser, load_tools
 from hybridflow.agents.base import agent_loop_class, agent_name_of
 from hybridflow.agents.openai_agent import load_agent_function
-from hybridflow.algorithms import estimator_needs, get_adv_estimator, get_kl_controller, get_policy_loss
+from hybridflow.algorithms import (
+    build_estimator_params,
+    estimator_needs,
+    get_adv_estimator,
+    get_kl_controller,
+    get_policy_loss,
+)
 from hybridflow.cluster.ray_group import Placement, ResourcePool
 from hybridflow.cluster.worker_group import (
     WorkerError,
@@ -63,7 +69,7 @@ from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
 from hybridflow.utils.threads import stop_following
-from hybridflow.workers.actor import ActorSetup, ActorWorker
+from hybridflow.workers.actor import ActorSetup, ActorWorker, build_actor_policy_loss
 from hybridflow.workers.critic import CriticSetup, CriticWorker
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
@@ -136,7 +142,8 @@ class RunSetup:
     sampler: ResumableSampler
     total_steps: int
     needs_old_logprobs: bool
-    adv_estimator: Any
+    adv_estimator: Any  # fn(AdvantageInputs, params) -> AdvantageOutputs
+    adv_params: Any  # its frozen params, built from the algorithm section
     estimator_needs: frozenset[str]
     kl_controller: Any
     actor: WorkerGroup[ActorWorker]
@@ -371,9 +378,35 @@ class Plugins:
     """What the config's pluggable names resolved to."""
 
     adv_estimator: Any
+    adv_params: Any
     estimator_needs: frozenset[str]
     kl_controller: Any
     agent: AgentSetup | None
+
+
+@dataclass(frozen=True)
+class EstimatorInputSource:
+    """What the trainer runs to produce one optional estimator input, so set-up decides which
+    workers and forwards a run needs from the estimator's ``needs`` without naming estimators."""
+
+    critic: bool = False  # a critic group, whose forward gives the input
+    old_logprobs: bool = False  # the actor's logprob forward before the update
+    unavailable: str | None = None  # why hybridflow cannot produce it yet (set-up refuses the estimator)
+
+
+# One entry per name in OPTIONAL_ESTIMATOR_INPUTS (a unit test keeps them equal); the loop's
+# providers are in RLTrainer.input_providers.
+ESTIMATOR_INPUT_SOURCES: dict[str, EstimatorInputSource] = {
+    "values": EstimatorInputSource(critic=True),
+    "reward_baselines": EstimatorInputSource(),  # a greedy rollout per prompt, scored
+    "reward_components": EstimatorInputSource(),  # the reward's named numbers (algorithm.gdpo_reward_keys)
+    "old_logprobs": EstimatorInputSource(old_logprobs=True),
+    "sum_pi_squared": EstimatorInputSource(
+        old_logprobs=True,
+        unavailable="the sum of squared token probabilities at each response position (verl's "
+        "actor.calculate_sum_pi_squared), which hybridflow's actor does not compute yet",
+    ),
+}
 
 
 def _resolved(key: str, resolve: Callable[[], Any]) -> Any:
@@ -388,7 +421,12 @@ def _resolved(key: str, resolve: Callable[[], Any]) -> Any:
 
 def needs_critic(estimator_needs: frozenset[str]) -> bool:
     """A critic is built when the advantage estimator needs its values (gae), as verl decides."""
-    return "values" in estimator_needs
+    return any(ESTIMATOR_INPUT_SOURCES[need].critic for need in estimator_needs)
+
+
+def needs_old_logprobs_for(estimator_needs: frozenset[str]) -> bool:
+    """Whether an input the estimator needs comes from the actor's old-logprob forward."""
+    return any(ESTIMATOR_INPUT_SOURCES[need].old_logprobs for need in estimator_needs)
 
 
 def config_device(name: str) -> torch.device:
@@ -408,14 +446,17 @@ def resolve_plugins(cfg: Config) -> Plugins:
     needs = _resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator))
     if needs_critic(needs) and cfg.critic.model.path is not None:
         check_critic_model_path(cfg.critic.model.path)
-    if "sum_pi_squared" in needs:
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} needs sum_pi_squared, the sum of squared token "
-            f"probabilities at each response position (verl's actor.calculate_sum_pi_squared), which hybridflow's "
-            f"actor does not compute yet; use grpo, rloo, opo, ... meanwhile",
-            key="algorithm.adv_estimator",
-        )
+    for need in sorted(needs):
+        unavailable = ESTIMATOR_INPUT_SOURCES[need].unavailable
+        if unavailable is not None:
+            raise ConfigError(
+                f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, {unavailable}; use grpo, rloo, opo, ... "
+                f"meanwhile", key="algorithm.adv_estimator",
+            )
+    adv_params = _resolved("algorithm", lambda: build_estimator_params(adv_estimator, vars(alg)))
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
+    # The loss's typed params: a policy_loss key that does not apply to the chosen loss fails here.
+    _resolved("actor.policy_loss", lambda: build_actor_policy_loss(cfg.actor, alg.rollout_correction))
     unavailable = engine_unavailable(cfg.rollout.name, config_device(cfg.trainer.device))
     if unavailable is not None:
         raise ConfigError(f"rollout.name={cfg.rollout.name}: {unavailable}", key="rollout.name")
@@ -425,7 +466,7 @@ def resolve_plugins(cfg: Config) -> Plugins:
     kl = alg.kl_ctrl
     kl_controller = _resolved("algorithm.kl_ctrl.type", lambda: get_kl_controller(
         kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)) if alg.use_kl_in_reward else None
-    return Plugins(adv_estimator, needs, kl_controller, agent)
+    return Plugins(adv_estimator, adv_params, needs, kl_controller, agent)
 
 
 def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker]:
@@ -479,8 +520,7 @@ def build_run(cfg: Config) -> RunSetup:
         log.warning("config: %s", w)
     weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend)
     plugins = resolve_plugins(cfg)
-    adv_estimator, needs, kl_controller, agent = (
-        plugins.adv_estimator, plugins.estimator_needs, plugins.kl_controller, plugins.agent)
+    needs, kl_controller, agent = plugins.estimator_needs, plugins.kl_controller, plugins.agent
     t, d, a = cfg.trainer, cfg.data, cfg.actor
     device = config_device(t.device)
     check_model_path(cfg.model.path)
@@ -529,7 +569,7 @@ def build_run(cfg: Config) -> RunSetup:
     rc = cfg.algorithm.rollout_correction
     corrects_old = not rc.bypass_mode and bool(rc.rollout_is or rc.rollout_rs)
     needs_old = (updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward or corrects_old \
-        or "old_logprobs" in needs
+        or needs_old_logprobs_for(needs)
 
     # Reward first: its workers load a custom reward function, the config's last pluggable name,
     # so a missing name, a syntax error or an import that hangs fails before any model loads.
@@ -590,7 +630,8 @@ def build_run(cfg: Config) -> RunSetup:
     return RunSetup(
         cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
-        total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=adv_estimator, estimator_needs=needs,
+        total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=plugins.adv_estimator,
+        adv_params=plugins.adv_params, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward, critic=critic,
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),

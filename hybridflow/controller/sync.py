@@ -17,12 +17,19 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from hybridflow.agents import answer_view, compute_agent_metrics
-from hybridflow.algorithms import compute_varied_group_mask, kl_penalty, masked_mean
+from hybridflow.algorithms import (
+    AdvantageInputs,
+    apply_kl_penalty,
+    masked_mean,
+    place_outcome_rewards,
+    select_varied_groups,
+)
 from hybridflow.cluster.worker_group import WorkerGroup, wait_all
 from hybridflow.config import ValKwargsConfig, config_to_yaml
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
@@ -63,6 +70,7 @@ class RLTrainer:
         self.reference: WorkerGroup[ReferenceWorker] | None = run.reference
         # Built when the estimator needs values (gae); its phases are no-ops otherwise.
         self.critic: WorkerGroup[CriticWorker] | None = run.critic
+        self.input_providers = self._input_providers()
         self.reward: WorkerGroup[RewardWorker] = run.reward
         self.checkpoints = CheckpointManager(run.output_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep)
         self.step = 0
@@ -134,16 +142,12 @@ class RLTrainer:
             if self.reference is not None:
                 with timer.phase("ref"):
                     batch.ref_logprobs = torch.cat(self.reference.split_gather(ReferenceWorker.compute_ref_logprobs, batch))
-            extra_inputs = self.compute_values(batch, timer)
-            if "reward_baselines" in self.run.estimator_needs:
-                with timer.phase("gen_baseline"):
-                    extra_inputs["reward_baselines"], baseline_metrics = self.greedy_baselines(groups)
-                    collect_metrics |= baseline_metrics
-            extra_inputs |= self.estimator_inputs(batch, trajectories)
+            extra_inputs, input_metrics = self.estimator_inputs(StepSamples(batch, trajectories, groups), timer)
+            collect_metrics |= input_metrics
             rollout_metrics = self.replicas.take_metrics()
             self.replicas.sleep()  # generation is over for this step: free the KV caches for training
             with timer.phase("adv"):
-                adv_metrics = self.compute_advantages(batch, **extra_inputs)
+                adv_metrics = self.compute_advantages(batch, extra_inputs)
             if fault_requested("nan_advantages", self.step):  # tests: a NaN that must not reach the weights
                 batch.advantages = torch.full_like(batch.advantages, float("nan"))
             if self.run.rollout_data_dir is not None:
@@ -164,7 +168,7 @@ class RLTrainer:
             **actor_metrics,
             **self.batch_metrics(batch, trajectories),
             **timer.metrics(),
-            **compute_throughput_metrics(int(batch.attention_mask.sum()), timer.seconds("step"), self.actor.world_size),
+            **compute_throughput_metrics(batch.num_tokens, timer.seconds("step"), self.actor.world_size),
             "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads, or what others left free
         }
 
@@ -193,9 +197,8 @@ class RLTrainer:
             episodes.extend(trajectories)
             groups = _by_group(trajectories)
             generated += len(groups)
-            values = torch.tensor([_filter_value(t, fg.metric) for t in trajectories])
-            keep = compute_varied_group_mask(values, torch.tensor([t.group_id for t in trajectories]))
-            varied_ids = {t.group_id for t, k in zip(trajectories, keep.tolist(), strict=True) if k}
+            varied_ids = select_varied_groups([_filter_value(t, fg.metric) for t in trajectories],
+                                              [t.group_id for t in trajectories])
             constant += len(groups) - len(varied_ids)
             if fg.enable:
                 groups = [g for g in groups if g[0].group_id in varied_ids]
@@ -235,18 +238,6 @@ class RLTrainer:
         lengths = sequence_lengths(batch)
         parts = balanced_partitions(lengths, self.actor.world_size)
         return flatten_partitions(parts), global_seqlen_metrics(lengths, parts)
-
-    def greedy_baselines(self, groups: list[list[Trajectory]]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Score of one greedy response per prompt, repeated for each of its samples (ReMax).  # (B,)"""
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
-        requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params) for g in groups]
-        metadata = [g[0].metadata for g in groups]
-        greedy = [samples[0] for samples in self._generate_sharded(requests, metadata)]
-        for meta, t in zip(metadata, greedy, strict=True):
-            t.metadata = {**meta, **t.metadata}
-        scores, _ = self.score_answers(greedy)
-        baselines = torch.tensor([s for g, s in zip(groups, scores, strict=True) for _ in g], dtype=torch.float32)
-        return baselines, {"critic/reward_baseline/mean": sum(scores) / len(scores)}
 
     # ---------------------------------------------------------------- phases
     def train_sampling(self) -> SamplingParams:
@@ -305,58 +296,84 @@ class RLTrainer:
         single-turn run's would be constants)."""
         return compute_agent_metrics(trajectories) if self.cfg.rollout.multi_turn.enable else {}
 
-    def compute_advantages(self, batch: TrainBatch, **extra_inputs: torch.Tensor) -> dict[str, float]:
+    def compute_advantages(self, batch: TrainBatch, extra_inputs: dict[str, torch.Tensor]) -> dict[str, float]:
         """Token-level rewards (score on the last response token, minus in-reward KL), then the
-        configured estimator. No estimator-specific branch: they share one signature, and the
-        optional inputs an estimator declared it needs arrive in ``extra_inputs``."""
+        configured estimator on one typed record. No estimator-specific branch: the optional
+        inputs it declared it needs arrive in ``extra_inputs``, named as AdvantageInputs' fields."""
         alg = self.cfg.algorithm
-        lengths = batch.attention_mask[:, batch.prompt_length :].sum(-1)
-        last = (lengths - 1).clamp(min=0)
-        token_rewards = torch.zeros_like(batch.response_mask)
-        token_rewards[torch.arange(batch.batch_size), last] = batch.rewards
+        token_rewards = place_outcome_rewards(batch.rewards, batch.response_attention_mask)
         metrics: dict[str, float] = {}
         if alg.use_kl_in_reward:
             assert batch.old_logprobs is not None and batch.ref_logprobs is not None
-            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty) * batch.response_mask
             beta = self.run.kl_controller.value
-            token_rewards = token_rewards - beta * kl
-            current_kl = float(masked_mean(kl, batch.response_mask))
-            self.run.kl_controller.update(current_kl, n_steps=batch.batch_size)
-            metrics |= {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+            penalised = apply_kl_penalty(token_rewards, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
+                                         kind=alg.kl_penalty, beta=beta)
+            token_rewards = penalised.token_level_rewards
+            self.run.kl_controller.update(penalised.mean_kl, n_steps=batch.batch_size)
+            metrics |= {"actor/reward_kl_penalty": penalised.mean_kl, "actor/reward_kl_penalty_coeff": beta}
         batch.token_level_rewards = token_rewards
-        batch.advantages, batch.returns = self.run.adv_estimator(
-            token_level_rewards=token_rewards,
-            response_mask=batch.response_mask,
-            group_ids=batch.group_ids,
-            gamma=alg.gamma,
-            lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            **extra_inputs,
-        )
+        inputs = AdvantageInputs(token_level_rewards=token_rewards, response_mask=batch.response_mask,
+                                 group_ids=batch.group_ids, **extra_inputs)
+        batch.advantages, batch.returns = self.run.adv_estimator(inputs, self.run.adv_params)
         return metrics
 
-    def estimator_inputs(self, batch: TrainBatch, trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
-        """The optional inputs the estimator declared it needs that the batch already holds: the old
-        logprobs (optimal_token_baseline) and the reward's named numbers (gdpo's components)."""
-        needs, alg = self.run.estimator_needs, self.cfg.algorithm
-        inputs: dict[str, torch.Tensor] = {}
-        if "old_logprobs" in needs:
-            assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs them"
-            inputs["old_logprobs"] = batch.old_logprobs
-        if "reward_components" in needs:
-            inputs["reward_components"] = reward_components(trajectories, alg.gdpo_reward_keys)
-            if alg.gdpo_reward_weights is not None:
-                inputs["reward_component_weights"] = torch.tensor(alg.gdpo_reward_weights, dtype=torch.float32)
-        return inputs
+    # ------------------------------------------------------- estimator inputs
+    def _input_providers(self) -> dict[str, InputProvider]:
+        """How each optional estimator input is produced (see ``estimator_inputs``): one entry per
+        name in OPTIONAL_ESTIMATOR_INPUTS (a unit test keeps them equal), so an estimator that needs
+        a new input brings a new provider here, never a branch in the loop."""
+        return {
+            "values": self.critic_values,
+            "reward_baselines": self.greedy_baselines,
+            "reward_components": self.named_reward_components,
+            "old_logprobs": self.actor_old_logprobs,
+            "sum_pi_squared": self.no_sum_pi_squared,
+        }
 
-    def compute_values(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, torch.Tensor]:
-        """The critic's values of the response tokens (``batch.values``), as the estimator's
-        ``values`` input; nothing without a critic (one is built when the estimator needs them)."""
-        if self.critic is None:
-            return {}
+    def estimator_inputs(self, samples: StepSamples, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The optional inputs the estimator declared it needs, each from its provider, with the
+        metrics the providers report. Nothing is produced that the estimator did not ask for."""
+        inputs: dict[str, torch.Tensor] = {}
+        metrics: dict[str, float] = {}
+        for need in sorted(self.run.estimator_needs):
+            inputs[need], produced_metrics = self.input_providers[need](samples, timer)
+            metrics |= produced_metrics
+        return inputs, metrics
+
+    def critic_values(self, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+        """The critic's values of the response tokens, kept on the batch for the critic update."""
+        assert self.critic is not None, "set-up builds a critic for an estimator that needs values"
         with timer.phase("values"):
-            batch.values = torch.cat(self.critic.split_gather(CriticWorker.compute_values, batch))
-        return {"values": batch.values}
+            samples.batch.values = torch.cat(self.critic.split_gather(CriticWorker.compute_values, samples.batch))
+        return samples.batch.values, {}
+
+    def greedy_baselines(self, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+        """Score of one greedy response per prompt, for each of its samples in batch order (ReMax).  # (B,)"""
+        with timer.phase("gen_baseline"):
+            params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.data.max_response_length)
+            groups = samples.groups
+            requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params) for g in groups]
+            metadata = [g[0].metadata for g in groups]
+            greedy = [outputs[0] for outputs in self._generate_sharded(requests, metadata)]
+            for meta, t in zip(metadata, greedy, strict=True):
+                t.metadata = {**meta, **t.metadata}
+            scores, _ = self.score_answers(greedy)
+        # By group id, not group order: balancing may have reordered the batch.
+        by_group = {g[0].group_id: score for g, score in zip(groups, scores, strict=True)}
+        baselines = torch.tensor([by_group[t.group_id] for t in samples.trajectories], dtype=torch.float32)
+        return baselines, {"critic/reward_baseline/mean": sum(scores) / len(scores)}
+
+    def named_reward_components(self, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+        """The reward's numbers named in ``algorithm.gdpo_reward_keys``, (B, K)."""
+        return reward_components(samples.trajectories, self.cfg.algorithm.gdpo_reward_keys), {}
+
+    def actor_old_logprobs(self, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+        """The actor's logprobs before the update; set-up turns that forward on for such an estimator."""
+        assert samples.batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs them"
+        return samples.batch.old_logprobs, {}
+
+    def no_sum_pi_squared(self, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+        raise AssertionError("set-up refuses estimators that need sum_pi_squared (ESTIMATOR_INPUT_SOURCES)")
 
     def update_critic(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
         """Regress the critic onto the estimator's returns; with it, how well the values the step
@@ -541,6 +558,18 @@ class RLTrainer:
             restore_rng_state(rng)
             raise CheckpointError(f"checkpoint state {ckpt / STATE_FILE} does not fit this run: {exc}") from exc
         return state
+
+
+class StepSamples(NamedTuple):
+    """This step's samples in the three views the estimator-input providers read."""
+
+    batch: TrainBatch
+    trajectories: list[Trajectory]  # in batch order
+    groups: list[list[Trajectory]]  # by prompt, as collected
+
+
+# Produces one optional estimator input (and metrics) from the step's samples.
+InputProvider = Callable[[StepSamples, PhaseTimer], tuple[torch.Tensor, dict[str, float]]]
 
 
 def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:

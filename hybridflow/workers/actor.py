@@ -22,12 +22,16 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hybridflow.algorithms import (
+    LossInputs,
+    PolicyLossFn,
     agg_loss,
     batch_counts,
+    build_policy_loss_params,
     compute_rollout_correction,
     get_policy_loss,
     kl_penalty,
@@ -39,7 +43,7 @@ from hybridflow.config.budget import (
     available_host_memory_bytes,
     packing_decision,
 )
-from hybridflow.config.schema import ActorConfig, OptimConfig, RolloutCorrectionConfig
+from hybridflow.config.schema import ActorConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
@@ -265,8 +269,7 @@ class ActorWorker:
         if rank == 0:
             for note in self.plan.notes:
                 log.info("actor: %s", note)
-        # Bypass mode replaces the loss (config validation allows it only over vanilla), as in verl.
-        self.policy_loss = get_policy_loss("bypass_mode" if setup.rollout_correction.bypass_mode else cfg.policy_loss.loss_mode)
+        self.policy_loss, self.policy_loss_params = build_actor_policy_loss(cfg, setup.rollout_correction)
         self.consecutive_skips = 0
         self.weight_sync: WeightSyncGroup | None = None  # rank 0, once joined (rollout.weight_sync=broadcast)
 
@@ -349,18 +352,7 @@ class ActorWorker:
 
     def _loss_fn(self, num_tokens: int, num_seqs: int, num_micro: int, generator: torch.Generator):
         cfg = self.cfg
-        low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
-        high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
         scale = cfg.loss_scale_factor if cfg.loss_scale_factor is not None else float(self.setup.max_response_length)
-        pl = cfg.policy_loss
-        # Every loss takes the same keywords and ignores the ones that are not its own.
-        rc = self.setup.rollout_correction
-        mode_kwargs = dict(tau_pos=pl.tau_pos, tau_neg=pl.tau_neg, clip_cov_ratio=pl.clip_cov_ratio,
-                           clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-                           kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, generator=generator,
-                           dro_beta=pl.dro_beta, bypass_loss_type=rc.loss_type, rollout_is=rc.rollout_is,
-                           rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
-                           rollout_rs_band=_rejection_band(rc))
         agg = dict(
             global_num_tokens=num_tokens,
             global_num_seqs=num_seqs,
@@ -382,20 +374,12 @@ class ActorWorker:
             # Fully on-policy (one optimizer step per rollout batch) the old policy *is* the
             # current one, so the controller may skip the extra forward and we detach here.
             old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-            pg_loss, metrics = self.policy_loss(
-                old_logprobs=old,
-                logprobs=logprobs,
-                advantages=mb.advantages,
-                response_mask=mask,
-                clip_ratio_low=low,
-                clip_ratio_high=high,
-                clip_ratio_c=cfg.clip_ratio_c,
-                loss_agg_mode=cfg.loss_agg_mode,
-                rollout_is_weights=mb.rollout_is_weights,
-                rollout_logprobs=mb.rollout_logprobs,
-                **mode_kwargs,
-                **agg,
+            inputs = LossInputs(
+                old_logprobs=old, logprobs=logprobs, advantages=mb.advantages, response_mask=mask,
+                rollout_is_weights=mb.rollout_is_weights, rollout_logprobs=mb.rollout_logprobs,
+                generator=generator, **agg,
             )
+            pg_loss, metrics = self.policy_loss(inputs, self.policy_loss_params)
             loss = pg_loss
             # The engine averages metrics over micro-batches; each micro-batch's loss is its share
             # of the mini-batch loss (global normalisation), so share x count averages to the
@@ -465,6 +449,32 @@ class ActorWorker:
     def load_checkpoint(self, ckpt_dir: str) -> str | None:
         """Load the checkpoint the actor saved in ``ckpt_dir`` (``load_engine_checkpoint``)."""
         return load_engine_checkpoint(self.engine, Path(ckpt_dir), "actor")
+
+
+def build_actor_policy_loss(cfg: ActorConfig, rc: RolloutCorrectionConfig) -> tuple[PolicyLossFn, Any]:
+    """The configured policy loss and its typed params: the one place where the flat config keys
+    become a loss's parameters.
+
+    Bypass mode replaces the loss (config validation allows it only over vanilla), as in verl.
+    The actor's shared keys (clip ratios, aggregation, rollout correction) fill whichever fields
+    the loss has. ``actor.policy_loss.*`` keys belong to one loss each: every one of them fills
+    its field, and one set away from its default under a loss without that field raises a
+    ValueError naming it (``tau_pos`` with loss_mode=vanilla is a mistake, not a no-op).
+    """
+    mode = "bypass_mode" if rc.bypass_mode else cfg.policy_loss.loss_mode
+    fn = get_policy_loss(mode)
+    shared = dict(
+        clip_ratio_low=cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
+        clip_ratio_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
+        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
+        bypass_loss_type=rc.loss_type, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_rs=rc.rollout_rs, rollout_rs_band=_rejection_band(rc),
+    )
+    mode_keys = {f.name: getattr(cfg.policy_loss, f.name) for f in dataclasses.fields(cfg.policy_loss)
+                 if f.name != "loss_mode"}
+    defaults = PolicyLossConfig()
+    changed = {k: v for k, v in mode_keys.items() if v != getattr(defaults, k)}
+    return fn, build_policy_loss_params(fn, shared={**shared, **mode_keys}, specific=changed, name=mode)
 
 
 def _rejection_band(rc: RolloutCorrectionConfig) -> tuple[float, float]:

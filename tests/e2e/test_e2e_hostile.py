@@ -147,22 +147,27 @@ def test_pluggable_names_are_resolved_and_checked_before_anything_loads(files, t
     assert code == 2 and expected in line, line
 
 
-def test_a_custom_loss_taking_exactly_the_documented_keywords_trains(files, tmp_path, monkeypatch):
-    """The start-up check binds the keywords the actor passes (POLICY_LOSS_KEYWORDS): a loss that
-    takes exactly those, no **kwargs, must also survive the real call."""
-    from hybridflow.algorithms.policy_loss import POLICY_LOSS_KEYWORDS
-
-    params = ", ".join(f"{name}=None" for name in POLICY_LOSS_KEYWORDS)
-    (tmp_path / "exact_loss.py").write_text(textwrap.dedent(f"""
+def test_a_custom_loss_with_the_documented_signature_trains(files, tmp_path, monkeypatch):
+    """A user's loss is ``fn(inputs: LossInputs, params)``; one that declares a params dataclass gets
+    it filled from the config (here vanilla's clip settings), and survives the real call."""
+    (tmp_path / "typed_loss.py").write_text(textwrap.dedent("""
         from hybridflow.algorithms import get_policy_loss
+        from hybridflow.algorithms.policy_loss import PPOClipParams
 
-        def loss(*, {params}):
-            return get_policy_loss("vanilla")(**{{k: v for k, v in locals().items()}})
+        def loss(inputs, params):
+            assert isinstance(params, PPOClipParams) and params.clip_ratio_c == 3.0
+            return get_policy_loss("vanilla")(inputs, params)
+        loss.params = PPOClipParams
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     result = api.train(api.make_config("grpo", overrides=[
-        *base(files, tmp_path / "run"), "actor.policy_loss.loss_mode=exact_loss:loss"]))
+        *base(files, tmp_path / "run"), "actor.policy_loss.loss_mode=typed_loss:loss"]))
     assert result.final_metrics["training/global_step"] == 2
+
+
+def test_a_policy_loss_key_for_another_loss_is_refused_at_start_up(files, tmp_path, capsys):
+    code, line = cli(["train", *base(files, tmp_path / "run"), "actor.policy_loss.tau_pos=1.2"], capsys)
+    assert code == 2 and "config error: actor.policy_loss: tau_pos does not apply to policy loss" in line, line
 
 
 # ------------------------------------------------------------------------- one-line errors

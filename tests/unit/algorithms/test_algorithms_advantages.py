@@ -7,6 +7,7 @@ import torch
 
 from hybridflow.algorithms.advantages import ADV_ESTIMATORS, get_adv_estimator
 from hybridflow.algorithms.core import UnknownNameError
+from _algorithm_calls import estimate
 
 torch.set_num_threads(1)
 EPS = 1e-6
@@ -25,7 +26,7 @@ def outcome_batch(scores: list[float], lengths: list[int], width: int = 4) -> tu
 def run(
     name: str, rewards: torch.Tensor, mask: torch.Tensor, ids: list[int], **kwargs: object
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return get_adv_estimator(name)(
+    return estimate(name, 
         token_level_rewards=rewards, response_mask=mask, group_ids=torch.tensor(ids), **kwargs
     )
 
@@ -138,7 +139,7 @@ def test_reinforce_plus_plus_degenerate_batches_stay_finite() -> None:
 @pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
 def test_every_estimator_takes_the_uniform_signature(name: str) -> None:
     rewards, mask = outcome_batch([1.0, 0.0, 1.0, 1.0], [1, 2, 3, 4])
-    advantages, returns = get_adv_estimator(name)(
+    advantages, returns = estimate(name, 
         token_level_rewards=rewards,
         response_mask=mask,
         group_ids=torch.tensor([0, 0, 1, 1]),
@@ -166,7 +167,7 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match=r"group_ids must be \(2,\)"):
         run("grpo", rewards, mask, [0, 0, 0])
     with pytest.raises(ValueError, match="integer tensor"):
-        get_adv_estimator("grpo")(token_level_rewards=rewards, response_mask=mask, group_ids=torch.tensor([0.0, 1.0]))
+        estimate("grpo", token_level_rewards=rewards, response_mask=mask, group_ids=torch.tensor([0.0, 1.0]))
     rewards[1, 0] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite values in rows \[1\]"):
         run("rloo", rewards, mask, [0, 0])

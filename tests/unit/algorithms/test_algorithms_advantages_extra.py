@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.algorithms.advantages import ADV_ESTIMATORS, get_adv_estimator
+from hybridflow.algorithms.advantages import ADV_ESTIMATORS
+from _algorithm_calls import estimate
 
 torch.set_num_threads(1)
 EPS = 1e-6
@@ -20,7 +21,7 @@ def whiten(raw: list[float]) -> torch.Tensor:
 
 def run(name: str, rewards: torch.Tensor, mask: torch.Tensor, ids: list[int] | None = None, **kwargs: object):  # type: ignore[no-untyped-def]
     ids_t = torch.tensor(ids) if ids is not None else torch.arange(rewards.shape[0])
-    return get_adv_estimator(name)(token_level_rewards=rewards, response_mask=mask, group_ids=ids_t, **kwargs)
+    return estimate(name, token_level_rewards=rewards, response_mask=mask, group_ids=ids_t, **kwargs)
 
 
 def test_registry_lists_every_estimator() -> None:
@@ -111,7 +112,7 @@ def test_gae_with_gamma_lambda_one_is_reward_to_go_minus_value() -> None:
 
 
 def test_gae_needs_values_of_the_right_shape() -> None:
-    with pytest.raises(ValueError, match=r"'gae' needs values="):
+    with pytest.raises(ValueError, match=r"'gae' needs AdvantageInputs.values"):
         run("gae", GAE_REWARDS, GAE_MASK)
     with pytest.raises(ValueError, match=r"shape mismatch: token_level_rewards \(3, 3\), values \(3, 2\)"):
         run("gae", GAE_REWARDS, GAE_MASK, values=GAE_VALUES[:, :2])
@@ -142,7 +143,7 @@ def test_remax_reward_to_go_minus_greedy_baseline() -> None:
 
 def test_remax_needs_one_baseline_per_sample() -> None:
     rewards, mask = torch.zeros(2, 3), torch.ones(2, 3)
-    with pytest.raises(ValueError, match=r"'remax' needs reward_baselines="):
+    with pytest.raises(ValueError, match=r"'remax' needs AdvantageInputs.reward_baselines"):
         run("remax", rewards, mask)
     with pytest.raises(ValueError, match=r"reward_baselines must be \(2,\)"):
         run("remax", rewards, mask, reward_baselines=torch.zeros(2, 1))

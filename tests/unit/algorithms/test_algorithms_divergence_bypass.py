@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybridflow.algorithms.policy_loss import get_policy_loss
+from _algorithm_calls import policy_loss
 
 torch.set_num_threads(1)
 HALF = math.log(0.5)
@@ -18,7 +18,7 @@ def loss_and_grad(name: str, probs: list[float], advantages: list[float], old: l
     logprobs = torch.tensor([probs]).log().requires_grad_(True)
     old_logprobs = torch.tensor([old]).log() if old is not None else torch.full_like(logprobs, HALF)
     kw = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, **kw}
-    loss, metrics = get_policy_loss(name)(old_logprobs=old_logprobs, logprobs=logprobs,
+    loss, metrics = policy_loss(name, old_logprobs=old_logprobs, logprobs=logprobs,
                                           advantages=torch.tensor([advantages]), response_mask=torch.ones_like(logprobs),
                                           **kw)
     (grad,) = torch.autograd.grad(loss, logprobs)

@@ -9,6 +9,7 @@ import torch
 
 from hybridflow.algorithms.core import UnknownNameError
 from hybridflow.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
+from _algorithm_calls import policy_loss
 
 torch.set_num_threads(1)
 
@@ -18,7 +19,7 @@ CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
 def ppo(ratio: list[float], advantage: list[float], **kwargs):  # type: ignore[no-untyped-def]
     """vanilla loss with old logprob 0 and logprob log(ratio); returns (loss, metrics, logprobs)."""
     logprobs = torch.tensor([[math.log(r) for r in ratio]], requires_grad=True)
-    loss, metrics = get_policy_loss("vanilla")(
+    loss, metrics = policy_loss("vanilla", 
         old_logprobs=torch.zeros_like(logprobs),
         logprobs=logprobs,
         advantages=torch.tensor([advantage]),
@@ -81,7 +82,7 @@ def test_asymmetric_clip_higher() -> None:
 
 def test_masked_tokens_do_not_count_and_huge_ratios_stay_finite() -> None:
     logprobs = torch.tensor([[0.0, 50.0, -1e4]], requires_grad=True)
-    loss, metrics = get_policy_loss("vanilla")(
+    loss, metrics = policy_loss("vanilla", 
         old_logprobs=torch.zeros(1, 3),
         logprobs=logprobs,
         advantages=torch.tensor([[1.0, -1.0, 5.0]]),
@@ -104,15 +105,15 @@ def test_rollout_is_weights_scale_token_losses() -> None:
         response_mask=torch.ones(1, 2),
         **CLIP,
     )
-    plain, _ = get_policy_loss("vanilla")(**kwargs)
-    weighted, _ = get_policy_loss("vanilla")(**kwargs, rollout_is_weights=torch.tensor([[3.0, 0.5]]))
+    plain, _ = policy_loss("vanilla", **kwargs)
+    weighted, _ = policy_loss("vanilla", **kwargs, rollout_is_weights=torch.tensor([[3.0, 0.5]]))
     # ratio 1: token losses −1, −2 → mean −1.5; weighted −3, −1 → mean −2
     assert plain.item() == pytest.approx(-1.5)
     assert weighted.item() == pytest.approx(-2.0)
 
 
 def test_aggregation_arguments_are_passed_through() -> None:
-    loss, _ = get_policy_loss("vanilla")(
+    loss, _ = policy_loss("vanilla", 
         old_logprobs=torch.zeros(2, 2),
         logprobs=torch.zeros(2, 2),
         advantages=torch.tensor([[1.0, 1.0], [3.0, 0.0]]),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import math
 
 import pytest
 import torch
 
-from hybridflow.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
+from hybridflow.algorithms.policy_loss import POLICY_LOSSES
+from _algorithm_calls import policy_loss
 
 torch.set_num_threads(1)
 
@@ -19,7 +22,7 @@ LN = math.log
 def loss_and_grad(name: str, logprobs: list[list[float]], old: list[list[float]], advantages: list[list[float]], mask: list[list[float]] | None = None, **kwargs: object):  # type: ignore[no-untyped-def]
     """(loss, metrics, d loss / d logprobs) of one registered loss."""
     lp = torch.tensor(logprobs, requires_grad=True)
-    loss, metrics = get_policy_loss(name)(
+    loss, metrics = policy_loss(name, 
         old_logprobs=torch.tensor(old),
         logprobs=lp,
         advantages=torch.tensor(advantages),
@@ -236,7 +239,7 @@ def test_geo_mean_is_weights_and_empty_sequences() -> None:
     # ratio 1, A = 1 → −1 per sequence; IS weights (4, 1) enter as their geometric mean 2;
     # the empty third sequence counts in no mean: (−2 − 1)/2 = −1.5
     lp = torch.zeros(3, 2, requires_grad=True)
-    loss, _ = get_policy_loss("geo_mean")(
+    loss, _ = policy_loss("geo_mean", 
         old_logprobs=torch.zeros(3, 2),
         logprobs=lp,
         advantages=torch.ones(3, 2),
@@ -281,7 +284,7 @@ def test_every_loss_takes_the_uniform_signature_and_ignores_padding(name: str) -
     logprobs.requires_grad_(True)
     old = (logprobs.detach() + 0.1 * torch.randn(2, 3, generator=generator)).clone()
     old[mask == 0] = float("nan")
-    loss, metrics = get_policy_loss(name)(
+    loss, metrics = policy_loss(name, 
         old_logprobs=old,
         logprobs=logprobs,
         advantages=torch.randn(2, 3, generator=generator),
@@ -313,7 +316,7 @@ def test_micro_batches_with_global_counts_add_up_to_the_full_batch(name: str) ->
     advantages = torch.randn(4, 1, generator=generator).expand(4, 5).contiguous()
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
     common = dict(CLIP, loss_agg_mode="token-mean", global_num_tokens=int(mask.sum()), global_num_seqs=4)
-    fn = get_policy_loss(name)
+    fn = partial(policy_loss, name)
     full, _ = fn(old_logprobs=old, logprobs=logprobs, advantages=advantages, response_mask=mask,
                  rollout_logprobs=old, dro_beta=0.1, **common)  # type: ignore[arg-type]
     parts = [
@@ -327,7 +330,7 @@ def test_micro_batches_with_global_counts_add_up_to_the_full_batch(name: str) ->
 @pytest.mark.parametrize("name", sorted(set(POLICY_LOSSES) - {"vanilla"}))
 def test_shape_mismatch_is_named(name: str) -> None:
     with pytest.raises(ValueError, match=r"shape mismatch: old_logprobs \(1, 2\), logprobs \(1, 3\)"):
-        get_policy_loss(name)(
+        policy_loss(name, 
             old_logprobs=torch.zeros(1, 2), logprobs=torch.zeros(1, 3), advantages=torch.zeros(1, 3),
             response_mask=torch.ones(1, 3), **CLIP,
         )

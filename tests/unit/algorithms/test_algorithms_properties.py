@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import math
 
 import pytest
@@ -23,9 +25,8 @@ from hybridflow.algorithms import (
     POLICY_LOSSES,
     agg_loss,
     batch_counts,
-    get_adv_estimator,
-    get_policy_loss,
 )
+from _algorithm_calls import estimate, policy_loss
 
 torch.set_num_threads(1)
 
@@ -88,7 +89,7 @@ def test_policy_losses_are_split_invariant_over_micro_batches_and_ranks(batch, d
     """Ranks each accumulate their micro-batches; the all-reduce averages the rank gradients."""
     lengths, length, seed = batch
     mask, old, new, adv = _tensors(lengths, length, seed)
-    fn = get_policy_loss(loss_mode)
+    fn = partial(policy_loss, loss_mode)
     common = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg_mode, loss_scale_factor=float(length))
 
     def loss(rows: slice, **kw):
@@ -135,7 +136,7 @@ def test_group_baseline_advantages_sum_to_zero_per_group(group_sizes, seed, esti
     rewards = torch.zeros(rows, length)
     rewards[torch.arange(rows), lengths - 1] = scores
     name = "grpo" if estimator == "dr_grpo" else estimator
-    adv, _ = get_adv_estimator(name)(token_level_rewards=rewards, response_mask=mask, group_ids=group_ids,
+    adv, _ = estimate(name, token_level_rewards=rewards, response_mask=mask, group_ids=group_ids,
                                      norm_adv_by_std_in_grpo=estimator != "dr_grpo")
     assert torch.isfinite(adv).all()
     per_sample = adv[torch.arange(rows), 0]  # outcome advantages are constant along a response
@@ -173,7 +174,7 @@ def _estimator_inputs(rows: int, length: int, lengths: list[int], rewards_equal:
 )
 def test_every_estimator_is_finite_on_degenerate_inputs(name, lengths, equal) -> None:
     inputs = _estimator_inputs(4, 3, lengths, equal)
-    adv, returns = get_adv_estimator(name)(**inputs)
+    adv, returns = estimate(name, **inputs)
     assert adv.shape == returns.shape == (4, 3)
     assert torch.isfinite(adv).all() and torch.isfinite(returns).all()
     assert (adv[inputs["response_mask"] == 0] == 0).all(), "masked tokens get no advantage"
@@ -185,7 +186,7 @@ def test_every_estimator_is_finite_on_degenerate_inputs(name, lengths, equal) ->
 def test_every_policy_loss_is_finite_with_finite_gradient_on_degenerate_inputs(name, agg_mode, lengths) -> None:
     mask, old, new, _ = _tensors(lengths, 3, seed=0)
     adv = torch.zeros_like(old)  # all-equal rewards: zero advantages
-    loss, metrics = get_policy_loss(name)(old_logprobs=old, logprobs=new, advantages=adv, response_mask=mask,
+    loss, metrics = policy_loss(name, old_logprobs=old, logprobs=new, advantages=adv, response_mask=mask,
                                           clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg_mode,
                                           rollout_logprobs=old, dro_beta=0.1)
     assert math.isfinite(float(loss.detach()))

@@ -10,7 +10,11 @@ import torch
 
 from hybridflow.algorithms import (
     OPTIONAL_ESTIMATOR_INPUTS,
+    AdvantageInputs,
+    LossInputs,
     UnknownNameError,
+    build_estimator_params,
+    build_policy_loss_params,
     estimator_needs,
     get_adv_estimator,
     get_policy_loss,
@@ -21,14 +25,18 @@ USER_MODULE = textwrap.dedent(
     """
     import torch
 
-    def my_estimator(*, token_level_rewards, response_mask, group_ids, **unused):
-        scores = token_level_rewards.sum(-1, keepdim=True)
-        return scores * response_mask, scores * response_mask
+    def my_estimator(inputs, params):
+        scores = inputs.token_level_rewards.sum(-1, keepdim=True)
+        return scores * inputs.response_mask, scores * inputs.response_mask
     my_estimator.needs = ("reward_baselines",)
 
-    def my_loss(*, old_logprobs, logprobs, advantages, response_mask, **unused):
-        loss = -(advantages * logprobs * response_mask).sum() / response_mask.sum().clamp(min=1)
-        return loss, {"actor/pg_clipfrac": 0.0}
+    def my_loss(inputs, params):
+        mask = inputs.response_mask
+        loss = -(inputs.advantages * inputs.logprobs * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {"actor/pg_clipfrac": 0.0, "agg": params.loss_agg_mode}
+
+    def old_style_loss(*, old_logprobs, logprobs, advantages, response_mask, **unused):
+        return None
 
     not_callable = 3
     """
@@ -47,13 +55,36 @@ def test_module_function_escape_hatch_for_estimators_and_losses(user_module) -> 
     est = get_adv_estimator(f"{user_module}:my_estimator")
     rewards = torch.tensor([[0.0, 2.0], [1.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    adv, _ = est(token_level_rewards=rewards, response_mask=mask, group_ids=torch.tensor([0, 0]))
+    inputs = AdvantageInputs(token_level_rewards=rewards, response_mask=mask, group_ids=torch.tensor([0, 0]))
+    adv, _ = est(inputs, build_estimator_params(est, {"gamma": 0.9}))
     assert adv.tolist() == [[2.0, 2.0], [1.0, 0.0]]
     assert estimator_needs(est) == {"reward_baselines"}
     loss_fn = get_policy_loss(f"{user_module}:my_loss")
-    loss, metrics = loss_fn(old_logprobs=torch.zeros(1, 2), logprobs=torch.full((1, 2), -1.0),
-                            advantages=torch.ones(1, 2), response_mask=torch.ones(1, 2))
-    assert float(loss) == pytest.approx(1.0) and metrics == {"actor/pg_clipfrac": 0.0}
+    # A loss without a declared params type gets the aggregation mode (AggParams) and nothing else.
+    params = build_policy_loss_params(loss_fn, shared={"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 0.2},
+                                      specific={})
+    loss, metrics = loss_fn(LossInputs(old_logprobs=torch.zeros(1, 2), logprobs=torch.full((1, 2), -1.0),
+                                       advantages=torch.ones(1, 2), response_mask=torch.ones(1, 2)), params)
+    assert float(loss) == pytest.approx(1.0) and metrics == {"actor/pg_clipfrac": 0.0, "agg": "seq-mean-token-mean"}
+
+
+def test_a_keyword_only_function_is_refused_at_start_up(user_module) -> None:
+    with pytest.raises(UnknownNameError, match=r"cannot be called as fn\(inputs: LossInputs, params\)"):
+        get_policy_loss(f"{user_module}:old_style_loss")
+
+
+def test_a_setting_for_another_loss_is_refused() -> None:
+    with pytest.raises(ValueError, match="tau_pos does not apply to policy loss 'vanilla'"):
+        build_policy_loss_params(get_policy_loss("vanilla"), shared={"clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
+                                 specific={"tau_pos": 1.2}, name="vanilla")
+
+
+def test_a_missing_needed_input_names_the_estimator_and_the_field() -> None:
+    mask = torch.ones(2, 3)
+    inputs = AdvantageInputs(token_level_rewards=mask, response_mask=mask, group_ids=torch.tensor([0, 0]))
+    gae = get_adv_estimator("gae")
+    with pytest.raises(ValueError, match=r"advantage estimator 'gae' needs AdvantageInputs.values"):
+        gae(inputs, build_estimator_params(gae, {}))
 
 
 def test_escape_hatch_errors_name_the_problem(user_module) -> None:

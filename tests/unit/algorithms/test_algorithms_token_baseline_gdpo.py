@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import math
 
 import pytest
 import torch
 
-from hybridflow.algorithms.advantages import get_adv_estimator
+from _algorithm_calls import estimate
 
 torch.set_num_threads(1)
 
@@ -22,7 +24,7 @@ def approx(values: list[list[float]]):  # type: ignore[no-untyped-def]
 
 
 def gdpo(components: list[list[float]], mask: torch.Tensor, ids: list[int], **kw):  # type: ignore[no-untyped-def]
-    return get_adv_estimator("gdpo")(
+    return estimate("gdpo", 
         token_level_rewards=torch.zeros_like(mask), response_mask=mask, group_ids=torch.tensor(ids),
         reward_components=torch.tensor(components), **kw,
     )
@@ -43,7 +45,7 @@ def test_gdpo_normalises_each_component_in_its_group_then_sums_and_whitens():
 
 def test_gdpo_ignores_the_score_and_masks_padding():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    estimator = get_adv_estimator("gdpo")
+    estimator = partial(estimate, "gdpo")
     first, _ = estimator(token_level_rewards=torch.zeros(2, 2), response_mask=mask, group_ids=torch.tensor([0, 0]),
                          reward_components=torch.tensor([[1.0], [0.0]]))
     second, _ = estimator(token_level_rewards=torch.ones(2, 2), response_mask=mask, group_ids=torch.tensor([0, 0]),
@@ -59,8 +61,8 @@ def test_gdpo_one_component_is_grpo_then_whitened_and_names_a_missing_input():
     # Dr.GRPO per group: [0.5, -0.5 | 0.5 (singleton: mean 0)], then whitened: mean 1/6, var 1/3.
     expected = [(x - 1 / 6) / math.sqrt(1 / 3) for x in (0.5, -0.5, 0.5)]
     assert adv.flatten().tolist() == pytest.approx(expected, abs=1e-5)
-    with pytest.raises(ValueError, match="gdpo' needs reward_components"):
-        get_adv_estimator("gdpo")(token_level_rewards=mask, response_mask=mask, group_ids=torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match="gdpo' needs AdvantageInputs.reward_components"):
+        estimate("gdpo", token_level_rewards=mask, response_mask=mask, group_ids=torch.tensor([0, 0, 1]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +74,7 @@ def otb(name: str, rewards: list[list[float]], mask: list[list[float]], probs: l
         **kw):  # type: ignore[no-untyped-def]
     """Σπ² = 0.5 everywhere, so w = 1 − 2π + 0.5: 0.5 for π = 0.5, 1.0 for π = 0.25."""
     m = torch.tensor(mask, dtype=torch.float32)
-    return get_adv_estimator(name)(
+    return estimate(name, 
         token_level_rewards=torch.tensor(rewards, dtype=torch.float32), response_mask=m, group_ids=torch.tensor(ids),
         old_logprobs=torch.tensor(probs, dtype=torch.float32).log(), sum_pi_squared=torch.full_like(m, 0.5), **kw,
     )
@@ -135,6 +137,6 @@ def test_rollout_is_weights_scale_each_tokens_variance_by_their_square():
 
 def test_token_baselines_name_their_missing_inputs():
     mask = torch.ones(2, 2)
-    with pytest.raises(ValueError, match="needs sum_pi_squared"):
-        get_adv_estimator("optimal_token_baseline")(token_level_rewards=mask, response_mask=mask,
+    with pytest.raises(ValueError, match="needs AdvantageInputs.sum_pi_squared"):
+        estimate("optimal_token_baseline", token_level_rewards=mask, response_mask=mask,
                                                     group_ids=torch.tensor([0, 0]), old_logprobs=mask)

@@ -3,12 +3,15 @@ estimators it refuses at start-up because the trainer cannot build theirs (Σπ�
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from hybridflow.algorithms import OPTIONAL_ESTIMATOR_INPUTS, AdvantageInputs
 from hybridflow.config import ConfigError, load_config
-from hybridflow.controller.setup import resolve_plugins
-from hybridflow.controller.sync import reward_components
+from hybridflow.controller.setup import ESTIMATOR_INPUT_SOURCES, needs_critic, resolve_plugins
+from hybridflow.controller.sync import RLTrainer, reward_components
 from hybridflow.types import Trajectory
 
 
@@ -32,3 +35,13 @@ def test_a_component_no_reward_returned_is_named():
 def test_token_baseline_estimators_are_refused_until_the_actor_computes_sum_pi_squared(estimator):
     with pytest.raises(ConfigError, match="needs sum_pi_squared"):
         resolve_plugins(load_config(overrides=[f"algorithm.adv_estimator={estimator}"]))
+
+
+def test_every_optional_input_has_a_source_and_a_provider():
+    """Set-up reads ESTIMATOR_INPUT_SOURCES and the loop RLTrainer's providers by the names an
+    estimator declares; a name missing from either would fail mid-run instead of at start-up."""
+    trainer = object.__new__(RLTrainer)  # the providers are bound methods; nothing else is needed
+    assert set(ESTIMATOR_INPUT_SOURCES) == set(OPTIONAL_ESTIMATOR_INPUTS)
+    assert set(trainer._input_providers()) == set(OPTIONAL_ESTIMATOR_INPUTS)
+    assert set(OPTIONAL_ESTIMATOR_INPUTS) <= {f.name for f in dataclasses.fields(AdvantageInputs)}
+    assert needs_critic(frozenset({"values"})) and not needs_critic(frozenset({"reward_baselines"}))
