@@ -50,3 +50,69 @@ def test_imports_only_go_down():
                 ):
                     problems.append(f"{rel}: {src_area} (L{LAYER[src_area]}) imports {name} (L{LAYER[dst]})")
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------ the controller orders, never computes
+# docs/design.md, rule 2. The controller may build tensors from Python values and glue gathered
+# shards; arithmetic on tensors lives in algorithms/ (pure, tested with hand-worked numbers) or
+# in the workers. These torch calls are allowed in hybridflow/controller/, each for one reason:
+CONTROLLER_TORCH_CALLS = {
+    "cat": "glue the shards a worker group's ranks return into one batch tensor",
+    "tensor": "build a record's tensor from Python values (greedy scores, reward components, lengths)",
+    "full_like": "fault injection for tests (the nan_advantages fault)",
+    "get_num_threads": "report a setting as a metric; no math",
+}
+# Tensor methods that are arithmetic; calling one on anything in the controller is refused. (Not
+# ``log``: the tracker's method has that name.)
+TENSOR_MATH_METHODS = {
+    "sum", "mean", "std", "var", "exp", "sqrt", "abs", "clamp", "clamp_", "cumsum", "softmax",
+    "log_softmax", "where", "masked_fill", "index_add_", "scatter_", "scatter_add_", "scatter_reduce",
+    "add_", "sub_", "mul_", "div_", "pow",
+}
+
+
+def controller_sources():
+    root = Path(hybridflow.__file__).parent / "controller"
+    return [(path.relative_to(root.parent.parent), ast.parse(path.read_text())) for path in sorted(root.rglob("*.py"))]
+
+
+def test_the_controller_does_no_tensor_math():
+    problems = []
+    for rel, tree in controller_sources():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner, name = node.func.value, node.func.attr
+            if isinstance(owner, ast.Name) and owner.id == "torch" and name not in CONTROLLER_TORCH_CALLS:
+                problems.append(f"{rel}:{node.lineno}: torch.{name}(...) is tensor math; move it into algorithms/")
+            elif name in TENSOR_MATH_METHODS:
+                problems.append(f"{rel}:{node.lineno}: .{name}(...) is tensor math; move it into algorithms/")
+    assert not problems, "\n".join(problems)
+
+
+def algorithm_names() -> set[str]:
+    from hybridflow.algorithms import ADV_ESTIMATORS, OPTIONAL_ESTIMATOR_INPUTS, POLICY_LOSSES
+
+    return set(ADV_ESTIMATORS) | set(POLICY_LOSSES) | set(OPTIONAL_ESTIMATOR_INPUTS)
+
+
+# Config fields whose value names an algorithm, and the set of inputs an estimator needs.
+ALGORITHM_SELECTORS = {"adv_estimator", "loss_mode", "estimator_needs", "needs"}
+
+
+def test_the_controller_never_branches_on_an_algorithm():
+    """No comparison with an estimator, loss or estimator-input name, and none that reads the
+    setting that names one: a new algorithm never needs a branch in the loop (rule 4)."""
+    names, problems = algorithm_names(), []
+    for rel, tree in controller_sources():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            strings = {o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)}
+            selectors = {n.attr if isinstance(n, ast.Attribute) else n.id for o in operands for n in ast.walk(o)
+                         if isinstance(n, ast.Attribute | ast.Name) and (n.attr if isinstance(n, ast.Attribute) else n.id)
+                         in ALGORITHM_SELECTORS}
+            if strings & names or selectors:
+                problems.append(f"{rel}:{node.lineno}: compares {sorted(strings & names) or sorted(selectors)}")
+    assert not problems, "\n".join(problems)
