@@ -129,6 +129,10 @@ class OptimConfig:
 
 @dataclass
 class PolicyLossConfig:
+    """The loss and its own settings. Each key below belongs to one loss_mode (named first in its
+    description) and fills that loss's typed params; one set away from its default under another
+    loss_mode is a config error at start-up (build_actor_policy_loss in hybridflow/workers/actor.py)."""
+
     loss_mode: str = f(
         "vanilla",
         "Policy loss: vanilla (PPO clip) | gspo | sapo | cispo | gpg | clip_cov | kl_cov | geo_mean | dppo_tv | "
@@ -198,7 +202,10 @@ class ActorConfig:
         "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.",
     )
     loss_scale_factor: float | None = f(None, "Divisor for seq-mean-token-sum-norm; None: max_response_length.")
-    policy_loss: PolicyLossConfig = sub(PolicyLossConfig, "Policy loss selection.")
+    policy_loss: PolicyLossConfig = sub(
+        PolicyLossConfig, "Policy loss selection. Each key but loss_mode belongs to the loss named first in its "
+        "description; set away from its default under another loss_mode it is a config error.",
+    )
     entropy_coeff: float = f(0.0, "Entropy bonus coefficient.")
     use_kl_loss: bool = f(False, "Add a KL(actor || reference) loss (loads a reference model).")
     kl_loss_coef: float = f(0.001, "Weight of the KL loss.")
