@@ -16,8 +16,8 @@ import logging
 import signal
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
