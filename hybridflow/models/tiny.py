@@ -123,3 +123,25 @@ def write_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModel
     give_default_modes(out)  # safetensors writes mode 0600
     return out
 
+
+
+def write_tiny_reward_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> Path:
+    """A random-init tiny reward model (``Qwen2ForSequenceClassification``, one label, the built-in
+    tokenizer and chat template) as a Hugging Face directory: what ``reward_model.model.path``
+    loads, for tests and examples. The head's weights are drawn like the rest, so scores differ
+    between texts (a zero head would score every text 0)."""
+    from transformers import Qwen2ForSequenceClassification
+
+    config = build_tiny_model(spec, seed).config
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with hf_progress_bars_off():
+        model.save_pretrained(out, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(out)
+    give_default_modes(out)
+    return out
