@@ -86,14 +86,14 @@ class TinyModelSpec:
         )
 
 
-def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
-    """A randomly initialised Qwen2ForCausalLM of the given shape (fp32, CPU)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_config(spec: TinyModelSpec = TinyModelSpec()):
+    """The built-in model's ``Qwen2Config`` of the given shape."""
+    from transformers import Qwen2Config
 
     tokenizer_vocab = 256 + len(SPECIAL_TOKENS)
     if spec.vocab_size < tokenizer_vocab:
         raise ValueError(f"vocab_size {spec.vocab_size} < tokenizer vocabulary {tokenizer_vocab}")
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -107,6 +107,13 @@ def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
         pad_token_id=256,  # <|endoftext|>
         rope_theta=10000.0,
     )
+
+
+def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
+    """A randomly initialised Qwen2ForCausalLM of the given shape (fp32, CPU)."""
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_config(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -132,7 +139,7 @@ def write_tiny_reward_model(out_dir: str | os.PathLike, spec: TinyModelSpec = Ti
     between texts (a zero head would score every text 0)."""
     from transformers import Qwen2ForSequenceClassification
 
-    config = build_tiny_model(spec, seed).config
+    config = tiny_config(spec)
     config.num_labels = 1
     config.architectures = ["Qwen2ForSequenceClassification"]
     with torch.random.fork_rng(devices=[]):
