@@ -66,7 +66,12 @@ class Script(BaseHTTPRequestHandler):
         if case == "slow":
             time.sleep(0.6)  # past the client's 0.2 s timeout, every time
         if case == "busy":
-            time.sleep(0.1)
+            # Hold the request until a second one arrives (a loaded machine may start threads
+            # slowly), then a little longer, time for a third to arrive if the bound leaked.
+            deadline = time.monotonic() + 5
+            while type(self).in_flight < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05)
         if case == "down" or (case == "flaky" and attempt == 1):
             return self._send(503, b"overloaded")
         if case == "refused":
@@ -89,14 +94,18 @@ class Script(BaseHTTPRequestHandler):
         pass
 
 
+
 @pytest.fixture
-def server() -> Iterator[str]:
-    Script.attempts, Script.in_flight, Script.most_in_flight = Counter(), 0, 0
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Script)
+def server() -> Iterator[tuple[str, type[Script]]]:
+    """The server's base URL and its handler class, whose counters are this server's alone (a
+    previous test's handlers may still be sleeping, and must not count here)."""
+    script = type("TestScript", (Script,), {"attempts": Counter(), "in_flight": 0, "most_in_flight": 0,
+                                            "lock": threading.Lock()})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), script)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", script
     httpd.shutdown()
     httpd.server_close()
 
@@ -112,27 +121,29 @@ def request(case: str) -> JudgeRequest:
 
 
 def test_each_failure_is_scored_as_failure_and_counted(server):
-    judge = _judge(server)
+    url, script = server
+    judge = _judge(url)
     cases = ["good", "garbage", "slow", "flaky", "down", "refused", "malformed", "good"]
     judgements, metrics = judge.score([request(c) for c in cases])
     judge.close()
     by_case = dict(zip(cases, judgements))
     assert [j.score for j in judgements] == [0.75, -1.0, -1.0, 0.75, -1.0, -1.0, -1.0, 0.75]
     assert by_case["flaky"].outcome is Outcome.SCORED and by_case["flaky"].retries == 1  # a 503, then an answer
-    assert by_case["slow"].outcome is Outcome.TIMEOUT and Script.attempts["slow"] == 3  # 1 + max_retries
-    assert by_case["down"].outcome is Outcome.ERROR and Script.attempts["down"] == 3
+    assert by_case["slow"].outcome is Outcome.TIMEOUT and script.attempts["slow"] == 3  # 1 + max_retries
+    assert by_case["down"].outcome is Outcome.ERROR and script.attempts["down"] == 3
     # Another attempt cannot help a refusal or a reply: asked once each.
-    assert (Script.attempts["refused"], Script.attempts["garbage"], Script.attempts["malformed"]) == (1, 1, 1)
+    assert (script.attempts["refused"], script.attempts["garbage"], script.attempts["malformed"]) == (1, 1, 1)
     assert by_case["garbage"].reply == "I like turtles"
     assert metrics == {"reward_model/judge/failures": 5.0, "reward_model/judge/timeouts": 1.0,
                        "reward_model/judge/parse_errors": 2.0, "reward_model/judge/retries": 1.0 + 2 + 2}
 
 
 def test_the_template_is_filled_and_concurrency_is_bounded(server):
-    judge = _judge(server, max_concurrency=2, timeout_s=5.0)
+    url, script = server
+    judge = _judge(url, max_concurrency=2, timeout_s=5.0)
     judgements, _ = judge.score([request("busy") for _ in range(6)] + [request("echo")])
     judge.close()
-    assert Script.most_in_flight == 2
+    assert script.most_in_flight == 2
     assert judgements[-1].reply == "Q: 3 + 4?\nA: echo\nRef: 7"  # the server saw the filled-in template
 
 
