@@ -10,7 +10,8 @@ run: a request that times out, cannot connect or gets a 429/5xx answer is retrie
 score (retries spent, another 4xx, or a reply without a score) gets ``failure_score`` and is
 counted. Metrics per ``score`` call (counts of judgements, not of attempts):
 
-- ``reward_model/judge/failures``: judgements that got ``failure_score``, for any reason below;
+- ``reward_model/judge/failures``: judgements that got ``failure_score``, for any reason below
+  (``reward_model/judge/failure_rate``: their share, which the reward-failure health check reads);
 - ``reward_model/judge/timeouts``: of those, the ones whose last attempt timed out;
 - ``reward_model/judge/parse_errors``: of those, the ones answered without a score;
 - ``reward_model/judge/retries``: attempts repeated (over all judgements).
@@ -29,6 +30,7 @@ from enum import Enum
 from typing import Any
 
 METRIC_FAILURES = "reward_model/judge/failures"
+METRIC_FAILURE_RATE = "reward_model/judge/failure_rate"
 METRIC_TIMEOUTS = "reward_model/judge/timeouts"
 METRIC_PARSE_ERRORS = "reward_model/judge/parse_errors"
 METRIC_RETRIES = "reward_model/judge/retries"
@@ -119,8 +121,10 @@ class Judge:
         """One judgement per request, in order, and the counters above."""
         judgements = list(self._pool.map(self.judge, requests))
         outcomes = [j.outcome for j in judgements]
+        failures = sum(o is not Outcome.SCORED for o in outcomes)
         metrics = {
-            METRIC_FAILURES: float(sum(o is not Outcome.SCORED for o in outcomes)),
+            METRIC_FAILURES: float(failures),
+            METRIC_FAILURE_RATE: failures / max(1, len(outcomes)),
             METRIC_TIMEOUTS: float(outcomes.count(Outcome.TIMEOUT)),
             METRIC_PARSE_ERRORS: float(outcomes.count(Outcome.PARSE_ERROR)),
             METRIC_RETRIES: float(sum(j.retries for j in judgements)),

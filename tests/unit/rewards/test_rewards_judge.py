@@ -134,7 +134,8 @@ def test_each_failure_is_scored_as_failure_and_counted(server):
     # Another attempt cannot help a refusal or a reply: asked once each.
     assert (script.attempts["refused"], script.attempts["garbage"], script.attempts["malformed"]) == (1, 1, 1)
     assert by_case["garbage"].reply == "I like turtles"
-    assert metrics == {"reward_model/judge/failures": 5.0, "reward_model/judge/timeouts": 1.0,
+    assert metrics == {"reward_model/judge/failures": 5.0, "reward_model/judge/failure_rate": 5 / 8,
+                       "reward_model/judge/timeouts": 1.0,
                        "reward_model/judge/parse_errors": 2.0, "reward_model/judge/retries": 1.0 + 2 + 2}
 
 
