@@ -82,6 +82,20 @@ def planned_total_steps(
     return min(total_training_steps, by_epochs)
 
 
+def _reward_model_line(cfg: Config) -> str:
+    """What scores the answers: the rule scorers, a reward model, or both (reward_model.*)."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return "no reward model: the rule scorers (or reward.custom_reward_function) score every answer"
+    if rm.style == "generative":
+        what = f"a generative judge, {rm.judge.model} at {rm.judge.base_url} (up to {rm.judge.max_concurrency} " \
+               f"requests at once; a failed judgement scores {rm.judge.failure_score})"
+    else:
+        what = f"a sequence classifier ({rm.model.path}), frozen, {rm.micro_batch_size_per_gpu} sequences per forward"
+    how = "its score replaces the rule score" if rm.combine == "replace" else "its score is added to the rule score"
+    return f"reward model: {what}; {how} (reward_model.combine={rm.combine})"
+
+
 def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
     plan = batch_plan(cfg)
     data, actor, trainer, n = cfg.data, cfg.actor, cfg.trainer, cfg.rollout.n
@@ -159,6 +173,7 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
         lines.append(f"  critic: yes, a value model ({start} + a scalar head), because {estimator} needs values")
     else:
         lines.append(f"  no critic: {estimator} needs no values")
+    lines.append(f"  {_reward_model_line(cfg)}")
     warm, why = warm_start_decision(cfg.warm_start.enable, cfg.model.path)
     if warm:
         lines.append(f"warm start: yes, {cfg.warm_start.steps} SFT steps before RL ({why})")

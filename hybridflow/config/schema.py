@@ -428,6 +428,82 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO's soft overlong punishment.")
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "You are grading an answer to a question.\n\nQuestion:\n{prompt}\n\nReference answer:\n{ground_truth}\n\n"
+    "Answer to grade:\n{response}\n\nHow correct and helpful is the answer? Reply with a single line "
+    "'Score: x' where x is a number from 0 (wrong) to 1 (fully correct)."
+)
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: str | None = f(
+        None,
+        "A local Hugging Face sequence-classification directory (AutoModelForSequenceClassification, num_labels=1, "
+        "a decoder whose head reads the last token) with its own tokenizer and chat template. style=discriminative.",
+    )
+    trust_remote_code: bool = f(False, "Allow the reward model's custom modelling code.")
+
+
+@dataclass
+class JudgeConfig:
+    base_url: str | None = f(
+        None, "The OpenAI-compatible endpoint of the judge, up to /v1 (e.g. http://127.0.0.1:8000/v1, what "
+        "`hybridflow serve` or vLLM serves). style=generative.",
+    )
+    model: str = f("judge", "The model name sent in each chat completion request.")
+    api_key_env: str | None = f(
+        None, "The environment variable holding the API key (sent as a Bearer token). None: no key."
+    )
+    prompt_template: str = f(
+        DEFAULT_JUDGE_TEMPLATE,
+        "The judge's user message; {prompt} (the prompt's last user message), {response} (the decoded "
+        "response) and {ground_truth} are filled in (other braces must be doubled).",
+    )
+    score_pattern: str | None = f(
+        None,
+        "A regex whose first group is the score (the last match counts). None: the last 'Score: x', else the "
+        "last number in the reply that lies in [0, 1]. A reply without one is a parse error.",
+    )
+    max_concurrency: int = f(8, "Judge requests in flight at once.")
+    timeout_s: float = f(60.0, "Limit of one request; a request past it counts in reward_model/judge/timeouts.")
+    max_retries: int = f(2, "Retries of a request that timed out, failed to connect or got a 429/5xx answer.")
+    backoff_s: float = f(0.5, "Wait before the first retry; doubled before each further one.")
+    failure_score: float = f(
+        0.0, "The score of a judgement that failed (no answer after the retries, or a reply without a score)."
+    )
+    max_tokens: int = f(256, "max_tokens of each judge request.")
+    temperature: float = f(0.0, "Sampling temperature of the judge (0: greedy).")
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's ``reward_model`` section: a learned reward beside (or instead of) the rule scorers."""
+
+    enable: bool = f(False, "Score responses with a reward model too (style picks which).")
+    style: str = f(
+        "discriminative",
+        "discriminative: a sequence classifier (model.path) run in its own worker group | generative: an LLM "
+        "judge behind an OpenAI-compatible endpoint (judge.*).",
+        choices=("discriminative", "generative"),
+    )
+    model: RewardModelModelConfig = sub(RewardModelModelConfig, "The discriminative reward model.")
+    micro_batch_size_per_gpu: int = f(16, "Sequences per reward-model forward on one rank.")
+    max_length: int | None = f(
+        None,
+        "Longest rendered prompt+response in reward-model tokens; a longer one loses tokens from its start "
+        "(the prompt first), keeping the response's end where the head reads the score. None: the model's "
+        "max_position_embeddings.",
+    )
+    combine: str = f(
+        "add",
+        "How the model's score meets the rule reward: add (rule score + model score; every row needs a rule "
+        "scorer) | replace (the model's score alone; rows need no rule scorer).",
+        choices=("add", "replace"),
+    )
+    judge: JudgeConfig = sub(JudgeConfig, "The generative judge (style=generative).")
+
+
 @dataclass
 class KLControlConfig:
     type: str = f("fixed", "fixed | adaptive.", choices=("fixed", "adaptive"))
@@ -639,5 +715,6 @@ class Config:
     critic: CriticConfig = sub(CriticConfig, "Value model (built when algorithm.adv_estimator needs values: gae).")
     rollout: RolloutConfig = sub(RolloutConfig, "Generation.")
     reward: RewardConfig = sub(RewardConfig, "Reward scoring.")
+    reward_model: RewardModelConfig = sub(RewardModelConfig, "Reward model (discriminative or generative judge).")
     algorithm: AlgorithmConfig = sub(AlgorithmConfig, "Advantage estimation and KL in reward.")
     trainer: TrainerConfig = sub(TrainerConfig, "Loop, logging, checkpoints.")

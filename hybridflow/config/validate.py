@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -808,6 +809,62 @@ def _check_backend(cfg: Config, report: _Report) -> None:
                      "several data-parallel ranks (use actor.fsdp_config.optimizer_offload on one)")
 
 
+JUDGE_PLACEHOLDERS = {"prompt": "", "response": "", "ground_truth": ""}
+
+
+def _check_reward_model(cfg: Config, report: _Report) -> None:
+    """The ``reward_model`` section: what its style needs, and ranges. The model directory itself
+    is checked in set-up's ``resolve_plugins`` (it reads config.json)."""
+    rm, judge = cfg.reward_model, cfg.reward_model.judge
+    if rm.micro_batch_size_per_gpu < 1:
+        report.error(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be >= 1")
+    if rm.max_length is not None and rm.max_length < 2:
+        report.error(f"reward_model.max_length={rm.max_length} must be >= 2 tokens or null")
+    if judge.max_concurrency < 1:
+        report.error(f"reward_model.judge.max_concurrency={judge.max_concurrency} must be >= 1")
+    if judge.timeout_s <= 0:
+        report.error(f"reward_model.judge.timeout_s={judge.timeout_s} must be > 0 seconds")
+    if judge.max_retries < 0 or judge.backoff_s < 0:
+        report.error(f"reward_model.judge.max_retries={judge.max_retries} and backoff_s={judge.backoff_s} must be >= 0")
+    if judge.max_tokens < 1:
+        report.error(f"reward_model.judge.max_tokens={judge.max_tokens} must be >= 1")
+    _check_judge_text(cfg, report)
+    if not rm.enable:
+        if rm.model.path is not None or judge.base_url is not None:
+            report.warn("reward_model.model.path / reward_model.judge.base_url are set but reward_model.enable=false: "
+                        "no reward model scores this run")
+        return
+    if rm.style == "discriminative" and rm.model.path is None:
+        report.error("reward_model.model.path is null: reward_model.enable=true with style=discriminative needs a "
+                     "local sequence-classification model directory (or set reward_model.style=generative)")
+    if rm.style == "generative" and judge.base_url is None:
+        report.error("reward_model.judge.base_url is null: reward_model.style=generative needs the judge's "
+                     "OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")
+    if rm.combine == "replace" and cfg.reward.custom_reward_function.path is not None:
+        report.warn("reward.custom_reward_function is set but reward_model.combine=replace: the model's score "
+                    "replaces it, so it is never called")
+
+
+def _check_judge_text(cfg: Config, report: _Report) -> None:
+    """The judge's template fills in exactly {prompt}, {response}, {ground_truth}; its score regex
+    compiles and has a group to read."""
+    judge = cfg.reward_model.judge
+    try:
+        judge.prompt_template.format(**JUDGE_PLACEHOLDERS)
+    except (KeyError, IndexError, ValueError) as error:
+        report.error(f"reward_model.judge.prompt_template: {error!r} while filling in {{prompt}}, {{response}}, "
+                     f"{{ground_truth}}; write a literal brace as {{{{ or }}}}")
+    if judge.score_pattern is not None:
+        try:
+            groups = re.compile(judge.score_pattern).groups
+        except re.error as error:
+            report.error(f"reward_model.judge.score_pattern={judge.score_pattern!r} is not a regex: {error}")
+        else:
+            if groups < 1:
+                report.error(f"reward_model.judge.score_pattern={judge.score_pattern!r} needs a group around the "
+                             "score, e.g. 'Rating: ([0-9.]+)'")
+
+
 _CHECKS = (
     _check_ranges,
     _check_all_sampling,
@@ -815,6 +872,7 @@ _CHECKS = (
     _check_batches,
     _check_algorithm,
     _check_critic,
+    _check_reward_model,
     _check_multi_turn,
     _check_trainer,
     _check_backend,

@@ -5,7 +5,7 @@
 2. resolve the built-in model and task into ordinary files on disk,
 3. load data, build the sampler and the step plan,
 4. start the worker groups (actor, rollout, reference when a KL term needs it, critic when the
-   estimator needs values, reward): in this
+   estimator needs values, reward, reward model when ``reward_model.enable``): in this
    process (``trainer.backend=local``) or as Ray actors (``ray``), where the actor and
    reference ranks each form a torch.distributed group and rollout replica r shares bundle r
    with actor rank r; with ``rollout.weight_sync`` resolving to broadcast, actor rank 0 and the
@@ -61,7 +61,8 @@ from hybridflow.data.tasks.calculator import (
     make_calculator_rows,
     write_calculator_task,
 )
-from hybridflow.models.loading import check_model_dir, load_tokenizer
+from hybridflow.models.loading import check_model_dir, check_sequence_classifier, load_tokenizer
+from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
 from hybridflow.rollout.base import engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
@@ -73,6 +74,7 @@ from hybridflow.workers.actor import ActorSetup, ActorWorker, build_actor_policy
 from hybridflow.workers.critic import CriticSetup, CriticWorker
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
+from hybridflow.workers.reward_model import JudgeSetup, JudgeWorker, RewardModelSetup, RewardModelWorker
 from hybridflow.workers.rollout import AgentSetup, RolloutSetup, RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,16 @@ def close_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas
 
 
 @dataclass
+class RewardModelGroup:
+    """The reward model's worker group and its role's scoring method, chosen once by
+    ``reward_model.style``: ``score(trajectories) -> (scores, metrics)`` on each rank's share."""
+
+    group: WorkerGroup[Any]
+    score: Callable[..., tuple[list[float], dict[str, float]]]
+    close: Callable[..., None] | None = None  # a role's own clean-up before the group closes
+
+
+@dataclass
 class RunSetup:
     cfg: Config
     output_dir: Path
@@ -159,6 +171,7 @@ class RunSetup:
     rollout_data_dir: Path | None = None  # trainer.rollout_data_dir resolved
     pools: list[ResourcePool] = field(default_factory=list)  # Ray resources reserved (trainer, split rollout)
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
+    reward_model: RewardModelGroup | None = None  # reward_model.enable
 
     def close(self) -> None:
         stop_following()  # the thread governor lives as long as the run (configure_threads)
@@ -168,7 +181,10 @@ class RunSetup:
         if self.weight_sync == BROADCAST:
             close_weight_sync(self.actor, self.rollout)
         self.rollout.close()
-        groups = [self.actor, self.critic, self.reference, self.reward]
+        rm = self.reward_model
+        if rm is not None and rm.close is not None:
+            rm.group.call_all(rm.close)
+        groups = [self.actor, self.critic, self.reference, self.reward, rm.group if rm is not None else None]
         for group in groups:
             if group is not None:
                 group.close()
@@ -446,6 +462,7 @@ def resolve_plugins(cfg: Config) -> Plugins:
     needs = _resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator))
     if needs_critic(needs) and cfg.critic.model.path is not None:
         check_critic_model_path(cfg.critic.model.path)
+    check_reward_model(cfg)
     for need in sorted(needs):
         unavailable = ESTIMATOR_INPUT_SOURCES[need].unavailable
         if unavailable is not None:
@@ -469,6 +486,72 @@ def resolve_plugins(cfg: Config) -> Plugins:
     return Plugins(adv_estimator, adv_params, needs, kl_controller, agent)
 
 
+def check_reward_model(cfg: Config) -> None:
+    """What ``reward_model.enable`` needs beyond the config's own checks: a sequence-classifier
+    directory (config.json only, no weights) or, for the judge, httpx and its API key."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return
+    if rm.style == "discriminative":
+        assert rm.model.path is not None, "validate_config requires it"
+        try:
+            check_sequence_classifier(rm.model.path, trust_remote_code=rm.model.trust_remote_code)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"reward_model.model.path: {error}", key="reward_model.model.path") from error
+        return
+    try:
+        import httpx  # noqa: F401  (the judge's HTTP client)
+    except ImportError as error:
+        raise ConfigError("reward_model.style=generative needs httpx: pip install 'hybridflow[judge]'",
+                          key="reward_model.style") from error
+    judge_api_key(cfg)
+
+
+def judge_api_key(cfg: Config) -> str | None:
+    """The judge's API key from ``reward_model.judge.api_key_env`` (None: no key), or a
+    ``ConfigError`` naming the key when the variable is not set."""
+    name = cfg.reward_model.judge.api_key_env
+    if name is None:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise ConfigError(f"reward_model.judge.api_key_env={name}: the environment variable {name} is not set "
+                          "(export it, or set api_key_env=null for an endpoint without a key)",
+                          key="reward_model.judge.api_key_env")
+    return key
+
+
+def build_reward_model_group(
+    cfg: Config, model_path: str, device: torch.device, placement: Placement | None
+) -> RewardModelGroup | None:
+    """The reward model's role (``reward_model.enable``), or None. A discriminative model runs one
+    rank per actor rank, colocated in the actor's bundles like the reference (on the local backend,
+    in this process); the judge is one rank in this process, a client of its endpoint."""
+    rm, common = cfg.reward_model, dict(policy_tokenizer_path=model_path,
+                                        policy_trust_remote_code=cfg.model.trust_remote_code)
+    if not rm.enable:
+        return None
+    if rm.style == "generative":
+        j = rm.judge
+        assert j.base_url is not None, "validate_config requires it"
+        settings = JudgeSettings(
+            base_url=j.base_url, model=j.model, prompt_template=j.prompt_template, api_key=judge_api_key(cfg),
+            score_pattern=j.score_pattern, max_concurrency=j.max_concurrency, timeout_s=j.timeout_s,
+            max_retries=j.max_retries, backoff_s=j.backoff_s, failure_score=j.failure_score,
+            max_tokens=j.max_tokens, temperature=j.temperature,
+        )
+        judge_setup = JudgeSetup(settings=settings, **common)
+        group = build_worker_group("local", "reward_model", lambda r, w: JudgeWorker(r, w, judge_setup), 1)
+        return RewardModelGroup(group, JudgeWorker.score, JudgeWorker.close)
+    assert rm.model.path is not None
+    setup = RewardModelSetup(model_path=rm.model.path, dtype=cfg.model.dtype, device=device,
+                             micro_batch_size=rm.micro_batch_size_per_gpu, max_length=rm.max_length,
+                             trust_remote_code=rm.model.trust_remote_code, **common)
+    group = build_worker_group(cfg.trainer.backend, "reward_model", lambda r, w: RewardModelWorker(r, w, setup),
+                               data_parallel_size(cfg.trainer), placement)
+    return RewardModelGroup(group, RewardModelWorker.score)
+
+
 def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker]:
     """The reward role, in this process on every backend: scoring writes each trajectory's reward
     in place, and the manager already runs the scorers in supervised subprocesses. A custom reward
@@ -477,7 +560,7 @@ def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker
     setup = RewardSetup(
         tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
         timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
-        startup_timeout_s=cfg.reward.startup_timeout_s,
+        startup_timeout_s=cfg.reward.startup_timeout_s, combine=cfg.reward_model.combine,
         overlong_buffer_len=(resolve_overlong_buffer(ob.len, d.max_response_length) if ob.enable else None),
         overlong_penalty_factor=ob.penalty_factor, max_response_length=d.max_response_length,
         trust_remote_code=cfg.model.trust_remote_code,
@@ -534,8 +617,10 @@ def build_run(cfg: Config) -> RunSetup:
     model_path, train_files, val_files = resolve_builtin(cfg, device)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     # Without a custom reward function only the built-in scorers can score a row: check each
-    # row's data_source now (a custom function decides per call what it scores).
-    scorable = None if cfg.reward.custom_reward_function.path else known_data_sources()
+    # row's data_source now (a custom function decides per call what it scores). A reward model
+    # that replaces the rule scores scores any row.
+    replaced = cfg.reward_model.enable and cfg.reward_model.combine == "replace"
+    scorable = None if cfg.reward.custom_reward_function.path or replaced else known_data_sources()
     data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
                        filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
                        data_sources=scorable)
@@ -582,11 +667,12 @@ def build_run(cfg: Config) -> RunSetup:
                           "GPU ranks are trainer.n_gpus_per_node x trainer.nnodes; set trainer.n_workers=null")
     with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward)
     with_critic = needs_critic(needs)
+    with_rm_ranks = cfg.reward_model.enable and cfg.reward_model.style == "discriminative"
     split = cfg.rollout.placement == "split"
     pools, placements = reserve_placements(
         t.backend, data_parallel_size=dp, device=device,
         colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if with_reference else []),
-                         *(["critic"] if with_critic else [])],
+                         *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else [])],
         split_roles=["rollout"] if split else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
     )
@@ -623,6 +709,7 @@ def build_run(cfg: Config) -> RunSetup:
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,
                                        placements.get("reference"))
     critic = build_critic_group(cfg, model_path, device, total_steps, placements.get("critic")) if with_critic else None
+    reward_model = build_reward_model_group(cfg, model_path, device, placements.get("reward_model"))
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))
@@ -635,6 +722,6 @@ def build_run(cfg: Config) -> RunSetup:
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward, critic=critic,
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
-        rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir),
+        rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model,
     )
 

@@ -12,6 +12,7 @@ call site. Setup (paths, data, workers) lives in ``hybridflow.controller.setup``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -192,8 +193,9 @@ class RLTrainer:
                 # The round is part of the seed scope: each round draws fresh samples, and a
                 # resumed run draws the same ones.
                 trajectories = self.generate(rows, self.train_sampling(), seed_scope=(self.step, rounds))
+            model_scores, model_metrics = self.model_scores(trajectories, timer)
             with timer.phase("reward"):
-                reward_metrics.append(self.score(trajectories))
+                reward_metrics.append(self.score(trajectories, model_scores) | model_metrics)
             episodes.extend(trajectories)
             groups = _by_group(trajectories)
             generated += len(groups)
@@ -275,18 +277,41 @@ class RLTrainer:
         # Only agent loops read the row fields: a single-turn run sends the requests alone.
         return self.replicas.generate(requests, metadata if self.cfg.rollout.multi_turn.enable else None)
 
-    def score(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        _, metrics = self.score_answers(trajectories)
+    def score(self, trajectories: list[Trajectory], model_scores: list[float] | None = None) -> dict[str, float]:
+        _, metrics = self.score_answers(trajectories, model_scores=model_scores)
         return metrics
 
-    def score_answers(self, trajectories: list[Trajectory], shaping: bool = True) -> tuple[list[float], dict[str, float]]:
+    def model_scores(
+        self, trajectories: list[Trajectory], timer: PhaseTimer | None = None
+    ) -> tuple[list[float] | None, dict[str, float]]:
+        """The reward model's score of each final answer (``timing_s/reward_model``), its ranks
+        taking contiguous shares; None without a reward model."""
+        rm = self.run.reward_model
+        if rm is None:
+            return None, {}
+        views = [answer_view(t) for t in trajectories]
+        share = -(-len(views) // rm.group.world_size)  # ceil: the last rank may get fewer
+        shards = [(views[r * share : (r + 1) * share],) for r in range(rm.group.world_size)]
+        with timer.phase("reward_model") if timer is not None else contextlib.nullcontext():
+            results = rm.group.call_each(rm.score, shards)
+        return [x for scores, _ in results for x in scores], reduce_metrics([m for _, m in results if m])
+
+    def score_answers(
+        self, trajectories: list[Trajectory], shaping: bool = True, model_scores: list[float] | None = None
+    ) -> tuple[list[float], dict[str, float]]:
         """Score each trajectory's final answer (``answer_view``: its last assistant turn, not the
         tool replies before it) and set its ``reward`` and ``reward_extra``. A single-turn
         trajectory is scored as it is. Overlong shaping measures the whole response: every turn
-        spends the data.max_response_length budget."""
+        spends the data.max_response_length budget. With a reward model its scores (computed here
+        unless given) are combined with the rule scores by the reward role."""
+        metrics: dict[str, float] = {}
+        if model_scores is None:
+            model_scores, metrics = self.model_scores(trajectories)
         views = [answer_view(t) for t in trajectories]
         lengths = [len(t.response_ids) for t in trajectories]
-        scores, metrics = self.reward.call_one(0, RewardWorker.score, views, shaping=shaping, response_lengths=lengths)
+        scores, reward_metrics = self.reward.call_one(0, RewardWorker.score, views, shaping=shaping,
+                                                      response_lengths=lengths, model_scores=model_scores)
+        metrics |= reward_metrics
         for t, view in zip(trajectories, views, strict=True):
             t.reward, t.reward_extra, t.reward_info = view.reward, view.reward_extra, view.reward_info
         return scores, metrics

@@ -212,6 +212,42 @@ def load_value_model(
     return model.to(device)
 
 
+def check_sequence_classifier(path: str | os.PathLike, *, trust_remote_code: bool = False) -> None:
+    """``path`` is a local scalar sequence classifier (a reward model): its config.json names a
+    ``*ForSequenceClassification`` architecture with one label. Reads config.json only."""
+    from transformers import AutoConfig
+
+    p = check_model_dir(path)
+    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    architectures = config.architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(f"{p} holds {architectures or 'no architectures'}, not a *ForSequenceClassification model "
+                         "(a reward model scores a whole sequence with one number)")
+    if config.num_labels != 1:
+        raise ValueError(f"{p} has num_labels={config.num_labels}; a reward model has one (a scalar score)")
+
+
+def load_sequence_classifier(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+):
+    """A frozen reward model: transformers' ``AutoModelForSequenceClassification`` with one label,
+    in eval mode (no dropout), safetensors only."""
+    from transformers import AutoModelForSequenceClassification
+
+    check_sequence_classifier(path, trust_remote_code=trust_remote_code)
+    with hf_progress_bars_off():
+        model = AutoModelForSequenceClassification.from_pretrained(
+            Path(path).expanduser(), dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+            use_safetensors=True,
+        )
+    model.requires_grad_(False)
+    return model.eval().to(device)
+
+
 @contextmanager
 def _transformers_quiet() -> Iterator[None]:
     """transformers' warnings off: loading a causal LM as a value model always "misses" the new

@@ -86,14 +86,14 @@ class TinyModelSpec:
         )
 
 
-def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
-    """A randomly initialised Qwen2ForCausalLM of the given shape (fp32, CPU)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_config(spec: TinyModelSpec = TinyModelSpec()):
+    """The built-in model's ``Qwen2Config`` of the given shape."""
+    from transformers import Qwen2Config
 
     tokenizer_vocab = 256 + len(SPECIAL_TOKENS)
     if spec.vocab_size < tokenizer_vocab:
         raise ValueError(f"vocab_size {spec.vocab_size} < tokenizer vocabulary {tokenizer_vocab}")
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -107,6 +107,13 @@ def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
         pad_token_id=256,  # <|endoftext|>
         rope_theta=10000.0,
     )
+
+
+def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
+    """A randomly initialised Qwen2ForCausalLM of the given shape (fp32, CPU)."""
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_config(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -123,3 +130,25 @@ def write_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModel
     give_default_modes(out)  # safetensors writes mode 0600
     return out
 
+
+
+def write_tiny_reward_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> Path:
+    """A random-init tiny reward model (``Qwen2ForSequenceClassification``, one label, the built-in
+    tokenizer and chat template) as a Hugging Face directory: what ``reward_model.model.path``
+    loads, for tests and examples. The head's weights are drawn like the rest, so scores differ
+    between texts (a zero head would score every text 0)."""
+    from transformers import Qwen2ForSequenceClassification
+
+    config = tiny_config(spec)
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with hf_progress_bars_off():
+        model.save_pretrained(out, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(out)
+    give_default_modes(out)
+    return out

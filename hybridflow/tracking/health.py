@@ -48,7 +48,7 @@ def _over(key: str, attr: str, below: bool = False) -> Callable[[Mapping[str, fl
 
 
 def _reward_failures(metrics: Mapping[str, float]) -> float:
-    keys = ("reward/error_rate", "reward/timeout_rate", "reward/nonfinite_rate")
+    keys = ("reward/error_rate", "reward/timeout_rate", "reward/nonfinite_rate", "reward_model/judge/failure_rate")
     return sum(_get(metrics, k) or 0.0 for k in keys)
 
 
@@ -97,8 +97,9 @@ CHECKS: tuple[_Check, ...] = (
         lambda m, t: _reward_failures(m) >= t.reward_failure_rate,
         lambda m, t: (
             f"{_reward_failures(m):.0%} of samples could not be scored (the reward function raised, timed out or "
-            "returned a non-number; see reward/error_rate, reward/timeout_rate, reward/nonfinite_rate); they "
-            "score 0. Fix the reward function or raise reward.timeout_s"
+            "returned a non-number, or the reward model's judge gave no score; see reward/error_rate, "
+            "reward/timeout_rate, reward/nonfinite_rate, reward_model/judge/failure_rate); they score 0. Fix the "
+            "reward function or raise reward.timeout_s (the judge: its endpoint, prompt template or score parser)"
         ),
     ),
 )

@@ -5,6 +5,12 @@ that reward instead: the user's agent function is then the reward function.
 
 Scoring runs in supervised worker processes (``RewardManager``): a reward function that
 raises, hangs or returns garbage costs that sample a score of 0 and a counter, never the run.
+
+With a reward model (``reward_model.enable``) the controller passes its scores in, and they meet
+the rule scores by ``reward_model.combine``: ``add`` (rule + model, every row needs a rule scorer)
+or ``replace`` (the model's score alone; no rule scorer runs, and an agent's own reward is replaced
+too). The combined score is the sample's score before shaping (``acc``); the model's own is kept
+as ``rm_score`` in the reward's extras.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class RewardSetup:
     overlong_penalty_factor: float = 1.0
     max_response_length: int = 0
     startup_timeout_s: float = 60.0  # a scoring worker's limit to start and load the reward function
+    combine: str = "add"  # reward_model.combine: how a reward model's scores meet the rule scores
 
 
 class RewardWorker:
@@ -46,7 +53,8 @@ class RewardWorker:
         )
 
     def score(
-        self, trajectories: list[Trajectory], shaping: bool = True, response_lengths: list[int] | None = None
+        self, trajectories: list[Trajectory], shaping: bool = True, response_lengths: list[int] | None = None,
+        model_scores: list[float] | None = None,
     ) -> tuple[list[float], dict[str, float]]:
         """Score each trajectory in place; returns the scores and reward metrics.
 
@@ -55,9 +63,11 @@ class RewardWorker:
         ``.reward`` gets that score plus the overlong penalty when shaping is configured and
         ``shaping`` is true (training), or the plain score (validation). The penalty measures
         ``response_lengths`` (default: each trajectory's response): an agent episode is scored on
-        its final answer but spends its length budget on every turn.
+        its final answer but spends its length budget on every turn. ``model_scores``: the reward
+        model's score of each trajectory, combined with the rule scores (module docstring).
         """
-        output = self._rule_scores(trajectories)
+        output = self._rule_scores(trajectories) if model_scores is None else \
+            self._combined_scores(trajectories, model_scores)
         scores, metrics = list(output.scores), dict(output.metrics)
         s = self.setup
         if shaping and s.overlong_buffer_len is not None:
@@ -77,6 +87,19 @@ class RewardWorker:
             t.reward_extra = {"acc": raw, **{k: v for k, v in extra.items() if not isinstance(v, str)}}
             t.reward_info = dict(extra)
         return scores, metrics
+
+    def _combined_scores(self, trajectories: list[Trajectory], model_scores: list[float]) -> RewardOutput:
+        """The reward model's scores combined with the rule scores (``combine``), and
+        ``reward_model/score/{mean,max,min}`` of the model's own."""
+        if len(model_scores) != len(trajectories):
+            raise ValueError(f"RewardWorker.score: {len(model_scores)} model scores for {len(trajectories)} trajectories")
+        metrics = model_score_metrics(model_scores)
+        if self.setup.combine == "replace":
+            return RewardOutput(list(model_scores), [{"rm_score": m} for m in model_scores], metrics)
+        ruled = self._rule_scores(trajectories)
+        scores = [r + m for r, m in zip(ruled.scores, model_scores, strict=True)]
+        extra = [{**e, "rm_score": m} for e, m in zip(ruled.extra, model_scores, strict=True)]
+        return RewardOutput(scores, extra, {**ruled.metrics, **metrics})
 
     def _rule_scores(self, trajectories: list[Trajectory]) -> RewardOutput:
         """Each trajectory's raw score and extras. The source is one of two: the reward the agent
@@ -109,3 +132,11 @@ class RewardWorker:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def model_score_metrics(scores: list[float]) -> dict[str, float]:
+    """``reward_model/score/{mean,max,min}`` (nothing for no scores)."""
+    if not scores:
+        return {}
+    return {"reward_model/score/mean": sum(scores) / len(scores), "reward_model/score/max": max(scores),
+            "reward_model/score/min": min(scores)}

@@ -8,7 +8,8 @@ A README claim that stops being true is a bug, so its code blocks are tests:
   and answers ``/health``, the GSM8K preprocessing command runs on a small local copy, and the
   config-error example prints exactly the line the README shows.
 Placeholders are the only edits: ``/path/to/<model>`` becomes a tiny model of the same
-architecture class, ``/path/to/gsm8k`` a small local GSM8K copy, ``~/data`` a temporary folder.
+architecture class, ``/path/to/reward-model`` a tiny sequence-classification reward model,
+``/path/to/gsm8k`` a small local GSM8K copy, ``~/data`` a temporary folder.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.models.tiny import write_tiny_model
+from hybridflow.models.tiny import write_tiny_model, write_tiny_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +70,14 @@ def user(tmp_path_factory, builtin_cache):
         (raw / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     work = root / "work"
     work.mkdir()
-    return {"home": home, "model": model, "gsm8k": raw, "data": root / "data", "work": work}
+    return {"home": home, "model": model, "gsm8k": raw, "data": root / "data", "work": work,
+            "reward_model": write_tiny_reward_model(root / "reward-model")}
 
 
 def substitute(text: str, user: dict[str, Path]) -> str:
     text = re.sub(r"/path/to/Qwen[\w.\-]*", str(user["model"]), text)
     text = text.replace("/path/to/gsm8k", str(user["gsm8k"])).replace("~/data", str(user["data"]))
+    text = text.replace("/path/to/reward-model", str(user["reward_model"]))
     return text.replace("model.path=...", f"model.path={user['model']}")
 
 

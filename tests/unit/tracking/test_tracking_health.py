@@ -32,6 +32,7 @@ def test_healthy_metrics_raise_nothing() -> None:
         ({"actor/entropy": 0.001}, "entropy_collapse", "nearly deterministic"),
         ({"rollout_corr/log_ratio_abs_mean": 0.2}, "logprob_mismatch", "rollout_correction"),
         ({"reward/timeout_rate": 0.03, "reward/error_rate": 0.03}, "reward_failures", "6%"),
+        ({"reward_model/judge/failure_rate": 0.5}, "reward_failures", "judge gave no score"),
     ],
 )
 def test_each_check_fires_with_an_explanation(change, flag, phrase) -> None:
