@@ -52,17 +52,17 @@ py="$vllm_venv/bin/python"
 step "versions (vllm venv)" "$py" -c \
     "import torch, vllm; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), \
 '| vllm', vllm.__version__)"
-step "pytest -m 'gpu and not vllm'" "$py" -m pytest -m "gpu and not vllm" -s
-step "pytest test_rollout_cuda_graphs.py" "$py" -m pytest tests/unit/rollout/test_rollout_cuda_graphs.py
+step "pytest -m 'gpu and not vllm'" "$py" -m pytest -n 0 -m "gpu and not vllm" -s
+step "pytest test_rollout_cuda_graphs.py" "$py" -m pytest -n 0 tests/unit/rollout/test_rollout_cuda_graphs.py
 vllm_gpu=tests/unit/rollout/test_rollout_vllm_gpu.py
-step "pytest $vllm_gpu::TestFloat32" "$py" -m pytest -s "$vllm_gpu::TestFloat32"
-step "pytest $vllm_gpu::TestBfloat16" "$py" -m pytest -s "$vllm_gpu::TestBfloat16"
-step "pytest -m slow $vllm_gpu (tokens/s)" "$py" -m pytest -s -m slow "$vllm_gpu"
+step "pytest $vllm_gpu::TestFloat32" "$py" -m pytest -n 0 -s "$vllm_gpu::TestFloat32"
+step "pytest $vllm_gpu::TestBfloat16" "$py" -m pytest -n 0 -s "$vllm_gpu::TestBfloat16"
+step "pytest -m slow $vllm_gpu (tokens/s)" "$py" -m pytest -n 0 -s -m slow "$vllm_gpu"
 step "bench/rollout_gpu_decode.py (native tokens/s)" "$py" bench/rollout_gpu_decode.py
 
 sglang_venv="$prefix-sglang"
 step "install hybridflow[test,sglang] into $sglang_venv" fresh_venv "$sglang_venv" test,sglang
-step "pytest test_rollout_sglang_gpu.py" "$sglang_venv/bin/python" -m pytest -s \
+step "pytest test_rollout_sglang_gpu.py" "$sglang_venv/bin/python" -m pytest -n 0 -s \
     tests/unit/rollout/test_rollout_sglang_gpu.py
 
 echo

