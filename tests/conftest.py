@@ -18,16 +18,18 @@ import pytest
 # worker holds a trainer's memory (a few GB at peak).
 MAX_WORKERS = 4
 
-# Seconds each of the longest tests took (idle, 2 cores, one at a time): only their order is used.
+# Seconds each of the longest tests took (2 workers on an idle 2-core machine): only their order is used.
 # A test missing here runs after these, in file order; a stale entry only costs balance.
 LONGEST_S = {
-    "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 430,
-    "tests/e2e/test_e2e_readme.py::test_every_python_block_runs_as_an_unguarded_script": 200,
-    "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 120,
-    "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 75,
-    "tests/e2e/test_e2e_agent.py::test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss": 55,
-    "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 50,
-    "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 40,
+    "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 440,
+    "tests/e2e/test_e2e_readme.py::test_every_python_block_runs_as_an_unguarded_script": 190,
+    "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 140,
+    "tests/e2e/test_e2e_ray.py::test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one": 90,
+    "tests/e2e/test_e2e_agent.py::test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss": 70,
+    "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 60,
+    "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 55,
+    "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 50,
+    "tests/e2e/test_e2e_resume.py::test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run": 45,
 }
 
 
