@@ -39,7 +39,7 @@ def train(cfg: Config) -> RunResult:
     """Build the run, fit, then write the plot and print the summary."""
     from hybridflow.controller.run_folder import discard_run_folder_on_failure
     from hybridflow.controller.setup import build_run
-    from hybridflow.controller.sync import RLTrainer
+    from hybridflow.controller.loops import make_trainer
     from hybridflow.models.loading import hf_progress_bars_off
     from hybridflow.tracking import plot_run, summarize_run
 
@@ -49,7 +49,7 @@ def train(cfg: Config) -> RunResult:
     with hf_progress_bars_off(), discard_run_folder_on_failure(cfg):
         run = build_run(cfg)
         try:
-            metrics = RLTrainer(run).fit()
+            metrics = make_trainer(run).fit()
         finally:
             run.close()
     metrics_path = run.output_dir / "metrics.jsonl"

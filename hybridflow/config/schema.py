@@ -605,7 +605,35 @@ class HealthConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    staleness_threshold: int = f(
+        1,
+        "trainer.mode=fully_async: how many weight versions behind the actor a step's samples may be. The rollout "
+        "starts generating step b once the actor has made b - 1 - staleness_threshold updates, so nothing staler is "
+        "ever generated; up to this many finished steps wait in the queue. 0: the synchronous algorithm.",
+    )
+    behaviour_correction: bool = f(
+        True,
+        "In the asynchronous modes (trainer.mode one_step_off | fully_async) samples come from older weights than "
+        "the actor's: weight the policy loss by truncated importance ratios pi_old / pi_rollout per token (decoupled "
+        "PPO, as AReaL and verl do: the actor's logprobs before the update are the proximal policy, the rollout's "
+        "the behaviour policy). true sets algorithm.rollout_correction.rollout_is=token when it is null; false "
+        "trains on stale samples uncorrected. No effect in sync mode.",
+    )
+
+
+@dataclass
 class TrainerConfig:
+    mode: str = f(
+        "sync",
+        "The training loop: sync (generate step k with the weights after step k-1, then train on it; "
+        "controller/sync.py) | one_step_off (generation of step k+1 overlaps the update of step k, so each step "
+        "trains on samples one weight version behind the actor; controller/one_step_off.py) | fully_async (the "
+        "rollout generates continuously in a thread of its own, at most async_training.staleness_threshold versions "
+        "ahead, and the trainer takes finished steps from a queue; controller/fully_async.py). Steps, prompts and "
+        "seeds are the same in all three.",
+        choices=("sync", "one_step_off", "fully_async"),
+    )
     total_epochs: int = f(1, "Passes over the training prompts.")
     total_training_steps: int | None = f(100, "Stop after this many steps (None: total_epochs).")
     test_freq: int = f(10, "Validate every N steps (<= 0: never; the last step always validates).")
@@ -718,3 +746,4 @@ class Config:
     reward_model: RewardModelConfig = sub(RewardModelConfig, "Reward model (discriminative or generative judge).")
     algorithm: AlgorithmConfig = sub(AlgorithmConfig, "Advantage estimation and KL in reward.")
     trainer: TrainerConfig = sub(TrainerConfig, "Loop, logging, checkpoints.")
+    async_training: AsyncTrainingConfig = sub(AsyncTrainingConfig, "The asynchronous loops (trainer.mode).")

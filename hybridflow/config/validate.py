@@ -65,6 +65,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("rollout.max_batch_size", 1),
     ("rollout.tensor_model_parallel_size", 1),
     ("rollout.sleep_level", 1),
+    ("async_training.staleness_threshold", 0),
     ("rollout.val_kwargs.n", 1),
     ("rollout.multi_turn.max_assistant_turns", 1),
     ("rollout.multi_turn.max_parallel_calls", 1),

@@ -207,7 +207,9 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
         for group in groups:  # nobody else holds the replicas started so far
             group.close()
         raise
-    return RolloutReplicas(groups, free_cache_engine=cfg.rollout.free_cache_engine, sleep_level=cfg.rollout.sleep_level)
+    # The asynchronous loops generate while the actor trains: there is no idle cache to free.
+    free_cache_engine = cfg.rollout.free_cache_engine and cfg.trainer.mode == "sync"
+    return RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=cfg.rollout.sleep_level)
 
 
 def dump_dir(path: str | None, output_dir: Path) -> Path | None:
@@ -407,14 +409,16 @@ class EstimatorInputSource:
 
     critic: bool = False  # a critic group, whose forward gives the input
     old_logprobs: bool = False  # the actor's logprob forward before the update
+    # Made by generating while the step trains: the asynchronous loops generate the next step then.
+    generates: bool = False
     unavailable: str | None = None  # why hybridflow cannot produce it yet (set-up refuses the estimator)
 
 
 # One entry per name in OPTIONAL_ESTIMATOR_INPUTS (a unit test keeps them equal); the loop's
-# providers are in RLTrainer.input_providers.
+# providers are in controller.phases.INPUT_PROVIDERS.
 ESTIMATOR_INPUT_SOURCES: dict[str, EstimatorInputSource] = {
     "values": EstimatorInputSource(critic=True),
-    "reward_baselines": EstimatorInputSource(),  # a greedy rollout per prompt, scored
+    "reward_baselines": EstimatorInputSource(generates=True),  # a greedy rollout per prompt, scored
     "reward_components": EstimatorInputSource(),  # the reward's named numbers (algorithm.gdpo_reward_keys)
     "old_logprobs": EstimatorInputSource(old_logprobs=True),
     "sum_pi_squared": EstimatorInputSource(
@@ -469,6 +473,12 @@ def resolve_plugins(cfg: Config) -> Plugins:
             raise ConfigError(
                 f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, {unavailable}; use grpo, rloo, opo, ... "
                 f"meanwhile", key="algorithm.adv_estimator",
+            )
+        if ESTIMATOR_INPUT_SOURCES[need].generates and cfg.trainer.mode != "sync":
+            raise ConfigError(
+                f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, a generation of its own during the "
+                f"update, while trainer.mode={cfg.trainer.mode} generates the next step then; use trainer.mode=sync",
+                key="trainer.mode",
             )
     adv_params = _resolved("algorithm", lambda: build_estimator_params(adv_estimator, vars(alg)))
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
@@ -596,8 +606,21 @@ def build_critic_group(
                               data_parallel_size(cfg.trainer), placement)
 
 
+def apply_async_defaults(cfg: Config) -> None:
+    """What the asynchronous loops change in the config they run (logged; the run's config.yaml
+    shows the result): their samples come from older weights than the actor's, so by default
+    the loss corrects for it (``async_training.behaviour_correction``)."""
+    rc = cfg.algorithm.rollout_correction
+    if cfg.trainer.mode != "sync" and cfg.async_training.behaviour_correction and rc.rollout_is is None \
+            and not rc.bypass_mode:
+        rc.rollout_is = "token"
+        log.info("trainer.mode=%s: algorithm.rollout_correction.rollout_is=token (async_training.behaviour_correction)",
+                 cfg.trainer.mode)
+
+
 def build_run(cfg: Config) -> RunSetup:
     # 1. Config and names: everything that can be wrong in the config fails here.
+    apply_async_defaults(cfg)
     warnings = validate_config(cfg)
     for w in warnings:
         log.warning("config: %s", w)

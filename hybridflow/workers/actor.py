@@ -414,6 +414,12 @@ class ActorWorker:
         ranks gather it whole here; one rank returns the model's own tensors, uncopied."""
         return self.engine.named_weights()
 
+    @collective
+    def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """``weights_for_sync``, copied: a version of the weights that later updates leave as it is,
+        for a rollout that takes it when it is next between batches (``trainer.mode=fully_async``)."""
+        return [(name, tensor.detach().clone()) for name, tensor in self.engine.named_weights()]
+
     def device_uuid(self) -> str | None:
         """This rank's GPU (None on CPU), so the controller can tell whether NCCL can link it to
         the rollout ranks."""

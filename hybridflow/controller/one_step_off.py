@@ -1,0 +1,120 @@
+"""The one-step-off-policy loop (``trainer.mode=one_step_off``).
+
+    step k:  take the samples of step k (generated while step k-1 trained)
+             weights after step k-1 -> rollout
+             start generating step k+1 in the background   ─┐ overlap
+             advantages, critic and actor update of step k ─┘
+             (step 1, and the first step after a resume, generate in the foreground)
+
+Generation of step k+1 runs while step k trains, so the slower of the two sets the pace instead
+of their sum. The price is staleness: step k trains on samples from the weights after step k-2,
+one version behind the actor (``async/staleness/mean`` = 1 from step 2 on). The actor's logprobs
+before the update are the proximal policy and the rollout's the behaviour policy: with
+``async_training.behaviour_correction`` (the default) the loss is weighted by truncated ratios
+between them (decoupled PPO).
+
+Same prompts and seeds per step as the sync loop (``phases.collect`` seeds by step); only the
+weights that generate them differ. Validation and checkpoints see the actor's newest weights:
+``quiesce`` lets the step in the making finish and then syncs. A checkpoint holds the sampler's
+position before the step in the making drew its prompts, so a resumed run generates that step
+again (with newer weights): no prompt is lost and none is trained twice.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from hybridflow.controller import phases
+from hybridflow.controller.trainer import Trainer
+from hybridflow.utils.timer import PhaseTimer
+
+
+class OneStepOffTrainer(Trainer):
+    def __init__(self, run: Any) -> None:
+        super().__init__(run)
+        # One background thread: the rollout side of the loop (generation and scoring).
+        self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="one-step-off rollout")
+        self._ahead: _Ahead | None = None
+        self._rollout_end: float | None = None  # when the rollout side last finished a batch
+
+    def train_step(self) -> dict[str, float]:
+        run, timer = self.run, PhaseTimer()
+        with timer.phase("step"):
+            with timer.phase("wait_rollout"):
+                collected, made = self._take(self.step)
+            with timer.phase("update_weights"):
+                self.push_weights()
+            if self.step < run.total_steps:
+                self._start_next(self.step + 1)
+            samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)
+            update_metrics = self.update(samples.batch, timer)
+        # Staleness: versions between the weights that made the samples and the actor's before this update.
+        staleness = float(self.step - 1 - made.version)
+        overlap = {
+            "async/staleness/mean": staleness,
+            "async/staleness/max": staleness,
+            "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
+            "async/rollout_idle_ratio": made.idle / max(made.idle + made.seconds, 1e-9),
+            **made.timer.metrics(),  # gen, reward: timed on the rollout side
+            "timing_s/rollout_busy": made.seconds,
+        }
+        return collected.metrics | batch_metrics | update_metrics | phases.step_metrics(run, self.step, collected, samples, timer) | overlap
+
+    # ------------------------------------------------------------------ the rollout side
+    def _start_next(self, step: int) -> None:
+        timer = PhaseTimer()
+        # The sampler's position before this step draws: what a checkpoint taken meanwhile records.
+        sampler_state = self.run.sampler.state_dict()
+        future = self._rollout_thread.submit(self._collect, step, timer)
+        self._ahead = _Ahead(step, self.rollout_version, sampler_state, timer, future)
+
+    def _collect(self, step: int, timer: PhaseTimer) -> tuple[phases.Collected, float, float]:
+        start = time.perf_counter()
+        collected = phases.collect(self.run, step, timer)
+        end = time.perf_counter()
+        # The rollout's idle time: from the end of its previous batch to the start of this one.
+        idle, self._rollout_end = start - (self._rollout_end or start), end
+        return collected, end - start, idle
+
+    def _take(self, step: int) -> tuple[phases.Collected, _Made]:
+        """This step's samples: the ones made in the background, or (none in the making: the first
+        step, a resumed run) made now with the rollout's weights."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            timer = PhaseTimer()
+            collected, seconds, idle = self._collect(step, timer)
+            return collected, _Made(self.rollout_version, timer, seconds, idle)
+        assert ahead.step == step, f"samples of step {ahead.step} taken at step {step}"
+        collected, seconds, idle = ahead.future.result()
+        return collected, _Made(ahead.version, ahead.timer, seconds, idle)
+
+    def quiesce(self) -> None:
+        if self._ahead is not None:
+            self._ahead.future.result()  # done; its samples stay for their step
+        self.push_weights()
+
+    def loop_state(self) -> dict[str, Any]:
+        if self._ahead is None:
+            return {}
+        # The step in the making drew prompts the checkpoint must not skip: record the sampler before it.
+        return {"sampler": self._ahead.sampler_state, "epoch": self._ahead.sampler_state["epoch"]}
+
+    def close(self) -> None:
+        self._rollout_thread.shutdown(wait=True, cancel_futures=True)
+
+
+class _Made:
+    """How a step's samples were made: the rollout's weight version, the rollout side's timings."""
+
+    def __init__(self, version: int, timer: PhaseTimer, seconds: float, idle: float) -> None:
+        self.version, self.timer, self.seconds, self.idle = version, timer, seconds, idle
+
+
+class _Ahead:
+    """A step whose samples are being made in the background."""
+
+    def __init__(self, step: int, version: int, sampler_state: dict[str, Any], timer: PhaseTimer,
+                 future: Future[tuple[phases.Collected, float, float]]) -> None:
+        self.step, self.version, self.sampler_state, self.timer, self.future = step, version, sampler_state, timer, future

@@ -1,0 +1,532 @@
+"""The phases every training loop is made of, as plain functions of the run.
+
+The loops (``sync.py``, ``one_step_off.py``) differ only in *when* these run and on which
+weights; what each phase does is written once, here:
+
+    collect        generate rounds of prompts, score them, keep the groups to train on
+    prepare_batch  collate, balance, old/ref logprobs, estimator inputs, advantages
+    update         critic then actor
+    sync_weights   the actor's weights to every rollout replica
+    validate       held-out prompts, verl's validation metrics
+
+No phase branches on an algorithm: algorithms come from registries chosen by config names, and
+an estimator's optional inputs come from the providers in ``INPUT_PROVIDERS``. Work happens in
+worker groups whose fan-out is visible at each call site.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridflow.agents import answer_view, compute_agent_metrics
+from hybridflow.algorithms import (
+    AdvantageInputs,
+    apply_kl_penalty,
+    masked_mean,
+    place_outcome_rewards,
+    select_varied_groups,
+)
+from hybridflow.cluster.worker_group import wait_all
+from hybridflow.config import ValKwargsConfig
+from hybridflow.controller.setup import BROADCAST, RunSetup
+from hybridflow.data import PromptRow
+from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
+from hybridflow.tracking import (
+    compute_batch_metrics, compute_critic_metrics, compute_throughput_metrics, compute_val_core_metrics,
+    compute_validation_metrics, reduce_metrics, reward_variables,
+)
+from hybridflow.tracking.generations import rollout_rows, validation_rows, write_jsonl
+from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
+from hybridflow.training.packing import sequence_lengths
+from hybridflow.utils.faults import fault_requested
+from hybridflow.utils.seed import derive_seed
+from hybridflow.utils.timer import PhaseTimer
+from hybridflow.utils.watchdog import activity
+from hybridflow.workers.actor import ActorWorker
+from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.reference import ReferenceWorker
+from hybridflow.workers.reward import RewardWorker
+
+log = logging.getLogger(__name__)
+
+
+class Collected(NamedTuple):
+    """One step's samples as collected: groups by prompt, and the collection's metrics (rewards,
+    filtering, agents, and the rollout's own counters for the generation that made them)."""
+
+    groups: list[list[Trajectory]]
+    metrics: dict[str, float]
+    epoch: int  # the sampler's epoch after drawing them (the training/epoch metric of their step)
+
+
+class StepSamples(NamedTuple):
+    """This step's samples in the three views the estimator-input providers read."""
+
+    batch: TrainBatch
+    trajectories: list[Trajectory]  # in batch order
+    groups: list[list[Trajectory]]  # by prompt, as collected
+
+
+# ---------------------------------------------------------------------- generation
+def train_sampling(run: RunSetup) -> SamplingParams:
+    r = run.cfg.rollout
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_tokens=run.cfg.data.max_response_length)
+
+
+def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
+    """``rollout.val_kwargs`` as sampling parameters: greedy unless ``do_sample`` (verl's rule), then
+    its temperature, top_p and top_k; ``n`` samples per prompt either way."""
+    if not v.do_sample:
+        return SamplingParams(n=v.n, temperature=0.0, max_tokens=max_tokens)
+    return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, max_tokens=max_tokens)
+
+
+def generate(run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...]) -> list[Trajectory]:
+    """n trajectories per prompt, grouped by prompt (``group_id`` = row index)."""
+    requests = [
+        GenerationRequest(
+            prompt_ids=row.prompt_ids,
+            # Seeds depend only on (run seed, scope, position): a resumed run draws the same samples.
+            params=SamplingParams(**{**vars(params), "seed": derive_seed(run.cfg.trainer.seed, *seed_scope, i)}),
+            request_id=row.source,
+        )
+        for i, row in enumerate(rows)
+    ]
+    metadata = [row.metadata() for row in rows]
+    outputs = generate_requests(run, requests, metadata)
+    trajectories = []
+    for group_id, (meta, samples) in enumerate(zip(metadata, outputs, strict=True)):
+        for t in samples:
+            t.group_id = group_id
+            # The row's fields, then what an agent loop recorded (turns, tool counts, stop reason).
+            t.metadata = {**meta, **t.metadata}
+            trajectories.append(t)
+    return trajectories
+
+
+def generate_requests(
+    run: RunSetup, requests: list[GenerationRequest], metadata: list[dict[str, Any]]
+) -> list[list[Trajectory]]:
+    """Requests placed on the rollout replicas by the router, each with its row's fields (the
+    agent loops read them); results in request order."""
+    # Only agent loops read the row fields: a single-turn run sends the requests alone.
+    return run.rollout.generate(requests, metadata if run.cfg.rollout.multi_turn.enable else None)
+
+
+# ---------------------------------------------------------------------- rewards
+def model_scores(
+    run: RunSetup, trajectories: list[Trajectory], timer: PhaseTimer | None = None
+) -> tuple[list[float] | None, dict[str, float]]:
+    """The reward model's score of each final answer (``timing_s/reward_model``), its ranks
+    taking contiguous shares; None without a reward model."""
+    rm = run.reward_model
+    if rm is None:
+        return None, {}
+    views = [answer_view(t) for t in trajectories]
+    share = -(-len(views) // rm.group.world_size)  # ceil: the last rank may get fewer
+    shards = [(views[r * share : (r + 1) * share],) for r in range(rm.group.world_size)]
+    with timer.phase("reward_model") if timer is not None else contextlib.nullcontext():
+        results = rm.group.call_each(rm.score, shards)
+    return [x for scores, _ in results for x in scores], reduce_metrics([m for _, m in results if m])
+
+
+def score_answers(
+    run: RunSetup, trajectories: list[Trajectory], shaping: bool = True, scores_of_model: list[float] | None = None
+) -> tuple[list[float], dict[str, float]]:
+    """Score each trajectory's final answer (``answer_view``: its last assistant turn, not the
+    tool replies before it) and set its ``reward`` and ``reward_extra``. A single-turn
+    trajectory is scored as it is. Overlong shaping measures the whole response: every turn
+    spends the data.max_response_length budget. With a reward model its scores (computed here
+    unless given) are combined with the rule scores by the reward role."""
+    metrics: dict[str, float] = {}
+    if scores_of_model is None:
+        scores_of_model, metrics = model_scores(run, trajectories)
+    views = [answer_view(t) for t in trajectories]
+    lengths = [len(t.response_ids) for t in trajectories]
+    scores, reward_metrics = run.reward.call_one(0, RewardWorker.score, views, shaping=shaping,
+                                                 response_lengths=lengths, model_scores=scores_of_model)
+    metrics |= reward_metrics
+    for t, view in zip(trajectories, views, strict=True):
+        t.reward, t.reward_extra, t.reward_info = view.reward, view.reward_extra, view.reward_info
+    return scores, metrics
+
+
+def agent_metrics(run: RunSetup, trajectories: list[Trajectory]) -> dict[str, float]:
+    """``num_turns/*``, ``tool_calls/*`` and the masked-token share, for agent runs only (a
+    single-turn run's would be constants)."""
+    return compute_agent_metrics(trajectories) if run.cfg.rollout.multi_turn.enable else {}
+
+
+# ---------------------------------------------------------------------- collect
+def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
+    """Generate and score rounds of prompts until ``data.train_batch_size`` groups are kept.
+
+    Without ``algorithm.filter_groups`` one round keeps every group. With it (DAPO's dynamic
+    sampling), groups whose samples all got the same metric carry no learning signal and are
+    dropped, and further rounds are drawn until enough remain or ``max_num_gen_batches``
+    rounds have run; then the step trains on what was kept (``filter/exhausted`` = 1).
+    Prompts come from the run's sampler; seeds from (step, round), so the samples of a step do
+    not depend on when, or on which weights' replica, the step's collection ran.
+    """
+    fg, want = run.cfg.algorithm.filter_groups, run.cfg.data.train_batch_size
+    kept: list[list[Trajectory]] = []
+    reward_metrics: list[dict[str, float]] = []
+    episodes: list[Trajectory] = []  # every round's samples, for the agent metrics
+    rounds = generated = varied = constant = 0
+    while True:
+        rounds += 1
+        rows = [run.train_data[i] for i in run.sampler.next_batch()]
+        with timer.phase("gen"):
+            # The round is part of the seed scope: each round draws fresh samples, and a
+            # resumed run draws the same ones.
+            trajectories = generate(run, rows, train_sampling(run), seed_scope=(step, rounds))
+        scores_of_model, model_metrics = model_scores(run, trajectories, timer)
+        with timer.phase("reward"):
+            _, metrics = score_answers(run, trajectories, scores_of_model=scores_of_model)
+            reward_metrics.append(metrics | model_metrics)
+        episodes.extend(trajectories)
+        groups = _by_group(trajectories)
+        generated += len(groups)
+        varied_ids = select_varied_groups([_filter_value(t, fg.metric) for t in trajectories],
+                                          [t.group_id for t in trajectories])
+        constant += len(groups) - len(varied_ids)
+        if fg.enable:
+            groups = [g for g in groups if g[0].group_id in varied_ids]
+        varied += len(groups)
+        kept.extend(groups)
+        out_of_rounds = 0 < fg.max_num_gen_batches <= rounds
+        if len(kept) >= want or not fg.enable or out_of_rounds:
+            break
+    exhausted = len(kept) < want
+    if not kept:
+        # Nothing varied in any round: train on the last round (zero advantages for the
+        # group estimators, so the update only moves entropy/KL terms) rather than skip.
+        kept = _by_group(trajectories)
+    if exhausted and fg.enable:
+        log.warning(
+            "step %d: only %d of %d prompts had varied rewards after %d generation rounds "
+            "(algorithm.filter_groups.max_num_gen_batches=%d); training on those",
+            step, len(kept), want, rounds, fg.max_num_gen_batches,
+        )
+    kept = kept[:want]
+    for group_id, group in enumerate(kept):
+        for t in group:
+            t.group_id = group_id
+    metrics = reduce_metrics(reward_metrics) | agent_metrics(run, episodes)
+    metrics["health/zero_variance_group_fraction"] = constant / max(1, generated)
+    if fg.enable:
+        metrics |= {
+            "filter/gen_rounds": float(rounds),
+            "filter/varied_group_fraction": varied / max(1, generated),
+            "filter/exhausted": float(exhausted),
+        }
+    # The rollout's counters belong to the generation that made these samples (in the async
+    # loops another step's update runs meanwhile).
+    return Collected(kept, metrics | run.rollout.take_metrics(), run.sampler.epoch)
+
+
+def _by_group(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories grouped by ``group_id``, groups in first-seen order."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    return list(groups.values())
+
+
+def _filter_value(t: Trajectory, metric: str) -> float:
+    """The number dynamic sampling requires to vary within a group (algorithm.filter_groups.metric)."""
+    assert t.reward is not None, "score_answers() sets every reward"
+    return t.reward if metric == "score" else t.reward_extra.get("acc", t.reward)
+
+
+# ---------------------------------------------------------------------- the batch
+def prepare_batch(run: RunSetup, groups: list[list[Trajectory]], step: int, timer: PhaseTimer) -> tuple[StepSamples, dict[str, float]]:
+    """The step's training batch from its groups: collated, balanced over the actor's ranks, with
+    old/ref logprobs where needed, the estimator's inputs, advantages and returns."""
+    trajectories = [t for group in groups for t in group]
+    batch = collate_trajectories(trajectories, run.pad_token_id)
+    metrics: dict[str, float] = {}
+    if run.cfg.trainer.balance_batch:
+        order, balance_metrics = balance(run, batch)
+        batch, trajectories = batch.select(order), [trajectories[i] for i in order]
+        metrics |= balance_metrics
+    if run.needs_old_logprobs:
+        with timer.phase("old_log_prob"):
+            batch.old_logprobs = torch.cat(run.actor.split_gather(ActorWorker.compute_logprobs, batch))
+    if run.reference is not None:
+        with timer.phase("ref"):
+            batch.ref_logprobs = torch.cat(run.reference.split_gather(ReferenceWorker.compute_ref_logprobs, batch))
+    samples = StepSamples(batch, trajectories, groups)
+    extra_inputs, input_metrics = estimator_inputs(run, samples, timer)
+    metrics |= input_metrics
+    with timer.phase("adv"):
+        metrics |= compute_advantages(run, batch, extra_inputs)
+    if fault_requested("nan_advantages", step):  # tests: a NaN that must not reach the weights
+        batch.advantages = torch.full_like(batch.advantages, float("nan"))
+    if run.rollout_data_dir is not None:
+        with timer.phase("dump_rollout"):
+            dump_rollouts(run, step, batch, trajectories)
+    return samples, metrics
+
+
+def balance(run: RunSetup, batch: TrainBatch) -> tuple[list[int], dict[str, float]]:
+    """A sample order under which ``split_gather``'s even split hands each actor rank a similar
+    workload. Advantages are computed over the whole batch here, so groups may be split."""
+    lengths = sequence_lengths(batch)
+    parts = balanced_partitions(lengths, run.actor.world_size)
+    return flatten_partitions(parts), global_seqlen_metrics(lengths, parts)
+
+
+def compute_advantages(run: RunSetup, batch: TrainBatch, extra_inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Token-level rewards (score on the last response token, minus in-reward KL), then the
+    configured estimator on one typed record. No estimator-specific branch: the optional
+    inputs it declared it needs arrive in ``extra_inputs``, named as AdvantageInputs' fields."""
+    alg = run.cfg.algorithm
+    token_rewards = place_outcome_rewards(batch.rewards, batch.response_attention_mask)
+    metrics: dict[str, float] = {}
+    if alg.use_kl_in_reward:
+        assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+        beta = run.kl_controller.value
+        penalised = apply_kl_penalty(token_rewards, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
+                                     kind=alg.kl_penalty, beta=beta)
+        token_rewards = penalised.token_level_rewards
+        run.kl_controller.update(penalised.mean_kl, n_steps=batch.batch_size)
+        metrics |= {"actor/reward_kl_penalty": penalised.mean_kl, "actor/reward_kl_penalty_coeff": beta}
+    batch.token_level_rewards = token_rewards
+    inputs = AdvantageInputs(token_level_rewards=token_rewards, response_mask=batch.response_mask,
+                             group_ids=batch.group_ids, **extra_inputs)
+    batch.advantages, batch.returns = run.adv_estimator(inputs, run.adv_params)
+    return metrics
+
+
+# ---------------------------------------------------------------------- estimator inputs
+def estimator_inputs(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The optional inputs the estimator declared it needs, each from its provider, with the
+    metrics the providers report. Nothing is produced that the estimator did not ask for."""
+    inputs: dict[str, torch.Tensor] = {}
+    metrics: dict[str, float] = {}
+    for need in sorted(run.estimator_needs):
+        inputs[need], produced_metrics = INPUT_PROVIDERS[need](run, samples, timer)
+        metrics |= produced_metrics
+    return inputs, metrics
+
+
+def critic_values(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's values of the response tokens, kept on the batch for the critic update."""
+    assert run.critic is not None, "set-up builds a critic for an estimator that needs values"
+    with timer.phase("values"):
+        samples.batch.values = torch.cat(run.critic.split_gather(CriticWorker.compute_values, samples.batch))
+    return samples.batch.values, {}
+
+
+def greedy_baselines(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+    """Score of one greedy response per prompt, for each of its samples in batch order (ReMax).  # (B,)"""
+    with timer.phase("gen_baseline"):
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=run.cfg.data.max_response_length)
+        groups = samples.groups
+        requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params) for g in groups]
+        metadata = [g[0].metadata for g in groups]
+        greedy = [outputs[0] for outputs in generate_requests(run, requests, metadata)]
+        for meta, t in zip(metadata, greedy, strict=True):
+            t.metadata = {**meta, **t.metadata}
+        scores, _ = score_answers(run, greedy)
+        run.rollout.take_metrics()  # the step's rollout counters are of its sampled generation
+    # By group id, not group order: balancing may have reordered the batch.
+    by_group = {g[0].group_id: score for g, score in zip(groups, scores, strict=True)}
+    baselines = torch.tensor([by_group[t.group_id] for t in samples.trajectories], dtype=torch.float32)
+    return baselines, {"critic/reward_baseline/mean": sum(scores) / len(scores)}
+
+
+def named_reward_components(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+    """The reward's numbers named in ``algorithm.gdpo_reward_keys``, (B, K)."""
+    return reward_components(samples.trajectories, run.cfg.algorithm.gdpo_reward_keys), {}
+
+
+def actor_old_logprobs(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor's logprobs before the update; set-up turns that forward on for such an estimator."""
+    assert samples.batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs them"
+    return samples.batch.old_logprobs, {}
+
+
+def no_sum_pi_squared(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+    raise AssertionError("set-up refuses estimators that need sum_pi_squared (ESTIMATOR_INPUT_SOURCES)")
+
+
+def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:
+    """The reward's numbers named ``keys`` per sample, (B, K) (``algorithm.gdpo_reward_keys``). A sample
+    without one (its reward failed, and scored 0) counts 0; a key no sample has is a config error."""
+    present = {key for t in trajectories for key in t.reward_extra}
+    missing = [key for key in keys if key not in present]
+    if missing:
+        raise ValueError(
+            f"algorithm.gdpo_reward_keys {missing} are in no sample's reward (the rewards gave: "
+            f"{', '.join(sorted(present))}); return them in the reward function's dict beside 'score'"
+        )
+    return torch.tensor([[t.reward_extra.get(key, 0.0) for key in keys] for t in trajectories], dtype=torch.float32)
+
+
+# Produces one optional estimator input (and metrics) from the step's samples.
+InputProvider = Callable[[RunSetup, StepSamples, PhaseTimer], tuple[torch.Tensor, dict[str, float]]]
+
+# How each optional estimator input is produced: one entry per name in OPTIONAL_ESTIMATOR_INPUTS
+# (a unit test keeps them equal), so an estimator that needs a new input brings a new provider
+# here, never a branch in a loop.
+INPUT_PROVIDERS: dict[str, InputProvider] = {
+    "values": critic_values,
+    "reward_baselines": greedy_baselines,
+    "reward_components": named_reward_components,
+    "old_logprobs": actor_old_logprobs,
+    "sum_pi_squared": no_sum_pi_squared,
+}
+
+
+# ---------------------------------------------------------------------- updates
+def update(run: RunSetup, batch: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
+    """The critic's update, then the actor's (see ``update_actor`` for the warm-up)."""
+    return update_critic(run, batch, timer) | update_actor(run, batch, step, timer)
+
+
+def update_critic(run: RunSetup, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
+    """Regress the critic onto the estimator's returns; with it, how well the values the step
+    used predicted them. Nothing without a critic."""
+    if run.critic is None:
+        return {}
+    assert batch.values is not None and batch.returns is not None
+    with timer.phase("update_critic"):
+        metrics = reduce_metrics(run.critic.split_gather(CriticWorker.update_critic, batch))
+    return metrics | compute_critic_metrics(values=batch.values, returns=batch.returns,
+                                            response_mask=batch.response_mask)
+
+
+def update_actor(run: RunSetup, batch: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
+    """The policy update; skipped in the first ``trainer.critic_warmup`` steps of a run with a
+    critic, which train only the critic so that the actor's first advantages come from a
+    fitted value model (without a critic there is nothing to warm up: the key is ignored)."""
+    if run.critic is not None and step <= run.cfg.trainer.critic_warmup:
+        return {}
+    with timer.phase("update_actor"):
+        return reduce_metrics(run.actor.split_gather(ActorWorker.update_actor, batch))
+
+
+def sync_weights(run: RunSetup) -> None:
+    """Push the actor's new weights to every rollout rank: streamed from actor rank 0 by
+    broadcast (``rollout.weight_sync``), else through this process (in-process: tensor copies)."""
+    if run.weight_sync == BROADCAST:
+        # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
+        # that the rollout applies as they arrive.
+        wait_all(run.actor.submit_all(ActorWorker.send_weights), *run.rollout.submit_receive())
+        return
+    # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
+    weights = dict(run.actor.call_all(ActorWorker.weights_for_sync)[0])
+    run.rollout.update_weights(weights.items())
+
+
+def weights_snapshot(run: RunSetup) -> list[tuple[str, torch.Tensor]]:
+    """A copy of the actor's full weights (rank 0's gather) that later updates leave alone."""
+    return run.actor.call_all(ActorWorker.weights_snapshot)[0]
+
+
+# ---------------------------------------------------------------------- metrics
+def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSamples, timer: PhaseTimer) -> dict[str, float]:
+    """What every step reports whatever the loop: counters, the batch's numbers, phase timings
+    and throughput."""
+    batch, trajectories = samples.batch, samples.trajectories
+    return {
+        "training/global_step": float(step),
+        "training/epoch": float(collected.epoch),
+        **compute_batch_metrics(
+            scores=batch.rewards,
+            response_lengths=torch.tensor([len(t.response_ids) for t in trajectories]),
+            prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories]),
+            max_response_length=run.cfg.data.max_response_length,
+            advantages=batch.advantages,
+            response_mask=batch.response_mask,
+        ),
+        **timer.metrics(),
+        **compute_throughput_metrics(batch.num_tokens, timer.seconds("step"), run.actor.world_size),
+        "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads, or what others left free
+    }
+
+
+# ---------------------------------------------------------------------- validation
+def validate(run: RunSetup, step: int) -> dict[str, float]:
+    """Held-out prompts with ``rollout.val_kwargs`` sampling (greedy by default). A run without
+    validation data (``data.val_files`` empty, set up says so once) has nothing to measure."""
+    if run.val_data is None:
+        return {}
+    with activity("phase", "testing"):
+        return _validate(run, step)
+
+
+def _validate(run: RunSetup, step: int) -> dict[str, float]:
+    start = time.perf_counter()
+    params = validation_sampling(run.cfg.rollout.val_kwargs, run.cfg.data.max_response_length)
+    assert run.val_data is not None
+    rows = list(run.val_data)
+    trajectories: list[Trajectory] = []
+    size = run.cfg.data.val_batch_size
+    for start_i in range(0, len(rows), size):
+        # A fixed seed scope (-1) keeps sampled validation comparable across steps.
+        chunk = generate(run, rows[start_i : start_i + size], params, seed_scope=(-1,))
+        for t in chunk:
+            t.group_id += start_i
+        trajectories.extend(chunk)
+    scores, _ = score_answers(run, trajectories, shaping=False)
+    sources, group_ids = [t.metadata["data_source"] for t in trajectories], [t.group_id for t in trajectories]
+    metrics = compute_validation_metrics(sources, scores, group_ids)
+    variables, preds = reward_variables(scores, [t.reward_info for t in trajectories])
+    metrics |= compute_val_core_metrics(sources, group_ids, variables, preds)
+    if run.validation_data_dir is not None:
+        dump_validation(run, step, trajectories, scores)
+    metrics |= {f"val/{key}": value for key, value in agent_metrics(run, trajectories).items()}
+    metrics["timing_s/testing"] = time.perf_counter() - start
+    run.rollout.take_metrics()  # the step's rollout metrics are of training generation only
+    run.rollout.sleep()
+    log.info("validation at step %d: val/score/mean %.3f", step, metrics["val/score/mean"])
+    return metrics
+
+
+# ---------------------------------------------------------------------- dumps
+def dump_validation(run: RunSetup, step: int, trajectories: list[Trajectory], scores: list[float]) -> None:
+    """This validation's samples to ``trainer.validation_data_dir`` (bounded; see tracking.generations)."""
+    t = run.cfg.trainer
+    assert run.validation_data_dir is not None
+    kept = trajectories[: t.dump_max_samples]  # decode no more than is written
+    rows = validation_rows(
+        step=step, inputs=_decode(run, [x.prompt_ids for x in kept]),
+        outputs=_decode(run, [x.response_ids for x in kept]),
+        ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=scores[: len(kept)],
+        reward_infos=[x.reward_info for x in kept], data_sources=[x.metadata["data_source"] for x in kept],
+        max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
+    )
+    write_jsonl(run.validation_data_dir, step, rows)
+
+
+def dump_rollouts(run: RunSetup, step: int, batch: TrainBatch, trajectories: list[Trajectory]) -> None:
+    """This step's samples to ``trainer.rollout_data_dir``: each with its sequence advantage, the
+    mean over its loss tokens (the advantage itself for outcome estimators)."""
+    t = run.cfg.trainer
+    assert run.rollout_data_dir is not None and batch.advantages is not None
+    kept = trajectories[: t.dump_max_samples]
+    advantages = masked_mean(batch.advantages[: len(kept)], batch.response_mask[: len(kept)], dim=-1)
+    rows = rollout_rows(
+        step=step, prompts=_decode(run, [x.prompt_ids for x in kept]),
+        responses=_decode(run, [x.response_ids for x in kept]),
+        ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=[float(x.reward or 0.0) for x in kept],
+        advantages=advantages.tolist(), logprobs=[x.rollout_logprobs for x in kept],
+        reward_infos=[x.reward_info for x in kept], group_ids=[x.group_id for x in kept],
+        max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
+    )
+    write_jsonl(run.rollout_data_dir, step, rows)
+
+
+def _decode(run: RunSetup, token_ids: list[list[int]]) -> list[str]:
+    # batch_decode([]) is not an empty list in every tokenizer
+    return list(run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)) if token_ids else []
