@@ -34,6 +34,7 @@ from hybridflow.algorithms import (
 from hybridflow.cluster.worker_group import WorkerGroup, wait_all
 from hybridflow.config import ValKwargsConfig, config_to_yaml
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
+from hybridflow.controller.overlap import generate_and_score
 from hybridflow.controller.replicas import RolloutReplicas
 from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
@@ -189,13 +190,11 @@ class RLTrainer:
         while True:
             rounds += 1
             rows = [self.run.train_data[i] for i in self.run.sampler.next_batch()]
-            with timer.phase("gen"):
-                # The round is part of the seed scope: each round draws fresh samples, and a
-                # resumed run draws the same ones.
-                trajectories = self.generate(rows, self.train_sampling(), seed_scope=(self.step, rounds))
-            model_scores, model_metrics = self.model_scores(trajectories, timer)
-            with timer.phase("reward"):
-                reward_metrics.append(self.score(trajectories, model_scores) | model_metrics)
+            # Each prompt group is scored as soon as its samples are done, while the rest of the
+            # round is generated. The round is part of the seed scope: each round draws fresh
+            # samples, and a resumed run draws the same ones.
+            trajectories, round_metrics = generate_and_score(self, rows, self.train_sampling(), (self.step, rounds), timer)
+            reward_metrics.append(round_metrics)
             episodes.extend(trajectories)
             groups = _by_group(trajectories)
             generated += len(groups)
