@@ -296,6 +296,16 @@ class AgentRunner:
         ]
         return await _all_or_nothing(episodes)
 
+    async def generate_row(
+        self, row: AgentRow, index: int, params: SamplingParams, engine: GenerateEngine
+    ) -> list[Trajectory]:
+        """The ``params.n`` episodes of one row, as ``generate`` runs them when the row sits at
+        ``index`` (the same seeds): what a streaming caller awaits per prompt group.
+        ``max_concurrent_episodes`` bounds this row's episodes, not the other rows'."""
+        limit = asyncio.Semaphore(self.max_concurrent_episodes or max(1, params.n))
+        return await _all_or_nothing([self._episode(row, index, sample, params, engine, limit)
+                                      for sample in range(params.n)])
+
     def generate_sync(
         self, rows: Sequence[AgentRow], params: SamplingParams | Sequence[SamplingParams], engine: GenerateEngine
     ) -> list[Trajectory]:

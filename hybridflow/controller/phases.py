@@ -16,7 +16,6 @@ worker groups whose fan-out is visible at each call site.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.cluster.worker_group import wait_all
 from hybridflow.config import ValKwargsConfig
+from hybridflow.controller.overlap import generate_and_score, model_scores, round_requests
 from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
@@ -45,7 +45,6 @@ from hybridflow.tracking.generations import rollout_rows, validation_rows, write
 from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
 from hybridflow.training.packing import sequence_lengths
 from hybridflow.utils.faults import fault_requested
-from hybridflow.utils.seed import derive_seed
 from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import activity
 from hybridflow.workers.actor import ActorWorker
@@ -90,15 +89,7 @@ def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
 
 def generate(run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...]) -> list[Trajectory]:
     """n trajectories per prompt, grouped by prompt (``group_id`` = row index)."""
-    requests = [
-        GenerationRequest(
-            prompt_ids=row.prompt_ids,
-            # Seeds depend only on (run seed, scope, position): a resumed run draws the same samples.
-            params=SamplingParams(**{**vars(params), "seed": derive_seed(run.cfg.trainer.seed, *seed_scope, i)}),
-            request_id=row.source,
-        )
-        for i, row in enumerate(rows)
-    ]
+    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope)
     metadata = [row.metadata() for row in rows]
     outputs = generate_requests(run, requests, metadata)
     trajectories = []
@@ -121,22 +112,6 @@ def generate_requests(
 
 
 # ---------------------------------------------------------------------- rewards
-def model_scores(
-    run: RunSetup, trajectories: list[Trajectory], timer: PhaseTimer | None = None
-) -> tuple[list[float] | None, dict[str, float]]:
-    """The reward model's score of each final answer (``timing_s/reward_model``), its ranks
-    taking contiguous shares; None without a reward model."""
-    rm = run.reward_model
-    if rm is None:
-        return None, {}
-    views = [answer_view(t) for t in trajectories]
-    share = -(-len(views) // rm.group.world_size)  # ceil: the last rank may get fewer
-    shards = [(views[r * share : (r + 1) * share],) for r in range(rm.group.world_size)]
-    with timer.phase("reward_model") if timer is not None else contextlib.nullcontext():
-        results = rm.group.call_each(rm.score, shards)
-    return [x for scores, _ in results for x in scores], reduce_metrics([m for _, m in results if m])
-
-
 def score_answers(
     run: RunSetup, trajectories: list[Trajectory], shaping: bool = True, scores_of_model: list[float] | None = None
 ) -> tuple[list[float], dict[str, float]]:
@@ -183,14 +158,11 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
     while True:
         rounds += 1
         rows = [run.train_data[i] for i in run.sampler.next_batch()]
-        with timer.phase("gen"):
-            # The round is part of the seed scope: each round draws fresh samples, and a
-            # resumed run draws the same ones.
-            trajectories = generate(run, rows, train_sampling(run), seed_scope=(step, rounds))
-        scores_of_model, model_metrics = model_scores(run, trajectories, timer)
-        with timer.phase("reward"):
-            _, metrics = score_answers(run, trajectories, scores_of_model=scores_of_model)
-            reward_metrics.append(metrics | model_metrics)
+        # Each prompt group is scored as soon as its samples are done, while the rest of the
+        # round is generated. The round is part of the seed scope: each round draws fresh
+        # samples, and a resumed run draws the same ones.
+        trajectories, round_metrics = generate_and_score(run, rows, train_sampling(run), (step, rounds), timer)
+        reward_metrics.append(round_metrics)
         episodes.extend(trajectories)
         groups = _by_group(trajectories)
         generated += len(groups)

@@ -13,6 +13,10 @@ broadcast from actor rank 0 (``join_weight_sync`` / ``submit_receive``), replica
 Between generation and training the replicas sleep (``rollout.free_cache_engine``): their KV
 caches are freed while the actor computes logprobs and updates, and the next generation wakes them.
 
+``stream`` is the same round, yielding each request's trajectories as soon as its replica has
+them (``RolloutWorker.start`` / ``take``), so the controller scores a prompt group while the rest
+of the round is still being generated (``hybridflow.controller.overlap``).
+
 A replica whose process dies, or that raises, fails the call with a ``WorkerError`` naming it
 (``rollout replica k``, from the worker group's failure handling); the router marks it dead, so
 nothing is placed on it again.
@@ -20,8 +24,9 @@ nothing is placed on it again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,9 +35,15 @@ from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGrou
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest
 from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
 from hybridflow.types import GenerationRequest, Trajectory
-from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker
+from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker, StreamBatch
 
 logger = logging.getLogger(__name__)
+
+# How long one ``take`` of a streamed round may wait for a first finished request. It bounds how
+# late a finished request reaches the controller (the replicas are polled together) and, on Ray,
+# how long a replica's other calls (a weight update) queue behind a poll; each poll costs a round
+# trip, so ten a second per replica.
+STREAM_POLL_S = 0.1
 
 # Engine counters summed over replicas into ``rollout/<name>`` metrics.
 _SUMMED_COUNTS = ("prefill_tokens", "generated_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
@@ -55,6 +66,7 @@ class RolloutReplicas:
         self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
         self._metrics: list[dict[str, float]] = []  # one per generation round since take_metrics
+        self._streams = 0  # stream() calls so far: each tags its requests with its own number
 
     @property
     def num_replicas(self) -> int:
@@ -90,6 +102,89 @@ class RolloutReplicas:
             self.router.loads[r].busy_seconds += output.seconds
         self._metrics.append(self._round_metrics(outputs))
         return results
+
+    def stream(
+        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
+    ) -> Iterator[tuple[int, list[Trajectory]]]:
+        """``stream_batches``, one request at a time."""
+        with contextlib.closing(self.stream_batches(requests, metadata)) as batches:
+            for batch in batches:
+                yield from batch
+
+    def stream_batches(
+        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
+    ) -> Iterator[list[tuple[int, list[Trajectory]]]]:
+        """``generate``, yielding each request's ``n`` trajectories as ``(request index,
+        trajectories)`` as soon as its replica finishes it (completion order; those that one poll
+        of the replicas found finished come in one list), while the replicas keep generating the
+        rest: the same trajectories and round metrics as ``generate``.
+
+        Each replica gets its requests in one ``start`` call, then is polled with ``take``, each
+        waiting at most ``STREAM_POLL_S``: a dead or failing replica raises ``WorkerError`` naming
+        it within that, and on Ray a replica answers its other calls between two polls. Requests
+        not finished when the stream fails or is closed early are abandoned in the router and
+        aborted on the replicas still alive (close the iterator, e.g. ``contextlib.closing``)."""
+        self.wake_up()
+        self._streams += 1
+        stream_id = self._streams
+        tickets = self.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
+                                     for r in requests])
+        placed = [[i for i, t in enumerate(tickets) if t.replica == r] for r in range(self.num_replicas)]
+        # Tags carry the stream's id: a late result of an earlier, failed stream is never taken for this one's.
+        waiting = {r: {(stream_id, i) for i in idx} for r, idx in enumerate(placed) if idx}
+        seconds = [0.0] * self.num_replicas
+        before: list[dict[str, float]] = [{} for _ in self.groups]
+        after: list[dict[str, float]] = [{} for _ in self.groups]
+        try:
+            starts = [self.groups[r].submit_one(0, RolloutWorker.start, [requests[i] for i in placed[r]],
+                                                None if metadata is None else [metadata[i] for i in placed[r]],
+                                                sorted(waiting[r]))
+                      for r in waiting]
+            for r, counts in zip(waiting, wait_all(*starts), strict=True):
+                before[r] = after[r] = counts[0]
+            while any(waiting.values()):
+                polled = [r for r, tags in waiting.items() if tags]
+                batches: list[StreamBatch] = [results[0] for results in wait_all(
+                    *(self.groups[r].submit_one(0, RolloutWorker.take, STREAM_POLL_S) for r in polled))]
+                done: list[tuple[int, list[Trajectory]]] = []
+                for r, batch in zip(polled, batches, strict=True):
+                    after[r] = batch.engine_counts
+                    for finished in batch.finished:
+                        if finished.tag not in waiting[r]:
+                            logger.debug("%s: dropped a result of an earlier stream: %r", replica_role(r), finished.tag)
+                            continue
+                        waiting[r].discard(finished.tag)
+                        index = finished.tag[1]
+                        self.router.finish(tickets[index], sum(len(t.response_ids) for t in finished.trajectories))
+                        seconds[r] = max(seconds[r], finished.seconds)
+                        done.append((index, finished.trajectories))
+                if done:
+                    yield done
+        except WorkerError as error:
+            self._mark_failed(str(error))
+            raise
+        finally:
+            unfinished = [tag for tags in waiting.values() for tag in tags]
+            for _, index in unfinished:  # failed, or closed early: none of them is in flight for the router
+                self.router.abandon(tickets[index])
+            if unfinished:
+                self._abort(r for r, tags in waiting.items() if tags)
+        # Only a round that completed gets here (an error or an early close leaves through the finally).
+        for r in range(self.num_replicas):
+            self.router.loads[r].busy_seconds += seconds[r]
+        outputs = [ReplicaOutput([], seconds[r], {k: v - before[r].get(k, 0.0) for k, v in after[r].items()})
+                   for r in range(self.num_replicas)]
+        self._metrics.append(self._round_metrics(outputs))
+
+    def _abort(self, replicas: Iterable[int]) -> None:
+        """Cancel what the living ones of ``replicas`` still run for a stream that ended early."""
+        for r in replicas:
+            if not self.router.loads[r].alive:
+                continue
+            try:
+                self.groups[r].call_one(0, RolloutWorker.abort)
+            except WorkerError as error:  # it failed too: the next call to it says so
+                logger.warning("could not abort the requests of %s: %s", replica_role(r), str(error).splitlines()[0])
 
     def _mark_failed(self, message: str) -> None:
         """The replicas the error names are dead to the router (the error's first line names the

@@ -49,6 +49,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from hybridflow.rewards import worker as protocol
+from hybridflow.rewards.tally import RewardTally
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class RewardOutput:
     scores: list[float]
     extra: list[dict[str, float | str]]
     metrics: dict[str, float]
+    # The same metrics as per-sample values, for a caller that scores a batch in parts.
+    tally: RewardTally | None = None
 
 
 class _State(Enum):
@@ -336,7 +339,9 @@ class RewardManager:
             # Workers still busy with this round would answer the next one with stale results.
             self._abort_round()
             raise
-        return RewardOutput(scores=round_.scores, extra=round_.extra, metrics=self._metrics(round_))
+        tally = self._tally(round_)
+        return RewardOutput(scores=round_.scores, extra=round_.extra, metrics=_rates_of_empty(tally.metrics()),
+                            tally=tally)
 
     def close(self) -> None:
         """Stop the workers (idempotent). Idle workers get a moment to exit; others are killed."""
@@ -572,29 +577,34 @@ class RewardManager:
                 metric,
             )
 
-    def _metrics(self, round_: _Round) -> dict[str, float]:
-        n = len(round_.statuses)
+    def _tally(self, round_: _Round) -> RewardTally:
+        """The round's metrics as per-sample values (``RewardTally``): failure rates, restarts,
+        and the mean of every numeric extra over the samples that returned it."""
+        tally = RewardTally()
 
-        def rate(*statuses: int) -> float:
-            return sum(1 for status in round_.statuses if status in statuses) / n if n else 0.0
+        def flags(*statuses: int) -> list[float]:
+            return [1.0 if status in statuses else 0.0 for status in round_.statuses]
 
-        metrics = {
-            METRIC_ERROR_RATE: rate(protocol.STATUS_ERROR, STATUS_CRASH),
-            METRIC_TIMEOUT_RATE: rate(STATUS_TIMEOUT),
-            METRIC_NONFINITE_RATE: rate(protocol.STATUS_NONFINITE),
-            METRIC_WORKER_RESTARTS: float(round_.restarts),
-        }
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        tally.add(METRIC_ERROR_RATE, "mean", flags(protocol.STATUS_ERROR, STATUS_CRASH))
+        tally.add(METRIC_TIMEOUT_RATE, "mean", flags(STATUS_TIMEOUT))
+        tally.add(METRIC_NONFINITE_RATE, "mean", flags(protocol.STATUS_NONFINITE))
+        tally.add(METRIC_WORKER_RESTARTS, "sum", [float(round_.restarts)])
+        per_key: dict[str, list[float]] = {}
         for extra in round_.extra:
             for key, value in extra.items():
                 if isinstance(value, str):  # the answer text: not a number to average
                     continue
-                sums[key] = sums.get(key, 0.0) + value
-                counts[key] = counts.get(key, 0) + 1
-        for key in sorted(sums):
-            metrics[METRIC_EXTRA_MEAN.format(key=key)] = sums[key] / counts[key]
-        return metrics
+                per_key.setdefault(key, []).append(value)
+        for key in sorted(per_key):
+            tally.add(METRIC_EXTRA_MEAN.format(key=key), "mean", per_key[key])
+        return tally
+
+
+def _rates_of_empty(metrics: dict[str, float]) -> dict[str, float]:
+    """An empty round reports rates of 0 (as it always has), not no rates."""
+    for key in (METRIC_ERROR_RATE, METRIC_TIMEOUT_RATE, METRIC_NONFINITE_RATE):
+        metrics.setdefault(key, 0.0)
+    return metrics
 
 
 # Managers not yet closed. At interpreter exit multiprocessing joins every non-daemon child it

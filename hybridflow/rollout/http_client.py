@@ -90,6 +90,10 @@ class HttpEngineClient:
 
         return run_sync(run())
 
+    async def aclose(self) -> None:
+        """Close the connections of the loop this is awaited on (a persistent loop's, at its end)."""
+        await self._close_session()
+
     async def _close_session(self) -> None:
         if self._client is not None:
             await self._client.aclose()

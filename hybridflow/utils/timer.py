@@ -40,6 +40,12 @@ class PhaseTimer:
             self._open.pop()
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count ``seconds`` measured elsewhere to phase ``name`` (work whose parts interleave,
+        such as scoring between two polls of a streamed generation); the caller keeps the phases
+        disjoint."""
+        self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+
     def seconds(self, name: str) -> float:
         return self._seconds.get(name, 0.0)
 

@@ -24,6 +24,7 @@ from hybridflow.models.loading import load_tokenizer
 from hybridflow.rewards import RewardManager, ScoreRequest
 from hybridflow.rewards.manager import RewardOutput
 from hybridflow.rewards.shaping import compute_overlong_penalty
+from hybridflow.rewards.tally import RewardTally
 from hybridflow.types import Trajectory
 
 
@@ -66,9 +67,19 @@ class RewardWorker:
         its final answer but spends its length budget on every turn. ``model_scores``: the reward
         model's score of each trajectory, combined with the rule scores (module docstring).
         """
-        output = self._rule_scores(trajectories) if model_scores is None else \
+        scores, tally = self.score_part(trajectories, shaping, response_lengths, model_scores)
+        return scores, tally.metrics()
+
+    def score_part(
+        self, trajectories: list[Trajectory], shaping: bool = True, response_lengths: list[int] | None = None,
+        model_scores: list[float] | None = None,
+    ) -> tuple[list[float], RewardTally]:
+        """``score`` for one part of a batch (prompt groups scored as they finish): the metrics
+        come as a ``RewardTally``, and the parts' tallies merged report exactly what ``score``
+        would have for the whole batch. Every score depends on its own sample alone."""
+        output, tally = self._rule_scores(trajectories) if model_scores is None else \
             self._combined_scores(trajectories, model_scores)
-        scores, metrics = list(output.scores), dict(output.metrics)
+        scores = list(output.scores)
         s = self.setup
         if shaping and s.overlong_buffer_len is not None:
             if response_lengths is not None and len(response_lengths) != len(trajectories):
@@ -80,28 +91,28 @@ class RewardWorker:
                 penalty_factor=s.overlong_penalty_factor,
             )
             scores = [score + float(p) for score, p in zip(scores, penalty, strict=True)]
-            metrics["reward/overlong_penalty_mean"] = float(penalty.mean()) if len(penalty) else 0.0
-            metrics["reward/overlong_fraction"] = float((penalty < 0).float().mean()) if len(penalty) else 0.0
+            tally.add("reward/overlong_penalty_mean", "mean", [float(p) for p in penalty])
+            tally.add("reward/overlong_fraction", "mean", [1.0 if p < 0 else 0.0 for p in penalty])
         for t, score, raw, extra in zip(trajectories, scores, output.scores, output.extra, strict=True):
             t.reward = score
             t.reward_extra = {"acc": raw, **{k: v for k, v in extra.items() if not isinstance(v, str)}}
             t.reward_info = dict(extra)
-        return scores, metrics
+        return scores, tally
 
-    def _combined_scores(self, trajectories: list[Trajectory], model_scores: list[float]) -> RewardOutput:
+    def _combined_scores(self, trajectories: list[Trajectory], model_scores: list[float]) -> tuple[RewardOutput, RewardTally]:
         """The reward model's scores combined with the rule scores (``combine``), and
         ``reward_model/score/{mean,max,min}`` of the model's own."""
         if len(model_scores) != len(trajectories):
             raise ValueError(f"RewardWorker.score: {len(model_scores)} model scores for {len(trajectories)} trajectories")
-        metrics = model_score_metrics(model_scores)
+        tally = model_score_tally(model_scores)
         if self.setup.combine == "replace":
-            return RewardOutput(list(model_scores), [{"rm_score": m} for m in model_scores], metrics)
-        ruled = self._rule_scores(trajectories)
+            return RewardOutput(list(model_scores), [{"rm_score": m} for m in model_scores], {}), tally
+        ruled, rule_tally = self._rule_scores(trajectories)
         scores = [r + m for r, m in zip(ruled.scores, model_scores, strict=True)]
         extra = [{**e, "rm_score": m} for e, m in zip(ruled.extra, model_scores, strict=True)]
-        return RewardOutput(scores, extra, {**ruled.metrics, **metrics})
+        return RewardOutput(scores, extra, {}), rule_tally.merge(tally)
 
-    def _rule_scores(self, trajectories: list[Trajectory]) -> RewardOutput:
+    def _rule_scores(self, trajectories: list[Trajectory]) -> tuple[RewardOutput, RewardTally]:
         """Each trajectory's raw score and extras. The source is one of two: the reward the agent
         gave itself (``metadata["agent_reward"]``: the openai loop's function returned it), or
         else the rule / custom scorer, run in the manager's workers on the decoded response."""
@@ -123,20 +134,28 @@ class RewardWorker:
         extra = [dict(t.metadata.get(AGENT_REWARD_EXTRA_KEY) or {}) for t in trajectories]
         for position, score, numbers in zip(scored, ruled.scores, ruled.extra, strict=True):
             scores[position], extra[position] = score, numbers
-        metrics = dict(ruled.metrics)
+        tally = ruled.tally or RewardTally()
+        # The agents' own extras, under the scorer's metric of the same name when there is one.
         agent_given = [extra[i] for i, t in enumerate(trajectories) if AGENT_REWARD_KEY in t.metadata]
         for key in sorted({k for numbers in agent_given for k in numbers}):
-            values = [numbers[key] for numbers in agent_given if key in numbers]
-            metrics.setdefault(f"reward/extra/{key}/mean", sum(values) / len(values))
-        return RewardOutput(scores, extra, metrics)
+            tally.add(f"reward/extra/{key}/mean", "mean", [numbers[key] for numbers in agent_given if key in numbers],
+                      fallback=True)
+        return RewardOutput(scores, extra, {}), tally
 
     def close(self) -> None:
         self.manager.close()
 
 
+def model_score_tally(scores: list[float]) -> RewardTally:
+    """``reward_model/score/{mean,max,min}`` (nothing for no scores)."""
+    tally = RewardTally()
+    if scores:
+        tally.add("reward_model/score/mean", "mean", scores)
+        tally.add("reward_model/score/max", "max", scores)
+        tally.add("reward_model/score/min", "min", scores)
+    return tally
+
+
 def model_score_metrics(scores: list[float]) -> dict[str, float]:
     """``reward_model/score/{mean,max,min}`` (nothing for no scores)."""
-    if not scores:
-        return {}
-    return {"reward_model/score/mean": sum(scores) / len(scores), "reward_model/score/max": max(scores),
-            "reward_model/score/min": min(scores)}
+    return model_score_tally(scores).metrics()

@@ -3,10 +3,19 @@
 Two paths, chosen once at construction:
 
 - no agent settings (``rollout.multi_turn.enable=false``): each request goes straight to the
-  engine's ``generate_batch``, exactly as a plain RLHF/RLVR rollout;
+  engine's ``generate``, exactly as a plain RLHF/RLVR rollout;
 - with ``AgentSetup``: each request runs as ``n`` agent episodes (``hybridflow.agents``),
   the loop picked per row by its ``agent_name`` (else the default loop), every episode
   concurrently against the same engine.
+
+Every request runs on one persistent event loop in a background thread of the worker's process
+(``hybridflow.rollout.stream.RequestStream``), so the engine batches all of them continuously,
+whichever call brought them: ``generate`` / ``serve`` block until their requests are done;
+``start`` returns at once and ``take`` hands back each request's trajectories (per prompt
+group, agent episodes included) as soon as it finishes, which is how the controller scores a
+round while it is still being generated (``RolloutReplicas.stream``). While requests run, the
+worker's other calls still work: weight updates are applied between two engine steps (no
+request sees a mix of weights), ``sleep`` is refused until nothing is in flight.
 
 New weights arrive either as ``(name, tensor)`` pairs through the controller (``update_weights``)
 or, when the rollout runs in another process than actor rank 0 (``rollout.weight_sync=broadcast``),
@@ -16,6 +25,7 @@ applies each bucket as it arrives (``receive_weights``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -29,6 +39,7 @@ from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
 from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine, weight_transfer
 from hybridflow.rollout.base import resolve_rollout_dtype
+from hybridflow.rollout.stream import Finished, Job, RequestStream
 from hybridflow.rollout.weight_transfer import (
     SENDER_RANK,
     TransferStats,
@@ -95,6 +106,15 @@ def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
 
 
 @dataclass
+class StreamBatch:
+    """What one ``take`` returns: requests finished since the last one, and the state now."""
+
+    finished: list[Finished]  # (tag, trajectories, seconds since its start call), completion order
+    in_flight: int  # started requests not finished yet
+    engine_counts: dict[str, float] = field(default_factory=dict)  # the engine's counters now
+
+
+@dataclass
 class ReplicaOutput:
     """What one replica returns for the requests the router gave it in one round."""
 
@@ -124,6 +144,7 @@ class RolloutWorker:
         self.agents: AgentRunner | None = None
         self.server: Any = None  # rollout.mode=server: the engine's HTTP server in this process
         self.client: Any = None  # ... and the client every request of this replica goes through
+        self._stream: RequestStream | None = None  # the event loop requests run on, from first use
         if world_size > 1:
             # One replica over ``world_size`` ranks (rollout.tensor_model_parallel_size): rank 0
             # serves, the others follow its commands.
@@ -193,23 +214,11 @@ class RolloutWorker:
 
         ``metadata`` holds each request's row fields (``agent_name``, ``extra_info``, ...): the
         agent loops read them, and each trajectory's metadata starts from them. Without agents
-        it is not needed and the engine serves the requests directly.
+        it is not needed and the engine serves the requests directly. The requests run on the
+        worker's event loop (``RequestStream``), batched with any started by ``start``.
         """
-        generator = self.client or self.engine
-        if self.agents is None:
-            return generator.generate_batch(requests)
-        if metadata is None or len(metadata) != len(requests):
-            raise ValueError("RolloutWorker.generate with agent loops needs one metadata dict per request")
-        rows = [AgentRow(list(r.prompt_ids), dict(m), group_id=i) for i, (r, m) in enumerate(zip(requests, metadata))]
-        params = [r.params for r in requests]
-        if self.client is not None:
-            episodes = self.client.run_sync(self.agents.generate(rows, params, self.client))
-        else:
-            episodes = self.agents.generate_sync(rows, params, self.engine)
-        grouped: list[list[Trajectory]] = [[] for _ in requests]
-        for trajectory in episodes:
-            grouped[trajectory.group_id].append(trajectory)
-        return grouped
+        jobs = self._jobs(requests, metadata)
+        return self.stream.run_all([job.run for job in jobs])
 
     def serve(self, requests: list[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None) -> ReplicaOutput:
         """``generate``, timed, with the engine's counters over the call: what a replica answers
@@ -221,9 +230,75 @@ class RolloutWorker:
         after = _engine_counts(self.engine)
         return ReplicaOutput(trajectories, seconds, {k: after[k] - before.get(k, 0.0) for k in after})
 
+    # ------------------------------------------------------------ streaming
+    def start(
+        self, requests: list[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None,
+        tags: Sequence[Any] | None = None,
+    ) -> dict[str, float]:
+        """Start ``requests`` and return at once (the engine's counters now, for a caller that
+        measures what its requests cost). They run on the worker's event loop, batched with
+        everything else in flight; ``take`` hands each one's trajectories back, under its tag
+        (default: its position in this call), as soon as all its samples are done. More
+        ``start`` calls may come while earlier requests run."""
+        tags = list(range(len(requests))) if tags is None else list(tags)
+        if len(tags) != len(requests):
+            raise ValueError(f"RolloutWorker.start: {len(tags)} tags for {len(requests)} requests")
+        jobs = self._jobs(requests, metadata, tags)
+        counts = _engine_counts(self.engine)
+        self.stream.start(jobs)
+        return counts
+
+    def take(self, max_wait_s: float = 0.0) -> StreamBatch:
+        """The started requests finished since the last ``take`` (waiting at most ``max_wait_s``
+        for a first one): their tags and trajectories, how many are still in flight, and the
+        engine's counters. A request that raised raises here, naming it (and, through the
+        worker group, this replica). Keep ``max_wait_s`` short on Ray: the actor answers other
+        calls (a weight update) only between two takes."""
+        finished = self.stream.take(max_wait_s)
+        return StreamBatch(finished, self.stream.in_flight, _engine_counts(self.engine))
+
+    def abort(self) -> int:
+        """Cancel every started request still in flight and drop finished ones not yet taken;
+        returns how many. Used when a round fails elsewhere, so nothing stale reaches a later take."""
+        return self.stream.abort()
+
+    def _jobs(
+        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None,
+        tags: Sequence[Any] | None = None,
+    ) -> list[Job]:
+        """One job per request: the engine's ``generate``, or its ``n`` agent episodes."""
+        generator = self.client or self.engine
+        tags = list(range(len(requests))) if tags is None else tags
+        labels = [f"{tag!r}" + (f" ({r.request_id!r})" if r.request_id else "") for tag, r in zip(tags, requests)]
+        if self.agents is None:
+            return [Job(tag, label, functools.partial(generator.generate, r))
+                    for tag, label, r in zip(tags, labels, requests, strict=True)]
+        if metadata is None or len(metadata) != len(requests):
+            raise ValueError("RolloutWorker.generate with agent loops needs one metadata dict per request")
+        agents = self.agents
+        # A row's episodes are seeded by its position in the call (as AgentRunner.generate does),
+        # so a streamed call generates what a blocking one would.
+        return [
+            Job(tag, label, functools.partial(agents.generate_row, AgentRow(list(r.prompt_ids), dict(m), group_id=i),
+                                              i, r.params, generator))
+            for i, (tag, label, r, m) in enumerate(zip(tags, labels, requests, metadata, strict=True))
+        ]
+
+    @property
+    def stream(self) -> RequestStream:
+        """The event loop every request of this worker runs on (started on first use)."""
+        if self._stream is None:
+            self._stream = RequestStream(f"rollout rank {self.rank}")
+        return self._stream
+
     def sleep(self, level: int = 1) -> None:
         """Free generation memory while the trainer works (``rollout.free_cache_engine``): the KV
-        cache, and at level 2 the weights too (the next full weight update restores them)."""
+        cache, and at level 2 the weights too (the next full weight update restores them).
+        Refused while started requests are in flight: take (or abort) them first."""
+        in_flight = 0 if self._stream is None else self._stream.in_flight
+        if in_flight:
+            raise RuntimeError(f"rollout rank {self.rank} cannot sleep: {in_flight} started requests are still in "
+                               f"flight; take() them (or abort()) first")
         self.engine.sleep(level)
 
     def wake_up(self) -> None:
@@ -263,7 +338,12 @@ class RolloutWorker:
             self.weight_sync = None
 
     def close(self) -> None:
-        """Stop this replica's HTTP server (server mode; a no-op otherwise)."""
+        """Stop the worker's event loop (cancelling what runs) and this replica's HTTP server
+        (server mode)."""
+        if self._stream is not None:
+            client = self.client
+            self._stream.close(None if client is None else client.aclose)
+            self._stream = None
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -320,3 +320,65 @@ def test_a_replica_that_dies_mid_generation_fails_the_call_naming_it(pool, tmp_p
         assert not replicas.router.loads[1].alive
     finally:
         replicas.close()
+
+
+class ExitingStream:
+    """Wraps a replica's request loop: its ``take`` exits the process once ``flag`` exists."""
+
+    def __init__(self, stream, flag: str) -> None:
+        self._inner, self._flag = stream, flag
+
+    def take(self, max_wait_s: float = 0.0):
+        if os.path.exists(self._flag):
+            os._exit(9)
+        return self._inner.take(max_wait_s)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class StreamingReplica(RolloutWorker):
+    def __init__(self, rank, world_size, setup, flag: str | None) -> None:
+        super().__init__(rank, world_size, setup)
+        if flag is not None:
+            self._stream = ExitingStream(self.stream, flag)
+
+
+def test_a_streamed_round_on_ray_replicas_lets_a_weight_update_through_and_names_a_dead_replica(pool, tmp_path):
+    from hybridflow.controller.replicas import RolloutReplicas, replica_role
+    from hybridflow.types import GenerationRequest, SamplingParams
+    from hybridflow.workers.rollout import RolloutSetup
+
+    model_dir = str(write_tiny_model(tmp_path / "model"))
+    setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
+                         max_batch_size=8, seed=0)
+    flag = str(tmp_path / "die")
+    placement = Placement(pool, share=0.5, num_threads=1, device=torch.device("cpu"))
+    groups = [RayWorkerGroup(replica_role(k), lambda r, w, k=k: StreamingReplica(r, w, setup, flag if k == 1 else None),
+                             1, placement.from_bundle(k))
+              for k in range(2)]
+    replicas = RolloutReplicas(groups, free_cache_engine=True)
+    requests = [GenerationRequest([5, 6, 7, 8], SamplingParams(n=2, max_tokens=8 + 56 * (i % 2), seed=i,
+                                                               ignore_eos=True)) for i in range(6)]
+    try:
+        expected = replicas.generate(requests)
+        weights = list(groups[0].call_one(0, _engine_weights).items())
+        got, update_s = {}, None
+        for index, samples in replicas.stream(requests):
+            got[index] = samples
+            if update_s is None:  # requests still in flight: the actors answer between two polls
+                begun = time.perf_counter()
+                replicas.update_weights(weights)  # the same weights: the samples do not change
+                update_s = time.perf_counter() - begun
+        assert update_s is not None and update_s < PROMPT_S
+        assert [[t.response_ids for t in got[i]] for i in range(6)] == [[t.response_ids for t in g] for g in expected]
+        open(flag, "w").close()
+        start = time.perf_counter()
+        with pytest.raises(WorkerError, match=r"rollout replica 1 rank 0 died in RolloutWorker.take \(its process "
+                                              r"exited\)"):
+            list(replicas.stream(requests))
+        assert time.perf_counter() - start < PROMPT_S
+        assert not replicas.router.loads[1].alive
+        assert all(load.in_flight_requests == 0 for load in replicas.router.loads)
+    finally:
+        replicas.close()

@@ -1,0 +1,142 @@
+"""One round of training prompts, generated and scored at once: each prompt group is scored as
+soon as its samples are finished (``RolloutReplicas.stream_batches``), while the replicas keep
+generating the rest of the round.
+
+The rewards are those of generating the whole round and then scoring it: every score depends on
+its own sample alone, and the reward role's metrics come back per part as a ``RewardTally``
+(per-sample values), merged into exactly the whole round's metrics (failure rates, overlong
+shaping, the extras' means, the reward model's mean/max/min).
+
+Timings stay disjoint parts of the step (``timing_s/<phase>``, as ``PhaseTimer`` keeps them):
+``timing_s/gen`` is the wall time from the round's start until its last trajectory reached the
+controller, scoring done meanwhile included; ``timing_s/reward`` (and ``timing_s/reward_model``)
+the scoring left after that, which the step waits for. ``perf/reward_overlapped_s`` is the
+scoring done while the round was still being generated: hidden inside ``timing_s/gen``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import TYPE_CHECKING
+
+from hybridflow.agents import answer_view
+from hybridflow.data import PromptRow
+from hybridflow.rewards import judge
+from hybridflow.rewards.tally import RewardTally
+from hybridflow.tracking import reduce_metrics
+from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.utils.seed import derive_seed
+from hybridflow.utils.timer import PhaseTimer
+from hybridflow.utils.watchdog import activity
+from hybridflow.workers.reward import RewardWorker
+
+if TYPE_CHECKING:
+    from hybridflow.controller.setup import RunSetup
+
+METRIC_REWARD_OVERLAPPED = "perf/reward_overlapped_s"
+
+
+def round_requests(rows: list[PromptRow], params: SamplingParams, seed: int,
+                   seed_scope: tuple[int, ...]) -> list[GenerationRequest]:
+    """The requests of a round: seeds depend only on (run seed, scope, position), so a resumed run
+    draws the same samples, whichever replica serves them and whenever."""
+    return [
+        GenerationRequest(prompt_ids=row.prompt_ids,
+                          params=SamplingParams(**{**vars(params), "seed": derive_seed(seed, *seed_scope, i)}),
+                          request_id=row.source)
+        for i, row in enumerate(rows)
+    ]
+
+
+def generate_and_score(
+    run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...], timer: PhaseTimer
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """``phases.generate`` then ``phases.score_answers`` of the round, overlapped (module docstring):
+    the round's trajectories grouped by prompt (``group_id`` = row index), scored, and the reward
+    metrics."""
+    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope)
+    metadata = [row.metadata() for row in rows]
+    # Only agent loops read the row fields: a single-turn run sends the requests alone.
+    sent = metadata if run.cfg.rollout.multi_turn.enable else None
+    groups: list[list[Trajectory]] = [[] for _ in rows]
+    tally, model_parts = RewardTally(), []
+    overlapped = reward_s = model_s = 0.0
+    remaining = len(rows)
+    start = time.perf_counter()
+    generated_at = start
+    with activity("phase", "gen"), contextlib.closing(run.rollout.stream_batches(requests, sent)) as batches:
+        for batch in batches:
+            remaining -= len(batch)
+            if not remaining:
+                generated_at = time.perf_counter()
+            part: list[Trajectory] = []
+            for group_id, samples in batch:
+                for t in samples:
+                    t.group_id = group_id
+                    # The row's fields, then what an agent loop recorded (turns, tool counts, stop reason).
+                    t.metadata = {**metadata[group_id], **t.metadata}
+                groups[group_id] = samples
+                part.extend(samples)
+            seconds = _score_part(run, part, tally, model_parts)
+            if remaining:
+                overlapped += sum(seconds)
+            else:
+                model_s, reward_s = seconds
+    timer.add("gen", generated_at - start)
+    if run.reward_model is not None:
+        timer.add("reward_model", model_s)
+    timer.add("reward", reward_s)
+    metrics = tally.metrics() | _model_metrics(model_parts) | {METRIC_REWARD_OVERLAPPED: overlapped}
+    return [t for group in groups for t in group], metrics
+
+
+def _score_part(run: RunSetup, part: list[Trajectory], tally: RewardTally,
+                model_parts: list[tuple[int, dict[str, float]]]) -> tuple[float, float]:
+    """Score ``part`` as ``phases.score_answers`` scores a round (final answers, the whole
+    response's length for shaping, the reward model's scores combined), adding its metrics to
+    ``tally`` and ``model_parts``; returns the seconds spent in the reward model and the reward role."""
+    start = time.perf_counter()
+    scores_of_model, model_metrics = model_scores(run, part)
+    model_parts.append((len(part), model_metrics))
+    scored = time.perf_counter()
+    views = [answer_view(t) for t in part]
+    lengths = [len(t.response_ids) for t in part]
+    _, part_tally = run.reward.call_one(0, RewardWorker.score_part, views, shaping=True,
+                                        response_lengths=lengths, model_scores=scores_of_model)
+    tally.merge(part_tally)
+    for t, view in zip(part, views, strict=True):
+        t.reward, t.reward_extra, t.reward_info = view.reward, view.reward_extra, view.reward_info
+    return scored - start, time.perf_counter() - scored
+
+
+def model_scores(
+    run: RunSetup, trajectories: list[Trajectory], timer: PhaseTimer | None = None
+) -> tuple[list[float] | None, dict[str, float]]:
+    """The reward model's score of each final answer (``timing_s/reward_model``), its ranks
+    taking contiguous shares; None without a reward model."""
+    rm = run.reward_model
+    if rm is None:
+        return None, {}
+    views = [answer_view(t) for t in trajectories]
+    share = -(-len(views) // rm.group.world_size)  # ceil: the last rank may get fewer
+    shards = [(views[r * share : (r + 1) * share],) for r in range(rm.group.world_size)]
+    with timer.phase("reward_model") if timer is not None else contextlib.nullcontext():
+        results = rm.group.call_each(rm.score, shards)
+    return [x for scores, _ in results for x in scores], reduce_metrics([m for _, m in results if m])
+
+
+# The judge's counters: a round's count is the sum of its parts'.
+_SUMMED_MODEL_METRICS = frozenset({judge.METRIC_FAILURES, judge.METRIC_TIMEOUTS, judge.METRIC_PARSE_ERRORS,
+                                   judge.METRIC_RETRIES})
+
+
+def _model_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """The reward model's own metrics over the parts: the judge's counters summed, the rest (rates,
+    fractions) averaged with each part weighted by its samples, so a rate is the round's."""
+    summed = {key: math.fsum(m[key] for _, m in parts if key in m)
+              for key in {k for _, m in parts for k in m} & _SUMMED_MODEL_METRICS}
+    averaged = reduce_metrics([{k: v for k, v in m.items() if k not in summed} for size, m in parts if m
+                               for _ in range(size)])
+    return averaged | summed
