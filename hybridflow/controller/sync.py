@@ -50,7 +50,7 @@ from hybridflow.utils.faults import fault_requested, maybe_fault
 from hybridflow.utils.seed import capture_rng_state, derive_seed, restore_rng_state
 from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import Watchdog, activity, parse_phase_timeouts
-from hybridflow.workers.actor import ActorWorker
+from hybridflow.workers.actor import ActorWorker, gather_old_logprobs
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardWorker
@@ -139,7 +139,8 @@ class RLTrainer:
                 batch, trajectories = batch.select(order), [trajectories[i] for i in order]
             if self.run.needs_old_logprobs:
                 with timer.phase("old_log_prob"):
-                    batch.old_logprobs = torch.cat(self.actor.split_gather(ActorWorker.compute_logprobs, batch))
+                    batch.old_logprobs, batch.sum_pi_squared = gather_old_logprobs(
+                        self.actor.split_gather(ActorWorker.compute_old_logprobs, batch))
             if self.reference is not None:
                 with timer.phase("ref"):
                     batch.ref_logprobs = torch.cat(self.reference.split_gather(ReferenceWorker.compute_ref_logprobs, batch))
@@ -352,7 +353,7 @@ class RLTrainer:
             "reward_baselines": self.greedy_baselines,
             "reward_components": self.named_reward_components,
             "old_logprobs": self.actor_old_logprobs,
-            "sum_pi_squared": self.no_sum_pi_squared,
+            "sum_pi_squared": self.actor_sum_pi_squared,
         }
 
     def estimator_inputs(self, samples: StepSamples, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -397,8 +398,10 @@ class RLTrainer:
         assert samples.batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs them"
         return samples.batch.old_logprobs, {}
 
-    def no_sum_pi_squared(self, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
-        raise AssertionError("set-up refuses estimators that need sum_pi_squared (ESTIMATOR_INPUT_SOURCES)")
+    def actor_sum_pi_squared(self, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+        """Σ_v π(v)² per response token, from the old-logprob forward (set-up asks the actor for it)."""
+        assert samples.batch.sum_pi_squared is not None, "set-up has the actor compute sum_pi_squared for such an estimator"
+        return samples.batch.sum_pi_squared, {}
 
     def update_critic(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
         """Regress the critic onto the estimator's returns; with it, how well the values the step
