@@ -125,6 +125,7 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # (B, R)
     token_level_rewards: torch.Tensor | None = None  # (B, R)
     rollout_is_weights: torch.Tensor | None = None  # (B, R) rollout-correction importance weights
+    sum_pi_squared: torch.Tensor | None = None  # (B, R) Σ_v π(v)² under the old policy (optimal_token_baseline)
 
     @property
     def batch_size(self) -> int:

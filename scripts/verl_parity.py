@@ -25,11 +25,14 @@ undocumented or contradicts its expectation.
 Not compared (no counterpart on one side): verl's IcePop ``rollout_is_threshold="lower_upper"``
 (zeroes weights; hybridflow rejects through the keep mask instead), ``rollout_is_batch_normalize``,
 the k2/k3, ``seq_mean_*`` and ``seq_max_*`` rejection statistics, the verl-only estimator
-rloo_vectorized, and the estimators and losses added after this script (gdpo,
-optimal_token_baseline, tir_optimal_token_baseline, dppo_tv, dppo_kl, dro, bypass_mode: their
-numbers were compared once with verl 0.9.0's functions on random batches, not by this script).
+rloo_vectorized, and bypass_mode's metrics (its loss and gradient are compared). gdpo is compared through verl's component path (``gdpo_reward_keys`` read
+from ``non_tensor_batch``, which verl casts to float32: the components here are exact in it);
+the token baselines get logπ_old and Σπ² of the batch's logits, each side's own Σπ² kernel.
 
-Needs verl 0.9.1 (``verl.trainer.ppo.core_algos``) and hybridflow importable in one venv.
+Needs verl 0.9.1 (``verl.trainer.ppo.core_algos``) and hybridflow importable in one venv. verl's
+own dependencies are not all needed: ``pip install --no-deps --target DIR verl==0.9.1
+tensordict pyvers cloudpickle omegaconf codetiming orjson`` and ``PYTHONPATH=DIR`` beside
+hybridflow's venv is enough (tried with torch 2.13 on a CPU).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 import verl.trainer.ppo.core_algos as verl_algos
 import verl.trainer.ppo.rollout_corr_helper as verl_corr
 import verl.utils.torch_functional as verl_F
-from verl.trainer.config import AlgoConfig
+from verl.trainer.config import AlgoConfig, RolloutCorrectionConfig
 from verl.trainer.config.algorithm import KLControlConfig
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
@@ -427,13 +430,38 @@ class Estimator:
     verl: Side
 
 
-def _ours_adv(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], **kw: Any) -> Side:
-    """Our estimator on the batch, its params built from ``kw`` (config-named settings)."""
+def _ours_adv(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], extra: Callable[[Batch], dict[str, Any]] | None = None,
+              **kw: Any) -> Side:
+    """Our estimator on the batch, its params built from ``kw`` (config-named settings);
+    ``extra(batch)``: further AdvantageInputs fields (reward components, old logprobs, Σπ²)."""
     params = hf.build_estimator_params(fn, kw)
     return lambda b: fn(hf.AdvantageInputs(
         token_level_rewards=b.token_level_rewards, response_mask=b.response_mask, group_ids=b.group_ids,
-        values=b.values, reward_baselines=b.reward_baselines,
+        values=b.values, reward_baselines=b.reward_baselines, **(extra(b) if extra else {}),
     ), params)
+
+
+# The token baselines read the sampling policy at each token: logπ_old of the sampled token and
+# Σ_v π(v)² from the same distribution (the batch's logits), each side with its own Σπ² kernel.
+def _policy_logprobs(b: Batch) -> torch.Tensor:
+    return torch.log_softmax(b.logits, dim=-1).gather(-1, b.labels.unsqueeze(-1)).squeeze(-1)  # (B, R)
+
+
+def _component_scores(b: Batch) -> torch.Tensor:
+    """Two reward components per sample (B, 2), exact in float32 (verl casts them to it): the
+    outcome and a second, differently scaled number."""
+    outcome = b.token_level_rewards.sum(-1)
+    second = torch.round(b.values[:, 0] * 8) / 2  # multiples of 0.5 in about [-12, 12]
+    return torch.stack([outcome, second], dim=-1).float().to(DTYPE)
+
+
+def _verl_gdpo_batch(b: Batch) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """verl's gdpo inputs: the components as non-tensor columns, and a batch whose attention
+    mask puts them on each response's last token (prompt of one token)."""
+    scores = _component_scores(b)
+    non_tensor = {"c0": scores[:, 0].numpy(), "c1": scores[:, 1].numpy()}
+    attention = torch.cat([torch.ones(BATCH, 1), b.response_mask], dim=-1).long()
+    return non_tensor, {"prompts": torch.zeros(BATCH, 1), "attention_mask": attention}
 
 
 def _estimators() -> list[Estimator]:
@@ -473,6 +501,42 @@ def _estimators() -> list[Estimator]:
                 rew(b), b.response_mask, config=AlgoConfig(gamma=gamma)),
         )
 
+    def gdpo(norm: bool, weights: tuple[float, float] | None) -> Estimator:
+        def verl(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            non_tensor, batch = _verl_gdpo_batch(b)
+            config = AlgoConfig(norm_adv_by_std_in_grpo=norm, gdpo_reward_keys=["c0", "c1"],
+                                gdpo_reward_weights=list(weights) if weights else None)
+            return verl_algos.compute_gdpo_outcome_advantage(
+                rew(b), b.response_mask, b.index, norm_adv_by_std_in_grpo=norm, config=config,
+                non_tensor_batch=non_tensor, batch=batch)
+
+        return Estimator(
+            f"gdpo (norm_adv_by_std_in_grpo={norm}, weights={weights})", "compute_gdpo_advantages",
+            "compute_gdpo_outcome_advantage",
+            _ours_adv(hf.compute_gdpo_advantages, lambda b: {"reward_components": _component_scores(b)},
+                      norm_adv_by_std_in_grpo=norm, gdpo_reward_weights=weights),
+            verl,
+        )
+
+    def otb(tir: bool, zero_tail: bool, weighted: bool) -> Estimator:
+        ours_fn = hf.compute_tir_optimal_token_baseline_advantages if tir else hf.compute_optimal_token_baseline_advantages
+        verl_fn = (verl_algos.compute_multi_turn_optimal_token_baseline_advantage if tir
+                   else verl_algos.compute_optimal_token_baseline_advantage)
+        name = "tir_optimal_token_baseline" if tir else "optimal_token_baseline"
+
+        def inputs(b: Batch) -> dict[str, Any]:
+            return {"old_logprobs": _policy_logprobs(b), "sum_pi_squared": hf.sum_pi_squared_from_logits(b.logits),
+                    "rollout_is_weights": b.rollout_is_weights if weighted else None}
+
+        return Estimator(
+            f"{name} (handle_zero_tail={zero_tail}, rollout IS weights={weighted})", ours_fn.__name__,
+            verl_fn.__name__, _ours_adv(ours_fn, inputs, handle_zero_tail=zero_tail),
+            lambda b: verl_fn(rew(b), b.response_mask, b.index, _policy_logprobs(b),
+                              verl_F.calculate_sum_pi_squared_from_logits(b.logits),
+                              rollout_is_weights=b.rollout_is_weights if weighted else None,
+                              handle_zero_tail=zero_tail),
+        )
+
     def gpg(f_norm: float) -> Estimator:
         return Estimator(
             f"gpg (f_norm={f_norm})", "compute_gpg_advantages", "compute_gpg_outcome_advantage",
@@ -498,9 +562,15 @@ def _estimators() -> list[Estimator]:
                   _ours_adv(hf.compute_opo_advantages),
                   lambda b: verl_algos.compute_opo_outcome_advantage(rew(b), b.response_mask, b.index)),
         gpg(1.0), gpg(2.0),
+        gdpo(True, None), gdpo(False, (0.7, 1.3)),
+        otb(False, True, False), otb(False, False, True), otb(True, True, False), otb(True, False, True),
     ]
 
 
+_OTB_MASKED = ("token_baseline module docstring: 'Returns and advantages are 0 on masked tokens (verl's returns, "
+               "in both variants, are G there'")
+_OTB_MASKED_REWARD = ("token_baseline module docstring: 'a reward placed on a masked token ... still counts in G for "
+                      "the tokens before it ...; verl drops it'")
 # Estimators whose values at mask-0 positions differ from verl's (nothing reads them): verl's
 # gae whitens the carried-over advantage there, remax keeps the reward-to-go, and
 # reinforce_plus_plus returns 0 where hybridflow keeps the running return.
@@ -509,6 +579,8 @@ _MASKED_POSITIONS_REASON = {
     "remax": "remax docstring: 'Both are 0 on masked tokens'; verl's advantage there is the reward-to-go",
     "reinforce_plus_plus": "module docstring: returns on mask-0 tokens are not meaningful; verl writes 0, "
     "hybridflow the running return",
+    "optimal_token_baseline": _OTB_MASKED,
+    "tir_optimal_token_baseline": _OTB_MASKED,
 }
 # Estimators that carry rewards over masked tokens (sequential ones) and say how verl differs.
 _MASKED_REWARD_REASON = {
@@ -516,6 +588,8 @@ _MASKED_REWARD_REASON = {
     "remax": "remax docstring: 'verl sums only masked-in rewards; here a reward on a masked token also counts'",
     "reinforce_plus_plus": "docstring: the running return passes masked tokens 'plus any reward placed on "
     "it'; verl 0.9.1 drops that reward",
+    "optimal_token_baseline": _OTB_MASKED_REWARD,
+    "tir_optimal_token_baseline": _OTB_MASKED_REWARD,
 }
 
 
@@ -687,6 +761,11 @@ POLICY_LOSSES = (
     PolicyLoss("kl_cov", "compute_kl_cov_loss", "compute_policy_loss_kl_cov",
                (("kl_cov_ratio", 0.1), ("ppo_kl_coef", 1.0))),
     PolicyLoss("geo_mean", "compute_geo_mean_loss", "compute_policy_loss_geo_mean"),
+    # DPPO: clip_ratio_low/high are probability (tv) or binary-KL (kl) bounds; clip_ratio_c truncates the ratio.
+    PolicyLoss("dppo_tv", "compute_dppo_tv_loss", "compute_policy_loss_dppo_tv"),
+    PolicyLoss("dppo_kl", "compute_dppo_kl_loss", "compute_policy_loss_dppo_kl"),
+    PolicyLoss("dro", "compute_dro_loss", "compute_policy_loss_dro", (("dro_beta", 0.1),)),
+    PolicyLoss("dro", "compute_dro_loss", "compute_policy_loss_dro", (("dro_beta", 2.0),)),
 )
 _METRIC_KEYS = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")
 _RNG_SEED = 1234
@@ -733,8 +812,8 @@ def _policy_sides(spec: PolicyLoss, mode: str, scale: Scale, weighted: bool) -> 
 
 
 def _verl_metric_keys(mode: str) -> tuple[str, ...]:
-    return {"gpg": (), "clip_cov": ("actor/pg_clipfrac", "actor/ppo_kl"), "kl_cov": ("actor/ppo_kl",)}.get(
-        mode, _METRIC_KEYS)
+    return {"gpg": (), "clip_cov": ("actor/pg_clipfrac", "actor/ppo_kl"), "kl_cov": ("actor/ppo_kl",),
+            "dro": ("actor/ppo_kl",)}.get(mode, _METRIC_KEYS)
 
 
 # How each policy-loss row is run: (normalisation, with rollout IS weights). Two runs instead
@@ -766,10 +845,12 @@ def _policy_row(
 
 _CLAMP_REASON = ("policy_loss module docstring: 'Every loss clamps the token log-ratio ... to ±20 (verl does so "
                  "in vanilla, sapo and cispo only)'")
+_DRO_CLAMP_REASON = ("divergence_losses module docstring: 'the log-ratio clamped to ±20'; docs/algorithms.md: verl's "
+                     "dro 'log-ratio not clamped'")
 _GEO_MEAN_REASON = ("geo_mean docstring: 'verl takes a plain torch.mean over the micro-batch ... here empty responses "
                     "count in no mean and micro-batches add up to the mini-batch mean'")
 # Losses whose log-ratio verl clamps to ±20 as hybridflow does (gpg has no ratio in its loss).
-_CLAMPED_IN_VERL = ("vanilla", "sapo", "cispo", "gpg")
+_CLAMPED_IN_VERL = ("vanilla", "sapo", "cispo", "gpg", "dppo_tv", "dppo_kl")
 
 
 def _policy_loss_rows(spec: PolicyLoss) -> list[Row]:
@@ -787,7 +868,7 @@ def _policy_loss_rows(spec: PolicyLoss) -> list[Row]:
         rows.append(_policy_row(spec, mode, off, suffix=" [log-ratio beyond ±20]"))
     else:
         rows.append(_policy_row(spec, mode, off, LOCAL_RUNS, " [log-ratio beyond ±20]", Expect.DOCUMENTED,
-                                _CLAMP_REASON))
+                                _DRO_CLAMP_REASON if spec.mode == "dro" else _CLAMP_REASON))
     if spec.mode == "geo_mean":
         rows.append(_policy_row(spec, mode, batches("empty"), LOCAL_RUNS, " [empty responses]", Expect.DOCUMENTED,
                                 _GEO_MEAN_REASON))
@@ -796,8 +877,56 @@ def _policy_loss_rows(spec: PolicyLoss) -> list[Row]:
     return rows
 
 
+# bypass_mode: (loss_type, rollout_is, rollout_rs level or None); the rejection band is the
+# symmetric (1/1.25, 1.25), which means the same in both parameterisations (see the
+# rollout-correction rows).
+BYPASS_CASES = (("ppo_clip", None, None), ("ppo_clip", "token", "token"), ("reinforce", None, None),
+                ("reinforce", "token", None), ("reinforce", "sequence", "sequence"))
+_BYPASS_BAND, _VERL_BYPASS_BAND = (0.8, 1.25), "0.8_1.25"
+
+
+def _bypass_sides(loss_type: str, level: str | None, rs: str | None, mode: str) -> tuple[Side, Side]:
+    ours_fn, verl_fn = hf.get_policy_loss("bypass_mode"), verl_algos.get_policy_loss_fn("bypass_mode")
+    params = hf.build_policy_loss_params(
+        ours_fn, shared=dict(clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C,
+                             loss_agg_mode=mode),
+        specific=dict(bypass_loss_type=loss_type, rollout_is=level, rollout_is_threshold=2.0, rollout_rs=rs,
+                      rollout_rs_band=_BYPASS_BAND if rs else None))
+
+    def ours(b: Batch) -> list[torch.Tensor]:
+        inputs = hf.LossInputs(old_logprobs=b.old_logprobs, logprobs=b.logprobs, advantages=b.advantages,
+                               response_mask=b.response_mask, rollout_logprobs=b.rollout_logprobs, **LOCAL.ours(b))
+        return [ours_fn(inputs, params)[0]]
+
+    def verl(b: Batch) -> list[torch.Tensor]:
+        correction = RolloutCorrectionConfig(
+            rollout_is=level, rollout_is_threshold=2.0, rollout_rs=_VERL_RS_OPTION[rs] if rs else None,
+            rollout_rs_threshold=_VERL_BYPASS_BAND if rs else None, bypass_mode=True, loss_type=loss_type)
+        config = ActorConfig(
+            strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=CLIP_LOW,
+            clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C, loss_agg_mode=mode,
+            policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=correction),
+            global_batch_info=LOCAL.verl(b))
+        # In bypass mode the rollout's logprobs are the old ones.
+        return [verl_fn(b.rollout_logprobs, b.logprobs, b.advantages, b.response_mask, mode, config)[0]]
+
+    return ours, verl
+
+
+def _bypass_rows() -> list[Row]:
+    data = batches("dense", "short", "holes", "empty")
+    rows = []
+    for loss_type, level, rs in BYPASS_CASES:
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            ours, verl = _bypass_sides(loss_type, level, rs, mode)
+            rows.append(compare(f"bypass_mode (loss_type={loss_type}, rollout_is={level}, rollout_rs={rs}) / {mode}",
+                                "compute_bypass_mode_loss", "compute_policy_loss_bypass_mode", ours, verl, data,
+                                wrt="logprobs"))
+    return rows
+
+
 def check_policy_losses() -> list[Row]:
-    return [r for spec in POLICY_LOSSES for r in _policy_loss_rows(spec)]
+    return [r for spec in POLICY_LOSSES for r in _policy_loss_rows(spec)] + _bypass_rows()
 
 
 # --------------------------------------------------------------------------------------------
@@ -967,6 +1096,17 @@ def check_entropy() -> list[Row]:
         compare("logprobs_from_logits", "logprobs_from_logits", "verl_F.logprobs_from_logits",
                 lambda b: [hf.logprobs_from_logits(b.logits, b.labels, CHUNK)],
                 lambda b: [verl_F.logprobs_from_logits(b.logits, b.labels)], data, wrt="logits"),
+        # Σπ² (the token baselines' input, no gradient on either side): verl's closed form
+        # exp(lse(2z) − 2·lse(z)) against the chunked Σ exp(2(z − lse)); −inf logits are tokens
+        # masked out of the vocabulary (probability 0 on both sides).
+        compare(f"sum_pi_squared (chunk={CHUNK})", "sum_pi_squared_from_logits",
+                "verl_F.calculate_sum_pi_squared_from_logits",
+                lambda b: [hf.sum_pi_squared_from_logits(b.logits, CHUNK)],
+                lambda b: [verl_F.calculate_sum_pi_squared_from_logits(b.logits)], data + with_inf),
+        compare(f"sum_pi_squared (chunk={CHUNK}), float32 logits", "sum_pi_squared_from_logits",
+                "verl_F.calculate_sum_pi_squared_from_logits",
+                lambda b: [hf.sum_pi_squared_from_logits(b.logits, CHUNK)],
+                lambda b: [verl_F.calculate_sum_pi_squared_from_logits(b.logits)], float32, tol=FLOAT32_TOL),
     ]
     for mode in LOSS_AGG_MODES:
         rows.append(compare(

@@ -52,6 +52,7 @@ from hybridflow.algorithms.entropy import (
     entropy_from_logits,
     entropy_from_logits_chunked,
     logprobs_from_logits,
+    sum_pi_squared_from_logits,
 )
 from hybridflow.algorithms.filtering import compute_varied_group_mask, select_varied_groups
 from hybridflow.algorithms.kl import (
@@ -160,4 +161,5 @@ __all__ = [
     "register_policy_loss",
     "select_varied_groups",
     "suggest",
+    "sum_pi_squared_from_logits",
 ]

@@ -196,3 +196,34 @@ def logprobs_from_logits(
             f"[{int(labels.min())}, {int(labels.max())}]"
         )
     return _ChunkedLogprobs.apply(logits, labels, chunk_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Sum of squared probabilities
+# --------------------------------------------------------------------------------------------
+
+
+def sum_pi_squared_from_lse(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Σ_v softmax(z)_v² of rows whose log-normaliser ``lse`` is known: Σ exp(2(z − lse)).  # (n, V), (n,) -> (n,)
+
+    The chunk kernels (here and in the training engine's LM head) have ``lse`` already; the
+    squares are taken in the exponent, so no probability row is kept beside the logits.
+    """
+    z = _finite_logits(logits)
+    return torch.exp(2.0 * (z - lse.to(z.dtype).unsqueeze(-1))).sum(dim=-1)
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """Σ_v π(v)² of softmax(logits) over the last dim, ``chunk_size`` rows at a time: (..., V) → (...).
+
+    verl's ``calculate_sum_pi_squared`` (the optimal-token-baseline estimators' ‖π‖², computed
+    with the old policy): no gradient, float32 results, memory O(chunk_size·V) beyond the logits.
+    It lies in [1/V, 1]: 1/V for a uniform row, 1 for a one-hot one.
+    """
+    _check_args(logits, chunk_size)
+    out = torch.empty(_num_rows(logits), dtype=_compute_dtype(logits.dtype), device=logits.device)
+    for start, block in _row_blocks(logits, chunk_size):
+        z = _finite_logits(block)
+        out[start : start + block.shape[0]] = sum_pi_squared_from_lse(z, torch.logsumexp(z, dim=-1))
+    return out.view(logits.shape[:-1])

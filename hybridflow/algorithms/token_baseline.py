@@ -27,7 +27,8 @@ empty responses are left out of their group (they count neither as members nor f
 Where this differs from verl 0.9.1: a reward placed on a masked token (the controller puts the
 outcome on the last response token, which in a multi-turn response can be tool output) still
 counts in G for the tokens before it, as in every hybridflow estimator; verl drops it. Returns and
-advantages are 0 on masked tokens (verl's ``tir`` variant returns G there).
+advantages are 0 on masked tokens (verl's returns, in both variants, are G there: at tool output
+inside a response).
 """
 
 from __future__ import annotations

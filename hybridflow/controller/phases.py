@@ -47,7 +47,7 @@ from hybridflow.training.packing import sequence_lengths
 from hybridflow.utils.faults import fault_requested
 from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import activity
-from hybridflow.workers.actor import ActorWorker
+from hybridflow.workers.actor import ActorWorker, gather_old_logprobs
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardWorker
@@ -231,7 +231,8 @@ def prepare_batch(run: RunSetup, groups: list[list[Trajectory]], step: int, time
         metrics |= balance_metrics
     if run.needs_old_logprobs:
         with timer.phase("old_log_prob"):
-            batch.old_logprobs = torch.cat(run.actor.split_gather(ActorWorker.compute_logprobs, batch))
+            batch.old_logprobs, batch.sum_pi_squared = gather_old_logprobs(
+                run.actor.split_gather(ActorWorker.compute_old_logprobs, batch))
     if run.reference is not None:
         with timer.phase("ref"):
             batch.ref_logprobs = torch.cat(run.reference.split_gather(ReferenceWorker.compute_ref_logprobs, batch))
@@ -327,8 +328,10 @@ def actor_old_logprobs(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -
     return samples.batch.old_logprobs, {}
 
 
-def no_sum_pi_squared(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
-    raise AssertionError("set-up refuses estimators that need sum_pi_squared (ESTIMATOR_INPUT_SOURCES)")
+def actor_sum_pi_squared(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_v π(v)² per response token, from the old-logprob forward (set-up asks the actor for it)."""
+    assert samples.batch.sum_pi_squared is not None, "set-up has the actor compute sum_pi_squared for such an estimator"
+    return samples.batch.sum_pi_squared, {}
 
 
 def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:
@@ -355,7 +358,7 @@ INPUT_PROVIDERS: dict[str, InputProvider] = {
     "reward_baselines": greedy_baselines,
     "reward_components": named_reward_components,
     "old_logprobs": actor_old_logprobs,
-    "sum_pi_squared": no_sum_pi_squared,
+    "sum_pi_squared": actor_sum_pi_squared,
 }
 
 

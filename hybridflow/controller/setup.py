@@ -411,7 +411,7 @@ class EstimatorInputSource:
     old_logprobs: bool = False  # the actor's logprob forward before the update
     # Made by generating while the step trains: the asynchronous loops generate the next step then.
     generates: bool = False
-    unavailable: str | None = None  # why hybridflow cannot produce it yet (set-up refuses the estimator)
+    sum_pi_squared: bool = False  # that forward also returns Σ_v π(v)² per token (ActorSetup.sum_pi_squared)
 
 
 # One entry per name in OPTIONAL_ESTIMATOR_INPUTS (a unit test keeps them equal); the loop's
@@ -421,11 +421,9 @@ ESTIMATOR_INPUT_SOURCES: dict[str, EstimatorInputSource] = {
     "reward_baselines": EstimatorInputSource(generates=True),  # a greedy rollout per prompt, scored
     "reward_components": EstimatorInputSource(),  # the reward's named numbers (algorithm.gdpo_reward_keys)
     "old_logprobs": EstimatorInputSource(old_logprobs=True),
-    "sum_pi_squared": EstimatorInputSource(
-        old_logprobs=True,
-        unavailable="the sum of squared token probabilities at each response position (verl's "
-        "actor.calculate_sum_pi_squared), which hybridflow's actor does not compute yet",
-    ),
+    # Σ_v π(v)² per response token (verl's actor.calculate_sum_pi_squared), from the same logits
+    # as the old logprobs: one forward gives both.
+    "sum_pi_squared": EstimatorInputSource(old_logprobs=True, sum_pi_squared=True),
 }
 
 
@@ -449,6 +447,11 @@ def needs_old_logprobs_for(estimator_needs: frozenset[str]) -> bool:
     return any(ESTIMATOR_INPUT_SOURCES[need].old_logprobs for need in estimator_needs)
 
 
+def needs_sum_pi_squared_for(estimator_needs: frozenset[str]) -> bool:
+    """Whether the actor's old-logprob forward must return Σπ² too."""
+    return any(ESTIMATOR_INPUT_SOURCES[need].sum_pi_squared for need in estimator_needs)
+
+
 def config_device(name: str) -> torch.device:
     """``trainer.device`` resolved, or a ``ConfigError`` on it (cuda without CUDA, an unknown string)."""
     try:
@@ -468,12 +471,6 @@ def resolve_plugins(cfg: Config) -> Plugins:
         check_critic_model_path(cfg.critic.model.path)
     check_reward_model(cfg)
     for need in sorted(needs):
-        unavailable = ESTIMATOR_INPUT_SOURCES[need].unavailable
-        if unavailable is not None:
-            raise ConfigError(
-                f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, {unavailable}; use grpo, rloo, opo, ... "
-                f"meanwhile", key="algorithm.adv_estimator",
-            )
         if ESTIMATOR_INPUT_SOURCES[need].generates and cfg.trainer.mode != "sync":
             raise ConfigError(
                 f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, a generation of its own during the "
@@ -705,7 +702,8 @@ def build_run(cfg: Config) -> RunSetup:
         rollout_n=cfg.rollout.n, total_optimizer_steps=total_steps * updates_per_batch,
         max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-        rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips, **common,
+        rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips,
+        sum_pi_squared=needs_sum_pi_squared_for(needs), **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))

@@ -22,7 +22,8 @@ Two speed paths, keyword arguments (the actor turns both on by default):
 Either way only the rows that predict a response token reach the LM head, and where the head is
 a plain linear layer (one rank) the logits are never materialised: ``hybridflow.training.lm_head``
 computes logprobs and entropy from the hidden states in row chunks. A padded micro-batch runs at
-its own width (``trim_padding``), not the whole step's.
+its own width (``trim_padding``), not the whole step's. The inference pass can return Σ_v π(v)²
+per response token from the same logits (``compute_token_stats(with_sum_pi_squared=True)``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from typing import Literal
 
 import torch
 
-from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits
+from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits, sum_pi_squared_from_logits
 from hybridflow.data.batching import padded_budget_partitions, token_budget_partitions
 from hybridflow.training import distributed
-from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_logprobs
+from hybridflow.training.lm_head import TokenStats, fused_lm_head_supported, lm_head_token_stats
 from hybridflow.training.packing import (
     enable_varlen_attention,
     pack_batch,
@@ -208,12 +209,24 @@ class TrainEngine:
             return base(**inputs).last_hidden_state
 
     def _head(
-        self, rows: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs (and entropy) of ``labels`` predicted by hidden ``rows``.  # (M, H) -> (M,)"""
-        return lm_head_logprobs(
+        self, rows: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool,
+        with_sum_pi_squared: bool,
+    ) -> TokenStats:
+        """Logprobs (entropy, Σπ²) of ``labels`` predicted by hidden ``rows``.  # (M, H) -> (M,)"""
+        return lm_head_token_stats(
             rows, self.model.get_output_embeddings(), labels, temperature=temperature, with_entropy=with_entropy,
-            compute_dtype=self.autocast_dtype or rows.dtype,
+            with_sum_pi_squared=with_sum_pi_squared, compute_dtype=self.autocast_dtype or rows.dtype,
+        )
+
+    @staticmethod
+    def _logits_stats(
+        logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, with_sum_pi_squared: bool
+    ) -> TokenStats:
+        """The same from logits (the model's own head).  # (..., V) -> (...)"""
+        return TokenStats(
+            logprobs_from_logits(logits, labels),
+            entropy_from_logits_chunked(logits) if with_entropy else None,
+            sum_pi_squared_from_logits(logits) if with_sum_pi_squared else None,
         )
 
     def _response_logits(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
@@ -233,9 +246,9 @@ class TrainEngine:
         return logits
 
     def _forward_padded(
-        self, batch: TrainBatch, temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward_logprobs`` on padded rows, at the micro-batch's own width.  # (B, R)"""
+        self, batch: TrainBatch, temperature: float, with_entropy: bool, with_sum_pi_squared: bool
+    ) -> TokenStats:
+        """``forward_token_stats`` on padded rows, at the micro-batch's own width.  # (B, R)"""
         full_r = batch.response_length
         batch = trim_padding(batch)
         p = batch.prompt_length
@@ -246,47 +259,53 @@ class TrainEngine:
             )
             valid = batch.attention_mask[:, p:].bool()  # (B, R') response tokens
             # The hidden state at position P+t-1 predicts response token t; padding never reaches the head.
-            logprobs, entropy = self._head(hidden[:, p - 1 : -1][valid], batch.responses[valid], temperature,
-                                           with_entropy)
-            zeros = torch.zeros(valid.shape, dtype=logprobs.dtype, device=logprobs.device)
-            logprobs = zeros.masked_scatter(valid, logprobs)
-            entropy = zeros.masked_scatter(valid, entropy) if entropy is not None else None
+            rows = self._head(hidden[:, p - 1 : -1][valid], batch.responses[valid], temperature, with_entropy,
+                              with_sum_pi_squared)
+            zeros = torch.zeros(valid.shape, dtype=rows.logprobs.dtype, device=rows.logprobs.device)
+            stats = TokenStats(*(None if x is None else zeros.masked_scatter(valid, x) for x in rows))
         else:
-            logits = self._response_logits(batch, temperature)
-            logprobs = logprobs_from_logits(logits, batch.responses)
-            entropy = entropy_from_logits_chunked(logits) if with_entropy else None
-        return pad_responses(logprobs, full_r), None if entropy is None else pad_responses(entropy, full_r)
+            stats = self._logits_stats(self._response_logits(batch, temperature), batch.responses, with_entropy,
+                                       with_sum_pi_squared)
+        return TokenStats(*(None if x is None else pad_responses(x, full_r) for x in stats))
 
     def _forward_packed(
-        self, batch: TrainBatch, temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward_logprobs`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
+        self, batch: TrainBatch, temperature: float, with_entropy: bool, with_sum_pi_squared: bool
+    ) -> TokenStats:
+        """``forward_token_stats`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
         packed = pack_batch(batch)
         if self.fused_lm_head:
             inputs = packed.model_inputs()
             del inputs["logits_to_keep"]
             rows = self._hidden_states(**inputs)[0, packed.logit_positions]  # (M, H)
-            logprobs, entropy = self._head(rows, packed.labels, temperature, with_entropy)
+            stats = self._head(rows, packed.labels, temperature, with_entropy, with_sum_pi_squared)
         else:
             # Only response-predicting positions reach the LM head.  # (1, M, V) -> (M, V)
             logits = self._model(**packed.model_inputs()).logits[0].float()
             if temperature != 1.0:
                 logits = logits / temperature
-            logprobs = logprobs_from_logits(logits, packed.labels)
-            entropy = entropy_from_logits_chunked(logits) if with_entropy else None
-        return unpack_responses(logprobs, packed), None if entropy is None else unpack_responses(entropy, packed)
+            stats = self._logits_stats(logits, packed.labels, with_entropy, with_sum_pi_squared)
+        return TokenStats(*(None if x is None else unpack_responses(x, packed) for x in stats))
 
-    def forward_logprobs(
-        self, batch: TrainBatch, temperature: float, with_entropy: bool = False, *, use_remove_padding: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs of the response tokens under logits/temperature (the rollout's quantity).  # (B, R)
+    def forward_token_stats(
+        self, batch: TrainBatch, temperature: float, with_entropy: bool = False, with_sum_pi_squared: bool = False,
+        *, use_remove_padding: bool = False,
+    ) -> TokenStats:
+        """Logprobs of the response tokens under logits/temperature (the rollout's quantity), and
+        optionally their entropy and Σ_v π(v)² from the same logits.  # (B, R) each
 
         ``use_remove_padding``: run the batch packed. Positions past a sample's response hold 0
         or, padded, whatever the model predicts there; response_mask masks them out either way.
         """
         if use_remove_padding:
-            return self._forward_packed(batch, temperature, with_entropy)
-        return self._forward_padded(batch, temperature, with_entropy)
+            return self._forward_packed(batch, temperature, with_entropy, with_sum_pi_squared)
+        return self._forward_padded(batch, temperature, with_entropy, with_sum_pi_squared)
+
+    def forward_logprobs(
+        self, batch: TrainBatch, temperature: float, with_entropy: bool = False, *, use_remove_padding: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_token_stats`` without Σπ²: (logprobs, entropy | None).  # (B, R)"""
+        stats = self.forward_token_stats(batch, temperature, with_entropy, use_remove_padding=use_remove_padding)
+        return stats.logprobs, stats.entropy
 
     def forward_values(self, batch: TrainBatch, *, use_remove_padding: bool = False) -> torch.Tensor:
         """A value model's (``load_value_model``) prediction for each response token.  # (B, R)
@@ -313,12 +332,14 @@ class TrainEngine:
         return pad_responses(out.logits[:, p - 1 : -1, 0].float(), full_r)
 
     def _forward(
-        self, batch: TrainBatch, output: Output, temperature: float, with_entropy: bool, use_remove_padding: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``output`` per response token (and entropy for logprobs).  # (B, R)"""
+        self, batch: TrainBatch, output: Output, temperature: float, with_entropy: bool, use_remove_padding: bool,
+        with_sum_pi_squared: bool = False,
+    ) -> TokenStats:
+        """``output`` per response token (and entropy, Σπ² for logprobs) in the ``logprobs`` slot.  # (B, R)"""
         if output == "values":
-            return self.forward_values(batch, use_remove_padding=use_remove_padding), None
-        return self.forward_logprobs(batch, temperature, with_entropy, use_remove_padding=use_remove_padding)
+            return TokenStats(self.forward_values(batch, use_remove_padding=use_remove_padding))
+        return self.forward_token_stats(batch, temperature, with_entropy, with_sum_pi_squared,
+                                        use_remove_padding=use_remove_padding)
 
     @torch.no_grad()
     def compute_values(
@@ -331,10 +352,9 @@ class TrainEngine:
     ) -> torch.Tensor:
         """A value model's values of every response token, in the batch's row order, micro-batched
         as ``compute_logprobs``.  # (B, R)"""
-        values, _ = self._infer(batch, "values", temperature=1.0, micro_batch_size=micro_batch_size,
-                                with_entropy=False, use_remove_padding=use_remove_padding,
-                                max_token_len=max_token_len, num_micro_batches=None)
-        return values
+        return self._infer(batch, "values", temperature=1.0, micro_batch_size=micro_batch_size,
+                           with_entropy=False, with_sum_pi_squared=False, use_remove_padding=use_remove_padding,
+                           max_token_len=max_token_len, num_micro_batches=None).logprobs
 
     @torch.no_grad()
     def compute_logprobs(
@@ -355,9 +375,30 @@ class TrainEngine:
         ``num_micro_batches`` forces the count agreed over ranks). ``use_remove_padding`` runs
         each micro-batch packed.
         """
+        stats = self.compute_token_stats(batch, temperature=temperature, micro_batch_size=micro_batch_size,
+                                         with_entropy=with_entropy, use_remove_padding=use_remove_padding,
+                                         max_token_len=max_token_len, num_micro_batches=num_micro_batches)
+        return stats.logprobs, stats.entropy
+
+    @torch.no_grad()
+    def compute_token_stats(
+        self,
+        batch: TrainBatch,
+        *,
+        temperature: float,
+        micro_batch_size: int | None = None,
+        with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
+        use_remove_padding: bool = False,
+        max_token_len: int | None = None,
+        num_micro_batches: int | None = None,
+    ) -> TokenStats:
+        """``compute_logprobs``, and with ``with_sum_pi_squared`` Σ_v π(v)² of every response
+        token from the same forward (verl's ``calculate_sum_pi_squared``).  # (B, R) each"""
         return self._infer(batch, "logprobs", temperature=temperature, micro_batch_size=micro_batch_size,
-                           with_entropy=with_entropy, use_remove_padding=use_remove_padding,
-                           max_token_len=max_token_len, num_micro_batches=num_micro_batches)
+                           with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared,
+                           use_remove_padding=use_remove_padding, max_token_len=max_token_len,
+                           num_micro_batches=num_micro_batches)
 
     def _infer(
         self,
@@ -367,11 +408,12 @@ class TrainEngine:
         temperature: float,
         micro_batch_size: int | None,
         with_entropy: bool,
+        with_sum_pi_squared: bool,
         use_remove_padding: bool,
         max_token_len: int | None,
         num_micro_batches: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``output`` (and entropy) of every response token over micro-batches, in row order."""
+    ) -> TokenStats:
+        """``output`` (and entropy, Σπ²) of every response token over micro-batches, in row order."""
         was_training = self.model.training
         self.model.eval()
         padded = not use_remove_padding
@@ -382,16 +424,15 @@ class TrainEngine:
             batch.to(self.device), micro_batch_size, max_token_len, num_micro_batches, padded
         )
         self._check_same_count(len(micro_batches), f"compute_{output}")
-        outputs, entropies = [], []
+        parts = []
         for mb in micro_batches:
-            out, ent = self._forward(mb, output, temperature, with_entropy, use_remove_padding)
-            outputs.append(out.cpu())
-            if ent is not None:
-                entropies.append(ent.cpu())
+            stats = self._forward(mb, output, temperature, with_entropy, use_remove_padding, with_sum_pi_squared)
+            parts.append([None if x is None else x.cpu() for x in stats])
         self.model.train(was_training)
-        return _in_row_order(torch.cat(outputs), order), (
-            _in_row_order(torch.cat(entropies), order) if with_entropy else None
-        )
+        # Field by field: the micro-batches' rows glued, put back in the batch's row order.
+        return TokenStats(*(
+            None if column[0] is None else _in_row_order(torch.cat(column), order) for column in zip(*parts, strict=True)
+        ))
 
     # ------------------------------------------------------------------- train
     def optimizer_step(
@@ -420,8 +461,8 @@ class TrainEngine:
         sums: dict[str, float] = {}
         for mb in micro_batches:
             mb = mb.to(self.device)
-            outputs, entropy = self._forward(mb, output, temperature, with_entropy, use_remove_padding)
-            loss, metrics = loss_fn(mb, outputs, entropy)
+            stats = self._forward(mb, output, temperature, with_entropy, use_remove_padding)
+            loss, metrics = loss_fn(mb, stats.logprobs, stats.entropy)
             loss.backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)

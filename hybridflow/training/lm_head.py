@@ -9,6 +9,10 @@ rows at a time through the head, keeping only per-row results (the sampled token
 log-normaliser, the entropy). Backward recomputes each chunk's logits: one more (rows, H) x (H, V)
 matmul, in exchange for never holding more than ``chunk_size`` rows of logits.
 
+The same pass can return Σ_v π(v)² per row (``with_sum_pi_squared``, verl's
+``calculate_sum_pi_squared``, for the optimal-token-baseline estimators): one more reduction
+over each chunk's logits, no gradient (it is computed with the old policy).
+
 Only the rows that predict a response token go through the head (prompt and padding positions
 never pay for the vocabulary), and results come back per row, for the caller to scatter into its
 (B, R) layout.
@@ -21,9 +25,11 @@ Shapes: N rows, H hidden, V vocab.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from hybridflow.algorithms.entropy import sum_pi_squared_from_lse
 
 # Rows of logits alive at once: 1024 x V floats (16 MiB at V = 4096, 600 MiB at V = 150k) bounds
 # the working set while keeping each head matmul large enough to run at full speed.
@@ -62,10 +68,19 @@ def _chunk_logits(
     return z / temperature if temperature != 1.0 else z
 
 
+class TokenStats(NamedTuple):
+    """What one logprob pass computes per row (or per response token, (B, R), in the engine)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None  # Σ_v π(v)², without gradient
+
+
 class _LMHeadLogprobs(torch.autograd.Function):
     """log p(y) = z_y − lse(z), H = lse(z) − E_p[z] with z = h·Wᵀ/T, chunk by chunk.
 
     dz = g_lp·(onehot(y) − p) − g_H·p ⊙ (z − E_p[z]);  dh = dz·W/T;  dW = dzᵀ·h/T.
+    Σπ² = Σ exp(2(z − lse)) is a third, non-differentiable output.
     """
 
     @staticmethod
@@ -78,12 +93,14 @@ class _LMHeadLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_rows: int,
         with_entropy: bool,
+        with_sum_pi_squared: bool,
         dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
         logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         lse_all = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(rows if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        sum_pi_squared = torch.empty(rows if with_sum_pi_squared else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, rows, chunk_rows):
             stop = min(rows, start + chunk_rows)
             z = _chunk_logits(hidden[start:stop], weight, bias, temperature, dtype)
@@ -93,14 +110,17 @@ class _LMHeadLogprobs(torch.autograd.Function):
             if with_entropy:
                 probs = torch.exp(z - lse.unsqueeze(-1))
                 entropy[start:stop] = lse - (probs * z).sum(dim=-1)
+            if with_sum_pi_squared:
+                sum_pi_squared[start:stop] = sum_pi_squared_from_lse(z, lse)
         ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
         ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
         ctx.set_materialize_grads(False)
-        return logprobs, entropy
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return logprobs, entropy, sum_pi_squared
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_spi: Any):
         hidden, weight, bias, labels, lse_all = ctx.saved_tensors
         temperature, chunk_rows, dtype = ctx.temperature, ctx.chunk_rows, ctx.dtype
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
@@ -134,8 +154,39 @@ class _LMHeadLogprobs(torch.autograd.Function):
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
+
+
+def lm_head_token_stats(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    compute_dtype: torch.dtype | None = None,
+) -> TokenStats:
+    """Logprobs of ``labels`` (and entropy, Σπ²) under softmax(head(hidden) / temperature).  # (N,) each
+
+    Equal in value and gradient to ``logprobs_from_logits(head(hidden).float() / temperature,
+    labels)`` (and ``entropy_from_logits``, ``sum_pi_squared_from_logits``) without materialising
+    the (N, V) logits. The head's matmul runs in ``compute_dtype`` (default: the hidden states'
+    dtype), the softmax in float32. The entropy is differentiable; when the loss does not use it,
+    its backward costs nothing. Σπ² carries no gradient.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    dtype = compute_dtype or hidden.dtype
+    logprobs, entropy, sum_pi_squared = _LMHeadLogprobs.apply(
+        hidden, head.weight, head.bias, labels.long(), float(temperature), chunk_rows, with_entropy,
+        with_sum_pi_squared, dtype,
+    )
+    return TokenStats(logprobs, entropy if with_entropy else None, sum_pi_squared if with_sum_pi_squared else None)
 
 
 def lm_head_logprobs(
@@ -148,19 +199,7 @@ def lm_head_logprobs(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of ``labels`` (and entropy) under softmax(head(hidden) / temperature).  # (N,), (N,)|None
-
-    Equal in value and gradient to ``logprobs_from_logits(head(hidden).float() / temperature,
-    labels)`` (and ``entropy_from_logits``) without materialising the (N, V) logits. The head's
-    matmul runs in ``compute_dtype`` (default: the hidden states' dtype), the softmax in float32.
-    The entropy is differentiable; when the loss does not use it, its backward costs nothing.
-    """
-    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    dtype = compute_dtype or hidden.dtype
-    logprobs, entropy = _LMHeadLogprobs.apply(
-        hidden, head.weight, head.bias, labels.long(), float(temperature), chunk_rows, with_entropy, dtype
-    )
-    return logprobs, entropy if with_entropy else None
+    """``lm_head_token_stats`` without Σπ²: (logprobs, entropy | None).  # (N,), (N,)|None"""
+    stats = lm_head_token_stats(hidden, head, labels, temperature=temperature, with_entropy=with_entropy,
+                                chunk_rows=chunk_rows, compute_dtype=compute_dtype)
+    return stats.logprobs, stats.entropy

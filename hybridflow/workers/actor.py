@@ -1,4 +1,5 @@
-"""The actor role: the policy being trained. Computes logprobs and runs PPO-style updates.
+"""The actor role: the policy being trained. Computes logprobs (with Σπ² when an estimator
+needs it: ``compute_old_logprobs``) and runs PPO-style updates.
 
 A thin adapter from controller calls to the training engine and the algorithm registries; it
 never decides what happens next.
@@ -64,6 +65,7 @@ from hybridflow.training.engine import (
     num_token_budget_micro_batches,
     token_budget_micro_batches,
 )
+from hybridflow.training.lm_head import TokenStats
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
 from hybridflow.utils.errors import CheckpointError
@@ -87,6 +89,25 @@ class ActorSetup:
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     max_consecutive_skips: int = 10
     max_prompt_length: int = 0  # with max_response_length: the longest sample, the floor of a token budget
+    # The old-logprob forward also returns Σ_v π(v)² per response token (an estimator needs
+    # sum_pi_squared: the optimal-token-baseline ones); set-up decides from the estimator's needs.
+    sum_pi_squared: bool = False
+
+
+@dataclass
+class OldLogprobs:
+    """One rank's result of the old-logprob forward (``ActorWorker.compute_old_logprobs``)."""
+
+    logprobs: torch.Tensor  # (B, R)
+    sum_pi_squared: torch.Tensor | None = None  # (B, R) when ActorSetup.sum_pi_squared
+
+
+def gather_old_logprobs(shards: list[OldLogprobs]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ranks' shards (``split_gather``, rank order) glued: (old_logprobs, sum_pi_squared | None).  # (B, R)"""
+    logprobs = torch.cat([s.logprobs for s in shards])
+    if any(s.sum_pi_squared is None for s in shards):
+        return logprobs, None
+    return logprobs, torch.cat([s.sum_pi_squared for s in shards])
 
 
 def stream_weights(
@@ -275,11 +296,20 @@ class ActorWorker:
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of the response tokens under the current weights (old_logprobs).  # (B, R)"""
-        logprobs, _ = self.engine.compute_logprobs(
+        return self._old_policy_forward(batch, with_sum_pi_squared=False).logprobs
+
+    def compute_old_logprobs(self, batch: TrainBatch) -> OldLogprobs:
+        """The old-logprob forward: logprobs and, when set-up asked for it (``ActorSetup.sum_pi_squared``),
+        Σ_v π(v)² of every response token from the same logits, no second forward.  # (B, R)"""
+        stats = self._old_policy_forward(batch, with_sum_pi_squared=self.setup.sum_pi_squared)
+        return OldLogprobs(stats.logprobs, stats.sum_pi_squared)
+
+    def _old_policy_forward(self, batch: TrainBatch, with_sum_pi_squared: bool) -> TokenStats:
+        return self.engine.compute_token_stats(
             batch, temperature=self.setup.temperature, micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
+            with_sum_pi_squared=with_sum_pi_squared,
         )
-        return logprobs
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x mini-batches x micro-batches over this rank's shard; metrics averaged."""

@@ -135,6 +135,38 @@ def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: 
     assert critic["architectures"] == ["Qwen2ForTokenClassification"]
 
 
+def test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+    """optimal_token_baseline needs Σπ² per token: on two FSDP2 ranks (the logits path, packed,
+    token-budget micro-batches) the old-logprob forward returns it through split_gather, and the
+    advantages and the update equal one in-process rank's (the fused-head path)."""
+    model_dir = write_tiny_model(tmp_path / "model")
+    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
+    reward = tmp_path / "reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    common = [
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"reward.custom_reward_function.path={reward}", "algorithm.adv_estimator=optimal_token_baseline",
+        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8",
+        "rollout.n=4", "data.max_response_length=4", "trainer.total_training_steps=1",
+        "trainer.val_before_train=false", "trainer.num_threads=1", "trainer.progress_bar=false",
+        "trainer.logger=[jsonl]", "trainer.seed=3", "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true",
+        "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
+    ]
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, extra in runs.items():
+        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
+    local, ray_run = (_step_one(tmp_path / name) for name in runs)
+    assert local["critic/score/mean"] == ray_run["critic/score/mean"]
+    assert "timing_s/old_log_prob" in local and "timing_s/old_log_prob" in ray_run
+    assert local["critic/advantages/min"] < 0 < local["critic/advantages/max"]
+    for key in ("critic/advantages/mean", "critic/advantages/max", "critic/advantages/min", "actor/pg_loss",
+                "actor/grad_norm"):
+        assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
+
+
 # ------------------------------------------------------------------------- weight sync
 def _engine_weights(worker: RolloutWorker) -> dict[str, torch.Tensor]:
     """What the rollout engine serves, run on the rollout rank."""

@@ -191,20 +191,54 @@ def test_default_run_rl_improves_the_held_out_greedy_score(tmp_path, builtin_cac
     assert after - before >= 0.2, vals
 
 
-@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov", "geo_mean"])
+LOSS_MODE_KEYS = {"dro": ["actor.policy_loss.dro_beta=0.1"]}  # its one required setting
+
+
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro"])
 def test_every_policy_loss_trains_through_config_alone(model_and_data, tmp_path, mode):
     """A loss mode is a config name: no controller branch, the same loop trains with it. (The
-    modes with a preset are covered by the preset test below.)"""
+    modes with a preset are covered by the preset test below.) Two optimizer steps per batch
+    (ppo_mini_batch_size 4 of 8), so the second one sees a ratio that is not 1."""
     model_dir, train, val = model_and_data
     cfg = api.make_config("grpo", overrides=[
         f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
         f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
         "trainer.save_final=false", "trainer.test_freq=0", f"actor.policy_loss.loss_mode={mode}", "actor.optim.lr=1e-6",
-        *SMALL, "trainer.total_training_steps=1",
+        *LOSS_MODE_KEYS.get(mode, []), *SMALL, "trainer.total_training_steps=1",
     ])
     metrics = api.train(cfg).final_metrics
     assert metrics["training/global_step"] == 1
-    assert all(metrics[k] == metrics[k] for k in ("actor/pg_loss", "actor/grad_norm"))  # finite, not NaN
+    assert all(math.isfinite(metrics[k]) for k in ("actor/pg_loss", "actor/grad_norm"))
+
+
+TEXT_PARITY_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(sum(map(ord, solution_str)) % 2)  # varies within a group: advantages are not all 0
+"""
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_token_baseline_estimators_train_on_the_actors_sum_pi_squared(model_and_data, tmp_path, estimator):
+    """The optimal-token-baseline estimators need Σπ² per token: with one optimizer step per batch
+    (no old logprobs otherwise), the old-logprob forward runs for them and returns it too."""
+    model_dir, train, val = model_and_data
+    reward = tmp_path / "reward.py"
+    reward.write_text(TEXT_PARITY_REWARD)
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+        "trainer.save_final=false", "trainer.test_freq=0", f"algorithm.adv_estimator={estimator}", "actor.optim.lr=1e-6",
+        f"reward.custom_reward_function.path={reward}", *SMALL, "actor.ppo_mini_batch_size=8",
+        "trainer.total_training_steps=2",
+    ])
+    records = read_metrics(api.train(cfg).metrics_path)
+    assert [r["step"] for r in records] == [1, 2]
+    for step in records:
+        assert "timing_s/old_log_prob" in step  # the estimator alone asked for that forward
+        assert step["critic/advantages/min"] < 0 < step["critic/advantages/max"]
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/advantages/mean", "critic/advantages/max",
+                    "critic/advantages/min"):
+            assert math.isfinite(step[key]), (key, step[key])
 
 
 PRESET_METRICS = {

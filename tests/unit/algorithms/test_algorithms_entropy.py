@@ -1,4 +1,4 @@
-"""Entropy and sampled-token logprobs: values, gradients, chunking, non-contiguous inputs."""
+"""Entropy, sampled-token logprobs and Σπ²: values, gradients, chunking, non-contiguous inputs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from hybridflow.algorithms.entropy import (
     entropy_from_logits,
     entropy_from_logits_chunked,
     logprobs_from_logits,
+    sum_pi_squared_from_logits,
 )
 
 torch.set_num_threads(1)
@@ -99,3 +100,47 @@ def test_bad_arguments() -> None:
         entropy_from_logits_chunked(logits, chunk_size=0)
     with pytest.raises(ValueError, match="integer token ids"):
         logprobs_from_logits(logits, torch.tensor([0.0, 1.0]))
+
+
+# --------------------------------------------------------------------------------------------
+# Σπ²
+# --------------------------------------------------------------------------------------------
+
+
+def _direct_sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
+    return (torch.softmax(logits.double(), dim=-1) ** 2).sum(dim=-1)
+
+
+def test_sum_pi_squared_hand_values_and_masked_vocab() -> None:
+    # uniform over 4 → 4·(1/4)² = 1/4; one token left (others −inf) → 1, not nan;
+    # logits (log 1, log 3) → probabilities 1/4, 3/4 → 1/16 + 9/16 = 5/8
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, float("-inf"), float("-inf"), float("-inf")],
+                           [0.0, float(torch.log(torch.tensor(3.0))), float("-inf"), float("-inf")]])
+    expected = torch.tensor([0.25, 1.0, 0.625])
+    for chunk_size in (1, 2, 1024):
+        torch.testing.assert_close(sum_pi_squared_from_logits(logits, chunk_size=chunk_size), expected)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 14, 15, 1024])
+def test_sum_pi_squared_matches_the_direct_softmax_across_chunk_boundaries(chunk_size: int) -> None:
+    logits = _logits(2, 7, 13, seed=4)  # 14 rows: chunk sizes below, at and above it
+    got = sum_pi_squared_from_logits(logits, chunk_size=chunk_size)
+    assert got.shape == (2, 7) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _direct_sum_pi_squared(logits), atol=1e-6, rtol=1e-5)
+    assert bool(((got >= 1 / 13 - 1e-6) & (got <= 1 + 1e-6)).all())
+
+
+def test_sum_pi_squared_of_a_sliced_batch_and_low_precision_logits() -> None:
+    logits = _logits(3, 6, 11, seed=5)
+    sliced = logits[:, :-1]  # not viewable as (rows, V): walked one leading index at a time
+    torch.testing.assert_close(sum_pi_squared_from_logits(sliced, chunk_size=4).double(),
+                               _direct_sum_pi_squared(sliced), atol=1e-6, rtol=1e-5)
+    half = logits.bfloat16()
+    got = sum_pi_squared_from_logits(half, chunk_size=5)
+    assert got.dtype == torch.float32  # upcast before the softmax
+    torch.testing.assert_close(got.double(), _direct_sum_pi_squared(half.float()), atol=1e-6, rtol=1e-5)
+
+
+def test_sum_pi_squared_carries_no_gradient() -> None:
+    logits = _logits(4, 9, seed=6).requires_grad_(True)
+    assert not sum_pi_squared_from_logits(logits).requires_grad

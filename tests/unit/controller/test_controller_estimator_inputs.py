@@ -1,5 +1,5 @@
-"""Inputs the controller builds for estimators that declare them (gdpo's reward components) and the
-estimators it refuses at start-up because the trainer cannot build theirs (Σπ² for the token baselines)."""
+"""Inputs the controller builds for estimators that declare them (gdpo's reward components, Σπ²
+for the token baselines from the actor's old-logprob forward)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ import pytest
 import torch
 
 from hybridflow.algorithms import OPTIONAL_ESTIMATOR_INPUTS, AdvantageInputs
-from hybridflow.config import ConfigError, load_config
-from hybridflow.controller.setup import ESTIMATOR_INPUT_SOURCES, needs_critic, resolve_plugins
+from hybridflow.config import load_config
 from hybridflow.controller.phases import INPUT_PROVIDERS, reward_components
+from hybridflow.controller.setup import (
+    ESTIMATOR_INPUT_SOURCES,
+    needs_critic,
+    needs_old_logprobs_for,
+    needs_sum_pi_squared_for,
+    resolve_plugins,
+)
 from hybridflow.types import Trajectory
 
 
@@ -32,9 +38,11 @@ def test_a_component_no_reward_returned_is_named():
 
 
 @pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
-def test_token_baseline_estimators_are_refused_until_the_actor_computes_sum_pi_squared(estimator):
-    with pytest.raises(ConfigError, match="needs sum_pi_squared"):
-        resolve_plugins(load_config(overrides=[f"algorithm.adv_estimator={estimator}"]))
+def test_token_baseline_estimators_get_sum_pi_squared_from_the_old_logprob_forward(estimator):
+    needs = resolve_plugins(load_config(overrides=[f"algorithm.adv_estimator={estimator}"])).estimator_needs
+    assert needs == {"old_logprobs", "sum_pi_squared"}
+    assert needs_old_logprobs_for(needs) and needs_sum_pi_squared_for(needs)
+    assert not needs_sum_pi_squared_for(frozenset({"old_logprobs"}))
 
 
 def test_every_optional_input_has_a_source_and_a_provider():

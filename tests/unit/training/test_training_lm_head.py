@@ -10,7 +10,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 from hybridflow.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.training.engine import TrainEngine
-from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_logprobs
+from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_logprobs, lm_head_token_stats
 from hybridflow.training.packing import pad_responses, trim_padding
 from hybridflow.types import Trajectory, collate_trajectories
 
@@ -107,3 +107,24 @@ def test_a_short_micro_batch_cut_from_a_wide_batch_gives_the_logprobs_of_its_own
     assert (got[:, :4][mask] - want[mask]).abs().max() < 1e-5
     assert (got_ent[:, :4][mask] - want_ent[mask]).abs().max() < 1e-5
     assert got[:, 4:].abs().max() == 0  # columns past every response of the micro-batch
+
+
+@pytest.mark.parametrize(("temperature", "chunk_rows"), [(1.0, 1), (0.7, 6), (1.3, 37), (1.0, 100)])
+def test_sum_pi_squared_matches_the_softmax_of_the_logits_across_chunk_boundaries(temperature, chunk_rows):
+    torch.manual_seed(2)
+    head = torch.nn.Linear(16, 50, bias=True)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (37,))
+    stats = lm_head_token_stats(hidden, head, labels, temperature=temperature, with_sum_pi_squared=True,
+                                chunk_rows=chunk_rows)
+    assert stats.entropy is None and not stats.sum_pi_squared.requires_grad
+    with torch.no_grad():
+        expected = (torch.softmax(head(hidden).double() / temperature, dim=-1) ** 2).sum(dim=-1)
+    assert (stats.sum_pi_squared.double() - expected).abs().max() < 1e-6
+    # Asking for Σπ² changes neither the logprobs nor their gradient.
+    stats.logprobs.sum().backward()
+    with_spi = hidden.grad.clone()
+    hidden.grad = None
+    logprobs, _ = lm_head_logprobs(hidden, head, labels, temperature=temperature, chunk_rows=chunk_rows)
+    logprobs.sum().backward()
+    assert torch.equal(logprobs, stats.logprobs) and torch.equal(with_spi, hidden.grad)
