@@ -21,6 +21,7 @@ nothing is placed on it again.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest
 from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
+from hybridflow.tracking.timeline import Timeline
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker
 
@@ -55,6 +57,8 @@ class RolloutReplicas:
         self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
         self._metrics: list[dict[str, float]] = []  # one per generation round since take_metrics
+        # Set-up's timeline (trainer.timeline): each replica's serving seconds of a round as a span.
+        self.timeline: Timeline = Timeline.disabled()
 
     @property
     def num_replicas(self) -> int:
@@ -67,6 +71,7 @@ class RolloutReplicas:
         """Each request's ``n`` trajectories, in request order. ``metadata`` (the rows' fields)
         goes with each request when agent loops need it."""
         self.wake_up()
+        submitted = time.perf_counter()
         tickets = self.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
                                      for r in requests])
         placed = [[i for i, t in enumerate(tickets) if t.replica == r] for r in range(self.num_replicas)]
@@ -88,6 +93,10 @@ class RolloutReplicas:
                 results[i] = samples
                 self.router.finish(tickets[i], sum(len(t.response_ids) for t in samples))
             self.router.loads[r].busy_seconds += output.seconds
+            # The replica's engine time, drawn from the submission (its start is not sent back):
+            # the rest of the round, up to the slowest replica, it waited.
+            self.timeline.add(replica_role(r), "serve", submitted, submitted + output.seconds,
+                              requests=len(idx), tokens=int(output.engine_counts.get("generated_tokens", 0)))
         self._metrics.append(self._round_metrics(outputs))
         return results
 

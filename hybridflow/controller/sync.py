@@ -128,7 +128,7 @@ class RLTrainer:
         return Watchdog(t.watchdog_timeout_s, parse_phase_timeouts(t.phase_timeouts))
 
     def train_step(self) -> dict[str, float]:
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.run.timeline)  # every phase is also a span of <run>/timeline.json
         with timer.phase("step"):
             groups, collect_metrics = self.collect(timer)
             trajectories = [t for group in groups for t in group]
@@ -447,7 +447,7 @@ class RLTrainer:
         validation data (``data.val_files`` empty, set up says so once) has nothing to measure."""
         if self.run.val_data is None:
             return {}
-        with activity("phase", "testing"):
+        with activity("phase", "testing"), self.run.timeline.span("trainer", "testing"):
             return self._validate()
 
     def _validate(self) -> dict[str, float]:
@@ -516,7 +516,7 @@ class RLTrainer:
         left on <path>") has removed its partial folder and left the earlier checkpoints alone;
         then the run stops with that ``CheckpointError`` or, with ``trainer.on_save_error=warn``,
         goes on without this checkpoint (False)."""
-        with activity("phase", "save_checkpoint"):
+        with activity("phase", "save_checkpoint"), self.run.timeline.span("trainer", "save_checkpoint"):
             try:
                 self._save_checkpoint()
             except CheckpointError as exc:

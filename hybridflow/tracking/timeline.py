@@ -1,0 +1,252 @@
+"""Who ran and who waited: a per-step trace of the run, for ui.perfetto.dev or chrome://tracing.
+
+A ``Timeline`` collects *spans* (a track, a name, a start and an end) from any thread and writes
+them to ``<run folder>/timeline.json`` in the Chrome trace event format that Perfetto and
+chrome://tracing open: ``{"traceEvents": [...]}`` with one complete event (``"ph": "X"``, ``ts``
+and ``dur`` in microseconds since the timeline began) per span.
+
+Tracks are rows: ``trainer`` (the controller's phases, fed by ``PhaseTimer``: step, gen, reward,
+old_log_prob, ref, adv, update_actor, update_weights, ...; testing and save_checkpoint between
+steps), ``rollout replica k`` (the seconds each replica served in a generation round). A track
+named ``<role> replica <k>`` or ``<role> rank <k>`` is thread ``k`` of process ``<role>`` in the
+trace, so a role's replicas sit together; any other track is a process of its own, thread 0.
+Process and thread names are written as metadata events (``"ph": "M"``); the thread name is the
+whole track name, which is what ``summarize_timeline`` reads back.
+
+Bounded: the file holds the spans of the last ``keep_steps`` steps (a span named ``step`` on any
+track closes a step; spans that end before the oldest kept step began are dropped) and at most
+``max_events`` spans (oldest dropped first). It is rewritten atomically (a temporary file renamed
+over it) each time a step closes and when the run closes, so a killed run leaves the trace of
+every step it finished. A resumed run starts a new trace (perf_counter times of two processes do
+not line up).
+
+Cost: ``add`` is a lock and a list append (about a microsecond); writing the file is a JSON dump of
+at most ``max_events`` small records once per step (tens of milliseconds at the default caps, far
+below a step of an LLM run; measured numbers are in tests/unit/tracking/test_tracking_timeline.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIMELINE_FILENAME = "timeline.json"
+STEP_SPAN = "step"
+"""A span of this name closes a step: the file is written then, and old steps are dropped."""
+KEEP_STEPS = 100
+"""Steps kept in the file by default: enough to see a pattern, small enough to open at once."""
+MAX_EVENTS = 50_000
+"""Spans kept at most, whatever the steps (a few MB of JSON; Perfetto opens it in a second)."""
+
+_INDEXED = re.compile(r"^(?P<role>.*\S)\s+(?P<kind>replica|rank)\s+(?P<index>\d+)$")
+
+
+@dataclass
+class _Span:
+    track: str
+    name: str
+    start: float  # perf_counter seconds
+    end: float
+    args: dict[str, Any]
+
+
+class Timeline:
+    """Thread-safe span recorder; ``path`` None keeps the spans in memory only (tests, ``events``).
+
+    ``enabled=False`` makes every method a no-op, so callers need no ``if``.
+    """
+
+    def __init__(self, path: str | Path | None = None, *, keep_steps: int = KEEP_STEPS,
+                 max_events: int = MAX_EVENTS, enabled: bool = True) -> None:
+        if keep_steps < 1 or max_events < 1:
+            raise ValueError(f"Timeline keeps at least one step and one event, got {keep_steps=}, {max_events=}")
+        self.path = Path(path) if path is not None else None
+        self.enabled = enabled
+        self.keep_steps, self.max_events = keep_steps, max_events
+        self.origin = time.perf_counter()
+        self.wall_origin = time.time()
+        self._spans: deque[_Span] = deque(maxlen=max_events)
+        self._step_starts: deque[float] = deque(maxlen=keep_steps)
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+
+    @classmethod
+    def disabled(cls) -> Timeline:
+        return cls(enabled=False)
+
+    # ------------------------------------------------------------------ recording
+    def add(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
+        """Record a span; ``start`` and ``end`` are ``time.perf_counter()`` seconds. A span named
+        ``step`` closes a step: older steps beyond ``keep_steps`` are dropped and the file written."""
+        if not self.enabled:
+            return
+        span = _Span(track, name, start, max(start, end), args)
+        with self._lock:
+            self._spans.append(span)
+            closes_step = name == STEP_SPAN
+            if closes_step:
+                self._step_starts.append(start)
+                if len(self._step_starts) == self.keep_steps:
+                    cutoff = self._step_starts[0]
+                    while self._spans and self._spans[0].end < cutoff:
+                        self._spans.popleft()
+        if closes_step:
+            self.flush()
+
+    @contextmanager
+    def span(self, track: str, name: str, **args: Any) -> Iterator[None]:
+        """Time the block as a span on ``track`` (recorded even when the block raises)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(track, name, start, time.perf_counter(), **args)
+
+    # ------------------------------------------------------------------ output
+    def events(self) -> list[dict[str, Any]]:
+        """The trace events: metadata (process and thread names) first, then one ``X`` per span."""
+        with self._lock:
+            spans = list(self._spans)
+        pids: dict[str, int] = {}
+        threads: dict[tuple[int, int], str] = {}
+        out: list[dict[str, Any]] = []
+        body: list[dict[str, Any]] = []
+        for s in sorted(spans, key=lambda s: s.start):
+            role, tid = _role_and_index(s.track)
+            pid = pids.setdefault(role, len(pids) + 1)
+            threads.setdefault((pid, tid), s.track)
+            event: dict[str, Any] = {
+                "name": s.name, "cat": role, "ph": "X", "pid": pid, "tid": tid,
+                "ts": round((s.start - self.origin) * 1e6, 1), "dur": round((s.end - s.start) * 1e6, 1),
+            }
+            if s.args:
+                event["args"] = s.args
+            body.append(event)
+        for role, pid in pids.items():
+            out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": role}})
+            out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for (pid, tid), track in sorted(threads.items()):
+            out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}})
+        return out + body
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "traceEvents": self.events(),
+            "displayTimeUnit": "ms",
+            "otherData": {"generator": "hybridflow", "wall_clock_origin_s": self.wall_origin,
+                          "keep_steps": self.keep_steps, "max_events": self.max_events},
+        }
+
+    def flush(self) -> None:
+        """Write the file atomically (no-op without a path)."""
+        if not self.enabled or self.path is None:
+            return
+        text = json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False)
+        with self._write_lock:  # two threads closing spans at once must not share the temporary file
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _role_and_index(track: str) -> tuple[str, int]:
+    """``rollout replica 3`` -> (``rollout``, 3); ``trainer`` -> (``trainer``, 0)."""
+    m = _INDEXED.match(track)
+    return (m["role"], int(m["index"])) if m else (track, 0)
+
+
+# ---------------------------------------------------------------------- reading a trace back
+@dataclass
+class TrackSummary:
+    track: str
+    busy_s: float  # the union of the track's spans within the window
+    idle_s: float  # the window minus busy
+    phases: dict[str, float] = field(default_factory=dict)  # total seconds per span name (nested spans overlap)
+
+    @property
+    def idle_ratio(self) -> float:
+        window = self.busy_s + self.idle_s
+        return self.idle_s / window if window > 0 else 0.0
+
+
+@dataclass
+class TimelineSummary:
+    window_s: float  # from the first span's start to the last span's end, over every track
+    steps: int  # spans named ``step``
+    tracks: list[TrackSummary]
+
+
+def read_timeline(path: str | Path) -> list[dict[str, Any]]:
+    """The trace events of ``timeline.json`` (or of the one in a run folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TIMELINE_FILENAME
+    data = json.loads(path.read_text(encoding="utf-8"))
+    events = data["traceEvents"] if isinstance(data, dict) else data  # both forms of the format
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list")
+    return events
+
+
+def summarize_timeline(events: list[dict[str, Any]]) -> TimelineSummary:
+    """Per track: busy seconds (union of its spans), idle seconds and the idle ratio over the
+    traced window, and the total seconds of each span name."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    steps = 0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        track = names.get((e["pid"], e["tid"]), f"pid {e['pid']} tid {e['tid']}")
+        start, dur = float(e["ts"]) / 1e6, float(e.get("dur", 0.0)) / 1e6
+        spans[track].append((start, start + dur))
+        phases[track][e["name"]] += dur
+        steps += e["name"] == STEP_SPAN
+    if not spans:
+        return TimelineSummary(0.0, 0, [])
+    lo = min(s for intervals in spans.values() for s, _ in intervals)
+    hi = max(e for intervals in spans.values() for _, e in intervals)
+    window = hi - lo
+    tracks = []
+    for track, intervals in spans.items():
+        busy = _union_length(intervals)
+        tracks.append(TrackSummary(track, busy, max(0.0, window - busy), dict(phases[track])))
+    return TimelineSummary(window, steps, tracks)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def format_timeline_summary(summary: TimelineSummary) -> str:
+    """The table ``hybridflow timeline`` prints."""
+    if not summary.tracks:
+        return "the timeline holds no spans"
+    lines = [f"traced window {summary.window_s:.3f} s, {summary.steps} step(s)", "",
+             f"{'track':<24} {'busy s':>10} {'idle s':>10} {'idle':>7}"]
+    for t in summary.tracks:
+        lines.append(f"{t.track:<24} {t.busy_s:>10.3f} {t.idle_s:>10.3f} {t.idle_ratio:>6.1%}")
+    for t in summary.tracks:
+        lines += ["", f"{t.track}: seconds per phase"]
+        for name, seconds in sorted(t.phases.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {name:<22} {seconds:>10.3f}")
+    return "\n".join(lines)
