@@ -665,7 +665,7 @@ class TrainerConfig:
         True,
         "Write <run folder>/timeline.json, a trace of each step's phases (trainer) and each rollout replica's "
         "serving time, for ui.perfetto.dev or chrome://tracing; `hybridflow timeline <run>` summarizes it. "
-        "Rewritten after each step, holding the last 100 steps (at most 50,000 spans).",
+        "Rewritten after each step, holding the last 100 steps (at most 20,000 spans).",
     )
     balance_batch: bool = f(
         True,
