@@ -28,6 +28,7 @@ on a busy laptop CPU, far below a step of an LLM run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -38,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TIMELINE_FILENAME = "timeline.json"
 STEP_SPAN = "step"
@@ -77,6 +80,7 @@ class Timeline:
         self._pids: dict[str, int] = {}  # role -> pid
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._write_failed = False
 
     @classmethod
     def disabled(cls) -> Timeline:
@@ -158,8 +162,14 @@ class Timeline:
                 + json.dumps(self._other_data()) + "}")
         with self._write_lock:  # two threads closing spans at once must not share the temporary file
             tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, self.path)
+            try:
+                tmp.write_text(text, encoding="utf-8")
+                os.replace(tmp, self.path)
+            except OSError as error:  # a trace is worth a warning, never the run (a full disk, a removed folder)
+                if not self._write_failed:
+                    log.warning("could not write the timeline %s (%s); training goes on, later failures are not "
+                                "reported", self.path, error)
+                self._write_failed = True
 
     def close(self) -> None:
         self.flush()

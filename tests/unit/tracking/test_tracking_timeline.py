@@ -144,3 +144,10 @@ def test_recording_costs_microseconds_and_writing_a_full_file_milliseconds(tmp_p
     flush = time.perf_counter() - start
     assert per_add < 500e-6, per_add  # about 10-30 us measured; a loaded CPU may be slower
     assert flush < 2.0, flush
+
+
+def test_a_failed_write_warns_once_and_never_stops_the_run(tmp_path, caplog):
+    timeline = Timeline(tmp_path / "gone" / TIMELINE_FILENAME)  # its folder does not exist
+    run_steps(timeline, 3)
+    timeline.close()
+    assert caplog.text.count("could not write the timeline") == 1
