@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from hybridflow.config import ConfigError, explain_config, list_presets, load_config, validate_config
 from hybridflow.controller.checkpoint import CheckpointError
@@ -80,8 +81,10 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--steps", type=_positive_int, default=20, help="simulated steps after warm-up (default 20)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
     g = sim.add_argument_group("from a run folder")
-    g.add_argument("--replicas", type=_positive_int, default=1, help="rollout replicas of the measured run (default 1)")
-    g.add_argument("--trainer-devices", type=_positive_int, default=1, help="actor ranks of the measured run (default 1)")
+    g.add_argument("--replicas", type=_positive_int, default=None,
+                   help="rollout replicas of the measured run (default: from its config.yaml, else 1)")
+    g.add_argument("--trainer-devices", type=_positive_int, default=None,
+                   help="actor ranks of the measured run (default: from its config.yaml, else 1)")
     c = sim.add_argument_group("costs (override what a run folder gave)")
     c.add_argument("--slots", type=_positive_int, default=None, help="sequences a replica decodes together (64)")
     c.add_argument("--decode-ms-per-token", type=float, default=None, help="one decode iteration of a replica (30)")
@@ -101,18 +104,37 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     _add_debug(sim)
 
 
+def _measured_shape(run: Path) -> dict[str, int]:
+    """Replicas, actor ranks, engine slots and tensor parallelism of the run that made ``run``,
+    from its config.yaml; empty when it has none that loads (the flags' defaults apply)."""
+    from hybridflow.config.validate import data_parallel_size, rollout_replicas
+
+    if not (run / "config.yaml").is_file():
+        return {}
+    try:
+        cfg = load_config("grpo", str(run / "config.yaml"), [])
+    except ConfigError:
+        return {}
+    return {"replicas": rollout_replicas(cfg), "trainer_devices": data_parallel_size(cfg.trainer),
+            "slots": cfg.rollout.max_batch_size, "tp": cfg.rollout.tensor_model_parallel_size}
+
+
 def _simulate(args: argparse.Namespace) -> int:
     import dataclasses
     import math
-    from pathlib import Path
 
     from hybridflow.tracking import simulate as sim
 
     if args.run is not None:
-        profile = sim.profile_from_run(args.run, replicas=args.replicas, trainer_devices=args.trainer_devices,
-                                       slots=args.slots or sim.Costs().slots, overhead_s=args.overhead_s or 0.0,
-                                       seed=args.seed)
+        shape = _measured_shape(Path(args.run))
+        replicas = args.replicas or shape.get("replicas", 1)
+        profile = sim.profile_from_run(args.run, replicas=replicas,
+                                       trainer_devices=args.trainer_devices or shape.get("trainer_devices", 1),
+                                       slots=args.slots or shape.get("slots", sim.Costs().slots),
+                                       overhead_s=args.overhead_s or 0.0, seed=args.seed)
         costs, lengths = profile.costs, profile.lengths
+        if args.tp is None and "tp" in shape:
+            costs = dataclasses.replace(costs, devices_per_replica=shape["tp"])
         print("\n".join(profile.notes) + "\n")
     else:
         costs, lengths = sim.Costs(), sim.LengthModel()

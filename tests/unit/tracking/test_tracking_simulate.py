@@ -109,3 +109,14 @@ def test_cli_simulate_from_flags_and_from_a_run(tmp_path, capsys):
     assert main(["simulate", str(tmp_path), "--devices", "2", "--staleness", "2", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "batch 4 samples" in out and "fully_async s=2" in out
+
+
+def test_cli_simulate_takes_the_runs_shape_from_its_config(tmp_path, capsys):
+    from hybridflow.config import config_to_yaml, load_config
+
+    write_run(tmp_path)
+    cfg = load_config("grpo", None, ["rollout.max_batch_size=8", "trainer.n_workers=2"])
+    (tmp_path / "config.yaml").write_text(config_to_yaml(cfg))
+    assert main(["simulate", str(tmp_path), "--devices", "2", "--staleness", "1", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(2 replica(s) x 8 slots)" in out and "on 2 device(s)" in out
