@@ -151,3 +151,9 @@ def test_a_failed_write_warns_once_and_never_stops_the_run(tmp_path, caplog):
     run_steps(timeline, 3)
     timeline.close()
     assert caplog.text.count("could not write the timeline") == 1
+
+
+def test_a_timeline_that_recorded_nothing_leaves_the_file_alone(tmp_path):
+    (tmp_path / TIMELINE_FILENAME).write_text("the finished run's trace")
+    Timeline(tmp_path / TIMELINE_FILENAME).close()  # a finished run started again: no step, no span
+    assert (tmp_path / TIMELINE_FILENAME).read_text() == "the finished run's trace"
