@@ -71,15 +71,14 @@ class RolloutReplicas:
         """Each request's ``n`` trajectories, in request order. ``metadata`` (the rows' fields)
         goes with each request when agent loops need it."""
         self.wake_up()
-        submitted = time.perf_counter()
         tickets = self.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
                                      for r in requests])
         placed = [[i for i, t in enumerate(tickets) if t.replica == r] for r in range(self.num_replicas)]
-        calls = [
-            group.submit_one(0, RolloutWorker.serve, [requests[i] for i in idx],
-                             None if metadata is None else [metadata[i] for i in idx])
-            for group, idx in zip(self.groups, placed, strict=True)
-        ]
+        calls, submitted = [], []  # submitted: when each replica got its call (the in-process backend runs it then)
+        for group, idx in zip(self.groups, placed, strict=True):
+            submitted.append(time.perf_counter())
+            calls.append(group.submit_one(0, RolloutWorker.serve, [requests[i] for i in idx],
+                                          None if metadata is None else [metadata[i] for i in idx]))
         try:
             outputs: list[ReplicaOutput] = [results[0] for results in wait_all(*calls)]
         except WorkerError as error:
@@ -93,9 +92,9 @@ class RolloutReplicas:
                 results[i] = samples
                 self.router.finish(tickets[i], sum(len(t.response_ids) for t in samples))
             self.router.loads[r].busy_seconds += output.seconds
-            # The replica's engine time, drawn from the submission (its start is not sent back):
+            # The replica's engine time, drawn from its submission (its start is not sent back):
             # the rest of the round, up to the slowest replica, it waited.
-            self.timeline.add(replica_role(r), "serve", submitted, submitted + output.seconds,
+            self.timeline.add(replica_role(r), "serve", submitted[r], submitted[r] + output.seconds,
                               requests=len(idx), tokens=int(output.engine_counts.get("generated_tokens", 0)))
         self._metrics.append(self._round_metrics(outputs))
         return results

@@ -137,3 +137,6 @@ def test_each_replica_serving_a_round_is_a_span_of_the_timeline(model_dir) -> No
     assert sum(e["args"]["tokens"] for e in spans) == sum(len(t.response_ids) for g in groups for t in g)
     assert {t.track for t in summarize_timeline(two.timeline.events()).tracks} == {
         "rollout replica 0", "rollout replica 1"}
+    # In this process the replicas run one after the other: replica 1 starts when replica 0 ends.
+    first, second = sorted(spans, key=lambda e: e["tid"])
+    assert second["ts"] >= first["ts"] + first["dur"] - 1.0
