@@ -718,6 +718,7 @@ def build_run(cfg: Config) -> RunSetup:
                       config=config_to_dict(cfg))
     progress = ProgressBar(total_steps, enabled=t.progress_bar)
     timeline = Timeline(output_dir / TIMELINE_FILENAME, enabled=t.timeline)
+    timeline.observe_worker_calls()  # until RunSetup.close
     rollout.timeline = timeline
     return RunSetup(
         cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,

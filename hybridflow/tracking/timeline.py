@@ -7,7 +7,11 @@ and ``dur`` in microseconds since the timeline began) per span.
 
 Tracks are rows: ``trainer`` (the controller's phases, fed by ``PhaseTimer``: step, gen, reward,
 old_log_prob, ref, adv, update_actor, update_weights, ...; testing and save_checkpoint between
-steps), ``rollout replica k`` (the seconds each replica served in a generation round). A track
+steps), ``rollout replica k`` (the seconds each replica served in a generation round), and, with
+``observe_worker_calls``, ``<role> rank <r>`` for every worker-group call (``actor rank 0``:
+``compute_logprobs``, ``update``; ``reward rank 0``: ``score``; ``rollout replica 0 rank 0``:
+``serve``, ``sleep``, ...): in this process's backend exactly when each ran, on Ray the controller's
+wait for it. A track
 named ``<role> replica <k>`` or ``<role> rank <k>`` is thread ``k`` of process ``<role>`` in the
 trace, so a role's replicas sit together; any other track is a process of its own, thread 0.
 Process and thread names are written as metadata events (``"ph": "M"``); the thread name is the
@@ -34,11 +38,13 @@ import re
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hybridflow.utils.watchdog import observe_calls
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ KEEP_STEPS = 100
 MAX_EVENTS = 20_000
 """Spans kept at most, whatever the steps (about 2 MB of JSON; Perfetto opens it in a second)."""
 
+_CALL = re.compile(r"^(?P<role>.+?) rank (?P<ranks>\d+(?:,\d+)*) (?P<method>\S+)$")
 _INDEXED = re.compile(r"^(?P<role>.*\S)\s+(?P<kind>replica|rank)\s+(?P<index>\d+)$")
 
 
@@ -81,6 +88,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._write_failed = False
+        self._stop_observing: Callable[[], None] | None = None
 
     @classmethod
     def disabled(cls) -> Timeline:
@@ -118,6 +126,25 @@ class Timeline:
             yield
         finally:
             self.add(track, name, start, time.perf_counter(), **args)
+
+    def observe_worker_calls(self) -> None:
+        """Record every worker-group call as a span of its role and rank (``actor rank 0``:
+        ``update``), from the labels the worker groups give the watchdog, until ``close``."""
+        if self.enabled and self._stop_observing is None:
+            self._stop_observing = observe_calls(self.add_call)
+
+    def add_call(self, label: str, start: float, end: float) -> None:
+        """``actor rank 0 ActorWorker.update`` -> a span ``update`` on ``actor rank 0``. A Ray wait
+        on several calls (``a rank 0,1 M; b rank 0 N``) gives each rank the whole wait: the ranks
+        do not report when they finished, so their spans are the most each could have run."""
+        for part in label.split("; "):
+            m = _CALL.match(part)
+            if m is None:
+                self.add(part, "call", start, end)
+                continue
+            method = m["method"].rsplit(".", 1)[-1]
+            for rank in m["ranks"].split(","):
+                self.add(f"{m['role']} rank {rank}", method, start, end)
 
     # ------------------------------------------------------------------ output
     def _thread_of(self, track: str) -> tuple[int, int]:
@@ -174,6 +201,9 @@ class Timeline:
                 self._write_failed = True
 
     def close(self) -> None:
+        if self._stop_observing is not None:
+            self._stop_observing()
+            self._stop_observing = None
         self.flush()
 
 
@@ -241,6 +271,7 @@ def summarize_timeline(events: list[dict[str, Any]]) -> TimelineSummary:
     for track, intervals in spans.items():
         busy = _union_length(intervals)
         tracks.append(TrackSummary(track, busy, max(0.0, window - busy), dict(phases[track])))
+    tracks.sort(key=lambda t: (t.track != "trainer", t.track))  # the controller first, then by role
     return TimelineSummary(window, steps, tracks)
 
 

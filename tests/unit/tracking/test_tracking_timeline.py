@@ -157,3 +157,24 @@ def test_a_timeline_that_recorded_nothing_leaves_the_file_alone(tmp_path):
     (tmp_path / TIMELINE_FILENAME).write_text("the finished run's trace")
     Timeline(tmp_path / TIMELINE_FILENAME).close()  # a finished run started again: no step, no span
     assert (tmp_path / TIMELINE_FILENAME).read_text() == "the finished run's trace"
+
+
+def test_worker_calls_become_spans_of_their_role_and_rank_until_close():
+    from hybridflow.utils.watchdog import activity
+
+    timeline = Timeline()
+    timeline.observe_worker_calls()
+    with activity("call", "actor rank 0 ActorWorker.update"):  # what LocalWorkerGroup opens
+        pass
+    with activity("call", "actor rank 0,1 ActorWorker.compute_logprobs; reference rank 0 ReferenceWorker.ref"):  # Ray
+        pass
+    with activity("phase", "gen"):  # phases come from PhaseTimer, not from here
+        pass
+    timeline.close()
+    with activity("call", "actor rank 0 ActorWorker.update"):  # closed: no longer observed
+        pass
+    spans = [e for e in timeline.events() if e["ph"] == "X"]
+    tracks = {t.track: sorted(t.phases) for t in summarize_timeline(timeline.events()).tracks}
+    assert tracks == {"actor rank 0": ["compute_logprobs", "update"], "actor rank 1": ["compute_logprobs"],
+                      "reference rank 0": ["ref"]}
+    assert len(spans) == 4
