@@ -17,8 +17,8 @@ trace, so a role's replicas sit together; any other track is a process of its ow
 Process and thread names are written as metadata events (``"ph": "M"``); the thread name is the
 whole track name, which is what ``summarize_timeline`` reads back.
 
-Bounded: the file holds the spans of the last ``keep_steps`` steps (a span named ``step`` on any
-track closes a step; spans that end before the oldest kept step began are dropped) and at most
+Bounded: the file holds the spans of the last ``keep_steps`` steps (a span named ``step`` on the
+``trainer`` track closes a step; spans that end before the oldest kept step began are dropped) and at most
 ``max_events`` spans (oldest dropped first). It is rewritten atomically (a temporary file renamed
 over it) each time a step closes and when the run closes, so a killed run leaves the trace of
 every step it finished. A resumed run starts a new trace (perf_counter times of two processes do
@@ -49,8 +49,9 @@ from hybridflow.utils.watchdog import observe_calls
 log = logging.getLogger(__name__)
 
 TIMELINE_FILENAME = "timeline.json"
-STEP_SPAN = "step"
-"""A span of this name closes a step: the file is written then, and old steps are dropped."""
+STEP_SPAN, STEP_TRACK = "step", "trainer"
+"""A span of this name on this track (PhaseTimer's outer phase) closes a step: the file is written
+then, and old steps are dropped."""
 KEEP_STEPS = 100
 """Steps kept in the file by default: enough to see a pattern, small enough to open at once."""
 MAX_EVENTS = 20_000
@@ -96,8 +97,8 @@ class Timeline:
 
     # ------------------------------------------------------------------ recording
     def add(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
-        """Record a span; ``start`` and ``end`` are ``time.perf_counter()`` seconds. A span named
-        ``step`` closes a step: older steps beyond ``keep_steps`` are dropped and the file written."""
+        """Record a span; ``start`` and ``end`` are ``time.perf_counter()`` seconds. A span ``step``
+        on ``trainer`` closes a step: older steps beyond ``keep_steps`` are dropped and the file written."""
         if not self.enabled:
             return
         end = max(start, end)
@@ -108,7 +109,7 @@ class Timeline:
             if args:
                 event["args"] = args
             self._spans.append(_Span(end, json.dumps(event, separators=(",", ":"), default=str)))
-            closes_step = name == STEP_SPAN
+            closes_step = name == STEP_SPAN and track == STEP_TRACK
             if closes_step:
                 self._step_starts.append(start)
                 if len(self._step_starts) == self.keep_steps:
@@ -261,7 +262,7 @@ def summarize_timeline(events: list[dict[str, Any]]) -> TimelineSummary:
         start, dur = float(e["ts"]) / 1e6, float(e.get("dur", 0.0)) / 1e6
         spans[track].append((start, start + dur))
         phases[track][e["name"]] += dur
-        steps += e["name"] == STEP_SPAN
+        steps += e["name"] == STEP_SPAN and track == STEP_TRACK
     if not spans:
         return TimelineSummary(0.0, 0, [])
     lo = min(s for intervals in spans.values() for s, _ in intervals)
