@@ -22,7 +22,8 @@ Bounded: the file holds the spans of the last ``keep_steps`` steps (a span named
 ``max_events`` spans (oldest dropped first). It is rewritten atomically (a temporary file renamed
 over it) each time a step closes and when the run closes, so a killed run leaves the trace of
 every step it finished. A resumed run starts a new trace (perf_counter times of two processes do
-not line up); a process that records nothing (a finished run started again) leaves the file alone.
+not line up); a process that finishes no step (a finished run started again, a failure before the
+first step) leaves the file alone.
 
 Cost: ``add`` is a lock and a list append (about a microsecond); writing the file is a JSON dump of
 the spans' JSON (each serialized once, when recorded) once per step: about 10 ms for 10,000 spans
@@ -184,9 +185,9 @@ class Timeline:
         """Write the file atomically (no-op without a path)."""
         if not self.enabled or self.path is None:
             return
+        if not self._step_starts:  # no step ran in this process (a finished run started again, a
+            return  # failure before the first step): keep the trace that is there
         metadata, spans = self._snapshot()
-        if not spans:  # nothing recorded (a finished run started again): keep the trace that is there
-            return
         events = [json.dumps(e, separators=(",", ":")) for e in metadata] + spans
         text = ('{"traceEvents":[' + ",".join(events) + '],"displayTimeUnit":"ms","otherData":'
                 + json.dumps(self._other_data()) + "}")
