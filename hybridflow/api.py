@@ -42,6 +42,7 @@ def train(cfg: Config) -> RunResult:
     from hybridflow.controller.loops import make_trainer
     from hybridflow.models.loading import hf_progress_bars_off
     from hybridflow.tracking import plot_run, summarize_run
+    from hybridflow.tracking.timeline import TIMELINE_FILENAME
 
     # Checkpoints save through transformers (in this process with the in-process backend).
     # A run that fails before writing results (a bad model, a reward function that fails to
@@ -59,4 +60,6 @@ def train(cfg: Config) -> RunResult:
         summary = summarize_run(metrics_path)
         print(summary)
         print(f"metrics: {metrics_path}\nplot:    {plot_path}")
+        if (run.output_dir / TIMELINE_FILENAME).is_file():
+            print(f"trace:   {run.output_dir / TIMELINE_FILENAME} (ui.perfetto.dev; hybridflow timeline {run.output_dir})")
     return RunResult(run.output_dir, metrics, metrics_path, plot_path, summary or "")

@@ -5,6 +5,8 @@
     hybridflow config presets
     hybridflow export <checkpoint or run folder> <out dir> [--overwrite]
     hybridflow serve <model dir | builtin:tiny> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-n 128]
+    hybridflow timeline <run folder>
+    hybridflow simulate [<run folder>] [--devices 8,64,128] [--staleness 1,2] [cost and length flags]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from hybridflow.config import ConfigError, explain_config, list_presets, load_config, validate_config
 from hybridflow.controller.checkpoint import CheckpointError
@@ -49,7 +52,112 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
     _add_debug(export)
     _add_serve_parser(sub)
+    timeline = sub.add_parser("timeline", help="summarize a run's timeline.json: busy and idle time per track")
+    timeline.add_argument("run", help="a run folder (or its timeline.json)")
+    _add_debug(timeline)
+    _add_simulate_parser(sub)
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return values
+
+
+def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser(
+        "simulate", help="predict the step time of sync, one_step_off and fully_async loops (hybridflow.tracking.simulate)"
+    )
+    sim.add_argument("run", nargs="?", default=None, help="a run folder to take costs and lengths from (else the flags)")
+    sim.add_argument("--devices", type=_int_list, default=[8, 64, 128], help="device counts (default 8,64,128)")
+    sim.add_argument("--staleness", type=_int_list, default=[1, 2], help="fully_async staleness bounds (default 1,2)")
+    sim.add_argument("--rollout-fraction", type=float, default=None,
+                     help="share of devices generating in the split loops (default: the best split)")
+    sim.add_argument("--steps", type=_positive_int, default=20, help="simulated steps after warm-up (default 20)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
+    g = sim.add_argument_group("from a run folder")
+    g.add_argument("--replicas", type=_positive_int, default=None,
+                   help="rollout replicas of the measured run (default: from its config.yaml, else 1)")
+    g.add_argument("--trainer-devices", type=_positive_int, default=None,
+                   help="actor ranks of the measured run (default: from its config.yaml, else 1)")
+    c = sim.add_argument_group("costs (override what a run folder gave)")
+    c.add_argument("--slots", type=_positive_int, default=None, help="sequences a replica decodes together (64)")
+    c.add_argument("--decode-ms-per-token", type=float, default=None, help="one decode iteration of a replica (30)")
+    c.add_argument("--gen-tokens-per-s", type=float, default=None,
+                   help="a full replica's decode throughput; sets decode time = slots / this")
+    c.add_argument("--overhead-s", type=float, default=None, help="per-sample prefill and scheduling seconds (0)")
+    c.add_argument("--tp", type=_positive_int, default=None, help="devices per rollout replica (1)")
+    c.add_argument("--train-s-per-token", type=float, default=None, help="trainer seconds per batch token, 1 device (1e-4)")
+    c.add_argument("--reward-s", type=float, default=None, help="seconds scoring a batch (0)")
+    c.add_argument("--weight-sync-s", type=float, default=None, help="seconds per weight sync (1)")
+    c.add_argument("--prompt-tokens", type=float, default=None, help="mean prompt tokens (200)")
+    c.add_argument("--batch", type=_positive_int, default=None, help="samples per step (512)")
+    c.add_argument("--length-mean", type=float, default=None, help="lognormal response lengths: the mean (~690)")
+    c.add_argument("--length-sigma", type=float, default=None, help="lognormal sigma of log-length (0.8)")
+    c.add_argument("--length-cap", type=_positive_int, default=None, help="longest response (4096)")
+    c.add_argument("--lengths", default=None, help="a file of response lengths (whitespace or comma separated): sampled")
+    _add_debug(sim)
+
+
+def _measured_shape(run: Path) -> dict[str, int]:
+    """Replicas, actor ranks, engine slots and tensor parallelism of the run that made ``run``,
+    from its config.yaml; empty when it has none that loads (the flags' defaults apply)."""
+    from hybridflow.config.validate import data_parallel_size, rollout_replicas
+
+    if not (run / "config.yaml").is_file():
+        return {}
+    try:
+        cfg = load_config("grpo", str(run / "config.yaml"), [])
+    except ConfigError:
+        return {}
+    return {"replicas": rollout_replicas(cfg), "trainer_devices": data_parallel_size(cfg.trainer),
+            "slots": cfg.rollout.max_batch_size, "tp": cfg.rollout.tensor_model_parallel_size}
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+    import math
+
+    from hybridflow.tracking import simulate as sim
+
+    if args.run is not None:
+        shape = _measured_shape(Path(args.run))
+        replicas = args.replicas or shape.get("replicas", 1)
+        profile = sim.profile_from_run(args.run, replicas=replicas,
+                                       trainer_devices=args.trainer_devices or shape.get("trainer_devices", 1),
+                                       slots=args.slots or shape.get("slots", sim.Costs().slots),
+                                       overhead_s=args.overhead_s or 0.0, seed=args.seed)
+        costs, lengths = profile.costs, profile.lengths
+        if args.tp is None and "tp" in shape:
+            costs = dataclasses.replace(costs, devices_per_replica=shape["tp"])
+        print("\n".join(profile.notes) + "\n")
+    else:
+        costs, lengths = sim.Costs(), sim.LengthModel()
+    given = {"slots": args.slots, "request_overhead_s": args.overhead_s, "devices_per_replica": args.tp,
+             "train_s_per_token": args.train_s_per_token, "reward_s": args.reward_s,
+             "weight_sync_s": args.weight_sync_s, "prompt_tokens": args.prompt_tokens, "batch": args.batch}
+    if args.decode_ms_per_token is not None:
+        given["decode_s_per_token"] = args.decode_ms_per_token / 1e3
+    costs = dataclasses.replace(costs, **{k: v for k, v in given.items() if v is not None})
+    if args.gen_tokens_per_s is not None:
+        costs = dataclasses.replace(costs, decode_s_per_token=costs.slots / args.gen_tokens_per_s)
+    if args.lengths is not None:
+        text = Path(args.lengths).read_text(encoding="utf-8").replace(",", " ")
+        lengths = sim.LengthModel(empirical=tuple(int(float(x)) for x in text.split()))
+    elif args.length_mean is not None or args.length_sigma is not None or args.length_cap is not None:
+        sigma = lengths.sigma if args.length_sigma is None else args.length_sigma
+        mean = math.exp(lengths.mu + lengths.sigma ** 2 / 2) if args.length_mean is None else args.length_mean
+        lengths = sim.LengthModel(mu=math.log(mean) - sigma ** 2 / 2, sigma=sigma,
+                                  cap=args.length_cap or lengths.cap)
+    predictions = sim.predict(args.devices, args.staleness, lengths, costs, steps=args.steps, seed=args.seed,
+                              rollout_fraction=args.rollout_fraction)
+    print(sim.format_predictions(predictions))
+    return 0
 
 
 def _positive_int(text: str) -> int:
@@ -216,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
+    if args.command == "timeline":
+        from hybridflow.tracking.timeline import format_timeline_summary, read_timeline, summarize_timeline
+
+        print(format_timeline_summary(summarize_timeline(read_timeline(args.run))))
+        return 0
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "export":
         from hybridflow.controller.export import export_checkpoint
 

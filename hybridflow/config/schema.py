@@ -691,6 +691,12 @@ class TrainerConfig:
         "(looked at each phase, at most once a second; one busy process on 2 cores: 1 thread). A number fixes it.",
     )
     progress_bar: bool = f(True, "Show a progress bar on the console.")
+    timeline: bool = f(
+        True,
+        "Write <run folder>/timeline.json, a trace of each step's phases (trainer) and each rollout replica's "
+        "serving time, for ui.perfetto.dev or chrome://tracing; `hybridflow timeline <run>` summarizes it. "
+        "Rewritten after each step, holding the last 100 steps (at most 20,000 spans).",
+    )
     balance_batch: bool = f(
         True,
         "Reorder each step's samples so every data-parallel rank gets a similar workload (Karmarkar-Karp "

@@ -56,7 +56,7 @@ class FullyAsyncTrainer(Trainer):
         self._staged: _Staged | None = None  # the newest weights for the rollout, as the trainer left them
 
     def train_step(self) -> dict[str, float]:
-        run, timer = self.run, PhaseTimer()
+        run, timer = self.run, PhaseTimer(self.run.timeline)
         self._start()
         with timer.phase("step"):
             with timer.phase("wait_rollout"):
@@ -101,7 +101,7 @@ class FullyAsyncTrainer(Trainer):
                     return
                 with self._rollout_lock:
                     self._refresh_weights()
-                    version, timer, start = self.rollout_version, PhaseTimer(), time.perf_counter()
+                    version, timer, start = self.rollout_version, PhaseTimer(self.run.timeline, track="rollout"), time.perf_counter()
                     self._sampler_before[step] = self.run.sampler.state_dict()
                     collected = phases.collect(self.run, step, timer)
                     end = time.perf_counter()
@@ -148,7 +148,8 @@ class FullyAsyncTrainer(Trainer):
             return {}
         with self._rollout_lock, self._actor_lock:
             self.push_weights()
-            return phases.validate(self.run, self.step)
+            with self.run.timeline.span("trainer", "testing"):
+                return phases.validate(self.run, self.step)
 
 
     def loop_state(self) -> dict[str, Any]:

@@ -40,7 +40,7 @@ class OneStepOffTrainer(Trainer):
         self._rollout_end: float | None = None  # when the rollout side last finished a batch
 
     def train_step(self) -> dict[str, float]:
-        run, timer = self.run, PhaseTimer()
+        run, timer = self.run, PhaseTimer(self.run.timeline)
         with timer.phase("step"):
             with timer.phase("wait_rollout"):
                 collected, made = self._take(self.step)
@@ -64,7 +64,7 @@ class OneStepOffTrainer(Trainer):
 
     # ------------------------------------------------------------------ the rollout side
     def _start_next(self, step: int) -> None:
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.run.timeline, track="rollout")
         # The sampler's position before this step draws: what a checkpoint taken meanwhile records.
         sampler_state = self.run.sampler.state_dict()
         future = self._rollout_thread.submit(self._collect, step, timer)
@@ -83,7 +83,7 @@ class OneStepOffTrainer(Trainer):
         step, a resumed run) made now with the rollout's weights."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            timer = PhaseTimer()
+            timer = PhaseTimer(self.run.timeline, track="rollout")
             collected, seconds, idle = self._collect(step, timer)
             return collected, _Made(self.rollout_version, timer, seconds, idle)
         assert ahead.step == step, f"samples of step {ahead.step} taken at step {step}"

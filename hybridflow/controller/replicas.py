@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest
 from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
+from hybridflow.tracking.timeline import Timeline
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker, StreamBatch
 
@@ -67,6 +69,8 @@ class RolloutReplicas:
         self._asleep = False
         self._metrics: list[dict[str, float]] = []  # one per generation round since take_metrics
         self._streams = 0  # stream() calls so far: each tags its requests with its own number
+        # Set-up's timeline (trainer.timeline): each replica's serving seconds of a round as a span.
+        self.timeline: Timeline = Timeline.disabled()
 
     @property
     def num_replicas(self) -> int:
@@ -82,11 +86,11 @@ class RolloutReplicas:
         tickets = self.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
                                      for r in requests])
         placed = [[i for i, t in enumerate(tickets) if t.replica == r] for r in range(self.num_replicas)]
-        calls = [
-            group.submit_one(0, RolloutWorker.serve, [requests[i] for i in idx],
-                             None if metadata is None else [metadata[i] for i in idx])
-            for group, idx in zip(self.groups, placed, strict=True)
-        ]
+        calls, submitted = [], []  # submitted: when each replica got its call (the in-process backend runs it then)
+        for group, idx in zip(self.groups, placed, strict=True):
+            submitted.append(time.perf_counter())
+            calls.append(group.submit_one(0, RolloutWorker.serve, [requests[i] for i in idx],
+                                          None if metadata is None else [metadata[i] for i in idx]))
         try:
             outputs: list[ReplicaOutput] = [results[0] for results in wait_all(*calls)]
         except WorkerError as error:
@@ -100,6 +104,10 @@ class RolloutReplicas:
                 results[i] = samples
                 self.router.finish(tickets[i], sum(len(t.response_ids) for t in samples))
             self.router.loads[r].busy_seconds += output.seconds
+            # The replica's engine time, drawn from its submission (its start is not sent back):
+            # the rest of the round, up to the slowest replica, it waited.
+            self.timeline.add(replica_role(r), "serve", submitted[r], submitted[r] + output.seconds,
+                              requests=len(idx), tokens=int(output.engine_counts.get("generated_tokens", 0)))
         self._metrics.append(self._round_metrics(outputs))
         return results
 
@@ -135,6 +143,7 @@ class RolloutReplicas:
         seconds = [0.0] * self.num_replicas
         before: list[dict[str, float]] = [{} for _ in self.groups]
         after: list[dict[str, float]] = [{} for _ in self.groups]
+        started = time.perf_counter()
         try:
             starts = [self.groups[r].submit_one(0, RolloutWorker.start, [requests[i] for i in placed[r]],
                                                 None if metadata is None else [metadata[i] for i in placed[r]],
@@ -174,6 +183,10 @@ class RolloutReplicas:
             self.router.loads[r].busy_seconds += seconds[r]
         outputs = [ReplicaOutput([], seconds[r], {k: v - before[r].get(k, 0.0) for k, v in after[r].items()})
                    for r in range(self.num_replicas)]
+        for r, output in enumerate(outputs):  # the replica's engine time, from the round's start to its last finish
+            if placed[r]:
+                self.timeline.add(replica_role(r), "serve", started, started + output.seconds, requests=len(placed[r]),
+                                  tokens=int(output.engine_counts.get("generated_tokens", 0)))
         self._metrics.append(self._round_metrics(outputs))
 
     def _abort(self, replicas: Iterable[int]) -> None:

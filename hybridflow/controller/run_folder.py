@@ -20,14 +20,17 @@ from pathlib import Path
 
 from hybridflow.config import Config
 from hybridflow.tracking.loggers import METRICS_FILENAME, STEP_KEY, TENSORBOARD_DIRNAME
+from hybridflow.tracking.timeline import TIMELINE_FILENAME
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RUNS_DIR = Path("runs")
 """Where a run without ``trainer.output_dir`` makes its folder (relative to the working directory)."""
 
-SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME})
-"""Files set-up writes before the first step; the metrics file counts only while it holds no step."""
+SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME})
+"""Files set-up writes before the first step; the metrics file counts only while it holds no step.
+The timeline (trainer.timeline) never counts: closing the run writes it, whatever the run reached;
+the steps it shows are in metrics.jsonl too."""
 
 SETUP_DIRS = frozenset({"checkpoints", TENSORBOARD_DIRNAME})
 """Folders made at set-up: checkpoints count once they hold a file, tensorboard never on its own

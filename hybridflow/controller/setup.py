@@ -67,6 +67,7 @@ from hybridflow.rewards.registry import known_data_sources
 from hybridflow.rollout.base import engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
+from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
 from hybridflow.utils.threads import stop_following
@@ -172,9 +173,11 @@ class RunSetup:
     pools: list[ResourcePool] = field(default_factory=list)  # Ray resources reserved (trainer, split rollout)
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
+    timeline: Timeline = field(default_factory=Timeline.disabled)  # trainer.timeline: <output_dir>/timeline.json
 
     def close(self) -> None:
         stop_following()  # the thread governor lives as long as the run (configure_threads)
+        self.timeline.close()  # the spans after the last step (validation, the final checkpoint)
         self.progress.close()
         self.tracker.close()
         self.reward.call_all(RewardWorker.close)
@@ -735,6 +738,9 @@ def build_run(cfg: Config) -> RunSetup:
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))
     progress = ProgressBar(total_steps, enabled=t.progress_bar)
+    timeline = Timeline(output_dir / TIMELINE_FILENAME, enabled=t.timeline)
+    timeline.observe_worker_calls()  # until RunSetup.close
+    rollout.timeline = timeline
     return RunSetup(
         cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
@@ -743,6 +749,6 @@ def build_run(cfg: Config) -> RunSetup:
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward, critic=critic,
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
-        rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model,
+        rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,
     )
 

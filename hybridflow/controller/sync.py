@@ -18,7 +18,7 @@ from hybridflow.utils.timer import PhaseTimer
 
 class SyncTrainer(Trainer):
     def train_step(self) -> dict[str, float]:
-        run, timer = self.run, PhaseTimer()
+        run, timer = self.run, PhaseTimer(self.run.timeline)  # each phase also a span of <run>/timeline.json
         with timer.phase("step"):
             collected = phases.collect(run, self.step, timer)
             samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)

@@ -96,7 +96,8 @@ class Trainer:
         if self.run.val_data is None:
             return {}
         self.quiesce()  # validation measures the actor's newest weights
-        return phases.validate(self.run, self.step)
+        with self.run.timeline.span("trainer", "testing"):
+            return phases.validate(self.run, self.step)
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, float]:
@@ -152,7 +153,7 @@ class Trainer:
         left on <path>") has removed its partial folder and left the earlier checkpoints alone;
         then the run stops with that ``CheckpointError`` or, with ``trainer.on_save_error=warn``,
         goes on without this checkpoint (False)."""
-        with activity("phase", "save_checkpoint"):
+        with activity("phase", "save_checkpoint"), self.run.timeline.span("trainer", "save_checkpoint"):
             try:
                 self._save_checkpoint()
             except CheckpointError as exc:

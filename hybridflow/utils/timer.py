@@ -1,13 +1,26 @@
-"""Phase timing for the ``timing_s/*`` metrics."""
+"""Phase timing for the ``timing_s/*`` metrics, and, when given a sink, spans for the timeline.
+
+``SpanSink`` is the one thing a timer needs of a trace recorder (``hybridflow.tracking.timeline``,
+one layer up, implements it): every phase that closes is handed over as ``(track, name, start,
+end)`` with ``time.perf_counter`` seconds, so the phases already timed become trace spans without
+the loop knowing about traces.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol
 
 from hybridflow.utils.threads import adjust_threads
 from hybridflow.utils.watchdog import activity
+
+
+class SpanSink(Protocol):
+    """Receives closed spans: ``start`` and ``end`` are ``time.perf_counter()`` seconds."""
+
+    def add(self, track: str, name: str, start: float, end: float, **args: Any) -> None: ...
 
 
 class PhaseTimer:
@@ -16,11 +29,14 @@ class PhaseTimer:
     Phases nest one level at most: an outer phase (the step) and disjoint phases inside it, so
     each inner phase is a share of the outer one and the shares add up to at most 100%. A phase
     opened inside an inner one would count the same seconds twice, and is refused.
+
+    With a ``sink`` every closed phase is also a span on ``track`` (the timeline's trainer row).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sink: SpanSink | None = None, track: str = "trainer") -> None:
         self._seconds: dict[str, float] = {}
         self._open: list[str] = []
+        self._sink, self._track = sink, track
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -38,7 +54,10 @@ class PhaseTimer:
                 yield
         finally:
             self._open.pop()
-            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
+            end = time.perf_counter()
+            self._seconds[name] = self._seconds.get(name, 0.0) + end - start
+            if self._sink is not None:
+                self._sink.add(self._track, name, start, end)
 
     def add(self, name: str, seconds: float) -> None:
         """Count ``seconds`` measured elsewhere to phase ``name`` (work whose parts interleave,

@@ -40,10 +40,31 @@ _STACK: list[_Activity] = []
 _LOCK = threading.Lock()
 
 
+# Who wants to hear of every finished worker call (the timeline): fn(label, start, end) with
+# time.perf_counter() seconds. Empty unless a run's timeline is on.
+CallObserver = Callable[[str, float, float], None]
+_CALL_OBSERVERS: list[CallObserver] = []
+
+
+def observe_calls(observer: CallObserver) -> Callable[[], None]:
+    """Call ``observer(label, start, end)`` when each "call" activity ends; returns the function
+    that stops it. An observer that raises is logged, never the call's problem."""
+    with _LOCK:
+        _CALL_OBSERVERS.append(observer)
+
+    def stop() -> None:
+        with _LOCK:
+            if observer in _CALL_OBSERVERS:
+                _CALL_OBSERVERS.remove(observer)
+
+    return stop
+
+
 @contextmanager
 def activity(kind: str, label: str) -> Iterator[None]:
     """Mark ``label`` as in progress (``kind`` "phase" is timed by the watchdog, "call" is detail)."""
     entry = _Activity(kind, label, time.monotonic())
+    start = time.perf_counter()
     with _LOCK:
         _STACK.append(entry)
     try:
@@ -52,6 +73,14 @@ def activity(kind: str, label: str) -> Iterator[None]:
         with _LOCK:
             if entry in _STACK:
                 _STACK.remove(entry)
+            observers = list(_CALL_OBSERVERS) if kind == "call" else []
+        if observers:
+            end = time.perf_counter()
+            for observer in observers:
+                try:
+                    observer(label, start, end)
+                except Exception:
+                    log.warning("call observer failed on %r", label, exc_info=True)
 
 
 def current_activities() -> list[tuple[str, str, float]]:

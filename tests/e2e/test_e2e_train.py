@@ -66,11 +66,16 @@ def test_cli_trains_a_local_model_on_parquet_files_and_resumes(model_and_data, t
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "checkpoints" / "global_step_3" / "actor" / "model" / "model.safetensors").is_file()
     assert (out / "config.yaml").is_file()
+    trace = (out / "timeline.json").read_text()
+    spans = [e for e in json.loads(trace)["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in spans].count("step") == 3 and {"gen", "update_actor", "testing", "serve"} <= {
+        e["name"] for e in spans}
     # Starting the finished run again does nothing and says so.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already finished" in again.stderr
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert (out / "timeline.json").read_text() == trace  # nothing ran, the trace stays
 
 
 def test_resume_continues_from_the_latest_checkpoint(model_and_data, tmp_path):

@@ -124,3 +124,19 @@ def test_a_failing_replica_is_named_and_marked_dead(model_dir) -> None:
     again = two.generate(requests())
     assert len(again) == len(requests()) and two.router.loads[0].requests == len(requests())
     assert two.router.loads[0].in_flight_tokens == 0
+
+
+def test_each_replica_serving_a_round_is_a_span_of_the_timeline(model_dir) -> None:
+    from hybridflow.tracking.timeline import Timeline, summarize_timeline
+
+    two = replicas(model_dir, 2)
+    two.timeline = Timeline()
+    groups = two.generate(requests())
+    spans = [e for e in two.timeline.events() if e["ph"] == "X"]
+    assert sorted(e["tid"] for e in spans) == [0, 1] and {e["name"] for e in spans} == {"serve"}
+    assert sum(e["args"]["tokens"] for e in spans) == sum(len(t.response_ids) for g in groups for t in g)
+    assert {t.track for t in summarize_timeline(two.timeline.events()).tracks} == {
+        "rollout replica 0", "rollout replica 1"}
+    # In this process the replicas run one after the other: replica 1 starts when replica 0 ends.
+    first, second = sorted(spans, key=lambda e: e["tid"])
+    assert second["ts"] >= first["ts"] + first["dur"] - 1.0

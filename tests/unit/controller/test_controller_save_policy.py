@@ -11,6 +11,7 @@ import pytest
 
 from hybridflow.controller.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from hybridflow.controller.sync import RLTrainer
+from hybridflow.tracking.timeline import Timeline
 
 
 def write_actor(d):
@@ -30,6 +31,7 @@ def trainer(tmp_path, policy: str) -> SimpleNamespace:
     manager.save(1, {"step": 1}, write_actor)
     return SimpleNamespace(
         cfg=SimpleNamespace(trainer=SimpleNamespace(on_save_error=policy)),
+        run=SimpleNamespace(timeline=Timeline.disabled()),
         _save_checkpoint=lambda: manager.save(2, {"step": 2}, full_disk),
     )
 
