@@ -79,8 +79,9 @@ class Trajectory:
     a sample is being generated makes it span versions: its earlier tokens carry the old one, its
     later ones the new one, and each ``rollout_logprobs`` entry is that token's logprob under its
     own version. Tokens the policy did not produce (tool output, user turns; ``loss_mask`` 0) carry
-    ``UNVERSIONED_TOKEN`` (-1). ``None``: the engine does not record versions (vLLM, SGLang, the
-    HTTP client) or the episode mixed recorded and unrecorded parts.
+    ``UNVERSIONED_TOKEN`` (-1). ``None``: the engine does not record versions (vLLM, SGLang; the
+    native engine does, also behind ``hybridflow serve``), or an agent episode mixed recorded and
+    unrecorded turns; the openai agent loop does not stitch them yet.
     """
 
     prompt_ids: list[int]
