@@ -10,6 +10,8 @@ from a token listener, which runs on the event-loop thread between two steps.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -199,3 +201,39 @@ def test_trajectory_token_versions_must_align():
     Trajectory([1], [2, 3], [1, 0], [-0.1, 0.0], "stop", token_versions=[4, UNVERSIONED_TOKEN])
     with pytest.raises(ValueError, match="token versions"):
         Trajectory([1], [2, 3], [1, 1], [-0.1, -0.2], "stop", token_versions=[4])
+
+
+def test_updates_from_another_thread_at_any_moment_keep_every_token_exact(models):
+    """Updates land whenever they land (also between a step's planning and its forward): whatever
+    the timing, each token's logprob is its own version's. Odd versions are OLD's weights, even
+    ones NEW's."""
+    engine = make_engine(max_batch_size=4, max_prefill_tokens=8)
+    MAX_UPDATES = 20  # noqa: N806  (each one costs the next step a re-prefill)
+    weights = {OLD: list(make_model(seed=0).state_dict().items()), NEW: list(make_model(seed=1).state_dict().items())}
+    done = threading.Event()
+
+    def updater() -> None:
+        version = OLD
+        while not done.is_set() and version < OLD + MAX_UPDATES:
+            version += 1
+            engine.update_weights(weights[OLD if version % 2 else NEW], version=version)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=updater)
+    thread.start()
+    try:
+        requests = [request(PROMPT, "a", n=3, max_tokens=24), request(LONG_PROMPT, "long", n=2, max_tokens=24),
+                    request([42], "short", max_tokens=24)]
+        results = engine.generate_batch(requests)
+    finally:
+        done.set()
+        thread.join()
+    seen: set[int] = set()
+    for trajectories in results:
+        for trajectory in trajectories:
+            assert trajectory.token_versions is not None
+            seen.update(trajectory.token_versions)
+            by_weights = Trajectory(**{**trajectory.__dict__, "token_versions": [
+                OLD if v % 2 else NEW for v in trajectory.token_versions]})
+            assert_exact(models, by_weights)
+    assert len(seen) > 2  # several updates landed mid-flight
