@@ -81,7 +81,7 @@ class Trajectory:
     own version. Tokens the policy did not produce (tool output, user turns; ``loss_mask`` 0) carry
     ``UNVERSIONED_TOKEN`` (-1). ``None``: the engine does not record versions (vLLM, SGLang; the
     native engine does, also behind ``hybridflow serve``), or an agent episode mixed recorded and
-    unrecorded turns; the openai agent loop does not stitch them yet.
+    unrecorded turns.
     """
 
     prompt_ids: list[int]
