@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 
+# The version a token that no policy produced (tool output, a user turn) carries in
+# ``Trajectory.token_versions``.
+UNVERSIONED_TOKEN = -1
+
 
 @dataclass
 class SamplingParams:
@@ -68,6 +72,16 @@ class Trajectory:
     ``response_ids``, ``loss_mask`` and ``rollout_logprobs`` are aligned, one entry per
     response token. ``loss_mask`` is 1 for tokens the policy produced and 0 for tokens it did
     not (tool output, user turns); only masked-in tokens enter the loss.
+
+    ``token_versions`` (partial rollout), when the engine records it, is aligned with them too: the
+    policy version (the number the trainer gave the weight update, ``NativeEngine.update_weights(...,
+    version=)``) of the weights that produced each response token. A weight update that lands while
+    a sample is being generated makes it span versions: its earlier tokens carry the old one, its
+    later ones the new one, and each ``rollout_logprobs`` entry is that token's logprob under its
+    own version. Tokens the policy did not produce (tool output, user turns; ``loss_mask`` 0) carry
+    ``UNVERSIONED_TOKEN`` (-1). ``None``: the engine does not record versions (vLLM, SGLang; the
+    native engine does, also behind ``hybridflow serve``), or an agent episode mixed recorded and
+    unrecorded turns.
     """
 
     prompt_ids: list[int]
@@ -90,6 +104,9 @@ class Trajectory:
     # one, {token id: logprob}, from the same distribution as rollout_logprobs.
     top_logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+    # Per response token, the policy version that generated it (UNVERSIONED_TOKEN for inserted
+    # tokens); None when the engine does not record versions. See the class docstring.
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -98,6 +115,10 @@ class Trajectory:
                 "Trajectory fields must align: "
                 f"{n} response ids, {len(self.loss_mask)} loss-mask entries, "
                 f"{len(self.rollout_logprobs)} rollout logprobs"
+            )
+        if self.token_versions is not None and len(self.token_versions) != n:
+            raise ValueError(
+                f"Trajectory fields must align: {n} response ids, {len(self.token_versions)} token versions"
             )
 
 

@@ -234,6 +234,7 @@ class OpenAIAgentLoop:
                 response_ids=list(record.response_ids),
                 loss_mask=list(record.loss_mask),
                 rollout_logprobs=list(record.rollout_logprobs),
+                token_versions=None if record.token_versions is None else list(record.token_versions),
                 finish_reason=record.finish_reason,
                 num_turns=record.completions,
                 metadata={

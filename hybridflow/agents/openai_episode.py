@@ -19,7 +19,9 @@ Messages are compared semantically: role, text content, and tool calls by name a
 arguments (call ids, ``name`` fields and extra keys are ignored; agents rebuild them freely).
 
 The response budget (``budget``: the episode's ``params.max_tokens``) covers every token after
-the prompt, inserted ones included, as in the other loops. ``EpisodeRecord`` is plain Python:
+the prompt, inserted ones included, as in the other loops. ``token_versions`` follows the tokens
+through extensions and rewrites: the engine's policy version on model tokens, ``UNVERSIONED_TOKEN``
+(-1) on inserted ones (None once an engine recorded none). ``EpisodeRecord`` is plain Python:
 the HTTP server (``openai_server``) calls ``prepare`` and ``record`` under the record's lock.
 """
 
@@ -33,6 +35,7 @@ from typing import Any
 
 from hybridflow.agents.parsers import ToolCall, ToolParser
 from hybridflow.agents.tokens import ChatTokenizer, Message, TurnTemplate, render_ids
+from hybridflow.types import UNVERSIONED_TOKEN
 
 # A normalised message: (role, text, ((tool name, canonical JSON arguments), ...)).
 NormalMessage = tuple[str, str, tuple[tuple[str, str], ...]]
@@ -128,6 +131,9 @@ class EpisodeRecord:
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.rollout_logprobs: list[float] = []
+        # Per token, its policy version (UNVERSIONED_TOKEN when inserted); None once a completion
+        # came from an engine that records none (Trajectory.token_versions).
+        self.token_versions: list[int] | None = []
         self.completions = 0
         self.tool_calls = 0
         self.history_rewrites = 0
@@ -176,14 +182,20 @@ class EpisodeRecord:
         return Prepared(self.prompt_ids + self.response_ids, max(0, wanted))
 
     def record(
-        self, token_ids: list[int], logprobs: list[float], finish_reason: str, stop_token: bool, parse_tools: bool
+        self, token_ids: list[int], logprobs: list[float], finish_reason: str, stop_token: bool, parse_tools: bool,
+        versions: list[int] | None = None,
     ) -> Completion:
         """Append one completion's model tokens (loss mask 1) and parse it into an answer.
         ``stop_token``: the last token is an EOS / end-of-turn token the engine stopped on;
-        ``parse_tools``: the request offered tools, so tool calls in the text are returned as such."""
+        ``parse_tools``: the request offered tools, so tool calls in the text are returned as such;
+        ``versions``: the engine's policy version of each token (None: not recorded)."""
         self.response_ids.extend(token_ids)
         self.loss_mask.extend([1] * len(token_ids))
         self.rollout_logprobs.extend(logprobs)
+        if self.token_versions is not None and versions is not None:
+            self.token_versions.extend(versions)
+        else:
+            self.token_versions = None
         self.completions += 1
         self._ended_turn = stop_token and token_ids[-1:] == [self._turn_end_id]
         content_ids = token_ids[:-1] if stop_token else token_ids
@@ -232,6 +244,8 @@ class EpisodeRecord:
         self.response_ids.extend(kept)
         self.loss_mask.extend([0] * len(kept))
         self.rollout_logprobs.extend([0.0] * len(kept))
+        if self.token_versions is not None:
+            self.token_versions.extend([UNVERSIONED_TOKEN] * len(kept))
 
     def _rewrite(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> None:
         """Render the conversation fresh; keep the history's common prefix with it, insert the rest."""
@@ -251,6 +265,8 @@ class EpisodeRecord:
         if common == 0:  # nothing in common: keep one prompt token so the trajectory has a prompt
             self.prompt_ids = self.prompt_ids[:1]
             del self.response_ids[:], self.loss_mask[:], self.rollout_logprobs[:]
+            if self.token_versions is not None:
+                del self.token_versions[:]
             self._insert(fresh)
             return
         if common < len(self.prompt_ids):
@@ -258,6 +274,8 @@ class EpisodeRecord:
             self.prompt_ids = self.prompt_ids[:common]
         keep = common - len(self.prompt_ids)
         del self.response_ids[keep:], self.loss_mask[keep:], self.rollout_logprobs[keep:]
+        if self.token_versions is not None:
+            del self.token_versions[keep:]
         self._insert(fresh[common:])
 
     def _for_template(self, messages: Sequence[Message]) -> list[Message]:

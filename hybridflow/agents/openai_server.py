@@ -161,7 +161,8 @@ class EpisodeServer:
                     raise ApiError(404, f"episode {episode_id!r} ended during this request", kind="not_found_error")
                 stop_token = sample.finish_reason == "stop" and not isinstance(sample.stop_reason, str)
                 completion = record.record(
-                    list(sample.response_ids), list(sample.rollout_logprobs), sample.finish_reason, stop_token, parse_tools
+                    list(sample.response_ids), list(sample.rollout_logprobs), sample.finish_reason, stop_token,
+                    parse_tools, versions=sample.token_versions,
                 )
         return completion, len(prepared.prompt_ids)
 

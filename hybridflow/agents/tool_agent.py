@@ -9,8 +9,10 @@ that is not the template's end of turn).
 Token ids grow incrementally (see ``tokens.py``): the model's tokens as sampled, with loss mask
 1 and their logprobs; tool responses and user replies as the chat template renders them after
 an assistant turn, with loss mask 0 and logprob 0.0. Inserted tokens count towards the budget
-and are cut at it. Top logprobs (``params.logprobs``) are not collected: they would have no
-entries for the inserted tokens.
+and are cut at it. ``Trajectory.token_versions`` (partial rollout) holds each model token's policy
+version as the engine recorded it (a turn may span a weight update) and ``UNVERSIONED_TOKEN`` (-1)
+for inserted tokens; it is None when the engine records no versions. Top logprobs
+(``params.logprobs``) are not collected: they would have no entries for the inserted tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hybridflow.agents.base import (
 from hybridflow.agents.parsers import MalformedCall, ParsedTurn, ToolCall, build_tool_parser
 from hybridflow.agents.tokens import Message, TurnTemplate
 from hybridflow.agents.tools import ToolRegistry, ToolResult
-from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.types import UNVERSIONED_TOKEN, GenerationRequest, SamplingParams, Trajectory
 from hybridflow.utils.seed import derive_seed
 
 
@@ -45,6 +47,9 @@ class _Episode:
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] = field(default_factory=list)
+    # Per token, its policy version (UNVERSIONED_TOKEN when inserted); None once a turn came from
+    # an engine that records none.
+    token_versions: list[int] | None = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
     num_turns: int = 0
     user_turns: int = 0
@@ -59,10 +64,14 @@ class _Episode:
     def remaining(self) -> int:
         return self.budget - len(self.response_ids)
 
-    def add_model_tokens(self, ids: list[int], logprobs: list[float]) -> None:
+    def add_model_tokens(self, ids: list[int], logprobs: list[float], versions: list[int] | None) -> None:
         self.response_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.rollout_logprobs.extend(logprobs)
+        if self.token_versions is not None and versions is not None:
+            self.token_versions.extend(versions)
+        else:
+            self.token_versions = None
 
     def insert(self, ids: list[int]) -> bool:
         """Append tokens the policy did not produce, cut at the budget; ``False`` if cut."""
@@ -70,6 +79,8 @@ class _Episode:
         self.response_ids.extend(kept)
         self.loss_mask.extend([0] * len(kept))
         self.rollout_logprobs.extend([0.0] * len(kept))
+        if self.token_versions is not None:
+            self.token_versions.extend([UNVERSIONED_TOKEN] * len(kept))
         return len(kept) == len(ids)
 
     def end(self, finish_reason: str, stop: str) -> None:
@@ -99,6 +110,7 @@ class _Episode:
             finish_reason=self.finish_reason,
             num_turns=self.num_turns,
             metadata=record,
+            token_versions=self.token_versions,
         )
 
 
@@ -139,7 +151,7 @@ class ToolAgentLoop:
         turn_params = dataclasses.replace(params, n=1, max_tokens=episode.remaining, seed=seed, logprobs=None)
         request = GenerationRequest(prompt_ids=episode.prompt_ids + episode.response_ids, params=turn_params)
         (sample,) = await engine.generate(request)
-        episode.add_model_tokens(sample.response_ids, sample.rollout_logprobs)
+        episode.add_model_tokens(sample.response_ids, sample.rollout_logprobs, sample.token_versions)
         episode.num_turns += 1
         ended = sample.finish_reason == "stop" and sample.response_ids[-1:] == [self.template.turn_end_id]
         content_ids = sample.response_ids[:-1] if ended else sample.response_ids

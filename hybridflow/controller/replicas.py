@@ -242,10 +242,11 @@ class RolloutReplicas:
             self._asleep = False
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new weights into every replica (the object-store path)."""
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Copy new weights into every replica (the object-store path); ``version`` is the policy
+        version their tokens record from now on (default: each engine's last + 1)."""
         items = list(weights)
-        self._each(RolloutWorker.update_weights, items)
+        self._each(RolloutWorker.update_weights, items, version)
 
     def device_uuids(self) -> list[str | None]:
         """Each replica's GPU (None on CPU), for the choice of weight-sync transport."""
@@ -259,9 +260,10 @@ class RolloutReplicas:
         return [group.submit_one(0, RolloutWorker.join_weight_sync, host, port, world_size, on_gpu,
                                  member=SENDER_RANK + 1 + k) for k, group in enumerate(self.groups)]
 
-    def submit_receive(self) -> list[PendingCall[TransferStats]]:
-        """Every replica receives the sync that actor rank 0 sends at the same time."""
-        return [group.submit_one(0, RolloutWorker.receive_weights) for group in self.groups]
+    def submit_receive(self, version: int | None = None) -> list[PendingCall[TransferStats]]:
+        """Every replica receives the sync that actor rank 0 sends at the same time (``version``
+        as in ``update_weights``)."""
+        return [group.submit_one(0, RolloutWorker.receive_weights, version) for group in self.groups]
 
     def close_weight_sync(self) -> None:
         self._each(RolloutWorker.close_weight_sync)

@@ -52,18 +52,23 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """Copy new parameters in, by Hugging Face parameter name (a streamed state dict).
 
         An unknown name or a shape mismatch raises and names the parameter. Tensors are cast to
         the engine's dtype and device. Sequences being decoded continue with the new weights.
+        ``version`` is the policy version tokens generated from now on record in
+        ``Trajectory.token_versions`` (default: the engine's last + 1); engines that record no
+        versions (vLLM, SGLang) accept and ignore it.
         """
         ...
 
-    def weight_update(self) -> AbstractContextManager[Callable[[list[tuple[str, torch.Tensor]]], None]]:
+    def weight_update(
+        self, version: int | None = None
+    ) -> AbstractContextManager[Callable[[list[tuple[str, torch.Tensor]]], None]]:
         """A context in which a whole update arrives in parts: it yields ``apply(bucket)`` (checks
         and copies one list of ``(name, tensor)`` pairs); no generation step runs until it exits,
-        so every request sees the old weights or the new ones, never a mix."""
+        so no step sees a mix of old and new weights. ``version`` as in ``update_weights``."""
         ...
 
     def sleep(self, level: int = 1) -> None:

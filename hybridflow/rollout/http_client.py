@@ -103,6 +103,7 @@ class HttpEngineClient:
 def _trajectory(request: GenerationRequest, sample: dict[str, Any]) -> Trajectory:
     response_ids = [int(t) for t in sample["response_ids"]]
     top = sample.get("top_logprobs")
+    versions = sample.get("token_versions")  # absent from servers that predate partial rollout
     return Trajectory(
         prompt_ids=list(request.prompt_ids),
         response_ids=response_ids,
@@ -111,6 +112,7 @@ def _trajectory(request: GenerationRequest, sample: dict[str, Any]) -> Trajector
         finish_reason=str(sample["finish_reason"]),
         top_logprobs=None if top is None else [{int(k): float(v) for k, v in entry} for entry in top],
         stop_reason=sample.get("stop_reason"),
+        token_versions=None if versions is None else [int(v) for v in versions],
     )
 
 

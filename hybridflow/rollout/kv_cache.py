@@ -221,7 +221,9 @@ class SlotKVCache:
         """Prompt chunks, padded to (B, C): write the real tokens, read each slot's ``[:key_length]``.
 
         ``flat_index`` (N,) indexes the real tokens in the flattened (B C) chunk batch; they go to
-        prompt slots ``flat_slots`` (N,) at ``flat_positions`` (N,).
+        prompt slots ``flat_slots`` (N,) at ``flat_positions`` (N,). Slots count from the first
+        prompt row, so decode row ``r`` is slot ``r - decode_rows`` (negative): that is how the
+        engine re-prefills a running row after a weight update (partial rollout).
         """
         keys, values = self._tensors()
         base = self.decode_rows

@@ -165,8 +165,8 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._engine.update_weights(weights)
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        self._engine.update_weights(weights, version=version)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's levels: 1 frees the KV cache, 2 the weights too (reload them with update_weights)."""

@@ -37,18 +37,35 @@ prefills the tool output and the tail of the response, and a system prompt share
 is prefilled once (prompts arriving together wait a step for the first one's blocks). A finished
 row is kept up to its response's second-to-last token: the last sampled token was never fed back,
 so no keys or values exist for it. Every weight update clears the cache, and a row computed (even
-in part) under replaced weights is never kept.
+in part) under replaced weights is never kept (a row recomputed after an update, below, is).
 
 Admission control: a sample starts only in a free decode row; the number of rows is
 ``max_batch_size`` or what fits ``kv_cache_memory_bytes`` at the current row length, whichever is
 smaller (the cache grows its rows on demand to the longest ``prompt + max_tokens`` admitted).
 
-Weights and concurrency
------------------------
-``update_weights`` and every step take the same lock, so new weights land between two steps.
-Sequences in flight continue under the new weights (their later tokens come from the new policy);
-callers that need one policy per trajectory update while the engine is idle. One engine serves
-one event loop at a time.
+Weights and concurrency: partial rollout
+----------------------------------------
+``update_weights`` and every step take the same lock, so new weights land between two steps. One
+engine serves one event loop at a time.
+
+Samples in flight when new weights land are neither restarted nor dropped: they continue from the
+tokens they already have, and their later tokens come from the new policy (partial rollout). Every
+token records the policy version that produced it (``Trajectory.token_versions``): the ``version``
+the trainer passes to ``update_weights``/``weight_update`` (its step), or, without one, the previous
+version + 1 (the engine starts at 0, ``policy_version``).
+
+By default (``recompute_stale_kv=True``) a sample's keys and values are recomputed under the new
+weights before its next decode step: the first step after an update re-prefills, in forwards of at
+most ``max_prefill_tokens`` tokens, every running row (prompt + response so far), every prompt
+slot it is about to copy into a new row, and, for a prompt being prefilled in chunks, the chunks
+already done. So each token's ``rollout_logprobs`` entry is exactly its version's logprob given
+the whole context, which is what a trainer's importance weights against that version need; the
+price is one prefill of the running batch per update. The check runs under the lock, in the step
+itself, so an update that lands between a step's planning and its forward is caught too.
+``recompute_stale_kv=False`` keeps the old keys and values instead (no extra prefill): the later
+tokens are then drawn from new weights attending over context encoded by the old ones, so their
+logprobs match neither version exactly. Callers that need one policy per trajectory update while
+the engine is idle (the synchronous trainer does): then every token carries one version.
 """
 
 from __future__ import annotations
@@ -60,7 +77,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -156,6 +173,7 @@ class TokenEvent:
     top_logprobs: dict[int, float] | None  # with SamplingParams.logprobs set
     finish_reason: str | None  # set on the sample's last token
     stop_reason: int | str | None
+    policy_version: int = 0  # the version of the weights that produced the token
 
 
 TokenListener = Callable[[TokenEvent], None]
@@ -180,6 +198,10 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0  # prompt tokens looked up: P - 1 per request
     prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (not prefilled)
     prefix_cache_evicted_blocks: int = 0
+    weight_updates: int = 0
+    # Tokens re-prefilled because their keys and values were computed under replaced weights
+    # (partial rollout, recompute_stale_kv): running rows and prompt slots, not prefill_tokens.
+    recomputed_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -232,6 +254,8 @@ class _Sample:
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_versions: list[int] = field(default_factory=list)  # policy version of each response token
+    kv_version: int = -1  # the engine's weights when this row's keys and values were computed (-1: none yet)
 
     @property
     def position(self) -> int:
@@ -247,6 +271,7 @@ class _Sample:
             finish_reason=self.finish_reason or "abort",
             top_logprobs=self.top_logprobs,
             stop_reason=self.stop_reason,
+            token_versions=list(self.token_versions),
         )
 
 
@@ -301,6 +326,8 @@ class _StepResult:
     logprobs: list[float]
     top_ids: list[list[int]] | None
     top_values: list[list[float]] | None
+    policy_version: int = 0  # the weights' version the step's tokens were sampled under
+    recomputed_tokens: int = 0  # tokens re-prefilled because their keys and values were stale
 
 
 class _RowState:
@@ -400,6 +427,8 @@ class NativeEngine:
     (``prefix_cache``) so that a request opening with an already computed prefix (the next turn
     of an agent episode, a shared system prompt) prefills only the rest; the cache takes what
     ``kv_cache_memory_bytes`` leaves beside the slot cache and is cleared by every weight update.
+    ``recompute_stale_kv`` recomputes the keys and values of samples in flight under new weights
+    (exact per-version logprobs; see "partial rollout" in the module docstring); False keeps them.
     """
 
     def __init__(
@@ -423,6 +452,7 @@ class NativeEngine:
         compact_factory: CompactFactory = CompactCausalLM.from_hf,
         cache_factory: Callable[..., SlotKVCache] = SlotKVCache,
         enable_prefix_caching: bool = True,
+        recompute_stale_kv: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"NativeEngine: max_batch_size must be >= 1, got {max_batch_size}")
@@ -472,7 +502,10 @@ class NativeEngine:
         self._prefix_cache = PrefixCache() if enable_prefix_caching else None
         self._pending_saves: list[_Save] = []  # rows finished in the step being applied
         # Bumped by every weight update: keys and values computed under another version are stale.
+        # Internal and always increasing, unlike the policy version a caller may set (and repeat).
         self._weights_version = 0
+        self._policy_version = 0  # what Trajectory.token_versions records (update_weights' version)
+        self._recompute_stale_kv = recompute_stale_kv
         # Set by sleep(level=2): the weights' storage is freed until a full weight update.
         self._dropped_weights: list[tuple[torch.UntypedStorage, int]] | None = None
 
@@ -508,6 +541,11 @@ class NativeEngine:
     def model(self) -> torch.nn.Module:
         """The HF model whose weights the engine serves (shared, not copied)."""
         return self._model
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights now served: the last update's ``version`` (0 before any)."""
+        return self._policy_version
 
     @property
     def max_model_len(self) -> int:
@@ -567,7 +605,10 @@ class NativeEngine:
         return serve_batch(self.generate, requests, self._check_request)
 
     def update_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        version: int | None = None,
     ) -> None:
         """Copy ``(name, tensor)`` pairs into the model by Hugging Face parameter name.
 
@@ -575,20 +616,23 @@ class NativeEngine:
         accepted). Pairs are applied in buckets of at most ``max_bucket_bytes`` (``weights``):
         each bucket is checked whole, then cast to the engine's dtype and device and copied. The
         lock is held across all buckets, so no step sees half-updated weights. On an error the
-        earlier buckets have already been applied: resend them all.
+        earlier buckets have already been applied: resend them all. ``version`` is the policy
+        version tokens generated from now on record (default: the current one + 1).
         """
-        with self.weight_update() as apply:
+        with self.weight_update(version=version) as apply:
             for bucket in iter_buckets(weights, max_bucket_bytes):
                 apply(bucket)
 
     @contextlib.contextmanager
-    def weight_update(self) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:
+    def weight_update(self, version: int | None = None) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:
         """Hold the engine between two steps for a whole update that arrives in parts.
 
         Yields ``apply(bucket)``, which checks one bucket of ``(name, tensor)`` pairs against the
         model and copies it in (cast to the engine's dtype and device). No step runs until the
         block exits, so a cross-process sync (``weight_transfer.receive_weights(group, targets,
-        apply)``) is seen whole by every request, even while others are being served.
+        apply)``) is seen whole by every request, even while others are being served. Tokens
+        generated after it record policy version ``version`` (default: the current one + 1);
+        samples in flight continue (partial rollout, see the module docstring).
         """
         targets = self._model.state_dict(keep_vars=True)
         covered: set[int] = set()  # ids of the parameters written, for a restore after sleep(level=2)
@@ -599,8 +643,11 @@ class NativeEngine:
             covered.update(id(targets[name]) for name, _ in bucket)
 
         with self._model_lock, torch.no_grad():
-            # Keys and values computed with the old weights must never serve a new request.
+            # Keys and values computed with the old weights must never serve a new request (nor,
+            # with recompute_stale_kv, the next token of one in flight).
             self._weights_version += 1
+            self._policy_version = self._policy_version + 1 if version is None else int(version)
+            self.stats.weight_updates += 1
             self._clear_prefix_cache()
             restoring = self._dropped_weights is not None
             if restoring:
@@ -1059,6 +1106,7 @@ class NativeEngine:
         if plan.batch_size > len(plan.admits):
             self.stats.admitted_while_decoding += len(plan.admits)
         self.stats.row_moves += len(plan.moves)
+        self.stats.recomputed_tokens += result.recomputed_tokens
         self.stats.max_running = max(self.stats.max_running, plan.batch_size)
         for row in range(plan.batch_size):
             sample = self._rows[row]
@@ -1085,12 +1133,13 @@ class NativeEngine:
             return
         tokens = sample.owner.prompt + sample.response_ids[:-1]
         if len(tokens) >= self._prefix_cache.block_size:
-            self._pending_saves.append(_Save(row, tokens, sample.owner.weights_version))
+            self._pending_saves.append(_Save(row, tokens, sample.kv_version))
 
     def _append(self, sample: _Sample, row: int, result: _StepResult) -> None:
         token = result.tokens[row]
         sample.response_ids.append(token)
         sample.logprobs.append(result.logprobs[row])
+        sample.token_versions.append(result.policy_version)
         self.stats.generated_tokens += 1
         if sample.top_logprobs is not None and result.top_ids is not None and result.top_values is not None:
             k = sample.owner.request.params.logprobs or 0
@@ -1116,6 +1165,7 @@ class NativeEngine:
             request_id=request_id, sample_index=sample.index, token_id=sample.response_ids[-1],
             logprob=sample.logprobs[-1], top_logprobs=sample.top_logprobs[-1] if sample.top_logprobs else None,
             finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+            policy_version=sample.token_versions[-1],
         )
         try:
             listener(event)
@@ -1142,18 +1192,72 @@ class NativeEngine:
                 keys = torch.cat([b.keys for b in restore.blocks], dim=-1)
                 values = torch.cat([b.values for b in restore.blocks], dim=-2)
                 cache.write_positions(cache.prompt_row(restore.slot), keys, values)
-            if plan.chunks:
-                self._prefill(plan.chunks)
+            chunks, recomputed = plan.chunks, 0
+            if self._recompute_stale_kv:
+                # Checked here, under the lock: an update may have landed after _plan.
+                chunks, recomputed = self._refresh_stale_prompts(plan.chunks, plan.admits)
+            if chunks:
+                self._prefill(chunks)
                 if self._prefix_cache is not None:
                     self._save_rows([
                         _Save(cache.prompt_row(c.slot), c.request.prompt[: c.end], c.request.weights_version)
-                        for c in plan.chunks if c.end == c.request.prefix_length
+                        for c in chunks if c.end == c.request.prefix_length
                     ])
             if plan.admits:
                 self._admit(plan.admits)
+            if self._recompute_stale_kv and plan.batch_size:
+                recomputed += self._recompute_stale_rows(plan.batch_size)
             if plan.batch_size == 0:
-                return _StepResult(tokens=[], logprobs=[], top_ids=None, top_values=None)
-            return self._decode(plan)
+                return _StepResult(tokens=[], logprobs=[], top_ids=None, top_values=None, recomputed_tokens=recomputed)
+            return replace(self._decode(plan), recomputed_tokens=recomputed)
+
+    def _refresh_stale_prompts(
+        self, chunks: list[_Chunk], admits: list[tuple[_Sample, int, int | None]]
+    ) -> tuple[list[_Chunk], int]:
+        """Partial rollout, prompt slots: the chunks to prefill so that no slot this step extends or
+        copies holds keys and values of replaced weights, and the tokens that costs beyond the plan.
+
+        A chunk that continues a prompt prefilled (or restored from the prefix cache) under older
+        weights starts again from position 0; a prefilled prompt whose samples start now is
+        prefilled again whole before they copy it (once for all of them).
+        """
+        current = self._weights_version
+        refreshed: list[_Chunk] = []
+        recomputed = 0
+        covered: set[_Request] = set()
+        for chunk in chunks:
+            request = chunk.request
+            covered.add(request)
+            if request.weights_version != current and chunk.start > 0:
+                recomputed += chunk.start
+                chunk = _Chunk(request, chunk.slot, 0, chunk.end)
+            request.weights_version = current
+            refreshed.append(chunk)
+        for sample, _, slot in admits:
+            request = sample.owner
+            if slot is None or request in covered or request.weights_version == current:
+                continue
+            covered.add(request)
+            refreshed.append(_Chunk(request, slot, 0, request.prefix_length))
+            recomputed += request.prefix_length
+            request.weights_version = current
+        return refreshed, recomputed
+
+    def _recompute_stale_rows(self, batch: int) -> int:
+        """Partial rollout, running rows: re-prefill each row whose keys and values were computed
+        under replaced weights (its prompt and the response so far, all but the token it feeds
+        next) under the current ones, so its next token's logprob is exact. Returns the tokens."""
+        current, base = self._weights_version, self._cache.decode_rows
+        parts: list[tuple[int, Sequence[int], int, int]] = []
+        for row in range(batch):
+            sample = self._rows[row]
+            if sample is None or sample.kv_version == current:
+                continue
+            # A decode row r is addressed as prompt slot r - decode_rows (see SlotKVCache.prefill_access).
+            parts.append((row - base, sample.owner.prompt + sample.response_ids, 0, sample.position))
+            sample.kv_version = current
+        self._prefill_parts(parts)
+        return sum(end - start for _, _, start, end in parts)
 
     def _save_finished(self) -> None:
         """Keep the rows of samples that finished this step (event-loop thread, between steps).
@@ -1195,29 +1299,51 @@ class NativeEngine:
         self.stats.prefix_cache_evicted_blocks += self._prefix_cache.trim(max(0, limit))
 
     def _prefill(self, chunks: list[_Chunk]) -> None:
-        """One forward over prompt chunks, right-padded to the longest, writing their prompt slots."""
-        width = max(c.end - c.start for c in chunks)
-        ids = torch.zeros((len(chunks), width), dtype=torch.long)
-        positions = torch.zeros((len(chunks), width), dtype=torch.long)
+        """Prefill prompt chunks into their prompt slots (one forward when they fit the budget,
+        as a step's planned chunks do)."""
+        self._prefill_parts([(c.slot, c.request.prompt, c.start, c.end) for c in chunks])
+
+    def _prefill_parts(self, parts: list[tuple[int, Sequence[int], int, int]]) -> None:
+        """Write keys and values of ``tokens[start:end]`` at those positions of slot ``slot``, for
+        each ``(slot, tokens, start, end)``, in forwards of at most ``max_prefill_tokens`` tokens
+        (or one token per part, when there are more parts than that). Each forward takes the next
+        piece of every unfinished part, so a part's later pieces attend over its earlier ones."""
+        parts = [part for part in parts if part[3] > part[2]]
+        limit = self._max_prefill_tokens
+        while parts:
+            if sum(end - start for _, _, start, end in parts) <= limit:
+                self._prefill_forward(parts)
+                return
+            width = max(1, limit // len(parts))
+            self._prefill_forward([(slot, tokens, start, min(end, start + width))
+                                   for slot, tokens, start, end in parts])
+            parts = [(slot, tokens, start + width, end) for slot, tokens, start, end in parts if start + width < end]
+
+    def _prefill_forward(self, parts: list[tuple[int, Sequence[int], int, int]]) -> None:
+        """One forward over token ranges ``(slot, tokens, start, end)``, right-padded to the longest."""
+        width = max(end - start for _, _, start, end in parts)
+        ids = torch.zeros((len(parts), width), dtype=torch.long)
+        positions = torch.zeros((len(parts), width), dtype=torch.long)
         flat_index, flat_slots, flat_positions = [], [], []
-        for i, chunk in enumerate(chunks):
-            length = chunk.end - chunk.start
-            ids[i, :length] = torch.tensor(chunk.request.prompt[chunk.start : chunk.end])
+        for i, (slot, tokens, start, end) in enumerate(parts):
+            length = end - start
+            ids[i, :length] = torch.tensor(tokens[start:end])
             # Padding repeats the last real position: in range for RoPE, and its output is unused.
-            positions[i] = chunk.start + torch.arange(width).clamp(max=length - 1)
+            positions[i] = start + torch.arange(width).clamp(max=length - 1)
             flat_index += range(i * width, i * width + length)
-            flat_slots += [chunk.slot] * length
-            flat_positions += range(chunk.start, chunk.end)
+            flat_slots += [slot] * length
+            flat_positions += range(start, end)
         device = self._device
 
         def tensor(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
+        key_length = max(end for _, _, _, end in parts)
         access = self._cache.prefill_access(
-            [c.slot for c in chunks], tensor(flat_index), tensor(flat_slots), tensor(flat_positions),
-            key_length=max(c.end for c in chunks),
+            [slot for slot, _, _, _ in parts], tensor(flat_index), tensor(flat_slots), tensor(flat_positions),
+            key_length=key_length,
         )
-        self._compact.forward(ids.to(device), positions.to(device), access, max(c.end for c in chunks), with_logits=False)
+        self._compact.forward(ids.to(device), positions.to(device), access, key_length, with_logits=False)
 
     def _admit(self, admits: list[tuple[_Sample, int, int | None]]) -> None:
         """Copy each new sample's prompt keys/values into its row and set its row state."""
@@ -1226,6 +1352,9 @@ class NativeEngine:
             length = max(s.owner.prefix_length for s, _, _ in admits)
             self._cache.copy_prompts([row for row, _ in copies], [slot for _, slot in copies], length)
         self._state.admit([s for s, _, _ in admits], [row for _, row, _ in admits])
+        for sample, _, slot in admits:
+            # A one-token prompt has no keys or values to copy: nothing of it can be stale.
+            sample.kv_version = sample.owner.weights_version if slot is not None else self._weights_version
 
     def _decode(self, plan: _Plan) -> _StepResult:
         batch, state = plan.batch_size, self._state
@@ -1262,7 +1391,7 @@ class NativeEngine:
             values, ids = compute_top_logprobs(logits, sampling.temperatures, plan.top_logprobs)
             top_ids, top_values = ids.tolist(), values.tolist()
         state.advance(batch, tokens)
-        return _StepResult(tokens.tolist(), logprobs.tolist(), top_ids, top_values)
+        return _StepResult(tokens.tolist(), logprobs.tolist(), top_ids, top_values, policy_version=self._policy_version)
 
     def _adjust(self, samples: list[_Sample], counters: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         rows = LogitsRows(

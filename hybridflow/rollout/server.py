@@ -11,8 +11,8 @@ Endpoints (see docs/serving.md for the fields):
   (``data: {...}`` chunks, then ``data: [DONE]``) when ``stream`` is true;
 - ``POST /generate``: tokens in, tokens out for a trainer or an agent loop: ``prompt_ids`` and
   ``sampling_params`` (``hybridflow.types.SamplingParams``' fields) in; per sample the
-  ``response_ids``, ``rollout_logprobs`` and ``finish_reason`` out, exactly what
-  ``NativeEngine.generate`` returns.
+  ``response_ids``, ``rollout_logprobs``, ``token_versions`` and ``finish_reason`` out, exactly
+  what ``NativeEngine.generate`` returns.
 
 Every request runs in the one ``NativeEngine`` on uvicorn's event loop, so concurrent HTTP requests
 are continuously batched together like concurrent ``generate`` calls. Bad parameters get a 400
@@ -812,6 +812,7 @@ class OpenAIServer:
                     "index": index,
                     "response_ids": t.response_ids,
                     "rollout_logprobs": t.rollout_logprobs,
+                    "token_versions": t.token_versions,
                     "finish_reason": t.finish_reason,
                     "stop_reason": t.stop_reason,
                     "top_logprobs": [sorted(top.items(), key=lambda kv: -kv[1]) for top in t.top_logprobs]

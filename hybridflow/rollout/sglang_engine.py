@@ -62,6 +62,12 @@ that is slow, ``GLOO_SOCKET_IFNAME=lo`` makes the first sync start at once.
 
 Lifetime: ``close`` (or this process's normal exit) kills the server's process group; a rollout
 process killed with SIGKILL leaves its server running.
+
+Partial rollout (not built here): ``Trajectory.token_versions`` is None, and the ``version`` given
+to ``update_weights``/``weight_update`` is accepted and ignored. Requests wait while an update is
+pushed, but one already running on the server continues on its KV cache of the old weights, and
+nothing records which tokens came from which weights (SGLang's replies carry no weight version);
+the native engine does both (``hybridflow.rollout.native``, "partial rollout").
 """
 
 from __future__ import annotations
@@ -582,16 +588,20 @@ class SGLangEngine:
         """``generate`` for every request concurrently, from synchronous code."""
         return serve_batch(self.generate, requests, self._check_request)
 
-    def update_weights(self, weights: Iterable[NamedTensor], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        with self.weight_update() as apply:
+    def update_weights(
+        self, weights: Iterable[NamedTensor], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES, version: int | None = None
+    ) -> None:
+        with self.weight_update(version) as apply:
             for bucket in iter_buckets(weights, max_bucket_bytes):
                 apply(bucket)
 
     @contextlib.contextmanager
-    def weight_update(self) -> Iterator[Callable[[list[NamedTensor]], None]]:
+    def weight_update(self, version: int | None = None) -> Iterator[Callable[[list[NamedTensor]], None]]:
         """Yields ``apply(bucket)``: checks the bucket's names and shapes against ``targets`` (a
         mismatch raises before anything is sent) and pushes it. Requests wait until the block
-        exits; then the server's cache is flushed (keys computed with old weights must not serve)."""
+        exits; then the server's cache is flushed (keys computed with old weights must not serve).
+        ``version`` is ignored (no token versions here, see the module docstring)."""
+        del version
         weight_sync = self.weight_sync
         if weight_sync is None:
             raise RuntimeError(f"{self.name}: this engine was built without a weight sync")

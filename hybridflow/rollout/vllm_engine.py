@@ -71,6 +71,13 @@ vLLM's CPU worker has no sleep mode (``CPUWorker.sleep`` only logs a warning), s
 not). On a GPU the engine is built with ``enable_sleep_mode`` and ``sleep``/``wake_up`` are vLLM's
 (level 1 offloads the weights and frees the KV cache; level 2 drops the weights, which the next
 full weight update restores).
+
+Partial rollout (not built here): ``Trajectory.token_versions`` is None, and the ``version`` given
+to ``update_weights``/``weight_update`` is accepted and ignored. A request in flight while weights
+load continues on vLLM's KV cache of the old weights (nothing recomputes it), and nothing records
+which tokens came from which weights; the native engine does both (``hybridflow.rollout.native``,
+"partial rollout"). Update while the engine is idle (the synchronous trainer does) for one policy
+per trajectory.
 """
 
 from __future__ import annotations
@@ -265,18 +272,24 @@ class VllmEngine:
     # ------------------------------------------------------------------ weights
 
     def update_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        version: int | None = None,
     ) -> None:
-        """Load ``(name, tensor)`` pairs (Hugging Face names) into vLLM's model, bucket by bucket."""
-        with self.weight_update() as apply:
+        """Load ``(name, tensor)`` pairs (Hugging Face names) into vLLM's model, bucket by bucket
+        (``version`` is ignored: this engine records no token versions, see the module docstring)."""
+        with self.weight_update(version) as apply:
             for bucket in iter_buckets(weights, max_bucket_bytes):
                 apply(bucket)
 
     @contextlib.contextmanager
-    def weight_update(self) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:
+    def weight_update(self, version: int | None = None) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:
         """Hold the engine between two steps; ``apply(bucket)`` checks a bucket's names and shapes
         against the manifest, then loads it. The prefix cache is reset on the way out (also after
-        a failed update, which may have loaded some buckets)."""
+        a failed update, which may have loaded some buckets). ``version`` is ignored (no token
+        versions here)."""
+        del version
 
         reloading = False  # begun with the first bucket that passes its check
 

@@ -304,8 +304,10 @@ class RolloutWorker:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.engine.update_weights(weights)
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Copy new weights into the engine; tokens generated from now on record policy
+        ``version`` (default: the engine's last + 1; see ``Trajectory.token_versions``)."""
+        self.engine.update_weights(weights, version=version)
 
     # ------------------------------------------------------------ weight sync (broadcast)
     def device_uuid(self) -> str | None:
@@ -320,15 +322,16 @@ class RolloutWorker:
         self.weight_sync = WeightSyncGroup.connect(rank=member, world_size=world_size, host=host, port=port,
                                                    device=sync_device(self.device, on_gpu))
 
-    def receive_weights(self) -> TransferStats:
+    def receive_weights(self, version: int | None = None) -> TransferStats:
         """One weight sync from actor rank 0 (which runs ``send_weights`` at the same time): each
         bucket is checked against the model's names and shapes, then applied by the engine
         (cast to its dtype) as it arrives. The engine runs no step until the last bucket is in, so
-        no request sees a mix of old and new weights."""
+        no step sees a mix of old and new weights. Tokens generated after it record policy
+        ``version`` (as ``update_weights``)."""
         if self.weight_sync is None:
             raise RuntimeError(f"rollout rank {self.rank} has not joined a weight-sync group: call join_weight_sync "
                                f"first")
-        with self.engine.weight_update() as apply:
+        with self.engine.weight_update(version) as apply:
             return weight_transfer.receive_weights(self.weight_sync, self.model.state_dict(), apply)
 
     def close_weight_sync(self) -> None:

@@ -15,7 +15,7 @@ from hybridflow.agents.tokens import check_token_consistency, render_ids
 from hybridflow.agents.tools import ToolRegistry, calculator
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from hybridflow.rollout import build_rollout_engine
-from hybridflow.types import SamplingParams
+from hybridflow.types import UNVERSIONED_TOKEN, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -76,6 +76,8 @@ def test_tool_agent_on_the_native_engine() -> None:
         assert sum(trajectory.response_ids[i] == IM_END for i in model_positions) == TURNS
         assert all(trajectory.rollout_logprobs[i] < 0 for i in model_positions)
         assert all(trajectory.rollout_logprobs[i] == 0 for i, m in enumerate(trajectory.loss_mask) if not m)
+        # The engine's policy version (0: no update yet) on model tokens, -1 on inserted ones.
+        assert trajectory.token_versions == [0 if m else UNVERSIONED_TOKEN for m in trajectory.loss_mask]
         text = tokenizer.decode(trajectory.response_ids, skip_special_tokens=False)
         assert text.count("<|im_start|>tool\n42<|im_end|>") == TURNS - 1
     # Different seeds per episode: the samples of a group differ.

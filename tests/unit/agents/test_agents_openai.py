@@ -23,7 +23,7 @@ from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from hybridflow.rollout import build_rollout_engine
 from hybridflow.training.engine import TrainEngine
-from hybridflow.types import SamplingParams, collate_trajectories
+from hybridflow.types import UNVERSIONED_TOKEN, SamplingParams, collate_trajectories
 
 IM_END, PAD = 258, 256
 TEMPERATURE = 0.8
@@ -202,6 +202,7 @@ def test_a_completion_records_exactly_what_the_engine_returned(engine, model):
     assert trajectory.prompt_ids == render_ids(tokenizer, PROMPT, add_generation_prompt=True)
     assert trajectory.response_ids == sample.response_ids and trajectory.loss_mask == [1] * len(sample.response_ids)
     assert trajectory.rollout_logprobs == sample.rollout_logprobs
+    assert trajectory.token_versions == sample.token_versions == [0] * len(sample.response_ids)
     assert trajectory.num_turns == 1 and trajectory.metadata["agent_name"] == "openai"  # the row's tool_agent ignored
     assert trajectory.metadata["agent_reward"] == 0.5 and trajectory.metadata["agent_reward_extra"]["chars"] >= 0
     choice = ONE_COMPLETION[0]
@@ -222,6 +223,7 @@ def test_a_tool_calling_agent_gives_one_stitched_trajectory_the_trainer_recomput
         assert len([r for r in model_runs if r]) == 2
         assert trajectory.metadata["agent_reward"] in (0.0, 1.0)
         assert trajectory.metadata["agent_metrics"]["history_rewrites"] == 0
+        assert trajectory.token_versions == [0 if m else UNVERSIONED_TOKEN for m in trajectory.loss_mask]
     own = {tuple(s.response_ids) for s in engine.samples}
     for trajectory in trajectories:
         start = trajectory.loss_mask.index(0)
@@ -248,6 +250,8 @@ def test_a_history_rewrite_is_counted_and_the_trajectory_stays_consistent(engine
     logprobs, rollout, mask = recomputed_logprobs(model, [trajectory])
     assert (logprobs[mask] - rollout[mask]).abs().max() < 1e-4
     assert int(mask.sum()) == len(first.response_ids) - 1 + len(second.response_ids)
+    # Versions were cut and inserted with the tokens.
+    assert trajectory.token_versions == [0 if m else UNVERSIONED_TOKEN for m in trajectory.loss_mask]
 
 
 @pytest.mark.parametrize("function", ["raises", "hangs", "hangs_async", "returns_garbage"])

@@ -82,6 +82,9 @@ def test_without_agents_the_engine_serves_requests_directly(model_dir) -> None:
     through_worker = rollout.generate(requests(), [{"agent_name": "tool_agent"}] * 3)  # ignored: no agents
     assert [[t.response_ids for t in g] for g in through_worker] == [[t.response_ids for t in g] for g in direct]
     assert all(t.num_turns == 1 and t.metadata == {} for g in through_worker for t in g)
+    # The trainer's version reaches the engine: tokens generated after the sync record it.
+    rollout.update_weights(list(rollout.model.state_dict().items()), version=9)
+    assert all(t.token_versions == [9] * len(t.response_ids) for g in rollout.generate(requests()) for t in g)
 
 
 def test_bad_names_fail_when_the_worker_is_built(model_dir) -> None:

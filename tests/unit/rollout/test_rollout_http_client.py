@@ -48,6 +48,7 @@ def test_requests_through_the_server_give_the_engines_own_trajectories(engine_an
             for a, b in zip(mine, theirs):
                 assert a.prompt_ids == b.prompt_ids and a.loss_mask == [1] * len(a.response_ids)
                 assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)
+                assert a.token_versions == b.token_versions == [0] * len(a.response_ids)
                 assert a.top_logprobs is not None and a.top_logprobs[0].keys() == b.top_logprobs[0].keys()
 
 

@@ -211,19 +211,30 @@ def test_a_weight_update_invalidates_the_whole_cache():
     assert after[0].response_ids == reference_greedy(donor, follow, 10, {EOS})
 
 
-def test_rows_computed_before_a_weight_update_mid_flight_are_not_kept():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_row_in_flight_across_a_weight_update_is_kept_only_once_recomputed(recompute):
     donor = make_model(seed=1)
-    on = make_engine(make_model())
+    on = make_engine(make_model(), recompute_stale_kv=recompute)
+    results = []
 
     async def main() -> None:
         running = asyncio.ensure_future(on.generate(request(SYSTEM, temperature=0.0, max_tokens=30, ignore_eos=True)))
         while on.stats.steps < 5:
             await asyncio.sleep(0.001)
         on.update_weights(donor.state_dict().items())
-        await running
+        results.extend(await running)
 
     asyncio.run(main())
-    assert on.prefix_cache_bytes == 0
+    if not recompute:  # its keys and values are partly the old weights': never kept
+        assert on.prefix_cache_bytes == 0
+        return
+    # Recomputed under the new weights (partial rollout): kept, and serving the next turn exactly.
+    assert on.prefix_cache_bytes > 0
+    hits = on.stats.prefix_cache_hit_tokens
+    follow = SYSTEM + results[0].response_ids + TOOL
+    (after,) = on.generate_batch([request(follow, temperature=0.0, max_tokens=10)])
+    assert on.stats.prefix_cache_hit_tokens > hits
+    assert after[0].response_ids == reference_greedy(donor, follow, 10, {EOS})
 
 
 def test_sleep_drops_the_cache_and_wake_up_serves_the_same_tokens():

@@ -10,6 +10,7 @@ Each rank writes what it saw to a JSON file; the assertions run here, in the par
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
@@ -91,6 +92,37 @@ def run(engine: Any) -> dict[str, Any]:
     return results
 
 
+def partial_run(engine: Any, family: str) -> dict[str, Any]:
+    """Partial rollout: sampled requests start under seed 1's weights (version 4) and seed 0's
+    (version 5) land after the listened request's fourth token; samples in flight continue, their
+    keys and values recomputed (rows, waiting prompt slots and chunked prefills alike)."""
+    engine.update_weights(make_model(family, 1).state_dict().items(), version=4)
+    new_weights = list(make_model(family, 0).state_dict().items())
+    requests = [GenerationRequest(prompt_ids=list(p), request_id=f"r{i}", params=SamplingParams(
+        temperature=1.0, max_tokens=10, n=2, seed=10 + i, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    seen = [0]
+
+    def listener(event: Any) -> None:
+        seen[0] += 1
+        if seen[0] == 4:
+            engine.update_weights(new_weights, version=5)
+
+    async def main() -> list[Any]:
+        engine.add_token_listener("r0", listener)
+        try:
+            return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+        finally:
+            engine.remove_token_listener("r0")
+
+    outputs = asyncio.run(main())
+    return {
+        "tokens": [[t.response_ids for t in ts] for ts in outputs],
+        "logprobs": [[t.rollout_logprobs for t in ts] for ts in outputs],
+        "versions": [[t.token_versions for t in ts] for ts in outputs],
+        "recomputed": engine.stats.recomputed_tokens,
+    }
+
+
 def plain_engine(family: str, seed: int, device: str) -> Any:
     from hybridflow.rollout.native import NativeEngine
 
@@ -123,11 +155,14 @@ def leader_scenarios(group: Any, solo: Any, device: str) -> dict[str, Any]:
         asleep_bytes = engine.kv_cache_bytes
         engine.wake_up()
         woken = run(engine)
+        partial = partial_run(engine, family)
+        partial_reference = partial_run(plain_engine(family, 0, device), family)
         # A replica of one rank is the plain engine (no mirroring, no group traffic).
         alone = build_tp_engine(make_model(family, 0), solo, **engine_kwargs(device))
         report[family] = {
             "alone": run(alone.engine), "reference": reference, "tp": tp, "updated_reference": updated_reference, "updated": updated,
             "woken": woken, "asleep_bytes": asleep_bytes, "leader_kv_heads": engine._cache.num_kv_heads,
+            "partial": partial, "partial_reference": partial_reference,
         }
         leader.close()
     return report
@@ -302,6 +337,17 @@ def test_weight_update_through_the_leader_reaches_every_rank(cpu_run, family):
     report = cpu_run["rank0"][family]
     assert report["updated"]["greedy"]["tokens"] != report["tp"]["greedy"]["tokens"]
     assert_same_generation(report["updated"], report["updated_reference"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_weight_update_mid_flight_recomputes_every_ranks_cache(cpu_run, family):
+    report = cpu_run["rank0"][family]
+    got, expected = report["partial"], report["partial_reference"]
+    assert got["tokens"] == expected["tokens"] and got["versions"] == expected["versions"]
+    versions = {v for group in got["versions"] for sample in group for v in sample}
+    assert versions == {4, 5} and got["recomputed"] == expected["recomputed"] > 0
+    for got_lp, want_lp in zip(got["logprobs"], expected["logprobs"], strict=True):
+        assert (torch.tensor(got_lp) - torch.tensor(want_lp)).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
