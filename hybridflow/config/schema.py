@@ -614,6 +614,13 @@ class AsyncTrainingConfig:
         "starts generating step b once the actor has made b - 1 - staleness_threshold updates, so nothing staler is "
         "ever generated; up to this many finished steps wait in the queue. 0: the synchronous algorithm.",
     )
+    partial_rollout: bool = f(
+        True,
+        "trainer.mode=fully_async: push the new weights into the generation in flight after each update; samples "
+        "in flight keep their tokens, recompute their keys and values under the new weights and go on, each token "
+        "recording its version (Trajectory.token_versions). Native engine only; false (needed for vllm and sglang): "
+        "weights change on the rollout only between batches.",
+    )
     behaviour_correction: bool = f(
         True,
         "In the asynchronous modes (trainer.mode one_step_off | fully_async) samples come from older weights than "

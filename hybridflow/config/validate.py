@@ -785,6 +785,9 @@ def _check_backend(cfg: Config, report: _Report) -> None:
                      f"{cfg.rollout.name!r}")
     if cfg.rollout.name == "vllm":
         _check_vllm(cfg, report)
+    if t.mode == "fully_async" and cfg.async_training.partial_rollout and cfg.rollout.name != "native":
+        report.error(f"async_training.partial_rollout=true (new weights pushed into the generation in flight) is built "
+                     f"for rollout.name=native, not {cfg.rollout.name}; set async_training.partial_rollout=false")
     if t.backend == "local" and cfg.rollout.weight_sync == "broadcast":
         report.error(
             "rollout.weight_sync=broadcast streams weights from actor rank 0 to the rollout process, but "

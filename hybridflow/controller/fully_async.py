@@ -2,25 +2,31 @@
 
     rollout thread:  for step b = 1, 2, ...:
                         wait until the actor is at most s versions short of b's on-policy weights
-                        the newest weights the trainer left -> rollout (between batches)
                         collect step b, put it on the queue (blocks while the queue is full)
-    trainer:         for step k: take step k's samples from the queue, update the actor
+    trainer:         for step k: take step k's samples from the queue, update the actor,
+                        push the new weights into the generation in flight (partial rollout)
 
 ``s`` is ``async_training.staleness_threshold``: a step trains on samples from weights at most
 ``s`` versions behind the actor's (the actor has made k - 1 updates when step k trains; step b
 is admitted to generation once the actor has made b - 1 - s). Nothing older is ever generated, so
 nothing is dropped (``async/dropped_samples`` stays 0 at this granularity). ``s = 0`` is the
-synchronous algorithm step for step; ``s = 1`` overlaps like ``one_step_off``; larger ``s`` lets
+synchronous algorithm step for step (the rollout is idle while the trainer updates); ``s = 1`` overlaps like ``one_step_off``; larger ``s`` lets
 the rollout run further ahead through slow updates and long-tailed generations, with a queue
 of up to ``s`` finished steps.
 
-The rollout thread owns the rollout replicas; the trainer owns the actor. After each update the
-trainer leaves a copy of the new weights (``_staged``) that the rollout thread applies before its
-next batch, so neither waits for the other. (With ``rollout.weight_sync=broadcast`` actor rank 0
-must stream the weights itself: the rollout thread then syncs under ``_actor_lock`` and may wait
-for the update in progress; a sync gathers from every actor rank and must not interleave with an
-update's collectives.) Weights change only between batches here: a batch's samples all come from
-one version. Same prompts and seeds per step as the sync loop. Validation and checkpoints pause the rollout thread between batches
+Partial rollout (``async_training.partial_rollout``, the default; the native engine): after each
+update the trainer pushes its weights at once, into the generation in flight. The engine swaps
+them between two decode steps; samples in flight keep the tokens they have, recompute their keys
+and values under the new weights and go on, and every token records the version that sampled it
+(``Trajectory.token_versions``), so a sample's staleness is its oldest token's. The rollout never
+pauses for an update; the behaviour correction uses the rollout's per-token logprobs.
+
+Without it (other engines), weights change only between batches: after each update the trainer
+leaves a copy of the new weights (``_staged``) that the rollout thread applies before its next
+batch, so neither waits for the other. (With ``rollout.weight_sync=broadcast`` actor rank 0 must
+stream the weights itself: the rollout thread then syncs under ``_actor_lock`` and may wait for
+the update in progress; a sync gathers from every actor rank and must not interleave with an
+update's collectives.) Same prompts and seeds per step as the sync loop. Validation and checkpoints pause the rollout thread between batches
 (``_rollout_lock``) and see the actor's newest weights. A checkpoint records the sampler's
 position before the first step not yet trained: a resumed run generates those steps again with
 its newest weights, so no prompt is lost and none is trained twice.
@@ -43,6 +49,7 @@ class FullyAsyncTrainer(Trainer):
     def __init__(self, run: RunSetup) -> None:
         super().__init__(run)
         self.staleness = run.cfg.async_training.staleness_threshold
+        self.partial_rollout = run.cfg.async_training.partial_rollout
         # Finished steps waiting for the trainer: at most s of them wait while the trainer works
         # on another (backpressure: the rollout thread blocks on a full queue).
         self._queue: queue.Queue[_Made] = queue.Queue(maxsize=max(1, self.staleness))
@@ -64,16 +71,19 @@ class FullyAsyncTrainer(Trainer):
             with self._actor_lock:
                 samples, batch_metrics = phases.prepare_batch(run, made.collected.groups, self.step, timer)
                 update_metrics = self.update(samples.batch, timer)
-                with timer.phase("stage_weights"):
-                    staged = None if self.run.weight_sync == BROADCAST else phases.weights_snapshot(run)
+                if self.partial_rollout:
+                    with timer.phase("update_weights"):  # into the generation in flight (module docstring)
+                        self.push_weights()
+                    staged = None
+                else:
+                    with timer.phase("stage_weights"):
+                        staged = None if self.run.weight_sync == BROADCAST else phases.weights_snapshot(run)
             with self._versions:
                 self._staged = _Staged(self.actor_version, staged) if staged is not None else None
                 self._versions.notify_all()
             self._sampler_before.pop(self.step, None)
-        staleness = float(self.step - 1 - made.version)
         overlap = {
-            "async/staleness/mean": staleness,
-            "async/staleness/max": staleness,
+            **phases.staleness_metrics(samples.trajectories, self.step - 1, made.version),
             "async/dropped_samples": 0.0,
             "async/queue_size": float(self._queue.qsize()),
             "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
@@ -118,7 +128,10 @@ class FullyAsyncTrainer(Trainer):
             self._queue.put(_FAILED)  # type: ignore[arg-type]
 
     def _refresh_weights(self) -> None:
-        """The newest weights to the rollout (the rollout thread, between batches)."""
+        """The newest weights to the rollout (the rollout thread, between batches); nothing to do
+        with partial rollout, where the trainer pushes them as soon as it has them."""
+        if self.partial_rollout:
+            return
         with self._versions:
             staged = self._staged
         if staged is not None and staged.version > self.rollout_version:

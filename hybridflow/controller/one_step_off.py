@@ -50,11 +50,9 @@ class OneStepOffTrainer(Trainer):
                 self._start_next(self.step + 1)
             samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)
             update_metrics = self.update(samples.batch, timer)
-        # Staleness: versions between the weights that made the samples and the actor's before this update.
-        staleness = float(self.step - 1 - made.version)
         overlap = {
-            "async/staleness/mean": staleness,
-            "async/staleness/max": staleness,
+            # Versions between the weights that made the samples and the actor's before this update.
+            **phases.staleness_metrics(samples.trajectories, self.step - 1, made.version),
             "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
             "async/rollout_idle_ratio": made.idle / max(made.idle + made.seconds, 1e-9),
             **made.timer.metrics(),  # gen, reward: timed on the rollout side

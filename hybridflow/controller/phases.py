@@ -390,17 +390,18 @@ def update_actor(run: RunSetup, batch: TrainBatch, step: int, timer: PhaseTimer)
         return reduce_metrics(run.actor.split_gather(ActorWorker.update_actor, batch))
 
 
-def sync_weights(run: RunSetup) -> None:
-    """Push the actor's new weights to every rollout rank: streamed from actor rank 0 by
-    broadcast (``rollout.weight_sync``), else through this process (in-process: tensor copies)."""
+def sync_weights(run: RunSetup, version: int) -> None:
+    """Push the actor's weights (after ``version`` updates: what the rollout's tokens record) to
+    every rollout rank: streamed from actor rank 0 by broadcast (``rollout.weight_sync``), else
+    through this process (in-process: tensor copies)."""
     if run.weight_sync == BROADCAST:
         # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
         # that the rollout applies as they arrive.
-        wait_all(run.actor.submit_all(ActorWorker.send_weights), *run.rollout.submit_receive())
+        wait_all(run.actor.submit_all(ActorWorker.send_weights), *run.rollout.submit_receive(version))
         return
     # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
     weights = dict(run.actor.call_all(ActorWorker.weights_for_sync)[0])
-    run.rollout.update_weights(weights.items())
+    run.rollout.update_weights(weights.items(), version)
 
 
 def weights_snapshot(run: RunSetup) -> list[tuple[str, torch.Tensor]]:
@@ -409,6 +410,16 @@ def weights_snapshot(run: RunSetup) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------- metrics
+def staleness_metrics(trajectories: list[Trajectory], actor_version: int, started_version: int) -> dict[str, float]:
+    """How many versions the weights that made each sample lag the actor's (``async/staleness/*``):
+    by its oldest token where the engine records token versions (``Trajectory.token_versions``;
+    a partial rollout mixes versions), else by ``started_version``, the rollout's when the
+    sample's step began generating."""
+    lags = [actor_version - min((v for v in (t.token_versions or []) if v >= 0), default=started_version)
+            for t in trajectories]
+    return {"async/staleness/mean": sum(lags) / max(1, len(lags)), "async/staleness/max": float(max(lags, default=0))}
+
+
 def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSamples, timer: PhaseTimer) -> dict[str, float]:
     """What every step reports whatever the loop: counters, the batch's numbers, phase timings
     and throughput."""

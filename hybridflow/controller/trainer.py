@@ -89,7 +89,7 @@ class Trainer:
     def push_weights(self) -> None:
         """The actor's weights to the rollout, unless the rollout has them already."""
         if self.rollout_version != self.actor_version:
-            phases.sync_weights(self.run)
+            phases.sync_weights(self.run, self.actor_version)
             self.rollout_version = self.actor_version
 
     def validate(self) -> dict[str, float]:
