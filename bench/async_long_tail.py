@@ -21,6 +21,9 @@ mean staleness.
 
     python bench/async_long_tail.py                  # ~25 min on 2 cores
     python bench/async_long_tail.py --quick          # smoke run (~2 min)
+
+The run folders stay (printed): ``hybridflow simulate <a sync run> --devices 2 --rollout-fraction
+0.5`` predicts the asynchronous loops from the sync run's costs, to compare with the measured rows.
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ def main() -> None:
           f"n={args.n} per step, lognormal lengths (median {args.median_tokens:g}, sigma {args.sigma:g}, cap "
           f"{args.max_tokens}: mean {statistics.mean(flat):.1f}, max {max(flat)}), fp32, {args.warmup} warm-up + "
           f"{args.steps} timed steps")
-    print(f"cpu: {cpu}, {os.cpu_count()} cores; median over {args.repeats} alternating round(s)")
+    print(f"cpu: {cpu}, {os.cpu_count()} cores; median over {args.repeats} alternating round(s); runs in {work}")
 
     results: dict[str, list[dict]] = {label: [] for label in args.configs}
     for round_ in range(args.repeats):
