@@ -38,7 +38,7 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
         f"warm_start.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / 'run'}", *QUICK])
     run = build_run(cfg)
     try:
-        groups, _ = phases.collect(run, 1, PhaseTimer())
+        groups = phases.collect(run, 1, PhaseTimer()).groups
         trajectories = [t for group in groups for t in group]
         tool_episodes = [t for t in trajectories if t.metadata["agent_metrics"]["tool_calls"] > 0]
         assert tool_episodes, "the warm-started model should call the calculator in some episodes"
