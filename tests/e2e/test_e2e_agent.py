@@ -11,6 +11,7 @@ import pytest
 from hybridflow import api
 from hybridflow.controller.setup import build_run
 from hybridflow.controller import phases
+from hybridflow.controller.loops import make_trainer
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.types import collate_trajectories
 from hybridflow.utils.timer import PhaseTimer
@@ -50,7 +51,7 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
         batch = collate_trajectories(trajectories, run.pad_token_id)
         for row, t in enumerate(trajectories):  # the mask the actor's loss uses
             assert batch.response_mask[row, : len(t.loss_mask)].tolist() == [float(m) for m in t.loss_mask]
-        metrics = trainer.fit()
+        metrics = make_trainer(run).fit()
     finally:
         run.close()
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
