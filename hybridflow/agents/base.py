@@ -233,6 +233,7 @@ def answer_view(trajectory: Trajectory) -> Trajectory:
         response_ids=trajectory.response_ids[start:],
         loss_mask=trajectory.loss_mask[start:],
         rollout_logprobs=trajectory.rollout_logprobs[start:],
+        token_versions=None if trajectory.token_versions is None else trajectory.token_versions[start:],
         top_logprobs=None,
     )
 

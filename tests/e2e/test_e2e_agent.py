@@ -47,7 +47,8 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
         for t in tool_episodes:
             inserted = tokenizer.decode([i for i, m in zip(t.response_ids, t.loss_mask) if not m])
             own = tokenizer.decode([i for i, m in zip(t.response_ids, t.loss_mask) if m])
-            assert "<|im_start|>tool\n" in inserted and "<|im_start|>tool" not in own
+            # (an episode may end on its response budget inside an inserted tool turn: its header then lacks the newline)
+            assert "<|im_start|>tool" in inserted and "<|im_start|>tool" not in own
         batch = collate_trajectories(trajectories, run.pad_token_id)
         for row, t in enumerate(trajectories):  # the mask the actor's loss uses
             assert batch.response_mask[row, : len(t.loss_mask)].tolist() == [float(m) for m in t.loss_mask]

@@ -79,3 +79,17 @@ def test_inserted_tokens_get_zero_gradient(tokenizer, scripted, model_dir, loss_
     for grad in (logprobs.grad, entropy.grad):
         assert torch.all(grad[inserted] == 0), "a tool token's logprob or entropy reached the loss"
         assert grad[own].abs().sum() > 0, "the model's own tokens must still train"
+
+
+def test_the_answer_view_is_the_final_turn_with_every_per_token_field_cut_alike():
+    from hybridflow.agents import answer_view
+    from hybridflow.types import UNVERSIONED_TOKEN, Trajectory
+
+    t = Trajectory(prompt_ids=[1], response_ids=[10, 11, 12, 13, 14], loss_mask=[1, 1, 0, 1, 1],
+                   rollout_logprobs=[-0.1, -0.2, 0.0, -0.3, -0.4], finish_reason="stop",
+                   token_versions=[1, 1, UNVERSIONED_TOKEN, 2, 2])
+    view = answer_view(t)
+    assert view.response_ids == [13, 14] and view.loss_mask == [1, 1]
+    assert view.rollout_logprobs == [-0.3, -0.4] and view.token_versions == [2, 2]
+    single = Trajectory(prompt_ids=[1], response_ids=[5], loss_mask=[1], rollout_logprobs=[-0.5], finish_reason="stop")
+    assert answer_view(single) is single
