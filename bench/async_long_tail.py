@@ -103,6 +103,7 @@ def run_loop(spec: dict) -> dict:
         "trainer_idle": statistics.mean(r.get("async/trainer_idle_ratio", 0.0) for r in timed),
         "rollout_idle": statistics.mean(r.get("async/rollout_idle_ratio", 0.0) for r in timed),
         "staleness": statistics.mean(r.get("async/staleness/mean", 0.0) for r in timed),
+        "partial": statistics.mean(r.get("async/partial_rollout_fraction", 0.0) for r in timed),
         "tokens": sum(r["response_length/mean"] * spec["prompts"] * spec["n"] for r in timed),
     }
 
@@ -169,14 +170,16 @@ def main() -> None:
             print(f"  round {round_ + 1}: {label:18s} {result['seconds']:7.1f} s", flush=True)
 
     base = statistics.median(r["seconds"] for r in results[BASELINE]) if BASELINE in results else None
-    print(f"\n| loop | wall s ({args.steps} steps) | vs {BASELINE} | trainer idle | rollout idle | staleness |")
-    print("|------|------:|------:|------:|------:|------:|")
+    print(f"\n| loop | wall s ({args.steps} steps) | vs {BASELINE} | trainer idle | rollout idle | staleness | "
+          f"partial rollouts |")
+    print("|------|------:|------:|------:|------:|------:|------:|")
     for label, runs in results.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         ratio = f"{base / seconds:.2f}x" if base else "-"
         print(f"| {label} | {seconds:.1f} | {ratio} | {statistics.median(r['trainer_idle'] for r in runs):.2f} | "
               f"{statistics.median(r['rollout_idle'] for r in runs):.2f} | "
-              f"{statistics.median(r['staleness'] for r in runs):.2f} |")
+              f"{statistics.median(r['staleness'] for r in runs):.2f} | "
+              f"{statistics.median(r['partial'] for r in runs):.2f} |")
     print(f"ratios: {BASELINE} wall time / loop wall time on equal tokens (>1: faster)")
 
 

@@ -417,7 +417,10 @@ def staleness_metrics(trajectories: list[Trajectory], actor_version: int, starte
     sample's step began generating."""
     lags = [actor_version - min((v for v in (t.token_versions or []) if v >= 0), default=started_version)
             for t in trajectories]
-    return {"async/staleness/mean": sum(lags) / max(1, len(lags)), "async/staleness/max": float(max(lags, default=0))}
+    # Samples whose tokens came from more than one version: a weight update reached them mid-way.
+    mixed = sum(1 for t in trajectories if len({v for v in (t.token_versions or []) if v >= 0}) > 1)
+    return {"async/staleness/mean": sum(lags) / max(1, len(lags)), "async/staleness/max": float(max(lags, default=0)),
+            "async/partial_rollout_fraction": mixed / max(1, len(trajectories))}
 
 
 def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSamples, timer: PhaseTimer) -> dict[str, float]:
