@@ -7,6 +7,11 @@ response lengths from a lognormal (median ``--median-tokens``, sigma ``--sigma``
 exactly the same tokens: each step takes the next ``--prompts`` prompts of a fixed order, and
 prompt i's sample j always has the same length. fp32, AdamW, one optimizer step per batch.
 
+The async loops weight the loss by π_old/π_rollout (``async_training.behaviour_correction``),
+which costs an old-logprob forward per step that the sync loop with one optimizer step per batch
+skips; ``--configs`` can add the same algorithm on both sides ("sync, 1 thread, IS", and the async
+loops "no IS").
+
 Thread budgets: ``trainer.num_threads=1`` for every loop. The sync loop then runs generation and
 training one after the other on one core; the asynchronous loops run the rollout in a thread of
 its own, so generation and training each get one of the two cores (the CPU stand-in for split
@@ -52,6 +57,12 @@ CONFIGS: dict[str, tuple[list[str], int]] = {  # label -> (overrides, torch thre
     "one_step_off": (["trainer.mode=one_step_off"], 1),
     "fully_async s=1": (["trainer.mode=fully_async", "async_training.staleness_threshold=1"], 1),
     "fully_async s=2": (["trainer.mode=fully_async", "async_training.staleness_threshold=2"], 1),
+    # The same algorithm on both sides: the sync loop with the async loops' behaviour correction
+    # (an old-logprob forward per step), and the async loops without it (no extra forward).
+    "sync, 1 thread, IS": (["trainer.mode=sync", "algorithm.rollout_correction.rollout_is=token"], 1),
+    "one_step_off, no IS": (["trainer.mode=one_step_off", "async_training.behaviour_correction=false"], 1),
+    "fully_async s=1, no IS": (["trainer.mode=fully_async", "async_training.staleness_threshold=1",
+                                "async_training.behaviour_correction=false"], 1),
 }
 BASELINE = "sync, 1 thread"
 LR = 1e-6
@@ -122,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 prompts x 4, cap 32: a smoke run")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS)[:5], choices=list(CONFIGS))
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
