@@ -84,10 +84,11 @@ def generate_and_score(
                 overlapped += sum(seconds)
             else:
                 model_s, reward_s = seconds
-    timer.add("gen", generated_at - start)
+    # The timeline's spans: the round's generation, then the scoring left after its last trajectory.
+    timer.add("gen", generated_at - start, start=start)
     if run.reward_model is not None:
-        timer.add("reward_model", model_s)
-    timer.add("reward", reward_s)
+        timer.add("reward_model", model_s, start=generated_at)
+    timer.add("reward", reward_s, start=generated_at + model_s)
     metrics = tally.metrics() | _model_metrics(model_parts) | {METRIC_REWARD_OVERLAPPED: overlapped}
     return [t for group in groups for t in group], metrics
 

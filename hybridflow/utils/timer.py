@@ -59,11 +59,13 @@ class PhaseTimer:
             if self._sink is not None:
                 self._sink.add(self._track, name, start, end)
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, start: float | None = None) -> None:
         """Count ``seconds`` measured elsewhere to phase ``name`` (work whose parts interleave,
         such as scoring between two polls of a streamed generation); the caller keeps the phases
-        disjoint."""
+        disjoint. With its ``start`` (``time.perf_counter()``) it is a span on the sink too."""
         self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+        if self._sink is not None and start is not None:
+            self._sink.add(self._track, name, start, start + seconds)
 
     def seconds(self, name: str) -> float:
         return self._seconds.get(name, 0.0)

@@ -182,3 +182,18 @@ def test_worker_calls_become_spans_of_their_role_and_rank_until_close():
     assert tracks == {"actor rank 0": ["compute_logprobs", "update"], "actor rank 1": ["compute_logprobs"],
                       "reference rank 0": ["ref"]}
     assert len(spans) == 4
+
+
+def test_seconds_added_with_their_start_are_spans_too(tmp_path):
+    """Phases measured elsewhere (a streamed round's generation and the scoring left after it) reach
+    the timeline when their start is known; without it they count only for the metric."""
+    timeline = Timeline(tmp_path / TIMELINE_FILENAME)
+    timer = PhaseTimer(timeline)
+    with timer.phase("step"):
+        start = time.perf_counter()
+        timer.add("gen", 0.5, start=start)
+        timer.add("reward", 0.25)
+    data = json.loads((tmp_path / TIMELINE_FILENAME).read_text())
+    spans = {e["name"]: e for e in data["traceEvents"] if e["ph"] == "X"}
+    assert set(spans) == {"step", "gen"} and spans["gen"]["dur"] == pytest.approx(500_000, abs=1)
+    assert timer.metrics() == {"timing_s/gen": 0.5, "timing_s/reward": 0.25, "timing_s/step": timer.seconds("step")}
