@@ -675,7 +675,10 @@ def build_run(cfg: Config) -> RunSetup:
     # Bypass mode uses the rollout's logprobs as the old ones and corrects inside the loss.
     # An estimator may need them too (optimal_token_baseline).
     rc = cfg.algorithm.rollout_correction
-    corrects_old = not rc.bypass_mode and bool(rc.rollout_is or rc.rollout_rs)
+    # Importance weights alone need no extra forward when a batch makes one optimizer step: the
+    # update's own detached logprobs are π_old (the actor weights its loss with them). Rejection
+    # changes the loss's normaliser before the update, so it needs them up front.
+    corrects_old = not rc.bypass_mode and bool(rc.rollout_rs or (rc.rollout_is and updates_per_batch > 1))
     needs_old = (updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward or corrects_old \
         or needs_old_logprobs_for(needs)
 

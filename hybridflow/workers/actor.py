@@ -381,7 +381,7 @@ class ActorWorker:
         return batch, metrics
 
     def _loss_fn(self, num_tokens: int, num_seqs: int, num_micro: int, generator: torch.Generator):
-        cfg = self.cfg
+        cfg, rc = self.cfg, self.setup.rollout_correction
         scale = cfg.loss_scale_factor if cfg.loss_scale_factor is not None else float(self.setup.max_response_length)
         agg = dict(
             global_num_tokens=num_tokens,
@@ -404,12 +404,25 @@ class ActorWorker:
             # Fully on-policy (one optimizer step per rollout batch) the old policy *is* the
             # current one, so the controller may skip the extra forward and we detach here.
             old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+            is_weights, correction_metrics = mb.rollout_is_weights, {}
+            if mb.old_logprobs is None and rc.rollout_is is not None and not rc.bypass_mode:
+                # On-policy with importance weights: this forward is π_old, so the weights come
+                # from it (set-up skipped the old-logprob forward); per sample, so per micro-batch.
+                correction = compute_rollout_correction(
+                    old_logprobs=old, rollout_logprobs=mb.rollout_logprobs, response_mask=mask,
+                    level=rc.rollout_is, threshold=rc.rollout_is_threshold)
+                is_weights = correction.weights
+                # Means over this micro-batch, which the engine averages over micro-batches (the
+                # maxima and the mismatch, logged below, would not average).
+                correction_metrics = {k: v for k, v in correction.metrics.items()
+                                      if not k.endswith("_max") and k != "rollout_corr/log_ratio_abs_mean"}
             inputs = LossInputs(
                 old_logprobs=old, logprobs=logprobs, advantages=mb.advantages, response_mask=mask,
-                rollout_is_weights=mb.rollout_is_weights, rollout_logprobs=mb.rollout_logprobs,
+                rollout_is_weights=is_weights, rollout_logprobs=mb.rollout_logprobs,
                 generator=generator, **agg,
             )
             pg_loss, metrics = self.policy_loss(inputs, self.policy_loss_params)
+            metrics |= correction_metrics
             loss = pg_loss
             # The engine averages metrics over micro-batches; each micro-batch's loss is its share
             # of the mini-batch loss (global normalisation), so share x count averages to the

@@ -87,3 +87,18 @@ def test_rejection_thresholds_follow_verls_direction(model_dir) -> None:
     corrected, _ = actor._rollout_correction(batch)
     # row 0: pi_rollout/pi_old = 1/1.4 < 0.9 -> rejected; row 1: 1.4 inside [0.9, 1.5] -> kept
     assert corrected.response_mask.sum(-1).tolist() == [0.0, 3.0, 3.0, 3.0]
+
+
+def test_without_old_logprobs_the_updates_own_forward_gives_the_same_is_weights(model_dir) -> None:
+    """One optimizer step per batch: set-up skips the old-logprob forward and the actor weights
+    its loss from the update's own detached logprobs, the same π_old: the same loss as with them."""
+    shift = [math.log(0.5), math.log(0.5), math.log(4.0), math.log(4.0)]
+    with_old = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
+    without = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
+    expected = with_old.update_actor(_batch(with_old, shift))
+    batch = _batch(without, shift)
+    batch.old_logprobs = None
+    got = without.update_actor(batch)
+    assert got["actor/pg_loss"] == pytest.approx(expected["actor/pg_loss"], abs=1e-5) == pytest.approx(-1.25, abs=1e-5)
+    assert got["rollout_corr/rollout_is_mean"] == pytest.approx(1.25, abs=1e-5)
+    assert got["rollout_corr/truncated_fraction"] == pytest.approx(0.5)
