@@ -57,12 +57,15 @@ class Script(BaseHTTPRequestHandler):
             cls.in_flight += 1
             cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
         try:
-            self._reply(case, attempt, body)
+            status, payload = self._reply(case, attempt, body)
         finally:
+            # Out of flight before the reply goes: once the client has it, it may send its next
+            # request, which must not find this one still counted.
             with cls.lock:
                 cls.in_flight -= 1
+        self._send(status, payload)
 
-    def _reply(self, case: str, attempt: int, body: dict) -> None:
+    def _reply(self, case: str, attempt: int, body: dict) -> tuple[int, bytes]:
         if case == "slow":
             time.sleep(0.6)  # past the client's 0.2 s timeout, every time
         if case == "busy":
@@ -73,13 +76,13 @@ class Script(BaseHTTPRequestHandler):
                 time.sleep(0.005)
             time.sleep(0.05)
         if case == "down" or (case == "flaky" and attempt == 1):
-            return self._send(503, b"overloaded")
+            return 503, b"overloaded"
         if case == "refused":
-            return self._send(400, b"unknown model")
+            return 400, b"unknown model"
         if case == "malformed":
-            return self._send(200, b"<html>not json</html>")
+            return 200, b"<html>not json</html>"
         text = {"garbage": "I like turtles", "echo": body["messages"][0]["content"]}.get(case, "Score: 0.75")
-        self._send(200, json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode())
+        return 200, json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
 
     def _send(self, status: int, payload: bytes) -> None:
         try:
