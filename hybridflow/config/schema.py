@@ -610,9 +610,21 @@ class HealthConfig:
 class AsyncTrainingConfig:
     staleness_threshold: int = f(
         1,
-        "trainer.mode=fully_async: how many weight versions behind the actor a step's samples may be. The rollout "
-        "starts generating step b once the actor has made b - 1 - staleness_threshold updates, so nothing staler is "
-        "ever generated; up to this many finished steps wait in the queue. 0: the synchronous algorithm.",
+        "trainer.mode=fully_async: how many weight versions behind the actor a trained sample may be (by its "
+        "oldest token). The rollout admits the prompts of generation round b (one batch of data.train_batch_size) "
+        "once the actor has made b - 1 - staleness_threshold updates, so at most (staleness_threshold + 1) batches "
+        "of prompt groups are in flight or queued; a group staler than this when the trainer takes it (possible "
+        "with consume_order=completion) is dropped and counted (async/dropped_samples). 0: the synchronous "
+        "algorithm.",
+    )
+    consume_order: str = f(
+        "draw",
+        "trainer.mode=fully_async: which finished prompt groups a step trains on. draw: the next "
+        "data.train_batch_size groups in the order the sampler drew them (a step waits for its own long tail "
+        "while the rollout generates later rounds; steps train on the prompts the sync loop would). completion: "
+        "the first groups to finish, whatever round drew them (the trainer never waits on a long tail; which "
+        "prompts a step gets depends on timing, and a group finishing late may be dropped as too stale).",
+        choices=("draw", "completion"),
     )
     partial_rollout: bool = f(
         True,
@@ -639,8 +651,8 @@ class TrainerConfig:
         "controller/sync.py) | one_step_off (generation of step k+1 overlaps the update of step k, so each step "
         "trains on samples one weight version behind the actor; controller/one_step_off.py) | fully_async (the "
         "rollout generates continuously in a thread of its own, at most async_training.staleness_threshold versions "
-        "ahead, and the trainer takes finished steps from a queue; controller/fully_async.py). Steps, prompts and "
-        "seeds are the same in all three.",
+        "ahead, and the trainer takes finished prompt groups from a queue; controller/fully_async.py). Steps, "
+        "prompts and seeds are the same in all three (fully_async with async_training.consume_order=draw).",
         choices=("sync", "one_step_off", "fully_async"),
     )
     total_epochs: int = f(1, "Passes over the training prompts.")

@@ -1,75 +1,98 @@
-"""The fully asynchronous loop (``trainer.mode=fully_async``): the rollout never waits for an update.
+"""The fully asynchronous loop (``trainer.mode=fully_async``): the rollout never waits for an update,
+and samples move from rollout to trainer one prompt group at a time.
 
-    rollout thread:  for step b = 1, 2, ...:
-                        wait until the actor is at most s versions short of b's on-policy weights
-                        collect step b, put it on the queue (blocks while the queue is full)
-    trainer:         for step k: take step k's samples from the queue, update the actor,
-                        push the new weights into the generation in flight (partial rollout)
+    rollout thread:  admit generation round b (the next data.train_batch_size prompts) once the
+                         actor has made b - 1 - s updates; its requests join the ones in flight
+                     each prompt group, as soon as its samples finish: score it, put it on the queue
+    trainer:         for step k: take data.train_batch_size groups from the queue, drop (and
+                         count) any staler than s, update the actor, push the new weights into
+                         the generation in flight (partial rollout)
 
-``s`` is ``async_training.staleness_threshold``: a step trains on samples from weights at most
-``s`` versions behind the actor's (the actor has made k - 1 updates when step k trains; step b
-is admitted to generation once the actor has made b - 1 - s). Nothing older is ever generated, so
-nothing is dropped (``async/dropped_samples`` stays 0 at this granularity). ``s = 0`` is the
-synchronous algorithm step for step (the rollout is idle while the trainer updates); ``s = 1`` overlaps like ``one_step_off``; larger ``s`` lets
-the rollout run further ahead through slow updates and long-tailed generations, with a queue
-of up to ``s`` finished steps.
+``s`` is ``async_training.staleness_threshold``. Rounds are admitted on one continuous stream
+(``ReplicaStream``): round b+1's requests start while round b's long tail is still generating, so
+the engine's batch never drains between rounds. At most (s + 1) rounds of groups are admitted
+and not yet trained (dropped groups give their place back): the admission rule is the queue's
+backpressure, and the queue holds only prompt groups, never whole steps.
+
+Which groups a step takes is ``async_training.consume_order``. ``draw`` (default): the next
+groups in the order the sampler drew them, so step k trains on round k's prompts, as the sync
+loop does (it waits for its own long tail while later rounds generate); nothing taken can be
+staler than s. ``completion``: the first groups to finish, whichever round drew them (a step
+never waits on a long tail, and which prompts it trains on depends on timing; a group whose
+oldest token is more than s versions behind when taken is dropped, ``async/dropped_samples``).
+Either way a step's groups are put in draw order before training. ``s = 0`` with ``draw`` is the
+synchronous algorithm step for step: same prompts, seeds and weights.
 
 Partial rollout (``async_training.partial_rollout``, the default; the native engine): after each
 update the trainer pushes its weights at once, into the generation in flight. The engine swaps
 them between two decode steps; samples in flight keep the tokens they have, recompute their keys
 and values under the new weights and go on, and every token records the version that sampled it
-(``Trajectory.token_versions``), so a sample's staleness is its oldest token's. The rollout never
-pauses for an update; the behaviour correction uses the rollout's per-token logprobs.
+(``Trajectory.token_versions``), so a sample's staleness is its oldest token's. Without it (other
+engines), weights change on the rollout only when nothing is in flight: the rollout thread stops
+admitting, lets the stream drain, and applies the weights the trainer staged (``_staged``), or
+with ``rollout.weight_sync=broadcast`` syncs from actor rank 0 under ``_actor_lock``.
 
-Without it (other engines), weights change only between batches: after each update the trainer
-leaves a copy of the new weights (``_staged``) that the rollout thread applies before its next
-batch, so neither waits for the other. (With ``rollout.weight_sync=broadcast`` actor rank 0 must
-stream the weights itself: the rollout thread then syncs under ``_actor_lock`` and may wait for
-the update in progress; a sync gathers from every actor rank and must not interleave with an
-update's collectives.) Same prompts and seeds per step as the sync loop. Validation and checkpoints pause the rollout thread between batches
-(``_rollout_lock``) and see the actor's newest weights. A checkpoint records the sampler's
-position before the first step not yet trained: a resumed run generates those steps again with
-its newest weights, so no prompt is lost and none is trained twice.
+Validation and checkpoints pause the rollout thread between two polls (``_rollout_lock``) and see
+the actor's newest weights. A checkpoint records, for the earliest round with prompt groups not
+yet trained, the sampler's position before it drew, and which groups of that and later rounds
+were trained (or dropped): a resumed run draws those rounds again and generates only the rest,
+so no prompt is lost and none is trained twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from typing import Any
 
+from hybridflow.algorithms import select_varied_groups
 from hybridflow.controller import phases
+from hybridflow.controller.overlap import merge_model_metrics, round_requests, score_part
+from hybridflow.controller.replicas import ReplicaStream
 from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.controller.trainer import Trainer
+from hybridflow.data import PromptRow
+from hybridflow.rewards.tally import RewardTally
+from hybridflow.types import Trajectory
 from hybridflow.utils.timer import PhaseTimer
+
+Key = tuple[int, int]  # (generation round, the group's position in the round)
 
 
 class FullyAsyncTrainer(Trainer):
     def __init__(self, run: RunSetup) -> None:
         super().__init__(run)
-        self.staleness = run.cfg.async_training.staleness_threshold
-        self.partial_rollout = run.cfg.async_training.partial_rollout
-        # Finished steps waiting for the trainer: at most s of them wait while the trainer works
-        # on another (backpressure: the rollout thread blocks on a full queue).
-        self._queue: queue.Queue[_Made] = queue.Queue(maxsize=max(1, self.staleness))
+        settings = run.cfg.async_training
+        self.staleness, self.partial_rollout = settings.staleness_threshold, settings.partial_rollout
+        self.in_draw_order = settings.consume_order == "draw"
+        self.batch_groups = run.cfg.data.train_batch_size
+        self._queue: queue.Queue[_Group] = queue.Queue()  # bounded by admission (module docstring)
+        self._taken: dict[Key, _Group] = {}  # off the queue, waiting for their turn (draw order)
         self._actor_lock = threading.Lock()  # the actor: the trainer's updates vs the rollout's weight syncs
-        self._rollout_lock = threading.Lock()  # the replicas: the rollout thread's batches vs validation
-        self._versions = threading.Condition()  # the rollout thread waits here for newer actor weights
-        self._sampler_before: dict[int, dict[str, Any]] = {}  # step -> sampler state before it drew
+        self._rollout_lock = threading.Lock()  # the replicas: the rollout thread's polls vs validation
+        self._state = threading.Condition()  # guards what follows; the rollout thread waits here to admit
+        self._rounds: dict[int, _Round] = {}  # admitted rounds with groups not yet taken or dropped
+        self._next_round = 1
+        self._resumed: dict[int, set[int]] = {}  # round -> groups a resumed run trained already
+        self._live = 0  # groups admitted and not dropped, trained ones included
+        self._counts = _Counts()  # the rollout side's numbers since the last step
+        self._epochs: dict[int, int] = {}  # round -> the sampler's epoch after it drew (training/epoch)
+        self._staged: _Staged | None = None  # the newest weights for the rollout, as the trainer left them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
-        self._staged: _Staged | None = None  # the newest weights for the rollout, as the trainer left them
 
     def train_step(self) -> dict[str, float]:
         run, timer = self.run, PhaseTimer(self.run.timeline)
         self._start()
         with timer.phase("step"):
             with timer.phase("wait_rollout"):
-                made = self._next(self.step)
+                groups, dropped = self._take_batch()
             with self._actor_lock:
-                samples, batch_metrics = phases.prepare_batch(run, made.collected.groups, self.step, timer)
+                collected = self._collected(groups)
+                samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)
                 update_metrics = self.update(samples.batch, timer)
                 if self.partial_rollout:
                     with timer.phase("update_weights"):  # into the generation in flight (module docstring)
@@ -78,61 +101,178 @@ class FullyAsyncTrainer(Trainer):
                 else:
                     with timer.phase("stage_weights"):
                         staged = None if self.run.weight_sync == BROADCAST else phases.weights_snapshot(run)
-            with self._versions:
+            with self._state:
                 self._staged = _Staged(self.actor_version, staged) if staged is not None else None
-                self._versions.notify_all()
-            self._sampler_before.pop(self.step, None)
+                counts, self._counts = self._counts, _Counts()
+                self._state.notify_all()
+        started = {id(t): g.version for g in groups for t in g.trajectories}
         overlap = {
-            **phases.staleness_metrics(samples.trajectories, self.step - 1, made.version),
-            "async/dropped_samples": 0.0,
-            "async/queue_size": float(self._queue.qsize()),
+            **phases.staleness_metrics(samples.trajectories, self.step - 1, [started[id(t)] for t in samples.trajectories]),
+            "async/dropped_samples": float(dropped),
+            "async/queue_size": float(self._queue.qsize() + len(self._taken)),
             "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
-            "async/rollout_idle_ratio": made.idle / max(made.idle + made.seconds, 1e-9),
-            **made.timer.metrics(),
-            "timing_s/rollout_busy": made.seconds,
+            "async/rollout_idle_ratio": counts.idle_s / max(counts.idle_s + counts.busy_s, 1e-9),
+            "timing_s/rollout_busy": counts.busy_s,
         }
-        return made.collected.metrics | batch_metrics | update_metrics | phases.step_metrics(run, self.step, made.collected, samples, timer) | overlap
+        return collected.metrics | batch_metrics | update_metrics | phases.step_metrics(run, self.step, collected, samples, timer) | overlap
+
+    # ------------------------------------------------------------------ the trainer's side of the queue
+    def _take_batch(self) -> tuple[list[_Group], int]:
+        """A step's groups in draw order, and how many samples were dropped as too stale."""
+        groups, dropped = [], 0
+        while len(groups) < self.batch_groups:
+            group = self._take_group()
+            with self._state:
+                self._rounds[group.key[0]].pending.discard(group.key[1])
+                self._forget_finished_rounds()
+                if self.step - 1 - min(phases.oldest_version(t, group.version) for t in group.trajectories) > self.staleness:
+                    dropped += len(group.trajectories)
+                    self._live -= 1  # its place goes to a group not yet admitted
+                    self._state.notify_all()
+                    continue
+            groups.append(group)
+        return sorted(groups, key=lambda g: g.key), dropped
+
+    def _take_group(self) -> _Group:
+        """The next group by ``consume_order``, waiting for the rollout thread as long as it takes."""
+        while True:
+            key = self._next_in_draw_order() if self.in_draw_order else next(iter(self._taken), None)
+            if key is not None and key in self._taken:
+                return self._taken.pop(key)
+            group = self._queue.get()
+            if group is _FAILED:
+                assert self._failure is not None
+                raise self._failure
+            self._taken[group.key] = group
+
+    def _next_in_draw_order(self) -> Key | None:
+        with self._state:
+            for b in sorted(self._rounds):
+                if self._rounds[b].pending:
+                    return b, min(self._rounds[b].pending)
+        return None
+
+    def _forget_finished_rounds(self) -> None:
+        """Rounds all of whose groups are taken leave the record a checkpoint keeps (``_state`` held)."""
+        for b in [b for b, r in self._rounds.items() if not r.pending]:
+            del self._rounds[b]
+
+    def _collected(self, groups: list[_Group]) -> phases.Collected:
+        """The step's groups as ``phases.collect`` returns a step's samples: numbered in batch order,
+        with the reward metrics of exactly these samples and the rollout's numbers since the last step."""
+        tally, model_parts = RewardTally(), []
+        for group_id, group in enumerate(groups):
+            tally.merge(group.tally)
+            model_parts.extend(group.model_parts)
+            for t in group.trajectories:
+                t.group_id = group_id
+        trajectories = [t for g in groups for t in g.trajectories]
+        with self._state:
+            generated, constant, filtered = self._counts.generated, self._counts.constant, self._counts.filtered
+        metrics = tally.metrics() | merge_model_metrics(model_parts) | phases.agent_metrics(self.run, trajectories)
+        metrics["health/zero_variance_group_fraction"] = constant / max(1, generated)
+        if self.run.cfg.algorithm.filter_groups.enable:
+            metrics["filter/varied_group_fraction"] = (generated - constant) / max(1, generated)
+            metrics["filter/dropped_groups"] = float(filtered)
+        epoch = max(self._epochs.get(g.key[0], self.run.sampler.epoch) for g in groups)
+        return phases.Collected([g.trajectories for g in groups], metrics | self.run.rollout.take_metrics(), epoch)
 
     # ------------------------------------------------------------------ the rollout thread
     def _start(self) -> None:
         """Start the rollout thread at the first step of this process (after any resume)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._produce, args=(self.step,), name="fully-async rollout",
-                                            daemon=True)
+            self._live = (self.step - 1) * self.batch_groups  # trained before this process
+            self._thread = threading.Thread(target=self._produce, name="fully-async rollout", daemon=True)
             self._thread.start()
 
-    def _produce(self, first: int) -> None:
+    def _produce(self) -> None:
         try:
-            last_end = time.perf_counter()  # the rollout's idle time: between one batch's end and the next's start
-            for step in range(first, self.run.total_steps + 1):
-                with self._versions:  # admission: never generate a step more than s versions stale
-                    self._versions.wait_for(lambda: self._stop.is_set() or self.actor_version >= step - 1 - self.staleness)
-                if self._stop.is_set():
-                    return
-                with self._rollout_lock:
-                    self._refresh_weights()
-                    version, timer, start = self.rollout_version, PhaseTimer(self.run.timeline, track="rollout"), time.perf_counter()
-                    self._sampler_before[step] = self.run.sampler.state_dict()
-                    collected = phases.collect(self.run, step, timer)
-                    end = time.perf_counter()
-                    made = _Made(step, version, collected, timer, end - start, start - last_end)
-                    last_end = end
-                while not self._stop.is_set():  # a full queue holds the rollout back
-                    try:
-                        self._queue.put(made, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+            with contextlib.closing(self.run.rollout.open_stream()) as stream:
+                delivered, round_start = 0, time.perf_counter()
+                while not self._stop.is_set():
+                    started = time.perf_counter()
+                    with self._rollout_lock:
+                        self._admit(stream)
+                        finished = stream.poll() if stream.in_flight else []
+                        ready = [group for key, trajectories in finished
+                                 if (group := self._score(key, trajectories)) is not None]
+                        busy = bool(stream.in_flight or finished)
+                        delivered += len(finished)
+                        if delivered >= self.batch_groups:
+                            # A batch's worth of generation is one round of rollout metrics, ended
+                            # before its last groups reach the trainer, which reports them.
+                            stream.end_round()
+                            PhaseTimer(self.run.timeline, track="rollout").add(
+                                "gen", time.perf_counter() - round_start, start=round_start)
+                            delivered, round_start = delivered - self.batch_groups, time.perf_counter()
+                    for group in ready:
+                        self._queue.put(group)
+                    with self._state:
+                        if busy:
+                            self._counts.busy_s += time.perf_counter() - started
+                        else:  # nothing in flight and nothing admissible: wait for an update
+                            self._state.wait(timeout=0.1)
+                            self._counts.idle_s += time.perf_counter() - started
         except BaseException as exc:  # the trainer raises it at its next take
             self._failure = exc
-            self._queue.put(_FAILED)  # type: ignore[arg-type]
+            self._queue.put(_FAILED)
+
+    def _admit(self, stream: ReplicaStream) -> None:
+        """Start every round the staleness bound admits (module docstring); with weights that can
+        change only between generations, first let the stream drain and take the newest weights."""
+        while not self._stop.is_set():
+            with self._state:
+                if self._live + self.batch_groups > (self.actor_version + 1 + self.staleness) * self.batch_groups:
+                    return
+                behind = not self.partial_rollout and self.rollout_version < self.actor_version
+            if behind:
+                if stream.in_flight:
+                    return  # no new requests until the old weights' ones are done
+                self._refresh_weights()
+            self._admit_round(stream)
+
+    def _admit_round(self, stream: ReplicaStream) -> None:
+        run, b = self.run, self._next_round
+        sampler_before = run.sampler.state_dict()
+        rows: list[PromptRow] = [run.train_data[i] for i in run.sampler.next_batch()]
+        keep = [i for i in range(len(rows)) if i not in self._resumed.pop(b, set())]
+        # Seeds from (round, 1, position): the sync loop's for step b's first generation round.
+        requests = round_requests(rows, phases.train_sampling(run), run.cfg.trainer.seed, (b, 1))
+        metadata = [row.metadata() for row in rows]
+        with self._state:
+            self._rounds[b] = _Round(sampler_before, rows, set(keep), self.rollout_version)
+            self._epochs[b] = run.sampler.epoch
+            self._live += len(keep)
+            self._next_round += 1
+        sent = [metadata[i] for i in keep] if run.cfg.rollout.multi_turn.enable else None
+        stream.add([requests[i] for i in keep], sent, keys=[(b, i) for i in keep])
+
+    def _score(self, key: Key, trajectories: list[Trajectory]) -> _Group | None:
+        """A finished prompt group with its row's fields and its scores, for the queue; None when
+        dynamic sampling drops it (rewards that do not vary)."""
+        run, (b, i) = self.run, key
+        record = self._rounds[b]
+        for t in trajectories:
+            t.group_id = i
+            t.metadata = {**record.rows[i].metadata(), **t.metadata}
+        tally, model_parts = RewardTally(), []
+        score_part(run, trajectories, tally, model_parts)
+        fg = run.cfg.algorithm.filter_groups
+        varied = bool(select_varied_groups([phases.filter_value(t, fg.metric) for t in trajectories], [i] * len(trajectories)))
+        with self._state:
+            self._counts.generated += 1
+            self._counts.constant += not varied
+            if fg.enable and not varied:  # no learning signal: never queued, its place goes to another group
+                record.pending.discard(i)
+                self._counts.filtered += 1
+                self._live -= 1
+                self._forget_finished_rounds()
+                return None
+        return _Group(key, trajectories, tally, model_parts, record.version)
 
     def _refresh_weights(self) -> None:
-        """The newest weights to the rollout (the rollout thread, between batches); nothing to do
-        with partial rollout, where the trainer pushes them as soon as it has them."""
-        if self.partial_rollout:
-            return
-        with self._versions:
+        """The newest weights to the rollout while nothing is in flight (without partial rollout)."""
+        with self._state:
             staged = self._staged
         if staged is not None and staged.version > self.rollout_version:
             self.run.rollout.update_weights(staged.weights)
@@ -141,17 +281,9 @@ class FullyAsyncTrainer(Trainer):
             with self._actor_lock:  # broadcast: actor rank 0 sends, between two updates
                 self.push_weights()
 
-    def _next(self, step: int) -> _Made:
-        made = self._queue.get()
-        if made is _FAILED:
-            assert self._failure is not None
-            raise self._failure
-        assert made.step == step, f"samples of step {made.step} taken at step {step}"
-        return made
-
     # ------------------------------------------------------------------ the run around it
     def quiesce(self) -> None:
-        """Hold the rollout thread between batches and put the newest weights on the rollout (the
+        """Hold the rollout thread between polls and put the newest weights on the rollout (the
         caller is validation or a checkpoint: both run from the trainer's thread)."""
         with self._rollout_lock, self._actor_lock:
             self.push_weights()
@@ -164,29 +296,57 @@ class FullyAsyncTrainer(Trainer):
             with self.run.timeline.span("trainer", "testing"):
                 return phases.validate(self.run, self.step)
 
-
     def loop_state(self) -> dict[str, Any]:
-        # Steps generated but not trained are generated again after a resume: record the sampler
-        # before the first of them drew (or now, when the rollout thread has not started it).
-        with self._rollout_lock:
-            sampler = self._sampler_before.get(self.step + 1, self.run.sampler.state_dict())
-        return {"sampler": sampler, "epoch": sampler["epoch"]}
+        # Rounds drawn but not all trained are drawn again after a resume, from the sampler's
+        # position before the first of them; what they trained already is not generated again.
+        with self._rollout_lock, self._state:
+            if not self._rounds:
+                sampler = self.run.sampler.state_dict()
+                return {"sampler": sampler, "epoch": sampler["epoch"], "first_round": self._next_round, "done": {}}
+            first, done = min(self._rounds), {}
+            for b in range(first, self._next_round):  # a round no longer recorded was all trained
+                r = self._rounds.get(b)
+                done[str(b)] = sorted(set(range(len(r.rows))) - r.pending) if r else list(range(self.batch_groups))
+            sampler = self._rounds[first].sampler_before
+            return {"sampler": sampler, "epoch": sampler["epoch"], "first_round": first, "done": done}
+
+    def load_loop_state(self, state: dict[str, Any]) -> None:
+        self._next_round = int(state.get("first_round", self.step + 1))
+        self._resumed = {int(b): set(done) for b, done in state.get("done", {}).items()}
 
     def close(self) -> None:
         self._stop.set()
-        with self._versions:
-            self._versions.notify_all()
+        with self._state:
+            self._state.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=600)
 
 
-class _Made:
-    """One step's samples and how they were made (weight version, rollout-side timings)."""
+class _Round:
+    """An admitted generation round: the sampler before it drew, its rows, its groups not yet
+    taken by the trainer nor dropped (``pending``), and the rollout's weight version when it was
+    admitted."""
 
-    def __init__(self, step: int, version: int, collected: phases.Collected, timer: PhaseTimer, seconds: float,
-                 idle: float) -> None:
-        self.step, self.version, self.collected, self.timer, self.seconds, self.idle = (
-            step, version, collected, timer, seconds, idle)
+    def __init__(self, sampler_before: dict[str, Any], rows: list[PromptRow], pending: set[int], version: int) -> None:
+        self.sampler_before, self.rows, self.pending, self.version = sampler_before, rows, pending, version
+
+
+class _Group:
+    """One prompt group on the queue: its samples, their reward tally and the reward model's
+    metrics, and the rollout's weight version when its round was admitted."""
+
+    def __init__(self, key: Key, trajectories: list[Trajectory], tally: RewardTally,
+                 model_parts: list[tuple[int, dict[str, float]]], version: int) -> None:
+        self.key, self.trajectories, self.tally, self.model_parts, self.version = (
+            key, trajectories, tally, model_parts, version)
+
+
+class _Counts:
+    """The rollout side's numbers between two steps."""
+
+    def __init__(self) -> None:
+        self.busy_s = self.idle_s = 0.0
+        self.generated = self.constant = self.filtered = 0
 
 
 class _Staged:
@@ -196,4 +356,4 @@ class _Staged:
         self.version, self.weights = version, weights
 
 
-_FAILED = object()
+_FAILED: Any = object()

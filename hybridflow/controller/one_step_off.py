@@ -52,7 +52,7 @@ class OneStepOffTrainer(Trainer):
             update_metrics = self.update(samples.batch, timer)
         overlap = {
             # Versions between the weights that made the samples and the actor's before this update.
-            **phases.staleness_metrics(samples.trajectories, self.step - 1, made.version),
+            **phases.staleness_metrics(samples.trajectories, self.step - 1, [made.version] * len(samples.trajectories)),
             "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
             "async/rollout_idle_ratio": made.idle / max(made.idle + made.seconds, 1e-9),
             **made.timer.metrics(),  # gen, reward: timed on the rollout side

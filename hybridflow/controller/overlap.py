@@ -79,7 +79,7 @@ def generate_and_score(
                     t.metadata = {**metadata[group_id], **t.metadata}
                 groups[group_id] = samples
                 part.extend(samples)
-            seconds = _score_part(run, part, tally, model_parts)
+            seconds = score_part(run, part, tally, model_parts)
             if remaining:
                 overlapped += sum(seconds)
             else:
@@ -89,11 +89,11 @@ def generate_and_score(
     if run.reward_model is not None:
         timer.add("reward_model", model_s, start=generated_at)
     timer.add("reward", reward_s, start=generated_at + model_s)
-    metrics = tally.metrics() | _model_metrics(model_parts) | {METRIC_REWARD_OVERLAPPED: overlapped}
+    metrics = tally.metrics() | merge_model_metrics(model_parts) | {METRIC_REWARD_OVERLAPPED: overlapped}
     return [t for group in groups for t in group], metrics
 
 
-def _score_part(run: RunSetup, part: list[Trajectory], tally: RewardTally,
+def score_part(run: RunSetup, part: list[Trajectory], tally: RewardTally,
                 model_parts: list[tuple[int, dict[str, float]]]) -> tuple[float, float]:
     """Score ``part`` as ``phases.score_answers`` scores a round (final answers, the whole
     response's length for shaping, the reward model's scores combined), adding its metrics to
@@ -133,7 +133,7 @@ _SUMMED_MODEL_METRICS = frozenset({judge.METRIC_FAILURES, judge.METRIC_TIMEOUTS,
                                    judge.METRIC_RETRIES})
 
 
-def _model_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+def merge_model_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """The reward model's own metrics over the parts: the judge's counters summed, the rest (rates,
     fractions) averaged with each part weighted by its samples, so a rate is the round's."""
     summed = {key: math.fsum(m[key] for _, m in parts if key in m)

@@ -166,7 +166,7 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
         episodes.extend(trajectories)
         groups = _by_group(trajectories)
         generated += len(groups)
-        varied_ids = select_varied_groups([_filter_value(t, fg.metric) for t in trajectories],
+        varied_ids = select_varied_groups([filter_value(t, fg.metric) for t in trajectories],
                                           [t.group_id for t in trajectories])
         constant += len(groups) - len(varied_ids)
         if fg.enable:
@@ -212,7 +212,7 @@ def _by_group(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
     return list(groups.values())
 
 
-def _filter_value(t: Trajectory, metric: str) -> float:
+def filter_value(t: Trajectory, metric: str) -> float:
     """The number dynamic sampling requires to vary within a group (algorithm.filter_groups.metric)."""
     assert t.reward is not None, "score_answers() sets every reward"
     return t.reward if metric == "score" else t.reward_extra.get("acc", t.reward)
@@ -410,17 +410,21 @@ def weights_snapshot(run: RunSetup) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------- metrics
-def staleness_metrics(trajectories: list[Trajectory], actor_version: int, started_version: int) -> dict[str, float]:
+def staleness_metrics(trajectories: list[Trajectory], actor_version: int, started_versions: list[int]) -> dict[str, float]:
     """How many versions the weights that made each sample lag the actor's (``async/staleness/*``):
     by its oldest token where the engine records token versions (``Trajectory.token_versions``;
-    a partial rollout mixes versions), else by ``started_version``, the rollout's when the
-    sample's step began generating."""
-    lags = [actor_version - min((v for v in (t.token_versions or []) if v >= 0), default=started_version)
-            for t in trajectories]
+    a partial rollout mixes versions), else by its ``started_versions`` entry, the rollout's when
+    the sample began generating."""
+    lags = [actor_version - oldest_version(t, started) for t, started in zip(trajectories, started_versions, strict=True)]
     # Samples whose tokens came from more than one version: a weight update reached them mid-way.
     mixed = sum(1 for t in trajectories if len({v for v in (t.token_versions or []) if v >= 0}) > 1)
     return {"async/staleness/mean": sum(lags) / max(1, len(lags)), "async/staleness/max": float(max(lags, default=0)),
             "async/partial_rollout_fraction": mixed / max(1, len(trajectories))}
+
+
+def oldest_version(t: Trajectory, started_version: int) -> int:
+    """The oldest weight version among ``t``'s tokens (``started_version`` where none is recorded)."""
+    return min((v for v in (t.token_versions or []) if v >= 0), default=started_version)
 
 
 def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSamples, timer: PhaseTimer) -> dict[str, float]:

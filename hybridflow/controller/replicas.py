@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
-from hybridflow.rollout.router import ReplicaRouter, RouteRequest
+from hybridflow.rollout.router import ReplicaRouter, RouteRequest, Ticket
 from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
 from hybridflow.tracking.timeline import Timeline
 from hybridflow.types import GenerationRequest, Trajectory
@@ -125,69 +125,24 @@ class RolloutReplicas:
         """``generate``, yielding each request's ``n`` trajectories as ``(request index,
         trajectories)`` as soon as its replica finishes it (completion order; those that one poll
         of the replicas found finished come in one list), while the replicas keep generating the
-        rest: the same trajectories and round metrics as ``generate``.
-
-        Each replica gets its requests in one ``start`` call, then is polled with ``take``, each
-        waiting at most ``STREAM_POLL_S``: a dead or failing replica raises ``WorkerError`` naming
-        it within that, and on Ray a replica answers its other calls between two polls. Requests
-        not finished when the stream fails or is closed early are abandoned in the router and
-        aborted on the replicas still alive (close the iterator, e.g. ``contextlib.closing``)."""
-        self.wake_up()
-        self._streams += 1
-        stream_id = self._streams
-        tickets = self.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
-                                     for r in requests])
-        placed = [[i for i, t in enumerate(tickets) if t.replica == r] for r in range(self.num_replicas)]
-        # Tags carry the stream's id: a late result of an earlier, failed stream is never taken for this one's.
-        waiting = {r: {(stream_id, i) for i in idx} for r, idx in enumerate(placed) if idx}
-        seconds = [0.0] * self.num_replicas
-        before: list[dict[str, float]] = [{} for _ in self.groups]
-        after: list[dict[str, float]] = [{} for _ in self.groups]
-        started = time.perf_counter()
-        try:
-            starts = [self.groups[r].submit_one(0, RolloutWorker.start, [requests[i] for i in placed[r]],
-                                                None if metadata is None else [metadata[i] for i in placed[r]],
-                                                sorted(waiting[r]))
-                      for r in waiting]
-            for r, counts in zip(waiting, wait_all(*starts), strict=True):
-                before[r] = after[r] = counts[0]
-            while any(waiting.values()):
-                polled = [r for r, tags in waiting.items() if tags]
-                batches: list[StreamBatch] = [results[0] for results in wait_all(
-                    *(self.groups[r].submit_one(0, RolloutWorker.take, STREAM_POLL_S) for r in polled))]
-                done: list[tuple[int, list[Trajectory]]] = []
-                for r, batch in zip(polled, batches, strict=True):
-                    after[r] = batch.engine_counts
-                    for finished in batch.finished:
-                        if finished.tag not in waiting[r]:
-                            logger.debug("%s: dropped a result of an earlier stream: %r", replica_role(r), finished.tag)
-                            continue
-                        waiting[r].discard(finished.tag)
-                        index = finished.tag[1]
-                        self.router.finish(tickets[index], sum(len(t.response_ids) for t in finished.trajectories))
-                        seconds[r] = max(seconds[r], finished.seconds)
-                        done.append((index, finished.trajectories))
+        rest: the same trajectories and round metrics as ``generate``. One ``ReplicaStream``
+        given the whole round at once; close the iterator (e.g. ``contextlib.closing``) to abort
+        what is unfinished."""
+        with contextlib.closing(self.open_stream()) as stream:
+            stream.add(requests, metadata, keys=range(len(requests)))
+            while stream.in_flight:
+                done = stream.poll()
                 if done:
                     yield done
-        except WorkerError as error:
-            self._mark_failed(str(error))
-            raise
-        finally:
-            unfinished = [tag for tags in waiting.values() for tag in tags]
-            for _, index in unfinished:  # failed, or closed early: none of them is in flight for the router
-                self.router.abandon(tickets[index])
-            if unfinished:
-                self._abort(r for r, tags in waiting.items() if tags)
-        # Only a round that completed gets here (an error or an early close leaves through the finally).
-        for r in range(self.num_replicas):
-            self.router.loads[r].busy_seconds += seconds[r]
-        outputs = [ReplicaOutput([], seconds[r], {k: v - before[r].get(k, 0.0) for k, v in after[r].items()})
-                   for r in range(self.num_replicas)]
-        for r, output in enumerate(outputs):  # the replica's engine time, from the round's start to its last finish
-            if placed[r]:
-                self.timeline.add(replica_role(r), "serve", started, started + output.seconds, requests=len(placed[r]),
-                                  tokens=int(output.engine_counts.get("generated_tokens", 0)))
-        self._metrics.append(self._round_metrics(outputs))
+            # Only a round that completed gets here (an error or an early close leaves through the with).
+            stream.end_round()
+
+    def open_stream(self) -> ReplicaStream:
+        """A stream that takes requests at any time and hands back each one's trajectories as it
+        finishes (the fully async loop's continuous generation; ``stream_batches`` for one round)."""
+        self.wake_up()
+        self._streams += 1
+        return ReplicaStream(self, self._streams)
 
     def _abort(self, replicas: Iterable[int]) -> None:
         """Cancel what the living ones of ``replicas`` still run for a stream that ended early."""
@@ -205,6 +160,15 @@ class RolloutReplicas:
         for r in range(self.num_replicas):
             if f"{replica_role(r)} rank" in message:
                 self.router.mark_dead(r, message.splitlines()[0])
+
+    def _record_round(self, outputs: list[ReplicaOutput], started: float, requests: list[int]) -> None:
+        """A round's busy time, timeline spans (from ``started``) and metrics, per replica."""
+        for r, output in enumerate(outputs):
+            self.router.loads[r].busy_seconds += output.seconds
+            if requests[r]:  # the replica's engine time, from the round's start to its last finish
+                self.timeline.add(replica_role(r), "serve", started, started + output.seconds, requests=requests[r],
+                                  tokens=int(output.engine_counts.get("generated_tokens", 0)))
+        self._metrics.append(self._round_metrics(outputs))
 
     def _round_metrics(self, outputs: list[ReplicaOutput]) -> dict[str, float]:
         tokens = [int(o.engine_counts.get("generated_tokens", 0)) for o in outputs]
@@ -279,3 +243,100 @@ class RolloutReplicas:
     def _each(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """``method`` on every replica at once; results in replica order."""
         return [results[0] for results in wait_all(*(group.submit_one(0, method, *args) for group in self.groups))]
+
+
+class ReplicaStream:
+    """Requests streamed through the replicas: ``add`` places and starts them at any time (they
+    join whatever each replica is generating), ``poll`` hands back those finished since, as
+    ``(key, trajectories)``. One owner thread at a time.
+
+    Tags carry the stream's number, so a late result of an earlier, failed stream is never taken
+    for this one's. A dead or failing replica raises ``WorkerError`` naming it within one poll
+    (``STREAM_POLL_S``) and is marked dead in the router. ``close`` abandons in the router, and
+    aborts on the replicas still alive, every request not finished (a failure, or an early stop).
+
+    A *round* is the stream's work between two ``end_round`` calls: its replicas' busy seconds
+    (start to last finish), engine counters and timeline spans go to the rollout metrics
+    (``RolloutReplicas.take_metrics``) as one generation round."""
+
+    def __init__(self, replicas: RolloutReplicas, number: int) -> None:
+        self._replicas, self._number = replicas, number
+        n = replicas.num_replicas
+        self._waiting: list[dict[tuple[int, Any], Ticket]] = [{} for _ in range(n)]  # per replica: tag -> ticket
+        self._round_start = time.perf_counter()
+        self._seconds = [0.0] * n  # per replica: the round's latest finish, from its requests' start
+        self._requests = [0] * n  # requests placed in this round
+        self._before: list[dict[str, float]] = [{} for _ in range(n)]  # engine counters at the round's start
+        self._after: list[dict[str, float]] = [{} for _ in range(n)]  # ... at the latest call
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(waiting) for waiting in self._waiting)
+
+    def add(self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None,
+            keys: Iterable[Any]) -> None:
+        """Place ``requests`` and start them, each under its key (what ``poll`` returns it with)."""
+        replicas = self._replicas
+        keys = list(keys)
+        tickets = replicas.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
+                                         for r in requests])
+        placed: dict[int, list[int]] = {}
+        for i, ticket in enumerate(tickets):
+            placed.setdefault(ticket.replica, []).append(i)
+            self._waiting[ticket.replica][(self._number, keys[i])] = ticket  # in flight from here: close abandons it
+        try:
+            starts = [replicas.groups[r].submit_one(0, RolloutWorker.start, [requests[i] for i in idx],
+                                                    None if metadata is None else [metadata[i] for i in idx],
+                                                    [(self._number, keys[i]) for i in idx])
+                      for r, idx in placed.items()]
+            for (r, idx), counts in zip(placed.items(), wait_all(*starts), strict=True):
+                self._before[r] = self._before[r] or counts[0]
+                self._after[r] = self._after[r] or counts[0]
+                self._requests[r] += len(idx)
+        except WorkerError as error:
+            replicas._mark_failed(str(error))
+            raise
+
+    def poll(self) -> list[tuple[Any, list[Trajectory]]]:
+        """The requests finished since the last poll (waiting at most ``STREAM_POLL_S`` for one)."""
+        replicas = self._replicas
+        polled = [r for r, waiting in enumerate(self._waiting) if waiting]
+        try:
+            batches: list[StreamBatch] = [results[0] for results in wait_all(
+                *(replicas.groups[r].submit_one(0, RolloutWorker.take, STREAM_POLL_S) for r in polled))]
+        except WorkerError as error:
+            replicas._mark_failed(str(error))
+            raise
+        done: list[tuple[Any, list[Trajectory]]] = []
+        for r, batch in zip(polled, batches, strict=True):
+            self._after[r] = batch.engine_counts
+            for finished in batch.finished:
+                ticket = self._waiting[r].pop(finished.tag, None)
+                if ticket is None:
+                    logger.debug("%s: dropped a result of an earlier stream: %r", replica_role(r), finished.tag)
+                    continue
+                replicas.router.finish(ticket, sum(len(t.response_ids) for t in finished.trajectories))
+                self._seconds[r] = max(self._seconds[r], finished.seconds)
+                done.append((finished.tag[1], finished.trajectories))
+        return done
+
+    def end_round(self) -> None:
+        """Record the round so far as one generation round (see the class docstring); the next starts now."""
+        replicas = self._replicas
+        outputs = [ReplicaOutput([], self._seconds[r], {k: v - self._before[r].get(k, 0.0) for k, v in self._after[r].items()})
+                   for r in range(replicas.num_replicas)]
+        replicas._record_round(outputs, self._round_start, self._requests)
+        self._round_start = time.perf_counter()
+        self._seconds = [0.0] * replicas.num_replicas
+        self._requests = [0] * replicas.num_replicas
+        self._before = [dict(after) for after in self._after]
+
+    def close(self) -> None:
+        """Abandon and abort what is unfinished (nothing when every request finished)."""
+        unfinished = [r for r, waiting in enumerate(self._waiting) if waiting]
+        for r in unfinished:
+            for ticket in self._waiting[r].values():
+                self._replicas.router.abandon(ticket)
+            self._waiting[r].clear()
+        if unfinished:
+            self._replicas._abort(unfinished)

@@ -4,6 +4,7 @@ that a kill and resume loses no prompt and trains none twice."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import signal
 import subprocess
@@ -142,3 +143,26 @@ def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_
     assert "resumed from" in final.stderr
     assert prompts_per_step(out) == prompts_per_step(tmp_path / "ref")
     assert sorted(per_step(out)) == [1, 2, 3, 4, 5]
+
+
+def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(user_files, tmp_path):
+    """``consume_order=completion``: a step takes the first groups to finish, whatever round drew
+    them; across a SIGKILL and resume no prompt group is trained twice, and the groups the
+    checkpoint lists as trained are exactly those trained before the kill."""
+    mode = ("trainer.mode=fully_async", "async_training.staleness_threshold=1",
+            "async_training.consume_order=completion", "trainer.save_freq=1")
+    out = tmp_path / "killed"
+    killed = train(out, user_files, *mode, fault="after_step@2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    before = prompts_per_step(out)
+    final = train(out, user_files, *mode)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "resumed from" in final.stderr
+    trained = prompts_per_step(out)
+    assert sorted(trained) == [1, 2, 3, 4, 5] and all(trained[k] == before[k] for k in (1, 2))
+    # Every prompt of the task is distinct: a group is its prompt's rollout.n = 4 samples.
+    counts = Counter(p for step in trained.values() for p in step)
+    assert sum(counts.values()) == 5 * 8 * 4 and set(counts.values()) == {4}
+    metrics = per_step(out)
+    assert max(metrics[k]["async/staleness/max"] for k in metrics) <= 1.0
+    assert all(metrics[k]["async/dropped_samples"] % 4 == 0 for k in metrics)  # whole groups

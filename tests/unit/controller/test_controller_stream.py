@@ -174,6 +174,32 @@ def test_closing_a_stream_early_aborts_what_is_in_flight(model_dir) -> None:
     assert all(group.call_one(0, RolloutWorker.take, 0.0).in_flight == 0 for group in two.groups)
 
 
+def test_a_continuous_stream_takes_requests_while_others_run_and_keeps_each_under_its_key(model_dir) -> None:
+    """The fully async loop's stream: a second round added while the first's long requests still
+    generate joins them; every request comes back once under its key, with ``generate``'s samples."""
+    blocking, two = replicas(model_dir, 2), replicas(model_dir, 2)
+    expected = blocking.generate(requests())
+    stream = two.open_stream()
+    stream.add(requests()[:4], None, keys=[("a", i) for i in range(4)])
+    got = dict(stream.poll())
+    while not got:
+        got = dict(stream.poll())
+    assert stream.in_flight > 0  # the first round's long request (index 3) still runs
+    stream.add(requests()[4:], None, keys=[("b", i) for i in range(4, 8)])
+    while stream.in_flight:
+        for key, samples in stream.poll():
+            assert key not in got
+            got[key] = samples
+    assert sorted(got) == [("a", i) for i in range(4)] + [("b", i) for i in range(4, 8)]
+    assert _tokens(got[k] for k in sorted(got)) == _tokens(expected)
+    stream.end_round()
+    assert two.take_metrics()["rollout/generated_tokens"] == blocking.take_metrics()["rollout/generated_tokens"]
+    stream.add(requests(2), None, keys=["late", "later"])
+    stream.close()  # unfinished: abandoned and aborted
+    assert all(load.in_flight_requests == 0 for load in two.router.loads)
+    assert all(group.call_one(0, RolloutWorker.take, 0.0).in_flight == 0 for group in two.groups)
+
+
 # ------------------------------------------------------------------------------ scoring overlaps generation
 class TimedReward(RewardWorker):
     """The real reward role, noting when each part was scored."""
