@@ -120,6 +120,7 @@ def run_loop(spec: dict) -> dict:
         "staleness": statistics.mean(r.get("async/staleness/mean", 0.0) for r in timed),
         "partial": statistics.mean(r.get("async/partial_rollout_fraction", 0.0) for r in timed),
         "tokens": sum(r["response_length/mean"] * spec["prompts"] * spec["n"] for r in timed),
+        "out": str(out),
     }
 
 
@@ -202,6 +203,29 @@ def main() -> None:
         gen = statistics.median(r["gen"] for r in results[BASELINE])
         print(f"overlap ceiling: {base / max(gen, base - gen):.2f}x ({BASELINE}: generation {gen:.1f} s, the rest "
               f"{base - gen:.1f} s)")
+        check_simulator(results, args.steps)
+
+
+def check_simulator(results: dict[str, list[dict]], steps: int) -> None:
+    """``hybridflow simulate`` given the first sync run (its costs and lengths) predicts the async
+    loops at 2 devices split 1/1 (a core each): its error against what they measured."""
+    proc = subprocess.run([sys.executable, "-m", "hybridflow.cli", "simulate", results[BASELINE][0]["out"],
+                           "--devices", "2", "--rollout-fraction", "0.5", "--staleness", "1,2"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"simulate failed: {proc.stderr[-2000:]}")
+        return
+    predicted = {}
+    for line in proc.stdout.splitlines():  # "<mode> <devices> <split> <step s> ..." rows of the table
+        words = line.replace("fully_async s=", "fully_async_s=").split()
+        if len(words) > 3 and words[1] == "2" and words[2] == "1/1":
+            predicted[words[0].replace("fully_async_s=", "fully_async s=")] = float(words[3])
+    print("\n| loop | simulated s/step | measured s/step | error |\n|------|------:|------:|------:|")
+    for label, runs in results.items():
+        mode = label.split(",")[0]
+        if mode in predicted:
+            measured = statistics.median(r["seconds"] for r in runs) / steps
+            print(f"| {label} | {predicted[mode]:.2f} | {measured:.2f} | {predicted[mode] / measured - 1:+.1%} |")
 
 
 if __name__ == "__main__":
