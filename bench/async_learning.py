@@ -50,12 +50,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=list(LOOPS))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="async-learning-"))
     print(f"run folders: {work}", flush=True)
-    results: dict[str, list[dict[int, float]]] = {loop: [] for loop in LOOPS}
+    results: dict[str, list[dict[int, float]]] = {loop: [] for loop in args.loops}
     for seed in range(1, args.seeds + 1):  # loops alternate within a seed
-        for loop in LOOPS:
+        for loop in args.loops:
             results[loop].append(run(loop, seed, args.steps, work))
             print(f"{loop:>16} seed {seed}: " + " ".join(f"{s}:{v:.3f}" for s, v in sorted(results[loop][-1].items())),
                   flush=True)
@@ -70,8 +71,10 @@ def main() -> None:
             cells.append(f"{statistics.mean(values):.3f} ± {spread:.3f}")
         print(f"{loop:>16} " + " ".join(f"{c:>14}" for c in cells))
     last = steps[-1]
+    if "sync" not in results:
+        return
     base = [r[last] for r in results["sync"]]
-    for loop in list(LOOPS)[1:]:
+    for loop in [name for name in results if name != "sync"]:
         other = [r[last] for r in results[loop]]
         diff = statistics.mean(other) - statistics.mean(base)
         # The standard error of a difference of two means over the seeds: "within noise" when the
