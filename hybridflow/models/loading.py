@@ -119,6 +119,14 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     return tok
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (``model.enable_gradient_checkpointing``):
+    transformers' ``activation_checkpointing_enable`` (v5 names it so), else the older
+    ``gradient_checkpointing_enable``."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 def load_causal_lm(
     path: str | os.PathLike,
     *,

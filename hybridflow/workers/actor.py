@@ -45,7 +45,7 @@ from hybridflow.config.budget import (
     packing_decision,
 )
 from hybridflow.config.schema import ActorConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
-from hybridflow.models.loading import load_causal_lm, load_tokenizer
+from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
     DEFAULT_TRANSFER_BUCKET_BYTES,
@@ -270,7 +270,7 @@ class ActorWorker:
             trust_remote_code=setup.trust_remote_code,
         )
         if setup.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_activation_checkpointing(model)
         self.engine = TrainEngine(
             model,
             optim_spec(cfg.optim, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip),

@@ -23,7 +23,7 @@ import torch
 from hybridflow.algorithms import batch_counts
 from hybridflow.algorithms.value import compute_value_loss
 from hybridflow.config.schema import CriticConfig
-from hybridflow.models.loading import load_tokenizer, load_value_model
+from hybridflow.models.loading import enable_activation_checkpointing, load_tokenizer, load_value_model
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import LossFn, TrainEngine
@@ -69,7 +69,7 @@ class CriticWorker:
             setup.model_path, dtype=weights_dtype, device=setup.device, trust_remote_code=setup.trust_remote_code
         )
         if setup.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_activation_checkpointing(model)
         fsdp = cfg.fsdp_config
         self.engine = TrainEngine(
             model,
