@@ -31,9 +31,17 @@ import torch
 
 from hybridflow.algorithms.entropy import sum_pi_squared_from_lse
 
-# Rows of logits alive at once: 1024 x V floats (16 MiB at V = 4096, 600 MiB at V = 150k) bounds
-# the working set while keeping each head matmul large enough to run at full speed.
-DEFAULT_CHUNK_ROWS = 1024
+# Bytes of float32 logits alive at once (one chunk; its softmax temporaries are a few times that):
+# 128 MiB is 220 rows at V = 152k (Qwen2's vocabulary), 1024 at V = 32k. Rows are clamped to
+# [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]: a chunk of 64 rows still makes each head matmul large
+# (64 x H x V), and small vocabularies gain nothing from more rows.
+CHUNK_LOGIT_BYTES = 128 << 20
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 64, 8192
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk: ``CHUNK_LOGIT_BYTES`` of float32 logits, within the clamp above."""
+    return max(MIN_CHUNK_ROWS, min(MAX_CHUNK_ROWS, CHUNK_LOGIT_BYTES // (4 * max(1, vocab_size))))
 
 # Config attributes that make a head more than ``hidden @ weight.T``: soft-capping (Gemma 2/3),
 # logit scaling (Cohere, Granite, MiniCPM, Falcon-H1 ...). Their models keep the logits path.
@@ -166,7 +174,7 @@ def lm_head_token_stats(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> TokenStats:
     """Logprobs of ``labels`` (and entropy, Σπ²) under softmax(head(hidden) / temperature).  # (N,) each
@@ -175,8 +183,11 @@ def lm_head_token_stats(
     labels)`` (and ``entropy_from_logits``, ``sum_pi_squared_from_logits``) without materialising
     the (N, V) logits. The head's matmul runs in ``compute_dtype`` (default: the hidden states'
     dtype), the softmax in float32. The entropy is differentiable; when the loss does not use it,
-    its backward costs nothing. Σπ² carries no gradient.
+    its backward costs nothing. Σπ² carries no gradient. ``chunk_rows`` defaults to
+    ``default_chunk_rows`` of the head's vocabulary.
     """
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(head.weight.shape[0])
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     if chunk_rows < 1:
@@ -196,7 +207,7 @@ def lm_head_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``lm_head_token_stats`` without Σπ²: (logprobs, entropy | None).  # (N,), (N,)|None"""
