@@ -29,6 +29,7 @@ from the schedule's step, so only dropout-like randomness differs from an unchan
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -179,6 +180,47 @@ def read_model_tensors(dcp_dir: Path, names: list[str], metadata) -> dict[str, t
     state = {MODEL_PREFIX + n: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}
     _load(state, dcp_dir, no_dist=True)
     return {n: state[MODEL_PREFIX + n] for n in names}
+
+
+def write_hf_weights(engine_dir: Path, out_dir: Path, *, max_shard_bytes: int, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The model's weights from the shards under ``engine_dir`` as HF safetensors in ``out_dir``,
+    a file at a time: each file's tensors are read (whole), written and dropped before the next,
+    so memory holds about ``max_shard_bytes`` (or one larger tensor), never the whole model.
+    One file is ``model.safetensors``; more get ``model.safetensors.index.json``. ``skip``: names
+    left out (a tied output embedding). Returns the files written. No process group needed."""
+    from safetensors.torch import save_file
+
+    dcp_dir = engine_dir / DCP_DIR
+    metadata = read_metadata(dcp_dir)
+    shapes = {n: s for n, s in tensor_shapes(metadata, MODEL_PREFIX).items() if n not in skip}
+    groups = _byte_groups(shapes, max_shard_bytes)
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for names, file in zip(groups, files, strict=True):
+        save_file(read_model_tensors(dcp_dir, names, metadata), out_dir / file, metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(*shape) for shape in shapes.values())},
+                 "weight_map": {n: file for names, file in zip(groups, files, strict=True) for n in names}}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return files
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _byte_groups(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], max_bytes: int) -> list[list[str]]:
+    """Names in checkpoint order (layer by layer), cut into runs of at most ``max_bytes``."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = _nbytes(*shape)
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -34,6 +34,7 @@ from hybridflow.workers.actor import (
     model_precision,
     optim_spec,
     plan_micro_batches,
+    sharded_checkpoints,
     train_micro_batches,
 )
 
@@ -55,6 +56,7 @@ class CriticSetup:
     max_prompt_length: int = 0
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    checkpoint_format: str = "auto"  # trainer.checkpoint_format
 
 
 class CriticWorker:
@@ -146,8 +148,10 @@ class CriticWorker:
     # ------------------------------------------------------------------ IO
     @collective
     def save_checkpoint(self, out_dir: str) -> None:
-        """The value model (a Hugging Face token-classification directory) and its optimizer."""
-        self.engine.save(Path(out_dir), tokenizer=self.tokenizer)
+        """The value model (a Hugging Face token-classification directory, or its shards) and its
+        optimizer, in ``trainer.checkpoint_format``."""
+        sharded = sharded_checkpoints(self.setup.checkpoint_format, self.world_size)
+        self.engine.save(Path(out_dir), tokenizer=self.tokenizer, sharded=sharded)
 
     @collective
     def load_checkpoint(self, ckpt_dir: str) -> str | None:

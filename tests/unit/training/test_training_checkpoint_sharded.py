@@ -9,15 +9,20 @@ process: the next two losses (the second one moved by the restored Adam moments)
 
 from __future__ import annotations
 
+import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from hybridflow.algorithms import agg_loss, batch_counts
-from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.controller.checkpoint import CheckpointManager
+from hybridflow.controller.export import export_checkpoint
+from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from hybridflow.training import distributed, sharded_checkpoint
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch
@@ -83,9 +88,12 @@ def _two_ranks(rank: int, world: int, port: int, root: str, out: dict) -> None:
         engine = make_engine(seed=4, world=world)
         train_step(engine, 1, world)
         torch.manual_seed(100 + rank)
-        engine.save(Path(root, "sharded"), sharded=True)
+        engine.save(Path(root, "sharded"), tokenizer=build_tiny_tokenizer() if rank == 0 else None, sharded=True)
         engine.save(Path(root, "full"))
         out[f"draw/{rank}"] = torch.rand(3)  # what a resumed rank must draw next
+        saved = dict(engine.named_weights())
+        if rank == 0:
+            out["saved_weights"] = saved
         out["uninterrupted"] = resumed_losses(engine, world)
         weights = dict(engine.named_weights())
         for fmt in ("sharded", "full"):
@@ -149,6 +157,27 @@ def test_sharded_checkpoints_resume_on_one_two_and_four_ranks(tmp_path) -> None:
     for rank in range(2):
         assert torch.equal(four[f"draw/{rank}"], two[f"draw/{rank}"])
     assert not torch.equal(four["draw/2"], two["draw/0"])
+
+    exported = export_from_shards(sharded, tmp_path)
+    assert sorted(p.name for p in exported.glob("*.safetensors*")) == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json"]
+    weights = {k: v for f in sorted(exported.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert "lm_head.weight" not in weights  # tied to the embedding: written once, as HF does
+    saved = two["saved_weights"]
+    assert weights.keys() == saved.keys() - {"lm_head.weight"}
+    assert all(torch.equal(weights[k], saved[k]) for k in weights)
+
+
+def export_from_shards(engine_dir: Path, tmp_path: Path) -> Path:
+    """Export the two ranks' shards as a run's checkpoint (manifest and all), in files small
+    enough that the export streams them in three parts."""
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", max_to_keep=None)
+    manager.save(1, {"step": 1}, write_actor=lambda d: shutil.copytree(engine_dir, d))
+    ckpt = tmp_path / "run" / "checkpoints" / "global_step_1"
+    assert "actor/dcp/.metadata" in json.loads((ckpt / "manifest.json").read_text())["files"]
+    layer_bytes = sum(p.numel() * 4 for p in make_engine(seed=0, world=1).model.model.layers[0].parameters())
+    return export_checkpoint(tmp_path / "run", tmp_path / "export", max_shard_bytes=layer_bytes + 1)
 
 
 # ------------------------------------------------------------------------------ one process
