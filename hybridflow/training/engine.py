@@ -8,7 +8,8 @@ the critic its value loss.
 Single-process by default; with ``data_parallel=True`` (one engine per rank of a process group)
 the model is sharded with FSDP2 (``hybridflow.training.distributed``) behind the same surface:
 gradients are averaged over ranks, the clipping norm is global, micro-batch counts are agreed
-over ranks, and weights/checkpoints are gathered to full tensors on rank 0.
+over ranks, and weights are gathered to full tensors on rank 0; checkpoints are too (full
+format) or each rank writes its own shards (``save(sharded=True)``).
 
 Two speed paths, keyword arguments (the actor turns both on by default):
 

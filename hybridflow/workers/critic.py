@@ -9,7 +9,7 @@ estimator's returns with PPO's clipped value loss.
 It shares the actor's machinery rather than copying it: the same training engine (FSDP2 with
 several ranks, packing, token-budget micro-batches agreed over ranks), the same precision rules,
 the same global loss normalisation (N ranks train exactly like one rank on the same global
-batch), and the same checkpoint format (``<checkpoint>/critic/{model,optim.pt}``).
+batch), and the same checkpoint formats (``<checkpoint>/critic/``, like ``actor/``).
 """
 
 from __future__ import annotations
