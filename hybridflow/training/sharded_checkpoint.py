@@ -10,7 +10,7 @@ Layout of an engine's folder (``TrainEngine.save(..., sharded=True)``)::
     rng/rank_<r>.safetensors  rank r's torch RNG states (CPU, and CUDA where used)
 
 A checkpoint loads on any number of ranks: DCP reads each rank's part of every tensor from
-whichever chunks overlap it (``load_sharded``), and ``read_model_tensors`` reads whole tensors
+whichever chunks overlap it (``load_dcp``), and ``read_model_tensors`` reads whole tensors
 with no process group at all (export). Every value in ``dcp/`` is a tensor, so DCP never
 unpickles a value (its byte items go through ``torch.load(weights_only=False)``, refused here).
 
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.training import distributed
 from hybridflow.utils.errors import CheckpointError, one_line
 
 DCP_DIR = "dcp"
@@ -82,7 +83,71 @@ def is_sharded_checkpoint(ckpt_dir: Path) -> bool:
     return (ckpt_dir / DCP_DIR / METADATA_FILE).is_file()
 
 
-# ---------------------------------------------------------------------------------- reading
+# ------------------------------------------------------------------------------------------ writing
+def model_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.<name>``: the model's own tensors (this rank's shards as DTensors), no copies."""
+    return {MODEL_PREFIX + name: value for name, value in model.state_dict().items()}
+
+
+def optimizer_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``optim.<name>.<moment>``: the optimizer's state tensors by parameter name (this rank's
+    shards), no copies."""
+    names = {p: n for n, p in model.named_parameters()}
+    return {
+        f"{OPTIM_PREFIX}{names[p]}.{key}": value
+        for p, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def optim_json(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> str:
+    """Param groups (parameters by name, the hyperparameters as JSON) and the schedule."""
+    names = {p: n for n, p in model.named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return json.dumps({"version": FORMAT_VERSION, "param_groups": groups, "scheduler": scheduler.state_dict()},
+                      indent=1, default=_json_value)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"cannot write {type(value).__name__} to {OPTIM_JSON}")
+
+
+def save_dcp(entries: dict[str, torch.Tensor], dcp_dir: Path, *, no_dist: bool) -> None:
+    """Each rank writes its own chunks of ``entries`` (one file per rank) and rank 0 the
+    metadata: a collective unless ``no_dist``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    # sync_files=False: the checkpoint manager fsyncs the whole folder before publishing it.
+    writer = FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=False, thread_count=1)
+    with _single_process_is_intended(no_dist):
+        dcp.save(entries, storage_writer=writer, no_dist=no_dist)
+
+
+@contextmanager
+def _single_process_is_intended(no_dist: bool) -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes one process: here that is the plan."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_rng(rng_dir: Path, rank: int, device: torch.device) -> None:
+    from safetensors.torch import save_file
+
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    save_file(states, rng_dir / f"rank_{rank}.safetensors")
+
+
+# ------------------------------------------------------------------------------------------ reading
 def read_metadata(dcp_dir: Path):
     """DCP's ``Metadata`` of ``dcp_dir``, read safely and checked: only tensors, each chunk in a
     plain file of ``dcp_dir``. ``CheckpointError`` naming the file otherwise."""
@@ -121,6 +186,8 @@ def read_optim_json(path: Path) -> dict[str, Any]:
     """``optim.json``: param groups (parameters by name) and the schedule's state."""
     try:
         state = json.loads(path.read_text())
+        if state.get("version") != FORMAT_VERSION:
+            raise ValueError(f"format version {state.get('version')!r}, this version of hybridflow reads {FORMAT_VERSION}")
         if not isinstance(state.get("param_groups"), list) or not isinstance(state.get("scheduler"), dict):
             raise ValueError("expected 'param_groups' and 'scheduler'")
         if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in state["param_groups"]):
@@ -143,14 +210,31 @@ class ShardedCheckpoint:
     optim: dict[str, Any] | None  # optim.json; None without an optimizer
 
 
-def _refuse_read_bytes(*_: Any) -> None:
-    raise CheckpointError("the checkpoint holds a pickled value; only tensors are read")
+def check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata, optim: dict[str, Any],
+                    ckpt_dir: Path) -> None:
+    """``optim.json``'s groups name this optimizer's parameters, group by group, and every saved
+    moment has its parameter's shape (or is a scalar, like Adam's step)."""
+    path = ckpt_dir / OPTIM_JSON
+    names = distributed.optimizer_param_names(model, optimizer)
+    saved = [g["params"] for g in optim["param_groups"]]
+    if saved != names:
+        raise CheckpointError(f"{path} does not match this model's optimizer: its param groups name other parameters "
+                              f"({sum(map(len, saved))} in {len(saved)} group(s), the model has "
+                              f"{sum(map(len, names))} in {len(names)})")
+    params = dict(model.named_parameters())
+    for key, (shape, _) in tensor_shapes(metadata, OPTIM_PREFIX).items():
+        name = key.rpartition(".")[0]
+        if name not in params:
+            raise CheckpointError(f"{ckpt_dir / DCP_DIR / METADATA_FILE} holds optimizer state for unknown parameter {name!r}")
+        if shape and shape != tuple(params[name].shape):
+            raise CheckpointError(f"{ckpt_dir / DCP_DIR / METADATA_FILE}: optimizer state {key} has shape {shape}, the "
+                                  f"parameter {tuple(params[name].shape)}")
 
 
-def _load(state: dict[str, torch.Tensor], dcp_dir: Path, *, no_dist: bool) -> None:
-    """Fill ``state`` (tensors, DTensors for this rank's shards) from ``dcp_dir``: a collective
-    unless ``no_dist``. The reader unpickles ``.metadata`` with ``SafeUnpickler`` and the
-    planner refuses byte items."""
+def load_dcp(state: dict[str, torch.Tensor], dcp_dir: Path, *, no_dist: bool) -> None:
+    """Fill ``state`` (empty tensors, DTensors for this rank's shards) from ``dcp_dir``: a
+    collective unless ``no_dist``. Every key must be in the checkpoint. The reader unpickles
+    ``.metadata`` with ``SafeUnpickler`` (and checks it), the planner refuses byte items."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
@@ -167,18 +251,67 @@ def _load(state: dict[str, torch.Tensor], dcp_dir: Path, *, no_dist: bool) -> No
         dcp.load(state, storage_reader=Reader(dcp_dir), planner=planner, no_dist=no_dist)
 
 
+def _refuse_read_bytes(*_: Any) -> None:
+    raise CheckpointError("the checkpoint holds a pickled value; only tensors are read")
+
+
 def _storage_meta():
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     return StorageMeta()
 
 
+def optimizer_buffers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata) -> dict[str, torch.Tensor]:
+    """Empty tensors to read the saved optimizer state into: a moment shaped and sharded like its
+    parameter (a DTensor stays one), a scalar (Adam's step) as a plain tensor."""
+    params = dict(model.named_parameters())
+    buffers = {}
+    for key, (shape, dtype) in tensor_shapes(metadata, OPTIM_PREFIX).items():
+        param = params[key.rpartition(".")[0]]
+        buffers[OPTIM_PREFIX + key] = torch.empty_like(param, dtype=dtype) if shape else torch.empty((), dtype=dtype)
+    return buffers
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, buffers: dict[str, torch.Tensor], optim: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` layout from the read buffers and ``optim.json``'s groups.
+    A JSON list stands for a tuple where the optimizer has one (Adam's betas)."""
+    ids = {name: i for i, name in enumerate(n for g in optim["param_groups"] for n in g["params"])}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in buffers.items():
+        name, _, moment = key[len(OPTIM_PREFIX):].rpartition(".")
+        state.setdefault(ids[name], {})[moment] = value
+    groups = []
+    for own, saved in zip(optimizer.param_groups, optim["param_groups"], strict=True):
+        group = {k: tuple(v) if isinstance(own.get(k), tuple) and isinstance(v, list) else v for k, v in saved.items()}
+        groups.append(group | {"params": [ids[n] for n in saved["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+def load_rng(rng_dir: Path, rank: int, device: torch.device) -> bool:
+    """Restore rank ``rank``'s RNG states; False when the checkpoint has none for this rank
+    (it was saved on fewer ranks: this rank keeps its own)."""
+    from safetensors.torch import load_file
+
+    path = rng_dir / f"rank_{rank}.safetensors"
+    if not path.is_file():
+        return False
+    try:
+        states = load_file(path)
+        torch.set_rng_state(states["cpu"])
+        if device.type == "cuda" and "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"], device)
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable RNG state: {one_line(exc)}") from exc
+    return True
+
+
+# ------------------------------------------------------------------------------------------- export
 def read_model_tensors(dcp_dir: Path, names: list[str], metadata) -> dict[str, torch.Tensor]:
     """Whole tensors ``names`` (model names) from a sharded checkpoint, in this process only:
     what an export reads a few layers at a time."""
     shapes = tensor_shapes(metadata, MODEL_PREFIX)
     state = {MODEL_PREFIX + n: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}
-    _load(state, dcp_dir, no_dist=True)
+    load_dcp(state, dcp_dir, no_dist=True)
     return {n: state[MODEL_PREFIX + n] for n in names}
 
 
@@ -221,143 +354,3 @@ def _byte_groups(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], max_byt
         groups[-1].append(name)
         size += nbytes
     return groups
-
-
-# ---------------------------------------------------------------------------------- writing
-def model_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.<name>``: the model's own tensors (this rank's shards as DTensors), no copies."""
-    return {MODEL_PREFIX + name: value for name, value in model.state_dict().items()}
-
-
-def optimizer_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """``optim.<name>.<moment>``: the optimizer's state tensors by parameter name (this rank's
-    shards), no copies."""
-    names = {p: n for n, p in model.named_parameters()}
-    return {
-        f"{OPTIM_PREFIX}{names[p]}.{key}": value
-        for p, state in optimizer.state.items()
-        for key, value in state.items()
-        if isinstance(value, torch.Tensor)
-    }
-
-
-def optim_json(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> str:
-    """Param groups (parameters by name, the hyperparameters as JSON) and the schedule."""
-    names = {p: n for n, p in model.named_parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    return json.dumps({"version": FORMAT_VERSION, "param_groups": groups, "scheduler": scheduler.state_dict()},
-                      indent=1, default=_json_value)
-
-
-def _json_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    raise TypeError(f"cannot write {type(value).__name__} to {OPTIM_JSON}")
-
-
-def check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata, optim: dict[str, Any],
-                    ckpt_dir: Path) -> None:
-    """``optim.json``'s groups name this optimizer's parameters, group by group, and every saved
-    moment has its parameter's shape (or is a scalar, like Adam's step)."""
-    path = ckpt_dir / OPTIM_JSON
-    names = optimizer_param_names(model, optimizer)
-    saved = [g["params"] for g in optim["param_groups"]]
-    if saved != names:
-        raise CheckpointError(f"{path} does not match this model's optimizer: its param groups name other parameters "
-                              f"({sum(map(len, saved))} in {len(saved)} group(s), the model has "
-                              f"{sum(map(len, names))} in {len(names)})")
-    params = dict(model.named_parameters())
-    for key, (shape, _) in tensor_shapes(metadata, OPTIM_PREFIX).items():
-        name = key.rpartition(".")[0]
-        if name not in params:
-            raise CheckpointError(f"{ckpt_dir / DCP_DIR / METADATA_FILE} holds optimizer state for unknown parameter {name!r}")
-        if shape and shape != tuple(params[name].shape):
-            raise CheckpointError(f"{ckpt_dir / DCP_DIR / METADATA_FILE}: optimizer state {key} has shape {shape}, the "
-                                  f"parameter {tuple(params[name].shape)}")
-
-
-def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = {p: n for n, p in model.named_parameters()}
-    return [[names[p] for p in group["params"]] for group in optimizer.param_groups]
-
-
-def optimizer_buffers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata) -> dict[str, torch.Tensor]:
-    """Empty tensors to read the saved optimizer state into: a moment shaped and sharded like its
-    parameter (a DTensor stays one), a scalar (Adam's step) as a plain tensor."""
-    params = dict(model.named_parameters())
-    buffers = {}
-    for key, (shape, dtype) in tensor_shapes(metadata, OPTIM_PREFIX).items():
-        param = params[key.rpartition(".")[0]]
-        buffers[OPTIM_PREFIX + key] = torch.empty_like(param, dtype=dtype) if shape else torch.empty((), dtype=dtype)
-    return buffers
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer, buffers: dict[str, torch.Tensor], optim: dict[str, Any]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` layout from the read buffers and ``optim.json``'s groups.
-    A JSON list stands for a tuple where the optimizer has one (Adam's betas)."""
-    ids = {name: i for i, name in enumerate(n for g in optim["param_groups"] for n in g["params"])}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in buffers.items():
-        name, _, moment = key[len(OPTIM_PREFIX):].rpartition(".")
-        state.setdefault(ids[name], {})[moment] = value
-    groups = []
-    for own, saved in zip(optimizer.param_groups, optim["param_groups"], strict=True):
-        group = {k: tuple(v) if isinstance(own.get(k), tuple) and isinstance(v, list) else v for k, v in saved.items()}
-        groups.append(group | {"params": [ids[n] for n in saved["params"]]})
-    return {"state": state, "param_groups": groups}
-
-
-def save_dcp(entries: dict[str, torch.Tensor], dcp_dir: Path, *, no_dist: bool) -> None:
-    """Each rank writes its own chunks of ``entries`` (one file per rank) and rank 0 the
-    metadata: a collective unless ``no_dist``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    # sync_files=False: the checkpoint manager fsyncs the whole folder before publishing it.
-    writer = FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=False, thread_count=1)
-    with _single_process_is_intended(no_dist):
-        dcp.save(entries, storage_writer=writer, no_dist=no_dist)
-
-
-@contextmanager
-def _single_process_is_intended(no_dist: bool) -> Iterator[None]:
-    """DCP warns on every single-process call that it assumes one process: here that is the plan."""
-    with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def save_rng(rng_dir: Path, rank: int, device: torch.device) -> None:
-    from safetensors.torch import save_file
-
-    rng_dir.mkdir(parents=True, exist_ok=True)
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    save_file(states, rng_dir / f"rank_{rank}.safetensors")
-
-
-def load_rng(rng_dir: Path, rank: int, device: torch.device) -> bool:
-    """Restore rank ``rank``'s RNG states; False when the checkpoint has none for this rank
-    (it was saved on fewer ranks: this rank keeps its own)."""
-    from safetensors.torch import load_file
-
-    path = rng_dir / f"rank_{rank}.safetensors"
-    if not path.is_file():
-        return False
-    try:
-        states = load_file(path)
-        torch.set_rng_state(states["cpu"])
-        if device.type == "cuda" and "cuda" in states:
-            torch.cuda.set_rng_state(states["cuda"], device)
-    except Exception as exc:
-        raise CheckpointError(f"{path} is not a readable RNG state: {one_line(exc)}") from exc
-    return True
-
-
-def load_dcp(buffers: dict[str, torch.Tensor], dcp_dir: Path, *, no_dist: bool) -> None:
-    """Fill ``buffers`` (empty tensors, DTensors for this rank's shards) from ``dcp_dir``: a
-    collective unless ``no_dist``. Every key must be in the checkpoint."""
-    _load(buffers, dcp_dir, no_dist=no_dist)

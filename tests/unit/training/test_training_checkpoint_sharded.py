@@ -214,3 +214,10 @@ def test_metadata_that_does_not_fit_is_refused_naming_the_file(tmp_path) -> None
     (tmp_path / "ckpt" / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match="names a chunk file '../elsewhere.distcp'"):
         make_engine(seed=2, world=1).load(tmp_path / "ckpt")
+
+
+def test_auto_shards_with_more_than_one_rank() -> None:
+    from hybridflow.workers.actor import sharded_checkpoints
+
+    assert [sharded_checkpoints("auto", n) for n in (1, 2)] == [False, True]
+    assert sharded_checkpoints("sharded", 1) and not sharded_checkpoints("full", 4)
