@@ -169,7 +169,8 @@ def read_metadata(dcp_dir: Path):
         raise CheckpointError(f"{path} lists entries that are not tensors: {', '.join(map(str, not_tensors[:3]))}")
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or name != Path(name).name or name in (".", "..") or not (dcp_dir / name).is_file():
+        plain = isinstance(name, str) and name == Path(name).name and name not in (".", "..")
+        if not plain or not (dcp_dir / name).is_file():
             raise CheckpointError(f"{path} names a chunk file {name!r} that is not a file in {dcp_dir}")
     return metadata
 
@@ -187,7 +188,7 @@ def read_optim_json(path: Path) -> dict[str, Any]:
     try:
         state = json.loads(path.read_text())
         if state.get("version") != FORMAT_VERSION:
-            raise ValueError(f"format version {state.get('version')!r}, this version of hybridflow reads {FORMAT_VERSION}")
+            raise ValueError(f"format version {state.get('version')!r}, this hybridflow reads {FORMAT_VERSION}")
         if not isinstance(state.get("param_groups"), list) or not isinstance(state.get("scheduler"), dict):
             raise ValueError("expected 'param_groups' and 'scheduler'")
         if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in state["param_groups"]):
@@ -221,13 +222,13 @@ def check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, me
         raise CheckpointError(f"{path} does not match this model's optimizer: its param groups name other parameters "
                               f"({sum(map(len, saved))} in {len(saved)} group(s), the model has "
                               f"{sum(map(len, names))} in {len(names)})")
-    params = dict(model.named_parameters())
+    params, metadata_path = dict(model.named_parameters()), ckpt_dir / DCP_DIR / METADATA_FILE
     for key, (shape, _) in tensor_shapes(metadata, OPTIM_PREFIX).items():
         name = key.rpartition(".")[0]
         if name not in params:
-            raise CheckpointError(f"{ckpt_dir / DCP_DIR / METADATA_FILE} holds optimizer state for unknown parameter {name!r}")
+            raise CheckpointError(f"{metadata_path} holds optimizer state for unknown parameter {name!r}")
         if shape and shape != tuple(params[name].shape):
-            raise CheckpointError(f"{ckpt_dir / DCP_DIR / METADATA_FILE}: optimizer state {key} has shape {shape}, the "
+            raise CheckpointError(f"{metadata_path}: optimizer state {key} has shape {shape}, the "
                                   f"parameter {tuple(params[name].shape)}")
 
 
@@ -272,7 +273,9 @@ def optimizer_buffers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     return buffers
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, buffers: dict[str, torch.Tensor], optim: dict[str, Any]) -> dict[str, Any]:
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, buffers: dict[str, torch.Tensor], optim: dict[str, Any]
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` layout from the read buffers and ``optim.json``'s groups.
     A JSON list stands for a tuple where the optimizer has one (Adam's betas)."""
     ids = {name: i for i, name in enumerate(n for g in optim["param_groups"] for n in g["params"])}
@@ -315,7 +318,9 @@ def read_model_tensors(dcp_dir: Path, names: list[str], metadata) -> dict[str, t
     return {n: state[MODEL_PREFIX + n] for n in names}
 
 
-def write_hf_weights(engine_dir: Path, out_dir: Path, *, max_shard_bytes: int, skip: frozenset[str] = frozenset()) -> list[str]:
+def write_hf_weights(
+    engine_dir: Path, out_dir: Path, *, max_shard_bytes: int, skip: frozenset[str] = frozenset()
+) -> list[str]:
     """The model's weights from the shards under ``engine_dir`` as HF safetensors in ``out_dir``,
     a file at a time: each file's tensors are read (whole), written and dropped before the next,
     so memory holds about ``max_shard_bytes`` (or one larger tensor), never the whole model.
