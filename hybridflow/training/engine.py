@@ -658,7 +658,8 @@ class TrainEngine:
 
     def _apply_sharded(self, loaded: ShardedCheckpoint) -> None:
         """Every rank reads its part of every tensor into fresh buffers (one collective), so the
-        engine changes only once the whole checkpoint has been read."""
+        engine changes only once the whole checkpoint has been read: a load holds one extra shard
+        (this rank's model and optimizer) while it runs, never the whole model."""
         model_buffers = {k: torch.empty_like(v) for k, v in sharded_checkpoint.model_entries(self.model).items()}
         optim_buffers = {}
         if loaded.optim is not None:
