@@ -175,7 +175,9 @@ def export_from_shards(engine_dir: Path, tmp_path: Path) -> Path:
     manager = CheckpointManager(tmp_path / "run" / "checkpoints", max_to_keep=None)
     manager.save(1, {"step": 1}, write_actor=lambda d: shutil.copytree(engine_dir, d))
     ckpt = tmp_path / "run" / "checkpoints" / "global_step_1"
-    assert "actor/dcp/.metadata" in json.loads((ckpt / "manifest.json").read_text())["files"]
+    listed = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"actor/dcp/.metadata", "actor/dcp/__0_0.distcp", "actor/dcp/__1_0.distcp",
+            "actor/rng/rank_1.safetensors"} <= listed.keys()
     layer_bytes = sum(p.numel() * 4 for p in make_engine(seed=0, world=1).model.model.layers[0].parameters())
     return export_checkpoint(tmp_path / "run", tmp_path / "export", max_shard_bytes=layer_bytes + 1)
 
