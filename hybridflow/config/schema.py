@@ -675,6 +675,15 @@ class TrainerConfig:
         "keep training without that checkpoint).",
         choices=("stop", "warn"),
     )
+    checkpoint_format: str = f(
+        "auto",
+        "How the actor and critic save: sharded (every rank writes its own shards of the model and optimizer with "
+        "torch.distributed.checkpoint; nothing is gathered, so a save needs no memory for the whole model) | full "
+        "(rank 0 gathers the whole model and optimizer and writes HF safetensors and optim.pt) | auto (sharded with "
+        "more than one data-parallel rank, full with one). Either format resumes on any number of ranks, and "
+        "hybridflow export writes a plain HF folder from both.",
+        choices=("auto", "sharded", "full"),
+    )
     seed: int = f(1, "Global seed (model init, sampling, data order).")
     output_dir: str | None = f(None, "Where the run writes everything. None: runs/<experiment>-<time>.")
     project_name: str = f("hybridflow", "Project name for loggers.")

@@ -18,7 +18,9 @@ killed saves and prunes are removed when a run starts (``clean_leftovers``).
 Reading: the manifest is checked first, so a truncated, altered or unlisted file is reported
 by name before anything is parsed; loaders then read only files the manifest lists. Loading
 reads JSON and safetensors, and ``torch.load`` only with ``weights_only=True``: never an
-arbitrary pickle. ``resume_mode=auto`` takes the newest checkpoint that verifies *and* loads,
+arbitrary pickle. A sharded checkpoint's ``.metadata`` (``torch.distributed.checkpoint``'s
+index, a pickle) is listed and verified like any file, then read by an unpickler that builds only
+DCP's own metadata records (``hybridflow.training.sharded_checkpoint``). ``resume_mode=auto`` takes the newest checkpoint that verifies *and* loads,
 reporting each newer one it skipped, and refuses to start over when none does;
 ``resume_mode=path`` refuses a checkpoint that fails either.
 """

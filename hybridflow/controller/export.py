@@ -1,9 +1,13 @@
 """Export a training checkpoint as a plain Hugging Face model directory.
 
-A checkpoint's ``actor/model`` folder is already in Hugging Face format (config, tokenizer,
-safetensors); exporting verifies the checkpoint against its manifest, copies only the model
+A full-format checkpoint's ``actor/model`` folder is already in Hugging Face format (config,
+tokenizer, safetensors); a sharded one (``trainer.checkpoint_format``) holds the same folder
+without weights, and the weights are written from the shards a file of at most
+``max_shard_bytes`` at a time (``sharded_checkpoint.write_hf_weights``), never the whole model
+in memory at once. Exporting verifies the checkpoint against its manifest, copies only the model
 files (not the optimizer state), writes them atomically, and loads the result with
-``transformers`` to prove it is usable before reporting success.
+``transformers`` to prove it is usable before reporting success (that check does hold the
+whole model).
 
 Only the policy is exported: it is what a user deploys. A PPO checkpoint also holds the critic
 (``critic/model``, a Hugging Face token-classification model with one label, loadable with
@@ -19,6 +23,7 @@ from pathlib import Path
 
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, verify_checkpoint
 from hybridflow.models.loading import hf_progress_bars_off
+from hybridflow.training import sharded_checkpoint
 from hybridflow.utils.files import give_default_modes
 
 log = logging.getLogger(__name__)
@@ -36,7 +41,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{p} is not a checkpoint, nor a run or checkpoints folder holding an intact one")
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+# A sharded checkpoint's weights are written in safetensors files of at most this many bytes:
+# an export holds one file's tensors at a time (transformers' own default shard is larger).
+EXPORT_SHARD_BYTES = 1 << 30
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False,
+                      max_shard_bytes: int = EXPORT_SHARD_BYTES) -> Path:
     """Write the policy of ``checkpoint`` to ``out_dir`` as a Hugging Face directory; returns it."""
     ckpt = resolve_checkpoint(checkpoint)
     verify_checkpoint(ckpt)
@@ -48,14 +59,32 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
         raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass --overwrite")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(model_dir, tmp)
-    give_default_modes(tmp)  # checkpoints written before modes were fixed hold a 0600 model.safetensors
-    _check_loads(tmp)
+    try:
+        _write_export(ckpt / "actor", tmp, max_shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     log.info("exported %s -> %s", ckpt, out)
     return out
+
+
+def _write_export(actor_dir: Path, tmp: Path, max_shard_bytes: int) -> None:
+    shutil.copytree(actor_dir / "model", tmp)
+    if sharded_checkpoint.is_sharded_checkpoint(actor_dir):
+        sharded_checkpoint.write_hf_weights(actor_dir, tmp, max_shard_bytes=max_shard_bytes, skip=_tied_outputs(tmp))
+    give_default_modes(tmp)  # checkpoints written before modes were fixed hold a 0600 model.safetensors
+    _check_loads(tmp)
+
+
+def _tied_outputs(model_dir: Path) -> frozenset[str]:
+    """The output embedding when the config ties it to the input one: HF files hold it once."""
+    from transformers import AutoConfig
+
+    tied = getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "tie_word_embeddings", False)
+    return frozenset({"lm_head.weight"}) if tied else frozenset()
 
 
 def _check_loads(model_dir: Path) -> None:

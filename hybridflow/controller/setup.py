@@ -601,6 +601,7 @@ def build_critic_group(
         total_optimizer_steps=total_steps * (d.train_batch_size // mini) * epochs,
         max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing, trust_remote_code=cfg.model.trust_remote_code,
+        checkpoint_format=cfg.trainer.checkpoint_format,
     )
     return build_worker_group(cfg.trainer.backend, "critic", lambda r, w: CriticWorker(r, w, c, setup),
                               data_parallel_size(cfg.trainer), placement)
@@ -709,7 +710,7 @@ def build_run(cfg: Config) -> RunSetup:
         max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips,
-        sum_pi_squared=needs_sum_pi_squared_for(needs), **common,
+        sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format, **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))

@@ -20,10 +20,12 @@ owner sends its rows to rank 0 (``gather_rows``), so no rank materialises more t
 bucket, and the others send only their own rows. ``gather_weight`` (an all-gather) remains for
 tensors not sharded on dim 0.
 
-Checkpoints stay world-size independent: the model is exported as one full HF safetensors file
-(gathered on rank 0) and the optimizer as the single-process ``optimizer.state_dict()`` layout
-(integer parameter ids), gathered with ``torch.distributed.checkpoint.state_dict``. A run saved
-with N ranks resumes with M, and ``torch.load(weights_only=True)`` still guards loading.
+Full-format checkpoints stay world-size independent: the model is exported as one full HF
+safetensors file (gathered on rank 0) and the optimizer as the single-process
+``optimizer.state_dict()`` layout (integer parameter ids), gathered with
+``torch.distributed.checkpoint.state_dict``. A run saved with N ranks resumes with M, and
+``torch.load(weights_only=True)`` still guards loading. Sharded checkpoints, which gather
+nothing, are ``hybridflow.training.sharded_checkpoint``.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def is_collective(method: Callable[..., Any]) -> bool:
 def world_size() -> int:
     """Ranks in the default process group; 1 when none is initialised."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default process group; 0 when none is initialised."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def is_data_parallel() -> bool:

@@ -8,7 +8,8 @@ the critic its value loss.
 Single-process by default; with ``data_parallel=True`` (one engine per rank of a process group)
 the model is sharded with FSDP2 (``hybridflow.training.distributed``) behind the same surface:
 gradients are averaged over ranks, the clipping norm is global, micro-batch counts are agreed
-over ranks, and weights/checkpoints are gathered to full tensors on rank 0.
+over ranks, and weights are gathered to full tensors on rank 0; checkpoints are too (full
+format) or each rank writes its own shards (``save(sharded=True)``).
 
 Two speed paths, keyword arguments (the actor turns both on by default):
 
@@ -29,6 +30,7 @@ per response token from the same logits (``compute_token_stats(with_sum_pi_squar
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ import torch
 
 from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits, sum_pi_squared_from_logits
 from hybridflow.data.batching import padded_budget_partitions, token_budget_partitions
-from hybridflow.training import distributed
+from hybridflow.training import distributed, sharded_checkpoint
 from hybridflow.training.lm_head import TokenStats, fused_lm_head_supported, lm_head_token_stats
 from hybridflow.training.packing import (
     enable_varlen_attention,
@@ -49,8 +51,11 @@ from hybridflow.training.packing import (
     trim_padding,
     unpack_responses,
 )
+from hybridflow.training.sharded_checkpoint import ShardedCheckpoint
 from hybridflow.types import TrainBatch
 from hybridflow.utils.errors import CheckpointError, one_line
+
+log = logging.getLogger(__name__)
 
 # What a forward computes per response token: a causal LM's logprobs, or a value model's values.
 Output = Literal["logprobs", "values"]
@@ -529,9 +534,15 @@ class TrainEngine:
         collective), ``distributed.lead_bucket_gathers`` streams them bucket by bucket."""
         return list(self.model.state_dict().items())
 
-    def save(self, out_dir: Path, tokenizer=None) -> None:
-        """HF safetensors of the full model under ``model/`` and ``optim.pt`` with the optimizer
-        (single-process layout) and schedule. Sharded: a collective; rank 0 writes."""
+    def save(self, out_dir: Path, tokenizer=None, *, sharded: bool = False) -> None:
+        """Full format: HF safetensors of the full model under ``model/`` and ``optim.pt`` with the
+        optimizer (single-process layout) and schedule; several ranks gather to rank 0, which
+        writes. ``sharded``: every rank writes its own shards of the model and the optimizer,
+        nothing gathered (``hybridflow.training.sharded_checkpoint``). Either way a collective
+        when data-parallel, and ``load`` reads both on any number of ranks."""
+        if sharded:
+            self._save_sharded(out_dir, tokenizer)
+            return
         if self.data_parallel:
             self._save_gathered(out_dir, tokenizer)
             return
@@ -544,6 +555,34 @@ class TrainEngine:
                 {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                 out_dir / OPTIM_FILE,
             )
+
+    def _save_sharded(self, out_dir: Path, tokenizer) -> None:
+        rank = distributed.rank() if self.data_parallel else 0
+        if rank == 0:
+            self._save_model_files(out_dir / "model", tokenizer)
+            if self.optimizer is not None and self.scheduler is not None:
+                (out_dir / sharded_checkpoint.OPTIM_JSON).write_text(
+                    sharded_checkpoint.optim_json(self.model, self.optimizer, self.scheduler)
+                )
+        entries = sharded_checkpoint.model_entries(self.model)
+        if self.optimizer is not None:
+            entries |= sharded_checkpoint.optimizer_entries(self.model, self.optimizer)
+        sharded_checkpoint.save_dcp(entries, out_dir / sharded_checkpoint.DCP_DIR, no_dist=not self.data_parallel)
+        sharded_checkpoint.save_rng(out_dir / sharded_checkpoint.RNG_DIR, rank, self.device)
+        # Nobody reads the checkpoint (or renames its folder) before every rank has written.
+        distributed.barrier()
+
+    def _save_model_files(self, model_dir: Path, tokenizer) -> None:
+        """The HF files of the model without its weights: config (the real class), generation
+        config, tokenizer. An export adds the weights from the shards."""
+        model_dir.mkdir(parents=True, exist_ok=True)
+        self.model.config.save_pretrained(model_dir)
+        _restore_architecture(model_dir, self.architecture)
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(model_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(model_dir)
 
     def _save_gathered(self, out_dir: Path, tokenizer) -> None:
         weights = distributed.gather_model_state(self.model)
@@ -566,48 +605,93 @@ class TrainEngine:
         ``read_checkpoint`` then ``apply_checkpoint``. Sharded: a collective."""
         self.apply_checkpoint(self.read_checkpoint(ckpt_dir))
 
-    def read_checkpoint(self, ckpt_dir: Path) -> LoadedCheckpoint:
-        """Read ``ckpt_dir`` and check it against this engine, changing nothing: the name and
-        shape of every weight and optimizer moment, and the schedule. Only the files ``save``
-        writes are read: the weight files that the safetensors index names (or
-        ``model.safetensors``), never a glob. A refusal is a ``CheckpointError`` naming the file.
-        Sharded: every rank reads the full files, and no collective runs here, so every rank
-        refuses the same checkpoint alike."""
+    def read_checkpoint(self, ckpt_dir: Path) -> LoadedCheckpoint | ShardedCheckpoint:
+        """Read ``ckpt_dir`` (either format) and check it against this engine, changing nothing:
+        the name and shape of every weight and optimizer moment, and the schedule. Only the files
+        ``save`` writes are read: the weight files that the safetensors index names (or
+        ``model.safetensors``), never a glob; of a sharded checkpoint, its metadata and
+        ``optim.json`` (the shards are read when applied). A refusal is a ``CheckpointError``
+        naming the file. Sharded: no collective runs here, so every rank refuses alike."""
+        if sharded_checkpoint.is_sharded_checkpoint(ckpt_dir):
+            return self._read_sharded(ckpt_dir)
         weights = _read_weights(ckpt_dir / "model")
-        self._check_weights(weights, ckpt_dir / "model")
+        self._check_weights({k: tuple(v.shape) for k, v in weights.items()}, ckpt_dir / "model")
         optim_state = None
         if self.optimizer is not None and self.scheduler is not None:
             optim_state = _read_optimizer_file(ckpt_dir / OPTIM_FILE)
             self._check_optimizer_state(optim_state, ckpt_dir / OPTIM_FILE)
         return LoadedCheckpoint(ckpt_dir, weights, optim_state)
 
-    def apply_checkpoint(self, loaded: LoadedCheckpoint) -> None:
+    def _read_sharded(self, ckpt_dir: Path) -> ShardedCheckpoint:
+        dcp_dir = ckpt_dir / sharded_checkpoint.DCP_DIR
+        metadata = sharded_checkpoint.read_metadata(dcp_dir)
+        shapes = sharded_checkpoint.tensor_shapes(metadata, sharded_checkpoint.MODEL_PREFIX)
+        self._check_weights({k: shape for k, (shape, _) in shapes.items()}, dcp_dir / sharded_checkpoint.METADATA_FILE)
+        optim = None
+        if self.optimizer is not None and self.scheduler is not None:
+            optim = sharded_checkpoint.read_optim_json(ckpt_dir / sharded_checkpoint.OPTIM_JSON)
+            sharded_checkpoint.check_optimizer(self.model, self.optimizer, metadata, optim, ckpt_dir)
+        return ShardedCheckpoint(ckpt_dir, metadata, optim)
+
+    def apply_checkpoint(self, loaded: LoadedCheckpoint | ShardedCheckpoint) -> None:
         """Put a checked checkpoint in place. Sharded: a collective (each rank keeps its shard)."""
         try:
-            if self.data_parallel:
-                distributed.load_model_state(self.model, loaded.weights)
+            if isinstance(loaded, ShardedCheckpoint):
+                self._apply_sharded(loaded)
             else:
-                self.model.load_state_dict(loaded.weights, strict=False)
-            if loaded.optim_state is not None:
-                assert self.optimizer is not None and self.scheduler is not None
-                if self.data_parallel:
-                    distributed.load_optimizer_state(self.model, self.optimizer, loaded.optim_state["optimizer"])
-                else:
-                    self.optimizer.load_state_dict(loaded.optim_state["optimizer"])
-                # Only the schedule's own keys: load_state_dict sets whatever it is given as attributes.
-                own, saved = self.scheduler.state_dict(), loaded.optim_state["scheduler"]
-                self.scheduler.load_state_dict({k: saved[k] for k in own if k in saved})
+                self._apply_full(loaded)
         except Exception as exc:
             raise CheckpointError(f"{loaded.path}: loading failed after its files were checked: {one_line(exc)}") from exc
 
-    def _check_weights(self, weights: dict[str, torch.Tensor], model_dir: Path) -> None:
+    def _apply_full(self, loaded: LoadedCheckpoint) -> None:
+        if self.data_parallel:
+            distributed.load_model_state(self.model, loaded.weights)
+        else:
+            self.model.load_state_dict(loaded.weights, strict=False)
+        if loaded.optim_state is not None:
+            assert self.optimizer is not None and self.scheduler is not None
+            if self.data_parallel:
+                distributed.load_optimizer_state(self.model, self.optimizer, loaded.optim_state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(loaded.optim_state["optimizer"])
+            self._load_schedule(loaded.optim_state["scheduler"])
+
+    def _apply_sharded(self, loaded: ShardedCheckpoint) -> None:
+        """Every rank reads its part of every tensor into fresh buffers (one collective), so the
+        engine changes only once the whole checkpoint has been read: a load holds one extra shard
+        (this rank's model and optimizer) while it runs, never the whole model."""
+        model_buffers = {k: torch.empty_like(v) for k, v in sharded_checkpoint.model_entries(self.model).items()}
+        optim_buffers = {}
+        if loaded.optim is not None:
+            assert self.optimizer is not None
+            optim_buffers = sharded_checkpoint.optimizer_buffers(self.model, self.optimizer, loaded.metadata)
+        sharded_checkpoint.load_dcp(model_buffers | optim_buffers, loaded.path / sharded_checkpoint.DCP_DIR,
+                                    no_dist=not self.data_parallel)
+        with torch.no_grad():
+            for key, value in sharded_checkpoint.model_entries(self.model).items():
+                value.copy_(model_buffers[key])
+        if loaded.optim is not None:
+            assert self.optimizer is not None
+            self.optimizer.load_state_dict(sharded_checkpoint.optimizer_state(self.optimizer, optim_buffers, loaded.optim))
+            self._load_schedule(loaded.optim["scheduler"])
+        rank = distributed.rank() if self.data_parallel else 0
+        if not sharded_checkpoint.load_rng(loaded.path / sharded_checkpoint.RNG_DIR, rank, self.device):
+            log.info("%s holds no RNG state for rank %d (saved on fewer ranks): it keeps its own", loaded.path, rank)
+
+    def _load_schedule(self, saved: dict) -> None:
+        assert self.scheduler is not None
+        # Only the schedule's own keys: load_state_dict sets whatever it is given as attributes.
+        own = self.scheduler.state_dict()
+        self.scheduler.load_state_dict({k: saved[k] for k in own if k in saved})
+
+    def _check_weights(self, shapes: dict[str, tuple[int, ...]], model_dir: Path) -> None:
         """Same names and shapes as the model (DTensor shapes are the full ones when sharded)."""
         expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         # Tied embeddings are saved once; anything else missing is a real problem.
-        missing = [k for k in expected if k not in weights and not k.endswith("lm_head.weight")]
-        unexpected = [k for k in weights if k not in expected]
-        wrong = [f"{k} {tuple(v.shape)} (the model has {expected[k]})" for k, v in weights.items()
-                 if k in expected and tuple(v.shape) != expected[k]]
+        missing = [k for k in expected if k not in shapes and not k.endswith("lm_head.weight")]
+        unexpected = [k for k in shapes if k not in expected]
+        wrong = [f"{k} {shape} (the model has {expected[k]})" for k, shape in shapes.items()
+                 if k in expected and shape != expected[k]]
         if missing or unexpected or wrong:
             problems = [f"{label} {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
                         for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]

@@ -92,6 +92,7 @@ class ActorSetup:
     # The old-logprob forward also returns Σ_v π(v)² per response token (an estimator needs
     # sum_pi_squared: the optimal-token-baseline ones); set-up decides from the estimator's needs.
     sum_pi_squared: bool = False
+    checkpoint_format: str = "auto"  # trainer.checkpoint_format
 
 
 @dataclass
@@ -234,6 +235,14 @@ def train_micro_batches(engine: TrainEngine, plan: MicroBatchPlan, mini: TrainBa
         return mini.split(micro_batch_size)
     count = engine.agree_num_micro_batches(num_token_budget_micro_batches(mini, budget, padded=padded))
     return token_budget_micro_batches(mini, budget, num_micro_batches=count, padded=padded)[0]
+
+
+def sharded_checkpoints(checkpoint_format: str, world_size: int) -> bool:
+    """Whether a role saves sharded checkpoints (``trainer.checkpoint_format``): ``auto`` shards
+    with more than one rank, where gathering the whole model on rank 0 is what a save would cost."""
+    if checkpoint_format not in ("auto", "sharded", "full"):
+        raise ValueError(f"trainer.checkpoint_format={checkpoint_format!r}: expected auto, sharded or full")
+    return checkpoint_format == "sharded" or (checkpoint_format == "auto" and world_size > 1)
 
 
 def load_engine_checkpoint(engine: TrainEngine, ckpt_dir: Path, role: str) -> str | None:
@@ -492,7 +501,8 @@ class ActorWorker:
 
     @collective
     def save_checkpoint(self, out_dir: str) -> None:
-        self.engine.save(Path(out_dir), tokenizer=self.tokenizer)
+        sharded = sharded_checkpoints(self.setup.checkpoint_format, self.world_size)
+        self.engine.save(Path(out_dir), tokenizer=self.tokenizer, sharded=sharded)
 
     @collective
     def load_checkpoint(self, ckpt_dir: str) -> str | None:

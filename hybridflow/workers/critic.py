@@ -9,7 +9,7 @@ estimator's returns with PPO's clipped value loss.
 It shares the actor's machinery rather than copying it: the same training engine (FSDP2 with
 several ranks, packing, token-budget micro-batches agreed over ranks), the same precision rules,
 the same global loss normalisation (N ranks train exactly like one rank on the same global
-batch), and the same checkpoint format (``<checkpoint>/critic/{model,optim.pt}``).
+batch), and the same checkpoint formats (``<checkpoint>/critic/``, like ``actor/``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from hybridflow.workers.actor import (
     model_precision,
     optim_spec,
     plan_micro_batches,
+    sharded_checkpoints,
     train_micro_batches,
 )
 
@@ -55,6 +56,7 @@ class CriticSetup:
     max_prompt_length: int = 0
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    checkpoint_format: str = "auto"  # trainer.checkpoint_format
 
 
 class CriticWorker:
@@ -146,8 +148,10 @@ class CriticWorker:
     # ------------------------------------------------------------------ IO
     @collective
     def save_checkpoint(self, out_dir: str) -> None:
-        """The value model (a Hugging Face token-classification directory) and its optimizer."""
-        self.engine.save(Path(out_dir), tokenizer=self.tokenizer)
+        """The value model (a Hugging Face token-classification directory, or its shards) and its
+        optimizer, in ``trainer.checkpoint_format``."""
+        sharded = sharded_checkpoints(self.setup.checkpoint_format, self.world_size)
+        self.engine.save(Path(out_dir), tokenizer=self.tokenizer, sharded=sharded)
 
     @collective
     def load_checkpoint(self, ckpt_dir: str) -> str | None:

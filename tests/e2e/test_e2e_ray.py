@@ -25,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from hybridflow.api import make_config  # noqa: E402
 from hybridflow.cluster.ray_group import Placement, RayWorkerGroup, ResourcePool, init_ray  # noqa: E402
 from hybridflow.cluster.worker_group import WorkerError  # noqa: E402
+from hybridflow.controller.export import export_checkpoint  # noqa: E402
 from hybridflow.controller.setup import build_run  # noqa: E402
 from hybridflow.controller.sync import RLTrainer  # noqa: E402
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
@@ -76,7 +77,7 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
             # One replica over two ranks (heads, MLP and KV cache split in two, over gloo), in a
             # resource pool of its own (other bundles than the actor's).
             "ray_tp2_split": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2",
-                              "rollout.placement=split"]}
+                              "rollout.placement=split", "trainer.checkpoint_format=full"]}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name, extra in runs.items():
         out = f"trainer.output_dir={tmp_path / name}"
@@ -98,11 +99,16 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
         assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
         assert tp_run[key] == pytest.approx(local[key], abs=1e-5), key
-    # Rank 0 exported the gathered model under its real class name, loadable like any HF dir.
-    exported = tmp_path / "ray" / "checkpoints" / "global_step_1" / "actor"
-    config = json.loads((exported / "model" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForCausalLM"]
-    assert (exported / "model" / "model.safetensors").is_file() and (exported / "optim.pt").is_file()
+    # Two ranks save sharded by default: each rank its own shard file, nothing gathered; with
+    # checkpoint_format=full rank 0 wrote the gathered model. Both under the model's real class
+    # name, and both export to a plain HF folder.
+    sharded, full = (tmp_path / name / "checkpoints" / "global_step_1" / "actor" for name in ("ray", "ray_tp2_split"))
+    for actor in (sharded, full):
+        assert json.loads((actor / "model" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert sorted(p.name for p in (sharded / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert (full / "model" / "model.safetensors").is_file() and (full / "optim.pt").is_file()
+    exported = export_checkpoint(tmp_path / "ray", tmp_path / "exported")
+    assert (exported / "model.safetensors").is_file() and (exported / "config.json").is_file()
 
 
 def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:

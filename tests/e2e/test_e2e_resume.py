@@ -85,20 +85,23 @@ def test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run(user_files, t
 def test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run(user_files, tmp_path):
     """PPO with a critic: the critic's weights, Adam moments, schedule and shuffle order come back
     from the checkpoint too, so every metric (the critic's included) matches bitwise. Shorter
-    than the test above: one kill after a step, one mid checkpoint write, a critic warm-up step."""
+    than the test above: one kill after a step, one mid checkpoint write, a critic warm-up step.
+    The killed run saves sharded checkpoints (the reference the full format): the two formats
+    resume alike."""
     ppo = ("algorithm.adv_estimator=gae", "trainer.total_training_steps=4", "critic.shuffle=true",
            "critic.optim.lr=3e-3", "trainer.critic_warmup=1", "trainer.test_freq=2")
     reference = train(tmp_path / "ref", user_files, extra=ppo)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert (tmp_path / "ref" / "checkpoints" / "global_step_4" / "critic" / "optim.pt").is_file()
 
-    out = tmp_path / "killed"
+    out, sharded = tmp_path / "killed", (*ppo, "trainer.checkpoint_format=sharded")
     for fault in ("after_step@1", "checkpoint_write@3"):
-        killed = train(out, user_files, fault, extra=ppo)
+        killed = train(out, user_files, fault, extra=sharded)
         assert killed.returncode == -signal.SIGKILL, (fault, killed.stderr[-3000:])
-    final = train(out, user_files, extra=ppo)
+    final = train(out, user_files, extra=sharded)
     assert final.returncode == 0, final.stderr[-3000:]
     assert "resumed from" in final.stderr
+    assert (out / "checkpoints" / "global_step_4" / "critic" / "dcp" / ".metadata").is_file()
 
     expected, got = per_step(tmp_path / "ref"), per_step(out)
     assert sorted(got) == sorted(expected) == list(range(0, 5))
