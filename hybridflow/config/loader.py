@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from hybridflow.config.aliases import translate_key, translate_mapping
 from hybridflow.config.schema import Config
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -236,12 +237,14 @@ def coerce_value(
     *,
     source: str = "the config",
     choices: Sequence[str] | None = None,
+    single_as_list: bool = False,
 ) -> Any:
     """Check ``value`` against the annotation ``tp`` and return it in canonical form.
 
     Supported: ``int``, ``float`` (ints and decimal strings like ``"1e-5"`` accepted), ``bool``
     (real booleans or the strings true/false only), ``str``, ``X | None``, ``list[X]``.
-    ``choices`` (from the field's metadata) restricts the allowed values.
+    ``choices`` (from the field's metadata) restricts the allowed values; ``single_as_list``
+    (likewise) reads a lone string as a one-element list (verl's ``data.train_files=a.parquet``).
     Raises ``ConfigError`` naming ``key``, the value and the expected type.
     """
     members = _union_args(tp)
@@ -258,6 +261,8 @@ def coerce_value(
         raise _type_error(key, value, tp, source)
     if typing.get_origin(tp) is list:
         (item_type,) = typing.get_args(tp)
+        if single_as_list and isinstance(value, str):
+            value = [value]
         if not isinstance(value, (list, tuple)):
             hint = f"write a list such as [{value}]" if isinstance(value, (str, int, float)) else ""
             raise _type_error(key, value, tp, source, hint)
@@ -302,8 +307,9 @@ def _apply_mapping(target: Any, mapping: Mapping[Any, Any], prefix: str, source:
                 )
             _apply_mapping(getattr(target, name), value, path, source)
         else:
-            choices = fields[name].metadata.get("choices")
-            setattr(target, name, coerce_value(value, tp, path, source=source, choices=choices))
+            meta = fields[name].metadata
+            setattr(target, name, coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
+                                               single_as_list=meta.get("single_as_list", False)))
 
 
 def _parse_override(text: str) -> tuple[str, str]:
@@ -342,6 +348,10 @@ def apply_override(cfg: Config, override: str) -> None:
     """
     key, raw = _parse_override(override)
     source = f"override {override!r}"
+    translated = translate_key(key)  # verl's spelling of a key (hybridflow.config.aliases)
+    if translated is None:
+        return
+    key = translated
     parts = key.split(".")
     target: Any = cfg
     for depth, name in enumerate(parts):
@@ -373,8 +383,9 @@ def apply_override(cfg: Config, override: str) -> None:
         scalar = [m for m in (_union_args(tp) or (tp,)) if m is not type(None)]
         if scalar == [str] and value is not None and not isinstance(value, (str, list, dict)):
             value = raw.strip()  # YAML made a number, boolean or date of it; keep the text
-        choices = fields[name].metadata.get("choices")
-        setattr(target, name, coerce_value(value, tp, path, source=source, choices=choices))
+        meta = fields[name].metadata
+        setattr(target, name, coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
+                                           single_as_list=meta.get("single_as_list", False)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,6 +528,7 @@ def load_config(
                     key=PRESET_KEY,
                 )
             preset = named
+        file_mapping = translate_mapping(file_mapping)
     cfg = Config()
     if preset is not None:
         _apply_preset(cfg, preset)

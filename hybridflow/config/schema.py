@@ -31,9 +31,18 @@ def sub(cls: type, help: str) -> Any:
 @dataclass
 class DataConfig:
     train_files: list[str] = f(
-        [], "Parquet or JSONL files in verl's row schema. Empty: the built-in arithmetic task."
+        [], "Parquet or JSONL files in verl's row schema (one path alone is a list of one, as verl takes it). Empty: "
+        "the built-in arithmetic task.", single_as_list=True,
     )
-    val_files: list[str] = f([], "Held-out files for validation. Empty: the built-in task's test split.")
+    val_files: list[str] = f([], "Held-out files for validation (one path alone: a list of one). Empty: the "
+                                 "built-in task's test split.", single_as_list=True)
+    chat_template: str | None = f(
+        None, "A Jinja chat template used instead of the tokenizer's for the policy's prompts and agent turns (and "
+        "saved with exports). None: the tokenizer's own. verl's actor_rollout_ref.model.custom_chat_template.",
+    )
+    chat_template_path: str | None = f(
+        None, "A file holding the chat template (instead of data.chat_template; not both).",
+    )
     prompt_key: str = f("prompt", "Column holding the chat messages of the prompt.")
     max_prompt_length: int = f(64, "Longest prompt in tokens, after the chat template.")
     max_response_length: int = f(8, "Most tokens generated per response.")
@@ -692,7 +701,8 @@ class TrainerConfig:
         "Run name for loggers and the output folder. Left at this default, a run is named <preset>-<data> "
         "(e.g. dapo-arithmetic, grpo-gsm8k from the first train file's folder).",
     )
-    logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb.")
+    logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb (one name alone: a list of one).",
+                          single_as_list=True)
     backend: str = f(
         "local",
         "Worker-group backend: local (every role in this process, one rank each) | ray (each rank a Ray actor "

@@ -742,6 +742,11 @@ def _check_files(cfg: Config, report: _Report) -> None:
     reward_path = cfg.reward.custom_reward_function.path
     if reward_path is not None and not Path(reward_path).expanduser().is_file():
         report.error(f"reward.custom_reward_function.path={reward_path!r} does not exist (or is not a file)")
+    template_path = cfg.data.chat_template_path
+    if template_path is not None and cfg.data.chat_template is not None:
+        report.error("data.chat_template and data.chat_template_path are both set: give the template one way")
+    if template_path is not None and not Path(template_path).expanduser().is_file():
+        report.error(f"data.chat_template_path={template_path!r} does not exist (or is not a file)")
 
 
 def _check_backend(cfg: Config, report: _Report) -> None:

@@ -46,7 +46,7 @@ from hybridflow.cluster.worker_group import (
     wait_all,
 )
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
-from hybridflow.config.schema import DataConfig, MultiTurnConfig, WarmStartConfig
+from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig, WarmStartConfig
 from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
@@ -463,6 +463,18 @@ def config_device(name: str) -> torch.device:
         raise ConfigError(str(error), key="trainer.device") from error
 
 
+def policy_chat_template(data: DataConfig) -> str | None:
+    """The chat template that replaces the policy tokenizer's (``data.chat_template`` or the file
+    at ``data.chat_template_path``), or None for the tokenizer's own."""
+    if data.chat_template_path is None:
+        return data.chat_template
+    path = Path(data.chat_template_path).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"data.chat_template_path={str(path)!r}: {error}", key="data.chat_template_path") from error
+
+
 def resolve_plugins(cfg: Config) -> Plugins:
     """Resolve every name the config plugs in (registries and ``module:function`` paths, whose
     signatures are checked against the call the trainer makes), so a wrong one fails at start-up
@@ -472,6 +484,10 @@ def resolve_plugins(cfg: Config) -> Plugins:
     needs = _resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator))
     if needs_critic(needs) and cfg.critic.model.path is not None:
         check_critic_model_path(cfg.critic.model.path)
+    if not needs_critic(needs) and cfg.critic != CriticConfig():
+        # verl's default estimator is gae, so a verl command line sets critic.* and means PPO.
+        log.warning("critic.* is set, but algorithm.adv_estimator=%s trains no critic (verl's default estimator is "
+                    "gae, hybridflow's grpo): set algorithm.adv_estimator=gae for PPO with a critic", alg.adv_estimator)
     check_reward_model(cfg)
     for need in sorted(needs):
         if ESTIMATOR_INPUT_SOURCES[need].generates and cfg.trainer.mode != "sync":
@@ -639,7 +655,8 @@ def build_run(cfg: Config) -> RunSetup:
 
     # 2-3. Files, data and the plan.
     model_path, train_files, val_files = resolve_builtin(cfg, device)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    chat_template = policy_chat_template(cfg.data)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, chat_template)
     # Without a custom reward function only the built-in scorers can score a row: check each
     # row's data_source now (a custom function decides per call what it scores). A reward model
     # that replaces the rule scores scores any row.
@@ -710,7 +727,8 @@ def build_run(cfg: Config) -> RunSetup:
         max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips,
-        sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format, **common,
+        sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format,
+        chat_template=policy_chat_template(d), **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))
@@ -718,7 +736,8 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
-                                 max_logprob_mismatch=t.health.logprob_mismatch, **common)
+                                 max_logprob_mismatch=t.health.logprob_mismatch,
+                                 chat_template=policy_chat_template(d), **common)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
     rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))

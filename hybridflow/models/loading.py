@@ -103,11 +103,14 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     return p
 
 
-def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The tokenizer of the model at ``path``; ``chat_template`` (data.chat_template) replaces its own."""
     from transformers import AutoTokenizer
 
     p = check_model_dir(path)
     tok = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     if tok.pad_token_id is None:
         # Padding positions are masked everywhere; any id works, EOS is the usual choice.
         tok.pad_token = tok.eos_token

@@ -86,6 +86,7 @@ class ActorSetup:
     max_response_length: int
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    chat_template: str | None = None  # data.chat_template: saved with the tokenizer in exports
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     max_consecutive_skips: int = 10
     max_prompt_length: int = 0  # with max_response_length: the longest sample, the floor of a token budget
@@ -269,7 +270,7 @@ class ActorWorker:
         check_rank_group("actor", rank, world_size)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
-        self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
+        self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code, setup.chat_template)
         data_parallel = world_size > 1
         weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel)
         model = load_causal_lm(

@@ -76,6 +76,7 @@ class RolloutSetup:
     max_batch_size: int
     seed: int
     trust_remote_code: bool = False
+    chat_template: str | None = None  # data.chat_template: replaces the tokenizer's for agent turns
     agent: AgentSetup | None = None  # None: single-turn generation, no agent loop
     enforce_eager: bool = False  # no CUDA graphs for decode
     # The largest mean |logprob difference| from fp32 a CPU's bf16 decode may show to be chosen by
@@ -128,7 +129,7 @@ class ReplicaOutput:
 class RolloutWorker:
     def __init__(self, rank: int, world_size: int, setup: RolloutSetup) -> None:
         self.rank, self.device = rank, setup.device
-        tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
+        tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code, setup.chat_template)
         # The engine owns its own copy of the weights (possibly in another dtype); the trainer
         # pushes updates with update_weights after each step. An engine that reads the checkpoint
         # itself (vLLM) gets the model on the meta device: names and shapes, no second copy.

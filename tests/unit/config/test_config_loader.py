@@ -178,7 +178,7 @@ def test_apply_override_mutates_in_place() -> None:
         ("actor.optim.lr=fast", "float", "str 'fast'"),
         ("actor.optim.lr=true", "float", "bool True"),
         ("actor.optim.lr=.inf", "float", "float inf"),
-        ("data.train_files=x.parquet", "list[str]", "str 'x.parquet'"),
+        ("trainer.phase_timeouts=gen", "list[str]", "str 'gen'"),  # a lone string is a list only for the file keys
         ("trainer.logger=[console, 3]", "str", "int 3"),
         ("actor.optim.betas=[0.9, high]", "float", "str 'high'"),
         ("model.path=null", "str", "null"),
