@@ -338,6 +338,9 @@ def _check_ranges(cfg: Config, report: _Report) -> None:
         report.error(f"reward.startup_timeout_s={cfg.reward.startup_timeout_s} must be > 0 seconds")
     if cfg.reward.timeout_s <= 0:
         report.error(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 seconds")
+    memory = cfg.trainer.device_memory_gb
+    if memory is not None and memory <= 0:
+        report.error(f"trainer.device_memory_gb={memory} must be > 0 GiB (e.g. 80 for an 80 GB GPU) or null")
 
     algorithm = cfg.algorithm
     for name in ("gamma", "lam"):

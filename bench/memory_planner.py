@@ -1,0 +1,141 @@
+"""The memory planner's prediction against the measured peak of a real training step, on a CPU.
+
+For each configuration: the built-in tiny model family at some shape, a batch of full-length
+samples cut into token-budget micro-batches as the actor cuts them, and two optimizer steps of
+the real ``TrainEngine`` (packed forward, chunked LM head with entropy, backward, AdamW; the second
+step runs with the optimizer state allocated, as every step after the first does). Measured: the
+bytes alive before (parameters, buffers, the batch; ``hybridflow.utils.memory.live_bytes``) plus
+the peak of the tensor storage allocated and not yet freed during the two steps, from
+``torch.profiler``'s allocation events (``hybridflow.utils.memory.peak_allocated_bytes``).
+Predicted: the actor's update phase of ``hybridflow.config.plan.plan_memory`` for the same config
+(its own terms, without the other roles on the device).
+
+    PYTHONPATH=. python bench/memory_planner.py
+
+Goal: predicted / measured within 0.85-1.15 for every configuration.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.algorithms import agg_loss, batch_counts
+from hybridflow.config.budget import ModelShape
+from hybridflow.config.loader import load_config
+from hybridflow.config.plan import plan_memory
+from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.types import TrainBatch
+from hybridflow.utils.memory import live_bytes, peak_allocated_bytes
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    spec: TinyModelSpec
+    samples: int
+    prompt: int
+    response: int
+    token_budget: int
+    gradient_checkpointing: bool = False
+
+
+CASES = [
+    Case("tiny", TinyModelSpec(), 16, 32, 32, 1024),
+    Case("tiny, gradient checkpointing", TinyModelSpec(), 16, 32, 32, 1024, gradient_checkpointing=True),
+    Case("hidden 256", TinyModelSpec(hidden_size=256, intermediate_size=768), 16, 32, 32, 1024),
+    Case("8 layers", TinyModelSpec(num_hidden_layers=8), 16, 32, 32, 1024),
+    Case("vocab 8192", TinyModelSpec(vocab_size=8192), 16, 32, 32, 1024),
+    Case("vocab 8192, 2048 response rows", TinyModelSpec(vocab_size=8192), 16, 64, 128, 4096),
+    Case("4096 tokens, 4 micro-batches", TinyModelSpec(), 64, 32, 32, 1024),
+    Case("4096-token micro-batch", TinyModelSpec(), 32, 64, 64, 4096),
+    Case("8 layers, 4096 tokens, checkpointing", TinyModelSpec(num_hidden_layers=8), 32, 64, 64, 4096,
+         gradient_checkpointing=True),
+]
+
+
+def shape_of(spec: TinyModelSpec) -> ModelShape:
+    return ModelShape(
+        model_type="qwen2", hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, vocab_size=spec.vocab_size, tie_word_embeddings=True,
+        attention_bias=True,
+    )
+
+
+def config_of(case: Case):
+    return load_config("grpo", None, [
+        f"data.max_prompt_length={case.prompt}", f"data.max_response_length={case.response}",
+        f"data.train_batch_size={case.samples}", "rollout.n=1", f"actor.ppo_mini_batch_size={case.samples}",
+        f"actor.ppo_max_token_len_per_gpu={case.token_budget}", "trainer.device=cpu",
+        f"model.enable_gradient_checkpointing={str(case.gradient_checkpointing).lower()}",
+    ])
+
+
+def predicted_bytes(case: Case) -> int:
+    plan = plan_memory(config_of(case), shape_of(case.spec), device_bytes=None, find_fixes=False)
+    update = next(p for p in plan.phases if (p.role, p.phase) == ("actor", "update"))
+    return update.peak - update.others
+
+
+def full_length_batch(samples: int, prompt: int, response: int, vocab: int, seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (samples, prompt + response), generator=g)
+    return TrainBatch(
+        input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(prompt + response).expand(
+            samples, -1).clone(), response_mask=torch.ones(samples, response), group_ids=torch.arange(samples),
+        rewards=torch.zeros(samples), rollout_logprobs=torch.zeros(samples, response), prompt_length=prompt,
+        advantages=torch.randn(samples, response, generator=g),
+    )
+
+
+def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int, token_budget: int,
+                   gradient_checkpointing: bool, steps: int = 2) -> int:
+    """Peak bytes of tensor storage over ``steps`` optimizer steps of the real engine (one rank, CPU, fp32)."""
+    model = build_tiny_model(spec, seed=0)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    engine = TrainEngine(model, OptimSpec(lr=1e-3), torch.device("cpu"))
+    batch = full_length_batch(samples, prompt, response, spec.vocab_size)
+    micro_batches, _ = token_budget_micro_batches(batch, token_budget)
+    num_tokens, _ = batch_counts(batch.response_mask)
+
+    def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+        return agg_loss(-logprobs * mb.advantages, mb.response_mask, "token-mean", global_num_tokens=num_tokens), {}
+
+    def steps_fn() -> None:
+        for _ in range(steps):
+            engine.optimizer_step(micro_batches, loss_fn, temperature=1.0, with_entropy=True, use_remove_padding=True)
+
+    before = live_bytes([*engine.model.parameters(), *engine.model.buffers(),
+                         *(t for mb in micro_batches for t in vars(mb).values() if isinstance(t, torch.Tensor))])
+    return before + peak_allocated_bytes(steps_fn)
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    print(f"{'configuration':<40}{'tokens':>8}{'predicted MiB':>15}{'measured MiB':>14}{'pred/meas':>11}{'s':>6}")
+    ratios = []
+    for case in CASES:
+        start = time.perf_counter()
+        measured = measured_bytes(case.spec, case.samples, case.prompt, case.response, case.token_budget,
+                                  case.gradient_checkpointing)
+        predicted = predicted_bytes(case)
+        ratio = predicted / measured
+        ratios.append(ratio)
+        tokens = case.samples * (case.prompt + case.response)
+        print(f"{case.name:<40}{tokens:>8}{predicted / MIB:>15.1f}{measured / MIB:>14.1f}{ratio:>11.3f}"
+              f"{time.perf_counter() - start:>6.1f}")
+    inside = sum(0.85 <= r <= 1.15 for r in ratios)
+    print(f"within ±15%: {inside} of {len(ratios)}; predicted/measured from {min(ratios):.3f} to {max(ratios):.3f}")
+    return 0 if inside == len(ratios) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
