@@ -512,6 +512,10 @@ def _fix_candidates(cfg: Config, role: str, phase: str, dp: int) -> list[tuple[s
     if not getattr(cfg, section).fsdp_config.optimizer_offload:
         out.append(("keep the optimizer state on the CPU between steps (a copy each way per step)",
                     [{f"{section}.fsdp_config.optimizer_offload": True}]))
+    if role == "rollout":
+        sizes = [{"rollout.max_batch_size": b} for b in (128, 64, 32, 16, 8) if b < cfg.rollout.max_batch_size]
+        if sizes:
+            out.append(("fewer sequences decoded together (fewer decode rows and logits)", sizes))
     if role == "rollout" and cfg.trainer.backend == "ray" and cfg.rollout.placement == "colocated":
         out.append(("give the rollout devices of its own", [{"rollout.placement": "split"}]))
     if dp > 1 and not getattr(cfg, section).fsdp_config.param_offload:
@@ -535,10 +539,14 @@ def cheapest_fix(cfg: Config, shape: ModelShape, role: str, phase: str, *, with_
             match = [p for p in replanned.phases if (p.role, p.phase) == (role, phase)]
             if match and match[0].peak <= device_bytes:
                 keys = " ".join(f"{k}={_show(v)}" for k, v in overrides.items())
-                return f"{keys}: {why}; predicted peak {match[0].peak / GIB:.2f} GiB"
+                return f"{keys}: {why}; predicted peak {_size(match[0].peak)}"
         tried.append(why)
     return ("no single change fits it (tried: " + "; ".join(tried) + "). A larger device, or a smaller model; "
             "sequence parallelism and LoRA are not built (docs/design.md, Not built)")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def _show(value: object) -> str:
@@ -548,29 +556,32 @@ def _show(value: object) -> str:
 # --------------------------------------------------------------------------- output
 
 
-def _gib(n: int) -> str:
-    return "-" if n == 0 else f"{n / GIB:.2f}"
-
-
 COLUMNS = ("params", "grads", "optim", "activ", "logits", "kv", "others", "peak")
 
 
 def format_memory_plan(plan: MemoryPlan) -> list[str]:
-    """The table (GiB per rank) and, per phase that does not fit, a warning and its fix."""
-    device = "no device size (trainer.device_memory_gb unset): peaks only" if plan.device_bytes is None else \
-        f"device {plan.device_bytes / GIB:.2f} GiB (trainer.device_memory_gb)"
-    lines = [f"memory per rank, GiB; {device}",
-             f"{'role':<10}{'phase':<17}" + "".join(f"{c:>8}" for c in COLUMNS) + "  fits"]
+    """The table (GiB per rank, MiB when everything is smaller than a GiB) and, per phase that
+    does not fit, a warning and its fix."""
+    largest = max([p.peak for p in plan.phases] + [plan.device_bytes or 0])
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+
+    def cell(n: int) -> str:
+        return "-" if n == 0 else f"{n / scale:.2f}"
+
+    device = "trainer.device_memory_gb unset: peaks only, no fit check" if plan.device_bytes is None else \
+        f"device {plan.device_bytes / scale:.2f} {unit} (trainer.device_memory_gb)"
+    lines = [f"predicted peak memory per rank, {unit}; {device}",
+             f"{'role':<10}{'phase':<17}" + "".join(f"{c:>9}" for c in COLUMNS) + "  fits"]
     for p in plan.phases:
         values = (p.params, p.grads, p.optimizer, p.activations, p.logits, p.kv_cache, p.others, p.peak)
         fits = "" if plan.device_bytes is None else ("yes" if p.peak <= plan.device_bytes else "NO")
-        lines.append(f"{p.role:<10}{p.phase:<17}" + "".join(f"{_gib(v):>8}" for v in values) + f"  {fits}")
+        lines.append(f"{p.role:<10}{p.phase:<17}" + "".join(f"{cell(v):>9}" for v in values) + f"  {fits}")
     lines.append("others: what the other roles on the device keep resident meanwhile (colocated)")
     lines += plan.notes
     for p in plan.too_big():
         assert plan.device_bytes is not None
-        lines.append(f"WARNING: {p.role} {p.phase} needs {p.peak / GIB:.2f} GiB, more than the device's "
-                     f"{plan.device_bytes / GIB:.2f} GiB. Cheapest fix: {plan.fixes.get((p.role, p.phase), '?')}")
+        lines.append(f"WARNING: {p.role} {p.phase} needs {p.peak / scale:.2f} {unit}, more than the device's "
+                     f"{plan.device_bytes / scale:.2f} {unit}. Cheapest fix: {plan.fixes.get((p.role, p.phase), '?')}")
     return lines
 
 
