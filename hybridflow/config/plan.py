@@ -240,18 +240,18 @@ def _gathered_bytes(shape: ModelShape, layout: _Layout, compute_bytes: int) -> i
 def _micro_batch_tokens(cfg: Config, budget: int | None, micro_batch_samples: int, samples_per_rank: int) -> int:
     """Tokens of the largest micro-batch: the budget (or a fixed count of samples), never more
     than the rank's samples hold; every sample at its longest."""
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    most = samples_per_rank * longest
+    longest = max(1, cfg.data.max_prompt_length + cfg.data.max_response_length)
+    most = max(1, samples_per_rank) * longest
     if budget is not None:
         return min(most, max(budget, longest))
-    return min(most, micro_batch_samples * longest)
+    return min(most, max(1, micro_batch_samples) * longest)
 
 
 def _response_rows(cfg: Config, tokens: int, packed: bool) -> int:
     """Positions that predict a response token in a micro-batch of ``tokens``: packed, the
     response share of every sample; padded, ``logits_to_keep`` keeps R + 1 per row."""
     p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
-    samples = max(1, tokens // (p + r))
+    samples = max(1, tokens // max(1, p + r))
     return samples * r if packed else samples * (r + 1)
 
 
@@ -391,7 +391,7 @@ def plan_memory(
         others=others_for_actor, notes=(f"{lp_tokens} tokens per micro-batch",),
     ))
     tokens = _micro_batch_tokens(cfg, budgets.ppo, a.ppo_micro_batch_size_per_gpu, per_rank)
-    micro_batches = math.ceil(per_rank * longest / tokens)
+    micro_batches = max(1, math.ceil(per_rank * longest / tokens))
     activations = train_activation_bytes(shape, tokens, compute_bytes=compute_bytes,
                                          gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     logits = logits_bytes(shape, _response_rows(cfg, tokens, packed), fused=fused, backward=True)

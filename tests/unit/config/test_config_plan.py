@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridflow.cli import main
-from hybridflow.config import load_config
+from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config.budget import BUILTIN_TINY_SHAPE, ModelShape, training_bytes_per_token
 from hybridflow.config.plan import (
     HEAD_BACKWARD_TEMPORARIES,
@@ -147,6 +149,34 @@ def test_a_phase_that_does_not_fit_gets_the_cheapest_fix_and_it_fits():
     bigger = plan_memory(load_config(overrides=[*overrides, f"actor.ppo_max_token_len_per_gpu={2 * budget}"]),
                          BUILTIN_TINY_SHAPE, find_fixes=False)
     assert bigger.too_big()
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompt=st.integers(1, 4096), response=st.integers(1, 8192), budget=st.sampled_from([None, 512, 8192, 65536]),
+       dynamic=st.booleans(), checkpointing=st.booleans(), ranks=st.sampled_from([1, 2, 8]),
+       kl=st.booleans(), device=st.sampled_from(["cpu", "cuda"]), memory=st.floats(0.01, 200),
+       estimator=st.sampled_from(["grpo", "gae"]), offload=st.booleans())
+def test_any_valid_config_is_planned_and_every_misfit_gets_an_answer(
+    prompt, response, budget, dynamic, checkpointing, ranks, kl, device, memory, estimator, offload
+):
+    overrides = [f"data.max_prompt_length={prompt}", f"data.max_response_length={response}",
+                 f"actor.use_dynamic_bsz={str(dynamic).lower()}", f"critic.use_dynamic_bsz={str(dynamic).lower()}",
+                 f"model.enable_gradient_checkpointing={str(checkpointing).lower()}", f"actor.use_kl_loss={str(kl).lower()}",
+                 f"trainer.device={device}", f"trainer.device_memory_gb={memory}", f"algorithm.adv_estimator={estimator}",
+                 f"actor.fsdp_config.param_offload={str(offload).lower()}"]
+    if budget is not None:
+        overrides.append(f"actor.ppo_max_token_len_per_gpu={budget}")
+    if ranks > 1:
+        overrides += ["trainer.backend=ray", f"trainer.n_gpus_per_node={ranks}"]
+    cfg = load_config(overrides=overrides)
+    try:
+        validate_config(cfg)
+    except ConfigError:
+        return
+    plan = plan_memory(cfg, QWEN25_7B, with_critic=estimator == "gae")
+    assert all(p.peak > 0 for p in plan.phases)
+    assert set(plan.fixes) == {(p.role, p.phase) for p in plan.too_big()}
+    assert all(plan.fixes.values())
 
 
 def test_cli_plan_prints_the_table_and_the_warning(capsys):
