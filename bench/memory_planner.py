@@ -10,6 +10,11 @@ the peak of the tensor storage allocated and not yet freed during the two steps,
 Predicted: the actor's update phase of ``hybridflow.config.plan.plan_memory`` for the same config
 (its own terms, without the other roles on the device).
 
+The second table does the same for the logprob forward (``compute_logprobs`` of a frozen engine
+at the logprob budget, 2x the training one): predicted is that phase's parameters and the larger
+of its layers' working set and its head's (its gradients and AdamW state, which the actor's
+forward also carries, are exact sizes and left out of both sides).
+
     PYTHONPATH=. python bench/memory_planner.py
 
 Goal: predicted / measured within 0.85-1.15 for every configuration.
@@ -78,10 +83,12 @@ def config_of(case: Case):
     ])
 
 
-def predicted_bytes(case: Case) -> int:
+def predicted_bytes(case: Case, phase: str = "update") -> int:
     plan = plan_memory(config_of(case), shape_of(case.spec), device_bytes=None, find_fixes=False)
-    update = next(p for p in plan.phases if (p.role, p.phase) == ("actor", "update"))
-    return update.peak - update.others
+    found = next(p for p in plan.phases if (p.role, p.phase) == ("actor", phase))
+    if phase == "update":
+        return found.peak - found.others
+    return found.peak - found.others - found.grads - found.optimizer
 
 
 def full_length_batch(samples: int, prompt: int, response: int, vocab: int, seed: int = 0) -> TrainBatch:
@@ -118,22 +125,38 @@ def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int
     return before + peak_allocated_bytes(steps_fn)
 
 
+def measured_forward_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int, token_budget: int) -> int:
+    """Peak bytes of a logprob forward (``compute_logprobs``, packed, one rank, CPU, fp32) of a frozen engine."""
+    engine = TrainEngine(build_tiny_model(spec, seed=0), None, torch.device("cpu"))
+    batch = full_length_batch(samples, prompt, response, spec.vocab_size)
+    before = live_bytes([*engine.model.parameters(), *engine.model.buffers(),
+                         *(t for t in vars(batch).values() if isinstance(t, torch.Tensor))])
+    return before + peak_allocated_bytes(lambda: engine.compute_logprobs(
+        batch, temperature=1.0, use_remove_padding=True, max_token_len=token_budget))
+
+
 def main() -> int:
     torch.set_num_threads(1)
-    print(f"{'configuration':<40}{'tokens':>8}{'predicted MiB':>15}{'measured MiB':>14}{'pred/meas':>11}{'s':>6}")
     ratios = []
-    for case in CASES:
-        start = time.perf_counter()
-        measured = measured_bytes(case.spec, case.samples, case.prompt, case.response, case.token_budget,
-                                  case.gradient_checkpointing)
-        predicted = predicted_bytes(case)
-        ratio = predicted / measured
-        ratios.append(ratio)
-        tokens = case.samples * (case.prompt + case.response)
-        print(f"{case.name:<40}{tokens:>8}{predicted / MIB:>15.1f}{measured / MIB:>14.1f}{ratio:>11.3f}"
-              f"{time.perf_counter() - start:>6.1f}")
+    for phase in ("update", "logprob forward"):
+        print(f"\nactor {phase}")
+        print(f"{'configuration':<40}{'tokens':>8}{'predicted MiB':>15}{'measured MiB':>14}{'pred/meas':>11}{'s':>6}")
+        for case in CASES:
+            start = time.perf_counter()
+            if phase == "update":
+                measured = measured_bytes(case.spec, case.samples, case.prompt, case.response, case.token_budget,
+                                          case.gradient_checkpointing)
+            else:  # the logprob budget: 2x the training one, as the actor derives it
+                measured = measured_forward_bytes(case.spec, case.samples, case.prompt, case.response,
+                                                  2 * case.token_budget)
+            predicted = predicted_bytes(case, phase)
+            ratio = predicted / measured
+            ratios.append(ratio)
+            tokens = case.samples * (case.prompt + case.response)
+            print(f"{case.name:<40}{tokens:>8}{predicted / MIB:>15.1f}{measured / MIB:>14.1f}{ratio:>11.3f}"
+                  f"{time.perf_counter() - start:>6.1f}")
     inside = sum(0.85 <= r <= 1.15 for r in ratios)
-    print(f"within ±15%: {inside} of {len(ratios)}; predicted/measured from {min(ratios):.3f} to {max(ratios):.3f}")
+    print(f"\nwithin ±15%: {inside} of {len(ratios)}; predicted/measured from {min(ratios):.3f} to {max(ratios):.3f}")
     return 0 if inside == len(ratios) else 1
 
 

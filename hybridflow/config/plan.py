@@ -33,7 +33,10 @@ response token, V vocabulary, c = ``LM_HEAD_CHUNK_ROWS``):
   (``hybridflow/training/lm_head.py``), so at most min(M, c) x V float32 logits are alive, times
   the temporaries of the chunk (``HEAD_FORWARD_TEMPORARIES`` forward, ``HEAD_BACKWARD_TEMPORARIES``
   in backward, which also allocates the head's fp32 weight gradient). Sharded ranks use the
-  model's own head: M x V float32 logits, their gradient and a softmax temporary.
+  model's own head: M x V float32 logits, their gradient and a softmax temporary. In a training
+  micro-batch the head's backward runs while every layer's activations are alive (they add up);
+  in a forward without backward the layers' working set is gone when the head runs (the larger
+  of the two counts).
 - KV cache (native engine): the engine takes ``KV_CACHE_MEMORY_FRACTION`` of the memory free when
   it starts (after the actor's parameters and its own weights are loaded, before any optimizer
   state exists) as its budget, and allocates slot rows of ``align(prompt + response)`` positions,
@@ -72,9 +75,9 @@ GIB = 2**30
 
 # hybridflow.training.lm_head.DEFAULT_CHUNK_ROWS (config cannot import training; a test keeps them equal).
 LM_HEAD_CHUNK_ROWS = 1024
-# Chunk-sized float32 tensors alive at once in the chunked head: forward z, z - lse (or its exp)
-# and the entropy's p * z; backward z, p, dz and g * p.
-HEAD_FORWARD_TEMPORARIES = 3
+# Chunk-sized float32 tensors alive at once in the chunked head: forward (logprobs, as the logprob
+# phases ask) z and logsumexp's shifted copy; backward z, p, dz and g * p.
+HEAD_FORWARD_TEMPORARIES = 2
 HEAD_BACKWARD_TEMPORARIES = 4
 # A layer's working set per token in a forward without backward, in compute-dtype values: the
 # residual, the normed input, q and the attention output (4h), the MLP's gate, up and their product (3i).
@@ -106,10 +109,14 @@ class PhaseMemory:
     kv_cache: int = 0
     others: int = 0  # what the other roles on this device keep resident meanwhile
     notes: tuple[str, ...] = ()
+    # A forward without backward: the layers' working set is gone when the head runs, so the peak
+    # holds the larger of the two, not both (a training forward keeps the layers' activations).
+    head_after_layers: bool = False
 
     @property
     def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.kv_cache + self.others
+        work = max(self.activations, self.logits) if self.head_after_layers else self.activations + self.logits
+        return self.params + self.grads + self.optimizer + work + self.kv_cache + self.others
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,8 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: i
 
 
 def logits_bytes(shape: ModelShape, rows: int, *, fused: bool, backward: bool, chunk_rows: int = LM_HEAD_CHUNK_ROWS) -> int:
-    """Logits alive at the head's peak for ``rows`` response-predicting positions.
+    """Logits alive at the head's peak for ``rows`` response-predicting positions (a forward
+    without backward also holds the last hidden states: ``forward_head_bytes``).
 
     ``fused`` (one rank, a plain linear head): the chunked head, at most ``chunk_rows`` rows of
     float32 logits times its temporaries, and in backward the head's fp32 weight gradient.
@@ -156,6 +164,13 @@ def logits_bytes(shape: ModelShape, rows: int, *, fused: bool, backward: bool, c
             return HEAD_BACKWARD_TEMPORARIES * chunk + vocab * shape.hidden_size * 4
         return HEAD_FORWARD_TEMPORARIES * chunk
     return rows * vocab * 4 * (3 if backward else 2)
+
+
+def forward_head_bytes(shape: ModelShape, tokens: int, rows: int, *, fused: bool, compute_bytes: int) -> int:
+    """The head's peak in a forward without backward: the last hidden states of the micro-batch
+    (and the rows gathered for the head) beside the logits."""
+    hidden = (tokens + rows) * shape.hidden_size * compute_bytes
+    return hidden + logits_bytes(shape, rows, fused=fused, backward=False)
 
 
 def adamw_step_temporary_bytes(shape: ModelShape, params_per_rank: int, device_type: str) -> int:
@@ -387,8 +402,9 @@ def plan_memory(
     phases.append(PhaseMemory(
         "actor", "logprob forward", params=actor_p + gathered, grads=actor_g, optimizer=actor_o,
         activations=forward_activation_bytes(shape, lp_tokens, compute_bytes=compute_bytes),
-        logits=logits_bytes(shape, _response_rows(cfg, lp_tokens, packed), fused=fused, backward=False),
-        others=others_for_actor, notes=(f"{lp_tokens} tokens per micro-batch",),
+        logits=forward_head_bytes(shape, lp_tokens, _response_rows(cfg, lp_tokens, packed), fused=fused,
+                                  compute_bytes=compute_bytes),
+        others=others_for_actor, notes=(f"{lp_tokens} tokens per micro-batch",), head_after_layers=True,
     ))
     tokens = _micro_batch_tokens(cfg, budgets.ppo, a.ppo_micro_batch_size_per_gpu, per_rank)
     micro_batches = max(1, math.ceil(per_rank * longest / tokens))
@@ -416,8 +432,10 @@ def plan_memory(
         phases.append(PhaseMemory(
             "reference", "logprob forward", params=ref_p + gathered,
             activations=forward_activation_bytes(shape, ref_tokens, compute_bytes=compute_bytes),
-            logits=logits_bytes(shape, _response_rows(cfg, ref_tokens, packed), fused=fused, backward=False),
+            logits=forward_head_bytes(shape, ref_tokens, _response_rows(cfg, ref_tokens, packed), fused=fused,
+                                      compute_bytes=compute_bytes),
             others=actor_p + actor_g + actor_o + critic_p + critic_g + critic_o + rollout_during_training,
+            head_after_layers=True,
         ))
     if with_critic:
         c = cfg.critic
@@ -427,6 +445,7 @@ def plan_memory(
         phases.append(PhaseMemory(
             "critic", "values forward", params=critic_p + gathered, grads=critic_g, optimizer=critic_o,
             activations=forward_activation_bytes(vshape, ftokens, compute_bytes=compute_bytes), others=others,
+            head_after_layers=True,
         ))
         ctokens = _micro_batch_tokens(cfg, budgets.critic, c.ppo_micro_batch_size_per_gpu, per_rank)
         c_micro = math.ceil(per_rank * longest / ctokens)
@@ -576,7 +595,8 @@ def format_memory_plan(plan: MemoryPlan) -> list[str]:
         values = (p.params, p.grads, p.optimizer, p.activations, p.logits, p.kv_cache, p.others, p.peak)
         fits = "" if plan.device_bytes is None else ("yes" if p.peak <= plan.device_bytes else "NO")
         lines.append(f"{p.role:<10}{p.phase:<17}" + "".join(f"{cell(v):>9}" for v in values) + f"  {fits}")
-    lines.append("others: what the other roles on the device keep resident meanwhile (colocated)")
+    lines.append("others: what the other roles on the device keep resident meanwhile (colocated); in the forward "
+                 "phases activ and logits are not alive at once, and the peak counts the larger")
     lines += plan.notes
     for p in plan.too_big():
         assert plan.device_bytes is not None

@@ -64,7 +64,7 @@ def test_constants_are_the_engines():
 
 def test_logits_of_the_chunked_head_by_hand():
     v, h = BUILTIN_TINY_SHAPE.vocab_size, BUILTIN_TINY_SHAPE.hidden_size
-    # 512 rows fit one chunk: 3 float32 (512, V) temporaries forward; backward 4 and the head's fp32 gradient.
+    # 512 rows fit one chunk: 2 float32 (512, V) temporaries forward; backward 4 and the head's fp32 gradient.
     assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=False) == HEAD_FORWARD_TEMPORARIES * 512 * v * 4
     assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=True) == 4 * 512 * v * 4 + v * h * 4
     # More rows than a chunk cost no more: that is the point of the chunked head.
