@@ -49,6 +49,7 @@ class Case:
     response: int
     token_budget: int
     gradient_checkpointing: bool = False
+    dtype: str = "float32"  # model.dtype: bfloat16 is mixed precision (autocast over fp32 weights on one rank)
 
 
 CASES = [
@@ -62,7 +63,12 @@ CASES = [
     Case("4096-token micro-batch", TinyModelSpec(), 32, 64, 64, 4096),
     Case("8 layers, 4096 tokens, checkpointing", TinyModelSpec(num_hidden_layers=8), 32, 64, 64, 4096,
          gradient_checkpointing=True),
+    Case("bf16 mixed precision", TinyModelSpec(), 16, 32, 32, 1024, dtype="bfloat16"),
+    Case("bf16, hidden 256, checkpointing", TinyModelSpec(hidden_size=256, intermediate_size=768), 16, 32, 32, 1024,
+         gradient_checkpointing=True, dtype="bfloat16"),
+    Case("bf16, vocab 8192, 2048 response rows", TinyModelSpec(vocab_size=8192), 16, 64, 128, 4096, dtype="bfloat16"),
 ]
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 def shape_of(spec: TinyModelSpec) -> ModelShape:
@@ -79,7 +85,7 @@ def config_of(case: Case):
         f"data.max_prompt_length={case.prompt}", f"data.max_response_length={case.response}",
         f"data.train_batch_size={case.samples}", "rollout.n=1", f"actor.ppo_mini_batch_size={case.samples}",
         f"actor.ppo_max_token_len_per_gpu={case.token_budget}", "trainer.device=cpu",
-        f"model.enable_gradient_checkpointing={str(case.gradient_checkpointing).lower()}",
+        f"model.enable_gradient_checkpointing={str(case.gradient_checkpointing).lower()}", f"model.dtype={case.dtype}",
     ])
 
 
@@ -103,12 +109,13 @@ def full_length_batch(samples: int, prompt: int, response: int, vocab: int, seed
 
 
 def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int, token_budget: int,
-                   gradient_checkpointing: bool, steps: int = 2) -> int:
-    """Peak bytes of tensor storage over ``steps`` optimizer steps of the real engine (one rank, CPU, fp32)."""
+                   gradient_checkpointing: bool, steps: int = 2, dtype: str = "float32") -> int:
+    """Peak bytes of tensor storage over ``steps`` optimizer steps of the real engine (one rank, CPU,
+    fp32 weights; ``dtype=bfloat16`` computes under autocast as the actor does on one rank)."""
     model = build_tiny_model(spec, seed=0)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    engine = TrainEngine(model, OptimSpec(lr=1e-3), torch.device("cpu"))
+    engine = TrainEngine(model, OptimSpec(lr=1e-3), torch.device("cpu"), mixed_precision=DTYPES[dtype])
     batch = full_length_batch(samples, prompt, response, spec.vocab_size)
     micro_batches, _ = token_budget_micro_batches(batch, token_budget)
     num_tokens, _ = batch_counts(batch.response_mask)
@@ -125,9 +132,11 @@ def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int
     return before + peak_allocated_bytes(steps_fn)
 
 
-def measured_forward_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int, token_budget: int) -> int:
-    """Peak bytes of a logprob forward (``compute_logprobs``, packed, one rank, CPU, fp32) of a frozen engine."""
-    engine = TrainEngine(build_tiny_model(spec, seed=0), None, torch.device("cpu"))
+def measured_forward_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int, token_budget: int,
+                           dtype: str = "float32") -> int:
+    """Peak bytes of a logprob forward (``compute_logprobs``, packed, one rank, CPU) of a frozen
+    engine with fp32 weights, as the actor's."""
+    engine = TrainEngine(build_tiny_model(spec, seed=0), None, torch.device("cpu"), mixed_precision=DTYPES[dtype])
     batch = full_length_batch(samples, prompt, response, spec.vocab_size)
     before = live_bytes([*engine.model.parameters(), *engine.model.buffers(),
                          *(t for t in vars(batch).values() if isinstance(t, torch.Tensor))])
@@ -145,10 +154,10 @@ def main() -> int:
             start = time.perf_counter()
             if phase == "update":
                 measured = measured_bytes(case.spec, case.samples, case.prompt, case.response, case.token_budget,
-                                          case.gradient_checkpointing)
+                                          case.gradient_checkpointing, dtype=case.dtype)
             else:  # the logprob budget: 2x the training one, as the actor derives it
                 measured = measured_forward_bytes(case.spec, case.samples, case.prompt, case.response,
-                                                  2 * case.token_budget)
+                                                  2 * case.token_budget, dtype=case.dtype)
             predicted = predicted_bytes(case, phase)
             ratio = predicted / measured
             ratios.append(ratio)

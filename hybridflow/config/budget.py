@@ -147,8 +147,15 @@ def packing_decision(
     return True, f"{key}=true and {model_type} has a packed attention path"
 
 
+# Under autocast (mixed precision on one rank) the residual stream and the norms stay float32
+# while the matmuls save bf16 copies: a layer saves 4 more hidden-sized float32 values per token
+# than the count at the compute dtype (the saved tensors of the built-in model under bf16 autocast).
+AUTOCAST_FP32_HIDDEN_VALUES = 4
+
+
 def training_bytes_per_token(
-    shape: ModelShape, *, compute_bytes: int, gradient_checkpointing: bool = False, full_logits: bool = False
+    shape: ModelShape, *, compute_bytes: int, gradient_checkpointing: bool = False, full_logits: bool = False,
+    autocast: bool = False,
 ) -> int:
     """Bytes a training forward keeps per token until its backward (an estimate, on purpose high).
 
@@ -159,14 +166,19 @@ def training_bytes_per_token(
     layer input stays (``h``), plus one layer's full set while it is recomputed. Logits: the
     chunked head (``hybridflow.training.lm_head``) keeps none; ``full_logits`` (a sharded model,
     a head with soft-capping) keeps float32 logits, their gradient and a softmax temporary.
+    ``autocast``: mixed precision on one rank keeps the residual stream and norms in float32.
     """
     per_layer = 10 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.kv_size
+    # ``autocast`` (compute_bytes < 4 over fp32 weights, one rank): AUTOCAST_FP32_HIDDEN_VALUES more per layer.
+    fp32_extra = AUTOCAST_FP32_HIDDEN_VALUES * shape.hidden_size * 4 if autocast and compute_bytes < 4 else 0
     if gradient_checkpointing:
         values = shape.num_hidden_layers * shape.hidden_size + per_layer
+        layers_extra = fp32_extra
     else:
         values = shape.num_hidden_layers * per_layer
+        layers_extra = shape.num_hidden_layers * fp32_extra
     logits = 3 * 4 * shape.vocab_size if full_logits else 0
-    return values * compute_bytes + logits
+    return values * compute_bytes + layers_extra + logits
 
 
 def _floor_power_of_two(n: int) -> int:

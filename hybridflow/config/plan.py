@@ -27,16 +27,17 @@ response token, V vocabulary, c = ``LM_HEAD_CHUNK_ROWS``):
 - Activations of a training micro-batch: ``training_bytes_per_token`` (``budget.py``) x T,
   the per-layer count of what a decoder layer saves for backward (checked against the saved
   tensors of the built-in model: within 1%), or the layer inputs plus one layer's set with
-  gradient checkpointing. A forward without backward keeps one layer's working set:
-  ``FORWARD_VALUES_PER_TOKEN`` x T.
+  gradient checkpointing; plus a layer's backward working set. Mixed precision on one rank runs
+  under autocast: the residual stream and norms stay float32 and the matmuls save bf16 copies of
+  the weights. A forward without backward keeps one layer's working set (``FORWARD_*_VALUES``).
 - Logits: the engine computes logprobs from the hidden states ``c`` rows at a time
   (``hybridflow/training/lm_head.py``), so at most min(M, c) x V float32 logits are alive, times
   the temporaries of the chunk (``HEAD_FORWARD_TEMPORARIES`` forward, ``HEAD_BACKWARD_TEMPORARIES``
   in backward, which also allocates the head's fp32 weight gradient). Sharded ranks use the
   model's own head: M x V float32 logits, their gradient and a softmax temporary. In a training
-  micro-batch the head's backward runs while every layer's activations are alive (they add up);
-  in a forward without backward the layers' working set is gone when the head runs (the larger
-  of the two counts).
+  micro-batch the head's backward runs while every layer's saved activations are alive (they add
+  up) but before any layer's backward (the larger of the two working sets counts: ``overlap``); in
+  a forward without backward the layers' working set is gone when the head runs.
 - KV cache (native engine): the engine takes ``KV_CACHE_MEMORY_FRACTION`` of the memory free when
   it starts (after the actor's parameters and its own weights are loaded, before any optimizer
   state exists) as its budget, and allocates slot rows of ``align(prompt + response)`` positions,
@@ -76,9 +77,12 @@ GIB = 2**30
 # hybridflow.training.lm_head.DEFAULT_CHUNK_ROWS (config cannot import training; a test keeps them equal).
 LM_HEAD_CHUNK_ROWS = 1024
 # Chunk-sized float32 tensors alive at once in the chunked head: forward (logprobs, as the logprob
-# phases ask) z and logsumexp's shifted copy; backward z, p, dz and g * p.
+# phases ask) z and logsumexp's shifted copy; backward z, p, dz and g * p, and from the second
+# chunk on one more (the loop's variables keep the previous chunk's p and dz alive while the next
+# chunk's z, z - lse and p are made: the peak is at that exp).
 HEAD_FORWARD_TEMPORARIES = 2
 HEAD_BACKWARD_TEMPORARIES = 4
+HEAD_BACKWARD_TEMPORARIES_CHUNKED = 5
 # A layer's working set per token in a forward without backward, in compute-dtype values: the
 # residual, the normed input, q and the attention output (4h), the MLP's gate, up and their product (3i).
 FORWARD_HIDDEN_VALUES, FORWARD_MLP_VALUES = 4, 3
@@ -109,14 +113,15 @@ class PhaseMemory:
     kv_cache: int = 0
     others: int = 0  # what the other roles on this device keep resident meanwhile
     notes: tuple[str, ...] = ()
-    # A forward without backward: the layers' working set is gone when the head runs, so the peak
-    # holds the larger of the two, not both (a training forward keeps the layers' activations).
-    head_after_layers: bool = False
+    # Bytes of ``activations`` and ``logits`` never alive together: the head and a layer's working
+    # set take turns (in a forward the layers are done when the head runs; in backward the head's
+    # backward is done before the last layer's starts), so the peak counts only the larger.
+    overlap: int = 0
 
     @property
     def peak(self) -> int:
-        work = max(self.activations, self.logits) if self.head_after_layers else self.activations + self.logits
-        return self.params + self.grads + self.optimizer + work + self.kv_cache + self.others
+        return (self.params + self.grads + self.optimizer + self.activations + self.logits - self.overlap
+                + self.kv_cache + self.others)
 
 
 @dataclass(frozen=True)
@@ -135,21 +140,50 @@ class MemoryPlan:
 # --------------------------------------------------------------------------- the terms
 
 
-def train_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, gradient_checkpointing: bool) -> int:
+def _layer_weights(shape: ModelShape) -> int:
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return (shape.num_parameters - embeddings) // shape.num_hidden_layers
+
+
+def train_activation_bytes(
+    shape: ModelShape, tokens: int, *, compute_bytes: int, gradient_checkpointing: bool, autocast: bool = False
+) -> int:
     """What a training forward of ``tokens`` keeps until its backward, plus the backward's own
-    working set of one layer."""
-    saved = training_bytes_per_token(shape, compute_bytes=compute_bytes, gradient_checkpointing=gradient_checkpointing)
-    backward = BACKWARD_HIDDEN_VALUES * shape.hidden_size + BACKWARD_MLP_VALUES * shape.intermediate_size
-    return tokens * (saved + backward * compute_bytes)
+    working set of one layer; under ``autocast`` also the bf16 copies of the layers' weights that
+    the matmuls save (once per forward, whatever the tokens)."""
+    saved = training_bytes_per_token(shape, compute_bytes=compute_bytes, gradient_checkpointing=gradient_checkpointing,
+                                     autocast=autocast)
+    weight_copies = shape.num_hidden_layers * _layer_weights(shape) * compute_bytes if autocast and compute_bytes < 4 else 0
+    return tokens * saved + layer_backward_bytes(shape, tokens, compute_bytes=compute_bytes) + weight_copies
 
 
-def forward_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int) -> int:
-    """One layer's working set in a forward without backward (no_grad: nothing is saved)."""
+def layer_backward_bytes(
+    shape: ModelShape, tokens: int, *, compute_bytes: int, gradient_checkpointing: bool = False, autocast: bool = False
+) -> int:
+    """The part of ``train_activation_bytes`` alive only while a layer's backward runs: its
+    gradients of the intermediates, and with checkpointing the layer's recomputed set."""
+    values = BACKWARD_HIDDEN_VALUES * shape.hidden_size + BACKWARD_MLP_VALUES * shape.intermediate_size
+    work = tokens * values * compute_bytes
+    if gradient_checkpointing:
+        whole = training_bytes_per_token(shape, compute_bytes=compute_bytes, autocast=autocast)
+        work += tokens * whole // shape.num_hidden_layers
+    return work
+
+
+def forward_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, autocast: bool = False) -> int:
+    """One layer's working set in a forward without backward (no_grad: nothing is saved). Under
+    ``autocast`` the hidden-sized values stay float32 and the layer's weights are cast for it."""
+    if autocast and compute_bytes < 4:
+        per_token = FORWARD_HIDDEN_VALUES * shape.hidden_size * 4 + FORWARD_MLP_VALUES * shape.intermediate_size * compute_bytes
+        return tokens * per_token + _layer_weights(shape) * compute_bytes
     values = FORWARD_HIDDEN_VALUES * shape.hidden_size + FORWARD_MLP_VALUES * shape.intermediate_size
     return tokens * values * compute_bytes
 
 
-def logits_bytes(shape: ModelShape, rows: int, *, fused: bool, backward: bool, chunk_rows: int = LM_HEAD_CHUNK_ROWS) -> int:
+def logits_bytes(
+    shape: ModelShape, rows: int, *, fused: bool, backward: bool, chunk_rows: int = LM_HEAD_CHUNK_ROWS,
+    compute_bytes: int = 4,
+) -> int:
     """Logits alive at the head's peak for ``rows`` response-predicting positions (a forward
     without backward also holds the last hidden states: ``forward_head_bytes``).
 
@@ -161,16 +195,23 @@ def logits_bytes(shape: ModelShape, rows: int, *, fused: bool, backward: bool, c
     if fused:
         chunk = min(rows, chunk_rows) * vocab * 4
         if backward:
-            return HEAD_BACKWARD_TEMPORARIES * chunk + vocab * shape.hidden_size * 4
+            temporaries = HEAD_BACKWARD_TEMPORARIES if rows <= chunk_rows else HEAD_BACKWARD_TEMPORARIES_CHUNKED
+            # The fp32 weight gradient; in a lower compute dtype also the head's weight and dz cast to it.
+            cast = (vocab * shape.hidden_size + min(rows, chunk_rows) * vocab) * compute_bytes if compute_bytes < 4 else 0
+            return temporaries * chunk + vocab * shape.hidden_size * 4 + cast
         return HEAD_FORWARD_TEMPORARIES * chunk
     return rows * vocab * 4 * (3 if backward else 2)
 
 
-def forward_head_bytes(shape: ModelShape, tokens: int, rows: int, *, fused: bool, compute_bytes: int) -> int:
+def forward_head_bytes(
+    shape: ModelShape, tokens: int, rows: int, *, fused: bool, compute_bytes: int, autocast: bool = False
+) -> int:
     """The head's peak in a forward without backward: the last hidden states of the micro-batch
-    (and the rows gathered for the head) beside the logits."""
-    hidden = (tokens + rows) * shape.hidden_size * compute_bytes
-    return hidden + logits_bytes(shape, rows, fused=fused, backward=False)
+    (and the rows gathered for the head; float32 under ``autocast``) beside the logits, and in a
+    lower compute dtype the chunk's logits before their cast to float32."""
+    hidden = (tokens + rows) * shape.hidden_size * (4 if autocast else compute_bytes)
+    cast = min(rows, LM_HEAD_CHUNK_ROWS) * shape.vocab_size * compute_bytes if fused and compute_bytes < 4 else 0
+    return hidden + cast + logits_bytes(shape, rows, fused=fused, backward=False)
 
 
 def adamw_step_temporary_bytes(shape: ModelShape, params_per_rank: int, device_type: str) -> int:
@@ -397,63 +438,68 @@ def plan_memory(
 
     # Actor: old-logprob forward, update.
     optimizer_offload = a.fsdp_config.optimizer_offload
+    # One rank computes in bf16 under autocast over fp32 weights; FSDP2 casts the gathered weights instead.
+    autocast = compute_bytes < 4 and layout.shard <= 1
+
+    def forward_phase(role: str, name: str, model: ModelShape, tokens: int, head: bool, mixed: bool = autocast,
+                      **terms: int) -> PhaseMemory:
+        activations = forward_activation_bytes(model, tokens, compute_bytes=compute_bytes, autocast=mixed)
+        logits = forward_head_bytes(model, tokens, _response_rows(cfg, tokens, packed), fused=fused,
+                                    compute_bytes=compute_bytes, autocast=mixed) if head else 0
+        return PhaseMemory(role, name, activations=activations, logits=logits, overlap=min(activations, logits),
+                           notes=(f"{tokens} tokens per micro-batch",), **terms)
+
     lp_tokens = _micro_batch_tokens(cfg, budgets.log_prob, a.log_prob_micro_batch_size_per_gpu, per_rank * plan.mini_batches_per_epoch)
     others_for_actor = ref_p + critic_p + critic_g + critic_o + rollout_during_training
-    phases.append(PhaseMemory(
-        "actor", "logprob forward", params=actor_p + gathered, grads=actor_g, optimizer=actor_o,
-        activations=forward_activation_bytes(shape, lp_tokens, compute_bytes=compute_bytes),
-        logits=forward_head_bytes(shape, lp_tokens, _response_rows(cfg, lp_tokens, packed), fused=fused,
-                                  compute_bytes=compute_bytes),
-        others=others_for_actor, notes=(f"{lp_tokens} tokens per micro-batch",), head_after_layers=True,
-    ))
+    phases.append(forward_phase("actor", "logprob forward", shape, lp_tokens, True, params=actor_p + gathered,
+                                grads=actor_g, optimizer=actor_o, others=others_for_actor))
     tokens = _micro_batch_tokens(cfg, budgets.ppo, a.ppo_micro_batch_size_per_gpu, per_rank)
     micro_batches = max(1, math.ceil(per_rank * longest / tokens))
+    checkpointing = cfg.model.enable_gradient_checkpointing
     activations = train_activation_bytes(shape, tokens, compute_bytes=compute_bytes,
-                                         gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
-    logits = logits_bytes(shape, _response_rows(cfg, tokens, packed), fused=fused, backward=True)
+                                         gradient_checkpointing=checkpointing, autocast=autocast)
+    logits = logits_bytes(shape, _response_rows(cfg, tokens, packed), fused=fused, backward=True,
+                          compute_bytes=compute_bytes)
+    overlap = min(logits, layer_backward_bytes(shape, tokens, compute_bytes=compute_bytes,
+                                               gradient_checkpointing=checkpointing, autocast=autocast))
     # With one micro-batch the peak comes before most gradients exist (the head's is in logits).
     grads_live = actor_g if micro_batches > 1 else 0
     optimizer_fwd = 0 if optimizer_offload else actor_o
     step_peak = actor_p + actor_g + (n // layout.shard) * 8 + adamw_step_temporary_bytes(shape, n // layout.shard, layout.device_type)
-    fwd_bwd = actor_p + gathered + grads_live + optimizer_fwd + activations + logits
+    fwd_bwd = actor_p + gathered + grads_live + optimizer_fwd + activations + logits - overlap
     if step_peak > fwd_bwd:
         phase = PhaseMemory("actor", "update", params=actor_p, grads=actor_g,
                             optimizer=step_peak - actor_p - actor_g, others=others_for_actor,
                             notes=("peak in the optimizer step",))
     else:
         phase = PhaseMemory("actor", "update", params=actor_p + gathered, grads=grads_live, optimizer=optimizer_fwd,
-                            activations=activations, logits=logits, others=others_for_actor,
+                            activations=activations, logits=logits, overlap=overlap, others=others_for_actor,
                             notes=(f"{tokens} tokens per micro-batch, {micro_batches} micro-batch(es) per rank",))
     phases.append(phase)
 
     if with_reference:
         ref_tokens = _micro_batch_tokens(cfg, budgets.ref, cfg.ref.log_prob_micro_batch_size_per_gpu,
                                          per_rank * plan.mini_batches_per_epoch)
-        phases.append(PhaseMemory(
-            "reference", "logprob forward", params=ref_p + gathered,
-            activations=forward_activation_bytes(shape, ref_tokens, compute_bytes=compute_bytes),
-            logits=forward_head_bytes(shape, ref_tokens, _response_rows(cfg, ref_tokens, packed), fused=fused,
-                                      compute_bytes=compute_bytes),
+        # A frozen reference on one rank loads in the compute dtype: no autocast.
+        phases.append(forward_phase(
+            "reference", "logprob forward", shape, ref_tokens, True, mixed=False, params=ref_p + gathered,
             others=actor_p + actor_g + actor_o + critic_p + critic_g + critic_o + rollout_during_training,
-            head_after_layers=True,
         ))
     if with_critic:
         c = cfg.critic
         others = actor_p + actor_g + actor_o + ref_p + rollout_during_training
         ftokens = _micro_batch_tokens(cfg, budgets.critic_forward, c.forward_micro_batch_size_per_gpu,
                                       per_rank * plan.mini_batches_per_epoch)
-        phases.append(PhaseMemory(
-            "critic", "values forward", params=critic_p + gathered, grads=critic_g, optimizer=critic_o,
-            activations=forward_activation_bytes(vshape, ftokens, compute_bytes=compute_bytes), others=others,
-            head_after_layers=True,
-        ))
+        phases.append(forward_phase("critic", "values forward", vshape, ftokens, False, params=critic_p + gathered,
+                                    grads=critic_g, optimizer=critic_o, others=others))
         ctokens = _micro_batch_tokens(cfg, budgets.critic, c.ppo_micro_batch_size_per_gpu, per_rank)
-        c_micro = math.ceil(per_rank * longest / ctokens)
+        c_micro = max(1, math.ceil(per_rank * longest / ctokens))
         c_opt = 0 if c.fsdp_config.optimizer_offload else critic_o
         nv = vshape.num_parameters // layout.shard
         c_step = critic_p + critic_g + nv * 8 + adamw_step_temporary_bytes(vshape, nv, layout.device_type)
         c_fwd = critic_p + gathered + (critic_g if c_micro > 1 else 0) + c_opt + train_activation_bytes(
-            vshape, ctokens, compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+            vshape, ctokens, compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+            autocast=autocast)
         if c_step > c_fwd:
             phases.append(PhaseMemory("critic", "update", params=critic_p, grads=critic_g,
                                       optimizer=c_step - critic_p - critic_g, others=others))

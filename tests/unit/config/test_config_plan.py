@@ -18,6 +18,7 @@ from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config.budget import BUILTIN_TINY_SHAPE, ModelShape, training_bytes_per_token
 from hybridflow.config.plan import (
     HEAD_BACKWARD_TEMPORARIES,
+    HEAD_BACKWARD_TEMPORARIES_CHUNKED,
     HEAD_FORWARD_TEMPORARIES,
     KV_CACHE_MEMORY_FRACTION,
     KV_CAPACITY_ALIGN,
@@ -67,19 +68,30 @@ def test_logits_of_the_chunked_head_by_hand():
     # 512 rows fit one chunk: 2 float32 (512, V) temporaries forward; backward 4 and the head's fp32 gradient.
     assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=False) == HEAD_FORWARD_TEMPORARIES * 512 * v * 4
     assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=True) == 4 * 512 * v * 4 + v * h * 4
-    # More rows than a chunk cost no more: that is the point of the chunked head.
-    assert logits_bytes(QWEN25_7B, 10_000, fused=True, backward=True) == (
-        HEAD_BACKWARD_TEMPORARIES * 1024 * 152064 * 4 + 152064 * 3584 * 4)
+    # More rows than a chunk cost one chunk more (the loop holds the previous chunk's p and dz while
+    # it makes the next one's), whatever their number: that is the point of the chunked head.
+    chunked = HEAD_BACKWARD_TEMPORARIES_CHUNKED * 1024 * 152064 * 4 + 152064 * 3584 * 4
+    assert logits_bytes(QWEN25_7B, 10_000, fused=True, backward=True) == chunked
+    assert logits_bytes(QWEN25_7B, 100_000, fused=True, backward=True) == chunked
+    # bf16 compute adds the head's weight and a chunk's dz cast to bf16.
+    assert logits_bytes(QWEN25_7B, 10_000, fused=True, backward=True, compute_bytes=2) == (
+        chunked + (152064 * 3584 + 1024 * 152064) * 2)
     # The model's own head (sharded ranks) keeps every row's logits, their gradient and a softmax temporary.
     assert logits_bytes(QWEN25_7B, 10_000, fused=False, backward=True) == 10_000 * 152064 * 4 * 3
 
 
 def test_activations_reuse_the_budget_formula():
     s = BUILTIN_TINY_SHAPE
-    per_token = training_bytes_per_token(s, compute_bytes=4) + (2 * s.hidden_size + 3 * s.intermediate_size) * 4
+    backward = (2 * s.hidden_size + 3 * s.intermediate_size) * 4  # a layer's gradients of its intermediates
+    per_token = training_bytes_per_token(s, compute_bytes=4) + backward
     assert train_activation_bytes(s, 1000, compute_bytes=4, gradient_checkpointing=False) == 1000 * per_token
     checkpointed = train_activation_bytes(s, 1000, compute_bytes=4, gradient_checkpointing=True)
     assert checkpointed < 0.5 * 1000 * per_token
+    # Autocast: 4 more float32 hidden-sized values per layer and token, and the layers' bf16 weight copies.
+    autocast = train_activation_bytes(s, 1000, compute_bytes=2, gradient_checkpointing=False, autocast=True)
+    plain = train_activation_bytes(s, 1000, compute_bytes=2, gradient_checkpointing=False)
+    layers = s.num_parameters - s.vocab_size * s.hidden_size
+    assert autocast - plain == 1000 * s.num_hidden_layers * 4 * s.hidden_size * 4 + layers // 4 * 4 * 2
 
 
 def test_kv_cache_by_hand():
