@@ -15,6 +15,13 @@ at the logprob budget, 2x the training one): predicted is that phase's parameter
 of its layers' working set and its head's (its gradients and AdamW state, which the actor's
 forward also carries, are exact sizes and left out of both sides).
 
+The third table checks the rollout's KV cache (slot rows and prefix cache) as the native engine
+sizes it under a given budget: predicted ``kv_cache_bytes`` against the engine's own accounting
+of its cache tensors after a round (``kv_cache_bytes + prefix_cache_bytes``). Not a profiler
+measurement: the engine runs its forwards in a worker thread, and the profiler records the
+allocations of the calling thread only. Samples may end early at EOS (a random model), so the
+prediction, made for full-length samples, is an upper bound there.
+
     PYTHONPATH=. python bench/memory_planner.py
 
 Goal: predicted / measured within 0.85-1.15 for every configuration.
@@ -31,10 +38,11 @@ import torch
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.config.budget import ModelShape
 from hybridflow.config.loader import load_config
-from hybridflow.config.plan import plan_memory
+from hybridflow.config.plan import kv_cache_bytes, plan_memory, prefix_cache_tokens
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.rollout.native import NativeEngine
 from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
-from hybridflow.types import TrainBatch
+from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch
 from hybridflow.utils.memory import live_bytes, peak_allocated_bytes
 
 MIB = 2**20
@@ -144,6 +152,40 @@ def measured_forward_bytes(spec: TinyModelSpec, samples: int, prompt: int, respo
         batch, temperature=1.0, use_remove_padding=True, max_token_len=token_budget))
 
 
+@dataclass(frozen=True)
+class RolloutCase:
+    name: str
+    spec: TinyModelSpec
+    prompts: int
+    n: int
+    prompt: int
+    response: int
+    max_batch_size: int
+    budget_mib: int
+
+
+ROLLOUT_CASES = [
+    RolloutCase("budget-bound slots", TinyModelSpec(), 16, 8, 64, 32, 256, 64),
+    RolloutCase("max_batch_size-bound + prefix cache", TinyModelSpec(), 16, 8, 64, 32, 256, 256),
+    RolloutCase("hidden 256, 21 decode rows", TinyModelSpec(hidden_size=256, intermediate_size=768), 8, 4, 128, 64, 32,
+                64),
+    RolloutCase("long responses + prefix cache", TinyModelSpec(), 32, 4, 48, 80, 64, 512),
+]
+
+
+def engine_kv_bytes(case: RolloutCase) -> int:
+    """The native engine's KV cache and prefix cache after one round of ``case``'s requests."""
+    engine = NativeEngine(model=build_tiny_model(case.spec, seed=0), eos_token_ids=[258], pad_token_id=256,
+                          max_batch_size=case.max_batch_size, kv_cache_memory_bytes=case.budget_mib * MIB)
+    g = torch.Generator().manual_seed(0)
+    engine.generate_batch([
+        GenerationRequest(torch.randint(0, 256, (case.prompt,), generator=g).tolist(),
+                          SamplingParams(n=case.n, temperature=1.0, max_tokens=case.response, seed=i))
+        for i in range(case.prompts)
+    ])
+    return engine.kv_cache_bytes + engine.prefix_cache_bytes
+
+
 def main() -> int:
     torch.set_num_threads(1)
     ratios = []
@@ -164,6 +206,17 @@ def main() -> int:
             tokens = case.samples * (case.prompt + case.response)
             print(f"{case.name:<40}{tokens:>8}{predicted / MIB:>15.1f}{measured / MIB:>14.1f}{ratio:>11.3f}"
                   f"{time.perf_counter() - start:>6.1f}")
+    print("\nrollout KV cache (slot rows + prefix cache), the engine's own accounting")
+    print(f"{'configuration':<40}{'budget':>8}{'predicted MiB':>15}{'engine MiB':>14}{'pred/eng':>11}{'s':>6}")
+    for rc in ROLLOUT_CASES:
+        start = time.perf_counter()
+        held = engine_kv_bytes(rc)
+        predicted, _ = kv_cache_bytes(shape_of(rc.spec), budget=rc.budget_mib * MIB, dtype_bytes=4,
+                                      longest=rc.prompt + rc.response, max_batch_size=rc.max_batch_size,
+                                      prefix_tokens=prefix_cache_tokens(rc.prompt, rc.response, rc.n, rc.prompts))
+        ratios.append(predicted / held)
+        print(f"{rc.name:<40}{rc.budget_mib:>8}{predicted / MIB:>15.1f}{held / MIB:>14.1f}{predicted / held:>11.3f}"
+              f"{time.perf_counter() - start:>6.1f}")
     inside = sum(0.85 <= r <= 1.15 for r in ratios)
     print(f"\nwithin ±15%: {inside} of {len(ratios)}; predicted/measured from {min(ratios):.3f} to {max(ratios):.3f}")
     return 0 if inside == len(ratios) else 1

@@ -95,6 +95,11 @@ KV_CACHE_MEMORY_FRACTION = {"cuda": 0.4, "cpu": 0.25}
 KV_PROMPT_ROWS = 64
 PREFILL_TOKENS = 2048
 KV_CAPACITY_ALIGN = 64
+# hybridflow.rollout.prefix_cache.DEFAULT_BLOCK_SIZE: the prefix cache keeps whole blocks of positions.
+PREFIX_BLOCK_TOKENS = 16
+# hybridflow.rollout.compact.ONEDNN_FASTER_VENDORS: on these CPUs the native engine keeps a second,
+# oneDNN-packed copy of its fp32 matmul weights.
+ONEDNN_PACKED_VENDORS = ("AuthenticAMD",)
 # Decode: float32 logits of every row, their softmax and the sampling temporary.
 DECODE_LOGITS_TEMPORARIES = 3
 
@@ -226,6 +231,28 @@ def adamw_step_temporary_bytes(shape: ModelShape, params_per_rank: int, device_t
 def kv_bytes_per_position(shape: ModelShape, dtype_bytes: int, tp: int = 1) -> int:
     """Keys and values of one token in every layer (split over ``tp`` ranks)."""
     return 2 * shape.num_hidden_layers * shape.kv_size * dtype_bytes // tp
+
+
+def prefix_cache_tokens(prompt: int, response: int, n: int, prompts: int) -> int:
+    """Positions the prefix cache keeps after a round of ``prompts`` x ``n`` samples: whole
+    blocks of each finished sequence's keys (its last token has none), the prompt's blocks
+    shared by its samples."""
+    block = PREFIX_BLOCK_TOKENS
+    shared = prompt // block
+    per_sample = max(0, (prompt + response - 1) // block - shared)
+    return prompts * (shared + n * per_sample) * block
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor_id from /proc/cpuinfo ('' where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def kv_cache_bytes(
@@ -389,6 +416,9 @@ def plan_memory(
     rollout_dtype = 4 if r.dtype == "float32" or (r.dtype == "auto" and layout.device_type == "cpu") else 2
     embed_head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
     rollout_w = ((n - embed_head) // layout.tp + embed_head) * rollout_dtype if r.name != "sglang" else 0
+    if layout.device_type == "cpu" and rollout_dtype == 4 and r.name == "native" and cpu_vendor() in ONEDNN_PACKED_VENDORS:
+        rollout_w += (n - embed_head + shape.vocab_size * shape.hidden_size) * 4  # the layers' matmuls and the head
+        notes.append("rollout weights: x2 for the oneDNN-packed copy the native engine keeps on this CPU")
 
     # KV cache: the engine sizes its budget when it starts, after the actor's parameters and its weights.
     longest = data.max_prompt_length + data.max_response_length
@@ -400,7 +430,8 @@ def plan_memory(
     else:
         budget = 0
     replicas = rollout_replicas(cfg) if cfg.trainer.backend != "local" else 1
-    step_tokens = data.train_batch_size * r.n * longest // replicas if r.enable_prefix_caching else 0
+    step_tokens = prefix_cache_tokens(data.max_prompt_length, data.max_response_length, r.n,
+                                      -(-data.train_batch_size // replicas)) if r.enable_prefix_caching else 0
     if budget:
         kv, rows = kv_cache_bytes(shape, budget=budget, dtype_bytes=rollout_dtype, longest=longest,
                                   max_batch_size=r.max_batch_size, tp=layout.tp, prefix_tokens=step_tokens)

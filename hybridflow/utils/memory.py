@@ -10,7 +10,10 @@ maximum the peak. Used by ``bench/memory_planner.py`` and its test to check the 
 What it counts: every tensor storage allocated inside the block (activations, gradients, the
 optimizer's state, temporaries), less the ones freed; not what was alive before it started
 (``live_bytes`` adds that: parameters, buffers, the batch). The profiler costs time, not memory
-that it would count.
+that it would count. Only the calling thread's allocations are recorded: the training engine's
+forward, backward and optimizer step run in it on a CPU, but the native rollout engine computes in
+a worker thread, so its memory cannot be measured this way (its ``kv_cache_bytes`` and
+``weight_bytes`` account for its own tensors).
 """
 
 from __future__ import annotations

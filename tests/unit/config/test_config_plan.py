@@ -24,10 +24,13 @@ from hybridflow.config.plan import (
     KV_CAPACITY_ALIGN,
     KV_PROMPT_ROWS,
     LM_HEAD_CHUNK_ROWS,
+    ONEDNN_PACKED_VENDORS,
+    PREFIX_BLOCK_TOKENS,
     PREFILL_TOKENS,
     kv_cache_bytes,
     logits_bytes,
     plan_memory,
+    prefix_cache_tokens,
     train_activation_bytes,
 )
 
@@ -53,7 +56,7 @@ def test_parameter_count_is_the_models():
 
 
 def test_constants_are_the_engines():
-    from hybridflow.rollout import kv_cache, native
+    from hybridflow.rollout import compact, kv_cache, native, prefix_cache
     from hybridflow.training import lm_head
 
     assert LM_HEAD_CHUNK_ROWS == lm_head.DEFAULT_CHUNK_ROWS
@@ -61,6 +64,8 @@ def test_constants_are_the_engines():
     assert KV_PROMPT_ROWS == native.DEFAULT_MAX_PREFILL_PROMPTS
     assert PREFILL_TOKENS == native.DEFAULT_MAX_PREFILL_TOKENS
     assert KV_CAPACITY_ALIGN == kv_cache.CAPACITY_ALIGN
+    assert PREFIX_BLOCK_TOKENS == prefix_cache.DEFAULT_BLOCK_SIZE
+    assert ONEDNN_PACKED_VENDORS == compact.ONEDNN_FASTER_VENDORS
 
 
 def test_logits_of_the_chunked_head_by_hand():
@@ -106,6 +111,10 @@ def test_kv_cache_by_hand():
                            prefix_tokens=1000)
     assert kv == (256 + 64) * row + 1000 * 2048
     assert kv_cache_bytes(BUILTIN_TINY_SHAPE, budget=64 * row, dtype_bytes=4, longest=72, max_batch_size=256) == (0, 0)
+    # Prefix cache: whole 16-token blocks of each finished sequence but its last token, the prompt's shared.
+    # 64-token prompts (4 blocks), 95 positions with keys per sample (5 blocks: 1 of its own), n=8: 12 blocks.
+    assert prefix_cache_tokens(64, 32, 8, 1) == (4 + 8 * 1) * 16
+    assert prefix_cache_tokens(48, 80, 4, 32) == 32 * (3 + 4 * 4) * 16
 
 
 def test_plan_terms_follow_the_config():
