@@ -122,6 +122,7 @@ class PhaseMemory:
     # set take turns (in a forward the layers are done when the head runs; in backward the head's
     # backward is done before the last layer's starts), so the peak counts only the larger.
     overlap: int = 0
+    blocked: str = ""  # why the phase cannot run whatever its peak (the KV cache holds no sequence)
 
     @property
     def peak(self) -> int:
@@ -139,7 +140,7 @@ class MemoryPlan:
     def too_big(self) -> list[PhaseMemory]:
         if self.device_bytes is None:
             return []
-        return [p for p in self.phases if p.peak > self.device_bytes]
+        return [p for p in self.phases if p.peak > self.device_bytes or p.blocked]
 
 
 # --------------------------------------------------------------------------- the terms
@@ -432,12 +433,16 @@ def plan_memory(
     replicas = rollout_replicas(cfg) if cfg.trainer.backend != "local" else 1
     step_tokens = prefix_cache_tokens(data.max_prompt_length, data.max_response_length, r.n,
                                       -(-data.train_batch_size // replicas)) if r.enable_prefix_caching else 0
+    blocked = ""
     if budget:
         kv, rows = kv_cache_bytes(shape, budget=budget, dtype_bytes=rollout_dtype, longest=longest,
                                   max_batch_size=r.max_batch_size, tp=layout.tp, prefix_tokens=step_tokens)
         if rows == 0:
-            notes.append(f"the KV cache budget ({budget / GIB:.2f} GiB) holds no sequence of {longest} tokens: "
-                         f"generation will refuse every request")
+            row = -(-longest // KV_CAPACITY_ALIGN) * KV_CAPACITY_ALIGN * kv_bytes_per_position(shape, rollout_dtype, layout.tp)
+            blocked = (f"its KV cache budget ({budget / GIB:.2f} GiB: {KV_CACHE_MEMORY_FRACTION[layout.device_type]:g} "
+                       f"of the memory free when it starts) holds no sequence of {longest} tokens beside the "
+                       f"{KV_PROMPT_ROWS} prompt rows the native engine reserves ({(KV_PROMPT_ROWS + 1) * row / GIB:.2f} "
+                       f"GiB with one decode row): it would refuse every request")
         elif rows < r.max_batch_size:
             notes.append(f"the KV cache holds {rows} of rollout.max_batch_size={r.max_batch_size} sequences at "
                          f"{longest} tokens: generation runs at most {rows} at once")
@@ -464,7 +469,7 @@ def plan_memory(
     prefill = forward_activation_bytes(shape, PREFILL_TOKENS, compute_bytes=rollout_dtype)
     phases.append(PhaseMemory(
         "rollout", "generation", params=rollout_w, activations=prefill, logits=decode, kv_cache=kv,
-        others=trainers_resident if layout.colocated else 0,
+        others=trainers_resident if layout.colocated else 0, blocked=blocked,
     ))
 
     # Actor: old-logprob forward, update.
@@ -589,7 +594,9 @@ def _budget_candidates(cfg: Config, role: str, phase: str) -> list[dict[str, obj
     return out
 
 
-def _fix_candidates(cfg: Config, role: str, phase: str, dp: int) -> list[tuple[str, list[dict[str, object]]]]:
+def _fix_candidates(
+    cfg: Config, shape: ModelShape, role: str, phase: str, dp: int
+) -> list[tuple[str, list[dict[str, object]]]]:
     """(why, overrides to try) in order of cost: what slows a run least comes first."""
     section = "critic" if role == "critic" else "actor"
     out: list[tuple[str, list[dict[str, object]]]] = []
@@ -612,6 +619,12 @@ def _fix_candidates(cfg: Config, role: str, phase: str, dp: int) -> list[tuple[s
         sizes = [{"rollout.max_batch_size": b} for b in (128, 64, 32, 16, 8) if b < cfg.rollout.max_batch_size]
         if sizes:
             out.append(("fewer sequences decoded together (fewer decode rows and logits)", sizes))
+    if role == "rollout" and cfg.trainer.backend == "ray":
+        heads = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
+        tps = [{"rollout.tensor_model_parallel_size": t} for t in (2, 4, 8) if t > cfg.rollout.tensor_model_parallel_size
+               and dp % t == 0 and all(x % t == 0 for x in heads)]
+        if tps:
+            out.append(("split each rollout replica's weights and KV cache over more ranks (tensor parallel)", tps))
     if role == "rollout" and cfg.trainer.backend == "ray" and cfg.rollout.placement == "colocated":
         out.append(("give the rollout devices of its own", [{"rollout.placement": "split"}]))
     if dp > 1 and not getattr(cfg, section).fsdp_config.param_offload:
@@ -628,12 +641,12 @@ def cheapest_fix(cfg: Config, shape: ModelShape, role: str, phase: str, *, with_
     """The first change, in order of cost, with which ``role``'s ``phase`` fits ``device_bytes``."""
     dp = 1 if cfg.trainer.backend == "local" else data_parallel_size(cfg.trainer)
     tried = []
-    for why, candidates in _fix_candidates(cfg, role, phase, dp):
+    for why, candidates in _fix_candidates(cfg, shape, role, phase, dp):
         for overrides in candidates:
             replanned = plan_memory(_with(cfg, overrides), shape, with_critic=with_critic, device_bytes=device_bytes,
                                     find_fixes=False)
             match = [p for p in replanned.phases if (p.role, p.phase) == (role, phase)]
-            if match and match[0].peak <= device_bytes:
+            if match and match[0].peak <= device_bytes and not match[0].blocked:
                 keys = " ".join(f"{k}={_show(v)}" for k, v in overrides.items())
                 return f"{keys}: {why}; predicted peak {_size(match[0].peak)}"
         tried.append(why)
@@ -670,15 +683,16 @@ def format_memory_plan(plan: MemoryPlan) -> list[str]:
              f"{'role':<10}{'phase':<17}" + "".join(f"{c:>9}" for c in COLUMNS) + "  fits"]
     for p in plan.phases:
         values = (p.params, p.grads, p.optimizer, p.activations, p.logits, p.kv_cache, p.others, p.peak)
-        fits = "" if plan.device_bytes is None else ("yes" if p.peak <= plan.device_bytes else "NO")
+        fits = "" if plan.device_bytes is None else ("yes" if p.peak <= plan.device_bytes and not p.blocked else "NO")
         lines.append(f"{p.role:<10}{p.phase:<17}" + "".join(f"{cell(v):>9}" for v in values) + f"  {fits}")
     lines.append("others: what the other roles on the device keep resident meanwhile (colocated); in the forward "
                  "phases activ and logits are not alive at once, and the peak counts the larger")
     lines += plan.notes
     for p in plan.too_big():
         assert plan.device_bytes is not None
-        lines.append(f"WARNING: {p.role} {p.phase} needs {p.peak / scale:.2f} {unit}, more than the device's "
-                     f"{plan.device_bytes / scale:.2f} {unit}. Cheapest fix: {plan.fixes.get((p.role, p.phase), '?')}")
+        why = (f"needs {p.peak / scale:.2f} {unit}, more than the device's {plan.device_bytes / scale:.2f} {unit}"
+               if p.peak > plan.device_bytes else f"cannot run: {p.blocked}")
+        lines.append(f"WARNING: {p.role} {p.phase} {why}. Cheapest fix: {plan.fixes.get((p.role, p.phase), '?')}")
     return lines
 
 

@@ -200,6 +200,19 @@ def test_any_valid_config_is_planned_and_every_misfit_gets_an_answer(
     assert all(plan.fixes.values())
 
 
+def test_a_kv_cache_that_holds_no_sequence_blocks_generation():
+    """10k-token sequences of a 7B model: the native engine's 64 reserved prompt rows alone outgrow
+    its budget (0.4 of the memory free at start-up), so it would refuse every request; tensor
+    parallelism halves each rank's rows."""
+    overrides = ["trainer.device=cuda", "model.dtype=bfloat16", "trainer.device_memory_gb=80", "trainer.backend=ray",
+                 "trainer.n_gpus_per_node=8", "data.max_prompt_length=2048", "data.max_response_length=8192"]
+    plan = plan_memory(load_config(overrides=overrides), QWEN25_7B)
+    generation = phase(plan, "rollout", "generation")
+    assert generation.peak < 80 * GIB and "refuse every request" in generation.blocked
+    assert generation in plan.too_big()
+    assert plan.fixes[("rollout", "generation")].startswith("rollout.tensor_model_parallel_size=2")
+
+
 def test_cli_plan_prints_the_table_and_the_warning(capsys):
     assert main(["plan", "trainer.device=cpu", "actor.ppo_max_token_len_per_gpu=4096",
                  "trainer.device_memory_gb=0.1"]) == 0
