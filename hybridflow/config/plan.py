@@ -180,7 +180,8 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: i
     """One layer's working set in a forward without backward (no_grad: nothing is saved). Under
     ``autocast`` the hidden-sized values stay float32 and the layer's weights are cast for it."""
     if autocast and compute_bytes < 4:
-        per_token = FORWARD_HIDDEN_VALUES * shape.hidden_size * 4 + FORWARD_MLP_VALUES * shape.intermediate_size * compute_bytes
+        per_token = (FORWARD_HIDDEN_VALUES * shape.hidden_size * 4
+                     + FORWARD_MLP_VALUES * shape.intermediate_size * compute_bytes)
         return tokens * per_token + _layer_weights(shape) * compute_bytes
     values = FORWARD_HIDDEN_VALUES * shape.hidden_size + FORWARD_MLP_VALUES * shape.intermediate_size
     return tokens * values * compute_bytes
@@ -349,7 +350,9 @@ class _Budgets:
     reason: str
 
 
-def _token_budgets(cfg: Config, shape: ModelShape, layout: _Layout, device_bytes: int | None, actor_params: int) -> _Budgets:
+def _token_budgets(
+    cfg: Config, shape: ModelShape, layout: _Layout, device_bytes: int | None, actor_params: int
+) -> _Budgets:
     """The token budgets the roles will use: configured, or derived at start-up as the actor does
     (``auto_token_budget`` of the memory free after the actor's parameters)."""
     a, c = cfg.actor, cfg.critic
@@ -438,7 +441,8 @@ def plan_memory(
         kv, rows = kv_cache_bytes(shape, budget=budget, dtype_bytes=rollout_dtype, longest=longest,
                                   max_batch_size=r.max_batch_size, tp=layout.tp, prefix_tokens=step_tokens)
         if rows == 0:
-            row = -(-longest // KV_CAPACITY_ALIGN) * KV_CAPACITY_ALIGN * kv_bytes_per_position(shape, rollout_dtype, layout.tp)
+            capacity = -(-longest // KV_CAPACITY_ALIGN) * KV_CAPACITY_ALIGN
+            row = capacity * kv_bytes_per_position(shape, rollout_dtype, layout.tp)
             blocked = (f"its KV cache budget ({budget / GIB:.2f} GiB: {KV_CACHE_MEMORY_FRACTION[layout.device_type]:g} "
                        f"of the memory free when it starts) holds no sequence of {longest} tokens beside the "
                        f"{KV_PROMPT_ROWS} prompt rows the native engine reserves ({(KV_PROMPT_ROWS + 1) * row / GIB:.2f} "
@@ -485,7 +489,8 @@ def plan_memory(
         return PhaseMemory(role, name, activations=activations, logits=logits, overlap=min(activations, logits),
                            notes=(f"{tokens} tokens per micro-batch",), **terms)
 
-    lp_tokens = _micro_batch_tokens(cfg, budgets.log_prob, a.log_prob_micro_batch_size_per_gpu, per_rank * plan.mini_batches_per_epoch)
+    lp_tokens = _micro_batch_tokens(cfg, budgets.log_prob, a.log_prob_micro_batch_size_per_gpu,
+                                    per_rank * plan.mini_batches_per_epoch)
     others_for_actor = ref_p + critic_p + critic_g + critic_o + rollout_during_training
     phases.append(forward_phase("actor", "logprob forward", shape, lp_tokens, True, params=actor_p + gathered,
                                 grads=actor_g, optimizer=actor_o, others=others_for_actor))
@@ -501,7 +506,10 @@ def plan_memory(
     # With one micro-batch the peak comes before most gradients exist (the head's is in logits).
     grads_live = actor_g if micro_batches > 1 else 0
     optimizer_fwd = 0 if optimizer_offload else actor_o
-    step_peak = actor_p + actor_g + (n // layout.shard) * 8 + adamw_step_temporary_bytes(shape, n // layout.shard, layout.device_type)
+    shard = n // layout.shard
+    step_peak = actor_p + actor_g + shard * 8 + adamw_step_temporary_bytes(shape, shard, layout.device_type)
+    if a.fsdp_config.param_offload and layout.shard > 1:
+        step_peak = 0  # FSDP2's CPU offload runs the optimizer step on the CPU
     fwd_bwd = actor_p + gathered + grads_live + optimizer_fwd + activations + logits - overlap
     if step_peak > fwd_bwd:
         phase = PhaseMemory("actor", "update", params=actor_p, grads=actor_g,
@@ -533,6 +541,8 @@ def plan_memory(
         c_opt = 0 if c.fsdp_config.optimizer_offload else critic_o
         nv = vshape.num_parameters // layout.shard
         c_step = critic_p + critic_g + nv * 8 + adamw_step_temporary_bytes(vshape, nv, layout.device_type)
+        if c.fsdp_config.param_offload and layout.shard > 1:
+            c_step = 0
         c_fwd = critic_p + gathered + (critic_g if c_micro > 1 else 0) + c_opt + train_activation_bytes(
             vshape, ctokens, compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             autocast=autocast)
