@@ -2,7 +2,7 @@
 
 For each configuration: the built-in tiny model family at some shape, a batch of full-length
 samples cut into token-budget micro-batches as the actor cuts them, and two optimizer steps of
-the real ``TrainEngine`` (packed forward, chunked LM head with entropy, backward, AdamW; the second
+the real ``TrainEngine`` (packed or padded forward, chunked LM head with entropy, backward, AdamW; the second
 step runs with the optimizer state allocated, as every step after the first does). Measured: the
 bytes alive before (parameters, buffers, the batch; ``hybridflow.utils.memory.live_bytes``) plus
 the peak of the tensor storage allocated and not yet freed during the two steps, from
@@ -58,6 +58,7 @@ class Case:
     token_budget: int
     gradient_checkpointing: bool = False
     dtype: str = "float32"  # model.dtype: bfloat16 is mixed precision (autocast over fp32 weights on one rank)
+    packed: bool = True  # actor.use_remove_padding: false runs padded micro-batches (padded slots count)
 
 
 CASES = [
@@ -75,6 +76,8 @@ CASES = [
     Case("bf16, hidden 256, checkpointing", TinyModelSpec(hidden_size=256, intermediate_size=768), 16, 32, 32, 1024,
          gradient_checkpointing=True, dtype="bfloat16"),
     Case("bf16, vocab 8192, 2048 response rows", TinyModelSpec(vocab_size=8192), 16, 64, 128, 4096, dtype="bfloat16"),
+    Case("padded", TinyModelSpec(), 16, 32, 32, 1024, packed=False),
+    Case("padded, 4096-token micro-batch", TinyModelSpec(), 32, 64, 64, 4096, packed=False),
 ]
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -94,6 +97,7 @@ def config_of(case: Case):
         f"data.train_batch_size={case.samples}", "rollout.n=1", f"actor.ppo_mini_batch_size={case.samples}",
         f"actor.ppo_max_token_len_per_gpu={case.token_budget}", "trainer.device=cpu",
         f"model.enable_gradient_checkpointing={str(case.gradient_checkpointing).lower()}", f"model.dtype={case.dtype}",
+        f"actor.use_remove_padding={str(case.packed).lower()}",
     ])
 
 
@@ -117,7 +121,7 @@ def full_length_batch(samples: int, prompt: int, response: int, vocab: int, seed
 
 
 def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int, token_budget: int,
-                   gradient_checkpointing: bool, steps: int = 2, dtype: str = "float32") -> int:
+                   gradient_checkpointing: bool, steps: int = 2, dtype: str = "float32", packed: bool = True) -> int:
     """Peak bytes of tensor storage over ``steps`` optimizer steps of the real engine (one rank, CPU,
     fp32 weights; ``dtype=bfloat16`` computes under autocast as the actor does on one rank)."""
     model = build_tiny_model(spec, seed=0)
@@ -125,7 +129,7 @@ def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int
         model.gradient_checkpointing_enable()
     engine = TrainEngine(model, OptimSpec(lr=1e-3), torch.device("cpu"), mixed_precision=DTYPES[dtype])
     batch = full_length_batch(samples, prompt, response, spec.vocab_size)
-    micro_batches, _ = token_budget_micro_batches(batch, token_budget)
+    micro_batches, _ = token_budget_micro_batches(batch, token_budget, padded=not packed)
     num_tokens, _ = batch_counts(batch.response_mask)
 
     def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
@@ -133,7 +137,7 @@ def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int
 
     def steps_fn() -> None:
         for _ in range(steps):
-            engine.optimizer_step(micro_batches, loss_fn, temperature=1.0, with_entropy=True, use_remove_padding=True)
+            engine.optimizer_step(micro_batches, loss_fn, temperature=1.0, with_entropy=True, use_remove_padding=packed)
 
     before = live_bytes([*engine.model.parameters(), *engine.model.buffers(),
                          *(t for mb in micro_batches for t in vars(mb).values() if isinstance(t, torch.Tensor))])
@@ -141,7 +145,7 @@ def measured_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int
 
 
 def measured_forward_bytes(spec: TinyModelSpec, samples: int, prompt: int, response: int, token_budget: int,
-                           dtype: str = "float32") -> int:
+                           dtype: str = "float32", packed: bool = True) -> int:
     """Peak bytes of a logprob forward (``compute_logprobs``, packed, one rank, CPU) of a frozen
     engine with fp32 weights, as the actor's."""
     engine = TrainEngine(build_tiny_model(spec, seed=0), None, torch.device("cpu"), mixed_precision=DTYPES[dtype])
@@ -149,7 +153,7 @@ def measured_forward_bytes(spec: TinyModelSpec, samples: int, prompt: int, respo
     before = live_bytes([*engine.model.parameters(), *engine.model.buffers(),
                          *(t for t in vars(batch).values() if isinstance(t, torch.Tensor))])
     return before + peak_allocated_bytes(lambda: engine.compute_logprobs(
-        batch, temperature=1.0, use_remove_padding=True, max_token_len=token_budget))
+        batch, temperature=1.0, use_remove_padding=packed, max_token_len=token_budget))
 
 
 @dataclass(frozen=True)
@@ -196,10 +200,10 @@ def main() -> int:
             start = time.perf_counter()
             if phase == "update":
                 measured = measured_bytes(case.spec, case.samples, case.prompt, case.response, case.token_budget,
-                                          case.gradient_checkpointing, dtype=case.dtype)
+                                          case.gradient_checkpointing, dtype=case.dtype, packed=case.packed)
             else:  # the logprob budget: 2x the training one, as the actor derives it
                 measured = measured_forward_bytes(case.spec, case.samples, case.prompt, case.response,
-                                                  2 * case.token_budget, dtype=case.dtype)
+                                                  2 * case.token_budget, dtype=case.dtype, packed=case.packed)
             predicted = predicted_bytes(case, phase)
             ratio = predicted / measured
             ratios.append(ratio)
