@@ -222,6 +222,8 @@ def test_cli_plan_prints_the_table_and_the_warning(capsys):
     assert "WARNING: actor update needs" in out and "Cheapest fix: actor.ppo_max_token_len_per_gpu=" in out
     assert main(["plan", "trainer.device_memory_gb=0"]) == 2  # a config error: must be > 0
     assert "trainer.device_memory_gb=0" in capsys.readouterr().err
+    assert main(["plan", "trainer.device_memory_gb=1e308"]) == 2  # and finite, below 1 PiB
+    assert "trainer.device_memory_gb=1e+308 must be a size in GiB" in capsys.readouterr().err
 
 
 def test_explain_has_the_memory_section():
