@@ -42,14 +42,19 @@ response token, V vocabulary, c = ``LM_HEAD_CHUNK_ROWS``):
   it starts (after the actor's parameters and its own weights are loaded, before any optimizer
   state exists) as its budget, and allocates slot rows of ``align(prompt + response)`` positions,
   ``KV_PROMPT_ROWS`` prompt rows plus as many decode rows as ``rollout.max_batch_size`` asks and
-  the budget holds; the prefix cache (``rollout.enable_prefix_caching``) keeps a step's finished
-  sequences in what the budget leaves.
+  the budget holds; the prefix cache (``rollout.enable_prefix_caching``) keeps whole blocks of a
+  step's finished sequences in what the budget leaves. A budget that holds no sequence beside the
+  prompt rows blocks generation (the engine would refuse every request). On AMD CPUs the engine
+  keeps a second, oneDNN-packed copy of its fp32 matmul weights.
 
 Micro-batches are planned at their worst case: every sample at ``data.max_prompt_length +
-data.max_response_length`` tokens, a micro-batch filled to its token budget. The figures are
-checked against measured peaks of the real engine on a CPU by ``bench/memory_planner.py``.
-Left out: the CUDA context and allocator fragmentation (leave ~10% of a GPU for them), the
-reward model, and sequence parallelism and LoRA, which this project has no keys for.
+data.max_response_length`` tokens, a micro-batch filled to its token budget.
+``bench/memory_planner.py`` checks the actor's update and logprob forward against peaks measured
+in the real engine on a CPU (fp32 and bf16 autocast, packed and padded), and the KV cache against
+the native engine's own accounting. Modelled but not measured: the GPU-only paths (foreach AdamW,
+FSDP2's gathered layers, the sharded ranks' full logits) and the rollout's activations. Left out:
+the CUDA context and allocator fragmentation (leave ~10% of a GPU for them), the reward model, and
+sequence parallelism and LoRA, which this project does not have.
 
 Pure functions of the config, no torch (``config/`` is layer 1).
 """
@@ -468,12 +473,13 @@ def plan_memory(
     per_rank = plan.samples_per_rank_per_mini_batch
     phases: list[PhaseMemory] = []
 
-    # Rollout: generation.
+    # Rollout: generation. A scheduler step runs its prefill and its decode forward one after the other.
     decode = r.max_batch_size * shape.vocab_size * 4 * DECODE_LOGITS_TEMPORARIES
-    prefill = forward_activation_bytes(shape, PREFILL_TOKENS, compute_bytes=rollout_dtype)
+    prompt_tokens = -(-data.train_batch_size // replicas) * data.max_prompt_length
+    prefill = forward_activation_bytes(shape, min(PREFILL_TOKENS, prompt_tokens), compute_bytes=rollout_dtype)
     phases.append(PhaseMemory(
         "rollout", "generation", params=rollout_w, activations=prefill, logits=decode, kv_cache=kv,
-        others=trainers_resident if layout.colocated else 0, blocked=blocked,
+        overlap=min(prefill, decode), others=trainers_resident if layout.colocated else 0, blocked=blocked,
     ))
 
     # Actor: old-logprob forward, update.
@@ -695,8 +701,9 @@ def format_memory_plan(plan: MemoryPlan) -> list[str]:
         values = (p.params, p.grads, p.optimizer, p.activations, p.logits, p.kv_cache, p.others, p.peak)
         fits = "" if plan.device_bytes is None else ("yes" if p.peak <= plan.device_bytes and not p.blocked else "NO")
         lines.append(f"{p.role:<10}{p.phase:<17}" + "".join(f"{cell(v):>9}" for v in values) + f"  {fits}")
-    lines.append("others: what the other roles on the device keep resident meanwhile (colocated); in the forward "
-                 "phases activ and logits are not alive at once, and the peak counts the larger")
+    lines.append("others: what the other roles on the device keep resident meanwhile (colocated). The peak counts "
+                 "activ and logits once where they take turns (forwards; the head's and a layer's backward)")
+    lines += [f"{p.role} {p.phase}: {'; '.join(p.notes)}" for p in plan.phases if p.notes]
     lines += plan.notes
     for p in plan.too_big():
         assert plan.device_bytes is not None
