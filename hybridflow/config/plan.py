@@ -408,6 +408,8 @@ def plan_memory(
     compute_bytes = BYTES[cfg.model.dtype]
     n = shape.num_parameters
     notes: list[str] = []
+    if cfg.trainer.device == "auto":
+        notes.append("trainer.device=auto is planned as a CPU run; set trainer.device=cuda to plan a GPU run")
     packed, _ = packing_decision(a.use_remove_padding, shape.model_type, shape.custom_code)
     fused = layout.shard <= 1  # sharded ranks keep the model's own head (FSDP2 gathers its weight in the root)
     with_reference = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
