@@ -3,6 +3,7 @@
     hybridflow train [--preset grpo] [--config my.yaml] [key=value ...]
     hybridflow config explain [--preset ...] [--config ...] [key=value ...]
     hybridflow config presets
+    hybridflow plan [--preset ...] [--config ...] [key=value ...]   (predicted peak memory per role and phase)
     hybridflow export <checkpoint or run folder> <out dir> [--overwrite]
     hybridflow serve <model dir | builtin:tiny> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-n 128]
     hybridflow timeline <run folder>
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain = config_sub.add_parser("explain", help="print the resolved config and the derived plan")
     _add_config_args(explain)
     config_sub.add_parser("presets", help="list the shipped presets")
+    plan = sub.add_parser(
+        "plan", help="predict each role's peak device memory per phase (set trainer.device_memory_gb to check fit)"
+    )
+    _add_config_args(plan)
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint folder (global_step_N), or a run folder: its newest checkpoint")
     export.add_argument("out_dir", help="the folder to write (config, tokenizer, safetensors)")
@@ -340,6 +345,14 @@ def _run(args: argparse.Namespace) -> int:
         print("\n".join(list_presets()))
         return 0
     cfg = load_config(args.preset, args.config_file, args.overrides)
+    if args.command == "plan":
+        from hybridflow.config.plan import memory_plan_lines
+        from hybridflow.controller.setup import config_needs_critic
+
+        validate_config(cfg)
+        # Only the estimator is resolved (does it need a critic?): a GPU run is planned on any machine.
+        print("\n".join(memory_plan_lines(cfg, with_critic=config_needs_critic(cfg))))
+        return 0
     if args.command == "config":
         from hybridflow.controller.setup import needs_critic, resolve_plugins
 

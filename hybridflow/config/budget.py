@@ -62,18 +62,41 @@ class ModelShape:
     num_key_value_heads: int
     vocab_size: int
     custom_code: bool = False  # config.json names modeling code shipped with the checkpoint (auto_map)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    tie_word_embeddings: bool = False  # the LM head shares the embedding's weight
+    attention_bias: bool = False  # q, k and v projections have biases (Qwen2 always)
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_size
 
     @property
     def kv_size(self) -> int:
-        return self.hidden_size * self.num_key_value_heads // self.num_attention_heads
+        return self.num_key_value_heads * self.head_size
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the causal LM: embedding, decoder layers, final norm, LM head (unless tied)."""
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        if self.model_type == "qwen3":
+            attention += 2 * self.head_size  # q_norm and k_norm
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_hidden_layers * layer + h + head
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
         """From a Hugging Face config.json (the text config of a multimodal one)."""
         text = config.get("text_config") or config
         heads = int(text.get("num_attention_heads", 1))
+        model_type = str(config.get("model_type", ""))
         return cls(
-            model_type=str(config.get("model_type", "")),
+            model_type=model_type,
             hidden_size=int(text["hidden_size"]),
             intermediate_size=int(text.get("intermediate_size") or 4 * int(text["hidden_size"])),
             num_hidden_layers=int(text["num_hidden_layers"]),
@@ -81,13 +104,16 @@ class ModelShape:
             num_key_value_heads=int(text.get("num_key_value_heads") or heads),
             vocab_size=int(text["vocab_size"]),
             custom_code="auto_map" in config,
+            head_dim=int(text["head_dim"]) if text.get("head_dim") else None,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            attention_bias=model_type == "qwen2" or bool(text.get("attention_bias", False)),
         )
 
 
 # hybridflow.models.tiny.TinyModelSpec() (config cannot import models; a test keeps them equal).
 BUILTIN_TINY_SHAPE = ModelShape(
     model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=272,
+    num_key_value_heads=2, vocab_size=272, tie_word_embeddings=True, attention_bias=True,
 )
 
 
@@ -121,8 +147,15 @@ def packing_decision(
     return True, f"{key}=true and {model_type} has a packed attention path"
 
 
+# Under autocast (mixed precision on one rank) the residual stream and the norms stay float32
+# while the matmuls save bf16 copies: a layer saves 4 more hidden-sized float32 values per token
+# than the count at the compute dtype (the saved tensors of the built-in model under bf16 autocast).
+AUTOCAST_FP32_HIDDEN_VALUES = 4
+
+
 def training_bytes_per_token(
-    shape: ModelShape, *, compute_bytes: int, gradient_checkpointing: bool = False, full_logits: bool = False
+    shape: ModelShape, *, compute_bytes: int, gradient_checkpointing: bool = False, full_logits: bool = False,
+    autocast: bool = False,
 ) -> int:
     """Bytes a training forward keeps per token until its backward (an estimate, on purpose high).
 
@@ -133,14 +166,19 @@ def training_bytes_per_token(
     layer input stays (``h``), plus one layer's full set while it is recomputed. Logits: the
     chunked head (``hybridflow.training.lm_head``) keeps none; ``full_logits`` (a sharded model,
     a head with soft-capping) keeps float32 logits, their gradient and a softmax temporary.
+    ``autocast``: mixed precision on one rank keeps the residual stream and norms in float32.
     """
     per_layer = 10 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.kv_size
+    # ``autocast`` (compute_bytes < 4 over fp32 weights, one rank): AUTOCAST_FP32_HIDDEN_VALUES more per layer.
+    fp32_extra = AUTOCAST_FP32_HIDDEN_VALUES * shape.hidden_size * 4 if autocast and compute_bytes < 4 else 0
     if gradient_checkpointing:
         values = shape.num_hidden_layers * shape.hidden_size + per_layer
+        layers_extra = fp32_extra
     else:
         values = shape.num_hidden_layers * per_layer
+        layers_extra = shape.num_hidden_layers * fp32_extra
     logits = 3 * 4 * shape.vocab_size if full_logits else 0
-    return values * compute_bytes + logits
+    return values * compute_bytes + layers_extra + logits
 
 
 def _floor_power_of_two(n: int) -> int:

@@ -21,6 +21,7 @@ from hybridflow.config.budget import (
     training_bytes_per_token,
 )
 from hybridflow.config.loader import config_to_yaml
+from hybridflow.config.plan import memory_plan_lines
 from hybridflow.config.schema import Config
 from hybridflow.config.validate import batch_plan, dp_source, rollout_replicas, validate_config
 
@@ -285,7 +286,7 @@ def _replica_layout(cfg: Config) -> str:
 
 
 def explain_config(cfg: Config, with_critic: bool = False) -> str:
-    """The resolved config as YAML, then the plan in numbers, then the validation warnings.
+    """The resolved config as YAML, then the plan in numbers, the memory plan, then the validation warnings.
     ``with_critic``: the estimator needs values, so a critic is built (known once its name is
     resolved, which this layer cannot do).
 
@@ -294,6 +295,8 @@ def explain_config(cfg: Config, with_critic: bool = False) -> str:
     warnings = validate_config(cfg)
     parts = ["# Resolved config", config_to_yaml(cfg).rstrip(), "", "Plan"]
     parts += [f"  {line}" for line in _plan_lines(cfg, with_critic)]
+    parts += ["", "Memory (hybridflow plan)"]
+    parts += [f"  {line}" for line in memory_plan_lines(cfg, with_critic)]
     parts += ["", "Warnings"]
     parts += [f"  - {w}" for w in warnings] if warnings else ["  none"]
     return "\n".join(parts) + "\n"

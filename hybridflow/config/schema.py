@@ -723,6 +723,14 @@ class TrainerConfig:
     )
     ray_dashboard: bool = f(False, "Start the Ray dashboard (on 127.0.0.1) with the local cluster; needs ray[default].")
     device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
+    device_memory_gb: float | None = f(
+        None,
+        "Memory of one device in GiB (2^30 bytes; the GPU's, or the RAM a CPU rank may use), for the memory plan "
+        "of `hybridflow plan` and `hybridflow config explain`: each role's predicted peak per phase is checked "
+        "against it, with the cheapest fix for a phase that does not fit. null: the plan shows the peaks without "
+        "a fit check. Nothing else reads it: the token budgets and the KV cache still size themselves from the "
+        "free memory at start-up.",
+    )
     num_threads: int | None = f(
         None,
         "torch CPU threads of this process. None: every core, and fewer while other processes keep cores busy "

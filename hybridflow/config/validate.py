@@ -117,6 +117,9 @@ _MAXIMA: tuple[tuple[str, int, str], ...] = (
 MAX_SAMPLES_PER_STEP = 1 << 20
 """``data.train_batch_size x rollout.n``: one step's trajectories all live in memory at once."""
 
+MAX_DEVICE_MEMORY_GB = 1 << 20
+"""``trainer.device_memory_gb`` above this (1 PiB) is a typo, not a device (NaN fails the same check)."""
+
 MIN_TRAIN_TEMPERATURE = 1e-2
 """The trainer recomputes logprobs of logits / temperature. At 0 they are undefined (greedy has
 no distribution) and far below 1e-2 they overflow float32 (1e-45 turns logits into inf), so the
@@ -338,6 +341,10 @@ def _check_ranges(cfg: Config, report: _Report) -> None:
         report.error(f"reward.startup_timeout_s={cfg.reward.startup_timeout_s} must be > 0 seconds")
     if cfg.reward.timeout_s <= 0:
         report.error(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 seconds")
+    memory = cfg.trainer.device_memory_gb
+    if memory is not None and not 0 < memory <= MAX_DEVICE_MEMORY_GB:
+        report.error(f"trainer.device_memory_gb={memory} must be a size in GiB in (0, {MAX_DEVICE_MEMORY_GB}] "
+                     f"(e.g. 80 for an 80 GB GPU) or null")
 
     algorithm = cfg.algorithm
     for name in ("gamma", "lam"):

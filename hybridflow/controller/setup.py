@@ -445,6 +445,13 @@ def needs_critic(estimator_needs: frozenset[str]) -> bool:
     return any(ESTIMATOR_INPUT_SOURCES[need].critic for need in estimator_needs)
 
 
+def config_needs_critic(cfg: Config) -> bool:
+    """``needs_critic`` for the configured estimator, resolving only its name (``hybridflow plan``
+    plans a GPU run on any machine: no device or engine check)."""
+    adv_estimator = _resolved("algorithm.adv_estimator", lambda: get_adv_estimator(cfg.algorithm.adv_estimator))
+    return needs_critic(_resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator)))
+
+
 def needs_old_logprobs_for(estimator_needs: frozenset[str]) -> bool:
     """Whether an input the estimator needs comes from the actor's old-logprob forward."""
     return any(ESTIMATOR_INPUT_SOURCES[need].old_logprobs for need in estimator_needs)

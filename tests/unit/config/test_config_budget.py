@@ -74,7 +74,7 @@ def test_model_shape_from_a_config_json(tmp_path):
         '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "auto_map": {"AutoModel": "x.Y"}}'
     )
     shape = read_model_shape(str(tmp_path))
-    assert dataclasses.astuple(shape) == ("llama", 64, 128, 2, 4, 2, 100, True)
+    assert dataclasses.astuple(shape) == ("llama", 64, 128, 2, 4, 2, 100, True, None, False, False)
     assert shape.kv_size == 32
     assert read_model_shape(str(tmp_path / "missing")) is None
     assert read_model_shape("builtin:tiny") == BUILTIN_TINY_SHAPE

@@ -1,0 +1,724 @@
+"""The memory planner: each role's peak device memory per phase, before anything loads.
+
+``hybridflow plan`` and the "Memory" section of ``hybridflow config explain`` read the model's
+config.json (``read_model_shape``: no weights) and predict, per rank, what every phase of a step
+holds on its device at its peak: parameters, gradients, AdamW state, activations, logits, the
+rollout's KV cache, and what the other roles sharing the device keep resident meanwhile. With
+``trainer.device_memory_gb`` each phase is checked against the device, and for one that does not
+fit the planner re-plans the config with the cheapest change that makes it fit and names it as
+an override.
+
+How each term is counted (bytes; N parameters, T tokens of a micro-batch, M of them predicting a
+response token, V vocabulary, c = ``LM_HEAD_CHUNK_ROWS``):
+
+- Parameters: N x 4 for a trained model (fp32 master weights, also under mixed precision); a
+  frozen reference on one rank loads in ``model.dtype``; the rollout's copy in ``rollout.dtype``.
+  FSDP2 shards parameters, gradients and AdamW state over ``actor.fsdp_config.fsdp_size`` ranks
+  (all data-parallel ranks by default) and, while a layer computes, holds it gathered: two layers
+  (the next one prefetched) and the root (embeddings, head) in the compute dtype, plus one layer's
+  unsharded fp32 gradient before its reduce-scatter.
+- Gradients: N x 4 (fp32). They stay allocated after the first optimizer step (the next step's
+  ``zero_grad`` frees them), so every later phase carries them; within an update they are all
+  live while the second and later micro-batches run, only the head's at the peak of a single one.
+- AdamW: two fp32 moments, N x 8, allocated by the first step; the step itself adds temporaries
+  (``torch.optim.AdamW``'s foreach path on a GPU: one fp32 copy of the parameters; the per-tensor
+  loop on a CPU: two copies of the largest tensor). ``optimizer_offload`` keeps them off the
+  device except during the step; ``param_offload`` (sharded ranks) keeps all three off it.
+- Activations of a training micro-batch: ``training_bytes_per_token`` (``budget.py``) x T,
+  the per-layer count of what a decoder layer saves for backward (checked against the saved
+  tensors of the built-in model: within 1%), or the layer inputs plus one layer's set with
+  gradient checkpointing; plus a layer's backward working set. Mixed precision on one rank runs
+  under autocast: the residual stream and norms stay float32 and the matmuls save bf16 copies of
+  the weights. A forward without backward keeps one layer's working set (``FORWARD_*_VALUES``).
+- Logits: the engine computes logprobs from the hidden states ``c`` rows at a time
+  (``hybridflow/training/lm_head.py``), so at most min(M, c) x V float32 logits are alive, times
+  the temporaries of the chunk (``HEAD_FORWARD_TEMPORARIES`` forward, ``HEAD_BACKWARD_TEMPORARIES``
+  in backward, which also allocates the head's fp32 weight gradient). Sharded ranks use the
+  model's own head: M x V float32 logits, their gradient and a softmax temporary. In a training
+  micro-batch the head's backward runs while every layer's saved activations are alive (they add
+  up) but before any layer's backward (the larger of the two working sets counts: ``overlap``); in
+  a forward without backward the layers' working set is gone when the head runs.
+- KV cache (native engine): the engine takes ``KV_CACHE_MEMORY_FRACTION`` of the memory free when
+  it starts (after the actor's parameters and its own weights are loaded, before any optimizer
+  state exists) as its budget, and allocates slot rows of ``align(prompt + response)`` positions,
+  ``KV_PROMPT_ROWS`` prompt rows plus as many decode rows as ``rollout.max_batch_size`` asks and
+  the budget holds; the prefix cache (``rollout.enable_prefix_caching``) keeps whole blocks of a
+  step's finished sequences in what the budget leaves. A budget that holds no sequence beside the
+  prompt rows blocks generation (the engine would refuse every request). On AMD CPUs the engine
+  keeps a second, oneDNN-packed copy of its fp32 matmul weights.
+
+Micro-batches are planned at their worst case: every sample at ``data.max_prompt_length +
+data.max_response_length`` tokens, a micro-batch filled to its token budget.
+``bench/memory_planner.py`` checks the actor's update and logprob forward against peaks measured
+in the real engine on a CPU (fp32 and bf16 autocast, packed and padded), and the KV cache against
+the native engine's own accounting. Modelled but not measured: the GPU-only paths (foreach AdamW,
+FSDP2's gathered layers, the sharded ranks' full logits) and the rollout's activations. Left out:
+the CUDA context and allocator fragmentation (leave ~10% of a GPU for them), the reward model, and
+sequence parallelism and LoRA, which this project does not have.
+
+Pure functions of the config, no torch (``config/`` is layer 1).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from hybridflow.config.budget import (
+    BYTES,
+    ModelShape,
+    auto_token_budget,
+    available_host_memory_bytes,
+    packing_decision,
+    read_model_shape,
+    training_bytes_per_token,
+)
+from hybridflow.config.schema import Config
+from hybridflow.config.validate import batch_plan, data_parallel_size, rollout_replicas
+
+GIB = 2**30
+
+# hybridflow.training.lm_head.DEFAULT_CHUNK_ROWS (config cannot import training; a test keeps them equal).
+LM_HEAD_CHUNK_ROWS = 1024
+# Chunk-sized float32 tensors alive at once in the chunked head: forward (logprobs, as the logprob
+# phases ask) z and logsumexp's shifted copy; backward z, p, dz and g * p, and from the second
+# chunk on one more (the loop's variables keep the previous chunk's p and dz alive while the next
+# chunk's z, z - lse and p are made: the peak is at that exp).
+HEAD_FORWARD_TEMPORARIES = 2
+HEAD_BACKWARD_TEMPORARIES = 4
+HEAD_BACKWARD_TEMPORARIES_CHUNKED = 5
+# A layer's working set per token in a forward without backward, in compute-dtype values: the
+# residual, the normed input, q and the attention output (4h), the MLP's gate, up and their product (3i).
+FORWARD_HIDDEN_VALUES, FORWARD_MLP_VALUES = 4, 3
+# The per-layer backward of a training micro-batch, on top of what the layer saved: the gradients of
+# the MLP's intermediates and of the hidden state, in compute-dtype values per token.
+BACKWARD_HIDDEN_VALUES, BACKWARD_MLP_VALUES = 2, 3
+# hybridflow.rollout.native.KV_CACHE_MEMORY_FRACTION, DEFAULT_MAX_PREFILL_PROMPTS,
+# DEFAULT_MAX_PREFILL_TOKENS and hybridflow.rollout.kv_cache.CAPACITY_ALIGN (a test keeps them equal).
+KV_CACHE_MEMORY_FRACTION = {"cuda": 0.4, "cpu": 0.25}
+KV_PROMPT_ROWS = 64
+PREFILL_TOKENS = 2048
+KV_CAPACITY_ALIGN = 64
+# hybridflow.rollout.prefix_cache.DEFAULT_BLOCK_SIZE: the prefix cache keeps whole blocks of positions.
+PREFIX_BLOCK_TOKENS = 16
+# hybridflow.rollout.compact.ONEDNN_FASTER_VENDORS: on these CPUs the native engine keeps a second,
+# oneDNN-packed copy of its fp32 matmul weights.
+ONEDNN_PACKED_VENDORS = ("AuthenticAMD",)
+# Decode: float32 logits of every row, their softmax and the sampling temporary.
+DECODE_LOGITS_TEMPORARIES = 3
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """One role's phase on one rank: the bytes of each term at its peak."""
+
+    role: str
+    phase: str
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    logits: int = 0
+    kv_cache: int = 0
+    others: int = 0  # what the other roles on this device keep resident meanwhile
+    notes: tuple[str, ...] = ()
+    # Bytes of ``activations`` and ``logits`` never alive together: the head and a layer's working
+    # set take turns (in a forward the layers are done when the head runs; in backward the head's
+    # backward is done before the last layer's starts), so the peak counts only the larger.
+    overlap: int = 0
+    blocked: str = ""  # why the phase cannot run whatever its peak (the KV cache holds no sequence)
+
+    @property
+    def peak(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations + self.logits - self.overlap
+                + self.kv_cache + self.others)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device_bytes: int | None
+    phases: tuple[PhaseMemory, ...]
+    notes: tuple[str, ...] = ()
+    fixes: dict[tuple[str, str], str] = field(default_factory=dict)  # (role, phase) -> the cheapest fix
+
+    def too_big(self) -> list[PhaseMemory]:
+        if self.device_bytes is None:
+            return []
+        return [p for p in self.phases if p.peak > self.device_bytes or p.blocked]
+
+
+# --------------------------------------------------------------------------- the terms
+
+
+def _layer_weights(shape: ModelShape) -> int:
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return (shape.num_parameters - embeddings) // shape.num_hidden_layers
+
+
+def train_activation_bytes(
+    shape: ModelShape, tokens: int, *, compute_bytes: int, gradient_checkpointing: bool, autocast: bool = False
+) -> int:
+    """What a training forward of ``tokens`` keeps until its backward, plus the backward's own
+    working set of one layer; under ``autocast`` also the bf16 copies of the layers' weights that
+    the matmuls save (once per forward, whatever the tokens)."""
+    saved = training_bytes_per_token(shape, compute_bytes=compute_bytes, gradient_checkpointing=gradient_checkpointing,
+                                     autocast=autocast)
+    weight_copies = shape.num_hidden_layers * _layer_weights(shape) * compute_bytes if autocast and compute_bytes < 4 else 0
+    return tokens * saved + layer_backward_bytes(shape, tokens, compute_bytes=compute_bytes) + weight_copies
+
+
+def layer_backward_bytes(
+    shape: ModelShape, tokens: int, *, compute_bytes: int, gradient_checkpointing: bool = False, autocast: bool = False
+) -> int:
+    """The part of ``train_activation_bytes`` alive only while a layer's backward runs: its
+    gradients of the intermediates, and with checkpointing the layer's recomputed set."""
+    values = BACKWARD_HIDDEN_VALUES * shape.hidden_size + BACKWARD_MLP_VALUES * shape.intermediate_size
+    work = tokens * values * compute_bytes
+    if gradient_checkpointing:
+        whole = training_bytes_per_token(shape, compute_bytes=compute_bytes, autocast=autocast)
+        work += tokens * whole // shape.num_hidden_layers
+    return work
+
+
+def forward_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, autocast: bool = False) -> int:
+    """One layer's working set in a forward without backward (no_grad: nothing is saved). Under
+    ``autocast`` the hidden-sized values stay float32 and the layer's weights are cast for it."""
+    if autocast and compute_bytes < 4:
+        per_token = (FORWARD_HIDDEN_VALUES * shape.hidden_size * 4
+                     + FORWARD_MLP_VALUES * shape.intermediate_size * compute_bytes)
+        return tokens * per_token + _layer_weights(shape) * compute_bytes
+    values = FORWARD_HIDDEN_VALUES * shape.hidden_size + FORWARD_MLP_VALUES * shape.intermediate_size
+    return tokens * values * compute_bytes
+
+
+def logits_bytes(
+    shape: ModelShape, rows: int, *, fused: bool, backward: bool, chunk_rows: int = LM_HEAD_CHUNK_ROWS,
+    compute_bytes: int = 4,
+) -> int:
+    """Logits alive at the head's peak for ``rows`` response-predicting positions (a forward
+    without backward also holds the last hidden states: ``forward_head_bytes``).
+
+    ``fused`` (one rank, a plain linear head): the chunked head, at most ``chunk_rows`` rows of
+    float32 logits times its temporaries, and in backward the head's fp32 weight gradient.
+    Otherwise the model's own head: every row's float32 logits, and with backward their
+    gradient and a softmax temporary."""
+    vocab = shape.vocab_size
+    if fused:
+        chunk = min(rows, chunk_rows) * vocab * 4
+        if backward:
+            temporaries = HEAD_BACKWARD_TEMPORARIES if rows <= chunk_rows else HEAD_BACKWARD_TEMPORARIES_CHUNKED
+            # The fp32 weight gradient; in a lower compute dtype also the head's weight and dz cast to it.
+            cast = (vocab * shape.hidden_size + min(rows, chunk_rows) * vocab) * compute_bytes if compute_bytes < 4 else 0
+            return temporaries * chunk + vocab * shape.hidden_size * 4 + cast
+        return HEAD_FORWARD_TEMPORARIES * chunk
+    return rows * vocab * 4 * (3 if backward else 2)
+
+
+def forward_head_bytes(
+    shape: ModelShape, tokens: int, rows: int, *, fused: bool, compute_bytes: int, autocast: bool = False
+) -> int:
+    """The head's peak in a forward without backward: the last hidden states of the micro-batch
+    (and the rows gathered for the head; float32 under ``autocast``) beside the logits, and in a
+    lower compute dtype the chunk's logits before their cast to float32."""
+    hidden = (tokens + rows) * shape.hidden_size * (4 if autocast else compute_bytes)
+    cast = min(rows, LM_HEAD_CHUNK_ROWS) * shape.vocab_size * compute_bytes if fused and compute_bytes < 4 else 0
+    return hidden + cast + logits_bytes(shape, rows, fused=fused, backward=False)
+
+
+def adamw_step_temporary_bytes(shape: ModelShape, params_per_rank: int, device_type: str) -> int:
+    """AdamW's temporaries in ``step``: foreach on a GPU (one fp32 copy of the parameters),
+    the per-tensor loop on a CPU (two copies of the largest tensor)."""
+    if device_type == "cuda":
+        return params_per_rank * 4
+    largest = max(shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size)
+    return 2 * largest * 4
+
+
+def kv_bytes_per_position(shape: ModelShape, dtype_bytes: int, tp: int = 1) -> int:
+    """Keys and values of one token in every layer (split over ``tp`` ranks)."""
+    return 2 * shape.num_hidden_layers * shape.kv_size * dtype_bytes // tp
+
+
+def prefix_cache_tokens(prompt: int, response: int, n: int, prompts: int) -> int:
+    """Positions the prefix cache keeps after a round of ``prompts`` x ``n`` samples: whole
+    blocks of each finished sequence's keys (its last token has none), the prompt's blocks
+    shared by its samples."""
+    block = PREFIX_BLOCK_TOKENS
+    shared = prompt // block
+    per_sample = max(0, (prompt + response - 1) // block - shared)
+    return prompts * (shared + n * per_sample) * block
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor_id from /proc/cpuinfo ('' where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def kv_cache_bytes(
+    shape: ModelShape, *, budget: int, dtype_bytes: int, longest: int, max_batch_size: int, tp: int = 1,
+    prefix_tokens: int = 0,
+) -> tuple[int, int]:
+    """(bytes the native engine's KV cache takes, decode rows it gets) under ``budget``.
+
+    Slot rows of ``align(longest)`` positions: ``KV_PROMPT_ROWS`` prompt rows and up to
+    ``max_batch_size`` decode rows; the prefix cache holds up to ``prefix_tokens`` more
+    positions in what the budget leaves. 0 decode rows: nothing fits."""
+    per_position = kv_bytes_per_position(shape, dtype_bytes, tp)
+    capacity = -(-longest // KV_CAPACITY_ALIGN) * KV_CAPACITY_ALIGN
+    row = capacity * per_position
+    rows = min(max_batch_size, budget // row - KV_PROMPT_ROWS)
+    if rows < 1:
+        return 0, 0
+    slots = (rows + KV_PROMPT_ROWS) * row
+    return slots + min(max(0, budget - slots), prefix_tokens * per_position), rows
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How the ranks and roles sit on devices, from the config."""
+
+    device_type: str  # cuda | cpu
+    dp: int  # actor (and reference, critic) ranks
+    shard: int  # ranks one FSDP2 group shards over (1: not sharded)
+    colocated: bool  # the rollout shares the trainers' devices
+    tp: int
+
+
+def _layout(cfg: Config) -> _Layout:
+    t = cfg.trainer
+    dp = 1 if t.backend == "local" else data_parallel_size(t)
+    fsdp = cfg.actor.fsdp_config.fsdp_size
+    shard = dp if fsdp in (-1, 0) or fsdp > dp else fsdp
+    return _Layout(
+        device_type="cuda" if t.device == "cuda" else "cpu", dp=dp, shard=shard if dp > 1 else 1,
+        colocated=t.backend == "local" or cfg.rollout.placement == "colocated",
+        tp=cfg.rollout.tensor_model_parallel_size if t.backend != "local" else 1,
+    )
+
+
+def _value_shape(shape: ModelShape) -> ModelShape:
+    """The critic: the backbone with a scalar head (hidden -> 1) instead of the LM head."""
+    return ModelShape(**{**shape.__dict__, "vocab_size": 1, "tie_word_embeddings": False})
+
+
+def _trained_model_params(n: int) -> int:
+    return n * 4
+
+
+def _gathered_bytes(shape: ModelShape, layout: _Layout, compute_bytes: int) -> int:
+    """FSDP2's gathered working set: two layers and the root in the compute dtype, one layer's
+    unsharded fp32 gradient."""
+    if layout.shard <= 1:
+        return 0
+    layer = (shape.num_parameters - shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)) \
+        // shape.num_hidden_layers
+    root = shape.num_parameters - layer * shape.num_hidden_layers
+    return (2 * layer + root) * compute_bytes + layer * 4
+
+
+def _micro_batch_tokens(cfg: Config, budget: int | None, micro_batch_samples: int, samples_per_rank: int) -> int:
+    """Tokens of the largest micro-batch: the budget (or a fixed count of samples), never more
+    than the rank's samples hold; every sample at its longest."""
+    longest = max(1, cfg.data.max_prompt_length + cfg.data.max_response_length)
+    most = max(1, samples_per_rank) * longest
+    if budget is not None:
+        return min(most, max(budget, longest))
+    return min(most, max(1, micro_batch_samples) * longest)
+
+
+def _response_rows(cfg: Config, tokens: int, packed: bool) -> int:
+    """Positions that predict a response token in a micro-batch of ``tokens``: packed, the
+    response share of every sample; padded, ``logits_to_keep`` keeps R + 1 per row."""
+    p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
+    samples = max(1, tokens // max(1, p + r))
+    return samples * r if packed else samples * (r + 1)
+
+
+@dataclass(frozen=True)
+class _Budgets:
+    ppo: int | None
+    log_prob: int | None
+    ref: int | None
+    critic: int | None
+    critic_forward: int | None
+    reason: str
+
+
+def _token_budgets(
+    cfg: Config, shape: ModelShape, layout: _Layout, device_bytes: int | None, actor_params: int
+) -> _Budgets:
+    """The token budgets the roles will use: configured, or derived at start-up as the actor does
+    (``auto_token_budget`` of the memory free after the actor's parameters)."""
+    a, c = cfg.actor, cfg.critic
+    if not a.use_dynamic_bsz:
+        return _Budgets(None, None, None, None, None, "actor.use_dynamic_bsz=false: fixed micro-batch sizes")
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if device_bytes is not None:
+        free, label = max(0, device_bytes - actor_params), "trainer.device_memory_gb less the actor's parameters"
+    elif layout.device_type == "cpu":
+        free, label = available_host_memory_bytes(), "available host memory now"
+    else:
+        free, label = 1 << 62, "free GPU memory (unknown: the cap)"
+    auto = auto_token_budget(
+        shape, free, longest, compute_bytes=BYTES[cfg.model.dtype],
+        gradient_checkpointing=cfg.model.enable_gradient_checkpointing, full_logits=layout.shard > 1,
+        memory_label=label, device_type=layout.device_type,
+    )
+    ppo = a.ppo_max_token_len_per_gpu or auto.ppo
+    log_prob = a.log_prob_max_token_len_per_gpu or (2 * ppo if a.ppo_max_token_len_per_gpu else auto.log_prob)
+    ref = cfg.ref.log_prob_max_token_len_per_gpu or log_prob
+    critic = c.ppo_max_token_len_per_gpu or ppo
+    critic_forward = c.forward_max_token_len_per_gpu or 2 * critic
+    configured = a.ppo_max_token_len_per_gpu is not None
+    reason = "configured" if configured else auto.reason
+    return _Budgets(ppo, log_prob, ref, critic, critic_forward, reason)
+
+
+def _trainer_resident(n: int, layout: _Layout, offload_params: bool, offload_optimizer: bool) -> tuple[int, int, int]:
+    """(params, grads, optimizer) a trained model keeps on its device between its phases."""
+    on_device = not (offload_params and layout.shard > 1)
+    per_rank = n // layout.shard
+    params = _trained_model_params(per_rank) if on_device else 0
+    grads = per_rank * 4 if on_device else 0
+    optimizer = per_rank * 8 if on_device and not offload_optimizer else 0
+    return params, grads, optimizer
+
+
+def plan_memory(
+    cfg: Config, shape: ModelShape, *, with_critic: bool = False, device_bytes: int | None = None,
+    find_fixes: bool = True,
+) -> MemoryPlan:
+    """Each role's predicted peak per phase on one rank; with ``device_bytes`` (default
+    ``trainer.device_memory_gb``) the cheapest fix of each phase that does not fit."""
+    if device_bytes is None and cfg.trainer.device_memory_gb is not None:
+        device_bytes = int(cfg.trainer.device_memory_gb * GIB)
+    layout = _layout(cfg)
+    a, r, data = cfg.actor, cfg.rollout, cfg.data
+    compute_bytes = BYTES[cfg.model.dtype]
+    n = shape.num_parameters
+    notes: list[str] = []
+    if cfg.trainer.device == "auto":
+        notes.append("trainer.device=auto is planned as a CPU run; set trainer.device=cuda to plan a GPU run")
+    packed, _ = packing_decision(a.use_remove_padding, shape.model_type, shape.custom_code)
+    fused = layout.shard <= 1  # sharded ranks keep the model's own head (FSDP2 gathers its weight in the root)
+    with_reference = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    gathered = _gathered_bytes(shape, layout, compute_bytes)
+
+    # Resident between phases.
+    actor_p, actor_g, actor_o = _trainer_resident(n, layout, a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload)
+    ref_bytes = BYTES[cfg.model.dtype] if layout.shard <= 1 else 4
+    ref_p = (n // layout.shard) * ref_bytes if with_reference else 0
+    vshape = _value_shape(shape)
+    critic_p, critic_g, critic_o = (
+        _trainer_resident(vshape.num_parameters, layout, cfg.critic.fsdp_config.param_offload,
+                          cfg.critic.fsdp_config.optimizer_offload) if with_critic else (0, 0, 0)
+    )
+    rollout_dtype = 4 if r.dtype == "float32" or (r.dtype == "auto" and layout.device_type == "cpu") else 2
+    embed_head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    rollout_w = ((n - embed_head) // layout.tp + embed_head) * rollout_dtype if r.name != "sglang" else 0
+    if layout.device_type == "cpu" and rollout_dtype == 4 and r.name == "native" and cpu_vendor() in ONEDNN_PACKED_VENDORS:
+        rollout_w += (n - embed_head + shape.vocab_size * shape.hidden_size) * 4  # the layers' matmuls and the head
+        notes.append("rollout weights: x2 for the oneDNN-packed copy the native engine keeps on this CPU")
+
+    # KV cache: the engine sizes its budget when it starts, after the actor's parameters and its weights.
+    longest = data.max_prompt_length + data.max_response_length
+    if device_bytes is not None:
+        free_at_start = max(0, device_bytes - (actor_p if layout.colocated else 0) - rollout_w)
+        budget = int(free_at_start * KV_CACHE_MEMORY_FRACTION[layout.device_type])
+    elif layout.device_type == "cpu":
+        budget = int(available_host_memory_bytes() * KV_CACHE_MEMORY_FRACTION["cpu"])
+    else:
+        budget = 0
+    replicas = rollout_replicas(cfg) if cfg.trainer.backend != "local" else 1
+    step_tokens = prefix_cache_tokens(data.max_prompt_length, data.max_response_length, r.n,
+                                      -(-data.train_batch_size // replicas)) if r.enable_prefix_caching else 0
+    blocked = ""
+    if budget:
+        kv, rows = kv_cache_bytes(shape, budget=budget, dtype_bytes=rollout_dtype, longest=longest,
+                                  max_batch_size=r.max_batch_size, tp=layout.tp, prefix_tokens=step_tokens)
+        if rows == 0:
+            capacity = -(-longest // KV_CAPACITY_ALIGN) * KV_CAPACITY_ALIGN
+            row = capacity * kv_bytes_per_position(shape, rollout_dtype, layout.tp)
+            blocked = (f"its KV cache budget ({budget / GIB:.2f} GiB: {KV_CACHE_MEMORY_FRACTION[layout.device_type]:g} "
+                       f"of the memory free when it starts) holds no sequence of {longest} tokens beside the "
+                       f"{KV_PROMPT_ROWS} prompt rows the native engine reserves ({(KV_PROMPT_ROWS + 1) * row / GIB:.2f} "
+                       f"GiB with one decode row): it would refuse every request")
+        elif rows < r.max_batch_size:
+            notes.append(f"the KV cache holds {rows} of rollout.max_batch_size={r.max_batch_size} sequences at "
+                         f"{longest} tokens: generation runs at most {rows} at once")
+    else:
+        kv, rows = 0, 0
+        notes.append("KV cache: sized from the free GPU memory at start-up; set trainer.device_memory_gb to plan it")
+    if r.name != "native":
+        notes.append(f"rollout.name={r.name}: its engine sizes its own KV cache; planned as the native engine's")
+
+    # Rollout residency during the training phases (colocated only).
+    asleep = r.free_cache_engine
+    rollout_during_training = (0 if asleep and r.sleep_level >= 2 else rollout_w) + (0 if asleep else kv)
+    if not layout.colocated:
+        rollout_during_training = 0
+    trainers_resident = actor_p + actor_g + actor_o + ref_p + critic_p + critic_g + critic_o
+
+    budgets = _token_budgets(cfg, shape, layout, device_bytes, actor_p)
+    plan = batch_plan(cfg)
+    per_rank = plan.samples_per_rank_per_mini_batch
+    phases: list[PhaseMemory] = []
+
+    # Rollout: generation. A scheduler step runs its prefill and its decode forward one after the other.
+    decode = r.max_batch_size * shape.vocab_size * 4 * DECODE_LOGITS_TEMPORARIES
+    prompt_tokens = -(-data.train_batch_size // replicas) * data.max_prompt_length
+    prefill = forward_activation_bytes(shape, min(PREFILL_TOKENS, prompt_tokens), compute_bytes=rollout_dtype)
+    phases.append(PhaseMemory(
+        "rollout", "generation", params=rollout_w, activations=prefill, logits=decode, kv_cache=kv,
+        overlap=min(prefill, decode), others=trainers_resident if layout.colocated else 0, blocked=blocked,
+    ))
+
+    # Actor: old-logprob forward, update.
+    optimizer_offload = a.fsdp_config.optimizer_offload
+    # One rank computes in bf16 under autocast over fp32 weights; FSDP2 casts the gathered weights instead.
+    autocast = compute_bytes < 4 and layout.shard <= 1
+
+    def forward_phase(role: str, name: str, model: ModelShape, tokens: int, head: bool, mixed: bool = autocast,
+                      **terms: int) -> PhaseMemory:
+        activations = forward_activation_bytes(model, tokens, compute_bytes=compute_bytes, autocast=mixed)
+        logits = forward_head_bytes(model, tokens, _response_rows(cfg, tokens, packed), fused=fused,
+                                    compute_bytes=compute_bytes, autocast=mixed) if head else 0
+        return PhaseMemory(role, name, activations=activations, logits=logits, overlap=min(activations, logits),
+                           notes=(f"{tokens} tokens per micro-batch",), **terms)
+
+    lp_tokens = _micro_batch_tokens(cfg, budgets.log_prob, a.log_prob_micro_batch_size_per_gpu,
+                                    per_rank * plan.mini_batches_per_epoch)
+    others_for_actor = ref_p + critic_p + critic_g + critic_o + rollout_during_training
+    phases.append(forward_phase("actor", "logprob forward", shape, lp_tokens, True, params=actor_p + gathered,
+                                grads=actor_g, optimizer=actor_o, others=others_for_actor))
+    tokens = _micro_batch_tokens(cfg, budgets.ppo, a.ppo_micro_batch_size_per_gpu, per_rank)
+    micro_batches = max(1, math.ceil(per_rank * longest / tokens))
+    checkpointing = cfg.model.enable_gradient_checkpointing
+    activations = train_activation_bytes(shape, tokens, compute_bytes=compute_bytes,
+                                         gradient_checkpointing=checkpointing, autocast=autocast)
+    logits = logits_bytes(shape, _response_rows(cfg, tokens, packed), fused=fused, backward=True,
+                          compute_bytes=compute_bytes)
+    overlap = min(logits, layer_backward_bytes(shape, tokens, compute_bytes=compute_bytes,
+                                               gradient_checkpointing=checkpointing, autocast=autocast))
+    # With one micro-batch the peak comes before most gradients exist (the head's is in logits).
+    grads_live = actor_g if micro_batches > 1 else 0
+    optimizer_fwd = 0 if optimizer_offload else actor_o
+    shard = n // layout.shard
+    step_peak = actor_p + actor_g + shard * 8 + adamw_step_temporary_bytes(shape, shard, layout.device_type)
+    if a.fsdp_config.param_offload and layout.shard > 1:
+        step_peak = 0  # FSDP2's CPU offload runs the optimizer step on the CPU
+    fwd_bwd = actor_p + gathered + grads_live + optimizer_fwd + activations + logits - overlap
+    if step_peak > fwd_bwd:
+        phase = PhaseMemory("actor", "update", params=actor_p, grads=actor_g,
+                            optimizer=step_peak - actor_p - actor_g, others=others_for_actor,
+                            notes=("peak in the optimizer step",))
+    else:
+        phase = PhaseMemory("actor", "update", params=actor_p + gathered, grads=grads_live, optimizer=optimizer_fwd,
+                            activations=activations, logits=logits, overlap=overlap, others=others_for_actor,
+                            notes=(f"{tokens} tokens per micro-batch, {micro_batches} micro-batch(es) per rank",))
+    phases.append(phase)
+
+    if with_reference:
+        ref_tokens = _micro_batch_tokens(cfg, budgets.ref, cfg.ref.log_prob_micro_batch_size_per_gpu,
+                                         per_rank * plan.mini_batches_per_epoch)
+        # A frozen reference on one rank loads in the compute dtype: no autocast.
+        phases.append(forward_phase(
+            "reference", "logprob forward", shape, ref_tokens, True, mixed=False, params=ref_p + gathered,
+            others=actor_p + actor_g + actor_o + critic_p + critic_g + critic_o + rollout_during_training,
+        ))
+    if with_critic:
+        c = cfg.critic
+        others = actor_p + actor_g + actor_o + ref_p + rollout_during_training
+        ftokens = _micro_batch_tokens(cfg, budgets.critic_forward, c.forward_micro_batch_size_per_gpu,
+                                      per_rank * plan.mini_batches_per_epoch)
+        phases.append(forward_phase("critic", "values forward", vshape, ftokens, False, params=critic_p + gathered,
+                                    grads=critic_g, optimizer=critic_o, others=others))
+        ctokens = _micro_batch_tokens(cfg, budgets.critic, c.ppo_micro_batch_size_per_gpu, per_rank)
+        c_micro = max(1, math.ceil(per_rank * longest / ctokens))
+        c_opt = 0 if c.fsdp_config.optimizer_offload else critic_o
+        nv = vshape.num_parameters // layout.shard
+        c_step = critic_p + critic_g + nv * 8 + adamw_step_temporary_bytes(vshape, nv, layout.device_type)
+        if c.fsdp_config.param_offload and layout.shard > 1:
+            c_step = 0
+        c_fwd = critic_p + gathered + (critic_g if c_micro > 1 else 0) + c_opt + train_activation_bytes(
+            vshape, ctokens, compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+            autocast=autocast)
+        if c_step > c_fwd:
+            phases.append(PhaseMemory("critic", "update", params=critic_p, grads=critic_g,
+                                      optimizer=c_step - critic_p - critic_g, others=others))
+        else:
+            phases.append(PhaseMemory(
+                "critic", "update", params=critic_p + gathered, grads=critic_g if c_micro > 1 else 0, optimizer=c_opt,
+                activations=c_fwd - critic_p - gathered - (critic_g if c_micro > 1 else 0) - c_opt, others=others,
+            ))
+
+    notes.insert(0, f"token budgets: {budgets.ppo} per training micro-batch, {budgets.log_prob} per logprob "
+                    f"micro-batch ({budgets.reason})" if budgets.ppo is not None else budgets.reason)
+    result = MemoryPlan(device_bytes, tuple(phases), tuple(notes))
+    if find_fixes and device_bytes is not None:
+        fixes = {}
+        for p in result.too_big():
+            fix = cheapest_fix(cfg, shape, p.role, p.phase, with_critic=with_critic, device_bytes=device_bytes)
+            fixes[(p.role, p.phase)] = fix
+        result = MemoryPlan(device_bytes, result.phases, result.notes, fixes)
+    return result
+
+
+# --------------------------------------------------------------------------- fixes
+
+
+def _with(cfg: Config, overrides: dict[str, object]) -> Config:
+    out = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        *path, name = key.split(".")
+        target = out
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, name, value)
+    return out
+
+
+def _budget_candidates(cfg: Config, role: str, phase: str) -> list[dict[str, object]]:
+    """Smaller token budgets (or micro-batch sizes) for the phase, largest first."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    keys = {
+        ("actor", "update"): ("actor.ppo_max_token_len_per_gpu", "actor.ppo_micro_batch_size_per_gpu"),
+        ("actor", "logprob forward"): ("actor.log_prob_max_token_len_per_gpu", "actor.log_prob_micro_batch_size_per_gpu"),
+        ("reference", "logprob forward"): ("ref.log_prob_max_token_len_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"),
+        ("critic", "update"): ("critic.ppo_max_token_len_per_gpu", "critic.ppo_micro_batch_size_per_gpu"),
+        ("critic", "values forward"): ("critic.forward_max_token_len_per_gpu",
+                                       "critic.forward_micro_batch_size_per_gpu"),
+    }.get((role, phase))
+    if keys is None:
+        return []
+    dynamic = cfg.critic.use_dynamic_bsz if role == "critic" else cfg.actor.use_dynamic_bsz
+    if not dynamic:
+        return [{keys[1]: s} for s in (64, 32, 16, 8, 4, 2, 1)]
+    out, budget = [], 1 << 21
+    while budget > longest:
+        budget //= 2
+        out.append({keys[0]: max(budget, longest)})
+    return out
+
+
+def _fix_candidates(
+    cfg: Config, shape: ModelShape, role: str, phase: str, dp: int
+) -> list[tuple[str, list[dict[str, object]]]]:
+    """(why, overrides to try) in order of cost: what slows a run least comes first."""
+    section = "critic" if role == "critic" else "actor"
+    out: list[tuple[str, list[dict[str, object]]]] = []
+    budgets = _budget_candidates(cfg, role, phase)
+    if budgets:
+        out.append(("a smaller micro-batch (more, smaller forwards; same math)", budgets))
+    if phase == "update" and not cfg.model.enable_gradient_checkpointing:
+        out.append(("gradient checkpointing (recomputes each layer's forward in backward, ~1/3 more compute)",
+                    [{"model.enable_gradient_checkpointing": True}]))
+    if cfg.rollout.placement == "colocated" or cfg.trainer.backend == "local":
+        if not cfg.rollout.free_cache_engine and role != "rollout":
+            out.append(("free the KV cache while training", [{"rollout.free_cache_engine": True}]))
+        if role != "rollout" and cfg.rollout.sleep_level < 2:
+            out.append(("free the rollout's weights too while training",
+                        [{"rollout.free_cache_engine": True, "rollout.sleep_level": 2}]))
+    if not getattr(cfg, section).fsdp_config.optimizer_offload:
+        out.append(("keep the optimizer state on the CPU between steps (a copy each way per step)",
+                    [{f"{section}.fsdp_config.optimizer_offload": True}]))
+    if role == "rollout":
+        sizes = [{"rollout.max_batch_size": b} for b in (128, 64, 32, 16, 8) if b < cfg.rollout.max_batch_size]
+        if sizes:
+            out.append(("fewer sequences decoded together (fewer decode rows and logits)", sizes))
+    if role == "rollout" and cfg.trainer.backend == "ray":
+        heads = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
+        tps = [{"rollout.tensor_model_parallel_size": t} for t in (2, 4, 8) if t > cfg.rollout.tensor_model_parallel_size
+               and dp % t == 0 and all(x % t == 0 for x in heads)]
+        if tps:
+            out.append(("split each rollout replica's weights and KV cache over more ranks (tensor parallel)", tps))
+    if role == "rollout" and cfg.trainer.backend == "ray" and cfg.rollout.placement == "colocated":
+        out.append(("give the rollout devices of its own", [{"rollout.placement": "split"}]))
+    if dp > 1 and not getattr(cfg, section).fsdp_config.param_offload:
+        out.append(("keep sharded parameters, gradients and the optimizer on the CPU (slow)",
+                    [{f"{section}.fsdp_config.param_offload": True}]))
+    ranks = [{"trainer.backend": "ray", "trainer.n_gpus_per_node": k} for k in (2, 4, 8)
+             if k > data_parallel_size(cfg.trainer)]
+    if ranks:
+        out.append(("more ranks to shard parameters, gradients and optimizer state over (FSDP2)", ranks))
+    return out
+
+
+def cheapest_fix(cfg: Config, shape: ModelShape, role: str, phase: str, *, with_critic: bool, device_bytes: int) -> str:
+    """The first change, in order of cost, with which ``role``'s ``phase`` fits ``device_bytes``."""
+    dp = 1 if cfg.trainer.backend == "local" else data_parallel_size(cfg.trainer)
+    tried = []
+    for why, candidates in _fix_candidates(cfg, shape, role, phase, dp):
+        for overrides in candidates:
+            replanned = plan_memory(_with(cfg, overrides), shape, with_critic=with_critic, device_bytes=device_bytes,
+                                    find_fixes=False)
+            match = [p for p in replanned.phases if (p.role, p.phase) == (role, phase)]
+            if match and match[0].peak <= device_bytes and not match[0].blocked:
+                keys = " ".join(f"{k}={_show(v)}" for k, v in overrides.items())
+                return f"{keys}: {why}; predicted peak {_size(match[0].peak)}"
+        tried.append(why)
+    return ("no single change fits it (tried: " + "; ".join(tried) + "). A larger device, or a smaller model; "
+            "sequence parallelism and LoRA are not built (docs/design.md, Not built)")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _show(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# --------------------------------------------------------------------------- output
+
+
+COLUMNS = ("params", "grads", "optim", "activ", "logits", "kv", "others", "peak")
+
+
+def format_memory_plan(plan: MemoryPlan) -> list[str]:
+    """The table (GiB per rank, MiB when everything is smaller than a GiB) and, per phase that
+    does not fit, a warning and its fix."""
+    largest = max([p.peak for p in plan.phases] + [plan.device_bytes or 0])
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+
+    def cell(n: int) -> str:
+        return "-" if n == 0 else f"{n / scale:.2f}"
+
+    device = "trainer.device_memory_gb unset: peaks only, no fit check" if plan.device_bytes is None else \
+        f"device {plan.device_bytes / scale:.2f} {unit} (trainer.device_memory_gb)"
+    lines = [f"predicted peak memory per rank, {unit}; {device}",
+             f"{'role':<10}{'phase':<17}" + "".join(f"{c:>9}" for c in COLUMNS) + "  fits"]
+    for p in plan.phases:
+        values = (p.params, p.grads, p.optimizer, p.activations, p.logits, p.kv_cache, p.others, p.peak)
+        fits = "" if plan.device_bytes is None else ("yes" if p.peak <= plan.device_bytes and not p.blocked else "NO")
+        lines.append(f"{p.role:<10}{p.phase:<17}" + "".join(f"{cell(v):>9}" for v in values) + f"  {fits}")
+    lines.append("others: what the other roles on the device keep resident meanwhile (colocated). The peak counts "
+                 "activ and logits once where they take turns (forwards; the head's and a layer's backward)")
+    lines += [f"{p.role} {p.phase}: {'; '.join(p.notes)}" for p in plan.phases if p.notes]
+    lines += plan.notes
+    for p in plan.too_big():
+        assert plan.device_bytes is not None
+        why = (f"needs {p.peak / scale:.2f} {unit}, more than the device's {plan.device_bytes / scale:.2f} {unit}"
+               if p.peak > plan.device_bytes else f"cannot run: {p.blocked}")
+        lines.append(f"WARNING: {p.role} {p.phase} {why}. Cheapest fix: {plan.fixes.get((p.role, p.phase), '?')}")
+    return lines
+
+
+def memory_plan_lines(cfg: Config, with_critic: bool = False) -> list[str]:
+    """The plan for ``cfg``'s model, or why it cannot be made yet."""
+    shape = read_model_shape(cfg.model.path)
+    if shape is None:
+        return [f"memory: {cfg.model.path}/config.json is not readable now; planned at start-up"]
+    return format_memory_plan(plan_memory(cfg, shape, with_critic=with_critic))
+
