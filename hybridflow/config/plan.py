@@ -9,7 +9,7 @@ fit the planner re-plans the config with the cheapest change that makes it fit a
 an override.
 
 How each term is counted (bytes; N parameters, T tokens of a micro-batch, M of them predicting a
-response token, V vocabulary, c = ``LM_HEAD_CHUNK_ROWS``):
+response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
 
 - Parameters: N x 4 for a trained model (fp32 master weights, also under mixed precision); a
   frozen reference on one rank loads in ``model.dtype``; the rollout's copy in ``rollout.dtype``.
@@ -79,15 +79,20 @@ from hybridflow.config.validate import batch_plan, data_parallel_size, rollout_r
 
 GIB = 2**30
 
-# hybridflow.training.lm_head.DEFAULT_CHUNK_ROWS (config cannot import training; a test keeps them equal).
-LM_HEAD_CHUNK_ROWS = 1024
+# hybridflow.training.lm_head's chunk size (config cannot import training; a test keeps them equal):
+# CHUNK_LOGIT_BYTES of float32 logits per chunk, rows clamped to [MIN, MAX].
+LM_HEAD_CHUNK_LOGIT_BYTES = 128 << 20
+LM_HEAD_MIN_CHUNK_ROWS, LM_HEAD_MAX_CHUNK_ROWS = 64, 8192
+
+
+def lm_head_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk of the chunked LM head (``lm_head.default_chunk_rows``)."""
+    return max(LM_HEAD_MIN_CHUNK_ROWS, min(LM_HEAD_MAX_CHUNK_ROWS, LM_HEAD_CHUNK_LOGIT_BYTES // (4 * max(1, vocab_size))))
 # Chunk-sized float32 tensors alive at once in the chunked head: forward (logprobs, as the logprob
-# phases ask) z and logsumexp's shifted copy; backward z, p, dz and g * p, and from the second
-# chunk on one more (the loop's variables keep the previous chunk's p and dz alive while the next
-# chunk's z, z - lse and p are made: the peak is at that exp).
+# phases ask) z and logsumexp's shifted copy; backward z, p, dz and g * p (each chunk's arrays are
+# freed before the next chunk's are made).
 HEAD_FORWARD_TEMPORARIES = 2
 HEAD_BACKWARD_TEMPORARIES = 4
-HEAD_BACKWARD_TEMPORARIES_CHUNKED = 5
 # A layer's working set per token in a forward without backward, in compute-dtype values: the
 # residual, the normed input, q and the attention output (4h), the MLP's gate, up and their product (3i).
 FORWARD_HIDDEN_VALUES, FORWARD_MLP_VALUES = 4, 3
@@ -193,7 +198,7 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: i
 
 
 def logits_bytes(
-    shape: ModelShape, rows: int, *, fused: bool, backward: bool, chunk_rows: int = LM_HEAD_CHUNK_ROWS,
+    shape: ModelShape, rows: int, *, fused: bool, backward: bool, chunk_rows: int | None = None,
     compute_bytes: int = 4,
 ) -> int:
     """Logits alive at the head's peak for ``rows`` response-predicting positions (a forward
@@ -204,10 +209,11 @@ def logits_bytes(
     Otherwise the model's own head: every row's float32 logits, and with backward their
     gradient and a softmax temporary."""
     vocab = shape.vocab_size
+    chunk_rows = lm_head_chunk_rows(vocab) if chunk_rows is None else chunk_rows
     if fused:
         chunk = min(rows, chunk_rows) * vocab * 4
         if backward:
-            temporaries = HEAD_BACKWARD_TEMPORARIES if rows <= chunk_rows else HEAD_BACKWARD_TEMPORARIES_CHUNKED
+            temporaries = HEAD_BACKWARD_TEMPORARIES
             # The fp32 weight gradient; in a lower compute dtype also the head's weight and dz cast to it.
             cast = (vocab * shape.hidden_size + min(rows, chunk_rows) * vocab) * compute_bytes if compute_bytes < 4 else 0
             return temporaries * chunk + vocab * shape.hidden_size * 4 + cast
@@ -222,7 +228,7 @@ def forward_head_bytes(
     (and the rows gathered for the head; float32 under ``autocast``) beside the logits, and in a
     lower compute dtype the chunk's logits before their cast to float32."""
     hidden = (tokens + rows) * shape.hidden_size * (4 if autocast else compute_bytes)
-    cast = min(rows, LM_HEAD_CHUNK_ROWS) * shape.vocab_size * compute_bytes if fused and compute_bytes < 4 else 0
+    cast = min(rows, lm_head_chunk_rows(shape.vocab_size)) * shape.vocab_size * compute_bytes if fused and compute_bytes < 4 else 0
     return hidden + cast + logits_bytes(shape, rows, fused=fused, backward=False)
 
 

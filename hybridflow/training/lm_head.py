@@ -158,6 +158,9 @@ class _LMHeadLogprobs(torch.autograd.Function):
                 grad_weight += (dz_c.T @ hidden[start:stop].to(dtype)).float()
             if grad_bias is not None:
                 grad_bias += dz.sum(dim=0)
+            # Let this chunk's arrays go before the next chunk's are made: otherwise the loop's
+            # names keep them alive through the next exp, one chunk more at the peak.
+            del z, probs, dz, dz_c
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),

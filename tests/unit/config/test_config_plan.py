@@ -18,12 +18,13 @@ from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config.budget import BUILTIN_TINY_SHAPE, ModelShape, training_bytes_per_token
 from hybridflow.config.plan import (
     HEAD_BACKWARD_TEMPORARIES,
-    HEAD_BACKWARD_TEMPORARIES_CHUNKED,
     HEAD_FORWARD_TEMPORARIES,
     KV_CACHE_MEMORY_FRACTION,
     KV_CAPACITY_ALIGN,
     KV_PROMPT_ROWS,
-    LM_HEAD_CHUNK_ROWS,
+    LM_HEAD_CHUNK_LOGIT_BYTES,
+    LM_HEAD_MAX_CHUNK_ROWS,
+    LM_HEAD_MIN_CHUNK_ROWS,
     ONEDNN_PACKED_VENDORS,
     PREFIX_BLOCK_TOKENS,
     PREFILL_TOKENS,
@@ -59,7 +60,8 @@ def test_constants_are_the_engines():
     from hybridflow.rollout import compact, kv_cache, native, prefix_cache
     from hybridflow.training import lm_head
 
-    assert LM_HEAD_CHUNK_ROWS == lm_head.DEFAULT_CHUNK_ROWS
+    assert (LM_HEAD_CHUNK_LOGIT_BYTES, LM_HEAD_MIN_CHUNK_ROWS, LM_HEAD_MAX_CHUNK_ROWS) == (
+        lm_head.CHUNK_LOGIT_BYTES, lm_head.MIN_CHUNK_ROWS, lm_head.MAX_CHUNK_ROWS)
     assert KV_CACHE_MEMORY_FRACTION == native.KV_CACHE_MEMORY_FRACTION
     assert KV_PROMPT_ROWS == native.DEFAULT_MAX_PREFILL_PROMPTS
     assert PREFILL_TOKENS == native.DEFAULT_MAX_PREFILL_TOKENS
@@ -73,14 +75,16 @@ def test_logits_of_the_chunked_head_by_hand():
     # 512 rows fit one chunk: 2 float32 (512, V) temporaries forward; backward 4 and the head's fp32 gradient.
     assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=False) == HEAD_FORWARD_TEMPORARIES * 512 * v * 4
     assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=True) == 4 * 512 * v * 4 + v * h * 4
-    # More rows than a chunk cost one chunk more (the loop holds the previous chunk's p and dz while
-    # it makes the next one's), whatever their number: that is the point of the chunked head.
-    chunked = HEAD_BACKWARD_TEMPORARIES_CHUNKED * 1024 * 152064 * 4 + 152064 * 3584 * 4
+    # More rows than a chunk (128 MiB of logits: 220 rows at V = 152064) cost one chunk's
+    # temporaries, whatever their number: that is the point of the chunked head.
+    rows = (128 << 20) // (4 * 152064)
+    assert rows == 220
+    chunked = 4 * rows * 152064 * 4 + 152064 * 3584 * 4
     assert logits_bytes(QWEN25_7B, 10_000, fused=True, backward=True) == chunked
     assert logits_bytes(QWEN25_7B, 100_000, fused=True, backward=True) == chunked
     # bf16 compute adds the head's weight and a chunk's dz cast to bf16.
     assert logits_bytes(QWEN25_7B, 10_000, fused=True, backward=True, compute_bytes=2) == (
-        chunked + (152064 * 3584 + 1024 * 152064) * 2)
+        chunked + (152064 * 3584 + rows * 152064) * 2)
     # The model's own head (sharded ranks) keeps every row's logits, their gradient and a softmax temporary.
     assert logits_bytes(QWEN25_7B, 10_000, fused=False, backward=True) == 10_000 * 152064 * 4 * 3
 
