@@ -811,6 +811,34 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     elif fsdp.param_offload and dp == 1:
         report.error("actor.fsdp_config.param_offload=true is FSDP2's offload of sharded parameters; it needs "
                      "several data-parallel ranks (use actor.fsdp_config.optimizer_offload on one)")
+    _check_sequence_parallel(cfg, dp, report)
+
+
+def sequence_parallel_sizes(cfg: Config) -> dict[str, int]:
+    """Each training role's Ulysses group size by its config key (the reference's None: the actor's)."""
+    actor = cfg.actor.ulysses_sequence_parallel_size
+    ref = cfg.ref.ulysses_sequence_parallel_size
+    return {"actor.ulysses_sequence_parallel_size": actor,
+            "ref.ulysses_sequence_parallel_size": actor if ref is None else ref,
+            "critic.ulysses_sequence_parallel_size": cfg.critic.ulysses_sequence_parallel_size}
+
+
+def _check_sequence_parallel(cfg: Config, dp: int, report: _Report) -> None:
+    """Ulysses groups: blocks of sp ranks, over packed micro-batches. The heads are checked when
+    the model is loaded (its config.json)."""
+    packed = {"actor": cfg.actor.use_remove_padding, "ref": cfg.actor.use_remove_padding,
+              "critic": cfg.critic.use_remove_padding}
+    for key, sp in sequence_parallel_sizes(cfg).items():
+        role = key.split(".")[0]
+        if sp < 1:
+            report.error(f"{key}={sp} must be >= 1 (1: no sequence parallelism)")
+        elif dp % sp:
+            report.error(f"{key}={sp} must divide the {dp} ranks ({dp_source(cfg.trainer)}): each block of {sp} "
+                         f"ranks splits the same micro-batches; use a divisor of {dp}, e.g. "
+                         f"{_or_list(_divisors_near(dp, sp))}")
+        elif sp > 1 and not packed[role]:
+            remove_padding = "critic.use_remove_padding" if role == "critic" else "actor.use_remove_padding"
+            report.error(f"{key}={sp} splits packed sequences; it needs {remove_padding}=true")
 
 
 JUDGE_PLACEHOLDERS = {"prompt": "", "response": "", "ground_truth": ""}

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.training.packing import VARLEN_ATTENTION, PackedBatch
+from hybridflow.types import TrainBatch
 
 ULYSSES_PREFIX = "hybridflow_ulysses_"
 # The inner implementations that can run a packed row from cu_seqlens alone (no N×N mask).
@@ -232,3 +233,21 @@ def shard_pack(packed: PackedBatch, group) -> UlyssesShard:
         rank=rank,
         group=group,
     )
+
+
+# ------------------------------------------------------------------------------- batches
+def gather_group_batch(batch: TrainBatch, group) -> tuple[TrainBatch, slice]:
+    """The micro-batch source of a sequence-parallel group: the shards its ranks were handed,
+    glued in rank order, and the rows of the result that are this rank's own shard.
+
+    A worker group splits a batch over every rank; the sp ranks of a group must run the same
+    micro-batches, so they pool their shards (the group is one data-parallel rank of
+    ``world / sp``) and each returns the results of its own rows: the controller and the worker
+    group see an ordinary data-parallel role. None: the batch itself, all its rows."""
+    if group is None:
+        return batch, slice(0, batch.batch_size)
+    shards: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, batch.to("cpu"), group=group)
+    sizes = [shard.batch_size for shard in shards]
+    start = sum(sizes[: dist.get_rank(group)])
+    return TrainBatch.concat(shards), slice(start, start + batch.batch_size)
