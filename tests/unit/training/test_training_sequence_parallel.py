@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism: two gloo ranks splitting every packed micro-batch's tokens train
 exactly like one process running the whole batch (logprobs, entropy, loss, gradient norm and the
-gradient of every weight within 1e-5), with token-budget micro-batches and a pack whose length does not
-divide by the group (padded). Sizes that cannot split the world or the heads are refused."""
+gradient of every weight within 1e-5; a critic's values too), with token-budget micro-batches and
+a pack whose length does not divide by the group (padded). Sizes that cannot split the world or
+the heads are refused."""
 
 from __future__ import annotations
 
@@ -79,6 +80,16 @@ def run_engine(engine: TrainEngine, batch: TrainBatch, num_tokens: float, dp_siz
             "grads": {n: distributed.full_tensor(p.grad) for n, p in engine.model.named_parameters()}}
 
 
+def value_model(seed: int = 5) -> torch.nn.Module:
+    """A critic's model (``load_value_model``: token classification, one label) of the gqa shape."""
+    from transformers import Qwen2ForTokenClassification
+
+    config = tiny_config(SPECS["gqa"])
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    return Qwen2ForTokenClassification(config)
+
+
 def reference(name: str) -> dict:
     batch = long_packed_batch()
     engine = TrainEngine(build_tiny_model(SPECS[name], seed=3), OptimSpec(lr=1e-2), torch.device("cpu"))
@@ -102,6 +113,10 @@ def _rank(rank: int, world: int, port: int, out: dict) -> None:
                 out["rank1_logprobs"] = result["logprobs"]
         with pytest.raises(ValueError, match="use_remove_padding"):
             engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=6)
+        critic = TrainEngine(value_model(), None, torch.device("cpu"), data_parallel=True, sequence_parallel_size=SP)
+        values = critic.compute_values(batch, use_remove_padding=True, max_token_len=TOKEN_BUDGET)
+        if rank == 0:
+            out["values"] = values
     finally:
         distributed.dist.destroy_process_group()
 
@@ -113,6 +128,9 @@ def test_two_sequence_parallel_ranks_train_like_one_process() -> None:
         results = dict(out)
     mask = long_packed_batch().response_mask.bool()
     assert torch.equal(results["rank1_logprobs"], results["gqa"]["logprobs"])  # every rank gets every token
+    values = TrainEngine(value_model(), None, torch.device("cpu")).compute_values(
+        long_packed_batch(), use_remove_padding=True, max_token_len=TOKEN_BUDGET)
+    assert torch.allclose(results["values"][mask], values[mask], atol=TOLERANCE, rtol=0)
     for name in SPECS:
         expected, got = reference(name), results[name]
         for key in ("logprobs", "entropy"):
