@@ -9,8 +9,10 @@ data-parallel rank of two sequence-parallel ranks).
 What is measured: the bytes autograd saves for the backward during one training forward (the
 loss included), per rank, through ``torch.autograd.graph.saved_tensors_hooks``: every saved
 tensor's storage counted once, parameters and views of them (leaves that require grad: the
-weights FSDP2 gathered) left out because they do not grow with L. Saved tensors all live until the backward starts, so
-this total is their peak; it is what grows with the sequence and what a token budget has to fit.
+weights FSDP2 gathered) left out because they do not grow with L. Saved tensors all live until
+the backward starts, so this total is their peak; it is what grows with the sequence and what a
+token budget has to fit. With sp=2 it includes what the exchanges add (each rank's q, k, v and
+attention output over all N tokens for half the heads).
 Not counted: transient buffers inside one op (never more than one layer's attention or MLP
 workspace), the gathered weights, gradients and optimizer state (the same for both runs). The
 CPU allocator has no peak counter (``tracemalloc`` does not see torch's allocations), which is
@@ -20,6 +22,11 @@ The longest sequence within ``--budget-mib`` is found by bisection over L in ste
 ``--step`` tokens, measuring each candidate (both ranks agree on every decision).
 
     python bench/sequence_parallel_memory.py --budget-mib 64
+
+Measured (2-core CPU, torch 2.13, a 4-layer hidden-128 Qwen2 with 4 heads / 2 KV heads): saved
+activations per rank 49.3 / 25.0 MiB at L=1024, 98.7 / 50.1 at 2048, 197.3 / 100.1 at 4096
+(sp=1 / sp=2, 1.97x less each); the longest sequence within 64 MiB is 1280 tokens with sp=1 and
+2560 with sp=2: 2.00x.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.budget import read_model_shape
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config, OptimConfig, TrainerConfig
 
@@ -824,12 +825,15 @@ def sequence_parallel_sizes(cfg: Config) -> dict[str, int]:
 
 
 def _check_sequence_parallel(cfg: Config, dp: int, report: _Report) -> None:
-    """Ulysses groups: blocks of sp ranks, over packed micro-batches. The heads are checked when
-    the model is loaded (its config.json)."""
+    """Ulysses groups: blocks of sp ranks, over packed micro-batches, splitting the model's heads
+    (read from its config.json where it is readable now; the engine checks again when it loads)."""
     packed = {"actor": cfg.actor.use_remove_padding, "ref": cfg.actor.use_remove_padding,
               "critic": cfg.critic.use_remove_padding}
+    paths = {"actor": cfg.model.path, "ref": cfg.model.path, "critic": cfg.critic.model.path or cfg.model.path}
     for key, sp in sequence_parallel_sizes(cfg).items():
         role = key.split(".")[0]
+        shape = read_model_shape(paths[role]) if sp > 1 else None
+        heads, kv_heads = (shape.num_attention_heads, shape.num_key_value_heads) if shape else (sp, sp)
         if sp < 1:
             report.error(f"{key}={sp} must be >= 1 (1: no sequence parallelism)")
         elif dp % sp:
@@ -839,6 +843,9 @@ def _check_sequence_parallel(cfg: Config, dp: int, report: _Report) -> None:
         elif sp > 1 and not packed[role]:
             remove_padding = "critic.use_remove_padding" if role == "critic" else "actor.use_remove_padding"
             report.error(f"{key}={sp} splits packed sequences; it needs {remove_padding}=true")
+        elif heads % sp or (kv_heads % sp and sp % kv_heads):
+            report.error(f"{key}={sp} must divide the {heads} attention heads of {paths[role]} (and divide or be a "
+                         f"multiple of its {kv_heads} key-value heads): each rank attends with heads/{sp} of them")
 
 
 JUDGE_PLACEHOLDERS = {"prompt": "", "response": "", "ground_truth": ""}

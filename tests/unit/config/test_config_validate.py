@@ -428,3 +428,11 @@ def test_ulysses_sequence_parallel_size_must_divide_the_ranks_and_needs_packing(
     validate_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4",
                                            "actor.ulysses_sequence_parallel_size=2",
                                            "critic.ulysses_sequence_parallel_size=4"]))
+
+
+def test_ulysses_sequence_parallel_size_must_split_the_model_heads() -> None:
+    # The built-in model has 4 attention heads and 2 key-value heads.
+    message = errors_for("trainer.backend=ray", "trainer.n_workers=8", "actor.ulysses_sequence_parallel_size=8")
+    assert "actor.ulysses_sequence_parallel_size=8 must divide the 4 attention heads of builtin:tiny" in message
+    validate_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4",
+                                           "actor.ulysses_sequence_parallel_size=4"]))  # 2 KV heads, repeated
