@@ -18,6 +18,12 @@ workspace), the gathered weights, gradients and optimizer state (the same for bo
 CPU allocator has no peak counter (``tracemalloc`` does not see torch's allocations), which is
 why the saved bytes are counted directly.
 
+Cross-check (``--profile-lengths``): ``torch.profiler`` with ``profile_memory=True`` records every
+CPU allocation and free of the step; the peak of their running sum (above where the step began)
+is everything the step held at once: activations, transients, gradients, Adam's moments (first
+step) and the gathered weights. The parts that do not grow with L keep its ratio below the saved
+bytes' one at short lengths.
+
 The longest sequence within ``--budget-mib`` is found by bisection over L in steps of
 ``--step`` tokens, measuring each candidate (both ranks agree on every decision).
 
@@ -32,6 +38,7 @@ activations per rank 49.3 / 25.0 MiB at L=1024, 98.7 / 50.1 at 2048, 197.3 / 100
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -102,8 +109,31 @@ def measure(engine: TrainEngine, length: int) -> int:
     return distributed.all_reduce_max(saved.total)
 
 
-def longest_within(engine: TrainEngine, budget: int, step: int, cache: dict[int, int]) -> int:
-    """The longest L (a multiple of ``step``) whose saved bytes fit ``budget``: doubling, then bisection."""
+def profiled_peak(engine: TrainEngine, length: int) -> int:
+    """Cross-check of ``measure``: the peak, above where the step started, of every CPU allocation
+    and free the profiler records (``profile_memory=True``) during the whole step: forward,
+    backward and optimizer, transients, gradients, Adam's first moments and FSDP2's gathered
+    weights included; the most any rank reached. A column of the table only (slower)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = one_sequence(length)
+    num_tokens = distributed.all_reduce_sum(batch_counts(batch.response_mask))[0]
+
+    def loss_fn(mb, logprobs, entropy):
+        per_token = -logprobs * mb.advantages
+        return agg_loss(per_token, mb.response_mask, "token-mean", global_num_tokens=num_tokens, dp_size=WORLD), {}
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine.optimizer_step([batch], loss_fn, temperature=1.0, with_entropy=False, use_remove_padding=True)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    peak = max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+    return distributed.all_reduce_max(int(peak))
+
+
+def longest_within(engine: TrainEngine, budget: int, step: int, cache: dict[int, int], measure=measure) -> int:
+    """The longest L (a multiple of ``step``) whose bytes (``measure``) fit ``budget``: doubling,
+    then bisection."""
 
     def fits(length: int) -> bool:
         if length not in cache:
@@ -131,9 +161,13 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
         caches: dict[int, dict[int, int]] = {1: {}, SP: {}}
         for length in args.lengths:
             row = {f"sp{sp}": measure(engine, length) for sp, engine in engines.items()}
+            if length in args.profile_lengths:
+                row |= {f"profiled_sp{sp}": profiled_peak(engine, length) for sp, engine in engines.items()}
             result["table"][length] = row
         for sp, engine in engines.items():
             result["longest"][f"sp{sp}"] = longest_within(engine, budget, args.step, caches[sp])
+            if args.profile_search:
+                result["longest"][f"profiled_sp{sp}"] = longest_within(engine, budget, args.step, {}, profiled_peak)
         if rank == 0:
             out.update(result)
     finally:
@@ -145,6 +179,10 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=64.0, help="saved-activation budget per rank")
     parser.add_argument("--step", type=int, default=128, help="granularity of the longest-sequence search")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--profile-lengths", type=int, nargs="*", default=[1024, 2048],
+                        help="lengths of the table that also get the profiler's peak of all allocations")
+    parser.add_argument("--profile-search", action="store_true",
+                        help="also search the longest sequence whose profiler peak fits the budget (slower)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     with mp.Manager() as manager:
@@ -153,14 +191,24 @@ def main() -> None:
         result = dict(out)
     mib = 2**20
     print(f"saved activations per rank (MiB), one packed sequence, {WORLD} gloo ranks:")
-    print(f"{'L':>7} {'sp=1':>9} {'sp=2':>9} {'sp1/sp2':>8}")
+    print(f"{'L':>7} {'sp=1':>9} {'sp=2':>9} {'sp1/sp2':>8}   profiler peak of all allocations: "
+          f"{'sp=1':>9} {'sp=2':>9} {'sp1/sp2':>8}")
     for length, row in sorted(result["table"].items()):
-        print(f"{length:>7} {row['sp1'] / mib:>9.2f} {row[f'sp{SP}'] / mib:>9.2f} {row['sp1'] / row[f'sp{SP}']:>8.2f}")
+        line = f"{length:>7} {row['sp1'] / mib:>9.2f} {row[f'sp{SP}'] / mib:>9.2f} {row['sp1'] / row[f'sp{SP}']:>8.2f}"
+        if "profiled_sp1" in row:
+            one, two = row["profiled_sp1"], row[f"profiled_sp{SP}"]
+            line += f"   {'':>33} {one / mib:>9.2f} {two / mib:>9.2f} {one / two:>8.2f}"
+        print(line)
     one, two = result["longest"]["sp1"], result["longest"][f"sp{SP}"]
+    ratio = two / one if one else float("nan")  # nan: not even --step tokens fit the budget with sp=1
     print(f"longest sequence within {args.budget_mib:g} MiB per rank (step {args.step}): sp=1 {one}, sp=2 {two}, "
-          f"ratio sp2/sp1 {two / one:.2f}x")
-    print(json.dumps({"budget_mib": args.budget_mib, "longest": result["longest"],
-                      "ratio": round(two / one, 3), "table": result["table"]}))
+          f"ratio sp2/sp1 {ratio:.2f}x")
+    if args.profile_search:
+        one_p, two_p = result["longest"]["profiled_sp1"], result["longest"][f"profiled_sp{SP}"]
+        print(f"  the same with the profiler's peak of all allocations: sp=1 {one_p}, sp=2 {two_p}, ratio sp2/sp1 "
+              f"{two_p / one_p if one_p else float('nan'):.2f}x")
+    print(json.dumps({"budget_mib": args.budget_mib, "longest": result["longest"], "ratio": round(ratio, 3),
+                      "table": result["table"]}))
 
 
 if __name__ == "__main__":
