@@ -55,10 +55,13 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     """Cut ``x`` into sp equal pieces along ``scatter_dim``, send piece j to rank j of ``group``,
     and concatenate what every rank sent here along ``gather_dim``, in rank order."""
     sp = dist.get_world_size(group)
-    inputs = [piece.contiguous() for piece in x.chunk(sp, dim=scatter_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(sp)]
-    dist.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, dim=gather_dim)
+    # One buffer with the pieces stacked on a leading dim, exchanged in place of a list of
+    # pieces (which the backends copy into one buffer and back again).
+    pieces = x.unflatten(scatter_dim, (sp, -1)).movedim(scatter_dim, 0).contiguous()
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces, group=group)
+    # received[j] is rank j's piece: put the rank dim before gather_dim and merge them (rank-major).
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 class _AllToAll(torch.autograd.Function):
