@@ -32,9 +32,9 @@ The longest sequence within ``--budget-mib`` is found by bisection over L in ste
 Measured (2-core CPU, torch 2.13, a 4-layer hidden-128 Qwen2 with 4 heads / 2 KV heads): saved
 activations per rank 49.3 / 25.0 MiB at L=1024, 98.7 / 50.1 at 2048, 197.3 / 100.1 at 4096
 (sp=1 / sp=2, 1.97x less each); the longest sequence within 64 MiB is 1280 tokens with sp=1 and
-2560 with sp=2: 2.00x. The profiler's peak of all allocations: 54.1 / 28.3-29.8 MiB at 1024
-(1.82-1.91x), 105.5 / 55.9-61.5 at 2048 (1.72-1.89x; the sp=2 peak moved by up to 10% between
-two runs), and within 64 MiB 1152 vs 2304 tokens: 2.00x.
+2560 with sp=2: 2.00x. The profiler's peak of all allocations (three runs): 54.1 / 28.3-28.8
+MiB at 1024 (1.88-1.91x), 105.1-105.5 / 55.9-56.4 at 2048 (1.86-1.88x), and within 64 MiB 1152
+vs 2304 tokens: 2.00x.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ included, while the actor's loss normalisation counts tokens over the whole worl
 group's tokens sp times) and multiplies by the world size: ``gather``'s backward scales by sp so
 that the two conventions meet, and N ranks at any sp train like one rank on the same batch.
 
-Communication: ``all_to_all`` runs on gloo (checked with torch 2.13) and NCCL alike, so one
-code path serves CPU and GPU.
+Communication: ``all_to_all_single`` runs on gloo (checked with torch 2.13, as ``all_to_all``)
+and NCCL alike, so one code path serves CPU and GPU.
 
 Shapes: N packed tokens (padded to a multiple of sp), n = N/sp local tokens, H heads, D head
 dim, M response tokens in the pack, m of them predicted in the local chunk.
