@@ -191,6 +191,11 @@ def _forward_lines(cfg: Config, dp: int) -> list[str]:
         return [f"forward path and token budget: decided at start-up from {path}/config.json (not readable now)"]
     packed, why = packing_decision(actor.use_remove_padding, shape.model_type, shape.custom_code)
     lines = [f"forward path: {'packed, one padding-free row per micro-batch' if packed else 'padded'} ({why})"]
+    sp = actor.ulysses_sequence_parallel_size
+    if sp > 1:
+        lines.append(f"sequence parallel: Ulysses groups of {sp} ranks (actor.ulysses_sequence_parallel_size), "
+                     f"{max(1, dp // sp)} data-parallel group(s); each rank computes 1/{sp} of every packed "
+                     f"micro-batch's tokens, so a group's micro-batch holds {sp}x the per-rank token budget below")
     if not actor.use_dynamic_bsz:
         lines.append(
             f"token budget: off (actor.use_dynamic_bsz=false): micro-batches of "

@@ -54,7 +54,9 @@ in the real engine on a CPU (fp32 and bf16 autocast, packed and padded), and the
 the native engine's own accounting. Modelled but not measured: the GPU-only paths (foreach AdamW,
 FSDP2's gathered layers, the sharded ranks' full logits) and the rollout's activations. Left out:
 the CUDA context and allocator fragmentation (leave ~10% of a GPU for them), the reward model, and
-sequence parallelism and LoRA, which this project does not have.
+LoRA, which this project does not have. Ulysses sequence parallelism is not modelled yet: its
+token budgets are per rank (``*_max_token_len_per_gpu`` x sp per group micro-batch, as verl), so
+the per-rank figures here hold, but the planner does not propose it as a fix.
 
 Pure functions of the config, no torch (``config/`` is layer 1).
 """
@@ -675,7 +677,8 @@ def cheapest_fix(cfg: Config, shape: ModelShape, role: str, phase: str, *, with_
                 return f"{keys}: {why}; predicted peak {_size(match[0].peak)}"
         tried.append(why)
     return ("no single change fits it (tried: " + "; ".join(tried) + "). A larger device, or a smaller model; "
-            "sequence parallelism and LoRA are not built (docs/design.md, Not built)")
+            "more ranks with actor.ulysses_sequence_parallel_size split each sequence (not planned here); LoRA is "
+            "not built (docs/design.md, Not built)")
 
 
 def _size(n: int) -> str:

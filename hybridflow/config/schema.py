@@ -222,6 +222,14 @@ class ActorConfig:
     grad_clip: float = f(1.0, "Max global gradient norm (<= 0: no clipping).")
     optim: OptimConfig = sub(OptimConfig, "Optimizer.")
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP2 sharding and offload (several ranks; offload also on one).")
+    ulysses_sequence_parallel_size: int = f(
+        1,
+        "Ulysses sequence parallelism: blocks of this many ranks share each micro-batch, each rank computing 1/sp "
+        "of every packed sequence's tokens (an all-to-all around attention switches to a split of the heads), so "
+        "activations per rank shrink by sp. Must divide the ranks and the model's attention heads; needs "
+        "use_remove_padding. The token budgets (ppo_/log_prob_max_token_len_per_gpu) then count the group's "
+        "tokens x sp, as verl's. 1: off.",
+    )
 
 
 @dataclass
@@ -230,6 +238,10 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int | None = f(
         None, "Token budget of a reference micro-batch when actor.use_dynamic_bsz is on. None: as the actor's logprob "
         "budget (derived the same way)."
+    )
+    ulysses_sequence_parallel_size: int | None = f(
+        None, "Ulysses sequence parallelism of the reference forward (as actor.ulysses_sequence_parallel_size). "
+        "None: the actor's."
     )
 
 
@@ -275,6 +287,10 @@ class CriticConfig:
         "with 0.5B-7B models).",
     )
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP2 sharding and offload of the critic (as the actor's).")
+    ulysses_sequence_parallel_size: int = f(
+        1, "Ulysses sequence parallelism of the critic (as actor.ulysses_sequence_parallel_size; needs "
+        "critic.use_remove_padding). 1: off."
+    )
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.budget import read_model_shape
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config, OptimConfig, TrainerConfig
 
@@ -823,6 +824,40 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     elif fsdp.param_offload and dp == 1:
         report.error("actor.fsdp_config.param_offload=true is FSDP2's offload of sharded parameters; it needs "
                      "several data-parallel ranks (use actor.fsdp_config.optimizer_offload on one)")
+    _check_sequence_parallel(cfg, dp, report)
+
+
+def sequence_parallel_sizes(cfg: Config) -> dict[str, int]:
+    """Each training role's Ulysses group size by its config key (the reference's None: the actor's)."""
+    actor = cfg.actor.ulysses_sequence_parallel_size
+    ref = cfg.ref.ulysses_sequence_parallel_size
+    return {"actor.ulysses_sequence_parallel_size": actor,
+            "ref.ulysses_sequence_parallel_size": actor if ref is None else ref,
+            "critic.ulysses_sequence_parallel_size": cfg.critic.ulysses_sequence_parallel_size}
+
+
+def _check_sequence_parallel(cfg: Config, dp: int, report: _Report) -> None:
+    """Ulysses groups: blocks of sp ranks, over packed micro-batches, splitting the model's heads
+    (read from its config.json where it is readable now; the engine checks again when it loads)."""
+    packed = {"actor": cfg.actor.use_remove_padding, "ref": cfg.actor.use_remove_padding,
+              "critic": cfg.critic.use_remove_padding}
+    paths = {"actor": cfg.model.path, "ref": cfg.model.path, "critic": cfg.critic.model.path or cfg.model.path}
+    for key, sp in sequence_parallel_sizes(cfg).items():
+        role = key.split(".")[0]
+        shape = read_model_shape(paths[role]) if sp > 1 else None
+        heads, kv_heads = (shape.num_attention_heads, shape.num_key_value_heads) if shape else (sp, sp)
+        if sp < 1:
+            report.error(f"{key}={sp} must be >= 1 (1: no sequence parallelism)")
+        elif dp % sp:
+            report.error(f"{key}={sp} must divide the {dp} ranks ({dp_source(cfg.trainer)}): each block of {sp} "
+                         f"ranks splits the same micro-batches; use a divisor of {dp}, e.g. "
+                         f"{_or_list(_divisors_near(dp, sp))}")
+        elif sp > 1 and not packed[role]:
+            remove_padding = "critic.use_remove_padding" if role == "critic" else "actor.use_remove_padding"
+            report.error(f"{key}={sp} splits packed sequences; it needs {remove_padding}=true")
+        elif heads % sp or (kv_heads % sp and sp % kv_heads):
+            report.error(f"{key}={sp} must divide the {heads} attention heads of {paths[role]} (and divide or be a "
+                         f"multiple of its {kv_heads} key-value heads): each rank attends with heads/{sp} of them")
 
 
 JUDGE_PLACEHOLDERS = {"prompt": "", "response": "", "ground_truth": ""}

@@ -47,7 +47,7 @@ from hybridflow.cluster.worker_group import (
 )
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig, WarmStartConfig
-from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas
+from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas, sequence_parallel_sizes
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model
@@ -752,6 +752,7 @@ def build_run(cfg: Config) -> RunSetup:
         connect_weight_sync(actor, rollout)
     reference = None
     if with_reference:
+        ref_sequence_parallel = sequence_parallel_sizes(cfg)["ref.ulysses_sequence_parallel_size"]
         ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
                                    temperature=cfg.rollout.temperature,
                                    micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu,
@@ -759,6 +760,7 @@ def build_run(cfg: Config) -> RunSetup:
                                    max_token_len=cfg.ref.log_prob_max_token_len_per_gpu,
                                    longest_sample=d.max_prompt_length + d.max_response_length,
                                    fsdp_size=a.fsdp_config.fsdp_size,
+                                   sequence_parallel_size=ref_sequence_parallel,
                                    **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,
                                        placements.get("reference"))

@@ -154,6 +154,40 @@ def broadcast_text(text: str | None) -> str | None:
     return data.cpu().numpy().tobytes().decode()
 
 
+# ------------------------------------------------------------------ sequence parallel groups
+# size -> (the default group the groups were made in, this rank's group): a process that joins a
+# new default group (a second run in one process) makes new groups.
+_SEQUENCE_PARALLEL_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def check_sequence_parallel_size(size: int, world: int) -> None:
+    """Ulysses groups are blocks of ``size`` consecutive ranks, so ``size`` must divide the world."""
+    if size < 1 or world % size:
+        raise ValueError(f"ulysses_sequence_parallel_size={size} must divide the {world} ranks of the role")
+
+
+def sequence_parallel_group(size: int):
+    """This rank's Ulysses group: ranks ``[g*size, (g+1)*size)`` share (and split the tokens of)
+    the same micro-batches, so the role has ``world // size`` data-parallel ranks. None for
+    ``size`` 1. A collective the first time for each size (every rank creates every group, in
+    the same order, as ``new_group`` requires); cached afterwards."""
+    if size == 1:
+        return None
+    world = world_size()
+    check_sequence_parallel_size(size, world)
+    default = dist.group.WORLD
+    cached = _SEQUENCE_PARALLEL_GROUPS.get(size)
+    if cached is None or cached[0] is not default:
+        rank = dist.get_rank()
+        mine = None
+        for start in range(0, world, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                mine = group
+        cached = _SEQUENCE_PARALLEL_GROUPS[size] = (default, mine)
+    return cached[1]
+
+
 # ---------------------------------------------------------------------------------- sharding
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks to shard one by one: HF models name them in ``_no_split_modules``

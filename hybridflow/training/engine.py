@@ -51,6 +51,7 @@ from hybridflow.training.packing import (
     trim_padding,
     unpack_responses,
 )
+from hybridflow.training.sequence_parallel import enable_ulysses_attention, shard_pack
 from hybridflow.training.sharded_checkpoint import ShardedCheckpoint
 from hybridflow.types import TrainBatch
 from hybridflow.utils.errors import CheckpointError, one_line
@@ -139,6 +140,7 @@ class TrainEngine:
         offload_optimizer: bool = False,
         fused_lm_head: bool = True,
         metrics_prefix: str = "actor",
+        sequence_parallel_size: int = 1,
     ) -> None:
         """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
         ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
@@ -156,7 +158,10 @@ class TrainEngine:
         ``fused_lm_head``: compute logprobs and entropy from the hidden states in row chunks
         (``hybridflow.training.lm_head``) where the model's head is a plain linear layer and the
         model is not sharded (FSDP2 gathers the head's weight in the root module's forward).
-        ``metrics_prefix``: the role an optimizer step reports as (``<prefix>/grad_norm``, ``/lr``)."""
+        ``metrics_prefix``: the role an optimizer step reports as (``<prefix>/grad_norm``, ``/lr``).
+        ``sequence_parallel_size`` (sp > 1, sharded only): Ulysses sequence parallelism
+        (``hybridflow.training.sequence_parallel``): each block of sp consecutive ranks runs the
+        same micro-batches, each rank 1/sp of every pack's tokens; packed forwards only."""
         self.model = model.to(device)
         if varlen_attention:
             enable_varlen_attention(self.model)
@@ -174,6 +179,13 @@ class TrainEngine:
             )
         elif offload_params:
             raise ValueError("offload_params applies to the sharded (data_parallel) engine only")
+        self.sp_group = None
+        if sequence_parallel_size > 1:
+            if not data_parallel:
+                raise ValueError("sequence_parallel_size > 1 needs the sharded (data_parallel) engine")
+            enable_ulysses_attention(self.model, sequence_parallel_size)
+            self.sp_group = distributed.sequence_parallel_group(sequence_parallel_size)
+        self.sequence_parallel_size = sequence_parallel_size
         # One rank: autocast does what FSDP2's mixed-precision policy does for sharded ranks.
         self.autocast_dtype = mixed_precision if not data_parallel else None
         self.fused_lm_head = fused_lm_head and not data_parallel and fused_lm_head_supported(self.model)
@@ -278,17 +290,22 @@ class TrainEngine:
     ) -> TokenStats:
         """``forward_token_stats`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
         packed = pack_batch(batch)
+        # Sequence parallel: this rank runs its chunk of the pack, then the group's tokens are gathered.
+        shard = shard_pack(packed, self.sp_group) if self.sp_group is not None else None
+        part = shard or packed
         if self.fused_lm_head:
-            inputs = packed.model_inputs()
+            inputs = part.model_inputs()
             del inputs["logits_to_keep"]
-            rows = self._hidden_states(**inputs)[0, packed.logit_positions]  # (M, H)
-            stats = self._head(rows, packed.labels, temperature, with_entropy, with_sum_pi_squared)
+            rows = self._hidden_states(**inputs)[0, part.logit_positions]  # (M, H)
+            stats = self._head(rows, part.labels, temperature, with_entropy, with_sum_pi_squared)
         else:
             # Only response-predicting positions reach the LM head.  # (1, M, V) -> (M, V)
-            logits = self._model(**packed.model_inputs()).logits[0].float()
+            logits = self._model(**part.model_inputs()).logits[0].float()
             if temperature != 1.0:
                 logits = logits / temperature
-            stats = self._logits_stats(logits, packed.labels, with_entropy, with_sum_pi_squared)
+            stats = self._logits_stats(logits, part.labels, with_entropy, with_sum_pi_squared)
+        if shard is not None:
+            stats = TokenStats(*(None if x is None else shard.gather(x) for x in stats))
         return TokenStats(*(None if x is None else unpack_responses(x, packed) for x in stats))
 
     def forward_token_stats(
@@ -303,6 +320,7 @@ class TrainEngine:
         """
         if use_remove_padding:
             return self._forward_packed(batch, temperature, with_entropy, with_sum_pi_squared)
+        self._refuse_padded_sequence_parallel()
         return self._forward_padded(batch, temperature, with_entropy, with_sum_pi_squared)
 
     def forward_logprobs(
@@ -323,10 +341,13 @@ class TrainEngine:
         """
         if use_remove_padding:
             packed = pack_batch(batch)
-            inputs = packed.model_inputs()
+            shard = shard_pack(packed, self.sp_group) if self.sp_group is not None else None
+            part = shard or packed
+            inputs = part.model_inputs()
             del inputs["logits_to_keep"]  # a token-classification forward returns every position
-            values = self._model(**inputs).logits[0, packed.logit_positions, 0].float()  # (M,)
-            return unpack_responses(values, packed)
+            values = self._model(**inputs).logits[0, part.logit_positions, 0].float()  # (M,)
+            return unpack_responses(values if shard is None else shard.gather(values), packed)
+        self._refuse_padded_sequence_parallel()
         full_r = batch.response_length
         batch = trim_padding(batch)
         p = batch.prompt_length
@@ -335,6 +356,10 @@ class TrainEngine:
         out = self._model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                           position_ids=batch.position_ids, use_cache=False)
         return pad_responses(out.logits[:, p - 1 : -1, 0].float(), full_r)
+
+    def _refuse_padded_sequence_parallel(self) -> None:
+        if self.sp_group is not None:
+            raise ValueError("sequence parallelism splits packed rows: run with use_remove_padding=True")
 
     def _forward(
         self, batch: TrainBatch, output: Output, temperature: float, with_entropy: bool, use_remove_padding: bool,

@@ -66,6 +66,7 @@ from hybridflow.training.engine import (
     token_budget_micro_batches,
 )
 from hybridflow.training.lm_head import TokenStats
+from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
 from hybridflow.utils.errors import CheckpointError
@@ -184,11 +185,45 @@ def plan_micro_batches(
     longest_sample: int,
     gradient_checkpointing: bool = False,
     remove_padding_key: str = "actor.use_remove_padding",
+    sequence_parallel_size: int = 1,
 ) -> MicroBatchPlan:
     """Packed or padded (``hybridflow.config.budget.packing_decision`` on the loaded model), and
     the token budgets: the configured ones, or ``auto_token_budget`` from the model's shape and
     the free memory of the engine's device. With several ranks every rank takes the smallest
-    rank's budget (a collective), so all cut their batches alike."""
+    rank's budget (a collective), so all cut their batches alike. With Ulysses groups of
+    ``sequence_parallel_size`` ranks each rank holds 1/sp of a micro-batch's tokens, so the
+    budgets (per rank) are multiplied by sp to count the group's micro-batch, as verl does."""
+    plan = _plan_micro_batches(engine, use_remove_padding=use_remove_padding, use_dynamic_bsz=use_dynamic_bsz,
+                               ppo_max_token_len=ppo_max_token_len, log_prob_max_token_len=log_prob_max_token_len,
+                               longest_sample=longest_sample, gradient_checkpointing=gradient_checkpointing,
+                               remove_padding_key=remove_padding_key)
+    sp = sequence_parallel_size
+    if sp == 1:
+        return plan
+    if not plan.use_remove_padding:
+        raise ValueError(f"ulysses_sequence_parallel_size={sp} splits packed sequences, but this role runs padded "
+                         f"micro-batches ({plan.notes[0]})")
+    note = f"Ulysses sequence parallel over {sp} ranks: the token budgets count a group's micro-batch (x{sp})"
+    return MicroBatchPlan(
+        plan.use_remove_padding,
+        None if plan.ppo_max_token_len is None else plan.ppo_max_token_len * sp,
+        None if plan.log_prob_max_token_len is None else plan.log_prob_max_token_len * sp,
+        (*plan.notes, note),
+    )
+
+
+def _plan_micro_batches(
+    engine: TrainEngine,
+    *,
+    use_remove_padding: bool,
+    use_dynamic_bsz: bool,
+    ppo_max_token_len: int | None,
+    log_prob_max_token_len: int | None,
+    longest_sample: int,
+    gradient_checkpointing: bool,
+    remove_padding_key: str,
+) -> MicroBatchPlan:
+    """``plan_micro_batches`` for one rank's share of the tokens."""
     model = engine.model
     # config.auto_map names modeling code shipped with the checkpoint (trust_remote_code).
     shape = ModelShape.from_config(model.config.to_dict())
@@ -290,12 +325,16 @@ class ActorWorker:
             fsdp_size=cfg.fsdp_config.fsdp_size,
             offload_params=cfg.fsdp_config.param_offload,
             offload_optimizer=cfg.fsdp_config.optimizer_offload,
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
         )
+        # Ulysses groups of sp ranks pool their shards: world / sp data-parallel ranks.
+        self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size
         self.plan = plan_micro_batches(
             self.engine, use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
             ppo_max_token_len=cfg.ppo_max_token_len_per_gpu, log_prob_max_token_len=cfg.log_prob_max_token_len_per_gpu,
             longest_sample=setup.max_prompt_length + setup.max_response_length,
             gradient_checkpointing=setup.gradient_checkpointing,
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
         )
         if rank == 0:
             for note in self.plan.notes:
@@ -315,17 +354,24 @@ class ActorWorker:
         return OldLogprobs(stats.logprobs, stats.sum_pi_squared)
 
     def _old_policy_forward(self, batch: TrainBatch, with_sum_pi_squared: bool) -> TokenStats:
-        return self.engine.compute_token_stats(
+        # Sequence parallel: the group computes its pooled shards; each rank returns its own rows.
+        batch, own = gather_group_batch(batch, self.engine.sp_group)
+        stats = self.engine.compute_token_stats(
             batch, temperature=self.setup.temperature, micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
             with_sum_pi_squared=with_sum_pi_squared,
         )
+        return TokenStats(*(None if x is None else x[own] for x in stats))
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
-        """ppo_epochs x mini-batches x micro-batches over this rank's shard; metrics averaged."""
+        """ppo_epochs x mini-batches x micro-batches over this rank's shard (its Ulysses group's
+        pooled shards); metrics averaged. Token counts are summed over every rank (a group's
+        sp times) and the loss scaled by the world size: ``hybridflow.training.sequence_parallel``
+        says why that trains like one rank."""
         cfg = self.cfg
+        batch, _ = gather_group_batch(batch, self.engine.sp_group)
         batch, correction_metrics = self._rollout_correction(batch)
-        mini_size = cfg.ppo_mini_batch_size * self.setup.rollout_n // self.world_size
+        mini_size = cfg.ppo_mini_batch_size * self.setup.rollout_n // self.data_parallel_size
         # Shuffle order and random loss choices (clip_cov) vary per update but are restored by a
         # resume: the generator is seeded by the LR scheduler's step count, which checkpoints carry.
         assert self.engine.scheduler is not None

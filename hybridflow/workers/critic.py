@@ -27,6 +27,7 @@ from hybridflow.models.loading import enable_activation_checkpointing, load_toke
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import LossFn, TrainEngine
+from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.workers.actor import (
     check_rank_group,
@@ -83,12 +84,15 @@ class CriticWorker:
             offload_params=fsdp.param_offload,
             offload_optimizer=fsdp.optimizer_offload,
             metrics_prefix="critic",
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
         )
+        self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size  # as the actor's
         self.plan = plan_micro_batches(
             self.engine, use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
             ppo_max_token_len=cfg.ppo_max_token_len_per_gpu, log_prob_max_token_len=cfg.forward_max_token_len_per_gpu,
             longest_sample=setup.max_prompt_length + setup.max_response_length,
             gradient_checkpointing=setup.gradient_checkpointing, remove_padding_key="critic.use_remove_padding",
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
         )
         if rank == 0:
             for note in self.plan.notes:
@@ -96,17 +100,19 @@ class CriticWorker:
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """V(s_t) of every response token under the current weights (the rollout's values).  # (B, R)"""
+        batch, own = gather_group_batch(batch, self.engine.sp_group)  # as the actor's logprob pass
         return self.engine.compute_values(
             batch, micro_batch_size=self.cfg.forward_micro_batch_size_per_gpu,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
-        )
+        )[own]
 
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x mini-batches x micro-batches of the clipped value loss over this rank's
         shard, regressing onto ``batch.returns`` around ``batch.values``; metrics averaged."""
         if batch.values is None or batch.returns is None:
             raise ValueError("update_critic needs the batch's values (compute_values) and returns (the estimator)")
-        mini_size = self.setup.ppo_mini_batch_size * self.setup.rollout_n // self.world_size
+        batch, _ = gather_group_batch(batch, self.engine.sp_group)  # as the actor's update
+        mini_size = self.setup.ppo_mini_batch_size * self.setup.rollout_n // self.data_parallel_size
         # As the actor's: the shuffle order is seeded by the schedule's step count, which
         # checkpoints carry, so a resumed run shuffles alike.
         assert self.engine.scheduler is not None

@@ -8,6 +8,7 @@ import torch
 
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.training.engine import TrainEngine
+from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.workers.actor import check_rank_group, model_precision, plan_micro_batches
 
@@ -25,6 +26,7 @@ class ReferenceSetup:
     max_token_len: int | None = None  # their budget; None: derived like the actor's logprob budget
     longest_sample: int = 0  # max prompt + max response: the floor of a derived budget
     fsdp_size: int | None = None  # shard group size with several ranks (actor.fsdp_config.fsdp_size)
+    sequence_parallel_size: int = 1  # Ulysses group size (ref.ulysses_sequence_parallel_size)
 
 
 class ReferenceWorker:
@@ -44,17 +46,19 @@ class ReferenceWorker:
         )
         self.engine = TrainEngine(
             model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
-            fsdp_size=setup.fsdp_size,
+            fsdp_size=setup.fsdp_size, sequence_parallel_size=setup.sequence_parallel_size,
         )
         self.plan = plan_micro_batches(
             self.engine, use_remove_padding=setup.use_remove_padding, use_dynamic_bsz=setup.use_dynamic_bsz,
             ppo_max_token_len=None, log_prob_max_token_len=setup.max_token_len, longest_sample=setup.longest_sample,
+            sequence_parallel_size=setup.sequence_parallel_size,
         )
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
         s = self.setup
+        batch, own = gather_group_batch(batch, self.engine.sp_group)  # as the actor's logprob pass
         logprobs, _ = self.engine.compute_logprobs(
             batch, temperature=s.temperature, micro_batch_size=s.micro_batch_size,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
         )
-        return logprobs
+        return logprobs[own]

@@ -112,8 +112,11 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
 
 
 def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
-    """PPO with a critic: its values and value loss on two FSDP2 ranks (token-budget micro-batches
-    agreed over ranks, packed) equal one in-process rank's on the same global batch."""
+    """PPO with a critic and a KL loss: its values and value loss on two FSDP2 ranks (token-budget
+    micro-batches agreed over ranks, packed) equal one in-process rank's on the same global batch;
+    and so does the same run with Ulysses sequence parallelism (actor/critic
+    .ulysses_sequence_parallel_size=2, the reference following the actor): one data-parallel rank
+    whose two ranks split every packed micro-batch's tokens, in all three training roles."""
     model_dir = write_tiny_model(tmp_path / "model")
     train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
     reward = tmp_path / "reward.py"
@@ -124,19 +127,25 @@ def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: 
         "actor.ppo_mini_batch_size=8", "rollout.n=4", "data.max_response_length=4", "trainer.total_training_steps=1",
         "trainer.val_before_train=false", "trainer.num_threads=1", "trainer.progress_bar=false",
         "trainer.logger=[jsonl]", "trainer.seed=3", "critic.ppo_max_token_len_per_gpu=160",
-        "critic.forward_max_token_len_per_gpu=160",
+        "critic.forward_max_token_len_per_gpu=160", "actor.use_kl_loss=true", "actor.ppo_max_token_len_per_gpu=160",
+        "actor.log_prob_max_token_len_per_gpu=160",
     ]
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"],
+            "ray_sp2": ["trainer.backend=ray", "trainer.n_workers=2", "actor.ulysses_sequence_parallel_size=2",
+                        "critic.ulysses_sequence_parallel_size=2"]}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name, extra in runs.items():
         cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
-    local, ray_run = (_step_one(tmp_path / name) for name in runs)
-    assert local["critic/score/mean"] == ray_run["critic/score/mean"]
-    assert local["critic/vf_loss"] > 0
-    for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "critic/vpred_mean", "actor/pg_loss"):
+    local, ray_run, sp_run = (_step_one(tmp_path / name) for name in runs)
+    assert local["critic/score/mean"] == ray_run["critic/score/mean"] == sp_run["critic/score/mean"]
+    assert local["critic/vf_loss"] > 0 and local["actor/kl_loss"] >= 0
+    assert sp_run["rollout_corr/log_ratio_abs_mean"] < 1e-4
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "critic/vpred_mean", "actor/pg_loss",
+                "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
         assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
+        assert sp_run[key] == pytest.approx(local[key], abs=1e-5), key
     critic = json.loads((tmp_path / "ray" / "checkpoints" / "global_step_1" / "critic" / "model" / "config.json").read_text())
     assert critic["architectures"] == ["Qwen2ForTokenClassification"]
 

@@ -204,3 +204,10 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
 def test_tensor_parallel_layouts_that_cannot_work_are_config_errors(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         explain_config(load_config(overrides=overrides))
+
+
+def test_sequence_parallel_groups_are_explained() -> None:
+    cfg = load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4", "actor.ulysses_sequence_parallel_size=2"])
+    assert "sequence parallel: Ulysses groups of 2 ranks (actor.ulysses_sequence_parallel_size), 2 data-parallel " \
+        "group(s)" in plan_of(explain_config(cfg))
+    assert "sequence parallel" not in plan_of(explain_config(load_config()))

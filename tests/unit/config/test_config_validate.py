@@ -411,3 +411,28 @@ def test_greedy_validation_warns_that_its_sampling_settings_are_unused() -> None
     (warning,) = warnings_for("rollout.val_kwargs.temperature=1.0")
     assert "do_sample" in warning
     assert warnings_for("rollout.val_kwargs.temperature=1.0", "rollout.val_kwargs.do_sample=true") == []
+
+
+def test_ulysses_sequence_parallel_size_must_divide_the_ranks_and_needs_packing() -> None:
+    message = errors_for("trainer.backend=ray", "trainer.n_workers=4", "actor.ulysses_sequence_parallel_size=3",
+                         "critic.ulysses_sequence_parallel_size=0")
+    assert "actor.ulysses_sequence_parallel_size=3 must divide the 4 ranks (trainer.n_workers=4)" in message
+    # The reference follows the actor unless set.
+    assert "ref.ulysses_sequence_parallel_size=3 must divide the 4 ranks" in message
+    assert "critic.ulysses_sequence_parallel_size=0 must be >= 1" in message
+    message = errors_for("trainer.backend=ray", "trainer.n_workers=4", "actor.ulysses_sequence_parallel_size=2",
+                         "ref.ulysses_sequence_parallel_size=1", "actor.use_remove_padding=false")
+    assert "actor.ulysses_sequence_parallel_size=2 splits packed sequences; it needs actor.use_remove_padding=true" \
+        in message
+    assert "ref.ulysses_sequence_parallel_size" not in message
+    validate_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4",
+                                           "actor.ulysses_sequence_parallel_size=2",
+                                           "critic.ulysses_sequence_parallel_size=4"]))
+
+
+def test_ulysses_sequence_parallel_size_must_split_the_model_heads() -> None:
+    # The built-in model has 4 attention heads and 2 key-value heads.
+    message = errors_for("trainer.backend=ray", "trainer.n_workers=8", "actor.ulysses_sequence_parallel_size=8")
+    assert "actor.ulysses_sequence_parallel_size=8 must divide the 4 attention heads of builtin:tiny" in message
+    validate_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4",
+                                           "actor.ulysses_sequence_parallel_size=4"]))  # 2 KV heads, repeated
