@@ -1,4 +1,4 @@
-"""A compact inference forward for the Llama / Qwen2 / Qwen2.5 / Qwen3 families over a slot KV cache.
+"""A compact inference forward for the Llama / Qwen2 / Qwen2.5 / Qwen3 / Mistral / Phi-3 families over a slot KV cache.
 
 Why not the Hugging Face modules: on a CPU or a small GPU, a decode step of a small model is
 dominated by per-op framework overhead, not arithmetic. HF's forward spends most of a step in mask
@@ -15,8 +15,10 @@ What is supported (checked in ``from_hf``, with a clear error otherwise): decode
 RMSNorm, rotary embeddings of any static type (default, linear, llama3, yarn: taken from the HF
 rotary module's ``inv_freq`` and ``attention_scaling``), grouped-query attention, SiLU-gated MLP,
 optional q/k/v/o and MLP biases (Qwen2, Llama ``attention_bias``/``mlp_bias``), optional per-head
-q/k RMSNorm (Qwen3), tied or untied embeddings. Not supported: sliding-window layers and RoPE types
-whose frequencies depend on the sequence length (dynamic, longrope).
+q/k RMSNorm (Qwen3), tied or untied embeddings, sliding-window layers (a mask), checkpoints whose
+q/k/v and gate/up projections are already fused (Phi-3). What differs per family is the table in
+``families``. Not supported: RoPE types whose frequencies depend on the sequence length (dynamic,
+longrope) and partial rotary embeddings.
 
 Numerics follow HF's order of operations (RMSNorm in float32 then cast, softmax in float32), so
 fp32 logits agree with HF's to ~1e-5 (tests check 1e-4).
@@ -40,11 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.rollout.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, config_problem
 from hybridflow.utils.device import CpuFeatures, cpu_features
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-# RoPE types whose inverse frequencies are recomputed from the sequence length at run time.
-DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
 @dataclass
@@ -141,6 +140,7 @@ class CompactCausalLM:
         inv_freq: torch.Tensor,
         rope_attention_scaling: float,
         max_positions: int,
+        sliding_windows: list[int | None] | None = None,
     ) -> None:
         self.embed = embed  # (V, h)
         self.lm_head = lm_head  # (V, h); the same tensor as embed when tied
@@ -148,6 +148,8 @@ class CompactCausalLM:
         self.layers = layers
         self.shape = shape
         self.eps = rms_norm_eps
+        # Per layer: the sliding window W (a query at p sees keys p - W < k <= p), or None for all keys.
+        self.sliding_windows = list(sliding_windows) if sliding_windows is not None else [None] * len(layers)
         self.dtype = embed.dtype
         self.device = embed.device
         # cos/sin for every position, as HF computes them (float32, scaled, then cast): (L, D) each.
@@ -197,7 +199,8 @@ class CompactCausalLM:
             head_dim=base.layers[0].self_attn.head_dim,
             intermediate_size=config.intermediate_size,
         )
-        layers = [_fuse_layer(layer) for layer in base.layers]
+        family = FAMILIES[config.model_type]
+        layers = [_fuse_layer(layer, family) for layer in base.layers]
         rotary = base.rotary_emb
         return CompactCausalLM(
             embed=base.embed_tokens.weight.data,
@@ -209,6 +212,7 @@ class CompactCausalLM:
             inv_freq=rotary.inv_freq,
             rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
             max_positions=max_positions,
+            sliding_windows=[family.sliding_window(config, i) for i in range(len(layers))],
         )
 
     # ------------------------------------------------------------------ weight layout
@@ -297,17 +301,24 @@ class CompactCausalLM:
         cos = self._cos[positions].unsqueeze(2)  # (B, C, 1, D)
         sin = self._sin_signed[positions].unsqueeze(2)
         key_positions = torch.arange(key_length, device=self.device)
-        visible = key_positions[None, None, :] <= positions[:, :, None]  # (B, C, L)
-        # Additive mask in float32, shaped for scores viewed as (B, KV, G, C, L).
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
-        mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None]
+        masks = {window: self._mask(key_positions, positions, window) for window in set(self.sliding_windows)}
         for index, layer in enumerate(self.layers):
             packed = self._packed[index] if self._packed is not None else None
+            mask = masks[self.sliding_windows[index]]
             hidden = self._layer(index, layer, packed, hidden, cos, sin, mask, kv_access)
         if not with_logits:
             return None
         return self._linear(self._rms_norm(hidden[:, -1], self.final_norm), self.lm_head, None,
                             self._packed_lm_head)  # (B, V)
+
+    def _mask(self, key_positions: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Additive float32 mask (B, 1, 1, C, L), shaped for scores viewed as (B, KV, G, C, L): 0 where
+        a query at ``positions`` (B, C) sees a key (causal, and within ``window`` when one is set)."""
+        visible = key_positions[None, None, :] <= positions[:, :, None]  # (B, C, L)
+        if window is not None:
+            visible &= key_positions[None, None, :] > positions[:, :, None] - window
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+        return mask.masked_fill_(~visible, float("-inf"))[:, None, None]
 
     def _layer(
         self,
@@ -387,22 +398,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 def _check_supported(model: torch.nn.Module) -> None:
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"the native rollout engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            f"got {model_type!r} ({type(model).__name__})"
-        )
-    activation = getattr(config, "hidden_act", "silu")
-    if activation != "silu":
-        raise ValueError(f"the native rollout engine needs hidden_act='silu', got {activation!r}")
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    if sliding:
-        raise ValueError(
-            f"the native rollout engine does not support sliding-window attention (layers {sliding[:4]} of "
-            f"this {model_type} model); set use_sliding_window=false or use another rollout engine"
-        )
+    problem = config_problem(config.to_dict() if config is not None else {})
+    if problem is not None:
+        raise ValueError(f"{problem} ({type(model).__name__})")
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope_type in DYNAMIC_ROPE_TYPES:
         raise ValueError(f"the native rollout engine does not support rope_type {rope_type!r}")
@@ -419,7 +417,11 @@ def _fuse(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def _fuse_linears(linears: list[torch.nn.Module], what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fuse the weights (and biases) of ``linears`` and point each module at its view."""
+    """Fuse the weights (and biases) of ``linears`` and point each module at its view; one linear
+    (a checkpoint that fuses them itself, Phi-3) is used as it is."""
+    if len(linears) == 1:
+        (linear,) = linears
+        return linear.weight.data, None if linear.bias is None else linear.bias.data
     weight, views = _fuse([m.weight for m in linears])
     for module, view in zip(linears, views, strict=True):
         module.weight.data = view
@@ -434,10 +436,10 @@ def _fuse_linears(linears: list[torch.nn.Module], what: str) -> tuple[torch.Tens
     return weight, bias
 
 
-def _fuse_layer(layer: torch.nn.Module) -> LayerWeights:
+def _fuse_layer(layer: torch.nn.Module, family: Family) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    qkv_weight, qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], "q/k/v")
-    gate_up_weight, gate_up_bias = _fuse_linears([mlp.gate_proj, mlp.up_proj], "gate/up")
+    qkv_weight, qkv_bias = _fuse_linears([getattr(attn, name) for name in family.qkv], "q/k/v")
+    gate_up_weight, gate_up_bias = _fuse_linears([getattr(mlp, name) for name in family.gate_up], "gate/up")
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.data,

@@ -76,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.rollout.compact import CompactCausalLM, KVAccess, LayerWeights
+from hybridflow.rollout.families import FAMILIES
 from hybridflow.rollout.kv_cache import SlotKVCache
 from hybridflow.rollout.native import NativeEngine, default_kv_cache_bytes, resolve_dtype
 
@@ -508,6 +509,7 @@ class ShardedCompactLM(CompactCausalLM):
             embed=full.embed, lm_head=full.lm_head, final_norm=full.final_norm, layers=layers, shape=local,
             rms_norm_eps=full.eps, inv_freq=rotary.inv_freq,
             rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)), max_positions=max_positions,
+            sliding_windows=full.sliding_windows,
         )
         self.full_shape = shape
         self.comm = comm
@@ -860,9 +862,10 @@ def _model_signature(model: torch.nn.Module) -> dict[str, Any]:
 def _release_projections(model: torch.nn.Module) -> None:
     """Free a follower model's full projection weights: its shards are copies. The embedding, the
     norms, the LM head and the o/down biases (replicated) stay: the sharded forward uses them."""
+    family = FAMILIES[model.config.model_type]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        split = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+        split = [getattr(attn, name) for name in family.qkv] + [getattr(mlp, name) for name in family.gate_up]
         for module in (*split, attn.o_proj, mlp.down_proj):
             module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
         for module in split:
