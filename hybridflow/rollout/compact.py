@@ -1,4 +1,5 @@
-"""A compact inference forward for the Llama / Qwen2 / Qwen2.5 / Qwen3 / Mistral / Phi-3 families over a slot KV cache.
+"""A compact inference forward for the Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 / Gemma 3 families
+over a slot KV cache.
 
 Why not the Hugging Face modules: on a CPU or a small GPU, a decode step of a small model is
 dominated by per-op framework overhead, not arithmetic. HF's forward spends most of a step in mask
@@ -15,9 +16,10 @@ What is supported (checked in ``from_hf``, with a clear error otherwise): decode
 RMSNorm, rotary embeddings of any static type (default, linear, llama3, yarn: taken from the HF
 rotary module's ``inv_freq`` and ``attention_scaling``), grouped-query attention, SiLU-gated MLP,
 optional q/k/v/o and MLP biases (Qwen2, Llama ``attention_bias``/``mlp_bias``), optional per-head
-q/k RMSNorm (Qwen3), tied or untied embeddings, sliding-window layers (a mask), checkpoints whose
-q/k/v and gate/up projections are already fused (Phi-3). What differs per family is the table in
-``families``. Not supported: RoPE types whose frequencies depend on the sequence length (dynamic,
+q/k RMSNorm (Qwen3, Gemma 3), tied or untied embeddings, sliding-window layers (a mask), checkpoints
+whose q/k/v and gate/up projections are already fused (Phi-3), and Gemma's numerics (``1 + weight``
+norms, scaled embeddings, sandwich norms, soft-capped scores and logits, a tanh-GELU gate, per
+layer-type rotary frequencies). What differs per family is the table in ``families``. Not supported: RoPE types whose frequencies depend on the sequence length (dynamic,
 longrope) and partial rotary embeddings.
 
 Numerics follow HF's order of operations (RMSNorm in float32 then cast, softmax in float32), so
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridflow.rollout.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, config_problem
+from hybridflow.rollout.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, Numerics, config_problem
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
 
@@ -62,6 +64,10 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down_weight: torch.Tensor  # (h, I)
     down_bias: torch.Tensor | None
+    # Gemma's sandwich norms: on the attention output and on the MLP output (post_norm is then the
+    # norm before the MLP, HF's pre_feedforward_layernorm).
+    attn_out_norm: torch.Tensor | None = None  # (h,)
+    mlp_out_norm: torch.Tensor | None = None  # (h,)
 
 
 WEIGHT_LAYOUTS = ("auto", "dense", "onednn")
@@ -137,10 +143,11 @@ class CompactCausalLM:
         layers: list[LayerWeights],
         shape: AttentionShape,
         rms_norm_eps: float,
-        inv_freq: torch.Tensor,
-        rope_attention_scaling: float,
+        rotary: list[tuple[torch.Tensor, float]],
         max_positions: int,
+        layer_rotary: list[int] | None = None,
         sliding_windows: list[int | None] | None = None,
+        numerics: Numerics | None = None,
     ) -> None:
         self.embed = embed  # (V, h)
         self.lm_head = lm_head  # (V, h); the same tensor as embed when tied
@@ -150,19 +157,17 @@ class CompactCausalLM:
         self.eps = rms_norm_eps
         # Per layer: the sliding window W (a query at p sees keys p - W < k <= p), or None for all keys.
         self.sliding_windows = list(sliding_windows) if sliding_windows is not None else [None] * len(layers)
+        self.numerics = numerics or Numerics()
         self.dtype = embed.dtype
         self.device = embed.device
-        # cos/sin for every position, as HF computes them (float32, scaled, then cast): (L, D) each.
-        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
-        freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float32)[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self._cos = (angles.cos() * rope_attention_scaling).to(self.dtype)
-        sin = (angles.sin() * rope_attention_scaling).to(self.dtype)
-        # rotate_half's sign folded into the table: rotate_half(x) sin = swap_halves(x) sin_signed
-        # exactly (negation is exact), so the rotary pass needs no negated copy of x.
-        half = sin.shape[-1] // 2
-        self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        self._scale = shape.head_dim**-0.5
+        # Rotary tables: (inv_freq, attention scaling) each, and each layer's index into them.
+        self.rotary = rotary
+        self.layer_rotary = list(layer_rotary) if layer_rotary is not None else [0] * len(layers)
+        self._rotary_tables = [self._rotary_table(inv_freq, scaling, max_positions) for inv_freq, scaling in rotary]
+        n = self.numerics
+        self._scale = n.attention_scale if n.attention_scale is not None else shape.head_dim**-0.5
+        # HF multiplies by its float32 scale buffer cast to the weights' dtype.
+        self._embed_scale = None if n.embed_scale is None else torch.tensor(n.embed_scale).to(self.dtype).item()
         self.weight_layout = "dense"
         self._batch_hint = 1
         self._packed: list[_PackedLayer] | None = None
@@ -178,7 +183,21 @@ class CompactCausalLM:
 
     @property
     def max_positions(self) -> int:
-        return int(self._cos.shape[0])
+        return int(self._rotary_tables[0][0].shape[0])
+
+    def _rotary_table(self, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for every position, as HF computes them (float32, scaled, then cast): (L, D) each.
+
+        rotate_half's sign is folded into the sin table: rotate_half(x) sin = swap_halves(x) sin_signed
+        exactly (negation is exact), so the rotary pass needs no negated copy of x.
+        """
+        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
+        freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float32)[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        cos = (angles.cos() * scaling).to(self.dtype)
+        sin = (angles.sin() * scaling).to(self.dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
     # ------------------------------------------------------------------ construction
 
@@ -200,8 +219,9 @@ class CompactCausalLM:
             intermediate_size=config.intermediate_size,
         )
         family = FAMILIES[config.model_type]
-        layers = [_fuse_layer(layer, family) for layer in base.layers]
-        rotary = base.rotary_emb
+        numerics = family.numerics(config)
+        layers = [_fuse_layer(layer, family, numerics) for layer in base.layers]
+        rotary, layer_rotary = family.rotary(base.rotary_emb, config)
         return CompactCausalLM(
             embed=base.embed_tokens.weight.data,
             lm_head=model.lm_head.weight.data,
@@ -209,10 +229,11 @@ class CompactCausalLM:
             layers=layers,
             shape=shape,
             rms_norm_eps=float(config.rms_norm_eps),
-            inv_freq=rotary.inv_freq,
-            rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+            rotary=rotary,
             max_positions=max_positions,
+            layer_rotary=layer_rotary,
             sliding_windows=[family.sliding_window(config, i) for i in range(len(layers))],
+            numerics=numerics,
         )
 
     # ------------------------------------------------------------------ weight layout
@@ -298,18 +319,24 @@ class CompactCausalLM:
         ``with_logits=False`` and skips the LM head.
         """
         hidden = F.embedding(input_ids, self.embed)  # (B, C, h)
-        cos = self._cos[positions].unsqueeze(2)  # (B, C, 1, D)
-        sin = self._sin_signed[positions].unsqueeze(2)
+        if self._embed_scale is not None:
+            hidden.mul_(self._embed_scale)
+        # Per rotary table: cos and signed sin at the positions, (B, C, 1, D) each.
+        rotations = {k: (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))
+                     for k, (cos, sin) in enumerate(self._rotary_tables) if k in self.layer_rotary}
         key_positions = torch.arange(key_length, device=self.device)
         masks = {window: self._mask(key_positions, positions, window) for window in set(self.sliding_windows)}
         for index, layer in enumerate(self.layers):
             packed = self._packed[index] if self._packed is not None else None
+            cos, sin = rotations[self.layer_rotary[index]]
             mask = masks[self.sliding_windows[index]]
             hidden = self._layer(index, layer, packed, hidden, cos, sin, mask, kv_access)
         if not with_logits:
             return None
-        return self._linear(self._rms_norm(hidden[:, -1], self.final_norm), self.lm_head, None,
-                            self._packed_lm_head)  # (B, V)
+        logits = self._linear(self._rms_norm(hidden[:, -1], self.final_norm), self.lm_head, None,
+                              self._packed_lm_head)  # (B, V)
+        cap = self.numerics.final_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def _mask(self, key_positions: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Additive float32 mask (B, 1, 1, C, L), shaped for scores viewed as (B, KV, G, C, L): 0 where
@@ -349,16 +376,33 @@ class CompactCausalLM:
         v = qkv[:, :, s.num_heads + s.num_kv_heads :]
         keys, values = kv_access(index, k, v)  # (B, KV, D, L), (B, KV, L, D)
         attended = self._attend(q, keys, values, mask)  # (B, C, H D)
-        self._add_linear_(rows, attended.view(batch * length, -1), layer.o_weight, layer.o_bias,
-                          None if packed is None else packed.o)
+        self._add_output(rows, attended.view(batch * length, -1), layer.o_weight, layer.o_bias,
+                         None if packed is None else packed.o, layer.attn_out_norm)
         gate_up = self._linear(self._rms_norm(rows, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias,
                                None if packed is None else packed.gate_up)
         gate, up = gate_up.split(s.intermediate_size, dim=-1)
-        # silu(gate) * up written over gate: gate_up is this layer's own buffer, and the down
+        # act(gate) * up written over gate: gate_up is this layer's own buffer, and the down
         # projection reads the strided (B C, I) view without a copy.
-        self._add_linear_(rows, F.silu(gate, inplace=True).mul_(up), layer.down_weight, layer.down_bias,
-                          None if packed is None else packed.down)
+        if self.numerics.activation == "gelu_tanh":
+            gate.copy_(F.gelu(gate, approximate="tanh"))
+        else:
+            F.silu(gate, inplace=True)
+        self._add_output(rows, gate.mul_(up), layer.down_weight, layer.down_bias,
+                         None if packed is None else packed.down, layer.mlp_out_norm)
         return hidden
+
+    def _add_output(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    packed: torch.Tensor | None, out_norm: torch.Tensor | None) -> None:
+        """``residual += x W^T (+ b)``, normalised by ``out_norm`` first when there is one (Gemma)."""
+        if out_norm is None:
+            self._add_linear_(residual, x, weight, bias, packed)
+        else:
+            residual.add_(self._rms_norm(self._project(x, weight, bias, packed), out_norm))
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None) -> torch.Tensor:
+        """An output projection (o, down): ``x W^T (+ b)``; the tensor-parallel forward reduces its partial sums."""
+        return self._linear(x, weight, bias, packed)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention without repeating keys: each KV head serves its G query heads.
@@ -370,13 +414,23 @@ class CompactCausalLM:
         grouped = q.reshape(batch, length, s.num_kv_heads, s.group_size, s.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(batch, s.num_kv_heads, s.group_size * length, s.head_dim)
         scores = torch.matmul(grouped, keys)  # (B, KV, G C, L), a fresh tensor: scaled and masked in place
-        scores = scores.view(batch, s.num_kv_heads, s.group_size, length, -1).float().mul_(self._scale).add_(mask)
+        scores = scores.view(batch, s.num_kv_heads, s.group_size, length, -1).float().mul_(self._scale)
+        cap = self.numerics.attention_softcap
+        if cap is not None:
+            scores = scores.div_(cap).tanh_().mul_(cap)
+        scores = scores.add_(mask)
         probs = scores.softmax(dim=-1).to(q.dtype).view(batch, s.num_kv_heads, s.group_size * length, -1)
         out = torch.matmul(probs, values)  # (B, KV, G C, D)
         out = out.view(batch, s.num_kv_heads, s.group_size, length, s.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(batch, length, s.num_heads * s.head_dim)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        offset = self.numerics.norm_offset
+        if offset:
+            # Gemma's order: normalise and scale by (offset + weight) in float32, then cast.
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (offset + weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         # HF's order for half precision: normalise in float32, cast, then scale.
@@ -402,8 +456,9 @@ def _check_supported(model: torch.nn.Module) -> None:
     if problem is not None:
         raise ValueError(f"{problem} ({type(model).__name__})")
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope_type in DYNAMIC_ROPE_TYPES:
-        raise ValueError(f"the native rollout engine does not support rope_type {rope_type!r}")
+    for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:  # Gemma 3: one per layer type
+        if kind in DYNAMIC_ROPE_TYPES:
+            raise ValueError(f"the native rollout engine does not support rope_type {kind!r}")
 
 
 def _fuse(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -436,7 +491,7 @@ def _fuse_linears(linears: list[torch.nn.Module], what: str) -> tuple[torch.Tens
     return weight, bias
 
 
-def _fuse_layer(layer: torch.nn.Module, family: Family) -> LayerWeights:
+def _fuse_layer(layer: torch.nn.Module, family: Family, numerics: Numerics) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qkv_weight, qkv_bias = _fuse_linears([getattr(attn, name) for name in family.qkv], "q/k/v")
     gate_up_weight, gate_up_bias = _fuse_linears([getattr(mlp, name) for name in family.gate_up], "gate/up")
@@ -449,7 +504,10 @@ def _fuse_layer(layer: torch.nn.Module, family: Family) -> LayerWeights:
         k_norm=None if k_norm is None else k_norm.weight.data,
         o_weight=attn.o_proj.weight.data,
         o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.data,
-        post_norm=layer.post_attention_layernorm.weight.data,
+        # HF's post_attention_layernorm is the norm before the MLP, except in Gemma's sandwich.
+        post_norm=(layer.pre_feedforward_layernorm if numerics.sandwich_norms else layer.post_attention_layernorm).weight.data,
+        attn_out_norm=layer.post_attention_layernorm.weight.data if numerics.sandwich_norms else None,
+        mlp_out_norm=layer.post_feedforward_layernorm.weight.data if numerics.sandwich_norms else None,
         gate_up_weight=gate_up_weight,
         gate_up_bias=gate_up_bias,
         down_weight=mlp.down_proj.weight.data,

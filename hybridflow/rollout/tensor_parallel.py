@@ -103,7 +103,7 @@ _LENGTH_BYTES = 8
 # give each rank a range of input columns; the rest are replicated.
 _ROW_SPLIT = ("qkv_weight", "qkv_bias", "gate_up_weight", "gate_up_bias")
 _COLUMN_SPLIT = ("o_weight", "down_weight")
-_REPLICATED = ("input_norm", "q_norm", "k_norm", "o_bias", "post_norm", "down_bias")
+_REPLICATED = ("input_norm", "q_norm", "k_norm", "o_bias", "post_norm", "down_bias", "attn_out_norm", "mlp_out_norm")
 
 # SlotKVCache's public methods, by how the leader's cache mirrors them (``_MirroredCache``). A
 # public method in none of these makes ``build_tp_engine`` refuse to start: a new cache operation
@@ -504,12 +504,10 @@ class ShardedCompactLM(CompactCausalLM):
             })
             for w in full.layers
         ]
-        rotary = model.model.rotary_emb
         super().__init__(
             embed=full.embed, lm_head=full.lm_head, final_norm=full.final_norm, layers=layers, shape=local,
-            rms_norm_eps=full.eps, inv_freq=rotary.inv_freq,
-            rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)), max_positions=max_positions,
-            sliding_windows=full.sliding_windows,
+            rms_norm_eps=full.eps, rotary=full.rotary, max_positions=max_positions, layer_rotary=full.layer_rotary,
+            sliding_windows=full.sliding_windows, numerics=full.numerics,
         )
         self.full_shape = shape
         self.comm = comm
@@ -521,11 +519,16 @@ class ShardedCompactLM(CompactCausalLM):
         The local product is a partial sum, so the single-device path's addmm onto the residual
         would add the residual ``tp`` times: reduce first, then add the bias and the residual once.
         """
+        residual.add_(self._project(x, weight, bias, packed))
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None) -> torch.Tensor:
+        """Row-parallel projection: the sum over ranks of x_r W_r^T, + b, on every rank."""
         partial = self._linear(x, weight, None, packed)
         self.comm.all_reduce(partial)
         if bias is not None:
             partial.add_(bias)  # HF's order: residual + (x W^T + b)
-        residual.add_(partial)
+        return partial
 
     def transfer_weights(self, full: CompactCausalLM | None) -> None:
         """Leader (``full`` given): send every tensor's shards and replicas; followers: receive theirs.
@@ -855,7 +858,8 @@ def _model_signature(model: torch.nn.Module) -> dict[str, Any]:
             "intermediate_size", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
     signature: dict[str, Any] = {k: getattr(config, k, None) for k in keys}
     signature["shapes"] = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    signature["inv_freq"] = model.model.rotary_emb.inv_freq.double().cpu().tolist()
+    signature["inv_freq"] = {name: buffer.double().cpu().tolist() for name, buffer in
+                             model.model.rotary_emb.named_buffers() if name.endswith("inv_freq")}
     return signature
 
 

@@ -97,11 +97,11 @@ def test_the_factory_resolves_auto_and_passes_enforce_eager():
 @pytest.mark.parametrize(
     ("model_config", "expected"),
     [
-        ({"model_type": "gpt_neox"}, "supports model types llama, qwen2, qwen3, mistral, phi3; got 'gpt_neox': use "
+        ({"model_type": "gpt_neox"}, "supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text; got 'gpt_neox': use "
                                      "rollout.name=vllm or rollout.name=sglang"),
         ({"model_type": "phi3", "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [1.0]}},
          "does not support rope_type 'su'"),
-        ({"model_type": "llama", "hidden_act": "gelu"}, "needs hidden_act='silu', got 'gelu'"),
+        ({"model_type": "llama", "hidden_act": "gelu"}, "needs hidden_act='silu' for llama, got 'gelu'"),
     ],
 )
 def test_a_model_the_native_engine_cannot_run_fails_at_set_up_from_its_config_json(tmp_path, model_config, expected):

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -57,6 +61,8 @@ def random_model(family: str, seed: int = 0) -> torch.nn.Module:
         if family == "phi3":  # fused qkv_proj and gate_up_proj
             config = {k: v for k, v in COMMON.items() if k != "head_dim"}
             return Phi3ForCausalLM(Phi3Config(**config, sliding_window=7, pad_token_id=0)).eval()
+        if family in ("gemma2", "gemma3"):
+            return randomise_norms(gemma_model(family))
         if family == "llama-bias":
             config = LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True, rope_scaling={
                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -68,6 +74,27 @@ def random_model(family: str, seed: int = 0) -> torch.nn.Module:
                     torch.nn.init.normal_(parameter, std=0.1)
             return model
     raise ValueError(family)
+
+
+def gemma_model(family: str) -> torch.nn.Module:
+    """Layer 0 slides over 5 keys, layer 1 sees them all; caps low enough to bend the scores and logits."""
+    gemma = dict(COMMON, query_pre_attn_scalar=24, sliding_window=5, final_logit_softcapping=4.0,
+                 layer_types=["sliding_attention", "full_attention"])
+    if family == "gemma2":
+        return Gemma2ForCausalLM(Gemma2Config(**gemma, attn_logit_softcapping=2.0)).eval()
+    # Gemma 3: per-head q/k norms, its own rotary frequencies on the sliding layers (base 10^4 vs 10^6 and linear scaling).
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+    return Gemma3ForCausalLM(Gemma3TextConfig(**gemma, rope_parameters=rope)).eval()
+
+
+def randomise_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Gemma initialises its norms to 0 (scale 1 + 0): random ones test the offset."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0.0, 0.3)
+    return model
 
 
 def make_cache(model: CompactCausalLM, rows: int = 4, prompt_rows: int = 4) -> SlotKVCache:
@@ -109,7 +136,7 @@ def compact_logits(model: CompactCausalLM, ids: torch.Tensor, prefill: int) -> t
     return torch.stack(logits, dim=1)
 
 
-FAMILIES = ["tiny", "qwen2", "qwen3", "llama-bias", "qwen2-sliding", "mistral", "phi3"]
+FAMILIES = ["tiny", "qwen2", "qwen3", "llama-bias", "qwen2-sliding", "mistral", "phi3", "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -218,7 +245,7 @@ def test_a_fused_checkpoint_shares_its_own_tensors():
 
 
 def test_unsupported_models_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3, mistral, phi3; got 'gpt2': "
+    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text; got 'gpt2': "
                                          "use rollout.name=vllm or rollout.name=sglang"):
         CompactCausalLM.from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 64)
     config = {k: v for k, v in COMMON.items() if k != "head_dim"}

@@ -32,6 +32,13 @@ FAMILY_CONFIGS = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=5)),
     "phi3": (transformers.Phi3Config, dict(sliding_window=6)),
+    "gemma2": (transformers.Gemma2Config, dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
+                                               attn_logit_softcapping=2.0, final_logit_softcapping=4.0)),
+    "gemma3_text": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=5, final_logit_softcapping=4.0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
 }
 
 
@@ -47,6 +54,10 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPE, **extra))
+            with torch.no_grad():  # norms start at 1 (Gemma: 0, a scale of 1 + 0): perturbed ones test more
+                for name, parameter in model.named_parameters():
+                    if "norm" in name:
+                        parameter.add_(torch.randn_like(parameter), alpha=0.3)
         assert model.config.model_type == family
         model.save_pretrained(path)
         paths[family] = str(path)
