@@ -258,8 +258,9 @@ def check_model_path(path: str) -> Path | None:
         raise ConfigError(str(error), key="model.path") from error
 
 
-def check_rollout_model(path: str, engine: str) -> None:
-    """Whether ``rollout.name=engine`` runs the architecture of ``model.path``, from its
+def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1) -> None:
+    """Whether ``rollout.name=engine`` runs the architecture of ``model.path`` (on replicas of
+    ``rollout.tensor_model_parallel_size`` ranks), from its
     config.json's ``model_type`` (no weight loads): an unsupported one fails now, naming the type,
     the supported ones and the engines to use instead, not after the models loaded. The built-in
     model is a supported qwen2; a missing directory is ``check_model_path``'s to report."""
@@ -272,7 +273,7 @@ def check_rollout_model(path: str, engine: str) -> None:
         model_config = json.loads(config_file.read_text())
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.path={path!r}: cannot read config.json ({error})", key="model.path") from error
-    problem = engine_model_problem(engine, model_config)
+    problem = engine_model_problem(engine, model_config, tensor_parallel_size)
     if problem is not None:
         raise ConfigError(f"model.path={path!r} with rollout.name={engine}: {problem}", key="model.path")
 
@@ -507,7 +508,7 @@ def resolve_plugins(cfg: Config) -> Plugins:
     unavailable = engine_unavailable(cfg.rollout.name, config_device(cfg.trainer.device))
     if unavailable is not None:
         raise ConfigError(f"rollout.name={cfg.rollout.name}: {unavailable}", key="rollout.name")
-    check_rollout_model(cfg.model.path, cfg.rollout.name)
+    check_rollout_model(cfg.model.path, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
     agent = agent_setup(cfg.rollout.multi_turn)
     if agent is not None:
         check_agent_setup(agent, cfg.data)

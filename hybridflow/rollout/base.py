@@ -278,8 +278,8 @@ class EngineSpec:
     ``model`` it gets is on the meta device (names and shapes, for the weight-sync manifest).
     ``install``: the command that installs the package when ``pip install 'hybridflow[extra]'``
     is not the whole story (default: that command). ``model_problem``: the config-time check of
-    the checkpoint's config.json (as a dict): why the engine cannot run that architecture, or None
-    (default: any architecture).
+    the checkpoint's config.json (as a dict) and the replica's tensor-parallel size: why the engine
+    cannot run that architecture, or None (default: any architecture).
     """
 
     build: Callable[..., RolloutEngine]
@@ -288,7 +288,7 @@ class EngineSpec:
     available: Callable[[torch.device], str | None] | None = None
     loads_own_weights: bool = False
     install: str | None = None
-    model_problem: Callable[[Mapping[str, Any]], str | None] | None = None
+    model_problem: Callable[[Mapping[str, Any], int], str | None] | None = None
 
 
 def _build_sglang(**kwargs: Any) -> RolloutEngine:
@@ -319,14 +319,14 @@ ROLLOUT_ENGINES: dict[str, EngineSpec] = {
 }
 
 
-def engine_model_problem(name: str, model_config: Mapping[str, Any]) -> str | None:
+def engine_model_problem(name: str, model_config: Mapping[str, Any], tensor_parallel_size: int = 1) -> str | None:
     """Why ``rollout.name=name`` cannot run the model of ``model_config`` (its config.json as a
-    dict, read before any weight loads), or None when it can (or the name is unknown: see
-    ``engine_unavailable``)."""
+    dict, read before any weight loads) on replicas of ``tensor_parallel_size`` ranks, or None
+    when it can (or the name is unknown: see ``engine_unavailable``)."""
     spec = ROLLOUT_ENGINES.get(name)
     if spec is None or spec.model_problem is None:
         return None
-    return spec.model_problem(model_config)
+    return spec.model_problem(model_config, tensor_parallel_size)
 
 
 def engine_unavailable(name: str, device: torch.device | str) -> str | None:

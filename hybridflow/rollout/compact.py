@@ -1,5 +1,5 @@
-"""A compact inference forward for the Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 / Gemma 3 families
-over a slot KV cache.
+"""A compact inference forward for the Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 / Gemma 3 /
+Qwen3-MoE / Mixtral families over a slot KV cache.
 
 Why not the Hugging Face modules: on a CPU or a small GPU, a decode step of a small model is
 dominated by per-op framework overhead, not arithmetic. HF's forward spends most of a step in mask
@@ -19,7 +19,8 @@ optional q/k/v/o and MLP biases (Qwen2, Llama ``attention_bias``/``mlp_bias``), 
 q/k RMSNorm (Qwen3, Gemma 3), tied or untied embeddings, sliding-window layers (a mask), checkpoints
 whose q/k/v and gate/up projections are already fused (Phi-3), and Gemma's numerics (``1 + weight``
 norms, scaled embeddings, sandwich norms, soft-capped scores and logits, a tanh-GELU gate, per
-layer-type rotary frequencies). What differs per family is the table in ``families``. Not supported: RoPE types whose frequencies depend on the sequence length (dynamic,
+layer-type rotary frequencies), mixture-of-experts layers (HF's routers, the chosen experts as a
+dense loop; such a model decodes eagerly). What differs per family is the table in ``families``. Not supported: RoPE types whose frequencies depend on the sequence length (dynamic,
 longrope) and partial rotary embeddings.
 
 Numerics follow HF's order of operations (RMSNorm in float32 then cast, softmax in float32), so
@@ -60,14 +61,19 @@ class LayerWeights:
     o_weight: torch.Tensor  # (h, H D)
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # (h,)
-    gate_up_weight: torch.Tensor  # (2 I, h): gate rows, then up rows
+    gate_up_weight: torch.Tensor | None  # (2 I, h): gate rows, then up rows; None in a mixture-of-experts layer
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor  # (h, I)
+    down_weight: torch.Tensor | None  # (h, I); None in a mixture-of-experts layer
     down_bias: torch.Tensor | None
     # Gemma's sandwich norms: on the attention output and on the MLP output (post_norm is then the
     # norm before the MLP, HF's pre_feedforward_layernorm).
     attn_out_norm: torch.Tensor | None = None  # (h,)
     mlp_out_norm: torch.Tensor | None = None  # (h,)
+    # A mixture-of-experts layer (Qwen3-MoE, Mixtral) instead of the MLP: the router and the HF
+    # experts' own stacked tensors.
+    router: torch.Tensor | None = None  # (E, h)
+    experts_gate_up: torch.Tensor | None = None  # (E, 2 I_e, h): gate rows, then up rows
+    experts_down: torch.Tensor | None = None  # (E, h, I_e)
 
 
 WEIGHT_LAYOUTS = ("auto", "dense", "onednn")
@@ -109,8 +115,8 @@ class _PackedLayer:
 
     qkv: torch.Tensor
     o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # None in a mixture-of-experts layer (its experts run dense)
+    down: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,9 @@ class CompactCausalLM:
         self._scale = n.attention_scale if n.attention_scale is not None else shape.head_dim**-0.5
         # HF multiplies by its float32 scale buffer cast to the weights' dtype.
         self._embed_scale = None if n.embed_scale is None else torch.tensor(n.embed_scale).to(self.dtype).item()
+        # Whether a forward can be recorded as a CUDA graph: routing tokens to experts has
+        # data-dependent shapes, so a mixture-of-experts model decodes eagerly.
+        self.capturable = all(layer.router is None for layer in layers)
         self.weight_layout = "dense"
         self._batch_hint = 1
         self._packed: list[_PackedLayer] | None = None
@@ -260,7 +269,9 @@ class CompactCausalLM:
             self._packed = self._packed_lm_head = None
             return
 
-        def pack(weight: torch.Tensor) -> torch.Tensor:
+        def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
+            if weight is None:
+                return None
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self._batch_hint)
 
         self._packed = [
@@ -274,7 +285,7 @@ class CompactCausalLM:
         """The packed copy's tensors (none with the dense layout), for memory accounting."""
         if self._packed is None:
             return []
-        layers = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down)]
+        layers = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down) if t is not None]
         return layers + ([self._packed_lm_head] if self._packed_lm_head is not None else [])
 
     def release_packed(self) -> None:
@@ -378,18 +389,48 @@ class CompactCausalLM:
         attended = self._attend(q, keys, values, mask)  # (B, C, H D)
         self._add_output(rows, attended.view(batch * length, -1), layer.o_weight, layer.o_bias,
                          None if packed is None else packed.o, layer.attn_out_norm)
-        gate_up = self._linear(self._rms_norm(rows, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias,
-                               None if packed is None else packed.gate_up)
+        normed = self._rms_norm(rows, layer.post_norm)
+        if layer.router is not None:
+            rows.add_(self._experts(normed, layer))
+            return hidden
+        assert layer.gate_up_weight is not None and layer.down_weight is not None
+        gate_up = self._linear(normed, layer.gate_up_weight, layer.gate_up_bias, None if packed is None else packed.gate_up)
         gate, up = gate_up.split(s.intermediate_size, dim=-1)
         # act(gate) * up written over gate: gate_up is this layer's own buffer, and the down
         # projection reads the strided (B C, I) view without a copy.
-        if self.numerics.activation == "gelu_tanh":
-            gate.copy_(F.gelu(gate, approximate="tanh"))
-        else:
-            F.silu(gate, inplace=True)
-        self._add_output(rows, gate.mul_(up), layer.down_weight, layer.down_bias,
+        self._add_output(rows, self._activate_(gate).mul_(up), layer.down_weight, layer.down_bias,
                          None if packed is None else packed.down, layer.mlp_out_norm)
         return hidden
+
+    def _activate_(self, gate: torch.Tensor) -> torch.Tensor:
+        """The MLP gate's activation, in place."""
+        if self.numerics.activation == "gelu_tanh":
+            return gate.copy_(F.gelu(gate, approximate="tanh"))
+        return F.silu(gate, inplace=True)
+
+    def _experts(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """A mixture-of-experts layer on ``x`` (N, h) → (N, h), in HF's order of operations.
+
+        The router's softmax in float32, the top k, renormalised over them where the family does
+        (``normalize_top_k``) and cast to the model's dtype where it does (``router_weights_in_model_dtype``);
+        then each chosen expert, in ascending order, runs its dense gated MLP on its tokens and adds
+        their weighted outputs.
+        """
+        n = self.numerics
+        assert layer.router is not None and layer.experts_gate_up is not None and layer.experts_down is not None
+        logits = F.linear(x, layer.router)  # (N, E)
+        weights, chosen = logits.float().softmax(dim=-1).topk(n.experts_per_token, dim=-1)  # (N, k) each
+        if n.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if n.router_weights_in_model_dtype:
+            weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            tokens, slots = torch.where(chosen == expert)
+            gate, up = F.linear(x[tokens], layer.experts_gate_up[expert]).chunk(2, dim=-1)
+            hidden = F.linear(self._activate_(gate) * up, layer.experts_down[expert])
+            out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
+        return out
 
     def _add_output(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     packed: torch.Tensor | None, out_norm: torch.Tensor | None) -> None:
@@ -494,7 +535,13 @@ def _fuse_linears(linears: list[torch.nn.Module], what: str) -> tuple[torch.Tens
 def _fuse_layer(layer: torch.nn.Module, family: Family, numerics: Numerics) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qkv_weight, qkv_bias = _fuse_linears([getattr(attn, name) for name in family.qkv], "q/k/v")
-    gate_up_weight, gate_up_bias = _fuse_linears([getattr(mlp, name) for name in family.gate_up], "gate/up")
+    experts = getattr(mlp, "experts", None)  # a mixture-of-experts layer: the router is mlp.gate
+    if experts is not None:
+        gate_up_weight, gate_up_bias, down_weight, down_bias = None, None, None, None
+    else:
+        gate_up_weight, gate_up_bias = _fuse_linears([getattr(mlp, name) for name in family.gate_up], "gate/up")
+        down_weight = mlp.down_proj.weight.data
+        down_bias = None if mlp.down_proj.bias is None else mlp.down_proj.bias.data
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.data,
@@ -508,8 +555,11 @@ def _fuse_layer(layer: torch.nn.Module, family: Family, numerics: Numerics) -> L
         post_norm=(layer.pre_feedforward_layernorm if numerics.sandwich_norms else layer.post_attention_layernorm).weight.data,
         attn_out_norm=layer.post_attention_layernorm.weight.data if numerics.sandwich_norms else None,
         mlp_out_norm=layer.post_feedforward_layernorm.weight.data if numerics.sandwich_norms else None,
+        router=None if experts is None else mlp.gate.weight.data,
+        experts_gate_up=None if experts is None else experts.gate_up_proj.data,
+        experts_down=None if experts is None else experts.down_proj.data,
         gate_up_weight=gate_up_weight,
         gate_up_bias=gate_up_bias,
-        down_weight=mlp.down_proj.weight.data,
-        down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.data,
+        down_weight=down_weight,
+        down_bias=down_bias,
     )

@@ -12,6 +12,8 @@ mistral         q_proj, k_proj, v_proj  gate_proj, up_proj  every layer when ``s
 phi3            qkv_proj (fused)        gate_up_proj        every layer when ``sliding_window`` is set
 gemma2          q_proj, k_proj, v_proj  gate_proj, up_proj  ``layer_types[i] == "sliding_attention"``
 gemma3_text     q_proj, k_proj, v_proj  gate_proj, up_proj  ``layer_types[i] == "sliding_attention"``
+qwen3_moe       q_proj, k_proj, v_proj  experts (MoE)       ``layer_types[i] == "sliding_attention"``
+mixtral         q_proj, k_proj, v_proj  experts (MoE)       every layer when ``sliding_window`` is set
 ==============  ======================  ==================  ===========================================
 
 The Gemma families also change the numerics (``Numerics``): RMSNorm scales by ``1 + weight``, the
@@ -22,6 +24,14 @@ output), scores are scaled by ``query_pre_attn_scalar ** -0.5`` and optionally s
 (``cap tanh(x / cap)``), as are the final logits, and the MLP gate is ``gelu_pytorch_tanh``.
 Gemma 3 (text only, ``Gemma3ForCausalLM``) adds per-head q/k norms and its own rotary frequencies
 for the sliding layers (``rope_parameters["sliding_attention"]``).
+
+Mixture-of-experts layers (``mlp.experts``, HF's stacked ``gate_up_proj`` (E, 2 I, h) and
+``down_proj`` (E, h, I), routed by ``mlp.gate``) follow each family's router exactly: a float32
+softmax and the top ``num_experts_per_tok``; Mixtral always renormalises the chosen weights and
+keeps them in float32, Qwen3-MoE renormalises only with ``norm_topk_prob`` and casts them to the
+model's dtype. The chosen experts run as a dense loop (no grouped kernels: a CPU's way), so these
+models decode eagerly (no CUDA graphs) and are not split by tensor parallelism. Qwen3-MoE's dense
+layers (``mlp_only_layers``, ``decoder_sparse_step``) are ordinary MLPs.
 
 A sliding window of W lets a query at position p see the keys at positions ``p - W < k <= p``
 (Hugging Face's ``sliding_window_overlay``). The slot cache keeps every position, so the window is
@@ -71,6 +81,11 @@ class Numerics:
     final_softcap: float | None = None  # logits → cap tanh(logits / cap)
     activation: str = "silu"  # the MLP gate's: silu | gelu_tanh
     sandwich_norms: bool = False  # attention and MLP outputs normalised before the residual add
+    # Mixture of experts: experts per token, whether their router weights are renormalised to sum
+    # to 1, and whether they are cast to the model's dtype before weighting the experts' outputs.
+    experts_per_token: int = 0
+    normalize_top_k: bool = False
+    router_weights_in_model_dtype: bool = False
 
 
 def _llama_numerics(config: Any) -> Numerics:
@@ -87,6 +102,15 @@ def _gemma_numerics(config: Any) -> Numerics:
         activation="gelu_tanh",
         sandwich_norms=True,
     )
+
+
+def _qwen3_moe_numerics(config: Any) -> Numerics:
+    return Numerics(experts_per_token=int(config.num_experts_per_tok), normalize_top_k=bool(config.norm_topk_prob),
+                    router_weights_in_model_dtype=True)
+
+
+def _mixtral_numerics(config: Any) -> Numerics:
+    return Numerics(experts_per_token=int(config.num_experts_per_tok), normalize_top_k=True)
 
 
 def _one_rotary(rotary: Any, config: Any) -> tuple[list[tuple[Any, float]], list[int]]:
@@ -114,6 +138,7 @@ class Family:
     # (HF rotary module, config) → ([(inv_freq, attention scaling)], each layer's index into that list)
     rotary: Callable[[Any, Any], tuple[list[tuple[Any, float]], list[int]]] = _one_rotary
     activation: tuple[str, str] = ("hidden_act", "silu")  # (config key, the one value supported)
+    tensor_parallel: bool = True  # whether rollout.tensor_model_parallel_size > 1 can split it
 
 
 _SEPARATE = dict(qkv=("q_proj", "k_proj", "v_proj"), gate_up=("gate_proj", "up_proj"))
@@ -128,6 +153,10 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",), sliding_window=_window_everywhere),
     "gemma2": Family(**_GEMMA),
     "gemma3_text": Family(**_GEMMA, rotary=_rotary_by_layer_type),
+    "qwen3_moe": Family(**_SEPARATE, sliding_window=_window_by_layer_type, numerics=_qwen3_moe_numerics,
+                        tensor_parallel=False),
+    "mixtral": Family(**_SEPARATE, sliding_window=_window_everywhere, numerics=_mixtral_numerics,
+                      tensor_parallel=False),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -151,8 +180,9 @@ def _partial_rotary_factor(config: Mapping[str, Any]) -> float:
     return float(factor or config.get("partial_rotary_factor") or 1.0)
 
 
-def config_problem(config: Mapping[str, Any]) -> str | None:
-    """Why the native engine cannot run a model of this config (a config.json as a dict), or None.
+def config_problem(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> str | None:
+    """Why the native engine cannot run a model of this config (a config.json as a dict) on
+    replicas of ``tensor_parallel_size`` ranks, or None.
 
     The message names the model type, what is supported and what to use instead.
     """
@@ -173,4 +203,8 @@ def config_problem(config: Mapping[str, Any]) -> str | None:
     if partial != 1.0:
         return (f"the native rollout engine rotates whole heads, but this {model_type} model has "
                 f"partial_rotary_factor={partial}: use {OTHER_ENGINES}")
+    if tensor_parallel_size > 1 and not family.tensor_parallel:
+        return (f"the native rollout engine does not split {model_type} (mixture-of-experts) layers over "
+                f"rollout.tensor_model_parallel_size={tensor_parallel_size} ranks: use "
+                f"rollout.tensor_model_parallel_size=1 or {OTHER_ENGINES}")
     return None

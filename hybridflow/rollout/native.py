@@ -524,7 +524,11 @@ class NativeEngine:
 
     def _build_static_decoder(self, decode_mode: str | None) -> StaticDecoder | None:
         if decode_mode is None:
-            decode_mode = "cuda_graph" if self._device.type == "cuda" else "eager"
+            capture = self._device.type == "cuda" and self._compact.capturable
+            decode_mode = "cuda_graph" if capture else "eager"
+        if decode_mode == "cuda_graph" and not self._compact.capturable:
+            raise ValueError("NativeEngine: decode_mode='cuda_graph' cannot record a mixture-of-experts model "
+                             "(its routing has data-dependent shapes); use decode_mode='eager'")
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"NativeEngine: decode_mode must be one of {', '.join(DECODE_MODES)}, got {decode_mode!r}")
         if decode_mode == "cuda_graph" and self._device.type != "cuda":

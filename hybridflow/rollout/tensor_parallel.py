@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.rollout.compact import CompactCausalLM, KVAccess, LayerWeights
-from hybridflow.rollout.families import FAMILIES
+from hybridflow.rollout.families import FAMILIES, config_problem
 from hybridflow.rollout.kv_cache import SlotKVCache
 from hybridflow.rollout.native import NativeEngine, default_kv_cache_bytes, resolve_dtype
 
@@ -104,6 +104,8 @@ _LENGTH_BYTES = 8
 _ROW_SPLIT = ("qkv_weight", "qkv_bias", "gate_up_weight", "gate_up_bias")
 _COLUMN_SPLIT = ("o_weight", "down_weight")
 _REPLICATED = ("input_norm", "q_norm", "k_norm", "o_bias", "post_norm", "down_bias", "attn_out_norm", "mlp_out_norm")
+# Mixture-of-experts tensors: never split, because ``check_tensor_parallel_shape`` refuses those families.
+_NOT_SPLIT = ("router", "experts_gate_up", "experts_down")
 
 # SlotKVCache's public methods, by how the leader's cache mirrors them (``_MirroredCache``). A
 # public method in none of these makes ``build_tp_engine`` refuse to start: a new cache operation
@@ -128,9 +130,13 @@ class TensorParallelError(RuntimeError):
 
 
 def check_tensor_parallel_shape(config: Any, tp: int) -> None:
-    """Raise ``ValueError`` unless ``config``'s heads and MLP split evenly over ``tp`` ranks."""
+    """Raise ``ValueError`` unless ``config``'s heads and MLP split evenly over ``tp`` ranks (and its
+    family can be split at all: not the mixture-of-experts ones)."""
     if tp < 1:
         raise ValueError(f"tensor_model_parallel_size must be >= 1, got {tp}")
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if tp > 1 and family is not None and not family.tensor_parallel:
+        raise ValueError(config_problem({"model_type": config.model_type}, tp))
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = int(getattr(config, key))
         if value % tp:
@@ -189,7 +195,7 @@ def _shard(field: str, full: torch.Tensor, shape: Any, rank: int, size: int) -> 
 
 def _layer_fields() -> list[str]:
     fields = [f.name for f in dataclasses.fields(LayerWeights)]
-    unknown = set(fields) - set(_ROW_SPLIT + _COLUMN_SPLIT + _REPLICATED)
+    unknown = set(fields) - set(_ROW_SPLIT + _COLUMN_SPLIT + _REPLICATED + _NOT_SPLIT)
     if unknown:
         raise NotImplementedError(
             f"LayerWeights fields {sorted(unknown)} are not classified for tensor parallelism: add them to "

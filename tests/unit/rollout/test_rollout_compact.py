@@ -15,12 +15,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
@@ -61,6 +65,13 @@ def random_model(family: str, seed: int = 0) -> torch.nn.Module:
         if family == "phi3":  # fused qkv_proj and gate_up_proj
             config = {k: v for k, v in COMMON.items() if k != "head_dim"}
             return Phi3ForCausalLM(Phi3Config(**config, sliding_window=7, pad_token_id=0)).eval()
+        if family == "qwen3_moe":  # top 2 of 4 experts, not renormalised; layer 1 a dense MLP
+            return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=48, norm_topk_prob=False,
+                                                      mlp_only_layers=[1])).eval()
+        if family == "mixtral":  # top 2 of 4 experts, renormalised; a sliding window
+            return MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                    sliding_window=5)).eval()
         if family in ("gemma2", "gemma3"):
             return randomise_norms(gemma_model(family))
         if family == "llama-bias":
@@ -136,7 +147,8 @@ def compact_logits(model: CompactCausalLM, ids: torch.Tensor, prefill: int) -> t
     return torch.stack(logits, dim=1)
 
 
-FAMILIES = ["tiny", "qwen2", "qwen3", "llama-bias", "qwen2-sliding", "mistral", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["tiny", "qwen2", "qwen3", "llama-bias", "qwen2-sliding", "mistral", "phi3", "gemma2", "gemma3",
+            "qwen3_moe", "mixtral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -245,7 +257,7 @@ def test_a_fused_checkpoint_shares_its_own_tensors():
 
 
 def test_unsupported_models_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text; got 'gpt2': "
+    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, qwen3_moe, mixtral; got 'gpt2': "
                                          "use rollout.name=vllm or rollout.name=sglang"):
         CompactCausalLM.from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 64)
     config = {k: v for k, v in COMMON.items() if k != "head_dim"}

@@ -39,6 +39,11 @@ FAMILY_CONFIGS = {
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
+    # Qwen3-MoE without renormalising the top-k weights, layer 1 a dense MLP; Mixtral renormalises.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=48, norm_topk_prob=False,
+                                                    mlp_only_layers=[1])),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=5)),
 }
 
 
@@ -90,3 +95,14 @@ def test_greedy_equals_generate_and_sampled_logprobs_equal_recomputation(family,
             expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(t.response_ids)[:, None])
             got = torch.tensor(t.rollout_logprobs)
             assert (got - expected.squeeze(-1)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_models_decode_eagerly(family, checkpoints):
+    """Routing has data-dependent shapes: no CUDA graph records it, so the engine never tries."""
+    with pytest.raises(ValueError, match="cannot record a mixture-of-experts model"):
+        NativeEngine(model=load_causal_lm(checkpoints[family]), eos_token_ids=[EOS], pad_token_id=PAD,
+                     max_batch_size=2, decode_mode="cuda_graph")
+    engine = NativeEngine(model=load_causal_lm(checkpoints[family]), eos_token_ids=[EOS], pad_token_id=PAD,
+                          max_batch_size=2)
+    assert engine.decode_mode == "eager"

@@ -424,3 +424,11 @@ def test_tp2_on_two_gpus_generates_what_the_plain_engine_does(tmp_path):
         for key, reference in (("tp", "reference"), ("updated", "updated_reference"), ("woken", "updated_reference")):
             got, expected = report[key], report[reference]
             assert got["greedy"]["tokens"] == expected["greedy"]["tokens"], (family, key)
+
+
+def test_mixture_of_experts_models_are_not_split():
+    for model_type in ("qwen3_moe", "mixtral"):
+        config = SimpleNamespace(model_type=model_type, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+        check_tensor_parallel_shape(config, 1)
+        with pytest.raises(ValueError, match=f"does not split {model_type} .* over rollout.tensor_model_parallel_size=2"):
+            check_tensor_parallel_shape(config, 2)
