@@ -97,8 +97,8 @@ def test_the_factory_resolves_auto_and_passes_enforce_eager():
 @pytest.mark.parametrize(
     ("model_config", "expected"),
     [
-        ({"model_type": "gpt_neox"}, "supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, qwen3_moe, mixtral; got 'gpt_neox': use "
-                                     "rollout.name=vllm or rollout.name=sglang"),
+        ({"model_type": "gpt_neox"}, "supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, "
+                                     "qwen3_moe, mixtral; got 'gpt_neox': use rollout.name=vllm or rollout.name=sglang"),
         ({"model_type": "phi3", "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [1.0]}},
          "does not support rope_type 'su'"),
         ({"model_type": "llama", "hidden_act": "gelu"}, "needs hidden_act='silu' for llama, got 'gelu'"),

@@ -257,7 +257,8 @@ def test_a_fused_checkpoint_shares_its_own_tensors():
 
 
 def test_unsupported_models_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, qwen3_moe, mixtral; got 'gpt2': "
+    supported = "llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, qwen3_moe, mixtral"
+    with pytest.raises(ValueError, match=f"supports model types {supported}; got 'gpt2': "
                                          "use rollout.name=vllm or rollout.name=sglang"):
         CompactCausalLM.from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 64)
     config = {k: v for k, v in COMMON.items() if k != "head_dim"}
