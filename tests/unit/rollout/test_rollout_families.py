@@ -106,3 +106,14 @@ def test_mixture_of_experts_models_decode_eagerly(family, checkpoints):
     engine = NativeEngine(model=load_causal_lm(checkpoints[family]), eos_token_ids=[EOS], pad_token_id=PAD,
                           max_batch_size=2)
     assert engine.decode_mode == "eager"
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILY_CONFIGS) - {"qwen3_moe", "mixtral"}))
+def test_static_shape_decoding_gives_the_same_greedy_tokens(family, checkpoints):
+    """The decode path CUDA graphs record (bucketed batch, padded rows), run eagerly on the CPU."""
+    options = dict(eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=8, seed=0)
+    requests = [request(p, temperature=0.0, max_tokens=12) for p in PROMPTS]
+    eager = NativeEngine(model=load_causal_lm(checkpoints[family]), **options).generate_batch(requests)
+    static = NativeEngine(model=load_causal_lm(checkpoints[family]), decode_mode="static", **options)
+    assert static.decode_mode == "static"
+    assert [r[0].response_ids for r in static.generate_batch(requests)] == [r[0].response_ids for r in eager]
