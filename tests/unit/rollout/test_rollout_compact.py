@@ -226,8 +226,9 @@ def test_weights_are_shared_with_the_hf_model_not_copied():
     assert layer.q_norm is not None and layer.q_norm.data_ptr() == hf.model.layers[1].self_attn.q_norm.weight.data_ptr()
 
 
-def test_bfloat16_logits_stay_close_to_hugging_face():
-    hf = random_model("qwen2").to(torch.bfloat16)
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral"])
+def test_bfloat16_logits_stay_close_to_hugging_face(family):
+    hf = random_model(family).to(torch.bfloat16)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(ids).logits[:, 8:].float()
