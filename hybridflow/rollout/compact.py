@@ -162,7 +162,9 @@ class CompactCausalLM:
         self.shape = shape
         self.eps = rms_norm_eps
         # Per layer: the sliding window W (a query at p sees keys p - W < k <= p), or None for all keys.
-        self.sliding_windows = list(sliding_windows) if sliding_windows is not None else [None] * len(layers)
+        # A window of at least max_positions hides no key this forward will see: None (no mask).
+        windows = list(sliding_windows) if sliding_windows is not None else [None] * len(layers)
+        self.sliding_windows = [None if w is None or w >= max_positions else w for w in windows]
         self.numerics = numerics or Numerics()
         self.dtype = embed.dtype
         self.device = embed.device

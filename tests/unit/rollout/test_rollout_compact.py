@@ -255,6 +255,9 @@ def test_a_fused_checkpoint_shares_its_own_tensors():
     assert compact.layers[0].qkv_weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
     assert compact.layers[0].gate_up_weight.data_ptr() == mlp.gate_up_proj.weight.data_ptr()
     assert compact.sliding_windows == [7, 7]
+    # A window no sequence can outgrow masks nothing: no window at all.
+    assert CompactCausalLM.from_hf(random_model("phi3"), max_positions=7).sliding_windows == [None, None]
+    assert CompactCausalLM.from_hf(random_model("phi3"), max_positions=8).sliding_windows == [7, 7]
 
 
 def test_unsupported_models_are_refused_with_the_reason():
