@@ -20,8 +20,9 @@ q/k RMSNorm (Qwen3, Gemma 3), tied or untied embeddings, sliding-window layers (
 whose q/k/v and gate/up projections are already fused (Phi-3), and Gemma's numerics (``1 + weight``
 norms, scaled embeddings, sandwich norms, soft-capped scores and logits, a tanh-GELU gate, per
 layer-type rotary frequencies), mixture-of-experts layers (HF's routers, the chosen experts as a
-dense loop; such a model decodes eagerly). What differs per family is the table in ``families``. Not supported: RoPE types whose frequencies depend on the sequence length (dynamic,
-longrope) and partial rotary embeddings.
+dense loop; such a model decodes eagerly). What differs per family is the table in ``families``.
+Not supported: RoPE types whose frequencies depend on the sequence length (dynamic, longrope) and
+partial rotary embeddings.
 
 Numerics follow HF's order of operations (RMSNorm in float32 then cast, softmax in float32), so
 fp32 logits agree with HF's to ~1e-5 (tests check 1e-4).

@@ -51,20 +51,25 @@ def test_every_supported_family_is_tested_here():
     assert sorted(FAMILY_CONFIGS) == sorted(SUPPORTED_MODEL_TYPES)
 
 
+def build(family: str, seed: int) -> torch.nn.Module:
+    config_cls, extra = FAMILY_CONFIGS[family]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPE, **extra))
+        with torch.no_grad():  # norms start at 1 (Gemma: 0, a scale of 1 + 0): perturbed ones test more
+            for name, parameter in model.named_parameters():
+                if "norm" in name:
+                    parameter.add_(torch.randn_like(parameter), alpha=0.3)
+    assert model.config.model_type == family
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     paths = {}
-    for family, (config_cls, extra) in FAMILY_CONFIGS.items():
+    for family in FAMILY_CONFIGS:
         path = tmp_path_factory.mktemp(family)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPE, **extra))
-            with torch.no_grad():  # norms start at 1 (Gemma: 0, a scale of 1 + 0): perturbed ones test more
-                for name, parameter in model.named_parameters():
-                    if "norm" in name:
-                        parameter.add_(torch.randn_like(parameter), alpha=0.3)
-        assert model.config.model_type == family
-        model.save_pretrained(path)
+        build(family, seed=0).save_pretrained(path)
         paths[family] = str(path)
     return paths
 
@@ -117,3 +122,19 @@ def test_static_shape_decoding_gives_the_same_greedy_tokens(family, checkpoints)
     static = NativeEngine(model=load_causal_lm(checkpoints[family]), decode_mode="static", **options)
     assert static.decode_mode == "static"
     assert [r[0].response_ids for r in static.generate_batch(requests)] == [r[0].response_ids for r in eager]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_a_weight_update_after_sleep_level_two_reaches_every_tensor_the_forward_reads(family):
+    """Fused, stacked-expert and norm tensors are the HF parameters or views of them: an update by
+    HF names after the weights were freed gives exactly the engine of the new weights."""
+    options = dict(eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=8, seed=0)
+    requests = [request(p, temperature=1.0, max_tokens=6, seed=i) for i, p in enumerate(PROMPTS)]
+    engine = NativeEngine(model=build(family, seed=0), **options)
+    engine.sleep(level=2)
+    engine.wake_up()
+    engine.update_weights(build(family, seed=1).state_dict().items(), max_bucket_bytes=4096)
+    expected = NativeEngine(model=build(family, seed=1), **options).generate_batch(requests)
+    got = engine.generate_batch(requests)
+    assert [(t.response_ids, t.rollout_logprobs) for r in got for t in r] == [
+        (t.response_ids, t.rollout_logprobs) for r in expected for t in r]
