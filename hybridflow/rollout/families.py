@@ -159,6 +159,11 @@ FAMILIES: dict[str, Family] = {
                       tensor_parallel=False),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# Unsupported model types that are close to a supported one: what to use instead.
+NEAR_MISSES = {
+    "gemma3": "a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration); its text-only form "
+              "(model_type gemma3_text, Gemma3ForCausalLM) is supported",
+}
 
 
 def _rope_types(config: Mapping[str, Any]) -> set[str]:
@@ -189,8 +194,9 @@ def config_problem(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> 
     model_type = config.get("model_type")
     family = FAMILIES.get(model_type)  # type: ignore[arg-type]
     if family is None:
+        hint = f" ({NEAR_MISSES[model_type]})" if model_type in NEAR_MISSES else ""
         return (f"the native rollout engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; got "
-                f"{model_type!r}: use {OTHER_ENGINES}, which run other architectures")
+                f"{model_type!r}{hint}: use {OTHER_ENGINES}, which run other architectures")
     key, expected = family.activation
     activation = config.get(key) or expected
     if activation != expected:

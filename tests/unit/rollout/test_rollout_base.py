@@ -102,6 +102,7 @@ def test_the_factory_resolves_auto_and_passes_enforce_eager():
         ({"model_type": "phi3", "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [1.0]}},
          "does not support rope_type 'su'"),
         ({"model_type": "llama", "hidden_act": "gelu"}, "needs hidden_act='silu' for llama, got 'gelu'"),
+        ({"model_type": "gemma3", "text_config": {}}, "got 'gemma3' (a multimodal Gemma 3 checkpoint"),
     ],
 )
 def test_a_model_the_native_engine_cannot_run_fails_at_set_up_from_its_config_json(tmp_path, model_config, expected):
