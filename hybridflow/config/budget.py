@@ -25,11 +25,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# Families the engine runs packed: the native rollout engine's families, each tested packed
-# against padded (tests/unit/training/test_training_packing.py). Their attention takes the
-# packed layout through transformers' attention interface (sdpa -> the varlen kernel,
-# flash-attention from cu_seqlens, eager/flex from restarting position ids).
-PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Families the engine runs packed, each tested packed against padded
+# (tests/unit/training/test_training_packing.py). Their attention takes the packed layout
+# through transformers' attention interface (sdpa -> the varlen kernel, which bands sliding
+# windows; flash-attention from cu_seqlens, eager/flex from restarting position ids). Not Gemma
+# 2/3: their eager attention soft-caps scores, which the varlen kernel does not, and no packed
+# path is tested for them.
+PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral")
 
 # Share of the free memory (when the actor starts) that one training micro-batch's activations
 # may take. The rest is for what the estimate leaves out or what comes later: the optimizer's

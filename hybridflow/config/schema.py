@@ -182,8 +182,8 @@ class ActorConfig:
     use_remove_padding: bool = f(
         True,
         "Pack each micro-batch's sequences into one padding-free row (no compute on padding). Models without "
-        "a packed attention path (families other than llama, qwen2, qwen3, or modeling code shipped with the "
-        "checkpoint) run padded, with a note. false: always padded (each micro-batch at its own width).",
+        "a packed attention path (families other than llama, qwen2, qwen3, mistral, phi3, qwen3_moe, mixtral, "
+        "or modeling code shipped with the checkpoint) run padded, with a note. false: always padded (each micro-batch at its own width).",
     )
     use_dynamic_bsz: bool = f(
         True,

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -64,7 +65,7 @@ from hybridflow.data.tasks.calculator import (
 from hybridflow.models.loading import check_model_dir, check_sequence_classifier, load_tokenizer
 from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
-from hybridflow.rollout.base import engine_unavailable
+from hybridflow.rollout.base import engine_model_problem, engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
@@ -255,6 +256,26 @@ def check_model_path(path: str) -> Path | None:
         return check_model_dir(path)
     except FileNotFoundError as error:
         raise ConfigError(str(error), key="model.path") from error
+
+
+def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1) -> None:
+    """Whether ``rollout.name=engine`` runs the architecture of ``model.path`` (on replicas of
+    ``rollout.tensor_model_parallel_size`` ranks), from its
+    config.json's ``model_type`` (no weight loads): an unsupported one fails now, naming the type,
+    the supported ones and the engines to use instead, not after the models loaded. The built-in
+    model is a supported qwen2; a missing directory is ``check_model_path``'s to report."""
+    if path.startswith("builtin:"):
+        return
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        model_config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.path={path!r}: cannot read config.json ({error})", key="model.path") from error
+    problem = engine_model_problem(engine, model_config, tensor_parallel_size)
+    if problem is not None:
+        raise ConfigError(f"model.path={path!r} with rollout.name={engine}: {problem}", key="model.path")
 
 
 def check_critic_model_path(path: str) -> None:
@@ -510,6 +531,7 @@ def resolve_plugins(cfg: Config) -> Plugins:
     unavailable = engine_unavailable(cfg.rollout.name, config_device(cfg.trainer.device))
     if unavailable is not None:
         raise ConfigError(f"rollout.name={cfg.rollout.name}: {unavailable}", key="rollout.name")
+    check_rollout_model(cfg.model.path, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
     agent = agent_setup(cfg.rollout.multi_turn)
     if agent is not None:
         check_agent_setup(agent, cfg.data)

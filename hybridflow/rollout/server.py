@@ -1223,7 +1223,7 @@ def build_server_engine(
         logger.debug("model load failed", exc_info=True)
         raise ServeError(
             f"cannot load the model from {path}: {_one_line(exc)}; the directory needs config.json and "
-            "*.safetensors weights of a Llama/Qwen2/Qwen3 causal LM"
+            "*.safetensors weights of a causal LM the native engine supports (hybridflow/rollout/families.py)"
         ) from exc
     pad = tokenizer.pad_token_id
     max_model_len = max_model_len or int(model.config.max_position_embeddings)

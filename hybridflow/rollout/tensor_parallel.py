@@ -76,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.rollout.compact import CompactCausalLM, KVAccess, LayerWeights
+from hybridflow.rollout.families import FAMILIES, config_problem
 from hybridflow.rollout.kv_cache import SlotKVCache
 from hybridflow.rollout.native import NativeEngine, default_kv_cache_bytes, resolve_dtype
 
@@ -102,7 +103,9 @@ _LENGTH_BYTES = 8
 # give each rank a range of input columns; the rest are replicated.
 _ROW_SPLIT = ("qkv_weight", "qkv_bias", "gate_up_weight", "gate_up_bias")
 _COLUMN_SPLIT = ("o_weight", "down_weight")
-_REPLICATED = ("input_norm", "q_norm", "k_norm", "o_bias", "post_norm", "down_bias")
+_REPLICATED = ("input_norm", "q_norm", "k_norm", "o_bias", "post_norm", "down_bias", "attn_out_norm", "mlp_out_norm")
+# Mixture-of-experts tensors: never split, because ``check_tensor_parallel_shape`` refuses those families.
+_NOT_SPLIT = ("router", "experts_gate_up", "experts_down")
 
 # SlotKVCache's public methods, by how the leader's cache mirrors them (``_MirroredCache``). A
 # public method in none of these makes ``build_tp_engine`` refuse to start: a new cache operation
@@ -127,9 +130,13 @@ class TensorParallelError(RuntimeError):
 
 
 def check_tensor_parallel_shape(config: Any, tp: int) -> None:
-    """Raise ``ValueError`` unless ``config``'s heads and MLP split evenly over ``tp`` ranks."""
+    """Raise ``ValueError`` unless ``config``'s heads and MLP split evenly over ``tp`` ranks (and its
+    family can be split at all: not the mixture-of-experts ones)."""
     if tp < 1:
         raise ValueError(f"tensor_model_parallel_size must be >= 1, got {tp}")
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if tp > 1 and family is not None and not family.tensor_parallel:
+        raise ValueError(config_problem({"model_type": config.model_type}, tp))
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = int(getattr(config, key))
         if value % tp:
@@ -188,7 +195,7 @@ def _shard(field: str, full: torch.Tensor, shape: Any, rank: int, size: int) -> 
 
 def _layer_fields() -> list[str]:
     fields = [f.name for f in dataclasses.fields(LayerWeights)]
-    unknown = set(fields) - set(_ROW_SPLIT + _COLUMN_SPLIT + _REPLICATED)
+    unknown = set(fields) - set(_ROW_SPLIT + _COLUMN_SPLIT + _REPLICATED + _NOT_SPLIT)
     if unknown:
         raise NotImplementedError(
             f"LayerWeights fields {sorted(unknown)} are not classified for tensor parallelism: add them to "
@@ -503,11 +510,10 @@ class ShardedCompactLM(CompactCausalLM):
             })
             for w in full.layers
         ]
-        rotary = model.model.rotary_emb
         super().__init__(
             embed=full.embed, lm_head=full.lm_head, final_norm=full.final_norm, layers=layers, shape=local,
-            rms_norm_eps=full.eps, inv_freq=rotary.inv_freq,
-            rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)), max_positions=max_positions,
+            rms_norm_eps=full.eps, rotary=full.rotary, max_positions=max_positions, layer_rotary=full.layer_rotary,
+            sliding_windows=full.sliding_windows, numerics=full.numerics,
         )
         self.full_shape = shape
         self.comm = comm
@@ -519,11 +525,16 @@ class ShardedCompactLM(CompactCausalLM):
         The local product is a partial sum, so the single-device path's addmm onto the residual
         would add the residual ``tp`` times: reduce first, then add the bias and the residual once.
         """
+        residual.add_(self._project(x, weight, bias, packed))
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None) -> torch.Tensor:
+        """Row-parallel projection: the sum over ranks of x_r W_r^T, + b, on every rank."""
         partial = self._linear(x, weight, None, packed)
         self.comm.all_reduce(partial)
         if bias is not None:
             partial.add_(bias)  # HF's order: residual + (x W^T + b)
-        residual.add_(partial)
+        return partial
 
     def transfer_weights(self, full: CompactCausalLM | None) -> None:
         """Leader (``full`` given): send every tensor's shards and replicas; followers: receive theirs.
@@ -853,16 +864,18 @@ def _model_signature(model: torch.nn.Module) -> dict[str, Any]:
             "intermediate_size", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
     signature: dict[str, Any] = {k: getattr(config, k, None) for k in keys}
     signature["shapes"] = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    signature["inv_freq"] = model.model.rotary_emb.inv_freq.double().cpu().tolist()
+    signature["inv_freq"] = {name: buffer.double().cpu().tolist() for name, buffer in
+                             model.model.rotary_emb.named_buffers() if name.endswith("inv_freq")}
     return signature
 
 
 def _release_projections(model: torch.nn.Module) -> None:
     """Free a follower model's full projection weights: its shards are copies. The embedding, the
     norms, the LM head and the o/down biases (replicated) stay: the sharded forward uses them."""
+    family = FAMILIES[model.config.model_type]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        split = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+        split = [getattr(attn, name) for name in family.qkv] + [getattr(mlp, name) for name in family.gate_up]
         for module in (*split, attn.o_proj, mlp.down_proj):
             module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
         for module in split:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -90,3 +92,58 @@ def test_the_factory_resolves_auto_and_passes_enforce_eager():
                                   device="cpu", dtype="auto", enforce_eager=True)
     assert engine.decode_mode == "eager"
     assert next(model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("model_config", "expected"),
+    [
+        ({"model_type": "gpt_neox"}, "supports model types llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, "
+                                     "qwen3_moe, mixtral; got 'gpt_neox': use rollout.name=vllm or rollout.name=sglang"),
+        ({"model_type": "phi3", "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [1.0]}},
+         "does not support rope_type 'su'"),
+        ({"model_type": "llama", "hidden_act": "gelu"}, "needs hidden_act='silu' for llama, got 'gelu'"),
+        ({"model_type": "gemma3", "text_config": {}}, "got 'gemma3' (a multimodal Gemma 3 checkpoint"),
+    ],
+)
+def test_a_model_the_native_engine_cannot_run_fails_at_set_up_from_its_config_json(tmp_path, model_config, expected):
+    """Only config.json is read: the directory has no weights, and set-up refuses it anyway."""
+    import json
+
+    from hybridflow.api import make_config
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.setup import resolve_plugins
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config))
+    with pytest.raises(ConfigError, match=re.escape(expected)) as caught:
+        resolve_plugins(make_config(overrides=[f"model.path={tmp_path}"]))
+    assert caught.value.key == "model.path"
+    assert f"model.path={str(tmp_path)!r} with rollout.name=native" in str(caught.value)
+
+
+def test_a_mixture_of_experts_model_with_tensor_parallelism_fails_at_set_up(tmp_path):
+    import json
+
+    from hybridflow.api import make_config
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.setup import check_rollout_model, resolve_plugins
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_act": "silu"}))
+    check_rollout_model(str(tmp_path), "native", 1)
+    with pytest.raises(ConfigError, match="does not split mixtral .* rollout.tensor_model_parallel_size=2"):
+        check_rollout_model(str(tmp_path), "native", 2)
+    # resolve_plugins passes the configured size (a local run refuses TP>1 for its own reason first).
+    cfg = make_config(overrides=[f"model.path={tmp_path}"])
+    cfg.rollout.tensor_model_parallel_size = 2
+    with pytest.raises(ConfigError, match="does not split mixtral"):
+        resolve_plugins(cfg)
+
+
+def test_a_supported_model_type_passes_the_set_up_check(tmp_path):
+    import json
+
+    from hybridflow.api import make_config
+    from hybridflow.controller.setup import resolve_plugins
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_act": "silu",
+                                                      "sliding_window": 4096}))
+    resolve_plugins(make_config(overrides=[f"model.path={tmp_path}"]))

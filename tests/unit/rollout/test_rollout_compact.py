@@ -5,14 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
@@ -45,6 +57,23 @@ def random_model(family: str, seed: int = 0) -> torch.nn.Module:
             return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=False)).eval()
         if family == "qwen3":
             return Qwen3ForCausalLM(Qwen3Config(**COMMON)).eval()
+        if family == "qwen2-sliding":  # layer 0 slides over 5 keys, layer 1 sees them all
+            return Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5,
+                                                layer_types=["sliding_attention", "full_attention"])).eval()
+        if family == "mistral":  # a window shorter than the sequences, so it changes the logits
+            return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=5, tie_word_embeddings=False)).eval()
+        if family == "phi3":  # fused qkv_proj and gate_up_proj
+            config = {k: v for k, v in COMMON.items() if k != "head_dim"}
+            return Phi3ForCausalLM(Phi3Config(**config, sliding_window=7, pad_token_id=0)).eval()
+        if family == "qwen3_moe":  # top 2 of 4 experts, not renormalised; layer 1 a dense MLP
+            return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=48, norm_topk_prob=False,
+                                                      mlp_only_layers=[1])).eval()
+        if family == "mixtral":  # top 2 of 4 experts, renormalised; a sliding window
+            return MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                    sliding_window=5)).eval()
+        if family in ("gemma2", "gemma3"):
+            return randomise_norms(gemma_model(family))
         if family == "llama-bias":
             config = LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True, rope_scaling={
                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -56,6 +85,27 @@ def random_model(family: str, seed: int = 0) -> torch.nn.Module:
                     torch.nn.init.normal_(parameter, std=0.1)
             return model
     raise ValueError(family)
+
+
+def gemma_model(family: str) -> torch.nn.Module:
+    """Layer 0 slides over 5 keys, layer 1 sees them all; caps low enough to bend the scores and logits."""
+    gemma = dict(COMMON, query_pre_attn_scalar=24, sliding_window=5, final_logit_softcapping=4.0,
+                 layer_types=["sliding_attention", "full_attention"])
+    if family == "gemma2":
+        return Gemma2ForCausalLM(Gemma2Config(**gemma, attn_logit_softcapping=2.0)).eval()
+    # Gemma 3: per-head q/k norms, its own rotary frequencies on the sliding layers (base 10^4 vs 10^6 and linear scaling).
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+    return Gemma3ForCausalLM(Gemma3TextConfig(**gemma, rope_parameters=rope)).eval()
+
+
+def randomise_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Gemma initialises its norms to 0 (scale 1 + 0): random ones test the offset."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0.0, 0.3)
+    return model
 
 
 def make_cache(model: CompactCausalLM, rows: int = 4, prompt_rows: int = 4) -> SlotKVCache:
@@ -97,7 +147,11 @@ def compact_logits(model: CompactCausalLM, ids: torch.Tensor, prefill: int) -> t
     return torch.stack(logits, dim=1)
 
 
-@pytest.mark.parametrize("family", ["tiny", "qwen2", "qwen3", "llama-bias"])
+FAMILIES = ["tiny", "qwen2", "qwen3", "llama-bias", "qwen2-sliding", "mistral", "phi3", "gemma2", "gemma3",
+            "qwen3_moe", "mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_hugging_face_in_float32(family):
     hf = random_model(family)
     ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
@@ -115,7 +169,7 @@ ONEDNN = onednn_packing_available(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN")
-@pytest.mark.parametrize("family", ["tiny", "qwen2", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_onednn_packed_weights_give_hugging_faces_logits(family):
     hf = random_model(family)
     ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
@@ -172,8 +226,9 @@ def test_weights_are_shared_with_the_hf_model_not_copied():
     assert layer.q_norm is not None and layer.q_norm.data_ptr() == hf.model.layers[1].self_attn.q_norm.weight.data_ptr()
 
 
-def test_bfloat16_logits_stay_close_to_hugging_face():
-    hf = random_model("qwen2").to(torch.bfloat16)
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral"])
+def test_bfloat16_logits_stay_close_to_hugging_face(family):
+    hf = random_model(family).to(torch.bfloat16)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(ids).logits[:, 8:].float()
@@ -182,13 +237,42 @@ def test_bfloat16_logits_stay_close_to_hugging_face():
     assert (got - expected).abs().max().item() < 0.25
 
 
+def test_a_sliding_window_changes_the_logits_so_the_tests_above_check_it():
+    hf = random_model("mistral")
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        windowed = hf(ids).logits
+        hf.config.sliding_window = None
+        full = hf(ids).logits
+    assert torch.allclose(windowed[:, :5], full[:, :5], atol=1e-5)  # within the window: the same
+    assert (windowed[:, 6:] - full[:, 6:]).abs().max().item() > 0.1  # beyond it: different
+
+
+def test_a_fused_checkpoint_shares_its_own_tensors():
+    hf = random_model("phi3")
+    compact = CompactCausalLM.from_hf(hf, max_positions=128)
+    attn, mlp = hf.model.layers[0].self_attn, hf.model.layers[0].mlp
+    assert compact.layers[0].qkv_weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
+    assert compact.layers[0].gate_up_weight.data_ptr() == mlp.gate_up_proj.weight.data_ptr()
+    assert compact.sliding_windows == [7, 7]
+    # A window no sequence can outgrow masks nothing: no window at all.
+    assert CompactCausalLM.from_hf(random_model("phi3"), max_positions=7).sliding_windows == [None, None]
+    assert CompactCausalLM.from_hf(random_model("phi3"), max_positions=8).sliding_windows == [7, 7]
+
+
 def test_unsupported_models_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3; got 'gpt2'"):
+    supported = "llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, qwen3_moe, mixtral"
+    with pytest.raises(ValueError, match=f"supports model types {supported}; got 'gpt2': "
+                                         "use rollout.name=vllm or rollout.name=sglang"):
         CompactCausalLM.from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 64)
-    sliding = Qwen2ForCausalLM(Qwen2Config(**{**COMMON, "num_hidden_layers": 2}, use_sliding_window=True,
-                                           sliding_window=16, max_window_layers=0))
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        CompactCausalLM.from_hf(sliding, 128)
+    config = {k: v for k, v in COMMON.items() if k != "head_dim"}
+    longrope = Phi3ForCausalLM(Phi3Config(**config, pad_token_id=0, original_max_position_embeddings=64, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}))
+    with pytest.raises(ValueError, match="rope_type 'longrope'"):
+        CompactCausalLM.from_hf(longrope, 128)
+    partial = Phi3ForCausalLM(Phi3Config(**config, pad_token_id=0, partial_rotary_factor=0.5))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        CompactCausalLM.from_hf(partial, 128)
     dynamic = LlamaForCausalLM(LlamaConfig(**COMMON, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
         CompactCausalLM.from_hf(dynamic, 128)

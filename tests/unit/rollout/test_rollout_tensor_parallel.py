@@ -1,7 +1,8 @@
 """Tensor-parallel native engine: two real processes over gloo (CUDA/NCCL with two GPUs), tiny real models.
 
 One spawned pair runs every scenario in order, because starting processes costs seconds: for a
-Qwen2 (q/k/v biases) and a Llama with GQA and o/MLP biases, TP=2 against the plain engine (TP=1)
+Qwen2 (q/k/v biases), a Llama with GQA and o/MLP biases, a Phi-3 (fused projections, a
+sliding window) and a Gemma 3 (norms on the reduced o/down outputs, local and global layers), TP=2 against the plain engine (TP=1)
 on the same weights: greedy tokens, seeded samples and their logprobs, continuous batching with
 more requests than rows, a weight update through the leader, sleep and wake. Then a replica whose
 follower kills itself mid-run: the leader must fail naming TP rank 1 within the group's timeout.
@@ -33,12 +34,21 @@ KILL_TIMEOUT_S = 3.0  # the replica whose follower dies: its leader must fail wi
 IDLE_S = 4.0  # the leader idles longer than KILL_TIMEOUT_S first: keep-alives must hold the follower
 GONE_TIMEOUT_S = 2.0  # the replica whose leader goes silent: its follower must fail within this (+ slack)
 DEADLINE_S = 120.0
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "phi3", "gemma3_text")
 
 
 def make_model(family: str, seed: int) -> torch.nn.Module:
     """A 2-layer random model, 4 query heads over 2 kv heads (GQA), so TP=2 gives each rank 2 and 1."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -47,6 +57,12 @@ def make_model(family: str, seed: int) -> torch.nn.Module:
     )
     if family == "qwen2":
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif family == "phi3":  # fused q/k/v and gate/up checkpoint tensors, a sliding window shorter than the sequences
+        config, cls = Phi3Config(**common, sliding_window=6), Phi3ForCausalLM
+    elif family == "gemma3_text":  # sandwich norms (normalised after the all-reduce), q/k norms, two rotary tables
+        config = Gemma3TextConfig(**common, query_pre_attn_scalar=24, sliding_window=5, final_logit_softcapping=4.0,
+                                  layer_types=["sliding_attention", "full_attention"])
+        cls = Gemma3ForCausalLM
     else:  # biases everywhere: the replicated o_proj/down_proj biases must be added once
         config, cls = LlamaConfig(**common, attention_bias=True, mlp_bias=True), LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
@@ -408,3 +424,11 @@ def test_tp2_on_two_gpus_generates_what_the_plain_engine_does(tmp_path):
         for key, reference in (("tp", "reference"), ("updated", "updated_reference"), ("woken", "updated_reference")):
             got, expected = report[key], report[reference]
             assert got["greedy"]["tokens"] == expected["greedy"]["tokens"], (family, key)
+
+
+def test_mixture_of_experts_models_are_not_split():
+    for model_type in ("qwen3_moe", "mixtral"):
+        config = SimpleNamespace(model_type=model_type, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+        check_tensor_parallel_shape(config, 1)
+        with pytest.raises(ValueError, match=f"does not split {model_type} .* over rollout.tensor_model_parallel_size=2"):
+            check_tensor_parallel_shape(config, 2)

@@ -1,4 +1,5 @@
-"""Packed (padding-free) forwards against padded ones, for the Qwen2, Llama and Qwen3 families."""
+"""Packed (padding-free) forwards against padded ones, for the Qwen2, Llama, Qwen3, Mistral, Phi-3,
+Qwen3-MoE and Mixtral families."""
 
 from __future__ import annotations
 
@@ -62,7 +63,22 @@ def save(model: torch.nn.Module, out: Path) -> Path:
 
 def build_family(name: str, root: Path) -> Path:
     """A tiny random-init model of each supported family, written as an HF directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD)
@@ -78,10 +94,19 @@ def build_family(name: str, root: Path) -> Path:
         return save(LlamaForCausalLM(LlamaConfig(**shape)), root / name)
     if name == "qwen3":
         return save(Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16)), root / name)
+    if name == "mistral":  # every layer slides over 5 tokens
+        return save(MistralForCausalLM(MistralConfig(**shape, sliding_window=5)), root / name)
+    if name == "phi3":  # fused projections, a window of 7
+        return save(Phi3ForCausalLM(Phi3Config(**shape, sliding_window=7)), root / name)
+    if name == "qwen3_moe":
+        config = Qwen3MoeConfig(**shape, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+        return save(Qwen3MoeForCausalLM(config), root / name)
+    if name == "mixtral":
+        return save(MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)), root / name)
     raise ValueError(name)
 
 
-FAMILIES = ["qwen2", "qwen2-sliding", "llama", "qwen3"]
+FAMILIES = ["qwen2", "qwen2-sliding", "llama", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
