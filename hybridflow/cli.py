@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("run", help="a run folder (or its timeline.json)")
     _add_debug(timeline)
     _add_simulate_parser(sub)
+    profile = sub.add_parser("profile-summary", help="the top operators and per-phase split of a run's profiled steps")
+    profile.add_argument("run", help="a run folder (its profile/ traces), or one profile/step_<k> folder")
+    profile.add_argument("--top", type=int, default=15, help="operators to list (default 15)")
+    _add_debug(profile)
     return parser
 
 
@@ -336,6 +340,11 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "profile-summary":
+        from hybridflow.tracking.profiler import format_profile_summary, summarize_profile
+
+        print(format_profile_summary(summarize_profile(args.run, top=args.top)))
+        return 0
     if args.command == "export":
         from hybridflow.controller.export import export_checkpoint
 

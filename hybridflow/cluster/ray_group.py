@@ -40,6 +40,7 @@ from hybridflow.cluster.worker_group import PendingCall, WorkerError, meeting_ho
 from hybridflow.models.loading import disable_hf_progress_bars
 from hybridflow.training import distributed
 from hybridflow.types import TrainBatch
+from hybridflow.utils.timer import profiler_range
 from hybridflow.utils.watchdog import activity
 
 if TYPE_CHECKING:
@@ -201,7 +202,8 @@ class RankHost:
         """``method(worker, *args, **kwargs)``; ``payload`` = (args, kwargs), which Ray resolves
         here when the controller passed it as one object-store reference."""
         args, kwargs = payload
-        return method(self.worker, *args, **kwargs)
+        with profiler_range(f"{self.role}/{getattr(method, '__name__', 'call')}"):
+            return method(self.worker, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------------- the group

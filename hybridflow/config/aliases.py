@@ -40,6 +40,7 @@ KEYS: dict[str, str] = {
     "actor_rollout_ref.model.use_remove_padding": "actor.use_remove_padding",
     "actor_rollout_ref.model.custom_chat_template": "data.chat_template",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "global_profiler.steps": "trainer.profile.steps",
 }
 
 IGNORED: dict[str, str] = {

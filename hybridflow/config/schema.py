@@ -669,6 +669,20 @@ class AsyncTrainingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: list[int] = f(
+        [],
+        "Training steps to record with torch.profiler (e.g. [3, 4]): a Chrome trace per process under "
+        "<run folder>/profile/step_<k>/ (the controller's, which holds every in-process role, and each Ray rank's); "
+        "`hybridflow profile-summary <run>` prints the top operators and the per-phase split. verl's "
+        "global_profiler.steps. Empty: no profiling (phases still carry profiler ranges, and NVTX ranges on a GPU).",
+    )
+    record_shapes: bool = f(False, "Record operator input shapes (larger traces).")
+    with_stack: bool = f(False, "Record Python stacks per operator (much larger traces, slower steps).")
+    profile_memory: bool = f(False, "Record tensor allocations and frees (the trace's memory events).")
+
+
+@dataclass
 class TrainerConfig:
     mode: str = f(
         "sync",
@@ -753,6 +767,7 @@ class TrainerConfig:
         "(looked at each phase, at most once a second; one busy process on 2 cores: 1 thread). A number fixes it.",
     )
     progress_bar: bool = f(True, "Show a progress bar on the console.")
+    profile: ProfileConfig = sub(ProfileConfig, "torch.profiler traces of chosen steps.")
     timeline: bool = f(
         True,
         "Write <run folder>/timeline.json, a trace of each step's phases (trainer) and each rollout replica's "

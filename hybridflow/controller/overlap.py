@@ -28,7 +28,7 @@ from hybridflow.rewards.tally import RewardTally
 from hybridflow.tracking import reduce_metrics
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 from hybridflow.utils.seed import derive_seed
-from hybridflow.utils.timer import PhaseTimer
+from hybridflow.utils.timer import PhaseTimer, profiler_range
 from hybridflow.utils.watchdog import activity
 from hybridflow.workers.reward import RewardWorker
 
@@ -66,7 +66,9 @@ def generate_and_score(
     remaining = len(rows)
     start = time.perf_counter()
     generated_at = start
-    with activity("phase", "gen"), contextlib.closing(run.rollout.stream_batches(requests, sent)) as batches:
+    # One profiler range for the round (its timing_s/gen and reward parts are split below).
+    with activity("phase", "gen"), profiler_range("phase/gen"), \
+            contextlib.closing(run.rollout.stream_batches(requests, sent)) as batches:
         for batch in batches:
             remaining -= len(batch)
             if not remaining:

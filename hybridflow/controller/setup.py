@@ -176,6 +176,14 @@ class RunSetup:
     reward_model: RewardModelGroup | None = None  # reward_model.enable
     timeline: Timeline = field(default_factory=Timeline.disabled)  # trainer.timeline: <output_dir>/timeline.json
 
+    def named_groups(self) -> list[tuple[str, WorkerGroup[Any]]]:
+        """Every worker group of the run, by role (each rollout replica its own)."""
+        rm = self.reward_model
+        named = [("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
+                 ("reward", self.reward), ("reward_model", rm.group if rm is not None else None)]
+        named += [(replica_role(k), group) for k, group in enumerate(self.rollout.groups)]
+        return [(name, group) for name, group in named if group is not None]
+
     def close(self) -> None:
         stop_following()  # the thread governor lives as long as the run (configure_threads)
         self.timeline.close()  # the spans after the last step (validation, the final checkpoint)

@@ -20,6 +20,7 @@ from typing import Any
 
 from hybridflow.config import config_to_yaml
 from hybridflow.controller import phases
+from hybridflow.controller.profiling import profiled_step
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
 from hybridflow.controller.setup import RunSetup
 from hybridflow.tracking.health import HealthMonitor, HealthThresholds
@@ -124,7 +125,8 @@ class Trainer:
                 run.tracker.log(self.validate(), step=0)
             while self.step < run.total_steps:
                 self.step += 1
-                metrics = self.train_step()
+                with profiled_step(run, self.step):
+                    metrics = self.train_step()
                 metrics |= self.health(metrics, self.step)
                 last = self.step == run.total_steps
                 if last or (trainer_cfg.test_freq > 0 and self.step % trainer_cfg.test_freq == 0):

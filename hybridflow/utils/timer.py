@@ -8,13 +8,36 @@ the loop knowing about traces.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import torch
+
 from hybridflow.utils.threads import adjust_threads
 from hybridflow.utils.watchdog import activity
+
+
+@contextmanager
+def profiler_range(name: str) -> Iterator[None]:
+    """A named range for torch.profiler traces (``trainer.profile.steps``) and, on a GPU, for
+    ``nsys`` (NVTX); microseconds of overhead when nothing records."""
+    with torch.profiler.record_function(name):
+        if not _nvtx():
+            yield
+            return
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+
+
+@functools.cache
+def _nvtx() -> bool:
+    return torch.cuda.is_available()
 
 
 class SpanSink(Protocol):
@@ -50,7 +73,7 @@ class PhaseTimer:
         start = time.perf_counter()
         self._open.append(name)
         try:
-            with activity("phase", name):
+            with activity("phase", name), profiler_range(f"phase/{name}"):
                 yield
         finally:
             self._open.pop()

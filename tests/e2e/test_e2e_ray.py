@@ -73,7 +73,8 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
         f"actor.log_prob_max_token_len_per_gpu={budget}", f"ref.log_prob_max_token_len_per_gpu={budget}",
     ]
     # The two-replica run generates in server mode: each replica's engine behind its own HTTP server.
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.mode=server"],
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.mode=server",
+                                 "trainer.profile.steps=[1]"],
             # One replica over two ranks (heads, MLP and KV cache split in two, over gloo), in a
             # resource pool of its own (other bundles than the actor's).
             "ray_tp2_split": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2",
@@ -85,6 +86,12 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
     local, ray_run, tp_run = (_step_one(tmp_path / name) for name in runs)
+    # The profiled step: a trace from the controller and from every Ray rank, each torch.profiler's JSON.
+    traces = sorted(p.name for p in (tmp_path / "ray" / "profile" / "step_1").glob("*.pt.trace.json"))
+    assert {"controller.pt.trace.json", "actor_rank0.pt.trace.json", "actor_rank1.pt.trace.json",
+            "rollout_replica_1_rank0.pt.trace.json"} <= set(traces), traces
+    rank_events = json.loads((tmp_path / "ray" / "profile" / "step_1" / "actor_rank1.pt.trace.json").read_text())
+    assert any(e.get("name") == "actor/update_actor" for e in rank_events["traceEvents"])
     # The same samples every way.
     assert local["critic/score/mean"] == ray_run["critic/score/mean"] == tp_run["critic/score/mean"]
     # Two rollout replicas generated them (one per rank), the same tokens as one replica.
