@@ -52,19 +52,27 @@ class PackedBatch:
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of a HF causal LM forward over the pack."""
-        return {
-            "input_ids": self.input_ids,
-            "position_ids": self.position_ids,
-            # None makes transformers treat the row as packed (detected from position ids).
-            "attention_mask": None,
-            "use_cache": False,
-            "logits_to_keep": self.logit_positions,
-            # Read by varlen kernels (flash-attention, VARLEN_ATTENTION); ignored by the others.
-            "cu_seq_lens_q": self.cu_seqlens,
-            "cu_seq_lens_k": self.cu_seqlens,
-            "max_length_q": self.max_seqlen,
-            "max_length_k": self.max_seqlen,
-        }
+        return packed_model_inputs(self.input_ids, self.position_ids, self.logit_positions, self.cu_seqlens,
+                                   self.max_seqlen)
+
+
+def packed_model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, logit_positions: torch.Tensor,
+                        cu_seqlens: torch.Tensor, max_seqlen: int) -> dict[str, Any]:
+    """Keyword arguments of a HF causal LM forward over packed tokens (one row, position ids
+    restarting per sequence, ``cu_seqlens`` the sequences' bounds)."""
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        # None makes transformers treat the row as packed (detected from position ids).
+        "attention_mask": None,
+        "use_cache": False,
+        "logits_to_keep": logit_positions,
+        # Read by varlen kernels (flash-attention, VARLEN_ATTENTION); ignored by the others.
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max_seqlen,
+        "max_length_k": max_seqlen,
+    }
 
 
 def sequence_lengths(batch: TrainBatch) -> list[int]:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.training.packing import VARLEN_ATTENTION, PackedBatch
+from hybridflow.training.packing import VARLEN_ATTENTION, PackedBatch, packed_model_inputs
 from hybridflow.types import TrainBatch
 
 ULYSSES_PREFIX = "hybridflow_ulysses_"
@@ -184,18 +184,8 @@ class UlyssesShard:
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of the model's forward over the chunk (``PackedBatch.model_inputs``
         for the local tokens, the whole pack's cu_seqlens, and the group for the attention)."""
-        return {
-            "input_ids": self.input_ids,
-            "position_ids": self.position_ids,
-            "attention_mask": None,
-            "use_cache": False,
-            "logits_to_keep": self.logit_positions,
-            "cu_seq_lens_q": self.cu_seqlens,
-            "cu_seq_lens_k": self.cu_seqlens,
-            "max_length_q": self.max_seqlen,
-            "max_length_k": self.max_seqlen,
-            GROUP_KWARG: self.group,
-        }
+        return packed_model_inputs(self.input_ids, self.position_ids, self.logit_positions, self.cu_seqlens,
+                                   self.max_seqlen) | {GROUP_KWARG: self.group}
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-token results of the chunk (m, ...) -> the whole pack's (M, ...) on every rank,
