@@ -54,9 +54,11 @@ in the real engine on a CPU (fp32 and bf16 autocast, packed and padded), and the
 the native engine's own accounting. Modelled but not measured: the GPU-only paths (foreach AdamW,
 FSDP2's gathered layers, the sharded ranks' full logits) and the rollout's activations. Left out:
 the CUDA context and allocator fragmentation (leave ~10% of a GPU for them), the reward model, and
-LoRA, which this project does not have. Ulysses sequence parallelism is not modelled yet: its
-token budgets are per rank (``*_max_token_len_per_gpu`` x sp per group micro-batch, as verl), so
-the per-rank figures here hold, but the planner does not propose it as a fix.
+LoRA. Ulysses sequence parallelism (``*.ulysses_sequence_parallel_size``): a group of sp ranks
+pools its ranks' samples into micro-batches of sp x the per-rank token budget, each rank holding
+1/sp of their tokens and response rows (``_micro_batch_tokens``); the planner proposes it for a
+trainer phase that does not fit (not measured against the engine: its bench measures the split
+itself, ``bench/sequence_parallel_memory.py``).
 
 Pure functions of the config, no torch (``config/`` is layer 1).
 """
@@ -335,22 +337,30 @@ def _gathered_bytes(shape: ModelShape, layout: _Layout, compute_bytes: int) -> i
     return (2 * layer + root) * compute_bytes + layer * 4
 
 
-def _micro_batch_tokens(cfg: Config, budget: int | None, micro_batch_samples: int, samples_per_rank: int) -> int:
-    """Tokens of the largest micro-batch: the budget (or a fixed count of samples), never more
-    than the rank's samples hold; every sample at its longest."""
+def _micro_batch_tokens(cfg: Config, budget: int | None, micro_batch_samples: int, samples_per_rank: int,
+                        sp: int = 1) -> int:
+    """Tokens of the largest micro-batch on one rank: the budget (or a fixed count of samples),
+    never more than the rank's samples hold; every sample at its longest. With Ulysses groups of
+    ``sp`` ranks a group pools its ranks' samples into micro-batches of ``sp`` x the (per-rank)
+    budget, each rank holding 1/sp of their tokens, so a sample longer than the budget fits."""
     longest = max(1, cfg.data.max_prompt_length + cfg.data.max_response_length)
-    most = max(1, samples_per_rank) * longest
+    most = max(1, samples_per_rank * sp) * longest
     if budget is not None:
-        return min(most, max(budget, longest))
-    return min(most, max(1, micro_batch_samples) * longest)
+        group = min(most, max(budget * sp, longest))
+    else:
+        group = min(most, max(1, micro_batch_samples) * longest)
+    return -(-group // sp)
 
 
-def _response_rows(cfg: Config, tokens: int, packed: bool) -> int:
-    """Positions that predict a response token in a micro-batch of ``tokens``: packed, the
-    response share of every sample; padded, ``logits_to_keep`` keeps R + 1 per row."""
+def _response_rows(cfg: Config, tokens: int, packed: bool, sp: int = 1) -> int:
+    """Positions that predict a response token in a micro-batch of ``tokens`` per rank: packed,
+    the response share of every sample; padded, ``logits_to_keep`` keeps R + 1 per row. With
+    ``sp`` ranks a sequence-parallel group's micro-batch is ``sp`` x larger and each rank holds
+    1/sp of its rows."""
     p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
-    samples = max(1, tokens // max(1, p + r))
-    return samples * r if packed else samples * (r + 1)
+    samples = max(1, tokens * sp // max(1, p + r))
+    rows = samples * r if packed else samples * (r + 1)
+    return -(-rows // sp)
 
 
 @dataclass(frozen=True)
@@ -498,24 +508,25 @@ def plan_memory(
     autocast = compute_bytes < 4 and layout.shard <= 1
 
     def forward_phase(role: str, name: str, model: ModelShape, tokens: int, head: bool, mixed: bool = autocast,
-                      **terms: int) -> PhaseMemory:
+                      sp: int = 1, **terms: int) -> PhaseMemory:
         activations = forward_activation_bytes(model, tokens, compute_bytes=compute_bytes, autocast=mixed)
-        logits = forward_head_bytes(model, tokens, _response_rows(cfg, tokens, packed), fused=fused,
+        logits = forward_head_bytes(model, tokens, _response_rows(cfg, tokens, packed, sp), fused=fused,
                                     compute_bytes=compute_bytes, autocast=mixed) if head else 0
         return PhaseMemory(role, name, activations=activations, logits=logits, overlap=min(activations, logits),
                            notes=(f"{tokens} tokens per micro-batch",), **terms)
 
+    sp = a.ulysses_sequence_parallel_size
     lp_tokens = _micro_batch_tokens(cfg, budgets.log_prob, a.log_prob_micro_batch_size_per_gpu,
-                                    per_rank * plan.mini_batches_per_epoch)
+                                    per_rank * plan.mini_batches_per_epoch, sp)
     others_for_actor = ref_p + critic_p + critic_g + critic_o + rollout_during_training
-    phases.append(forward_phase("actor", "logprob forward", shape, lp_tokens, True, params=actor_p + gathered,
+    phases.append(forward_phase("actor", "logprob forward", shape, lp_tokens, True, sp=sp, params=actor_p + gathered,
                                 grads=actor_g, optimizer=actor_o, others=others_for_actor))
-    tokens = _micro_batch_tokens(cfg, budgets.ppo, a.ppo_micro_batch_size_per_gpu, per_rank)
+    tokens = _micro_batch_tokens(cfg, budgets.ppo, a.ppo_micro_batch_size_per_gpu, per_rank, sp)
     micro_batches = max(1, math.ceil(per_rank * longest / tokens))
     checkpointing = cfg.model.enable_gradient_checkpointing
     activations = train_activation_bytes(shape, tokens, compute_bytes=compute_bytes,
                                          gradient_checkpointing=checkpointing, autocast=autocast)
-    logits = logits_bytes(shape, _response_rows(cfg, tokens, packed), fused=fused, backward=True,
+    logits = logits_bytes(shape, _response_rows(cfg, tokens, packed, sp), fused=fused, backward=True,
                           compute_bytes=compute_bytes)
     overlap = min(logits, layer_backward_bytes(shape, tokens, compute_bytes=compute_bytes,
                                                gradient_checkpointing=checkpointing, autocast=autocast))
@@ -538,21 +549,23 @@ def plan_memory(
     phases.append(phase)
 
     if with_reference:
+        ref_sp = cfg.ref.ulysses_sequence_parallel_size or sp
         ref_tokens = _micro_batch_tokens(cfg, budgets.ref, cfg.ref.log_prob_micro_batch_size_per_gpu,
-                                         per_rank * plan.mini_batches_per_epoch)
+                                         per_rank * plan.mini_batches_per_epoch, ref_sp)
         # A frozen reference on one rank loads in the compute dtype: no autocast.
         phases.append(forward_phase(
-            "reference", "logprob forward", shape, ref_tokens, True, mixed=False, params=ref_p + gathered,
+            "reference", "logprob forward", shape, ref_tokens, True, mixed=False, sp=ref_sp, params=ref_p + gathered,
             others=actor_p + actor_g + actor_o + critic_p + critic_g + critic_o + rollout_during_training,
         ))
     if with_critic:
         c = cfg.critic
         others = actor_p + actor_g + actor_o + ref_p + rollout_during_training
+        csp = c.ulysses_sequence_parallel_size
         ftokens = _micro_batch_tokens(cfg, budgets.critic_forward, c.forward_micro_batch_size_per_gpu,
-                                      per_rank * plan.mini_batches_per_epoch)
+                                      per_rank * plan.mini_batches_per_epoch, csp)
         phases.append(forward_phase("critic", "values forward", vshape, ftokens, False, params=critic_p + gathered,
                                     grads=critic_g, optimizer=critic_o, others=others))
-        ctokens = _micro_batch_tokens(cfg, budgets.critic, c.ppo_micro_batch_size_per_gpu, per_rank)
+        ctokens = _micro_batch_tokens(cfg, budgets.critic, c.ppo_micro_batch_size_per_gpu, per_rank, csp)
         c_micro = max(1, math.ceil(per_rank * longest / ctokens))
         c_opt = 0 if c.fsdp_config.optimizer_offload else critic_o
         nv = vshape.num_parameters // layout.shard
@@ -632,6 +645,15 @@ def _fix_candidates(
     if phase == "update" and not cfg.model.enable_gradient_checkpointing:
         out.append(("gradient checkpointing (recomputes each layer's forward in backward, ~1/3 more compute)",
                     [{"model.enable_gradient_checkpointing": True}]))
+    sp_key = {"actor": "actor.ulysses_sequence_parallel_size", "reference": "ref.ulysses_sequence_parallel_size",
+              "critic": "critic.ulysses_sequence_parallel_size"}.get(role)
+    if sp_key is not None and cfg.actor.use_remove_padding and cfg.actor.use_dynamic_bsz:
+        current = {"actor": cfg.actor.ulysses_sequence_parallel_size, "critic": cfg.critic.ulysses_sequence_parallel_size,
+                   "reference": cfg.ref.ulysses_sequence_parallel_size or cfg.actor.ulysses_sequence_parallel_size}[role]
+        sizes = [{sp_key: k} for k in (2, 4, 8) if k > current and dp % k == 0 and shape.num_attention_heads % k == 0]
+        if sizes:
+            out.append(("split each sequence over more ranks (Ulysses sequence parallelism: an all-to-all around "
+                        "attention)", sizes))
     if cfg.rollout.placement == "colocated" or cfg.trainer.backend == "local":
         if not cfg.rollout.free_cache_engine and role != "rollout":
             out.append(("free the KV cache while training", [{"rollout.free_cache_engine": True}]))
@@ -676,9 +698,8 @@ def cheapest_fix(cfg: Config, shape: ModelShape, role: str, phase: str, *, with_
                 keys = " ".join(f"{k}={_show(v)}" for k, v in overrides.items())
                 return f"{keys}: {why}; predicted peak {_size(match[0].peak)}"
         tried.append(why)
-    return ("no single change fits it (tried: " + "; ".join(tried) + "). A larger device, or a smaller model; "
-            "more ranks with actor.ulysses_sequence_parallel_size split each sequence (not planned here); LoRA is "
-            "not built (docs/design.md, Not built)")
+    return ("no single change fits it (tried: " + "; ".join(tried) + "). A larger device, more ranks, or a "
+            "smaller model")
 
 
 def _size(n: int) -> str:

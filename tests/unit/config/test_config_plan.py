@@ -176,6 +176,28 @@ def test_a_phase_that_does_not_fit_gets_the_cheapest_fix_and_it_fits():
     assert bigger.too_big()
 
 
+def test_sequences_longer_than_a_rank_holds_get_sequence_parallelism():
+    """64k-token samples of a 7B model on 8 x 80 GB: one sample's activations do not fit a rank
+    whatever the budget (a micro-batch holds at least one sample), so the fix splits sequences;
+    with it each rank holds half of each micro-batch's tokens and response rows."""
+    overrides = ["trainer.device=cuda", "model.dtype=bfloat16", "trainer.device_memory_gb=80", "trainer.backend=ray",
+                 "trainer.n_gpus_per_node=8", "data.max_prompt_length=1024", "data.max_response_length=65536",
+                 "model.enable_gradient_checkpointing=true", "actor.ppo_max_token_len_per_gpu=8192",
+                 "actor.log_prob_max_token_len_per_gpu=8192", "rollout.free_cache_engine=true",
+                 "rollout.sleep_level=2", "actor.fsdp_config.optimizer_offload=true"]
+    plan = plan_memory(load_config(overrides=overrides), QWEN25_7B)
+    update = phase(plan, "actor", "update")
+    assert update.peak > 80 * GIB
+    assert plan.fixes[("actor", "update")].startswith("actor.ulysses_sequence_parallel_size=")
+    sp = int(plan.fixes[("actor", "update")].split("=", 1)[1].split(":", 1)[0])
+    split = plan_memory(load_config(overrides=[*overrides, f"actor.ulysses_sequence_parallel_size={sp}"]), QWEN25_7B,
+                        find_fixes=False)
+    assert phase(split, "actor", "update").peak <= 80 * GIB
+    two = plan_memory(load_config(overrides=[*overrides, "actor.ulysses_sequence_parallel_size=2"]), QWEN25_7B,
+                      find_fixes=False)
+    assert phase(two, "actor", "update").activations * 2 == pytest.approx(update.activations, rel=0.01)
+
+
 @settings(max_examples=40, deadline=None)
 @given(prompt=st.integers(1, 4096), response=st.integers(1, 8192), budget=st.sampled_from([None, 512, 8192, 65536]),
        dynamic=st.booleans(), checkpointing=st.booleans(), ranks=st.sampled_from([1, 2, 8]),
