@@ -32,8 +32,8 @@ engines), weights change on the rollout only when nothing is in flight: the roll
 admitting, lets the stream drain, and applies the weights the trainer staged (``_staged``), or
 with ``rollout.weight_sync=broadcast`` syncs from actor rank 0 under ``_actor_lock``.
 
-Validation and checkpoints pause the rollout thread between two polls (``_rollout_lock``) and see
-the actor's newest weights. A checkpoint records, for the earliest round with prompt groups not
+Validation and checkpoints pause the rollout thread between two polls (``_rollout_lock``; without
+partial rollout, once the stream has drained) and see the actor's newest weights. A checkpoint records, for the earliest round with prompt groups not
 yet trained, the sampler's position before it drew, and which groups of that and later rounds
 were trained (or dropped): a resumed run draws those rounds again and generates only the rest,
 so no prompt is lost and none is trained twice.
@@ -45,6 +45,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from hybridflow.algorithms import select_varied_groups
@@ -72,6 +73,8 @@ class FullyAsyncTrainer(Trainer):
         self._taken: dict[Key, _Group] = {}  # off the queue, waiting for their turn (draw order)
         self._actor_lock = threading.Lock()  # the actor: the trainer's updates vs the rollout's weight syncs
         self._rollout_lock = threading.Lock()  # the replicas: the rollout thread's polls vs validation
+        self._draining = threading.Event()  # without partial rollout: admit nothing until the stream is empty
+        self._in_flight = 0  # the stream's requests in flight after the rollout thread's last poll
         self._state = threading.Condition()  # guards what follows; the rollout thread waits here to admit
         self._rounds: dict[int, _Round] = {}  # admitted rounds with groups not yet taken or dropped
         self._next_round = 1
@@ -192,7 +195,8 @@ class FullyAsyncTrainer(Trainer):
                 while not self._stop.is_set():
                     started = time.perf_counter()
                     with self._rollout_lock:
-                        self._admit(stream)
+                        if not self._draining.is_set():
+                            self._admit(stream)
                         finished = stream.poll() if stream.in_flight else []
                         ready = [group for key, trajectories in finished
                                  if (group := self._score(key, trajectories)) is not None]
@@ -208,6 +212,8 @@ class FullyAsyncTrainer(Trainer):
                     for group in ready:
                         self._queue.put(group)
                     with self._state:
+                        self._in_flight = stream.in_flight
+                        self._state.notify_all()
                         if busy:
                             self._counts.busy_s += time.perf_counter() - started
                         else:  # nothing in flight and nothing admissible: wait for an update
@@ -285,16 +291,32 @@ class FullyAsyncTrainer(Trainer):
     def quiesce(self) -> None:
         """Hold the rollout thread between polls and put the newest weights on the rollout (the
         caller is validation or a checkpoint: both run from the trainer's thread)."""
-        with self._rollout_lock, self._actor_lock:
+        with self._paused_rollout():
             self.push_weights()
 
     def validate(self) -> dict[str, float]:
         if self.run.val_data is None:
             return {}
-        with self._rollout_lock, self._actor_lock:
+        with self._paused_rollout():
             self.push_weights()
             with self.run.timeline.span("trainer", "testing"):
                 return phases.validate(self.run, self.step)
+
+    @contextlib.contextmanager
+    def _paused_rollout(self) -> Iterator[None]:
+        """The rollout thread held between two polls, the actor between two updates. With partial
+        rollout the samples in flight take the new weights where they are; without it weights may
+        change only when nothing is in flight, so the stream is first drained (nothing admitted)."""
+        if not self.partial_rollout:
+            self._draining.set()
+            with self._state:
+                self._state.wait_for(lambda: self._in_flight == 0 or self._failure is not None
+                                     or self._thread is None or not self._thread.is_alive())
+        try:
+            with self._rollout_lock, self._actor_lock:
+                yield
+        finally:
+            self._draining.clear()
 
     def loop_state(self) -> dict[str, Any]:
         # Rounds drawn but not all trained are drawn again after a resume, from the sampler's

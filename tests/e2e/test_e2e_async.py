@@ -166,3 +166,17 @@ def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(u
     metrics = per_step(out)
     assert max(metrics[k]["async/staleness/max"] for k in metrics) <= 1.0
     assert all(metrics[k]["async/dropped_samples"] % 4 == 0 for k in metrics)  # whole groups
+
+
+def test_fully_async_without_partial_rollout_changes_weights_only_between_generations(user_files, tmp_path):
+    """``async_training.partial_rollout=false`` (what vLLM and SGLang need): the trainer stages its
+    weights, the rollout drains its stream before taking them, and validation waits for the drain:
+    no sample mixes two versions, and staleness stays within the bound."""
+    run = train(tmp_path / "run", user_files, "trainer.mode=fully_async", "async_training.staleness_threshold=1",
+                "async_training.partial_rollout=false", "trainer.test_freq=2", "trainer.val_before_train=true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = per_step(tmp_path / "run")
+    assert sorted(metrics) == [0, 1, 2, 3, 4, 5]
+    assert all(metrics[k]["async/partial_rollout_fraction"] == 0.0 for k in range(1, 6))
+    assert max(metrics[k]["async/staleness/max"] for k in range(1, 6)) <= 1.0
+    assert all("val/score/mean" in metrics[k] for k in (0, 2, 4, 5))
