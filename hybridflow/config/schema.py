@@ -166,6 +166,24 @@ class FSDPConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``actor.lora``: train low-rank adapters (PEFT's LoRA) instead of every weight."""
+
+    rank: int = f(
+        0, "LoRA rank r. 0: off, every weight trains. > 0: only the adapters train (the optimizer holds only "
+        "them), the reference policy is the actor with its adapter disabled (no second copy), checkpoints hold "
+        "the adapter and its optimizer state.",
+    )
+    alpha: float = f(16.0, "LoRA alpha: the update B·A is scaled by alpha / rank.")
+    target_modules: list[str] = f(
+        ["all-linear"],
+        "Modules that get an adapter, by name suffix (e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj]). [all-linear]: every linear layer of the decoder, not the output head (PEFT's all-linear).",
+    )
+    dropout: float = f(0.0, "Dropout on the adapter's input, in [0, 1).")
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = f(32, "Prompts per optimizer step (x rollout.n samples).")
     ppo_micro_batch_size_per_gpu: int = f(64, "Samples per forward/backward on one rank.")
@@ -213,6 +231,7 @@ class ActorConfig:
     grad_clip: float = f(1.0, "Max global gradient norm (<= 0: no clipping).")
     optim: OptimConfig = sub(OptimConfig, "Optimizer.")
     fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP2 sharding and offload (several ranks; offload also on one).")
+    lora: LoraConfig = sub(LoraConfig, "LoRA adapters through PEFT (rank 0: off).")
 
 
 @dataclass

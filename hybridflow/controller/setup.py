@@ -68,6 +68,7 @@ from hybridflow.rollout.base import engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
+from hybridflow.types import TrainBatch
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
 from hybridflow.utils.threads import stop_following
@@ -161,7 +162,9 @@ class RunSetup:
     kl_controller: Any
     actor: WorkerGroup[ActorWorker]
     rollout: RolloutReplicas
-    reference: WorkerGroup[ReferenceWorker] | None
+    # The reference logprobs' group: reference ranks, or with LoRA the actor itself (both have
+    # compute_ref_logprobs); None without a KL term.
+    reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None
     reward: WorkerGroup[RewardWorker]
     critic: WorkerGroup[CriticWorker] | None
     tracker: Tracker
@@ -174,6 +177,8 @@ class RunSetup:
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
     timeline: Timeline = field(default_factory=Timeline.disabled)  # trainer.timeline: <output_dir>/timeline.json
+    # The reference group's method that returns one rank's reference logprobs  # (B, R)
+    reference_logprobs: Callable[[Any, TrainBatch], torch.Tensor] = ReferenceWorker.compute_ref_logprobs
 
     def close(self) -> None:
         stop_following()  # the thread governor lives as long as the run (configure_threads)
@@ -187,7 +192,8 @@ class RunSetup:
         rm = self.reward_model
         if rm is not None and rm.close is not None:
             rm.group.call_all(rm.close)
-        groups = [self.actor, self.critic, self.reference, self.reward, rm.group if rm is not None else None]
+        reference = self.reference if self.reference is not self.actor else None
+        groups = [self.actor, self.critic, reference, self.reward, rm.group if rm is not None else None]
         for group in groups:
             if group is not None:
                 group.close()
@@ -693,12 +699,13 @@ def build_run(cfg: Config) -> RunSetup:
         raise ConfigError(f"trainer.n_workers={t.n_workers} counts CPU ranks, but this run computes on {device}: "
                           "GPU ranks are trainer.n_gpus_per_node x trainer.nnodes; set trainer.n_workers=null")
     with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward)
+    reference_ranks = with_reference and a.lora.rank == 0  # LoRA: the actor serves the reference
     with_critic = needs_critic(needs)
     with_rm_ranks = cfg.reward_model.enable and cfg.reward_model.style == "discriminative"
     split = cfg.rollout.placement == "split"
     pools, placements = reserve_placements(
         t.backend, data_parallel_size=dp, device=device,
-        colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if with_reference else []),
+        colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if reference_ranks else []),
                          *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else [])],
         split_roles=["rollout"] if split else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
@@ -724,8 +731,13 @@ def build_run(cfg: Config) -> RunSetup:
     rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))
     if weight_sync == BROADCAST:
         connect_weight_sync(actor, rollout)
-    reference = None
-    if with_reference:
+    reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None = None
+    reference_logprobs: Callable[[Any, TrainBatch], torch.Tensor] = ReferenceWorker.compute_ref_logprobs
+    if with_reference and a.lora.rank > 0:
+        # LoRA: the reference policy is the actor's base model, its adapter switched off
+        # (ActorWorker.compute_ref_logprobs): no second copy of the weights, no reference ranks.
+        reference, reference_logprobs = actor, ActorWorker.compute_ref_logprobs
+    elif with_reference:
         ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
                                    temperature=cfg.rollout.temperature,
                                    micro_batch_size=cfg.ref.log_prob_micro_batch_size_per_gpu,
@@ -750,7 +762,8 @@ def build_run(cfg: Config) -> RunSetup:
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=plugins.adv_estimator,
         adv_params=plugins.adv_params, estimator_needs=needs,
-        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward, critic=critic,
+        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
+        reference_logprobs=reference_logprobs, critic=critic,
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
         rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,

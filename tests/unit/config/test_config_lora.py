@@ -1,0 +1,31 @@
+"""``actor.lora``: off by default, typed, and every wrong value fails at start-up naming its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, validate_config
+
+
+def test_lora_is_off_by_default_and_a_rank_turns_it_on() -> None:
+    assert load_config("grpo").actor.lora.rank == 0
+    cfg = load_config("grpo", overrides=["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"])
+    assert validate_config(cfg) == []
+    assert (cfg.actor.lora.rank, cfg.actor.lora.target_modules) == (8, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("actor.lora.rank=-1", "actor.lora.rank=-1 must be >= 0"),
+        ("actor.lora.alpha=0", "actor.lora.alpha=0.0 must be > 0"),
+        ("actor.lora.dropout=1.0", "actor.lora.dropout=1.0 must be in [0, 1)"),
+        ("actor.lora.target_modules=[]", "actor.lora.target_modules=[] must name at least one module"),
+        ("actor.lora.target_modules=[all-linear,q_proj]", "all-linear already means every linear layer"),
+        ("actor.lora.rank=eight", "actor.lora.rank"),
+    ],
+)
+def test_lora_errors_name_the_key(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config("grpo", overrides=[override]))
+    assert expected in str(info.value)
