@@ -5,6 +5,7 @@ and resume bitwise."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,14 +28,14 @@ def model_dir(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("actor-lora") / "model", spec, seed=7))
 
 
-def _actor(model_dir: str, rank: int = 8, **setup_kwargs) -> ActorWorker:
+def _actor(model_dir: str, rank: int = 8, world: tuple[int, int] = (0, 1), **setup_kwargs) -> ActorWorker:
     cfg = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, use_dynamic_bsz=False)
     cfg.optim.lr = 1e-2
     cfg.lora.rank, cfg.lora.alpha = rank, 16.0
     setup = ActorSetup(model_path=model_dir, dtype="float32", device=torch.device("cpu"), temperature=1.0,
                        rollout_n=4, total_optimizer_steps=10, max_response_length=16, max_prompt_length=8,
                        **setup_kwargs)
-    return ActorWorker(0, 1, cfg, setup)
+    return ActorWorker(*world, cfg, setup)
 
 
 def _batch(seed: int = 0):
@@ -149,3 +150,60 @@ def test_sharded_format_holds_only_the_adapter_too(model_dir, tmp_path):
     resumed.update_actor(_batch(1))
     after = _state(resumed)
     assert all(torch.equal(after[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def _two_rank_actor(rank: int, world: int, port: int, model_dir: str, root: str, out) -> None:
+    from hybridflow.rollout import weight_transfer
+    from hybridflow.training import distributed
+    from hybridflow.workers import actor as actor_module
+
+    torch.set_num_threads(1)
+    distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                                   device=torch.device("cpu"))
+    try:
+        torch.manual_seed(0)  # the same adapter init as the one-rank actor
+        actor = _actor(model_dir, world=(rank, world), checkpoint_format="sharded")
+        actor.update_actor(_batch().chunk(world)[rank])
+        merged = actor.weights_for_sync()
+        streamed: dict[str, list[torch.Tensor]] = {}
+
+        def collect(group, buckets):  # the transport to the rollout ranks, replaced by a dict
+            for bucket, data in buckets:
+                for entry, rows in zip(bucket, data):
+                    streamed.setdefault(entry.name, []).append(rows.clone())
+
+        weight_transfer.send_buckets = collect
+        actor_module.stream_weights(actor.engine, rank, object(), max_bucket_bytes=4096, lora=actor.lora)
+        actor.save_checkpoint(str(Path(root) / "ckpt"))
+        if rank == 0:
+            out["merged"] = {k: v.clone() for k, v in merged}
+            out["streamed"] = {k: torch.cat(v) for k, v in streamed.items()}
+    finally:
+        distributed.dist.destroy_process_group()
+
+
+def test_two_sharded_ranks_train_sync_and_checkpoint_like_one(model_dir, tmp_path):
+    """FSDP2 over two gloo ranks: the same update as one rank, merged weights gathered whole and
+    streamed slice by slice alike, and the sharded adapter checkpoint resumes on one rank."""
+    import torch.multiprocessing as mp
+
+    from hybridflow.training import distributed
+
+    torch.manual_seed(0)
+    one = _actor(model_dir)
+    one.update_actor(_batch())
+    expected = dict(one.weights_for_sync())
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_two_rank_actor, args=(2, distributed.free_port(), model_dir, str(tmp_path), out),
+                           nprocs=2, join=True, start_method="fork")
+        out = dict(out)
+    assert set(out["merged"]) == set(out["streamed"]) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(out["merged"][name], tensor, rtol=0, atol=1e-5)
+        torch.testing.assert_close(out["streamed"][name], out["merged"][name], rtol=0, atol=1e-6)
+    resumed = _actor(model_dir)
+    assert resumed.load_checkpoint(str(tmp_path / "ckpt")) is None
+    after = dict(resumed.weights_for_sync())
+    for name, tensor in expected.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-5)
