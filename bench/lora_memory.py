@@ -19,6 +19,9 @@ r * (4096 + 11008) each) has 32 * 16 * (4 * 8192 + 3 * 15104) = 39,976,960 adapt
     LoRA, bf16 base     2 B x 6.74e9 + 16 B x 4.00e7 = 13.5 + 0.64 = 14.1 GB   (7.6x less; not built:
                                                                                the actor loads fp32)
 
+A weight sync sends the whole model merged (``actor.lora.sync=merged``: every engine takes it), or
+only A, B and a scaling per adapted layer (``actor.lora.sync=adapter``); the bench prints both.
+
     python bench/lora_memory.py            # ~1 min on 2 cores
     python bench/lora_memory.py --rank 8
 """
@@ -67,7 +70,10 @@ def measure(model_dir: str, rank: int) -> dict[str, int]:
     actor.update_actor(batch)
     model, optimizer = actor.engine.model, actor.engine.optimizer
     params = list(model.parameters())
-    return {
+    sync = {"sync_merged_bytes": _nbytes(t for _, t in actor.weights_for_sync())}
+    if actor.lora is not None:
+        sync["sync_adapter_bytes"] = _nbytes(t for _, t in actor.adapter_for_sync())
+    return sync | {
         "params": sum(p.numel() for p in params),
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "trainable_bytes": _nbytes(p for p in params if p.requires_grad),
@@ -103,6 +109,10 @@ def main() -> None:
     full, lora = totals["full fine-tuning"], totals[f"LoRA rank {args.rank}"]
     print(f"ratio full / LoRA: trainable params + grads + Adam {full[0] / lora[0]:.1f}x; "
           f"with the frozen base {full[1] / lora[1]:.2f}x")
+    lora_row = rows[f"LoRA rank {args.rank}"]
+    merged_mib, adapter_mib = lora_row["sync_merged_bytes"] / 2**20, lora_row["sync_adapter_bytes"] / 2**20
+    print(f"one weight sync to the rollout: merged {merged_mib:.2f} MiB (the whole model), actor.lora.sync=adapter "
+          f"{adapter_mib:.2f} MiB ({merged_mib / adapter_mib:.1f}x less)")
     f7 = llama2_7b_figures(args.rank)
     print(f"Llama-2-7B shapes, rank {args.rank} on every decoder linear layer: {f7['adapter']:,} adapter parameters "
           f"({100 * f7['adapter'] / f7['params']:.2f}% of {f7['params'] / 1e9:.2f}B); full {f7['full_gb']:.1f} GB, "

@@ -181,6 +181,14 @@ class LoraConfig:
         "down_proj]). [all-linear]: every linear layer of the decoder, not the output head (PEFT's all-linear).",
     )
     dropout: float = f(0.0, "Dropout on the adapter's input, in [0, 1).")
+    sync: str = f(
+        "merged",
+        "What a weight sync sends the rollout: merged (W + B·A·alpha/rank under the base model's names, which "
+        "every engine takes) | adapter (only A and B: the rollout worker keeps a copy of the base weights and "
+        "merges them itself, so a sync moves r·(in+out) instead of in·out numbers per layer; native engine, "
+        "rollout.weight_sync=object_store, trainer.mode sync or one_step_off).",
+        choices=("merged", "adapter"),
+    )
 
 
 @dataclass

@@ -374,6 +374,16 @@ def _check_lora(cfg: Config, report: _Report) -> None:
     if lora.rank > 0 and importlib.util.find_spec("peft") is None:
         report.error(f"actor.lora.rank={lora.rank} needs PEFT, which is not installed: pip install 'hybridflow[lora]' "
                      f"(or set actor.lora.rank=0)")
+    if lora.sync == "adapter":
+        if cfg.rollout.name != "native":
+            report.error(f"actor.lora.sync=adapter: the rollout merges the adapter itself, which only the native "
+                         f"engine's worker does; rollout.name={cfg.rollout.name} takes actor.lora.sync=merged")
+        if cfg.rollout.weight_sync == "broadcast":
+            report.error("actor.lora.sync=adapter sends the adapter through the controller "
+                         "(rollout.weight_sync=object_store); rollout.weight_sync=broadcast takes actor.lora.sync=merged")
+        if cfg.trainer.mode == "fully_async":
+            report.error("actor.lora.sync=adapter: trainer.mode=fully_async stages whole weight snapshots; use "
+                         "actor.lora.sync=merged")
     modules = lora.target_modules
     if not modules or not all(isinstance(m, str) and m for m in modules):
         report.error(f"actor.lora.target_modules={modules} must name at least one module, e.g. [all-linear] or "

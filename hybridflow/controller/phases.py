@@ -399,7 +399,7 @@ def sync_weights(run: RunSetup, version: int) -> None:
         wait_all(run.actor.submit_all(ActorWorker.send_weights), *run.rollout.submit_receive(version))
         return
     # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
-    weights = dict(run.actor.call_all(ActorWorker.weights_for_sync)[0])
+    weights = dict(run.actor.call_all(run.actor_weights)[0])
     run.rollout.update_weights(weights.items(), version)
 
 

@@ -177,6 +177,9 @@ class RunSetup:
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
     timeline: Timeline = field(default_factory=Timeline.disabled)  # trainer.timeline: <output_dir>/timeline.json
+    # The actor's method whose rank-0 result an object-store sync hands the rollout: its weights, or
+    # only its LoRA adapter (actor.lora.sync=adapter), which the rollout workers merge themselves.
+    actor_weights: Callable[[ActorWorker], list[tuple[str, torch.Tensor]]] = ActorWorker.weights_for_sync
     # The reference group's method that returns one rank's reference logprobs  # (B, R)
     reference_logprobs: Callable[[Any, TrainBatch], torch.Tensor] = ReferenceWorker.compute_ref_logprobs
 
@@ -632,6 +635,11 @@ def build_run(cfg: Config) -> RunSetup:
     for w in warnings:
         log.warning("config: %s", w)
     weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend)
+    adapter_sync = cfg.actor.lora.rank > 0 and cfg.actor.lora.sync == "adapter"
+    if adapter_sync and weight_sync == BROADCAST:
+        raise ConfigError(f"actor.lora.sync=adapter sends the adapter through the controller, but trainer.backend="
+                          f"{cfg.trainer.backend} syncs weights by broadcast; set rollout.weight_sync=object_store or "
+                          f"actor.lora.sync=merged", key="actor.lora.sync")
     plugins = resolve_plugins(cfg)
     needs, kl_controller, agent = plugins.estimator_needs, plugins.kl_controller, plugins.agent
     t, d, a = cfg.trainer, cfg.data, cfg.actor
@@ -725,7 +733,8 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
-                                 max_logprob_mismatch=t.health.logprob_mismatch, **common)
+                                 max_logprob_mismatch=t.health.logprob_mismatch, lora_adapter_sync=adapter_sync,
+                                 **common)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
     rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))
@@ -763,7 +772,8 @@ def build_run(cfg: Config) -> RunSetup:
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=plugins.adv_estimator,
         adv_params=plugins.adv_params, estimator_needs=needs,
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
-        reference_logprobs=reference_logprobs, critic=critic,
+        reference_logprobs=reference_logprobs,
+        actor_weights=ActorWorker.adapter_for_sync if adapter_sync else ActorWorker.weights_for_sync, critic=critic,
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
         rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,

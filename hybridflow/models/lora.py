@@ -130,6 +130,49 @@ class LoraLayout:
         return [(n, self.merge_rows(n, t, adapters)) for n, t in self.base_weights(named)]
 
 
+# ``actor.lora.sync=adapter``: what a sync sends per adapted layer, under its base weight's name.
+ADAPTER_A, ADAPTER_B, ADAPTER_SCALING = ".lora_A", ".lora_B", ".lora_scaling"
+
+
+def adapter_payload(layout: LoraLayout, adapters: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The adapters as a weight sync sends them (``actor.lora.sync=adapter``): for each adapted
+    weight ``<layer>.weight``, ``<layer>.weight.lora_A`` (r, in), ``.lora_B`` (out, r) and
+    ``.lora_scaling`` (a 0-d tensor), from full A and B tensors."""
+    payload = []
+    for base, layer in layout.layers.items():
+        payload += [(base + ADAPTER_A, adapters[layer.lora_a]), (base + ADAPTER_B, adapters[layer.lora_b]),
+                    (base + ADAPTER_SCALING, torch.tensor(layer.scaling, dtype=torch.float64))]
+    return payload
+
+
+def is_adapter_payload(names: Iterable[str]) -> bool:
+    return any(n.endswith(ADAPTER_SCALING) for n in names)
+
+
+class AdapterMerger:
+    """The rollout side of ``actor.lora.sync=adapter``: a copy of the base weights, taken before
+    any sync wrote into the model, and the merge ``W + (B @ A) * scaling`` of a received adapter
+    into weights the engine takes by their base names (the same expression as the merged sync,
+    so with a base of the actor's dtype both give the same tensors). Memory: the copy of the base
+    weights, one more model's worth of the adapted layers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.base = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() == 2}
+
+    def merged(self, payload: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        received = dict(payload)
+        out = []
+        for name in sorted({n.removesuffix(ADAPTER_SCALING) for n in received if n.endswith(ADAPTER_SCALING)}):
+            if name not in self.base:
+                raise ValueError(f"update_weights: adapter for unknown weight {name!r} (the rollout model has no "
+                                 f"such 2-d weight)")
+            base = self.base[name]
+            a, b = received[name + ADAPTER_A].to(base.device), received[name + ADAPTER_B].to(base.device)
+            delta = (b @ a) * float(received[name + ADAPTER_SCALING])
+            out.append((name, base + delta.to(base.dtype)))
+        return out
+
+
 def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:
     """(parameters that require grad, all parameters)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

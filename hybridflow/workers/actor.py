@@ -46,7 +46,7 @@ from hybridflow.config.budget import (
 )
 from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
-from hybridflow.models.lora import LoraLayout, LoraSpec, apply_lora, write_lora_manifest
+from hybridflow.models.lora import LoraLayout, LoraSpec, adapter_payload, apply_lora, write_lora_manifest
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
     DEFAULT_TRANSFER_BUCKET_BYTES,
@@ -509,6 +509,17 @@ class ActorWorker:
 
     def _base_weights(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         return named if self.lora is None else self.lora.merged_weights(named)
+
+    @collective
+    def adapter_for_sync(self) -> list[tuple[str, torch.Tensor]]:
+        """``actor.lora.sync=adapter``: only the adapters (``lora.adapter_payload``: A, B and the
+        scaling under each adapted weight's base name), gathered whole on rank 0; [] on the others.
+        The rollout worker merges them into its own copy of the base weights."""
+        if self.lora is None:
+            raise RuntimeError("adapter_for_sync needs actor.lora.rank > 0")
+        adapters = {n: distributed.gather_weight(t).detach()
+                    for n, t in self.lora.adapters(self.engine.named_weight_shards()).items()}
+        return adapter_payload(self.lora, adapters) if self.rank == 0 else []
 
     @collective
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:

@@ -37,6 +37,7 @@ import torch
 
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
+from hybridflow.models.lora import AdapterMerger, is_adapter_payload
 from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine, weight_transfer
 from hybridflow.rollout.base import resolve_rollout_dtype
 from hybridflow.rollout.stream import Finished, Job, RequestStream
@@ -87,6 +88,8 @@ class RolloutSetup:
     # rollout.mode: "engine" (method calls) or "server" (the engine behind an HTTP server in this
     # process, requests and agent loops through HTTP).
     mode: str = "engine"
+    # actor.lora.sync=adapter: syncs bring LoRA adapters, merged here into a copy of the base weights.
+    lora_adapter_sync: bool = False
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -140,6 +143,8 @@ class RolloutWorker:
         # The module the engine serves (it may cast or move it in place): its state dict names the
         # parameters and shapes a broadcast sync is checked against.
         self.model = model
+        # Taken now, before any sync writes into the model: the base every adapter is merged into.
+        self.adapter_merger = AdapterMerger(model) if setup.lora_adapter_sync else None
         self.weight_sync: WeightSyncGroup | None = None  # once joined (rollout.weight_sync=broadcast)
         self.agents: AgentRunner | None = None
         self.server: Any = None  # rollout.mode=server: the engine's HTTP server in this process
@@ -306,7 +311,11 @@ class RolloutWorker:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Copy new weights into the engine; tokens generated from now on record policy
-        ``version`` (default: the engine's last + 1; see ``Trajectory.token_versions``)."""
+        ``version`` (default: the engine's last + 1; see ``Trajectory.token_versions``).
+        LoRA adapters (``actor.lora.sync=adapter``) are merged into the base weights first."""
+        weights = list(weights)
+        if self.adapter_merger is not None and is_adapter_payload(n for n, _ in weights):
+            weights = self.adapter_merger.merged(weights)
         self.engine.update_weights(weights, version=version)
 
     # ------------------------------------------------------------ weight sync (broadcast)

@@ -53,6 +53,8 @@ def test_lora_run_trains_adapters_exports_merged_and_generates_like_hf(model_and
     # adapter off, agrees with it; the updates then move the adapter.
     assert records[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
     assert records[-1]["actor/kl_loss"] > 0
+    # Step 2 generated with the merged weights synced after step 1: the rollout's logprobs are the trainer's.
+    assert records[-1]["rollout_corr/log_ratio_abs_mean"] < 1e-4
     spans = json.loads((out / "timeline.json").read_text())["traceEvents"]
     roles = {e["args"]["name"] for e in spans if e["ph"] == "M" and e["name"] == "process_name"}
     assert "actor" in roles and "reference" not in roles  # the actor served the reference: no reference role
@@ -89,3 +91,21 @@ def test_lora_run_trains_adapters_exports_merged_and_generates_like_hf(model_and
             generated = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                           eos_token_id=eos, pad_token_id=hf_tok.pad_token_id)
         assert generated[0, len(prompt):].tolist()[: len(expected)] == expected
+
+
+def test_adapter_sync_gives_the_rollout_the_trainers_policy(model_and_data, tmp_path):
+    """``actor.lora.sync=adapter``: only A and B reach the rollout, which merges them; the rollout's
+    logprobs then match the trainer's as with merged weights."""
+    from hybridflow import api
+
+    model_dir, train, val = model_and_data
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"trainer.output_dir={tmp_path / 'run'}", *SMALL, "actor.lora.rank=8", "actor.lora.sync=adapter",
+        "actor.optim.lr=5e-3", "actor.entropy_coeff=0.01", "trainer.total_training_steps=3", "trainer.test_freq=0",
+    ])
+    result = api.train(cfg)
+    records = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["actor/grad_norm"] > 0
+    assert all(r["rollout_corr/log_ratio_abs_mean"] < 1e-4 for r in records)

@@ -23,9 +23,12 @@ def test_lora_is_off_by_default_and_a_rank_turns_it_on() -> None:
         ("actor.lora.target_modules=[]", "actor.lora.target_modules=[] must name at least one module"),
         ("actor.lora.target_modules=[all-linear,q_proj]", "all-linear already means every linear layer"),
         ("actor.lora.rank=eight", "actor.lora.rank"),
+        ("actor.lora.sync=lazy", "config key 'actor.lora.sync' is 'lazy'; allowed values: merged, adapter"),
+        ("rollout.name=vllm actor.lora.sync=adapter", "only the native engine's worker does"),
+        ("trainer.mode=fully_async actor.lora.sync=adapter", "trainer.mode=fully_async stages whole weight"),
     ],
 )
 def test_lora_errors_name_the_key(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
-        validate_config(load_config("grpo", overrides=[override]))
+        validate_config(load_config("grpo", overrides=override.split()))
     assert expected in str(info.value)

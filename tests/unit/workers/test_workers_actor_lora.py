@@ -207,3 +207,27 @@ def test_two_sharded_ranks_train_sync_and_checkpoint_like_one(model_dir, tmp_pat
     after = dict(resumed.weights_for_sync())
     for name, tensor in expected.items():
         torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-5)
+
+
+def test_adapter_sync_sends_only_the_adapter_and_the_rollout_merges_it_like_the_merged_sync(model_dir):
+    """``actor.lora.sync=adapter``: the native rollout worker merges A and B into its own copy of
+    the base weights; its model then equals the merged sync's weights bitwise (fp32), for a
+    fraction of the bytes."""
+    from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
+
+    actor = _actor(model_dir)
+    rollout = RolloutWorker(0, 1, RolloutSetup(model_path=model_dir, engine="native", dtype="float32",
+                                               device=torch.device("cpu"), max_batch_size=4, seed=0,
+                                               lora_adapter_sync=True))
+    for step in range(2):  # the second merge starts from the base again, not from the first merge
+        actor.update_actor(_batch(step))
+        payload = actor.adapter_for_sync()
+        rollout.update_weights(payload)
+    merged = actor.weights_for_sync()
+    state = rollout.model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in merged)
+
+    def nbytes(named):
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    assert nbytes(payload) < nbytes(merged) / 4
