@@ -109,3 +109,25 @@ def test_adapter_sync_gives_the_rollout_the_trainers_policy(model_and_data, tmp_
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[-1]["actor/grad_norm"] > 0
     assert all(r["rollout_corr/log_ratio_abs_mean"] < 1e-4 for r in records)
+
+
+def test_lora_run_resumed_from_its_adapter_checkpoint_reproduces_the_uninterrupted_run(model_and_data, tmp_path):
+    from hybridflow import api
+
+    model_dir, train, val = model_and_data
+    common = [f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", *SMALL,
+              "actor.ppo_mini_batch_size=4", "trainer.test_freq=0", "actor.lora.rank=8", "actor.optim.lr=5e-3",
+              "actor.entropy_coeff=0.01", "actor.use_kl_loss=true", "trainer.save_freq=2"]
+
+    def run(out, steps: int) -> dict[int, dict]:
+        cfg = api.make_config("grpo", overrides=[*common, f"trainer.output_dir={out}",
+                                                 f"trainer.total_training_steps={steps}"])
+        lines = api.train(cfg).metrics_path.read_text().splitlines()
+        return {json.loads(line)["step"]: json.loads(line) for line in lines}
+
+    uninterrupted = run(tmp_path / "full", 4)
+    run(tmp_path / "part", 2)
+    resumed = run(tmp_path / "part", 4)
+    keys = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean")
+    for step in (3, 4):
+        assert {k: resumed[step][k] for k in keys} == {k: uninterrupted[step][k] for k in keys}
