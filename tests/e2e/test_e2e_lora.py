@@ -131,3 +131,20 @@ def test_lora_run_resumed_from_its_adapter_checkpoint_reproduces_the_uninterrupt
     keys = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean")
     for step in (3, 4):
         assert {k: resumed[step][k] for k in keys} == {k: uninterrupted[step][k] for k in keys}
+
+
+def test_lora_rl_improves_the_held_out_greedy_score(tmp_path, builtin_cache):
+    """The default run (built-in model, warm start, built-in task) with rank-8 adapters, shortened to
+    10 RL steps: held-out greedy accuracy rises by at least 0.2. Adapters want a larger step than full
+    fine-tuning (3e-3, 10x the default). Measured: 0.320 -> 0.664 at step 10, 0.676 at step 30 (2 cores)."""
+    from hybridflow import api
+
+    cfg = api.make_config("grpo", overrides=[
+        f"warm_start.cache_dir={builtin_cache}", f"trainer.output_dir={tmp_path / 'run'}", "actor.lora.rank=8",
+        "actor.lora.alpha=16", "actor.optim.lr=3e-3", "trainer.total_training_steps=10", "trainer.test_freq=10",
+        "trainer.progress_bar=false", "trainer.logger=[jsonl]",
+    ])
+    records = [json.loads(line) for line in api.train(cfg).metrics_path.read_text().splitlines()]
+    vals = [(r["step"], r["val/score/mean"]) for r in records if "val/score/mean" in r]
+    assert [s for s, _ in vals] == [0, 10]
+    assert vals[-1][1] - vals[0][1] >= 0.2, vals
