@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.config import ConfigError, load_config, validate_config
+from hybridflow.config import ConfigError, explain_config, load_config, validate_config
 
 
 def test_lora_is_off_by_default_and_a_rank_turns_it_on() -> None:
@@ -32,3 +32,9 @@ def test_lora_errors_name_the_key(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         validate_config(load_config("grpo", overrides=override.split()))
     assert expected in str(info.value)
+
+
+def test_explain_says_the_actor_serves_the_reference_under_lora() -> None:
+    text = explain_config(load_config("grpo", overrides=["actor.lora.rank=8", "actor.use_kl_loss=true"]))
+    assert "LoRA: rank 8, alpha 16 on all-linear: only the adapters train" in text
+    assert "reference: yes, the actor's base model with its adapter off" in text
