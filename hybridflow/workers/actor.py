@@ -307,8 +307,9 @@ class ActorWorker:
         if setup.gradient_checkpointing:
             enable_activation_checkpointing(model)
             if self.lora is not None:
-                # The frozen embeddings give the checkpointed layers inputs without grad; their
-                # adapters would get none.
+                # The frozen embeddings give the checkpointed layers inputs without grad: under
+                # reentrant checkpointing (older transformers' default) their adapters would get no
+                # gradient. transformers v5 checkpoints non-reentrantly, where this changes nothing.
                 model.enable_input_require_grads()
         self.engine = TrainEngine(
             model,

@@ -231,3 +231,18 @@ def test_adapter_sync_sends_only_the_adapter_and_the_rollout_merges_it_like_the_
         return sum(t.numel() * t.element_size() for _, t in named)
 
     assert nbytes(payload) < nbytes(merged) / 4
+
+
+def test_gradient_checkpointing_trains_the_adapters_the_same(model_dir):
+    """Checkpointed layers whose inputs come from frozen embeddings still give the adapters their
+    gradients (the actor turns on input grads): the same update within float noise."""
+    states = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        actor = _actor(model_dir, gradient_checkpointing=checkpointing)
+        actor.update_actor(_batch())
+        states.append(_state(actor))
+    assert any(not torch.equal(v, _actor(model_dir).engine.model.state_dict()[k])
+               for k, v in states[1].items() if ".lora_B." in k)
+    for key, value in states[0].items():
+        torch.testing.assert_close(states[1][key], value, rtol=0, atol=1e-6)
