@@ -246,3 +246,18 @@ def test_gradient_checkpointing_trains_the_adapters_the_same(model_dir):
                for k, v in states[1].items() if ".lora_B." in k)
     for key, value in states[0].items():
         torch.testing.assert_close(states[1][key], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_export_of_either_format_is_the_merged_policy(model_dir, tmp_path, checkpoint_format):
+    from hybridflow.controller import export
+
+    actor = _actor(model_dir, checkpoint_format=checkpoint_format)
+    actor.update_actor(_batch())
+    actor.save_checkpoint(str(tmp_path / "actor"))
+    export._write_export(tmp_path / "actor", tmp_path / "exported", export.EXPORT_SHARD_BYTES)
+    assert not {engine_module.TRAINABLE_FILE, LORA_MANIFEST} & {p.name for p in (tmp_path / "exported").iterdir()}
+    exported = load_causal_lm(str(tmp_path / "exported")).state_dict()
+    merged = dict(actor.weights_for_sync())
+    assert set(exported) == set(merged)
+    assert all(torch.equal(exported[k], merged[k]) for k in merged)
