@@ -175,6 +175,15 @@ def _two_rank_actor(rank: int, world: int, port: int, model_dir: str, root: str,
         weight_transfer.send_buckets = collect
         actor_module.stream_weights(actor.engine, rank, object(), max_bucket_bytes=4096, lora=actor.lora)
         actor.save_checkpoint(str(Path(root) / "ckpt"))
+        actor.engine.save(Path(root) / "full", sharded=False)  # the full format, gathered to rank 0
+        # Both formats load back on two ranks: the merged weights come back the same.
+        for fmt in ("ckpt", "full"):
+            torch.manual_seed(1)
+            fresh = _actor(model_dir, world=(rank, world))
+            assert fresh.load_checkpoint(str(Path(root) / fmt)) is None
+            again = fresh.weights_for_sync()
+            if rank == 0:
+                out[f"reloaded/{fmt}"] = {k: v.clone() for k, v in again}
         if rank == 0:
             out["merged"] = {k: v.clone() for k, v in merged}
             out["streamed"] = {k: torch.cat(v) for k, v in streamed.items()}
@@ -184,7 +193,8 @@ def _two_rank_actor(rank: int, world: int, port: int, model_dir: str, root: str,
 
 def test_two_sharded_ranks_train_sync_and_checkpoint_like_one(model_dir, tmp_path):
     """FSDP2 over two gloo ranks: the same update as one rank, merged weights gathered whole and
-    streamed slice by slice alike, and the sharded adapter checkpoint resumes on one rank."""
+    streamed slice by slice alike; adapter checkpoints of both formats load back on two ranks, and
+    the sharded one on one rank."""
     import torch.multiprocessing as mp
 
     from hybridflow.training import distributed
@@ -202,6 +212,8 @@ def test_two_sharded_ranks_train_sync_and_checkpoint_like_one(model_dir, tmp_pat
     for name, tensor in expected.items():
         torch.testing.assert_close(out["merged"][name], tensor, rtol=0, atol=1e-5)
         torch.testing.assert_close(out["streamed"][name], out["merged"][name], rtol=0, atol=1e-6)
+        for fmt in ("ckpt", "full"):
+            assert torch.equal(out[f"reloaded/{fmt}"][name], out["merged"][name])
     resumed = _actor(model_dir)
     assert resumed.load_checkpoint(str(tmp_path / "ckpt")) is None
     after = dict(resumed.weights_for_sync())
