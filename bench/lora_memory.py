@@ -22,7 +22,7 @@ r * (4096 + 11008) each) has 32 * 16 * (4 * 8192 + 3 * 15104) = 39,976,960 adapt
 A weight sync sends the whole model merged (``actor.lora.sync=merged``: every engine takes it), or
 only A, B and a scaling per adapted layer (``actor.lora.sync=adapter``); the bench prints both.
 
-    python bench/lora_memory.py            # ~1 min on 2 cores
+    python bench/lora_memory.py            # ~30 s on 2 cores
     python bench/lora_memory.py --rank 8
 """
 

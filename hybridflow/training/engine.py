@@ -653,8 +653,14 @@ class TrainEngine:
         naming the file. Sharded: no collective runs here, so every rank refuses alike."""
         if sharded_checkpoint.is_sharded_checkpoint(ckpt_dir):
             return self._read_sharded(ckpt_dir)
+        trainable_file = ckpt_dir / "model" / TRAINABLE_FILE
+        if self.checkpoint_trainable_only != trainable_file.is_file():
+            saved, wanted = ("only trainable parameters", "the whole model") if trainable_file.is_file() else (
+                "the whole model", "only trainable parameters")
+            raise CheckpointError(f"{ckpt_dir / 'model'} holds {saved} but this engine loads {wanted}: a LoRA "
+                                  f"checkpoint resumes with the actor.lora it was saved with")
         if self.checkpoint_trainable_only:
-            weights = _read_weight_file(ckpt_dir / "model" / TRAINABLE_FILE, {})
+            weights = _read_weight_file(trainable_file, {})
         else:
             weights = _read_weights(ckpt_dir / "model")
         self._check_weights({k: tuple(v.shape) for k, v in weights.items()}, ckpt_dir / "model")

@@ -526,7 +526,12 @@ class ActorWorker:
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """``weights_for_sync``, copied: a version of the weights that later updates leave as it is,
         for a rollout that takes it when it is next between batches (``trainer.mode=fully_async``)."""
-        return [(name, tensor.detach().clone()) for name, tensor in self._base_weights(self.engine.named_weights())]
+        named = self.engine.named_weights()
+        if self.lora is None:
+            return [(name, tensor.detach().clone()) for name, tensor in named]
+        # A merged weight is a new tensor already; only the others are the model's own.
+        return [(name, tensor if name in self.lora.layers else tensor.detach().clone())
+                for name, tensor in self.lora.merged_weights(named)]
 
     def device_uuid(self) -> str | None:
         """This rank's GPU (None on CPU), so the controller can tell whether NCCL can link it to

@@ -82,6 +82,8 @@ def test_merged_weights_for_the_rollout_equal_peft_merge_and_unload(model_dir):
     actor = _actor(model_dir)
     actor.update_actor(_batch())
     sent = dict(actor.weights_for_sync())
+    snapshot = dict(actor.weights_snapshot())
+    assert all(torch.equal(snapshot[k], sent[k]) for k in sent)
     merged = actor.peft_model.merge_and_unload(safe_merge=False)  # modifies the model: last
     expected = merged.state_dict()
     assert set(sent) == set(expected) == set(load_causal_lm(model_dir).state_dict())
@@ -132,6 +134,9 @@ def test_checkpoint_holds_only_the_adapter_and_resumes_bitwise(model_dir, tmp_pa
     resumed.update_actor(_batch(1))
     after = _state(resumed)
     assert all(torch.equal(after[k], uninterrupted[k]) for k in uninterrupted)
+    # Without actor.lora the checkpoint is refused, saying why.
+    refusal = _actor(model_dir, rank=0).load_checkpoint(str(tmp_path / "ckpt"))
+    assert refusal is not None and "holds only trainable parameters but this engine loads the whole model" in refusal
 
 
 def test_sharded_format_holds_only_the_adapter_too(model_dir, tmp_path):
