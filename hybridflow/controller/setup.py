@@ -725,7 +725,7 @@ def build_run(cfg: Config) -> RunSetup:
         max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips,
-        sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format, **common,
+        sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format, seed=t.seed, **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))

@@ -94,6 +94,7 @@ class ActorSetup:
     # sum_pi_squared: the optimal-token-baseline ones); set-up decides from the estimator's needs.
     sum_pi_squared: bool = False
     checkpoint_format: str = "auto"  # trainer.checkpoint_format
+    seed: int = 0  # trainer.seed: LoRA's adapter init, the same on every rank
 
 
 @dataclass
@@ -301,7 +302,11 @@ class ActorWorker:
         # place, everything else frozen); the PeftModel is kept to switch its adapter off.
         self.peft_model, self.lora = None, None
         if cfg.lora.rank > 0:
-            self.peft_model = apply_lora(model, lora_spec(cfg.lora))
+            # Every rank must draw the same initial A: FSDP2 shards what each rank holds, and
+            # replicas (fsdp_size) must start equal. Drawn from the run's seed, RNG left as it was.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(setup.seed)
+                self.peft_model = apply_lora(model, lora_spec(cfg.lora))
             model = self.peft_model.get_base_model()
             self.lora = LoraLayout.from_model(model)
         if setup.gradient_checkpointing:
