@@ -148,3 +148,32 @@ def test_lora_rl_improves_the_held_out_greedy_score(tmp_path, builtin_cache):
     vals = [(r["step"], r["val/score/mean"]) for r in records if "val/score/mean" in r]
     assert [s for s, _ in vals] == [0, 10]
     assert vals[-1][1] - vals[0][1] >= 0.2, vals
+
+
+def test_lora_on_two_ray_ranks_matches_one_local_rank(model_and_data, tmp_path):
+    """Two Ray ranks (FSDP2 over gloo, merged weights broadcast from actor rank 0 in buckets, the
+    reference served by the actors) train like one in-process rank, and step 2's rollout samples
+    with the synced policy."""
+    pytest.importorskip("ray")
+    import os
+
+    model_dir, train, val = model_and_data
+    reward = tmp_path / "reward.py"  # varies inside every group: advantages are never all zero
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n")
+    common = [f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", *SMALL,
+              f"reward.custom_reward_function.path={reward}", "trainer.test_freq=0", "trainer.seed=3",
+              "actor.lora.rank=8", "actor.optim.lr=5e-3", "actor.use_kl_loss=true"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
+    for name, extra in runs.items():
+        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
+    local, ray_run = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                      for name in runs)
+    assert local[0]["actor/pg_loss"] != 0.0
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+        assert ray_run[0][key] == pytest.approx(local[0][key], abs=1e-5), key
+    for run in (local, ray_run):
+        assert run[-1]["rollout_corr/log_ratio_abs_mean"] < 1e-4
