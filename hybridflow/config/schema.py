@@ -186,7 +186,7 @@ class LoraConfig:
         "What a weight sync sends the rollout: merged (W + B·A·alpha/rank under the base model's names, which "
         "every engine takes) | adapter (only A and B: the rollout worker keeps a copy of the base weights and "
         "merges them itself, so a sync moves r·(in+out) instead of in·out numbers per layer; native engine, "
-        "rollout.weight_sync=object_store, trainer.mode sync or one_step_off).",
+        "trainer.mode sync or one_step_off).",
         choices=("merged", "adapter"),
     )
 

@@ -378,9 +378,6 @@ def _check_lora(cfg: Config, report: _Report) -> None:
         if cfg.rollout.name != "native":
             report.error(f"actor.lora.sync=adapter: the rollout merges the adapter itself, which only the native "
                          f"engine's worker does; rollout.name={cfg.rollout.name} takes actor.lora.sync=merged")
-        if cfg.rollout.weight_sync == "broadcast":
-            report.error("actor.lora.sync=adapter sends the adapter through the controller "
-                         "(rollout.weight_sync=object_store); rollout.weight_sync=broadcast takes actor.lora.sync=merged")
         if cfg.trainer.mode == "fully_async":
             report.error("actor.lora.sync=adapter: trainer.mode=fully_async stages whole weight snapshots; use "
                          "actor.lora.sync=merged")

@@ -636,10 +636,6 @@ def build_run(cfg: Config) -> RunSetup:
         log.warning("config: %s", w)
     weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend)
     adapter_sync = cfg.actor.lora.rank > 0 and cfg.actor.lora.sync == "adapter"
-    if adapter_sync and weight_sync == BROADCAST:
-        raise ConfigError(f"actor.lora.sync=adapter sends the adapter through the controller, but trainer.backend="
-                          f"{cfg.trainer.backend} syncs weights by broadcast; set rollout.weight_sync=object_store or "
-                          f"actor.lora.sync=merged", key="actor.lora.sync")
     plugins = resolve_plugins(cfg)
     needs, kl_controller, agent = plugins.estimator_needs, plugins.kl_controller, plugins.agent
     t, d, a = cfg.trainer, cfg.data, cfg.actor
@@ -733,7 +729,7 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
-                                 max_logprob_mismatch=t.health.logprob_mismatch, lora_adapter_sync=adapter_sync,
+                                 max_logprob_mismatch=t.health.logprob_mismatch, lora_adapter_rank=cfg.actor.lora.rank if adapter_sync else 0,
                                  **common)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.

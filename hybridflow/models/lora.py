@@ -121,7 +121,8 @@ class LoraLayout:
         if row_range is not None:
             b = b[row_range[0] : row_range[1]]
         delta = (b.to(rows.device) @ a.to(rows.device)) * layer.scaling
-        return rows + delta.to(rows.dtype)
+        # One rounding, in the weight's dtype, as PEFT's in-place merge (W += delta) does.
+        return (rows + delta).to(rows.dtype)
 
     def merged_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """Full (gathered) state-dict entries as the base model's weights with every adapter merged."""
@@ -156,8 +157,20 @@ class AdapterMerger:
     so with a base of the actor's dtype both give the same tensors). Memory: the copy of the base
     weights, one more model's worth of the adapted layers."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, rank: int) -> None:
         self.base = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() == 2}
+        self.rank = rank
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """What an adapter sync may bring, by name, as meta tensors of the right shapes (a
+        broadcast receiver checks each bucket's names and shapes against them before its data)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, base in self.base.items():
+            rows, cols = base.shape
+            out[name + ADAPTER_A] = torch.empty((self.rank, cols), device="meta")
+            out[name + ADAPTER_B] = torch.empty((rows, self.rank), device="meta")
+            out[name + ADAPTER_SCALING] = torch.empty((), device="meta")
+        return out
 
     def merged(self, payload: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         received = dict(payload)
@@ -169,7 +182,7 @@ class AdapterMerger:
             base = self.base[name]
             a, b = received[name + ADAPTER_A].to(base.device), received[name + ADAPTER_B].to(base.device)
             delta = (b @ a) * float(received[name + ADAPTER_SCALING])
-            out.append((name, base + delta.to(base.dtype)))
+            out.append((name, (base + delta).to(base.dtype)))
         return out
 
 

@@ -557,6 +557,14 @@ class ActorWorker:
         run ``receive_weights`` at the same time, and every rank joins each bucket's gather
         (FSDP2) as it is sent (``stream_weights``). Returns once they applied every bucket: the
         transfer's stats on rank 0, None on the others."""
+        if self.lora is not None and self.cfg.lora.sync == "adapter":
+            # Only the adapters (gathered whole on every rank: small), sent by rank 0 as they are.
+            payload = self.adapter_for_sync()
+            if self.rank != SENDER_RANK:
+                return None
+            if self.weight_sync is None:
+                raise RuntimeError("actor rank 0 has not joined a weight-sync group: call join_weight_sync first")
+            return weight_transfer.send_weights(self.weight_sync, payload, max_bucket_bytes)
         return stream_weights(self.engine, self.rank, self.weight_sync, max_bucket_bytes, lora=self.lora)
 
     def close_weight_sync(self) -> None:

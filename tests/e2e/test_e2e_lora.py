@@ -150,10 +150,11 @@ def test_lora_rl_improves_the_held_out_greedy_score(tmp_path, builtin_cache):
     assert vals[-1][1] - vals[0][1] >= 0.2, vals
 
 
-def test_lora_on_two_ray_ranks_matches_one_local_rank(model_and_data, tmp_path):
-    """Two Ray ranks (FSDP2 over gloo, merged weights broadcast from actor rank 0 in buckets, the
-    reference served by the actors) train like one in-process rank, and step 2's rollout samples
-    with the synced policy."""
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_lora_on_two_ray_ranks_matches_one_local_rank(model_and_data, tmp_path, sync):
+    """Two Ray ranks (FSDP2 over gloo, weights broadcast from actor rank 0 in buckets: merged, or
+    only the adapter that the rollout merges; the reference served by the actors) train like one
+    in-process rank, and step 2's rollout samples with the synced policy."""
     pytest.importorskip("ray")
     import os
 
@@ -163,7 +164,7 @@ def test_lora_on_two_ray_ranks_matches_one_local_rank(model_and_data, tmp_path):
                       "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n")
     common = [f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", *SMALL,
               f"reward.custom_reward_function.path={reward}", "trainer.test_freq=0", "trainer.seed=3",
-              "actor.lora.rank=8", "actor.optim.lr=5e-3", "actor.use_kl_loss=true"]
+              "actor.lora.rank=8", "actor.optim.lr=5e-3", "actor.use_kl_loss=true", f"actor.lora.sync={sync}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
     for name, extra in runs.items():

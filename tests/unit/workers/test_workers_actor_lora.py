@@ -233,7 +233,7 @@ def test_adapter_sync_sends_only_the_adapter_and_the_rollout_merges_it_like_the_
     actor = _actor(model_dir)
     rollout = RolloutWorker(0, 1, RolloutSetup(model_path=model_dir, engine="native", dtype="float32",
                                                device=torch.device("cpu"), max_batch_size=4, seed=0,
-                                               lora_adapter_sync=True))
+                                               lora_adapter_rank=8))
     for step in range(2):  # the second merge starts from the base again, not from the first merge
         actor.update_actor(_batch(step))
         payload = actor.adapter_for_sync()
