@@ -15,6 +15,11 @@ buckets and gathers them one at a time in lockstep, and rank 0 streams each to t
 is gathered (``send_weights``, ``stream_weights``): the model is never gathered whole. The other
 ranks never join that group; rank 0 tells them over their own group when to gather and how the
 sync ended.
+
+LoRA (``actor.lora.rank`` > 0, ``hybridflow.models.lora``): the engine trains the adapters only;
+the actor also answers ``compute_ref_logprobs`` (the base model: its adapter switched off), syncs
+merged weights under the base model's names (or only the adapter: ``actor.lora.sync=adapter``),
+and its checkpoints hold the adapter with its optimizer state and ``model/lora.json``.
 """
 
 from __future__ import annotations
