@@ -163,7 +163,7 @@ class TrainEngine:
         is rebuilt from anyway; the full format writes them to ``model/trainable.safetensors``."""
         self.model = model.to(device)
         self.checkpoint_trainable_only = checkpoint_trainable_only
-        # Names of the parameters a trainable-only checkpoint holds (taken before sharding renames nothing).
+        # The parameters a trainable-only checkpoint holds, by name (FSDP2 sharding keeps the names).
         self.trainable_names = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
         if varlen_attention:
             enable_varlen_attention(self.model)
