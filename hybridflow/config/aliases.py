@@ -39,6 +39,9 @@ KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.max_num_seqs": "rollout.max_batch_size",
     "actor_rollout_ref.model.use_remove_padding": "actor.use_remove_padding",
     "actor_rollout_ref.model.custom_chat_template": "data.chat_template",
+    "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "global_profiler.steps": "trainer.profile.steps",
 }

@@ -161,11 +161,17 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
 
     lines.append("models loaded:")
     lines.append(f"  actor: always (the policy being trained: {cfg.model.path})")
+    lora = actor.lora
+    if lora.rank > 0:
+        lines.append(f"  LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}: only the "
+                     f"adapters train; weight syncs send {lora.sync} weights (actor.lora)")
     use_kl_loss, use_kl_in_reward = actor.use_kl_loss, cfg.algorithm.use_kl_in_reward
     if needs_reference_model(use_kl_loss, use_kl_in_reward):
         flags = (("actor.use_kl_loss", use_kl_loss), ("algorithm.use_kl_in_reward", use_kl_in_reward))
         causes = " and ".join(f"{key}=true" for key, on in flags if on)
-        lines.append(f"  reference: yes, a frozen copy of the initial policy, because {causes}")
+        copy = ("the actor's base model with its adapter off (actor.lora: no second copy)" if lora.rank > 0
+                else "a frozen copy of the initial policy")
+        lines.append(f"  reference: yes, {copy}, because {causes}")
     else:
         lines.append("  no reference model: KL is off (actor.use_kl_loss=false, algorithm.use_kl_in_reward=false)")
     estimator = f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}"

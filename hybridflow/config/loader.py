@@ -124,13 +124,18 @@ def _first_leaf_suffix(value: Any) -> str:
 def _suggest(section_cls: type, prefix: str, name: str, value: Any) -> str | None:
     """The valid dotted key the user most likely meant, or None when nothing is close.
 
-    Tried in order: a sibling with a similar name (``lrr`` -> ``lr``, ``rolout`` -> ``rollout``,
-    keeping the rest of the path when it exists there); a leaf of exactly that name elsewhere
-    (``actor.lr`` -> ``actor.optim.lr``); the closest full dotted path.
+    Tried in order: a leaf of exactly that name inside this section (``actor.lr`` ->
+    ``actor.optim.lr``, not the similar sibling ``actor.lora``); a sibling with a similar name
+    (``lrr`` -> ``lr``, ``rolout`` -> ``rollout``, keeping the rest of the path when it exists
+    there); a leaf of exactly that name elsewhere; the closest full dotted path.
     """
     leaves, sections = _all_paths()
     all_paths = leaves + sections
     suffix = _first_leaf_suffix(value)
+    attempted = _join(prefix, name)
+    nested = [path for path in leaves if path.startswith(f"{prefix}.") and path.rsplit(".", 1)[-1] == name]
+    if prefix and nested:
+        return max(nested, key=lambda p: difflib.SequenceMatcher(None, attempted, p).ratio())
     sibling = difflib.get_close_matches(name, list(_fields(section_cls)), n=1, cutoff=_SUGGESTION_CUTOFF)
     if sibling:
         guess = _join(prefix, sibling[0])
@@ -138,7 +143,6 @@ def _suggest(section_cls: type, prefix: str, name: str, value: Any) -> str | Non
     same_name = [path for path in leaves if path.rsplit(".", 1)[-1] == name]
     if same_name:
         # Prefer the one that shares the most of the path the user wrote.
-        attempted = _join(prefix, name)
         return max(same_name, key=lambda p: difflib.SequenceMatcher(None, attempted, p).ratio())
     close = difflib.get_close_matches(_join(prefix, name) + suffix, all_paths, n=1, cutoff=_SUGGESTION_CUTOFF)
     return close[0] if close else None

@@ -54,7 +54,7 @@ in the real engine on a CPU (fp32 and bf16 autocast, packed and padded), and the
 the native engine's own accounting. Modelled but not measured: the GPU-only paths (foreach AdamW,
 FSDP2's gathered layers, the sharded ranks' full logits) and the rollout's activations. Left out:
 the CUDA context and allocator fragmentation (leave ~10% of a GPU for them), the reward model, and
-LoRA. Ulysses sequence parallelism (``*.ulysses_sequence_parallel_size``): a group of sp ranks
+LoRA (``actor.lora``: planned as full fine-tuning, an over-estimate). Ulysses sequence parallelism (``*.ulysses_sequence_parallel_size``): a group of sp ranks
 pools its ranks' samples into micro-batches of sp x the per-rank token budget, each rank holding
 1/sp of their tokens and response rows (``_micro_batch_tokens``); the planner proposes it for a
 trainer phase that does not fit (not measured against the engine: its bench measures the split

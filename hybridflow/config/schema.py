@@ -175,6 +175,32 @@ class FSDPConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``actor.lora``: train low-rank adapters (PEFT's LoRA) instead of every weight."""
+
+    rank: int = f(
+        0, "LoRA rank r. 0: off, every weight trains. > 0: only the adapters train (the optimizer holds only "
+        "them), the reference policy is the actor with its adapter disabled (no second copy), checkpoints hold "
+        "the adapter and its optimizer state.",
+    )
+    alpha: float = f(16.0, "LoRA alpha: the update B·A is scaled by alpha / rank.")
+    target_modules: list[str] = f(
+        ["all-linear"],
+        "Modules that get an adapter, by name suffix (e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj]). [all-linear]: every linear layer of the decoder, not the output head (PEFT's all-linear).",
+    )
+    dropout: float = f(0.0, "Dropout on the adapter's input, in [0, 1).")
+    sync: str = f(
+        "merged",
+        "What a weight sync sends the rollout: merged (W + B·A·alpha/rank under the base model's names, which "
+        "every engine takes) | adapter (only A and B: the rollout worker keeps a copy of the base weights and "
+        "merges them itself, so a sync moves r·(in+out) instead of in·out numbers per layer; native engine, "
+        "trainer.mode sync or one_step_off).",
+        choices=("merged", "adapter"),
+    )
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = f(32, "Prompts per optimizer step (x rollout.n samples).")
     ppo_micro_batch_size_per_gpu: int = f(64, "Samples per forward/backward on one rank.")
@@ -230,6 +256,7 @@ class ActorConfig:
         "use_remove_padding. The token budgets (ppo_/log_prob_max_token_len_per_gpu) then count the group's "
         "tokens x sp, as verl's. 1: off.",
     )
+    lora: LoraConfig = sub(LoraConfig, "LoRA adapters through PEFT (rank 0: off).")
 
 
 @dataclass

@@ -370,6 +370,34 @@ def _check_optim(prefix: str, optim: OptimConfig, report: _Report) -> None:
         report.error(f"{prefix}.betas={optim.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
+def _check_lora(cfg: Config, report: _Report) -> None:
+    """``actor.lora``: checked whatever the rank, so a wrong value fails before LoRA is switched on."""
+    lora = cfg.actor.lora
+    if lora.rank < 0:
+        report.error(f"actor.lora.rank={lora.rank} must be >= 0 (0: LoRA off; e.g. 8 or 16)")
+    if not lora.alpha > 0:
+        report.error(f"actor.lora.alpha={lora.alpha} must be > 0 (the update is scaled by alpha / rank; e.g. 16)")
+    if not 0 <= lora.dropout < 1:
+        report.error(f"actor.lora.dropout={lora.dropout} must be in [0, 1) (e.g. 0.05)")
+    if lora.rank > 0 and importlib.util.find_spec("peft") is None:
+        report.error(f"actor.lora.rank={lora.rank} needs PEFT, which is not installed: pip install 'hybridflow[lora]' "
+                     f"(or set actor.lora.rank=0)")
+    if lora.sync == "adapter":
+        if cfg.rollout.name != "native":
+            report.error(f"actor.lora.sync=adapter: the rollout merges the adapter itself, which only the native "
+                         f"engine's worker does; rollout.name={cfg.rollout.name} takes actor.lora.sync=merged")
+        if cfg.trainer.mode == "fully_async":
+            report.error("actor.lora.sync=adapter: trainer.mode=fully_async stages whole weight snapshots; use "
+                         "actor.lora.sync=merged")
+    modules = lora.target_modules
+    if not modules or not all(isinstance(m, str) and m for m in modules):
+        report.error(f"actor.lora.target_modules={modules} must name at least one module, e.g. [all-linear] or "
+                     f"[q_proj, v_proj]")
+    elif "all-linear" in modules and len(modules) > 1:
+        report.error(f"actor.lora.target_modules={modules}: all-linear already means every linear layer; give it "
+                     f"alone, or list module names without it")
+
+
 def _check_critic(cfg: Config, report: _Report) -> None:
     """The ``critic`` section. Checked whatever the estimator: its defaults always pass, and a
     value set wrong is wrong before a run switches to gae."""
@@ -923,6 +951,7 @@ _CHECKS = (
     _check_batches,
     _check_algorithm,
     _check_critic,
+    _check_lora,
     _check_reward_model,
     _check_multi_turn,
     _check_trainer,

@@ -9,6 +9,11 @@ files (not the optimizer state), writes them atomically, and loads the result wi
 ``transformers`` to prove it is usable before reporting success (that check does hold the
 whole model).
 
+A LoRA checkpoint (``actor.lora.rank`` > 0) holds only the adapter (``model/lora.json`` names
+the base model's directory and the adapter's shape): the export loads the base model, merges the
+adapter into it with PEFT's ``merge_and_unload`` and writes the merged model, a plain Hugging Face
+directory of the base model's class and names (that path holds the whole model in memory).
+
 Only the policy is exported: it is what a user deploys. A PPO checkpoint also holds the critic
 (``critic/model``, a Hugging Face token-classification model with one label, loadable with
 ``AutoModelForTokenClassification`` as it is); it is needed only to resume training.
@@ -22,8 +27,10 @@ import shutil
 from pathlib import Path
 
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, verify_checkpoint
-from hybridflow.models.loading import hf_progress_bars_off
+from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm
+from hybridflow.models.lora import LORA_MANIFEST, merge_adapter_into_base, read_lora_manifest
 from hybridflow.training import sharded_checkpoint
+from hybridflow.training.engine import TRAINABLE_FILE
 from hybridflow.utils.files import give_default_modes
 
 log = logging.getLogger(__name__)
@@ -73,10 +80,35 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
 
 def _write_export(actor_dir: Path, tmp: Path, max_shard_bytes: int) -> None:
     shutil.copytree(actor_dir / "model", tmp)
-    if sharded_checkpoint.is_sharded_checkpoint(actor_dir):
+    lora = read_lora_manifest(actor_dir / "model")
+    if lora is not None:
+        _write_merged_lora(actor_dir, tmp, *lora, max_shard_bytes=max_shard_bytes)
+    elif sharded_checkpoint.is_sharded_checkpoint(actor_dir):
         sharded_checkpoint.write_hf_weights(actor_dir, tmp, max_shard_bytes=max_shard_bytes, skip=_tied_outputs(tmp))
     give_default_modes(tmp)  # checkpoints written before modes were fixed hold a 0600 model.safetensors
     _check_loads(tmp)
+
+
+def _write_merged_lora(actor_dir: Path, tmp: Path, base_path: str, spec, *, max_shard_bytes: int) -> None:
+    """The base model with the checkpoint's adapter merged, saved in ``tmp`` (which already holds
+    the checkpoint's config and tokenizer); the adapter files are not part of the export."""
+    from safetensors.torch import load_file
+
+    if not Path(base_path).is_dir():
+        raise CheckpointError(f"{actor_dir / 'model' / LORA_MANIFEST}: its base model {base_path} is gone; the "
+                              f"export merges the adapter into it")
+    if sharded_checkpoint.is_sharded_checkpoint(actor_dir):
+        dcp_dir = actor_dir / sharded_checkpoint.DCP_DIR
+        metadata = sharded_checkpoint.read_metadata(dcp_dir)
+        names = list(sharded_checkpoint.tensor_shapes(metadata, sharded_checkpoint.MODEL_PREFIX))
+        adapters = sharded_checkpoint.read_model_tensors(dcp_dir, names, metadata)
+    else:
+        adapters = load_file(actor_dir / "model" / TRAINABLE_FILE)
+    with hf_progress_bars_off():
+        merged = merge_adapter_into_base(load_causal_lm(base_path), spec, adapters)
+        merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_bytes)
+    for name in (TRAINABLE_FILE, LORA_MANIFEST):
+        (tmp / name).unlink(missing_ok=True)
 
 
 def _tied_outputs(model_dir: Path) -> frozenset[str]:

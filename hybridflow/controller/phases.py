@@ -49,7 +49,6 @@ from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import activity
 from hybridflow.workers.actor import ActorWorker, gather_old_logprobs
 from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardWorker
 
 log = logging.getLogger(__name__)
@@ -235,7 +234,7 @@ def prepare_batch(run: RunSetup, groups: list[list[Trajectory]], step: int, time
                 run.actor.split_gather(ActorWorker.compute_old_logprobs, batch))
     if run.reference is not None:
         with timer.phase("ref"):
-            batch.ref_logprobs = torch.cat(run.reference.split_gather(ReferenceWorker.compute_ref_logprobs, batch))
+            batch.ref_logprobs = torch.cat(run.reference.split_gather(run.reference_logprobs, batch))
     samples = StepSamples(batch, trajectories, groups)
     extra_inputs, input_metrics = estimator_inputs(run, samples, timer)
     metrics |= input_metrics
@@ -400,7 +399,7 @@ def sync_weights(run: RunSetup, version: int) -> None:
         wait_all(run.actor.submit_all(ActorWorker.send_weights), *run.rollout.submit_receive(version))
         return
     # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
-    weights = dict(run.actor.call_all(ActorWorker.weights_for_sync)[0])
+    weights = dict(run.actor.call_all(run.actor_weights)[0])
     run.rollout.update_weights(weights.items(), version)
 
 

@@ -69,6 +69,7 @@ from hybridflow.rollout.base import engine_model_problem, engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
+from hybridflow.types import TrainBatch
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
 from hybridflow.utils.threads import stop_following
@@ -162,7 +163,9 @@ class RunSetup:
     kl_controller: Any
     actor: WorkerGroup[ActorWorker]
     rollout: RolloutReplicas
-    reference: WorkerGroup[ReferenceWorker] | None
+    # The reference logprobs' group: reference ranks, or with LoRA the actor itself (both have
+    # compute_ref_logprobs); None without a KL term.
+    reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None
     reward: WorkerGroup[RewardWorker]
     critic: WorkerGroup[CriticWorker] | None
     tracker: Tracker
@@ -175,6 +178,11 @@ class RunSetup:
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
     timeline: Timeline = field(default_factory=Timeline.disabled)  # trainer.timeline: <output_dir>/timeline.json
+    # The actor's method whose rank-0 result an object-store sync hands the rollout: its weights, or
+    # only its LoRA adapter (actor.lora.sync=adapter), which the rollout workers merge themselves.
+    actor_weights: Callable[[ActorWorker], list[tuple[str, torch.Tensor]]] = ActorWorker.weights_for_sync
+    # The reference group's method that returns one rank's reference logprobs  # (B, R)
+    reference_logprobs: Callable[[Any, TrainBatch], torch.Tensor] = ReferenceWorker.compute_ref_logprobs
 
     def named_groups(self) -> list[tuple[str, WorkerGroup[Any]]]:
         """Every worker group of the run, by role (each rollout replica its own)."""
@@ -196,7 +204,8 @@ class RunSetup:
         rm = self.reward_model
         if rm is not None and rm.close is not None:
             rm.group.call_all(rm.close)
-        groups = [self.actor, self.critic, self.reference, self.reward, rm.group if rm is not None else None]
+        reference = self.reference if self.reference is not self.actor else None
+        groups = [self.actor, self.critic, reference, self.reward, rm.group if rm is not None else None]
         for group in groups:
             if group is not None:
                 group.close()
@@ -679,6 +688,7 @@ def build_run(cfg: Config) -> RunSetup:
     for w in warnings:
         log.warning("config: %s", w)
     weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend)
+    adapter_sync = cfg.actor.lora.rank > 0 and cfg.actor.lora.sync == "adapter"
     plugins = resolve_plugins(cfg)
     needs, kl_controller, agent = plugins.estimator_needs, plugins.kl_controller, plugins.agent
     t, d, a = cfg.trainer, cfg.data, cfg.actor
@@ -747,12 +757,13 @@ def build_run(cfg: Config) -> RunSetup:
         raise ConfigError(f"trainer.n_workers={t.n_workers} counts CPU ranks, but this run computes on {device}: "
                           "GPU ranks are trainer.n_gpus_per_node x trainer.nnodes; set trainer.n_workers=null")
     with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward)
+    reference_ranks = with_reference and a.lora.rank == 0  # LoRA: the actor serves the reference
     with_critic = needs_critic(needs)
     with_rm_ranks = cfg.reward_model.enable and cfg.reward_model.style == "discriminative"
     split = cfg.rollout.placement == "split"
     pools, placements = reserve_placements(
         t.backend, data_parallel_size=dp, device=device,
-        colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if with_reference else []),
+        colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if reference_ranks else []),
                          *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else [])],
         split_roles=["rollout"] if split else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
@@ -764,7 +775,7 @@ def build_run(cfg: Config) -> RunSetup:
         max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips,
-        sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format,
+        sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format, seed=t.seed,
         chat_template=policy_chat_template(d), **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
@@ -774,14 +785,20 @@ def build_run(cfg: Config) -> RunSetup:
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
                                  max_logprob_mismatch=t.health.logprob_mismatch,
+                                 lora_adapter_rank=cfg.actor.lora.rank if adapter_sync else 0,
                                  chat_template=policy_chat_template(d), **common)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
     rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))
     if weight_sync == BROADCAST:
         connect_weight_sync(actor, rollout)
-    reference = None
-    if with_reference:
+    reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None = None
+    reference_logprobs: Callable[[Any, TrainBatch], torch.Tensor] = ReferenceWorker.compute_ref_logprobs
+    if with_reference and a.lora.rank > 0:
+        # LoRA: the reference policy is the actor's base model, its adapter switched off
+        # (ActorWorker.compute_ref_logprobs): no second copy of the weights, no reference ranks.
+        reference, reference_logprobs = actor, ActorWorker.compute_ref_logprobs
+    elif with_reference:
         ref_sequence_parallel = sequence_parallel_sizes(cfg)["ref.ulysses_sequence_parallel_size"]
         ref_setup = ReferenceSetup(model_path=model_path, dtype=cfg.model.dtype, device=device,
                                    temperature=cfg.rollout.temperature,
@@ -808,7 +825,9 @@ def build_run(cfg: Config) -> RunSetup:
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=plugins.adv_estimator,
         adv_params=plugins.adv_params, estimator_needs=needs,
-        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward, critic=critic,
+        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
+        reference_logprobs=reference_logprobs,
+        actor_weights=ActorWorker.adapter_for_sync if adapter_sync else ActorWorker.weights_for_sync, critic=critic,
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
         rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,

@@ -141,6 +141,7 @@ class TrainEngine:
         fused_lm_head: bool = True,
         metrics_prefix: str = "actor",
         sequence_parallel_size: int = 1,
+        checkpoint_trainable_only: bool = False,
     ) -> None:
         """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
         ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
@@ -161,8 +162,15 @@ class TrainEngine:
         ``metrics_prefix``: the role an optimizer step reports as (``<prefix>/grad_norm``, ``/lr``).
         ``sequence_parallel_size`` (sp > 1, sharded only): Ulysses sequence parallelism
         (``hybridflow.training.sequence_parallel``): each block of sp consecutive ranks runs the
-        same micro-batches, each rank 1/sp of every pack's tokens; packed forwards only."""
+        same micro-batches, each rank 1/sp of every pack's tokens; packed forwards only.
+
+        ``checkpoint_trainable_only``: checkpoints hold only the parameters that require grad (a
+        LoRA actor's adapters, ``hybridflow.models.lora``), not the frozen weights that the model
+        is rebuilt from anyway; the full format writes them to ``model/trainable.safetensors``."""
         self.model = model.to(device)
+        self.checkpoint_trainable_only = checkpoint_trainable_only
+        # The parameters a trainable-only checkpoint holds, by name (FSDP2 sharding keeps the names).
+        self.trainable_names = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
         if varlen_attention:
             enable_varlen_attention(self.model)
         self.device = device
@@ -568,6 +576,9 @@ class TrainEngine:
         if sharded:
             self._save_sharded(out_dir, tokenizer)
             return
+        if self.checkpoint_trainable_only:
+            self._save_trainable(out_dir, tokenizer)
+            return
         if self.data_parallel:
             self._save_gathered(out_dir, tokenizer)
             return
@@ -589,12 +600,41 @@ class TrainEngine:
                 (out_dir / sharded_checkpoint.OPTIM_JSON).write_text(
                     sharded_checkpoint.optim_json(self.model, self.optimizer, self.scheduler)
                 )
-        entries = sharded_checkpoint.model_entries(self.model)
+        entries = self._model_entries()
         if self.optimizer is not None:
             entries |= sharded_checkpoint.optimizer_entries(self.model, self.optimizer)
         sharded_checkpoint.save_dcp(entries, out_dir / sharded_checkpoint.DCP_DIR, no_dist=not self.data_parallel)
         sharded_checkpoint.save_rng(out_dir / sharded_checkpoint.RNG_DIR, rank, self.device)
         # Nobody reads the checkpoint (or renames its folder) before every rank has written.
+        distributed.barrier()
+
+    def _model_entries(self) -> dict[str, torch.Tensor]:
+        """The model tensors a checkpoint holds (``sharded_checkpoint.model_entries``), only the
+        trainable ones with ``checkpoint_trainable_only``."""
+        entries = sharded_checkpoint.model_entries(self.model)
+        if not self.checkpoint_trainable_only:
+            return entries
+        prefix = sharded_checkpoint.MODEL_PREFIX
+        return {k: v for k, v in entries.items() if k.removeprefix(prefix) in self.trainable_names}
+
+    def _save_trainable(self, out_dir: Path, tokenizer) -> None:
+        """Full format, trainable parameters only: each gathered alone (a collective when sharded,
+        small next to the model) and written by rank 0 with the optimizer state."""
+        from safetensors.torch import save_file
+
+        trainable = {name: distributed.gather_weight(value).detach().cpu().contiguous()
+                     for name, value in self.model.state_dict().items() if name in self.trainable_names}
+        optim_state = None
+        if self.optimizer is not None and self.scheduler is not None:
+            optim_state = (distributed.gather_optimizer_state(self.model, self.optimizer) if self.data_parallel
+                           else self.optimizer.state_dict())
+        if not self.data_parallel or distributed.is_rank_zero():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._save_model_files(out_dir / "model", tokenizer)
+            save_file(trainable, out_dir / "model" / TRAINABLE_FILE, metadata={"format": "pt"})
+            if optim_state is not None:
+                assert self.scheduler is not None
+                torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, out_dir / OPTIM_FILE)
         distributed.barrier()
 
     def _save_model_files(self, model_dir: Path, tokenizer) -> None:
@@ -639,7 +679,16 @@ class TrainEngine:
         naming the file. Sharded: no collective runs here, so every rank refuses alike."""
         if sharded_checkpoint.is_sharded_checkpoint(ckpt_dir):
             return self._read_sharded(ckpt_dir)
-        weights = _read_weights(ckpt_dir / "model")
+        trainable_file = ckpt_dir / "model" / TRAINABLE_FILE
+        if self.checkpoint_trainable_only != trainable_file.is_file():
+            saved, wanted = ("only trainable parameters", "the whole model") if trainable_file.is_file() else (
+                "the whole model", "only trainable parameters")
+            raise CheckpointError(f"{ckpt_dir / 'model'} holds {saved} but this engine loads {wanted}: a LoRA "
+                                  f"checkpoint resumes with the actor.lora it was saved with")
+        if self.checkpoint_trainable_only:
+            weights = _read_weight_file(trainable_file, {})
+        else:
+            weights = _read_weights(ckpt_dir / "model")
         self._check_weights({k: tuple(v.shape) for k, v in weights.items()}, ckpt_dir / "model")
         optim_state = None
         if self.optimizer is not None and self.scheduler is not None:
@@ -685,7 +734,7 @@ class TrainEngine:
         """Every rank reads its part of every tensor into fresh buffers (one collective), so the
         engine changes only once the whole checkpoint has been read: a load holds one extra shard
         (this rank's model and optimizer) while it runs, never the whole model."""
-        model_buffers = {k: torch.empty_like(v) for k, v in sharded_checkpoint.model_entries(self.model).items()}
+        model_buffers = {k: torch.empty_like(v) for k, v in self._model_entries().items()}
         optim_buffers = {}
         if loaded.optim is not None:
             assert self.optimizer is not None
@@ -693,7 +742,7 @@ class TrainEngine:
         sharded_checkpoint.load_dcp(model_buffers | optim_buffers, loaded.path / sharded_checkpoint.DCP_DIR,
                                     no_dist=not self.data_parallel)
         with torch.no_grad():
-            for key, value in sharded_checkpoint.model_entries(self.model).items():
+            for key, value in self._model_entries().items():
                 value.copy_(model_buffers[key])
         if loaded.optim is not None:
             assert self.optimizer is not None
@@ -711,7 +760,8 @@ class TrainEngine:
 
     def _check_weights(self, shapes: dict[str, tuple[int, ...]], model_dir: Path) -> None:
         """Same names and shapes as the model (DTensor shapes are the full ones when sharded)."""
-        expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()
+                    if not self.checkpoint_trainable_only or name in self.trainable_names}
         # Tied embeddings are saved once; anything else missing is a real problem.
         missing = [k for k in expected if k not in shapes and not k.endswith("lm_head.weight")]
         unexpected = [k for k in shapes if k not in expected]
@@ -754,6 +804,7 @@ class TrainEngine:
 
 
 OPTIM_FILE = "optim.pt"
+TRAINABLE_FILE = "trainable.safetensors"  # a trainable-only checkpoint's weights (full format)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -782,21 +833,26 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     weights: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        try:
-            tensors = load_file(path)
-        except Exception as exc:  # safetensors raises its own error type for a bad header
-            raise CheckpointError(f"{path} is not a readable safetensors file: {one_line(exc)}") from exc
-        repeated = sorted(set(tensors) & set(weights))
-        if repeated:
-            raise CheckpointError(f"{path} repeats weights of another shard: {', '.join(repeated[:3])}")
-        weights.update(tensors)
+        weights.update(_read_weight_file(path, weights))
     return weights
+
+
+def _read_weight_file(path: Path, earlier: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors, refused if it repeats a name of ``earlier`` shards."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        tensors = load_file(path)
+    except Exception as exc:  # safetensors raises its own error type for a bad header
+        raise CheckpointError(f"{path} is not a readable safetensors file: {one_line(exc)}") from exc
+    repeated = sorted(set(tensors) & set(earlier))
+    if repeated:
+        raise CheckpointError(f"{path} repeats weights of another shard: {', '.join(repeated[:3])}")
+    return tensors
 
 
 def _read_optimizer_file(path: Path) -> dict:

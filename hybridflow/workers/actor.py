@@ -15,6 +15,11 @@ buckets and gathers them one at a time in lockstep, and rank 0 streams each to t
 is gathered (``send_weights``, ``stream_weights``): the model is never gathered whole. The other
 ranks never join that group; rank 0 tells them over their own group when to gather and how the
 sync ended.
+
+LoRA (``actor.lora.rank`` > 0, ``hybridflow.models.lora``): the engine trains the adapters only;
+the actor also answers ``compute_ref_logprobs`` (the base model: its adapter switched off), syncs
+merged weights under the base model's names (or only the adapter: ``actor.lora.sync=adapter``),
+and its checkpoints hold the adapter with its optimizer state and ``model/lora.json``.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ from hybridflow.config.budget import (
     available_host_memory_bytes,
     packing_decision,
 )
-from hybridflow.config.schema import ActorConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
+from hybridflow.models.lora import LoraLayout, LoraSpec, adapter_payload, apply_lora, write_lora_manifest
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
     DEFAULT_TRANSFER_BUCKET_BYTES,
@@ -95,6 +101,7 @@ class ActorSetup:
     # sum_pi_squared: the optimal-token-baseline ones); set-up decides from the estimator's needs.
     sum_pi_squared: bool = False
     checkpoint_format: str = "auto"  # trainer.checkpoint_format
+    seed: int = 0  # trainer.seed: LoRA's adapter init, the same on every rank
 
 
 @dataclass
@@ -115,7 +122,7 @@ def gather_old_logprobs(shards: list[OldLogprobs]) -> tuple[torch.Tensor, torch.
 
 def stream_weights(
     engine: TrainEngine, rank: int, group: WeightSyncGroup | None,
-    max_bucket_bytes: int = DEFAULT_TRANSFER_BUCKET_BYTES,
+    max_bucket_bytes: int = DEFAULT_TRANSFER_BUCKET_BYTES, lora: LoraLayout | None = None,
 ) -> TransferStats | None:
     """One weight sync from a (possibly sharded) training engine, without gathering the model.
 
@@ -130,8 +137,18 @@ def stream_weights(
     Returns rank 0's stats, None on the others. When the sync fails (a receiver refused a bucket,
     naming the parameter) rank 0 raises ``WeightSyncError`` and tells the other ranks, which
     raise it too instead of waiting in a gather that will not come. A collective over the
-    engine's ranks; rank 0 passes its weight-sync ``group``."""
-    plan = plan_buckets(engine.named_weight_shards(), max_bucket_bytes, distributed.shard_row_cuts)
+    engine's ranks; rank 0 passes its weight-sync ``group``.
+
+    ``lora``: the engine's model carries LoRA adapters; what travels is the base model's weights
+    under their own names with each adapter merged (``LoraLayout.merge_rows``): the buckets are
+    planned from the base weights, and each tensor or row slice is merged on rank 0 as it is
+    gathered, from full copies of the adapters (gathered first: r x (in + out) per layer)."""
+    named = engine.named_weight_shards()
+    adapters: dict[str, torch.Tensor] = {}
+    if lora is not None:
+        adapters = {n: distributed.gather_weight(t) for n, t in lora.adapters(named).items()}
+        named = lora.base_weights(named)
+    plan = plan_buckets(named, max_bucket_bytes, distributed.shard_row_cuts)
     if rank != SENDER_RANK:
         error = distributed.follow_bucket_gathers(plan)
         if error is not None:
@@ -140,7 +157,15 @@ def stream_weights(
     with distributed.lead_bucket_gathers(plan) as buckets:
         if group is None:
             raise RuntimeError("actor rank 0 has not joined a weight-sync group: call join_weight_sync first")
+        if lora is not None:
+            buckets = ((bucket, _merged(lora, bucket, data, adapters)) for bucket, data in buckets)
         return weight_transfer.send_buckets(group, buckets)
+
+
+def _merged(lora: LoraLayout, bucket, data, adapters: dict[str, torch.Tensor]):
+    """A bucket's gathered bytes with each LoRA adapter merged into its base weight's rows."""
+    for entry, rows in zip(bucket, data, strict=True):
+        yield lora.merge_rows(entry.name, rows, adapters, entry.rows)
 
 
 def check_rank_group(role: str, rank: int, world_size: int) -> None:
@@ -314,8 +339,24 @@ class ActorWorker:
             device=setup.device,
             trust_remote_code=setup.trust_remote_code,
         )
+        # LoRA: the engine trains the PEFT-wrapped model's inner HF model (adapters injected in
+        # place, everything else frozen); the PeftModel is kept to switch its adapter off.
+        self.peft_model, self.lora = None, None
+        if cfg.lora.rank > 0:
+            # Every rank must draw the same initial A: FSDP2 shards what each rank holds, and
+            # replicas (fsdp_size) must start equal. Drawn from the run's seed, RNG left as it was.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(setup.seed)
+                self.peft_model = apply_lora(model, lora_spec(cfg.lora))
+            model = self.peft_model.get_base_model()
+            self.lora = LoraLayout.from_model(model)
         if setup.gradient_checkpointing:
             enable_activation_checkpointing(model)
+            if self.lora is not None:
+                # The frozen embeddings give the checkpointed layers inputs without grad: under
+                # reentrant checkpointing (older transformers' default) their adapters would get no
+                # gradient. transformers v5 checkpoints non-reentrantly, where this changes nothing.
+                model.enable_input_require_grads()
         self.engine = TrainEngine(
             model,
             optim_spec(cfg.optim, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip),
@@ -326,6 +367,7 @@ class ActorWorker:
             offload_params=cfg.fsdp_config.param_offload,
             offload_optimizer=cfg.fsdp_config.optimizer_offload,
             sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
+            checkpoint_trainable_only=self.lora is not None,
         )
         # Ulysses groups of sp ranks pool their shards: world / sp data-parallel ranks.
         self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size
@@ -346,6 +388,15 @@ class ActorWorker:
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of the response tokens under the current weights (old_logprobs).  # (B, R)"""
         return self._old_policy_forward(batch, with_sum_pi_squared=False).logprobs
+
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """LoRA: the reference policy's logprobs, the base model's, from this model with its
+        adapter switched off (PEFT's ``disable_adapter``): no second copy of the weights. Set-up
+        routes reference logprobs here instead of building a reference role.  # (B, R)"""
+        if self.peft_model is None:
+            raise RuntimeError("compute_ref_logprobs on the actor needs actor.lora.rank > 0 (else a reference role)")
+        with self.peft_model.disable_adapter():
+            return self._old_policy_forward(batch, with_sum_pi_squared=False).logprobs
 
     def compute_old_logprobs(self, batch: TrainBatch) -> OldLogprobs:
         """The old-logprob forward: logprobs and, when set-up asked for it (``ActorSetup.sum_pi_squared``),
@@ -510,14 +561,34 @@ class ActorWorker:
     def weights_for_sync(self) -> list[tuple[str, torch.Tensor]]:
         """Full weights by HF name on rank 0 (a list, so it can cross a process boundary); []
         on the other ranks. The object-store path returns the model as one object, so sharded
-        ranks gather it whole here; one rank returns the model's own tensors, uncopied."""
-        return self.engine.named_weights()
+        ranks gather it whole here; one rank returns the model's own tensors, uncopied. LoRA: the
+        base model's names with the adapters merged (new tensors for the adapted layers)."""
+        return self._base_weights(self.engine.named_weights())
+
+    def _base_weights(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        return named if self.lora is None else self.lora.merged_weights(named)
+
+    @collective
+    def adapter_for_sync(self) -> list[tuple[str, torch.Tensor]]:
+        """``actor.lora.sync=adapter``: only the adapters (``lora.adapter_payload``: A, B and the
+        scaling under each adapted weight's base name), gathered whole on rank 0; [] on the others.
+        The rollout worker merges them into its own copy of the base weights."""
+        if self.lora is None:
+            raise RuntimeError("adapter_for_sync needs actor.lora.rank > 0")
+        adapters = {n: distributed.gather_weight(t).detach()
+                    for n, t in self.lora.adapters(self.engine.named_weight_shards()).items()}
+        return adapter_payload(self.lora, adapters) if self.rank == 0 else []
 
     @collective
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """``weights_for_sync``, copied: a version of the weights that later updates leave as it is,
         for a rollout that takes it when it is next between batches (``trainer.mode=fully_async``)."""
-        return [(name, tensor.detach().clone()) for name, tensor in self.engine.named_weights()]
+        named = self.engine.named_weights()
+        if self.lora is None:
+            return [(name, tensor.detach().clone()) for name, tensor in named]
+        # A merged weight is a new tensor already; only the others are the model's own.
+        return [(name, tensor if name in self.lora.layers else tensor.detach().clone())
+                for name, tensor in self.lora.merged_weights(named)]
 
     def device_uuid(self) -> str | None:
         """This rank's GPU (None on CPU), so the controller can tell whether NCCL can link it to
@@ -538,7 +609,15 @@ class ActorWorker:
         run ``receive_weights`` at the same time, and every rank joins each bucket's gather
         (FSDP2) as it is sent (``stream_weights``). Returns once they applied every bucket: the
         transfer's stats on rank 0, None on the others."""
-        return stream_weights(self.engine, self.rank, self.weight_sync, max_bucket_bytes)
+        if self.lora is not None and self.cfg.lora.sync == "adapter":
+            # Only the adapters (gathered whole on every rank: small), sent by rank 0 as they are.
+            payload = self.adapter_for_sync()
+            if self.rank != SENDER_RANK:
+                return None
+            if self.weight_sync is None:
+                raise RuntimeError("actor rank 0 has not joined a weight-sync group: call join_weight_sync first")
+            return weight_transfer.send_weights(self.weight_sync, payload, max_bucket_bytes)
+        return stream_weights(self.engine, self.rank, self.weight_sync, max_bucket_bytes, lora=self.lora)
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group (a no-op when not in one)."""
@@ -550,11 +629,19 @@ class ActorWorker:
     def save_checkpoint(self, out_dir: str) -> None:
         sharded = sharded_checkpoints(self.setup.checkpoint_format, self.world_size)
         self.engine.save(Path(out_dir), tokenizer=self.tokenizer, sharded=sharded)
+        if self.lora is not None and self.rank == 0:
+            # What ``hybridflow export`` needs to rebuild the policy: the base model and the adapter's shape.
+            write_lora_manifest(Path(out_dir) / "model", self.setup.model_path, lora_spec(self.cfg.lora))
 
     @collective
     def load_checkpoint(self, ckpt_dir: str) -> str | None:
         """Load the checkpoint the actor saved in ``ckpt_dir`` (``load_engine_checkpoint``)."""
         return load_engine_checkpoint(self.engine, Path(ckpt_dir), "actor")
+
+
+def lora_spec(cfg: LoraConfig) -> LoraSpec:
+    """``actor.lora`` (rank > 0) as the spec ``apply_lora`` takes."""
+    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, target_modules=tuple(cfg.target_modules), dropout=cfg.dropout)
 
 
 def build_actor_policy_loss(cfg: ActorConfig, rc: RolloutCorrectionConfig) -> tuple[PolicyLossFn, Any]:

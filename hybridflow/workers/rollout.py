@@ -37,6 +37,7 @@ import torch
 
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
+from hybridflow.models.lora import AdapterMerger, is_adapter_payload
 from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine, weight_transfer
 from hybridflow.rollout.base import resolve_rollout_dtype
 from hybridflow.rollout.stream import Finished, Job, RequestStream
@@ -88,6 +89,9 @@ class RolloutSetup:
     # rollout.mode: "engine" (method calls) or "server" (the engine behind an HTTP server in this
     # process, requests and agent loops through HTTP).
     mode: str = "engine"
+    # actor.lora.sync=adapter: syncs bring LoRA adapters of this rank (actor.lora.rank), merged here
+    # into a copy of the base weights; 0: syncs bring whole weights.
+    lora_adapter_rank: int = 0
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -141,6 +145,8 @@ class RolloutWorker:
         # The module the engine serves (it may cast or move it in place): its state dict names the
         # parameters and shapes a broadcast sync is checked against.
         self.model = model
+        # Taken now, before any sync writes into the model: the base every adapter is merged into.
+        self.adapter_merger = AdapterMerger(model, setup.lora_adapter_rank) if setup.lora_adapter_rank > 0 else None
         self.weight_sync: WeightSyncGroup | None = None  # once joined (rollout.weight_sync=broadcast)
         self.agents: AgentRunner | None = None
         self.server: Any = None  # rollout.mode=server: the engine's HTTP server in this process
@@ -307,7 +313,11 @@ class RolloutWorker:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Copy new weights into the engine; tokens generated from now on record policy
-        ``version`` (default: the engine's last + 1; see ``Trajectory.token_versions``)."""
+        ``version`` (default: the engine's last + 1; see ``Trajectory.token_versions``).
+        LoRA adapters (``actor.lora.sync=adapter``) are merged into the base weights first."""
+        weights = list(weights)
+        if self.adapter_merger is not None and is_adapter_payload(n for n, _ in weights):
+            weights = self.adapter_merger.merged(weights)
         self.engine.update_weights(weights, version=version)
 
     # ------------------------------------------------------------ weight sync (broadcast)
@@ -333,7 +343,18 @@ class RolloutWorker:
             raise RuntimeError(f"rollout rank {self.rank} has not joined a weight-sync group: call join_weight_sync "
                                f"first")
         with self.engine.weight_update(version) as apply:
-            return weight_transfer.receive_weights(self.weight_sync, self.model.state_dict(), apply)
+            if self.adapter_merger is None:
+                return weight_transfer.receive_weights(self.weight_sync, self.model.state_dict(), apply)
+            # actor.lora.sync=adapter: A, B and the scaling arrive (checked against their shapes
+            # from the base weights and the rank), then merge into the base, applied at once.
+            received: dict[str, torch.Tensor] = {}
+
+            def keep(bucket: list[tuple[str, torch.Tensor]]) -> None:
+                received.update((name, tensor.clone()) for name, tensor in bucket)  # views, valid in the call
+
+            stats = weight_transfer.receive_weights(self.weight_sync, self.adapter_merger.targets(), keep)
+            apply(self.adapter_merger.merged(received.items()))
+            return stats
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group (a no-op when not in one)."""
