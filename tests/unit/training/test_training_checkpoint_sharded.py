@@ -32,9 +32,12 @@ SPEC = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 BATCH_SIZE = 8  # divides 1, 2 and 4 ranks
 RESUMED_STEPS = 2  # the first checks the weights, the second the optimizer's moments too
 LOSS_TOLERANCE = 1e-6
-# fork: the ranks start with torch and the model code already imported (spawned ranks each
-# import them again: on a busy 2-core machine that was most of the test's minute).
-START_METHOD = "fork"
+# forkserver: each rank is forked from a fresh single-threaded server that has imported torch and
+# the model code once (spawned ranks each import them again: most of the test's minute on a busy
+# 2-core machine). Not fork: forking this process, whose earlier tests left a hundred threads
+# (and their locks) behind, hung a rank.
+START_METHOD = "forkserver"
+PRELOAD = ["torch", "transformers", "hybridflow.training.engine", "hybridflow.training.sharded_checkpoint"]
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +128,9 @@ def _four_ranks(rank: int, world: int, port: int, root: str, out: dict) -> None:
 
 
 def spawn(fn, world: int, root: Path) -> dict:
-    with mp.Manager() as manager:
+    context = mp.get_context(START_METHOD)
+    context.set_forkserver_preload(PRELOAD)
+    with context.Manager() as manager:
         out = manager.dict()
         mp.start_processes(fn, args=(world, distributed.free_port(), str(root), out), nprocs=world, join=True,
                            start_method=START_METHOD)
@@ -133,7 +138,6 @@ def spawn(fn, world: int, root: Path) -> dict:
 
 
 def test_sharded_checkpoints_resume_on_one_two_and_four_ranks(tmp_path) -> None:
-    # Built first: the forked ranks inherit transformers' model code already imported.
     one_rank = make_engine(seed=7, world=1)
     two = spawn(_two_ranks, 2, tmp_path)
     sharded = tmp_path / "sharded"

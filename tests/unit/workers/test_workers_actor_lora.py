@@ -206,10 +206,14 @@ def test_two_sharded_ranks_train_sync_and_checkpoint_like_one(model_dir, tmp_pat
     one = _actor(model_dir)
     one.update_actor(_batch())
     expected = dict(one.weights_for_sync())
-    with mp.Manager() as manager:
+    # forkserver, not fork: forking a test process that earlier tests left with many threads (and
+    # their locks) can hang a rank; the server imports torch, transformers and PEFT once.
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "peft", "hybridflow.workers.actor"])
+    with context.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_two_rank_actor, args=(2, distributed.free_port(), model_dir, str(tmp_path), out),
-                           nprocs=2, join=True, start_method="fork")
+                           nprocs=2, join=True, start_method="forkserver")
         out = dict(out)
     assert set(out["merged"]) == set(out["streamed"]) == set(expected)
     for name, tensor in expected.items():
