@@ -84,6 +84,7 @@ from hybridflow.algorithms.rollout_correction import (
     ROLLOUT_CORRECTION_LEVELS,
     RolloutCorrection,
     compute_rollout_correction,
+    compute_rollout_is_weights,
 )
 from hybridflow.algorithms.token_baseline import (
     compute_optimal_token_baseline_advantages,
@@ -140,6 +141,7 @@ __all__ = [
     "compute_remax_advantages",
     "compute_rloo_advantages",
     "compute_rollout_correction",
+    "compute_rollout_is_weights",
     "compute_sapo_loss",
     "compute_tir_optimal_token_baseline_advantages",
     "compute_value_loss",

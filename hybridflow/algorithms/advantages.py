@@ -48,6 +48,7 @@ _INPUT_DOCS: dict[str, str] = {
     "reward_components": "(B, K) reward components",
     "old_logprobs": "(B, R) logprobs of the sampled tokens, before the update",
     "sum_pi_squared": "(B, R) sum over the vocabulary of pi(v)^2 at each response position",
+    "rollout_is_weights": "(B, R) rollout importance weights pi_old / pi_rollout (None when no correction is configured)",
 }
 
 
@@ -58,6 +59,8 @@ class AdvantageInputs:
     The first three are always present. The optional ones cost the trainer work (a critic
     forward, a greedy rollout, an actor forward), so it produces only those the estimator
     declares in its ``needs`` (``OPTIONAL_ESTIMATOR_INPUTS``); the others are None.
+    ``rollout_is_weights`` may be None even when declared: it exists only when the config turns
+    the rollout correction's importance weights on (``algorithm.rollout_correction.rollout_is``).
     """
 
     token_level_rewards: torch.Tensor  # (B, R) float, reward per response token (outcome: at the last)
@@ -68,7 +71,7 @@ class AdvantageInputs:
     reward_components: torch.Tensor | None = None  # (B, K) the reward's named numbers (gdpo)
     old_logprobs: torch.Tensor | None = None  # (B, R) logπ_old of the sampled tokens (optimal_token_baseline)
     sum_pi_squared: torch.Tensor | None = None  # (B, R) Σ_v π(v)² per response position (optimal_token_baseline)
-    rollout_is_weights: torch.Tensor | None = None  # (B, R) rollout importance weights (optimal_token_baseline)
+    rollout_is_weights: torch.Tensor | None = None  # (B, R) truncated π_old/π_rollout, or None (optimal_token_baseline)
 
     def require(self, name: str, estimator: str) -> torch.Tensor:
         """The optional input ``name``, or a ValueError naming the estimator and the field."""
@@ -147,11 +150,13 @@ ESTIMATOR_SIGNATURE = "fn(inputs: AdvantageInputs, params) -> (advantages, retur
 # Inputs the trainer produces only for an estimator that asks for them, because each costs
 # work: ``values`` a critic forward, ``reward_baselines`` a greedy rollout and its scoring,
 # ``reward_components`` the reward's named extras as a (B, K) tensor, ``old_logprobs`` an actor
-# forward, ``sum_pi_squared`` Σ_v π(v)² per token from that forward. An estimator declares what
-# it needs in a ``needs`` attribute (a tuple of these names, each a field of AdvantageInputs);
-# a ``module:function`` estimator can set the same attribute.
+# forward, ``sum_pi_squared`` Σ_v π(v)² per token from that forward, ``rollout_is_weights`` the
+# rollout correction's importance weights from that forward's logprobs (None, unscaled, when the
+# config has no importance weights). An estimator declares what it needs in a ``needs`` attribute
+# (a tuple of these names, each a field of AdvantageInputs); a ``module:function`` estimator can
+# set the same attribute.
 OPTIONAL_ESTIMATOR_INPUTS: tuple[str, ...] = (
-    "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared",
+    "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared", "rollout_is_weights",
 )
 
 

@@ -165,3 +165,30 @@ def compute_rollout_correction(
         ),
     }
     return RolloutCorrection(weights, keep_mask, metrics)
+
+
+@torch.no_grad()
+def compute_rollout_is_weights(
+    *,
+    old_logprobs: torch.Tensor,  # (B, R)
+    rollout_logprobs: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R)
+    rollout_is: str | None,
+    threshold: float,
+    bypass_mode: bool = False,
+) -> torch.Tensor | None:
+    """The truncated importance weights of the configured correction, for an advantage estimator
+    (``AdvantageInputs.rollout_is_weights``, the optimal-token-baseline ones), or None.  # (B, R)
+
+    The same weights the actor's policy loss multiplies in (``compute_rollout_correction``'s
+    ``weights`` at ``rollout_is`` level, truncated at ``threshold``), computed before advantages
+    from the same old logprobs, as verl's trainer does when ``algorithm.rollout_correction`` is on.
+    None, so the estimator leaves every token unscaled (verl's behaviour), when importance weights
+    are off (``rollout_is`` None) or in bypass mode: there the rollout's logprobs *are* π_old (ρ = 1
+    before the update) and the loss weights against the current policy inside its own computation.
+    Rejection (``rollout_rs``) does not change these weights: it removes tokens from the loss only.
+    """
+    if rollout_is is None or bypass_mode:
+        return None
+    return compute_rollout_correction(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                                      response_mask=response_mask, level=rollout_is, threshold=threshold).weights

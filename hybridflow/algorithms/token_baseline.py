@@ -13,8 +13,9 @@ Within a prompt group, at token t::
 
 π_j is the probability of the sampled token under the policy that sampled it (exp of
 ``old_logprobs``) and Σπ² the sum of squared probabilities over the vocabulary at that position
-(``sum_pi_squared``, verl's ``actor.calculate_sum_pi_squared``). With rollout importance weights ρ,
-w_j is scaled by ρ_j². A group of one sample has baseline 0 (A = G). With ``handle_zero_tail`` the
+(``sum_pi_squared``, verl's ``actor.calculate_sum_pi_squared``). With rollout importance weights ρ
+(``rollout_is_weights``: the trainer fills them from the rollout correction, truncated π_old/π_rollout
+at ``algorithm.rollout_correction.rollout_is`` level, when that is on), w_j is scaled by ρ_j². A group of one sample has baseline 0 (A = G). With ``handle_zero_tail`` the
 one longest response of a group, where it runs past the second longest, gets baseline 0: nothing
 else in the group reaches those tokens, so the "baseline" there would be its own return.
 
@@ -46,6 +47,10 @@ from hybridflow.algorithms.advantages import (
 )
 from hybridflow.algorithms.core import check_same_shape
 
+# ``rollout_is_weights`` is None unless algorithm.rollout_correction.rollout_is is set (verl scales
+# by the rollout correction's weights only then): asking for it costs nothing beyond the
+# old-logprob forward that old_logprobs and sum_pi_squared already need.
+NEEDS = ("old_logprobs", "sum_pi_squared", "rollout_is_weights")
 OTB_EPSILON = 1e-8  # verl's: keeps B finite where every W of the group is 0 (no policy token yet)
 
 
@@ -102,7 +107,7 @@ def _inputs(inputs: AdvantageInputs, name: str) -> tuple[torch.Tensor, torch.Ten
     return (old.to(dtype) * mask, spi.to(dtype) * mask, mask)
 
 
-@register_adv_estimator("optimal_token_baseline", needs=("old_logprobs", "sum_pi_squared"), params=TokenBaselineParams)
+@register_adv_estimator("optimal_token_baseline", needs=NEEDS, params=TokenBaselineParams)
 @torch.no_grad()
 def compute_optimal_token_baseline_advantages(inputs: AdvantageInputs, params: TokenBaselineParams) -> AdvantageOutputs:
     """OTB with baselines per padded response position (see the module docstring)."""
@@ -117,7 +122,7 @@ def compute_optimal_token_baseline_advantages(inputs: AdvantageInputs, params: T
     return AdvantageOutputs(((returns - baselines) * mask).to(dtype), returns.to(dtype))
 
 
-@register_adv_estimator("tir_optimal_token_baseline", needs=("old_logprobs", "sum_pi_squared"), params=TokenBaselineParams)
+@register_adv_estimator("tir_optimal_token_baseline", needs=NEEDS, params=TokenBaselineParams)
 @torch.no_grad()
 def compute_tir_optimal_token_baseline_advantages(inputs: AdvantageInputs, params: TokenBaselineParams) -> AdvantageOutputs:
     """OTB with baselines per policy-token index: the k-th generated token of each response in a

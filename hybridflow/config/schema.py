@@ -619,8 +619,9 @@ class AlgorithmConfig:
         "Advantage estimator: grpo | gdpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
         "grpo_passk | opo | gpg | gae (trains a critic: the critic.* keys) | optimal_token_baseline | "
         "tir_optimal_token_baseline (these two always run the old-logprob forward, which then also computes each "
-        "response token's sum_pi_squared, sum_v pi(v)^2, as verl's actor.calculate_sum_pi_squared), or "
-        "package.module:function.",
+        "response token's sum_pi_squared, sum_v pi(v)^2, as verl's actor.calculate_sum_pi_squared; with "
+        "algorithm.rollout_correction.rollout_is set, each token's weight is scaled by its squared importance weight), "
+        "or package.module:function.",
     )
     gdpo_reward_keys: list[str] = f(
         [], "gdpo: the reward components, numbers the reward function returns in its dict beside 'score' (acc is "

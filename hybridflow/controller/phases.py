@@ -27,6 +27,7 @@ from hybridflow.agents import answer_view, compute_agent_metrics
 from hybridflow.algorithms import (
     AdvantageInputs,
     apply_kl_penalty,
+    compute_rollout_is_weights,
     masked_mean,
     place_outcome_rewards,
     select_varied_groups,
@@ -256,7 +257,7 @@ def balance(run: RunSetup, batch: TrainBatch) -> tuple[list[int], dict[str, floa
     return flatten_partitions(parts), global_seqlen_metrics(lengths, parts)
 
 
-def compute_advantages(run: RunSetup, batch: TrainBatch, extra_inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+def compute_advantages(run: RunSetup, batch: TrainBatch, extra_inputs: dict[str, torch.Tensor | None]) -> dict[str, float]:
     """Token-level rewards (score on the last response token, minus in-reward KL), then the
     configured estimator on one typed record. No estimator-specific branch: the optional
     inputs it declared it needs arrive in ``extra_inputs``, named as AdvantageInputs' fields."""
@@ -279,10 +280,10 @@ def compute_advantages(run: RunSetup, batch: TrainBatch, extra_inputs: dict[str,
 
 
 # ---------------------------------------------------------------------- estimator inputs
-def estimator_inputs(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def estimator_inputs(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor | None], dict[str, float]]:
     """The optional inputs the estimator declared it needs, each from its provider, with the
     metrics the providers report. Nothing is produced that the estimator did not ask for."""
-    inputs: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor | None] = {}
     metrics: dict[str, float] = {}
     for need in sorted(run.estimator_needs):
         inputs[need], produced_metrics = INPUT_PROVIDERS[need](run, samples, timer)
@@ -333,6 +334,17 @@ def actor_sum_pi_squared(run: RunSetup, samples: StepSamples, timer: PhaseTimer)
     return samples.batch.sum_pi_squared, {}
 
 
+def rollout_correction_weights(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The rollout correction's importance weights from the old-logprob forward (set-up runs it for
+    such an estimator), the ones the actor's loss multiplies in; None when the config has none."""
+    batch, rc = samples.batch, run.cfg.algorithm.rollout_correction
+    assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs rollout IS weights"
+    weights = compute_rollout_is_weights(
+        old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
+        rollout_is=rc.rollout_is, threshold=rc.rollout_is_threshold, bypass_mode=rc.bypass_mode)
+    return weights, {}
+
+
 def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:
     """The reward's numbers named ``keys`` per sample, (B, K) (``algorithm.gdpo_reward_keys``). A sample
     without one (its reward failed, and scored 0) counts 0; a key no sample has is a config error."""
@@ -346,8 +358,9 @@ def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.
     return torch.tensor([[t.reward_extra.get(key, 0.0) for key in keys] for t in trajectories], dtype=torch.float32)
 
 
-# Produces one optional estimator input (and metrics) from the step's samples.
-InputProvider = Callable[[RunSetup, StepSamples, PhaseTimer], tuple[torch.Tensor, dict[str, float]]]
+# Produces one optional estimator input (and metrics) from the step's samples; None where the
+# config makes the input not apply (rollout IS weights without a correction).
+InputProvider = Callable[[RunSetup, StepSamples, PhaseTimer], tuple[torch.Tensor | None, dict[str, float]]]
 
 # How each optional estimator input is produced: one entry per name in OPTIONAL_ESTIMATOR_INPUTS
 # (a unit test keeps them equal), so an estimator that needs a new input brings a new provider
@@ -358,6 +371,7 @@ INPUT_PROVIDERS: dict[str, InputProvider] = {
     "reward_components": named_reward_components,
     "old_logprobs": actor_old_logprobs,
     "sum_pi_squared": actor_sum_pi_squared,
+    "rollout_is_weights": rollout_correction_weights,
 }
 
 

@@ -465,6 +465,10 @@ ESTIMATOR_INPUT_SOURCES: dict[str, EstimatorInputSource] = {
     # Σ_v π(v)² per response token (verl's actor.calculate_sum_pi_squared), from the same logits
     # as the old logprobs: one forward gives both.
     "sum_pi_squared": EstimatorInputSource(old_logprobs=True, sum_pi_squared=True),
+    # The rollout correction's importance weights compare that forward's logprobs with the
+    # engine's. They must come from it even with one optimizer step per batch, where the actor
+    # could take π_old from its update's own forward: advantages are computed before the update.
+    "rollout_is_weights": EstimatorInputSource(old_logprobs=True),
 }
 
 

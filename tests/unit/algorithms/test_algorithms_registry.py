@@ -103,9 +103,11 @@ def test_builtin_needs_and_unknown_needs_are_refused() -> None:
     assert estimator_needs(get_adv_estimator("remax")) == {"reward_baselines"}
     assert estimator_needs(get_adv_estimator("gae")) == {"values"}
     assert estimator_needs(get_adv_estimator("gdpo")) == {"reward_components"}
-    assert estimator_needs(get_adv_estimator("optimal_token_baseline")) == {"old_logprobs", "sum_pi_squared"}
+    assert estimator_needs(get_adv_estimator("optimal_token_baseline")) == {
+        "old_logprobs", "sum_pi_squared", "rollout_is_weights",
+    }
     assert set(OPTIONAL_ESTIMATOR_INPUTS) == {
-        "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared",
+        "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared", "rollout_is_weights",
     }
     with pytest.raises(ValueError, match="unknown inputs \\['critic_logits'\\]"):
         register_adv_estimator("bogus_needs_test", needs=("critic_logits",))(lambda **kw: None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.algorithms.core import UnknownNameError
-from hybridflow.algorithms.rollout_correction import compute_rollout_correction
+from hybridflow.algorithms.rollout_correction import compute_rollout_correction, compute_rollout_is_weights
 
 torch.set_num_threads(1)
 LN = math.log
@@ -123,3 +123,20 @@ def test_bad_arguments_are_named() -> None:
     bad[1, 0] = NAN
     with pytest.raises(ValueError, match=r"nan on masked-in tokens of rows \[1\]"):
         compute_rollout_correction(old_logprobs=bad, rollout_logprobs=ROLLOUT, response_mask=MASK)
+
+
+def test_estimator_is_weights_are_the_losss_truncated_weights_or_none() -> None:
+    """compute_rollout_is_weights (the token baselines' ρ) by hand: the loss's truncated weights of
+    the configured level, or None (unscaled) without importance weights or in bypass mode."""
+    def weights(**kwargs: object):  # type: ignore[no-untyped-def]
+        return compute_rollout_is_weights(old_logprobs=OLD, rollout_logprobs=ROLLOUT, response_mask=MASK, **kwargs)
+
+    # Token level: min(ρ, 2) = (2, 1, 0.5 | 1, 0, 0); threshold 3 keeps ρ = 4 at 3.
+    assert torch.allclose(weights(rollout_is="token", threshold=2.0), torch.tensor([[2.0, 1.0, 0.5], [1.0, 0.0, 0.0]]))
+    assert torch.allclose(weights(rollout_is="token", threshold=3.0), torch.tensor([[3.0, 1.0, 0.5], [1.0, 0.0, 0.0]]))
+    # Sequence level: row 0's ρ = 4 * 1 * 0.5 = 2 on each of its tokens (under 2.5), row 1's 1.
+    assert torch.allclose(weights(rollout_is="sequence", threshold=2.5), torch.tensor([[2.0, 2.0, 2.0], [1.0, 0.0, 0.0]]))
+    assert weights(rollout_is=None, threshold=2.0) is None
+    assert weights(rollout_is="token", threshold=2.0, bypass_mode=True) is None
+    with pytest.raises(UnknownNameError):
+        weights(rollout_is="tokens", threshold=2.0)

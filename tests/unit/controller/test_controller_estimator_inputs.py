@@ -40,7 +40,7 @@ def test_a_component_no_reward_returned_is_named():
 @pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
 def test_token_baseline_estimators_get_sum_pi_squared_from_the_old_logprob_forward(estimator):
     needs = resolve_plugins(load_config(overrides=[f"algorithm.adv_estimator={estimator}"])).estimator_needs
-    assert needs == {"old_logprobs", "sum_pi_squared"}
+    assert needs == {"old_logprobs", "sum_pi_squared", "rollout_is_weights"}
     assert needs_old_logprobs_for(needs) and needs_sum_pi_squared_for(needs)
     assert not needs_sum_pi_squared_for(frozenset({"old_logprobs"}))
 
