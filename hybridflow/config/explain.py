@@ -164,7 +164,8 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
     lora = actor.lora
     if lora.rank > 0:
         lines.append(f"  LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}: only the "
-                     f"adapters train; weight syncs send {lora.sync} weights (actor.lora)")
+                     f"adapters train (float32); the frozen base is stored in {lora.base_dtype}; weight syncs send "
+                     f"{lora.sync} weights (actor.lora)")
     use_kl_loss, use_kl_in_reward = actor.use_kl_loss, cfg.algorithm.use_kl_in_reward
     if needs_reference_model(use_kl_loss, use_kl_in_reward):
         flags = (("actor.use_kl_loss", use_kl_loss), ("algorithm.use_kl_in_reward", use_kl_in_reward))

@@ -198,6 +198,14 @@ class LoraConfig:
         "trainer.mode sync or one_step_off).",
         choices=("merged", "adapter"),
     )
+    base_dtype: str = f(
+        "float32",
+        "dtype the frozen base weights are stored in: float32 | bfloat16 (half the base's memory: 2 bytes per "
+        "parameter instead of 4). The adapters and their optimizer state stay float32. With bfloat16 the base's "
+        "matmuls run in bf16 whatever model.dtype (so do the reference logprobs, the base with the adapter off), "
+        "and merged weight syncs are rounded to bf16 once; checkpoints (adapter only) are the same.",
+        choices=("float32", "bfloat16"),
+    )
 
 
 @dataclass

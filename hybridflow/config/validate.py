@@ -382,6 +382,10 @@ def _check_lora(cfg: Config, report: _Report) -> None:
     if lora.rank > 0 and importlib.util.find_spec("peft") is None:
         report.error(f"actor.lora.rank={lora.rank} needs PEFT, which is not installed: pip install 'hybridflow[lora]' "
                      f"(or set actor.lora.rank=0)")
+    if lora.base_dtype != "float32" and lora.rank == 0:
+        report.error(f"actor.lora.base_dtype={lora.base_dtype} stores LoRA's frozen base, but actor.lora.rank=0 "
+                     f"trains every weight (kept in float32 master weights); set actor.lora.rank > 0, or "
+                     f"model.dtype=bfloat16 for bf16 compute without LoRA")
     if lora.sync == "adapter":
         if cfg.rollout.name != "native":
             report.error(f"actor.lora.sync=adapter: the rollout merges the adapter itself, which only the native "

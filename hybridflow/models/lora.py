@@ -60,6 +60,22 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec):
     return peft_model
 
 
+def keep_adapters_in(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Cast the trainable parameters (the adapters) to ``dtype`` in place, whatever the frozen base's
+    dtype. With a bf16 base (``actor.lora.base_dtype``) PEFT creates each adapter in fp32, draws
+    its initial A there, then moves it to the base layer's bf16 and (its default
+    ``autocast_adapter_dtype``) back to fp32: A starts rounded to bf16, B at zero. This makes the
+    fp32 adapters, which Adam's ~1e-6 relative updates need, independent of PEFT's default.
+
+    In the forward, PEFT's LoRA layer runs the base layer on its input as it comes (bf16 from the
+    bf16 embeddings and norms) and casts that input to the adapter's dtype for ``B @ A @ x``, so
+    without autocast the adapter's math is fp32 and its sum with the base output rounds to bf16;
+    under bf16 autocast (``model.dtype=bfloat16``) both matmuls run in bf16, as with an fp32 base."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 @dataclass(frozen=True)
 class LoraLayer:
     """One wrapped linear layer, by state-dict names."""
@@ -121,7 +137,9 @@ class LoraLayout:
         if row_range is not None:
             b = b[row_range[0] : row_range[1]]
         delta = (b.to(rows.device) @ a.to(rows.device)) * layer.scaling
-        # One rounding, in the weight's dtype, as PEFT's in-place merge (W += delta) does.
+        # One rounding, in the weight's dtype, as PEFT's in-place merge (W += delta) does. A bf16
+        # base (actor.lora.base_dtype) and fp32 adapters add in fp32 (type promotion) and round to
+        # bf16 once: what a bf16 rollout would make of an fp32 merge; an fp32 rollout casts back.
         return (rows + delta).to(rows.dtype)
 
     def merged_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -197,8 +197,10 @@ class TrainEngine:
         # One rank: autocast does what FSDP2's mixed-precision policy does for sharded ranks.
         self.autocast_dtype = mixed_precision if not data_parallel else None
         self.fused_lm_head = fused_lm_head and not data_parallel and fused_lm_head_supported(self.model)
-        if self.autocast_dtype is not None and next(self.model.parameters()).dtype != torch.float32:
-            raise ValueError("mixed_precision needs fp32 master weights; load the model in float32")
+        # Master weights are the trained ones: a frozen part (LoRA's base) may be stored in bf16.
+        if self.autocast_dtype is not None and any(
+                p.dtype != torch.float32 for p in self.model.parameters() if p.requires_grad):
+            raise ValueError("mixed_precision needs fp32 master weights; load the trained weights in float32")
         self.offload_optimizer = offload_optimizer
         self.metrics_prefix = metrics_prefix
         self.optim_spec = optim

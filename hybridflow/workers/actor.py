@@ -51,7 +51,14 @@ from hybridflow.config.budget import (
 )
 from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
-from hybridflow.models.lora import LoraLayout, LoraSpec, adapter_payload, apply_lora, write_lora_manifest
+from hybridflow.models.lora import (
+    LoraLayout,
+    LoraSpec,
+    adapter_payload,
+    apply_lora,
+    keep_adapters_in,
+    write_lora_manifest,
+)
 from hybridflow.rollout import weight_transfer
 from hybridflow.rollout.weight_transfer import (
     DEFAULT_TRANSFER_BUCKET_BYTES,
@@ -333,6 +340,10 @@ class ActorWorker:
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code, setup.chat_template)
         data_parallel = world_size > 1
         weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel)
+        if cfg.lora.rank > 0:
+            # LoRA's base is frozen: it needs no fp32 master copy, so it may load in bf16 straight
+            # away (actor.lora.base_dtype; no fp32 copy is ever made). The adapters stay fp32 below.
+            weights_dtype = parse_dtype(cfg.lora.base_dtype)
         model = load_causal_lm(
             setup.model_path,
             dtype=weights_dtype,
@@ -349,6 +360,7 @@ class ActorWorker:
                 torch.manual_seed(setup.seed)
                 self.peft_model = apply_lora(model, lora_spec(cfg.lora))
             model = self.peft_model.get_base_model()
+            keep_adapters_in(model, torch.float32)
             self.lora = LoraLayout.from_model(model)
         if setup.gradient_checkpointing:
             enable_activation_checkpointing(model)

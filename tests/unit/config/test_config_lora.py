@@ -26,6 +26,10 @@ def test_lora_is_off_by_default_and_a_rank_turns_it_on() -> None:
         ("actor.lora.sync=lazy", "config key 'actor.lora.sync' is 'lazy'; allowed values: merged, adapter"),
         ("rollout.name=vllm actor.lora.sync=adapter", "only the native engine's worker does"),
         ("trainer.mode=fully_async actor.lora.sync=adapter", "trainer.mode=fully_async stages whole weight"),
+        ("actor.lora.rank=8 actor.lora.base_dtype=float16",
+         "config key 'actor.lora.base_dtype' is 'float16'; allowed values: float32, bfloat16"),
+        ("actor.lora.base_dtype=bfloat16", "actor.lora.base_dtype=bfloat16 stores LoRA's frozen base, but "
+         "actor.lora.rank=0"),
     ],
 )
 def test_lora_errors_name_the_key(override: str, expected: str) -> None:
@@ -36,5 +40,9 @@ def test_lora_errors_name_the_key(override: str, expected: str) -> None:
 
 def test_explain_says_the_actor_serves_the_reference_under_lora() -> None:
     text = explain_config(load_config("grpo", overrides=["actor.lora.rank=8", "actor.use_kl_loss=true"]))
-    assert "LoRA: rank 8, alpha 16 on all-linear: only the adapters train" in text
+    assert "LoRA: rank 8, alpha 16 on all-linear: only the adapters train (float32); the frozen base is stored in " \
+           "float32" in text
+    cfg = load_config("grpo", overrides=["actor.lora.rank=8", "actor.lora.base_dtype=bfloat16"])
+    assert validate_config(cfg) == []
+    assert "the frozen base is stored in bfloat16" in explain_config(cfg)
     assert "reference: yes, the actor's base model with its adapter off" in text
