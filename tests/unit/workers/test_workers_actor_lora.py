@@ -396,3 +396,51 @@ def test_bf16_base_checkpoints_only_the_fp32_adapter_and_resumes_bitwise(model_d
     assert all(torch.equal(after[k], uninterrupted[k]) for k in uninterrupted)
     # The same adapter file loads under an fp32 base too: the checkpoint does not depend on base_dtype.
     assert _actor(model_dir).load_checkpoint(str(tmp_path / "ckpt")) is None
+
+
+def _two_rank_bf16_actor(rank: int, world: int, port: int, model_dir: str, out) -> None:
+    from hybridflow.training import distributed
+
+    torch.set_num_threads(1)
+    distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                                   device=torch.device("cpu"))
+    try:
+        actor = _actor(model_dir, world=(rank, world), base_dtype="bfloat16")
+        params = list(actor.engine.model.parameters())
+        frozen = {p.dtype for p in params if not p.requires_grad}
+        actor.update_actor(_batch().chunk(world)[rank])
+        adapters, merged = actor.adapter_for_sync(), actor.weights_for_sync()
+        if rank == 0:
+            out["frozen"] = frozen
+            out["adapters"] = {k: v.clone() for k, v in adapters}
+            out["merged"] = {k: v.clone() for k, v in merged}
+    finally:
+        distributed.dist.destroy_process_group()
+
+
+def test_bf16_base_on_two_sharded_ranks_trains_like_one(model_dir):
+    """FSDP2 shards a bf16 base beside fp32 adapters (its all-gather takes mixed dtypes; only the
+    trained parameters must share one): the same update as one rank, merged weights gathered in bf16."""
+    import torch.multiprocessing as mp
+
+    from hybridflow.training import distributed
+
+    one = _actor(model_dir, base_dtype="bfloat16")
+    one.update_actor(_batch())
+    expected_adapters, expected_merged = dict(one.adapter_for_sync()), dict(one.weights_for_sync())
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "peft", "hybridflow.workers.actor"])
+    with context.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_two_rank_bf16_actor, args=(2, distributed.free_port(), model_dir, out),
+                           nprocs=2, join=True, start_method="forkserver")
+        out = dict(out)
+    assert out["frozen"] == {torch.bfloat16}
+    assert set(out["adapters"]) == set(expected_adapters)
+    for name, tensor in expected_adapters.items():
+        torch.testing.assert_close(out["adapters"][name], tensor, rtol=0, atol=1e-5)
+    assert set(out["merged"]) == set(expected_merged)
+    for name, tensor in expected_merged.items():
+        assert out["merged"][name].dtype == torch.bfloat16
+        # Adapters equal to 1e-5 may still round W + delta to a neighbouring bf16 value: one ulp.
+        torch.testing.assert_close(out["merged"][name].float(), tensor.float(), rtol=2**-7, atol=1e-6)
