@@ -5,8 +5,9 @@ of its parameters (trainable and frozen), gradients and Adam state after one rea
 What is counted is what the actor holds, not activations (those scale with the batch, alike for
 both, and ``model.enable_gradient_checkpointing`` bounds them). Full fine-tuning holds 16 bytes
 per parameter in fp32 (weight 4, gradient 4, Adam's two moments 8); LoRA holds the frozen base (4
-bytes per parameter: the actor keeps fp32 master weights, so the base loads in fp32 as it does
-for full fine-tuning) plus 16 bytes per adapter parameter. An adapter on a linear layer
+bytes per parameter by default, ``actor.lora.base_dtype=float32``; 2 with
+``actor.lora.base_dtype=bfloat16``, which loads the base in bf16 and keeps only the adapters in
+fp32) plus 16 bytes per adapter parameter. An adapter on a linear layer
 ``in -> out`` has ``r * (in + out)`` parameters.
 
 Llama-2-7B (hidden 4096, MLP 11008, 32 layers, vocabulary 32000; 6.74e9 parameters), rank 16 on
@@ -16,8 +17,8 @@ r * (4096 + 11008) each) has 32 * 16 * (4 * 8192 + 3 * 15104) = 39,976,960 adapt
 
     full fine-tuning   16 B x 6.74e9                          = 107.8 GB
     LoRA, fp32 base     4 B x 6.74e9 + 16 B x 4.00e7 = 27.0 + 0.64 = 27.6 GB   (3.9x less)
-    LoRA, bf16 base     2 B x 6.74e9 + 16 B x 4.00e7 = 13.5 + 0.64 = 14.1 GB   (7.6x less; not built:
-                                                                               the actor loads fp32)
+    LoRA, bf16 base     2 B x 6.74e9 + 16 B x 4.00e7 = 13.5 + 0.64 = 14.1 GB   (7.6x less;
+                                                                               actor.lora.base_dtype=bfloat16)
 
 A weight sync sends the whole model merged (``actor.lora.sync=merged``: every engine takes it), or
 only A, B and a scaling per adapted layer (``actor.lora.sync=adapter``); the bench prints both.
@@ -51,13 +52,13 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure(model_dir: str, rank: int) -> dict[str, int]:
+def measure(model_dir: str, rank: int, base_dtype: str = "float32") -> dict[str, int]:
     from hybridflow.config.schema import ActorConfig
     from hybridflow.types import Trajectory, collate_trajectories
     from hybridflow.workers.actor import ActorSetup, ActorWorker
 
     cfg = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, use_dynamic_bsz=False)
-    cfg.lora.rank, cfg.lora.alpha = rank, 2.0 * max(rank, 1)
+    cfg.lora.rank, cfg.lora.alpha, cfg.lora.base_dtype = rank, 2.0 * max(rank, 1), base_dtype
     setup = ActorSetup(model_path=model_dir, dtype="float32", device=torch.device("cpu"), temperature=1.0,
                        rollout_n=4, total_optimizer_steps=1, max_response_length=16, max_prompt_length=8)
     actor = ActorWorker(0, 1, cfg, setup)
@@ -95,8 +96,10 @@ def main() -> None:
                          num_key_value_heads=2, vocab_size=272)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_tiny_model(Path(tmp) / "model", spec, seed=0))
-        rows = {"full fine-tuning": measure(model_dir, 0), f"LoRA rank {args.rank}": measure(model_dir, args.rank)}
-    print(f"model: {rows['full fine-tuning']['params'] / 1e6:.1f}M parameters, fp32, CPU; bytes after one update")
+        rows = {"full fine-tuning": measure(model_dir, 0), f"LoRA rank {args.rank}": measure(model_dir, args.rank),
+                f"LoRA r{args.rank} bf16 base": measure(model_dir, args.rank, "bfloat16")}
+    print(f"model: {rows['full fine-tuning']['params'] / 1e6:.1f}M parameters, fp32 compute, CPU; bytes after one "
+          f"update")
     print(f"{'':18s} {'trainable':>12s} {'params MiB':>11s} {'frozen MiB':>11s} {'grads MiB':>10s} {'Adam MiB':>9s} "
           f"{'train MiB':>10s} {'total MiB':>10s}")
     totals = {}
@@ -107,12 +110,14 @@ def main() -> None:
         print(f"{name:18s} {r['trainable_params']:>12,d} {mib['trainable_bytes']:>11.2f} {mib['frozen_bytes']:>11.2f} "
               f"{mib['grad_bytes']:>10.2f} {mib['adam_bytes']:>9.2f} {train:>10.2f} {train + mib['frozen_bytes']:>10.2f}")
     full, lora = totals["full fine-tuning"], totals[f"LoRA rank {args.rank}"]
+    bf16 = totals[f"LoRA r{args.rank} bf16 base"]
     print(f"ratio full / LoRA: trainable params + grads + Adam {full[0] / lora[0]:.1f}x; "
-          f"with the frozen base {full[1] / lora[1]:.2f}x")
+          f"with the frozen base {full[1] / lora[1]:.2f}x (fp32 base), {full[1] / bf16[1]:.2f}x (bf16 base)")
     lora_row = rows[f"LoRA rank {args.rank}"]
     merged_mib, adapter_mib = lora_row["sync_merged_bytes"] / 2**20, lora_row["sync_adapter_bytes"] / 2**20
-    print(f"one weight sync to the rollout: merged {merged_mib:.2f} MiB (the whole model), actor.lora.sync=adapter "
-          f"{adapter_mib:.2f} MiB ({merged_mib / adapter_mib:.1f}x less)")
+    merged_bf16_mib = rows[f"LoRA r{args.rank} bf16 base"]["sync_merged_bytes"] / 2**20
+    print(f"one weight sync to the rollout: merged {merged_mib:.2f} MiB (the whole model; {merged_bf16_mib:.2f} MiB "
+          f"from a bf16 base), actor.lora.sync=adapter {adapter_mib:.2f} MiB ({merged_mib / adapter_mib:.1f}x less)")
     f7 = llama2_7b_figures(args.rank)
     print(f"Llama-2-7B shapes, rank {args.rank} on every decoder linear layer: {f7['adapter']:,} adapter parameters "
           f"({100 * f7['adapter'] / f7['params']:.2f}% of {f7['params'] / 1e9:.2f}B); full {f7['full_gb']:.1f} GB, "
