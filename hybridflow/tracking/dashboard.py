@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -367,6 +368,8 @@ class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True  # a browser's open connection never holds up Ctrl-C
 
     def __init__(self, runs: RunsFolder, host: str, port: int) -> None:
+        if ":" in host:  # an IPv6 address (--host ::1): the class default is IPv4
+            self.address_family = socket.AF_INET6
         super().__init__((host, port), DashboardHandler)
         self.runs = runs
         self.page = resources.files("hybridflow.tracking").joinpath(PAGE_FILENAME).read_bytes()

@@ -212,3 +212,17 @@ def test_the_cli_prints_the_url_of_a_free_port_and_stops_cleanly_on_ctrl_c(runs_
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_an_ipv6_loopback_host_binds_and_answers(runs_dir):
+    try:
+        server = make_dashboard_server(runs_dir, host="::1", port=0)
+    except OSError as error:  # a machine without IPv6
+        pytest.skip(f"no IPv6 loopback here: {error}")
+    serve_in_thread(server)
+    try:
+        assert server.url.startswith("http://[::1]:")
+        assert get(server.url + "api/runs")[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
