@@ -7,6 +7,7 @@
     hybridflow export <checkpoint or run folder> <out dir> [--overwrite]
     hybridflow serve <model dir | builtin:tiny> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-n 128]
     hybridflow timeline <run folder>
+    hybridflow dashboard [<runs folder>] [--host 127.0.0.1] [--port 8765]   (the live run page)
     hybridflow simulate [<run folder>] [--devices 8,64,128] [--staleness 1,2] [cost and length flags]
 """
 
@@ -61,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("run", help="a run folder (or its timeline.json)")
     _add_debug(timeline)
     _add_simulate_parser(sub)
+    dashboard = sub.add_parser(
+        "dashboard", help="serve a local web page of the runs in a folder: live curves and rollouts"
+    )
+    dashboard.add_argument("runs", nargs="?", default="runs", help="a folder of run folders, or one run (default runs)")
+    dashboard.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; no authentication!)"
+    )
+    dashboard.add_argument("--port", type=int, default=8765, help="port to listen on (default 8765; 0: a free one)")
+    _add_debug(dashboard)
     profile = sub.add_parser("profile-summary", help="the top operators and per-phase split of a run's profiled steps")
     profile.add_argument("run", help="a run folder (its profile/ traces), or one profile/step_<k> folder")
     profile.add_argument("--top", type=int, default=15, help="operators to list (default 15)")
@@ -266,6 +276,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from hybridflow.tracking.dashboard import make_dashboard_server
+
+    server = make_dashboard_server(args.runs, host=args.host, port=args.port)
+    # The URL on its own line, flushed: with --port 0 it is the only way to learn the port.
+    print(f"live run page of {server.runs.root}: {server.url}  (Ctrl-C stops it)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass  # the user's way to stop it: not a failure
+    finally:
+        server.server_close()
+    return 0
+
+
 DEBUG_ENV = "HYBRIDFLOW_DEBUG"
 """Set to 1 (like ``--debug``) to see the traceback behind an error instead of its one line."""
 
@@ -340,6 +365,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "dashboard":
+        return _dashboard(args)
     if args.command == "profile-summary":
         from hybridflow.tracking.profiler import format_profile_summary, summarize_profile
 

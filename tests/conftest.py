@@ -30,6 +30,8 @@ LONGEST_S = {
     "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 55,
     "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 50,
     "tests/e2e/test_e2e_resume.py::test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run": 45,
+    # A 3-step `hybridflow train` (about 40 s on 2 loaded cores), then ~5 s in headless Chromium.
+    "tests/e2e/test_e2e_dashboard.py::test_the_page_draws_a_real_runs_curves_live_and_its_rollouts_token_by_token": 50,
     # Estimates from their share of a run (not yet measured alone under load).
     "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 100,
     "tests/e2e/test_e2e_ray.py::test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight": 100,

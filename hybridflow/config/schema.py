@@ -834,8 +834,8 @@ class TrainerConfig:
     )
     rollout_data_dir: str | None = f(
         None, "Write each training step's samples to <dir>/<step>.jsonl (prompt, response, gts, score, advantage, "
-        "step, group_id, the reward's extras, response_tokens and the first 512 rollout logprobs). A relative path "
-        "is inside the run's output folder. null: off.",
+        "step, group_id, the reward's extras, response_tokens, the first 512 rollout logprobs and their token texts). "
+        "A relative path is inside the run's output folder. null: off.",
     )
     dump_max_samples: int = f(
         256, "Most samples per file of validation_data_dir and rollout_data_dir (the first ones: whole prompt groups "
@@ -843,7 +843,8 @@ class TrainerConfig:
     )
     dump_max_chars: int = f(
         4000, "Longest text per field of those files (prompt, response, ground truth, reward extras), cut with a "
-        "'…[+N chars]' mark: a row stays under about 3 x this + 4 KB.",
+        "'…[+N chars]' mark (token texts: whole tokens up to this many characters in all): a row stays under "
+        "about 4 x this + 4 KB.",
     )
     critic_warmup: int = f(
         0,

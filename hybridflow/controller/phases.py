@@ -42,7 +42,7 @@ from hybridflow.tracking import (
     compute_batch_metrics, compute_critic_metrics, compute_throughput_metrics, compute_val_core_metrics,
     compute_validation_metrics, reduce_metrics, reward_variables,
 )
-from hybridflow.tracking.generations import rollout_rows, validation_rows, write_jsonl
+from hybridflow.tracking.generations import DUMP_MAX_LOGPROBS, rollout_rows, validation_rows, write_jsonl
 from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
 from hybridflow.training.packing import sequence_lengths
 from hybridflow.utils.faults import fault_requested
@@ -527,10 +527,17 @@ def dump_rollouts(run: RunSetup, step: int, batch: TrainBatch, trajectories: lis
         responses=_decode(run, [x.response_ids for x in kept]),
         ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=[float(x.reward or 0.0) for x in kept],
         advantages=advantages.tolist(), logprobs=[x.rollout_logprobs for x in kept],
+        token_texts=[_token_texts(run, x.response_ids[:DUMP_MAX_LOGPROBS]) for x in kept],
         reward_infos=[x.reward_info for x in kept], group_ids=[x.group_id for x in kept],
         max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
     )
     write_jsonl(run.rollout_data_dir, step, rows)
+
+
+def _token_texts(run: RunSetup, token_ids: list[int]) -> list[str]:
+    """Each token decoded on its own, special tokens kept: one text per logprob (an EOS has a
+    logprob too); a token holding part of a multi-byte character reads as U+FFFD."""
+    return list(run.tokenizer.batch_decode([[t] for t in token_ids])) if token_ids else []
 
 
 def _decode(run: RunSetup, token_ids: list[list[int]]) -> list[str]:

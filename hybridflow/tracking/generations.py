@@ -3,14 +3,17 @@
 ``trainer.validation_data_dir`` gets each validation's samples (verl's fields: ``input``,
 ``output``, ``gts``, ``score``, ``step``, then the reward function's extras such as ``acc`` and
 ``pred``); ``trainer.rollout_data_dir`` gets each training step's samples (``prompt``,
-``response``, ``gts``, ``score``, ``advantage``, ``step``, the extras, and the rollout's
-per-token ``logprobs``). The file is ``<dir>/<step>.jsonl``, as in verl.
+``response``, ``gts``, ``score``, ``advantage``, ``step``, the extras, the rollout's
+per-token ``logprobs`` and each response token's text, ``tokens``, so that a reader (the live run
+page, ``hybridflow dashboard``) can colour the response token by token). The file is
+``<dir>/<step>.jsonl``, as in verl.
 
 Every dump is bounded, so a long run cannot fill the disk through it: at most
 ``max_samples`` rows per file (the first ones, in generation order: whole prompt groups first),
 each text (and each other value's JSON: a ground truth can hold a whole test suite) cut to
 ``max_chars`` characters, and the logprobs to the first ``DUMP_MAX_LOGPROBS`` tokens, rounded to
-``DUMP_LOGPROB_DECIMALS``. A row is therefore at most about 3 × max_chars characters plus 4 KB of
+``DUMP_LOGPROB_DECIMALS``; the token texts to as many of those tokens as fit in ``max_chars``
+characters together. A row is therefore at most about 4 × max_chars characters plus 4 KB of
 logprobs and a few numbers, a file max_samples times that. A cut text says so
 (``TRUNCATION_MARK``), and ``response_tokens`` keeps the untruncated length.
 """
@@ -50,6 +53,20 @@ def clip_logprobs(logprobs: Sequence[float]) -> list[float]:
     return [round(float(x), DUMP_LOGPROB_DECIMALS) for x in logprobs[:DUMP_MAX_LOGPROBS]]
 
 
+def clip_tokens(texts: Sequence[str], max_chars: int) -> list[str]:
+    """The first token texts (at most ``DUMP_MAX_LOGPROBS``, aligned with ``clip_logprobs``) whose
+    lengths add up to ``max_chars`` or less: a reader pairs ``tokens[i]`` with ``logprobs[i]``, so
+    tokens are dropped whole, never cut."""
+    kept: list[str] = []
+    total = 0
+    for text in texts[:DUMP_MAX_LOGPROBS]:
+        total += len(text)
+        if total > max_chars:
+            break
+        kept.append(text)
+    return kept
+
+
 def _extras(info: Mapping[str, Any], taken: Iterable[str], max_chars: int) -> dict[str, Any]:
     """The reward's extras, never overwriting a field of the row."""
     reserved = set(taken)
@@ -74,7 +91,7 @@ def validation_rows(
 def rollout_rows(
     *, step: int, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[Any],
     scores: Sequence[float], advantages: Sequence[float], logprobs: Sequence[Sequence[float]],
-    reward_infos: Sequence[Mapping[str, Any]], group_ids: Sequence[int], max_samples: int, max_chars: int,
+    token_texts: Sequence[Sequence[str]], reward_infos: Sequence[Mapping[str, Any]], group_ids: Sequence[int], max_samples: int, max_chars: int,
 ) -> list[dict[str, Any]]:
     """Training rollout rows: what was generated, how it scored and what the update saw."""
     rows = []
@@ -83,7 +100,7 @@ def rollout_rows(
                "gts": clip_value(ground_truths[i], max_chars), "score": scores[i], "advantage": advantages[i],
                "step": step,
                "group_id": group_ids[i], "response_tokens": len(logprobs[i]),
-               "logprobs": clip_logprobs(logprobs[i])}
+               "logprobs": clip_logprobs(logprobs[i]), "tokens": clip_tokens(token_texts[i], max_chars)}
         rows.append(row | _extras(reward_infos[i], row, max_chars))
     return rows
 

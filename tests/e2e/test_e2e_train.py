@@ -420,3 +420,4 @@ def test_sampled_validation_logs_verls_val_core_metrics_and_dumps_generations(mo
     assert len(rollout_rows) == 5
     assert {"prompt", "response", "score", "advantage", "logprobs", "step"} <= set(rollout_rows[0])
     assert len(rollout_rows[0]["logprobs"]) == rollout_rows[0]["response_tokens"] <= 4
+    assert len(rollout_rows[0]["tokens"]) == len(rollout_rows[0]["logprobs"])  # one text per token's logprob
