@@ -1,6 +1,7 @@
 """``hybridflow`` command line: a thin layer over the Python API.
 
     hybridflow train [--preset grpo] [--config my.yaml] [key=value ...]
+    hybridflow sft [--config my.yaml] data.train_files=... [key=value ...]   (supervised fine-tuning)
     hybridflow config explain [--preset ...] [--config ...] [key=value ...]
     hybridflow config presets
     hybridflow plan [--preset ...] [--config ...] [key=value ...]   (predicted peak memory per role and phase)
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run RL training (no arguments: the built-in tiny model and task)")
     _add_config_args(train)
+    sft = sub.add_parser("sft", help="supervised fine-tuning on chat data (loss on assistant tokens only)")
+    _add_config_args(sft)
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     explain = config_sub.add_parser("explain", help="print the resolved config and the derived plan")
@@ -395,6 +398,11 @@ def _run(args: argparse.Namespace) -> int:
         validate_config(cfg)  # every config error first, then the pluggable names
         plugins = resolve_plugins(cfg)  # a wrong pluggable name fails here too, not only when training
         print(explain_config(cfg, with_critic=needs_critic(plugins.estimator_needs)))
+        return 0
+    if args.command == "sft":
+        from hybridflow.controller.sft_run import sft_cli  # heavy imports only when training
+
+        sft_cli(cfg)
         return 0
     from hybridflow.api import train  # heavy imports (torch, transformers) only when training
 

@@ -44,6 +44,11 @@ KEYS: dict[str, str] = {
     "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "global_profiler.steps": "trainer.profile.steps",
+    # verl's SFT trainer (fsdp_sft_trainer) spellings, read by hybridflow sft.
+    "data.multiturn.messages_key": "sft.messages_key",
+    "data.response_key": "sft.response_key",
+    "data.max_length": "sft.max_length",
+    "data.micro_batch_size_per_gpu": "actor.ppo_micro_batch_size_per_gpu",
 }
 
 IGNORED: dict[str, str] = {

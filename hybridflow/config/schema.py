@@ -125,6 +125,29 @@ class WarmStartConfig:
 
 
 @dataclass
+class SFTConfig:
+    """``hybridflow sft``: what SFT reads beyond the shared keys (model.path, data.train_files/val_files,
+    data.prompt_key, data.train_batch_size, data.chat_template, actor.optim/lora/micro-batching, trainer.*)."""
+
+    messages_key: str = f(
+        "messages", "Column holding a conversation (a list of chat turns; loss on the assistant turns only). verl's "
+        "data.multiturn.messages_key. Rows without it use data.prompt_key and sft.response_key.",
+    )
+    response_key: str = f("response", "Column holding the assistant's reply of a prompt/response row. verl's "
+                                      "data.response_key.")
+    max_length: int | None = f(
+        None, "Most tokens of an example (template included); longer ones are cut (sft.truncation). None: "
+        "data.max_prompt_length + data.max_response_length. verl's data.max_length.",
+    )
+    truncation: str = f(
+        "right", "An example longer than max_length: right (cut its end; one left with no assistant token is "
+        "skipped and counted) | error.", choices=("right", "error"),
+    )
+    export: bool = f(True, "Write the final model as a Hugging Face directory in <output_dir>/export "
+                           "(hybridflow train model.path=<that folder> starts from it).")
+
+
+@dataclass
 class OptimConfig:
     lr: float = f(
         3e-4, "Peak learning rate (AdamW). The default suits the built-in tiny model; 0.5B-7B models use ~1e-6."
@@ -860,6 +883,7 @@ class Config:
     data: DataConfig = sub(DataConfig, "Datasets and lengths.")
     model: ModelConfig = sub(ModelConfig, "The policy model.")
     warm_start: WarmStartConfig = sub(WarmStartConfig, "Supervised warm start for the built-in model.")
+    sft: SFTConfig = sub(SFTConfig, "Supervised fine-tuning (hybridflow sft).")
     actor: ActorConfig = sub(ActorConfig, "Policy optimisation.")
     ref: RefConfig = sub(RefConfig, "Reference model (for KL).")
     critic: CriticConfig = sub(CriticConfig, "Value model (built when algorithm.adv_estimator needs values: gae).")

@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.data import ResumableSampler
 from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm, load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
+from hybridflow.training import distributed
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
 from hybridflow.utils.files import give_default_modes
@@ -102,6 +103,67 @@ def sft_trajectories(pairs: list[SFTPair], tokenizer) -> list[Trajectory]:
     return out
 
 
+def nll_loss(num_tokens: int, world_size: int = 1, num_micro_batches: int = 1):
+    """The SFT loss of a micro-batch: negative log-likelihood summed over its loss-masked response
+    tokens, divided by ``num_tokens``, the step's masked tokens over every rank, so gradient
+    accumulation over micro-batches and the gradient average over ranks (``dp_size`` undoes FSDP's
+    mean) give the token mean of the whole step's batch.
+
+    Metrics: ``sft/loss``, the micro-batch's own token mean (the engine averages it over the
+    micro-batches); ``sft/loss_share``, this micro-batch's part of the step's token mean scaled by
+    ``num_micro_batches`` so that the engine's average is this rank's part and the sum over
+    ranks is the exact token mean of the step."""
+
+    def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+        loss = agg_loss(-logprobs, mb.response_mask, "token-mean", global_num_tokens=num_tokens, dp_size=world_size)
+        nll = -logprobs.detach()
+        share = float(agg_loss(nll, mb.response_mask, "token-mean", global_num_tokens=num_tokens)) * num_micro_batches
+        return loss, {"sft/loss": float(agg_loss(nll, mb.response_mask, "token-mean")), "sft/loss_share": share}
+
+    return loss_fn
+
+
+def rank_rows(indices: Sequence[int], rank: int, world_size: int) -> Sequence[int]:
+    """This rank's contiguous share of a step's examples (as a worker group's split_gather cuts a batch)."""
+    if len(indices) % world_size:
+        raise ValueError(f"a batch of {len(indices)} examples does not split over {world_size} ranks")
+    share = len(indices) // world_size
+    return indices[rank * share : (rank + 1) * share]
+
+
+def sft_loop(
+    engine: TrainEngine,
+    examples: Sequence[Trajectory],
+    sampler: ResumableSampler,
+    steps: Iterable[int],
+    *,
+    pad_token_id: int,
+    micro_batches: Callable[[TrainBatch], list[TrainBatch]],
+    use_remove_padding: bool,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, float]:
+    """The one SFT loop, of the built-in warm start and of ``hybridflow sft``: per step, the
+    sampler's next batch (this rank's share of it), cut into ``micro_batches``, one optimizer step
+    of ``nll_loss``; ``on_step(step, metrics)`` after each. Returns the last step's metrics, with
+    ``sft/tokens``, the step's loss tokens over every rank."""
+    metrics: dict[str, float] = {}
+    for step in steps:
+        adjust_threads()  # follow the cores other processes leave free (no-op with trainer.num_threads set)
+        rows = rank_rows(sampler.next_batch(), rank, world_size)
+        batch = collate_trajectories([examples[i] for i in rows], pad_token_id)
+        local_tokens, _ = batch_counts(batch.response_mask)
+        num_tokens = int(distributed.all_reduce_sum([local_tokens])[0]) if world_size > 1 else local_tokens
+        parts = micro_batches(batch)
+        metrics = engine.optimizer_step(parts, nll_loss(num_tokens, world_size, len(parts)), temperature=1.0,
+                                        with_entropy=False, use_remove_padding=use_remove_padding)
+        metrics["sft/tokens"] = float(num_tokens)
+        if on_step is not None:
+            on_step(step, metrics)
+    return metrics
+
+
 def run_sft(
     model_dir: str | os.PathLike,
     pairs: list[SFTPair],
@@ -129,24 +191,18 @@ def run_sft(
     )
     examples = sft_trajectories(pairs, tokenizer)
     sampler = ResumableSampler(len(examples), spec.batch_size, shuffle=True, seed=spec.seed)
-    pad = int(tokenizer.pad_token_id)
     start = time.perf_counter()
-    metrics: dict[str, float] = {}
-    for step in range(1, spec.steps + 1):
-        adjust_threads()  # follow the cores other processes leave free (no-op with trainer.num_threads set)
-        batch = collate_trajectories([examples[i] for i in sampler.next_batch()], pad)
-        num_tokens, _ = batch_counts(batch.response_mask)
 
-        def nll(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
-            loss = agg_loss(-logprobs, mb.response_mask, "token-mean", global_num_tokens=num_tokens)
-            return loss, {"sft/loss": float(agg_loss(-logprobs.detach(), mb.response_mask, "token-mean"))}
-
-        metrics = engine.optimizer_step([batch], nll, temperature=1.0, with_entropy=False)
+    def report(step: int, metrics: dict[str, float]) -> None:
         if on_step is not None:
             on_step(step, engine, metrics)
         if step % 50 == 0 or step == spec.steps:
             log.info("warm start step %d/%d  loss %.3f  %.0f s", step, spec.steps, metrics["sft/loss"],
                      time.perf_counter() - start)
+
+    # The whole batch as one padded micro-batch: the recipe the cached warm starts were made with.
+    metrics = sft_loop(engine, examples, sampler, range(1, spec.steps + 1), pad_token_id=int(tokenizer.pad_token_id),
+                       micro_batches=lambda batch: [batch], use_remove_padding=False, on_step=report)
     out = Path(out_dir)
     with hf_progress_bars_off():
         engine.model.save_pretrained(out, safe_serialization=True)

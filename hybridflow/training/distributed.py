@@ -243,6 +243,19 @@ def shard_model(
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit of ``model``. FSDP2 keeps the root unit
+    gathered after a forward (its backward would need them at once); after a no-grad forward
+    nothing frees them, and until something does the module's parameters are the gathered
+    tensors, not the sharded DTensors the optimizer holds (a checkpoint saved then finds
+    parameters it has no name for) and each rank holds the whole root unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def shard_mesh(fsdp_size: int | None):
     """The device mesh FSDP2 shards over: 1-D over every rank, or 2-D (replicate, shard) with
     ``fsdp_size`` ranks per shard group (HSDP)."""

@@ -468,6 +468,8 @@ class TrainEngine:
         for mb in micro_batches:
             stats = self._forward(mb, output, temperature, with_entropy, use_remove_padding, with_sum_pi_squared)
             parts.append([None if x is None else x.cpu() for x in stats])
+        if self.data_parallel:
+            distributed.reshard(self.model)  # no backward follows to free the root's gathered weights
         self.model.train(was_training)
         # Field by field: the micro-batches' rows glued, put back in the batch's row order.
         return TokenStats(*(

@@ -1,0 +1,279 @@
+"""``hybridflow sft``: supervised fine-tuning of a model on the user's conversations.
+
+The data (``hybridflow.data.sft``: loss on assistant tokens only) is read, checked and tokenised
+once in the launching process, so a bad row is a one-line ``data error`` before any rank starts.
+Training is SPMD: with one rank it runs in this process; with ``trainer.n_workers`` (CPU) or
+``n_gpus_per_node x nnodes`` ranks on the local backend, each rank is a process started from a
+forkserver (never a fork of this process, whose threads and locks a fork would copy) and joins a
+gloo/NCCL group; the model is sharded with FSDP2 as the actor's is. (``trainer.backend=ray`` is
+not used by SFT: there is no rollout to place, so ranks on one machine need no cluster.)
+
+Every rank runs ``hybridflow.controller.sft.sft_loop``, the loop of the built-in warm start, on
+its share of each batch, with the actor's engine set-up: ``actor.optim``, ``actor.lora``,
+``actor.fsdp_config``, packing (``actor.use_remove_padding``) and micro-batches of
+``actor.ppo_micro_batch_size_per_gpu`` examples or, with ``actor.use_dynamic_bsz``, a token
+budget. Rank 0 writes the metrics (``train/loss``, ``train/lr``, ``train/grad_norm``,
+``train/tokens_per_s``, ``val/loss`` every ``trainer.test_freq`` steps and at the end) and the
+checkpoints, in the RL trainer's format (``hybridflow.controller.checkpoint``: atomic,
+manifest-checked, ``global_step_<N>/actor``), each rank writing its part into the same folder.
+A run resumes from its newest checkpoint (``trainer.resume_mode``) with the sampler's position,
+so it continues exactly where it stopped. At the end the final checkpoint is exported
+(``hybridflow.controller.export``) to ``<output_dir>/export``, a Hugging Face directory that
+``hybridflow train model.path=...`` starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridflow.config import Config, ConfigError, config_to_yaml
+from hybridflow.config.validate import data_parallel_size
+from hybridflow.controller.checkpoint import CheckpointError, CheckpointManager
+from hybridflow.controller.export import export_checkpoint
+from hybridflow.controller.setup import config_device, policy_chat_template, resolve_builtin, resolve_output_dir
+from hybridflow.controller.sft import sft_loop
+from hybridflow.data import ResumableSampler
+from hybridflow.data.sft import SFTColumns, SFTDataStats, load_sft_examples
+from hybridflow.models.loading import load_tokenizer
+from hybridflow.tracking.loggers import Tracker
+from hybridflow.training import distributed
+from hybridflow.types import Trajectory
+from hybridflow.utils.faults import maybe_fault
+from hybridflow.workers.sft import SFTWorker, rank_device
+
+log = logging.getLogger(__name__)
+
+EXPORT_DIR = "export"
+# Ranks start from a forkserver that has imported these once (each spawned rank importing them
+# again costs most of a short run on a small machine).
+PRELOAD = ["torch", "transformers", "hybridflow.controller.sft_run"]
+
+
+@dataclass
+class SFTResult:
+    output_dir: Path
+    metrics_path: Path
+    export_dir: Path | None
+    final_val_loss: float | None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every rank needs: the config, the resolved model and the tokenised data."""
+
+    cfg: Config
+    model_path: str
+    output_dir: str
+    train: list[Trajectory]
+    val: list[Trajectory]
+    total_steps: int
+    pad_token_id: int
+    max_length: int
+
+
+def check_sft_config(cfg: Config) -> None:
+    """The settings ``hybridflow sft`` reads that can be wrong before anything loads."""
+    if not cfg.data.train_files:
+        raise ConfigError("hybridflow sft needs data.train_files: parquet or JSONL files with a 'messages' column "
+                          "(or prompt/response columns)", key="data.train_files")
+    if cfg.trainer.backend != "local":
+        raise ConfigError("hybridflow sft runs its ranks as local processes (there is no rollout to place on a "
+                          "cluster); use trainer.backend=local", key="trainer.backend")
+    if cfg.sft.export and not cfg.trainer.save_final:
+        raise ConfigError("sft.export=true exports the final checkpoint, but trainer.save_final=false; set one of them",
+                          key="sft.export")
+    if cfg.actor.ulysses_sequence_parallel_size != 1:
+        raise ConfigError("hybridflow sft does not use Ulysses sequence parallelism; set "
+                          "actor.ulysses_sequence_parallel_size=1", key="actor.ulysses_sequence_parallel_size")
+    world = data_parallel_size(cfg.trainer)
+    if cfg.data.train_batch_size % world:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} examples per step do not split over "
+                          f"{world} ranks", key="data.train_batch_size")
+    if cfg.sft.max_length is not None and cfg.sft.max_length < 2:
+        raise ConfigError(f"sft.max_length={cfg.sft.max_length}: need at least 2 tokens", key="sft.max_length")
+
+
+def max_length(cfg: Config) -> int:
+    return cfg.sft.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def run_sft_job(cfg: Config) -> SFTResult:
+    """Fine-tune ``model.path`` on ``data.train_files``; see the module docstring."""
+    check_sft_config(cfg)
+    device = config_device(cfg.trainer.device)
+    model_path, _, _ = resolve_builtin(cfg, device)  # builtin:tiny as `hybridflow train` gets it
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, policy_chat_template(cfg.data))
+    columns = SFTColumns(cfg.sft.messages_key, cfg.data.prompt_key, cfg.sft.response_key)
+    length = max_length(cfg)
+    train, stats = load_sft_examples(cfg.data.train_files, tokenizer, columns, max_length=length,
+                                     truncation=cfg.sft.truncation)
+    val: list[Trajectory] = []
+    if cfg.data.val_files:
+        val, _ = load_sft_examples(cfg.data.val_files, tokenizer, columns, max_length=length,
+                                   truncation=cfg.sft.truncation)
+    log.info("sft: %s", stats.describe())
+    if cfg.data.train_batch_size > len(train):
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {len(train)} training "
+                          f"examples", key="data.train_batch_size")
+    steps_per_epoch = len(train) // cfg.data.train_batch_size
+    total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * steps_per_epoch
+    out = resolve_output_dir(cfg)
+    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    _write_data_stats(out, stats)
+    job = _Job(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
+    world = data_parallel_size(cfg.trainer)
+    if world == 1:
+        final_val = _run_rank(0, 1, 0, job)
+    else:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        with context.Manager() as manager:
+            results = manager.dict()
+            mp.start_processes(_rank_main, args=(world, distributed.free_port(), job, results), nprocs=world,
+                               join=True, start_method="forkserver")
+            final_val = results.get("final_val")
+    export_dir = None
+    if cfg.sft.export:
+        export_dir = export_checkpoint(out, out / EXPORT_DIR, overwrite=True)
+        print(f"exported: {export_dir} (hybridflow train model.path={export_dir})")
+    return SFTResult(out, out / "metrics.jsonl", export_dir, final_val)
+
+
+def _write_data_stats(out: Path, stats: SFTDataStats) -> None:
+    record = {"rows": stats.rows, "kept": stats.kept, "truncated": stats.truncated, "skipped": dict(stats.skipped)}
+    (out / "sft_data.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _rank_main(rank: int, world: int, port: int, job: _Job, results) -> None:
+    final_val = _run_rank(rank, world, port, job)
+    if rank == 0:
+        results["final_val"] = final_val
+
+
+def _run_rank(rank: int, world: int, port: int, job: _Job) -> float | None:
+    device = rank_device(job.cfg.trainer.device, rank, world)
+    if world > 1:
+        distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                                       device=device)
+    try:
+        return _train(rank, world, job, device)
+    finally:
+        if world > 1:
+            distributed.dist.destroy_process_group()
+
+
+def _train(rank: int, world: int, job: _Job, device) -> float | None:
+    cfg = job.cfg
+    out = Path(job.output_dir)
+    worker = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps,
+                       max_length=job.max_length, chat_template=policy_chat_template(cfg.data))
+    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+    sampler = ResumableSampler(len(job.train), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=seed)
+    manager = CheckpointManager(out / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+    start_step = _resume(manager, worker, sampler, cfg, rank)
+    tracker = None
+    if rank == 0:
+        tracker = Tracker(cfg.trainer.logger, output_dir=out, project=cfg.trainer.project_name,
+                          experiment=cfg.trainer.experiment_name, config={})
+    try:
+        if start_step == 0 and cfg.trainer.val_before_train and job.val:
+            loss = worker.val_loss(job.val, job.pad_token_id)
+            if tracker is not None:
+                tracker.log({"val/loss": loss}, step=0)
+        final_val = None
+        clock = {"t": time.perf_counter()}
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            nonlocal final_val
+            now = time.perf_counter()
+            # The step's exact token mean over every rank and micro-batch (nll_loss's shares).
+            loss = distributed.all_reduce_sum([metrics["sft/loss_share"]])[0]
+            record = {"train/loss": loss, "train/lr": metrics["train/lr"],
+                      "train/grad_norm": metrics["train/grad_norm"], "train/tokens": metrics["sft/tokens"],
+                      "train/tokens_per_s": metrics["sft/tokens"] / max(now - clock["t"], 1e-9),
+                      "train/epoch": sampler.epoch}
+            last = step == job.total_steps
+            if job.val and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+                record["val/loss"] = final_val = worker.val_loss(job.val, job.pad_token_id)
+            if (last and cfg.trainer.save_final) or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+                _save(manager, worker, step, sampler, cfg, rank)
+            if tracker is not None:
+                tracker.log(record, step=step)
+            maybe_fault("after_step", step)  # tests kill the run here (SIGKILL) and resume it
+            clock["t"] = time.perf_counter()  # validation and saving do not count against tokens/s
+
+        sft_loop(worker.engine, job.train, sampler, range(start_step + 1, job.total_steps + 1),
+                 pad_token_id=job.pad_token_id, micro_batches=worker.micro_batches,
+                 use_remove_padding=worker.plan.use_remove_padding, on_step=on_step, rank=rank, world_size=world)
+        if start_step >= job.total_steps and job.val:
+            final_val = worker.val_loss(job.val, job.pad_token_id)  # nothing left to train: the model as it stands
+        return final_val
+    finally:
+        if tracker is not None:
+            tracker.close()
+
+
+def _resume(manager: CheckpointManager, worker: SFTWorker, sampler: ResumableSampler, cfg: Config, rank: int) -> int:
+    """The step a run continues after: its newest intact checkpoint loaded into the engine and
+    the sampler (all ranks the same folder, chosen by rank 0), else 0."""
+    mode = cfg.trainer.resume_mode
+    if mode == "disable":
+        return 0
+    found = None
+    if rank == 0:
+        found = manager.find(mode, cfg.trainer.resume_from_path)
+    path = distributed.broadcast_text(None if found is None else str(found))
+    if path is None:
+        return 0
+    ckpt = Path(path)
+    refusal = worker.load(ckpt / "actor")
+    if refusal is not None:
+        raise CheckpointError(f"cannot resume from {ckpt}: {refusal}")
+    state = CheckpointManager.load_state(ckpt)
+    try:
+        sampler.load_state_dict(state["sampler"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"cannot resume from {ckpt}: its sampler state does not fit this data: {exc}") from exc
+    log.info("sft: resumed from %s (step %d)", ckpt, state["step"])
+    return int(state["step"])
+
+
+def _save(manager: CheckpointManager, worker: SFTWorker, step: int, sampler: ResumableSampler, cfg: Config,
+          rank: int) -> None:
+    """Checkpoint ``step``: rank 0 runs the manager's atomic save and tells the other ranks the
+    folder it writes, where each writes its part (a collective)."""
+
+    def write_actor(folder: Path) -> None:
+        distributed.broadcast_text(str(folder))
+        worker.save(folder)
+
+    if rank == 0:
+        state = {"step": step, "sampler": sampler.state_dict()}
+        manager.save(step, state, write_actor, extra_files={"config.yaml": config_to_yaml(cfg)})
+    else:
+        folder = distributed.broadcast_text(None)
+        assert folder is not None
+        worker.save(Path(folder))
+    if distributed.is_data_parallel():
+        distributed.barrier()  # the folder is renamed into place before any rank goes on
+
+
+def sft_cli(cfg: Config) -> SFTResult:
+    """``hybridflow sft``: run, then say where the results are."""
+    from hybridflow.models.loading import hf_progress_bars_off
+
+    with hf_progress_bars_off():
+        result = run_sft_job(cfg)
+    if result.final_val_loss is not None:
+        print(f"final val/loss {result.final_val_loss:.4f}")
+    print(f"metrics: {result.metrics_path}")
+    return result
+
+
+__all__ = ["SFTResult", "check_sft_config", "run_sft_job", "sft_cli", "max_length", "EXPORT_DIR"]
