@@ -145,7 +145,7 @@ class Storage:
         except StorageError:
             raise
         except Exception as exc:
-            raise StorageError(f"{what}: {explain(url, exc)}") from exc
+            raise StorageError(f"{what}: {explain(url, exc)}" if what else explain(url, exc)) from exc
 
     # ------------------------------------------------------------------ checks
     def check(self, url: str, kind: str) -> None:
@@ -155,12 +155,17 @@ class Storage:
         fs, path = self.filesystem(url)
         bucket = path.split("/", 1)[0]
         scheme = url.split("://", 1)[0]
-        # Listing the bucket is the cheapest request that needs both credentials and the bucket;
-        # exists() alone would report "no bucket" for missing credentials on some backends.
-        self._call(url, "cannot use it", fs.ls, bucket)
-        if kind == "file" and not self._call(url, "cannot use it", fs.isfile, path):
+        # One request on the bucket itself (S3: HEAD bucket) needs both credentials and the
+        # bucket; exists() would hide missing credentials behind "no such bucket" on some backends.
+        try:
+            self._call(url, "", fs.info, bucket)
+        except StorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise StorageError(f"the bucket of {url} does not exist: create it or fix the URL") from exc
+            raise
+        if kind == "file" and not self._call(url, "", fs.isfile, path):
             raise StorageError(f"{url} does not exist (or is not a file) in bucket {scheme}://{bucket}")
-        if kind == "dir" and not self._call(url, "cannot use it", fs.isdir, path):
+        if kind == "dir" and not self._call(url, "", fs.isdir, path):
             raise StorageError(f"{url} does not exist (or is not a folder) in bucket {scheme}://{bucket}")
 
     # ------------------------------------------------------------------ reading and listing
