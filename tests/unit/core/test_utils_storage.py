@@ -134,3 +134,31 @@ def test_a_missing_backend_names_the_extra(monkeypatch):
     with pytest.raises(StorageError, match=r"pip install 'hybridflow\[s3\]'"):
         Storage().filesystem("s3://b/x")
     assert storage_module.StorageError is StorageError
+
+
+def test_two_processes_sharing_the_cache_download_once(bucket, tmp_path, monkeypatch):
+    """Two ranks starting together: the file lock makes one download while the other waits,
+    then finds the verified copy. (Threads with their own lock objects: flock is per open file.)"""
+    import threading
+    import time
+
+    store, root = bucket
+    store.upload(write_tree(tmp_path / "model", {"config.json": b"{}", "w.bin": b"w" * 100_000}), f"{root}/m")
+    downloads = []
+    real = Storage.download
+
+    def slow_download(self, url, dest):
+        downloads.append(url)
+        time.sleep(1.0)  # a large model: the other rank starts while this one is still downloading
+        return real(self, url, dest)
+
+    monkeypatch.setattr(Storage, "download", slow_download)
+    results = []
+    stores = [store, Storage(endpoint_url=store.endpoint_url)]  # separate filesystems, as two processes
+    threads = [threading.Thread(target=lambda s=s: results.append(s.fetch_tree(f"{root}/m", tmp_path / "cache")))
+               for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == 2 and results[0] == results[1] and downloads == [f"{root}/m"]
