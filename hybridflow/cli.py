@@ -5,7 +5,7 @@
     hybridflow config explain [--preset ...] [--config ...] [key=value ...]
     hybridflow config presets
     hybridflow plan [--preset ...] [--config ...] [key=value ...]   (predicted peak memory per role and phase)
-    hybridflow export <checkpoint or run folder> <out dir> [--overwrite]
+    hybridflow export <checkpoint or run folder> <out dir> [--overwrite] [--endpoint-url URL]   (either may be s3://...)
     hybridflow serve <model dir | builtin:tiny> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-n 128]
     hybridflow timeline <run folder>
     hybridflow dashboard [<runs folder>] [--host 127.0.0.1] [--port 8765]   (the live run page)
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint folder (global_step_N), or a run folder: its newest checkpoint")
     export.add_argument("out_dir", help="the folder to write (config, tokenizer, safetensors)")
     export.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    export.add_argument("--endpoint-url", default=None,
+                        help="S3-compatible server for s3:// paths (as storage.endpoint_url; default: AWS, or AWS_ENDPOINT_URL)")
     _add_debug(export)
     _add_serve_parser(sub)
     timeline = sub.add_parser("timeline", help="summarize a run's timeline.json: busy and idle time per track")
@@ -309,6 +311,7 @@ def describe_error(error: BaseException) -> tuple[str, int]:
     mistake in the config or the data (fix the input, run again), 1 for a failure while running."""
     from hybridflow.cluster.worker_group import WorkerError
     from hybridflow.data.dataset import DataError
+    from hybridflow.utils.storage import StorageError
 
     if isinstance(error, ConfigError):
         return f"config error: {_one_line(error)}", 2
@@ -316,6 +319,8 @@ def describe_error(error: BaseException) -> tuple[str, int]:
         return f"data error: {_one_line(error)}", 2
     if isinstance(error, CheckpointError):
         return f"checkpoint error: {_one_line(error)}", 1
+    if isinstance(error, StorageError):
+        return f"storage error: {_one_line(error)}", 1
     cause = _disk_full_cause(error)
     if cause is not None:
         where = f" on {cause.filename}" if cause.filename else ""
@@ -377,8 +382,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "export":
         from hybridflow.controller.export import export_checkpoint
+        from hybridflow.utils.storage import Storage
 
-        print(export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite))
+        print(export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite,
+                                storage=Storage(endpoint_url=args.endpoint_url)))
         return 0
     if args.command == "config" and args.config_command == "presets":
         print("\n".join(list_presets()))

@@ -11,6 +11,7 @@ in turn instead of one waiting on another's lock.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -35,6 +36,9 @@ LONGEST_S = {
     "tests/e2e/test_e2e_resume.py::test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run": 45,
     # A 3-step `hybridflow train` (about 40 s on 2 loaded cores), then ~5 s in headless Chromium.
     "tests/e2e/test_e2e_dashboard.py::test_the_page_draws_a_real_runs_curves_live_and_its_rollouts_token_by_token": 50,
+    # Measured with the machine's load average near 8 on 2 cores.
+    "tests/e2e/test_e2e_storage.py::test_train_checkpoint_resume_and_export_through_s3": 85,
+    "tests/e2e/test_e2e_storage.py::test_a_missing_bucket_or_missing_credentials_fail_at_set_up_in_one_line": 28,
     # Estimates from their share of a run (not yet measured alone under load).
     "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 100,
     "tests/e2e/test_e2e_ray.py::test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight": 100,
@@ -60,3 +64,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (1 if item.get_closest_marker("slow") else 2), 0.0
 
     items.sort(key=rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Object storage: an S3-compatible server (moto's) on 127.0.0.1, started by the first test that
+# asks for it. Used by tests/unit/core/test_utils_storage.py and tests/e2e/test_e2e_storage.py.
+
+S3_TEST_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+    # Nothing on this machine may answer for the test: no instance metadata, no ~/.aws files.
+    "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+    "AWS_CONFIG_FILE": "/nonexistent/aws-config",
+}
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a subprocess that reaches the server with the test credentials."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        return {**env, **S3_TEST_CREDENTIALS, **extra}
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> S3Server:
+    moto_server = pytest.importorskip("moto.server", reason="the object-storage tests need moto[server]")
+    pytest.importorskip("s3fs", reason="the object-storage tests need s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield S3Server(f"http://{host}:{port}")
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The server, with this process's environment holding the test credentials (and nothing else of AWS's)."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in S3_TEST_CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    return s3_server

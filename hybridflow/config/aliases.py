@@ -43,6 +43,7 @@ KEYS: dict[str, str] = {
     "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
     "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "trainer.default_local_dir": "trainer.checkpoint_dir",
     "global_profiler.steps": "trainer.profile.steps",
     # verl's SFT trainer (fsdp_sft_trainer) spellings, read by hybridflow sft.
     "data.multiturn.messages_key": "sft.messages_key",

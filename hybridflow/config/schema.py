@@ -31,11 +31,12 @@ def sub(cls: type, help: str) -> Any:
 @dataclass
 class DataConfig:
     train_files: list[str] = f(
-        [], "Parquet or JSONL files in verl's row schema (one path alone is a list of one, as verl takes it). Empty: "
-        "the built-in arithmetic task.", single_as_list=True,
+        [], "Parquet or JSONL files in verl's row schema (one path alone is a list of one, as verl takes it); local "
+        "paths or object-storage URLs (s3://bucket/train.parquet, gs://..., see storage.*). Empty: the built-in "
+        "arithmetic task.", single_as_list=True,
     )
-    val_files: list[str] = f([], "Held-out files for validation (one path alone: a list of one). Empty: the "
-                                 "built-in task's test split.", single_as_list=True)
+    val_files: list[str] = f([], "Held-out files for validation (one path alone: a list of one; local or a URL, as "
+                                 "train_files). Empty: the built-in task's test split.", single_as_list=True)
     chat_template: str | None = f(
         None, "A Jinja chat template used instead of the tokenizer's for the policy's prompts and agent turns (and "
         "saved with exports). None: the tokenizer's own. verl's actor_rollout_ref.model.custom_chat_template.",
@@ -82,7 +83,9 @@ class DataConfig:
 class ModelConfig:
     path: str = f(
         "builtin:tiny",
-        "A local Hugging Face model directory, or builtin:tiny for the built-in tiny Qwen2 model.",
+        "A local Hugging Face model directory, a folder in object storage (s3://bucket/models/qwen, gs://...: "
+        "downloaded once into storage.cache_dir, verified, and loaded from there), or builtin:tiny for the built-in "
+        "tiny Qwen2 model.",
     )
     trust_remote_code: bool = f(False, "Allow modeling code shipped with the model (runs that code).")
     dtype: str = f(
@@ -784,6 +787,13 @@ class TrainerConfig:
     )
     seed: int = f(1, "Global seed (model init, sampling, data order).")
     output_dir: str | None = f(None, "Where the run writes everything. None: runs/<experiment>-<time>.")
+    checkpoint_dir: str | None = f(
+        None,
+        "Where checkpoints are kept. None: <output_dir>/checkpoints. A local folder, or a folder in object storage "
+        "(s3://bucket/run1/checkpoints, gs://...): each checkpoint is then written to <output_dir>/checkpoints as "
+        "usual (atomic folder, SHA-256 manifest) and uploaded, manifest last; resume_mode=auto resumes from the "
+        "newest complete one there (downloaded and verified first). verl's default_local_dir.",
+    )
     project_name: str = f("hybridflow", "Project name for loggers.")
     experiment_name: str = f(
         "grpo-arithmetic",
@@ -879,6 +889,22 @@ class TrainerConfig:
 
 
 @dataclass
+class StorageConfig:
+    endpoint_url: str | None = f(
+        None,
+        "S3-compatible server for s3:// URLs (MinIO, Cloudflare R2, a local test server), e.g. "
+        "http://127.0.0.1:9000. None: AWS itself, or botocore's AWS_ENDPOINT_URL. Credentials always come from the "
+        "backend's usual chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws, an instance role; "
+        "GOOGLE_APPLICATION_CREDENTIALS for gs://), never from the config file.",
+    )
+    cache_dir: str = f(
+        "~/.cache/hybridflow/models",
+        "Where a model.path in object storage is downloaded (one folder per URL), reused while the remote files are "
+        "unchanged and the copy's SHA-256 manifest verifies.",
+    )
+
+
+@dataclass
 class Config:
     data: DataConfig = sub(DataConfig, "Datasets and lengths.")
     model: ModelConfig = sub(ModelConfig, "The policy model.")
@@ -893,3 +919,4 @@ class Config:
     algorithm: AlgorithmConfig = sub(AlgorithmConfig, "Advantage estimation and KL in reward.")
     trainer: TrainerConfig = sub(TrainerConfig, "Loop, logging, checkpoints.")
     async_training: AsyncTrainingConfig = sub(AsyncTrainingConfig, "The asynchronous loops (trainer.mode).")
+    storage: StorageConfig = sub(StorageConfig, "Object storage (s3://, gs://, other fsspec URLs) for data, model and checkpoints.")

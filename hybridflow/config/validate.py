@@ -22,6 +22,7 @@ from typing import Any
 from hybridflow.config.budget import read_model_shape
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config, OptimConfig, TrainerConfig
+from hybridflow.utils.storage import is_remote
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -769,15 +770,16 @@ def _check_trainer(cfg: Config, report: _Report) -> None:
 
 def _check_files(cfg: Config, report: _Report) -> None:
     """Paths the run will open, checked now rather than minutes later."""
+    # URLs (s3://, gs://) are checked by set-up, which reaches the server (check_storage in controller/setup.py).
     path = cfg.model.path
-    if not path.startswith("builtin:") and not Path(path).expanduser().is_dir():
+    if not path.startswith("builtin:") and not is_remote(path) and not Path(path).expanduser().is_dir():
         report.error(
             f"model.path={path!r} is not an existing directory: use a local Hugging Face model folder "
             f"(config.json + weights) or builtin:tiny"
         )
     for key in ("train_files", "val_files"):
         for i, file in enumerate(getattr(cfg.data, key)):
-            if not Path(file).expanduser().is_file():
+            if not is_remote(file) and not Path(file).expanduser().is_file():
                 report.error(f"data.{key}[{i}]={file!r} does not exist (or is not a file)")
     reward_path = cfg.reward.custom_reward_function.path
     if reward_path is not None and not Path(reward_path).expanduser().is_file():

@@ -23,6 +23,17 @@ index, a pickle) is listed and verified like any file, then read by an unpickler
 DCP's own metadata records (``hybridflow.training.sharded_checkpoint``). ``resume_mode=auto`` takes the newest checkpoint that verifies *and* loads,
 reporting each newer one it skipped, and refuses to start over when none does;
 ``resume_mode=path`` refuses a checkpoint that fails either.
+
+Object storage (``trainer.checkpoint_dir=s3://...``, ``RemoteCheckpoints``): the local folder
+above stages every checkpoint, written as described; the finished folder is then uploaded
+file by file, ``manifest.json`` last, so a remote folder without its manifest is an upload that
+was cut short and is never resumed from (a later save of that step replaces it). Pruning deletes
+a remote manifest first for the same reason. Resuming downloads the newest remote checkpoint
+with a manifest that is newer than every intact local one into a ``.tmp-`` folder, verifies it
+against its manifest and renames it into the local folder; the local resume above then loads
+it. Every rank's files of a sharded checkpoint are in the local folder when it is published (the
+ranks share the controller's disk), so the controller uploads them all: remote storage stages
+through that disk, and multi-node runs need it shared.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from typing import Any, TypeVar
 from hybridflow.utils.errors import CheckpointError, causes, find_cause, one_line
 from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.files import give_default_modes
+from hybridflow.utils.storage import Storage, StorageError, join
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +74,8 @@ LOW_SPACE_BYTES = 64 << 20
 TORCH_WRITER_FAILURE = ("inline_container.cc", "PytorchStreamWriter failed")
 
 __all__ = [
-    "MANIFEST_FILE", "STATE_FILE", "CheckpointError", "CheckpointManager", "verify_checkpoint", "write_manifest",
+    "MANIFEST_FILE", "STATE_FILE", "CheckpointError", "CheckpointManager", "RemoteCheckpoints", "verify_checkpoint",
+    "write_manifest",
 ]
 
 
@@ -409,6 +422,25 @@ class CheckpointManager:
         log.info("saved checkpoint %s", final)
         return final
 
+    def adopt(self, downloaded: Path, name: str) -> Path:
+        """Rename the verified checkpoint folder ``downloaded`` (in this root) into place as
+        ``name``; a damaged folder of that name is moved aside first (``damaged-<name>``)."""
+        final = self.root / name
+        trash = self._set_aside(final) if final.exists() else None
+        os.replace(downloaded, final)
+        _fsync_dir(self.root)
+        self._intact.add(final.name)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        return final
+
+    def newest_intact_step(self) -> int | None:
+        """The step of the newest complete checkpoint here that verifies, or None."""
+        for step, ckpt in reversed(self.complete_checkpoints()):
+            if self._status(ckpt) is None:
+                return step
+        return None
+
     # -------------------------------------------------------------------- resume
     def find(self, mode: str, path: str | None) -> Path | None:
         """The checkpoint to resume from, verified against its manifest (nothing is loaded).
@@ -488,3 +520,91 @@ class CheckpointManager:
         if m and int(m.group(1)) != state["step"]:
             raise CheckpointError(f"checkpoint state {path} says step {state['step']}, but the folder is {ckpt.name}")
         return state
+
+
+class RemoteCheckpoints:
+    """The copy of a run's checkpoints in object storage (``trainer.checkpoint_dir`` as a URL),
+    kept beside the local ``CheckpointManager`` that stages them (see the module docstring)."""
+
+    def __init__(self, url: str, storage: Storage, max_to_keep: int | None) -> None:
+        self.url = url.rstrip("/")
+        self.storage = storage
+        self.max_to_keep = max_to_keep
+
+    def complete_checkpoints(self) -> list[tuple[int, str]]:
+        """(step, URL) of every remote ``global_step_<N>`` folder with its manifest, oldest first."""
+        found = []
+        for name in self.storage.listdir(self.url):
+            m = STEP_DIR.match(name)
+            if m and self.storage.exists(join(self.url, name, MANIFEST_FILE)):
+                found.append((int(m.group(1)), join(self.url, name)))
+        return sorted(found)
+
+    def upload(self, ckpt: Path) -> str:
+        """Upload the local checkpoint folder ``ckpt`` (already verified and published), manifest
+        last; then ``latest``; then prune. ``CheckpointError`` when the upload fails (the local
+        checkpoint stands)."""
+        dest = join(self.url, ckpt.name)
+        try:
+            # A folder of this step already there (an earlier run, an upload cut short) goes first,
+            # its manifest before the rest, so it never mixes with the new files.
+            self.storage.remove(dest, first=(MANIFEST_FILE,))
+            self.storage.upload(ckpt, dest, last=(MANIFEST_FILE,))
+        except StorageError as exc:
+            raise CheckpointError(f"saved checkpoint {ckpt} locally but could not upload it to trainer.checkpoint_dir="
+                                  f"{self.url}: {exc}") from exc
+        try:
+            self.storage.write_text(join(self.url, LATEST_FILE), ckpt.name + "\n")
+        except StorageError as exc:
+            log.warning("uploaded checkpoint %s but could not update %s: %s", dest, join(self.url, LATEST_FILE), exc)
+        self._prune(keep=dest)
+        log.info("uploaded checkpoint %s", dest)
+        return dest
+
+    def _prune(self, keep: str) -> None:
+        if self.max_to_keep is None or self.max_to_keep < 1:
+            return
+        complete = [url for _, url in self.complete_checkpoints() if url != keep]
+        for url in complete[: max(0, len(complete) - (self.max_to_keep - 1))]:
+            try:
+                self.storage.remove(url, first=(MANIFEST_FILE,))
+            except StorageError as exc:
+                log.warning("could not delete old checkpoint %s: %s", url, exc)
+
+    def download(self, url: str, local: CheckpointManager) -> Path:
+        """The remote checkpoint ``url`` copied into ``local``'s folder and verified against its
+        manifest before it takes its name there (a partial or altered download never does)."""
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        if not STEP_DIR.match(name):
+            raise CheckpointError(f"{url} is not a checkpoint folder (global_step_<N>)")
+        local.root.mkdir(parents=True, exist_ok=True)
+        tmp = local.root / f".tmp-{name}-{os.getpid()}"  # a TMP_DIR name: clean_leftovers removes it if killed
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if not self.storage.exists(join(url, MANIFEST_FILE)):
+                raise CheckpointError(f"{url} has no {MANIFEST_FILE}: its upload did not finish")
+            self.storage.download(url, tmp)
+            if not (tmp / STATE_FILE).is_file():
+                raise CheckpointError(f"{url} is not a complete checkpoint: it has no {STATE_FILE}")
+            verify_checkpoint(tmp)
+        except StorageError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not download checkpoint {url}: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("downloaded checkpoint %s to %s", url, local.root / name)
+        return local.adopt(tmp, name)
+
+    def pull_newest(self, local: CheckpointManager) -> Path | None:
+        """Download the newest remote checkpoint newer than every intact local one (skipping, with
+        its reason, each that fails to download or verify); None when the local ones are as new."""
+        have = local.newest_intact_step()
+        for step, url in reversed(self.complete_checkpoints()):
+            if have is not None and step <= have:
+                return None
+            try:
+                return self.download(url, local)
+            except CheckpointError as exc:
+                log.error("skipping remote checkpoint %s: %s", url, exc)
+        return None

@@ -14,6 +14,11 @@ the base model's directory and the adapter's shape): the export loads the base m
 adapter into it with PEFT's ``merge_and_unload`` and writes the merged model, a plain Hugging Face
 directory of the base model's class and names (that path holds the whole model in memory).
 
+Either end may be in object storage (``s3://``, ``gs://``): a remote checkpoint (a
+``global_step_<N>`` folder, or a checkpoint folder whose newest complete one is taken) is
+downloaded and verified first; a remote ``out_dir`` is written and load-checked locally, then
+uploaded. Its bucket is checked before anything is read or written.
+
 Only the policy is exported: it is what a user deploys. A PPO checkpoint also holds the critic
 (``critic/model``, a Hugging Face token-classification model with one label, loadable with
 ``AutoModelForTokenClassification`` as it is); it is needed only to resume training.
@@ -24,14 +29,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, verify_checkpoint
+from hybridflow.controller.checkpoint import (
+    STATE_FILE,
+    STEP_DIR,
+    CheckpointError,
+    CheckpointManager,
+    RemoteCheckpoints,
+    verify_checkpoint,
+)
 from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm
 from hybridflow.models.lora import LORA_MANIFEST, merge_adapter_into_base, read_lora_manifest
 from hybridflow.training import sharded_checkpoint
 from hybridflow.training.engine import TRAINABLE_FILE
 from hybridflow.utils.files import give_default_modes
+from hybridflow.utils.storage import Storage, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +67,48 @@ def resolve_checkpoint(path: str | Path) -> Path:
 EXPORT_SHARD_BYTES = 1 << 30
 
 
+def _download_checkpoint(url: str, storage: Storage, staging: Path) -> Path:
+    """A remote checkpoint folder, or the newest complete one under a remote checkpoint folder,
+    downloaded into ``staging`` and verified."""
+    local = CheckpointManager(staging, max_to_keep=None)
+    parent, name = url.rstrip("/").rsplit("/", 1)
+    if STEP_DIR.match(name):
+        return RemoteCheckpoints(parent, storage, None).download(url, local)
+    found = RemoteCheckpoints(url, storage, None).pull_newest(local)
+    if found is None:
+        raise CheckpointError(f"{url} is not a checkpoint, nor a checkpoint folder holding a complete one")
+    return found
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False,
-                      max_shard_bytes: int = EXPORT_SHARD_BYTES) -> Path:
-    """Write the policy of ``checkpoint`` to ``out_dir`` as a Hugging Face directory; returns it."""
-    ckpt = resolve_checkpoint(checkpoint)
+                      max_shard_bytes: int = EXPORT_SHARD_BYTES, storage: Storage | None = None) -> Path | str:
+    """Write the policy of ``checkpoint`` to ``out_dir`` as a Hugging Face directory; returns it.
+    Either may be a URL, reached through ``storage``."""
+    storage = storage or Storage()
+    remote_out = str(out_dir) if is_remote(out_dir) else None
+    if remote_out is not None:
+        storage.check(remote_out, "root")  # no bucket or no credentials: fail before any work
+        if storage.listdir(remote_out) and not overwrite:
+            raise FileExistsError(f"{remote_out} exists and is not empty; choose another folder or pass --overwrite")
+    if not is_remote(checkpoint) and remote_out is None:
+        return _export_local(resolve_checkpoint(checkpoint), Path(out_dir).expanduser(), overwrite, max_shard_bytes)
+    with tempfile.TemporaryDirectory(prefix="hybridflow-export-") as tmp:
+        ckpt = _download_checkpoint(str(checkpoint), storage, Path(tmp) / "checkpoint") if is_remote(checkpoint) \
+            else resolve_checkpoint(checkpoint)
+        if remote_out is None:
+            return _export_local(ckpt, Path(out_dir).expanduser(), overwrite, max_shard_bytes)
+        local = _export_local(ckpt, Path(tmp) / "export", False, max_shard_bytes)
+        storage.remove(remote_out)  # only reached when empty or --overwrite
+        storage.upload(local, remote_out)
+        log.info("uploaded the export to %s", remote_out)
+        return remote_out
+
+
+def _export_local(ckpt: Path, out: Path, overwrite: bool, max_shard_bytes: int) -> Path:
     verify_checkpoint(ckpt)
     model_dir = ckpt / "actor" / "model"
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"{model_dir} holds no Hugging Face model (config.json missing)")
-    out = Path(out_dir).expanduser()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass --overwrite")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

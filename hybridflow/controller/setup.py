@@ -72,6 +72,7 @@ from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
+from hybridflow.utils.storage import Storage, StorageError, is_remote
 from hybridflow.utils.threads import stop_following
 from hybridflow.workers.actor import ActorSetup, ActorWorker, build_actor_policy_loss
 from hybridflow.workers.critic import CriticSetup, CriticWorker
@@ -178,6 +179,7 @@ class RunSetup:
     weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
     timeline: Timeline = field(default_factory=Timeline.disabled)  # trainer.timeline: <output_dir>/timeline.json
+    storage: Storage = field(default_factory=Storage)  # how to reach s3:// and other URLs (storage.*)
     # The actor's method whose rank-0 result an object-store sync hands the rollout: its weights, or
     # only its LoRA adapter (actor.lora.sync=adapter), which the rollout workers merge themselves.
     actor_weights: Callable[[ActorWorker], list[tuple[str, torch.Tensor]]] = ActorWorker.weights_for_sync
@@ -262,6 +264,48 @@ def resolve_output_dir(cfg: Config) -> Path:
     return out
 
 
+def remote_paths(cfg: Config) -> list[tuple[str, str, str]]:
+    """(dotted key, URL, what it must be) for every object-storage URL in the config: ``file``,
+    ``dir`` (must exist) or ``root`` (a folder the run writes; its bucket must exist)."""
+    found = [(f"data.{key}[{i}]", url, "file") for key in ("train_files", "val_files")
+             for i, url in enumerate(getattr(cfg.data, key)) if is_remote(url)]
+    t = cfg.trainer
+    found += [(key, url, kind) for key, url, kind in (
+        ("model.path", cfg.model.path, "dir"),
+        ("trainer.checkpoint_dir", t.checkpoint_dir, "root"),
+        ("trainer.resume_from_path", t.resume_from_path if t.resume_mode == "path" else None, "dir"),
+    ) if is_remote(url)]
+    return found
+
+
+def check_storage(cfg: Config, storage: Storage) -> None:
+    """Reach every URL in the config now, before any model loads: missing credentials, a
+    missing bucket or file fail in a second with the URL and the key, not after the download of
+    a model or at the first checkpoint an hour in."""
+    for key, url, kind in remote_paths(cfg):
+        try:
+            storage.check(url, kind)
+        except StorageError as error:
+            raise ConfigError(f"{key}={url}: {error}", key=key) from error
+    if is_remote(cfg.trainer.output_dir):
+        raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir} must be a local folder (metrics, logs and the "
+                          f"staging copy of each checkpoint go there); put the URL in trainer.checkpoint_dir to keep "
+                          f"the checkpoints in object storage", key="trainer.output_dir")
+
+
+def fetch_model(cfg: Config, storage: Storage) -> str:
+    """``model.path``, downloaded into ``storage.cache_dir`` first when it is a URL (verified,
+    reused while unchanged; see ``Storage.fetch_tree``). Every loader then reads the local copy."""
+    if not is_remote(cfg.model.path):
+        return cfg.model.path
+    try:
+        local = storage.fetch_tree(cfg.model.path, cfg.storage.cache_dir)
+    except (StorageError, OSError) as error:
+        raise ConfigError(f"model.path={cfg.model.path}: {error}", key="model.path") from error
+    log.info("model.path=%s: loading the local copy %s", cfg.model.path, local)
+    return str(local)
+
+
 def check_model_path(path: str) -> Path | None:
     """``model.path`` as a local model directory (None for the built-in model), checked before
     anything loads or any output is written."""
@@ -334,8 +378,9 @@ def warm_start_recipe(task: str, w: WarmStartConfig, train_size: int) -> WarmSta
     return WarmStartRecipe(spec, arithmetic_sft_pairs(rows, w.teacher_slip_rate), [], f"arithmetic-train-{len(rows)}-s{seed}")
 
 
-def resolve_builtin(cfg: Config, device: torch.device) -> tuple[str, list[str], list[str]]:
-    """(model dir, train files, val files) with ``builtin:*`` and empty data turned into files."""
+def resolve_builtin(cfg: Config, device: torch.device, model_path: str | None = None) -> tuple[str, list[str], list[str]]:
+    """(model dir, train files, val files) with ``builtin:*`` and empty data turned into files.
+    ``model_path``: the model's local folder when it is not ``model.path`` itself (a download)."""
     cache = Path(cfg.warm_start.cache_dir).expanduser()
     train_files, val_files = list(cfg.data.train_files), list(cfg.data.val_files)
     d = cfg.data
@@ -345,7 +390,7 @@ def resolve_builtin(cfg: Config, device: torch.device) -> tuple[str, list[str], 
         train_path, val_path = write(cache / "data" / name, d.builtin_train_size, d.builtin_val_size, BUILTIN_TASK_SEED)
         train_files = [str(train_path)]
         val_files = val_files or [str(val_path)]
-    model_path = cfg.model.path
+    model_path = model_path or cfg.model.path
     if model_path == BUILTIN_TINY:
         warm, reason = warm_start_decision(cfg.warm_start.enable, model_path)
         log.info("built-in model: %s", reason)
@@ -697,7 +742,12 @@ def build_run(cfg: Config) -> RunSetup:
     needs, kl_controller, agent = plugins.estimator_needs, plugins.kl_controller, plugins.agent
     t, d, a = cfg.trainer, cfg.data, cfg.actor
     device = config_device(t.device)
-    check_model_path(cfg.model.path)
+    storage = Storage(endpoint_url=cfg.storage.endpoint_url)
+    check_storage(cfg, storage)
+    local_model = fetch_model(cfg, storage)
+    check_model_path(local_model)
+    if local_model != cfg.model.path:  # resolve_plugins could not read a remote config.json
+        check_rollout_model(local_model, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
     output_dir = resolve_output_dir(cfg)
     threads = configure_threads(t.num_threads)
     seed_everything(t.seed)
@@ -705,7 +755,7 @@ def build_run(cfg: Config) -> RunSetup:
     log.info("output: %s  device: %s  torch threads: %d", output_dir, device, threads)
 
     # 2-3. Files, data and the plan.
-    model_path, train_files, val_files = resolve_builtin(cfg, device)
+    model_path, train_files, val_files = resolve_builtin(cfg, device, local_model)
     chat_template = policy_chat_template(cfg.data)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, chat_template)
     # Without a custom reward function only the built-in scorers can score a row: check each
@@ -715,7 +765,7 @@ def build_run(cfg: Config) -> RunSetup:
     scorable = None if cfg.reward.custom_reward_function.path or replaced else known_data_sources()
     data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
                        filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
-                       data_sources=scorable)
+                       data_sources=scorable, storage=storage)
     train_data = RLDataset.from_files(train_files, tokenizer, **data_kwargs)
     log.info("train data: %s", train_data.describe())
     val_data = RLDataset.from_files(val_files, tokenizer, **data_kwargs) if val_files else None
@@ -835,5 +885,6 @@ def build_run(cfg: Config) -> RunSetup:
         tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
         rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,
+        storage=storage,
     )
 

@@ -21,12 +21,13 @@ from typing import Any
 from hybridflow.config import config_to_yaml
 from hybridflow.controller import phases
 from hybridflow.controller.profiling import profiled_step
-from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager
+from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, RemoteCheckpoints
 from hybridflow.controller.setup import RunSetup
 from hybridflow.tracking.health import HealthMonitor, HealthThresholds
 from hybridflow.types import TrainBatch
 from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.seed import capture_rng_state, restore_rng_state
+from hybridflow.utils.storage import is_remote
 from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import Watchdog, activity, parse_phase_timeouts
 from hybridflow.workers.actor import ActorWorker
@@ -44,7 +45,14 @@ class Trainer:
     def __init__(self, run: RunSetup) -> None:
         self.run = run
         self.cfg = run.cfg
-        self.checkpoints = CheckpointManager(run.output_dir / "checkpoints", self.cfg.trainer.max_ckpt_to_keep)
+        t = self.cfg.trainer
+        # trainer.checkpoint_dir: a local folder is the checkpoints' home; a URL is their home and
+        # <output_dir>/checkpoints stages them (written and verified there, then uploaded).
+        local_root = Path(t.checkpoint_dir).expanduser() if t.checkpoint_dir and not is_remote(t.checkpoint_dir) \
+            else run.output_dir / "checkpoints"
+        self.checkpoints = CheckpointManager(local_root, t.max_ckpt_to_keep)
+        self.remote = RemoteCheckpoints(t.checkpoint_dir, run.storage, t.max_ckpt_to_keep) \
+            if is_remote(t.checkpoint_dir) else None
         self.step = 0
         # Weight versions: the number of updates behind the actor's weights and behind the ones
         # on the rollout replicas. A loop that generates ahead trains on samples from older
@@ -177,10 +185,12 @@ class Trainer:
         state |= self.loop_state()
         critic = run.critic
         roles = {"critic": lambda d: critic.call_all(CriticWorker.save_checkpoint, str(d))} if critic else {}
-        self.checkpoints.save(
+        saved = self.checkpoints.save(
             self.step, state, write_actor=lambda d: run.actor.call_all(ActorWorker.save_checkpoint, str(d)),
             extra_files={"config.yaml": config_to_yaml(self.cfg)}, write_roles=roles,
         )
+        if self.remote is not None:
+            self.remote.upload(saved)
 
     def resume(self) -> None:
         """Continue from a checkpoint (``trainer.resume_mode``). ``auto`` takes the newest one that
@@ -191,7 +201,14 @@ class Trainer:
         self.checkpoints.clean_leftovers()
         if t.resume_mode == "disable":
             return
-        found = self.checkpoints.resume(t.resume_mode, t.resume_from_path, load=self._load_checkpoint)
+        path = t.resume_from_path
+        if t.resume_mode == "path" and is_remote(path):
+            assert path is not None
+            path = str(RemoteCheckpoints(path.rstrip("/").rsplit("/", 1)[0], self.run.storage, None).download(
+                path, self.checkpoints))
+        elif t.resume_mode == "auto" and self.remote is not None:
+            self.remote.pull_newest(self.checkpoints)
+        found = self.checkpoints.resume(t.resume_mode, path, load=self._load_checkpoint)
         if found is None:
             return
         ckpt, state = found

@@ -21,6 +21,7 @@ gives). For JSON lines the 1-based line number is added, because that is what an
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -28,8 +29,10 @@ import os
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, overload
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Protocol, overload
+
+from hybridflow.utils.storage import Storage, StorageError, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -143,76 +146,97 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _read_parquet(path: Path) -> list[_Record]:
+def _read_parquet(path: Path | str, storage: Storage | None = None) -> list[_Record]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        if is_remote(path):
+            # pyarrow reads through the fsspec filesystem: row groups are fetched by range, no local copy.
+            assert storage is not None
+            fs, inner = storage.filesystem(str(path))
+            table = pq.read_table(inner, filesystem=fs)
+        else:
+            table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
+    except StorageError as exc:
+        raise DataError(str(exc)) from exc
     return [_Record(row=i, where=f"row {i}", value=v) for i, v in enumerate(table.to_pylist())]
 
 
-def _read_json_lines(path: Path) -> list[_Record]:
+def _read_json_lines(fh: BinaryIO) -> list[_Record]:
     records: list[_Record] = []
-    with path.open("rb") as fh:
-        for line_number, raw in enumerate(fh, start=1):
-            row = len(records)
-            where = f"row {row} (line {line_number})"
-            try:
-                # utf-8-sig on the first line tolerates a byte-order mark from Windows editors.
-                text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                records.append(_Record(row, where, None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"))
-                continue
-            if not text.strip():
-                continue  # blank lines (a trailing newline, spacing) are not records
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                records.append(_Record(row, where, None, f"invalid JSON: {exc.msg} at column {exc.colno}"))
-                continue
-            records.append(_Record(row, where, value))
+    for line_number, raw in enumerate(fh, start=1):
+        row = len(records)
+        where = f"row {row} (line {line_number})"
+        try:
+            # utf-8-sig on the first line tolerates a byte-order mark from Windows editors.
+            text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            records.append(_Record(row, where, None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"))
+            continue
+        if not text.strip():
+            continue  # blank lines (a trailing newline, spacing) are not records
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            records.append(_Record(row, where, None, f"invalid JSON: {exc.msg} at column {exc.colno}"))
+            continue
+        records.append(_Record(row, where, value))
     return records
 
 
-def _read_json_array(path: Path) -> list[_Record]:
+def _read_json_array(path: Path | str, data: bytes) -> list[_Record]:
     try:
-        values = json.loads(path.read_text(encoding="utf-8-sig"))
+        values = json.loads(data.decode("utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         where = f"line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "decoding"
         raise DataError(f"{path}: invalid JSON array ({where}: {exc})") from exc
     return [_Record(row=i, where=f"row {i}", value=v) for i, v in enumerate(values)]
 
 
-def _starts_with_bracket(path: Path) -> bool:
-    with path.open("rb") as fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    return head.startswith(b"[")
+def _starts_with_bracket(data: bytes) -> bool:
+    return data[:4096].lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def _read_records(path: str | os.PathLike[str]) -> list[_Record]:
-    """Parse a file into records; a record that does not parse carries its error instead."""
-    p = Path(path).expanduser()
-    suffix = p.suffix.lower()
+def _read_records(path: str | os.PathLike[str], storage: Storage | None = None) -> list[_Record]:
+    """Parse a file (a local path, or a URL read through ``storage``) into records; a record
+    that does not parse carries its error instead."""
+    remote = is_remote(path)
+    p: Path | str = str(path) if remote else Path(path).expanduser()
+    suffix = PurePosixPath(str(p)).suffix.lower()
     if suffix not in PARQUET_SUFFIXES + JSON_SUFFIXES:
         raise DataError(
             f"{path}: unsupported file type {suffix or '(no extension)'!r}; "
             "expected .parquet, .jsonl or .json (JSON lines, or one JSON array)"
         )
-    if not p.is_file():
-        raise DataError(f"{path}: no such file" if not p.exists() else f"{path}: not a regular file")
+    if remote:
+        storage = storage or Storage()
+        try:
+            storage.check(str(p), "file")
+        except StorageError as exc:
+            raise DataError(str(exc)) from exc
+    else:
+        assert isinstance(p, Path)
+        if not p.is_file():
+            raise DataError(f"{path}: no such file" if not p.exists() else f"{path}: not a regular file")
     if suffix in PARQUET_SUFFIXES:
-        return _read_parquet(p)
+        return _read_parquet(p, storage)
+    try:
+        # JSON files are read whole: they are small next to the parquet a large dataset comes in.
+        with (storage.open(str(p)) if remote and storage else open(p, "rb")) as fh:
+            data = fh.read()
+    except StorageError as exc:
+        raise DataError(str(exc)) from exc
     # A .json file is read as JSON lines unless it is one top-level array: both are common
     # exports, and telling them apart by the first character is unambiguous.
-    if suffix == ".json" and _starts_with_bracket(p):
-        return _read_json_array(p)
-    return _read_json_lines(p)
+    if suffix == ".json" and _starts_with_bracket(data):
+        return _read_json_array(p, data)
+    return _read_json_lines(io.BytesIO(data))
 
 
-def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def load_rows(path: str | os.PathLike[str], storage: Storage | None = None) -> list[dict[str, Any]]:
     """All rows of a .parquet, .jsonl or .json file as dicts, in file order.
 
     Raises ``DataError`` naming the file and the row (and line, for JSON lines) on the first
@@ -220,7 +244,7 @@ def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     extension. Row contents are not validated here; ``RLDataset.from_files`` does that.
     """
     rows: list[dict[str, Any]] = []
-    for record in _read_records(path):
+    for record in _read_records(path, storage):
         if record.parse_error is not None:
             raise DataError(f"{path} {record.where}: {record.parse_error}")
         if not isinstance(record.value, dict):
@@ -419,6 +443,7 @@ class RLDataset(Sequence[PromptRow]):
         filter_overlong_prompts: bool = True,
         on_bad_row: str = "error",
         data_sources: Collection[str] | None = None,
+        storage: Storage | None = None,
     ) -> RLDataset:
         """Load, validate and tokenize every row of ``files`` (concatenated in order).
 
@@ -431,6 +456,7 @@ class RLDataset(Sequence[PromptRow]):
           run's reward can score) is malformed too: found here, not at the first step that
           samples it, minutes into the run.
         - A dataset left empty raises ``DataError`` saying what removed the rows.
+        - A file given as a URL (``s3://``, ``gs://``) is read through ``storage`` (its endpoint).
         """
         file_list = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         if not file_list:
@@ -455,7 +481,7 @@ class RLDataset(Sequence[PromptRow]):
             first_problem.setdefault(problem.reason, message)
 
         for path in map(str, file_list):
-            records = _read_records(path)
+            records = _read_records(path, storage)
             if not records:
                 logger.warning("dataset file %s has no rows", path)
             _check_prompt_column(path, records, prompt_key)
