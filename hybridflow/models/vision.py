@@ -119,3 +119,27 @@ def load_vision_language_model(
             p, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=True
         )
     return model.to(device)
+
+
+def mrope_position_ids(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: torch.Tensor
+) -> torch.Tensor:
+    """M-RoPE position ids of a padded batch with images.  # (B, L) -> (3, B, L)
+
+    Qwen2-VL rotates each head's frequencies in three sections by (temporal, height, width)
+    positions: an image token's are its patch's place in the image, text tokens' are all three
+    the running position, which after an image resumes at its start + max(h, w) / merge_size.
+    The model's own ``get_rope_index`` computes them; they are passed to the forward explicitly
+    because, left to itself, the model caches ``rope_deltas`` between calls (a generation's state
+    that a training forward must not read). ``image_grid_thw`` lists the images of all rows in
+    row order; padding (attention_mask 0) gets position 0.
+    """
+    inner = getattr(model, "model", model)
+    get_rope_index = getattr(inner, "get_rope_index", None)
+    if get_rope_index is None:
+        raise TypeError(f"{type(model).__name__} has no get_rope_index: not a Qwen2-VL-style model")
+    token_types = (input_ids == model.config.image_token_id).to(torch.int32)
+    position_ids, _ = get_rope_index(
+        input_ids, mm_token_type_ids=token_types, image_grid_thw=image_grid_thw, attention_mask=attention_mask
+    )
+    return position_ids
