@@ -62,7 +62,7 @@ from hybridflow.data.tasks.calculator import (
     make_calculator_rows,
     write_calculator_task,
 )
-from hybridflow.models.loading import check_model_dir, check_sequence_classifier, load_tokenizer
+from hybridflow.models.loading import VL_MODEL_TYPES, check_model_dir, check_sequence_classifier, load_tokenizer
 from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
 from hybridflow.rollout.base import engine_model_problem, engine_unavailable
@@ -290,6 +290,14 @@ def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1) -
         model_config = json.loads(config_file.read_text())
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.path={path!r}: cannot read config.json ({error})", key="model.path") from error
+    if model_config.get("model_type") in VL_MODEL_TYPES:
+        # Refused for every engine: the native one is text-only, and vLLM/SGLang would be handed
+        # token ids without the images behind them (a silently blind policy).
+        raise ConfigError(
+            f"model.path={path!r} is a {model_config['model_type']} vision-language model: its image data, "
+            "loading and the trainer's forward with images are built, but no rollout engine generates from "
+            "images yet, so RL on it cannot run (README, supported architectures)", key="model.path",
+        )
     problem = engine_model_problem(engine, model_config, tensor_parallel_size)
     if problem is not None:
         raise ConfigError(f"model.path={path!r} with rollout.name={engine}: {problem}", key="model.path")

@@ -1,4 +1,5 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL): detecting them, their image processor, loading.
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL): detecting them, their image processor, M-RoPE
+positions. The model itself loads with ``hybridflow.models.loading.load_causal_lm``.
 
 Why not ``AutoProcessor``: transformers' Qwen2-VL processor always builds a video processor as
 well, and that needs torchvision, which a text-RL install does not have. A prompt needs only
@@ -18,11 +19,11 @@ from typing import Any
 
 import torch
 
-from hybridflow.models.loading import check_model_dir, hf_progress_bars_off
+from hybridflow.models.loading import VL_MODEL_TYPES, check_model_dir, hf_progress_bars_off
 
-# The model types whose processor and forward this module knows (same token scheme, same
-# get_rope_index): Qwen2-VL and Qwen2.5-VL.
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# VL_MODEL_TYPES: the model types whose processor and forward this module knows (same token
+# scheme, same get_rope_index); ``load_causal_lm`` loads them with their vision tower.
+__all__ = ["VL_MODEL_TYPES", "VisionProcessor", "is_vision_language", "load_vision_processor", "mrope_position_ids"]
 IMAGE_TOKEN = "<|image_pad|>"
 
 
@@ -97,28 +98,6 @@ def load_vision_processor(path: str | os.PathLike, tokenizer, trust_remote_code:
     if image_token_id is None or image_token_id == tokenizer.unk_token_id:
         raise ValueError(f"the tokenizer in {p} has no {IMAGE_TOKEN} token; is it the model's own tokenizer?")
     return VisionProcessor(image_processor, int(image_token_id), int(image_processor.merge_size))
-
-
-def load_vision_language_model(
-    path: str | os.PathLike,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    trust_remote_code: bool = False,
-):
-    """A vision-language model from a local directory (``AutoModelForImageTextToText``: for
-    qwen2_vl ``Qwen2VLForConditionalGeneration``, whose forward takes ``pixel_values`` and
-    ``image_grid_thw`` and computes M-RoPE position ids itself), safetensors only."""
-    from transformers import AutoModelForImageTextToText
-
-    p = check_model_dir(path)
-    if not is_vision_language(p):
-        raise ValueError(f"{p} holds model_type {model_type_of(p)!r}, not one of {', '.join(VL_MODEL_TYPES)}")
-    with hf_progress_bars_off():
-        model = AutoModelForImageTextToText.from_pretrained(
-            p, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=True
-        )
-    return model.to(device)
 
 
 def mrope_position_ids(

@@ -147,3 +147,15 @@ def test_a_supported_model_type_passes_the_set_up_check(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_act": "silu",
                                                       "sliding_window": 4096}))
     resolve_plugins(make_config(overrides=[f"model.path={tmp_path}"]))
+
+
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+def test_a_vision_language_model_fails_at_set_up_until_a_rollout_generates_from_images(tmp_path, engine):
+    import json
+
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.setup import check_rollout_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    with pytest.raises(ConfigError, match="is a qwen2_vl vision-language model: .* no rollout engine generates from images"):
+        check_rollout_model(str(tmp_path), engine)
