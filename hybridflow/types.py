@@ -63,6 +63,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str = ""
+    # The prompt's images (its ids hold their image tokens); only an engine that runs a vision
+    # tower takes them (hybridflow.rollout.hf_vision), the others refuse a request that has them.
+    multi_modal: MultiModalInputs | None = None
 
 
 @dataclass(frozen=True)

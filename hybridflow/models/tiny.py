@@ -248,6 +248,16 @@ def build_tiny_vl_model(spec: TinyVLSpec = TinyVLSpec(), seed: int = 0):
     return model
 
 
+def build_tiny_vl_processor():
+    """The tiny model's ``VisionProcessor`` (PIL image processor, small pixel budget), in memory."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from hybridflow.models.vision import VisionProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=VL_MIN_PIXELS, max_pixels=VL_MAX_PIXELS)
+    return VisionProcessor(image_processor, VL_TOKEN_IDS["<|image_pad|>"], int(image_processor.merge_size))
+
+
 def write_tiny_vl_model(out_dir: str | os.PathLike, spec: TinyVLSpec = TinyVLSpec(), seed: int = 0) -> Path:
     """Write a random-init tiny Qwen2-VL, its tokenizer and its image processor as a Hugging
     Face directory (config.json, model.safetensors, tokenizer files, preprocessor_config.json).
@@ -256,13 +266,11 @@ def write_tiny_vl_model(out_dir: str | os.PathLike, spec: TinyVLSpec = TinyVLSpe
     with a small pixel budget. No processor_config.json is written: transformers' Qwen2-VL
     processor also builds a video processor, which needs torchvision; hybridflow loads the
     tokenizer and the image processor separately (``hybridflow.models.vision``)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with hf_progress_bars_off():
         build_tiny_vl_model(spec, seed).save_pretrained(out, safe_serialization=True)
     build_tiny_tokenizer(VL_SPECIAL_TOKENS, VL_CHAT_TEMPLATE).save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=VL_MIN_PIXELS, max_pixels=VL_MAX_PIXELS).save_pretrained(out)
+    build_tiny_vl_processor().image_processor.save_pretrained(out)
     give_default_modes(out)
     return out

@@ -101,7 +101,7 @@ def load_vision_processor(path: str | os.PathLike, tokenizer, trust_remote_code:
 
 
 def mrope_position_ids(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: torch.Tensor
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: torch.Tensor | None
 ) -> torch.Tensor:
     """M-RoPE position ids of a padded batch with images.  # (B, L) -> (3, B, L)
 
@@ -111,7 +111,7 @@ def mrope_position_ids(
     The model's own ``get_rope_index`` computes them; they are passed to the forward explicitly
     because, left to itself, the model caches ``rope_deltas`` between calls (a generation's state
     that a training forward must not read). ``image_grid_thw`` lists the images of all rows in
-    row order; padding (attention_mask 0) gets position 0.
+    row order (None: no images); padding (attention_mask 0) gets position 0.
     """
     inner = getattr(model, "model", model)
     get_rope_index = getattr(inner, "get_rope_index", None)

@@ -228,6 +228,15 @@ class _NoModel(Exception):
     """Raised inside a probe that has no model to measure."""
 
 
+def refuse_images(request: GenerationRequest, engine: str) -> None:
+    """A text-only engine's check: a request with images would otherwise be generated from its
+    image tokens alone, a silently blind sample."""
+    if request.multi_modal is not None:
+        label = repr(request.request_id) if request.request_id else "(no request_id)"
+        raise ValueError(f"request {label} has images, and the {engine} rollout engine generates from text only "
+                         "(hybridflow.rollout.hf_vision.HFVisionEngine runs a vision-language model)")
+
+
 def serve_batch(
     generate: Callable[[GenerationRequest], Awaitable[list[Trajectory]]],
     requests: list[GenerationRequest],

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from hybridflow.algorithms import agg_loss, batch_counts
-from hybridflow.models.tiny import VL_CHAT_TEMPLATE, VL_SPECIAL_TOKENS, VL_TOKEN_IDS, build_tiny_tokenizer, build_tiny_vl_model
+from hybridflow.models.tiny import (
+    VL_CHAT_TEMPLATE,
+    VL_SPECIAL_TOKENS,
+    VL_TOKEN_IDS,
+    build_tiny_tokenizer,
+    build_tiny_vl_model,
+    build_tiny_vl_processor,
+)
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import MultiModalInputs, Trajectory, collate_trajectories
 
@@ -22,13 +29,11 @@ def threads():
 
 @pytest.fixture(scope="module")
 def vision():
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return vision_processor()
 
-    from hybridflow.models.tiny import VL_MAX_PIXELS, VL_MIN_PIXELS
-    from hybridflow.models.vision import VisionProcessor
 
-    processor = Qwen2VLImageProcessorPil(min_pixels=VL_MIN_PIXELS, max_pixels=VL_MAX_PIXELS)
-    return VisionProcessor(processor, VL_TOKEN_IDS["<|image_pad|>"], 2)
+def vision_processor():
+    return build_tiny_vl_processor()
 
 
 def square(colour, size=(56, 56)):
