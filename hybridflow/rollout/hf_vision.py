@@ -150,7 +150,9 @@ class HFVisionEngine:
     def weight_update(self, version: int | None = None) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:
         """Takes the generation lock: a request in flight finishes on the old weights, the next
         one starts on the new. ``version`` is accepted and not recorded (no token versions)."""
-        params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        # The state dict's names, tied aliases included (lm_head.weight with tied embeddings): a
+        # sync sends every name the trainer's state dict has.
+        params = self.model.state_dict(keep_vars=True)
 
         def apply(bucket: list[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in bucket:
