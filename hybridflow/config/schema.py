@@ -71,8 +71,10 @@ class DataConfig:
         "arithmetic",
         "The built-in task used when train_files is empty: arithmetic (carry-free sums, answered directly) | "
         "calculator (products of two-digit numbers, solved by calling the calculator tool; needs "
-        "rollout.multi_turn.enable=true and the calculator tool, as in --preset tool_agent).",
-        choices=("arithmetic", "calculator"),
+        "rollout.multi_turn.enable=true and the calculator tool, as in --preset tool_agent) | colour_square "
+        "(which colour is the square in a generated image; needs a vision-language model.path and "
+        "rollout.name=hf_vision; no warm start yet).",
+        choices=("arithmetic", "calculator", "colour_square"),
     )
     builtin_train_size: int = f(4096, "Rows of the built-in task's training split.")
     builtin_val_size: int = f(256, "Rows of the built-in task's test split.")

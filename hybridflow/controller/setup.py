@@ -62,6 +62,7 @@ from hybridflow.data.tasks.calculator import (
     make_calculator_rows,
     write_calculator_task,
 )
+from hybridflow.data.tasks.colour_square import write_colour_square_task
 from hybridflow.models.loading import VL_MODEL_TYPES, check_model_dir, check_sequence_classifier, load_tokenizer
 from hybridflow.models.vision import is_vision_language, load_vision_processor
 from hybridflow.rewards.judge import JudgeSettings
@@ -85,7 +86,10 @@ log = logging.getLogger(__name__)
 
 BUILTIN_TASK_SEED = 0
 # data.builtin_task -> the writer of its train/test parquet files.
-BUILTIN_TASK_WRITERS = {"arithmetic": write_arithmetic_task, "calculator": write_calculator_task}
+BUILTIN_TASK_WRITERS = {"arithmetic": write_arithmetic_task, "calculator": write_calculator_task,
+                        "colour_square": write_colour_square_task}
+# Built-in tasks whose rows have images: they need a vision-language model.path.
+VISUAL_TASKS = frozenset({"colour_square"})
 # Loops that run a row in one generation, what a run without rollout.multi_turn does anyway.
 SINGLE_TURN_AGENTS = frozenset({"single_turn", "single_turn_agent"})
 # rollout.weight_sync, resolved (``auto`` becomes one of them).
@@ -311,7 +315,16 @@ def check_vision_language_run(cfg: Config) -> None:
     """What a vision-language ``model.path`` cannot do yet, refused before anything loads: agent
     loops (they build their own requests, without the row's images), a critic (the value model
     reads text only) and sequence parallelism (packed rows only, and image rows run padded)."""
+    visual_task = not cfg.data.train_files and cfg.data.builtin_task in VISUAL_TASKS
     if cfg.model.path.startswith("builtin:") or not is_vision_language(cfg.model.path):
+        if visual_task:
+            # The built-in model is text-only and its warm start is the arithmetic one; there is
+            # no built-in vision-language model or visual warm start yet.
+            raise ConfigError(
+                f"data.builtin_task={cfg.data.builtin_task} asks about images: set model.path to a vision-language "
+                "model directory (qwen2_vl, qwen2_5_vl; hybridflow.models.tiny.write_tiny_vl_model writes a tiny "
+                "random one) and rollout.name=hf_vision", key="data.builtin_task",
+            )
         return
     problems = {
         "rollout.multi_turn.enable": cfg.rollout.multi_turn.enable and "agent loops do not pass images on yet",

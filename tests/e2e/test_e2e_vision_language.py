@@ -54,3 +54,18 @@ def test_a_tiny_qwen2_vl_trains_two_grpo_steps_on_image_rows(tmp_path):
     assert metrics["training/global_step"] == 2
     assert all(math.isfinite(metrics[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"))
     assert metrics["rollout_corr/log_ratio_abs_mean"] < 1e-4
+
+
+def test_the_built_in_visual_task_runs_with_validation(tmp_path):
+    """data.builtin_task=colour_square writes its image rows, validates and trains (no warm start
+    exists yet, so a random model's score is not expected to rise in two steps)."""
+    model_dir = write_tiny_vl_model(tmp_path / "model")
+    cfg = api.make_config("grpo", overrides=[
+        f"model.path={model_dir}", "rollout.name=hf_vision", "data.builtin_task=colour_square",
+        "data.builtin_train_size=8", "data.builtin_val_size=4", f"warm_start.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path / 'run'}", *[o for o in SMALL if "val_before_train" not in o and "max_prompt_length" not in o],
+        "trainer.val_before_train=true", "data.max_prompt_length=128",
+    ])
+    metrics = api.train(cfg).final_metrics
+    assert metrics["training/global_step"] == 2
+    assert 0.0 <= metrics["critic/score/mean"] <= 1.0
