@@ -69,6 +69,14 @@ class HFVisionEngine:
         self._generator = torch.Generator().manual_seed(seed)
         # One forward at a time, and never during a weight update: generate holds it per request.
         self._lock = threading.Lock()
+        # Placeholder tokens are never sampled: the model's forward takes every image token in its
+        # input for a slot of image features, so one in a response would break the trainer's
+        # forward of that sample. Filtered like top-k (which token is drawn, not its logprob).
+        config = self.model.config
+        self._placeholders = torch.tensor(
+            [t for t in (config.image_token_id, getattr(config, "video_token_id", None)) if t is not None],
+            device=self.device,
+        )
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: GenerationRequest) -> list[Trajectory]:
@@ -113,7 +121,7 @@ class HFVisionEngine:
         stopped: list[int | None] = [None] * n
         for t in range(params.max_tokens):
             sampling = SamplingTensors.from_params([params] * n, keys, [t] * n, self.device)
-            drawn, drawn_logprobs = sample_tokens(logits, sampling)
+            drawn, drawn_logprobs = sample_tokens(logits, sampling, adjust=self._no_placeholders)
             for row in range(n):
                 if stopped[row] is None and len(tokens[row]) == t:
                     token = int(drawn[row])
@@ -140,6 +148,9 @@ class HFVisionEngine:
             )
             for row in range(n)
         ]
+
+    def _no_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_fill(-1, self._placeholders, float("-inf"))
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:

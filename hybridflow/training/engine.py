@@ -266,11 +266,16 @@ class TrainEngine:
         images = [m for m in batch.multi_modal or () if m is not None]
         if not images:
             return inputs
+        image_token_id = self.model.config.image_token_id
+        if bool((batch.responses == image_token_id).any()):
+            # The forward would take it for a slot of image features and fail on the count.
+            raise ValueError(f"a response holds the image placeholder token {image_token_id}: a rollout engine for "
+                             "vision-language models must never sample it (hf_vision filters it out)")
         grid = torch.cat([m.image_grid_thw for m in images]).to(self.device)
         inputs.update(
             pixel_values=torch.cat([m.pixel_values for m in images]).to(self.device),
             image_grid_thw=grid,
-            mm_token_type_ids=(batch.input_ids == self.model.config.image_token_id).to(torch.int32),
+            mm_token_type_ids=(batch.input_ids == image_token_id).to(torch.int32),
             position_ids=mrope_position_ids(self.model, batch.input_ids, batch.attention_mask, grid),
         )
         return inputs

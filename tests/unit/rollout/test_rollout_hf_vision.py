@@ -114,3 +114,23 @@ def test_the_native_engine_refuses_a_request_with_images():
     request = requests(temperature=1.0)[0]
     with pytest.raises(ValueError, match="has images, and the native rollout engine generates from text only"):
         engine.generate_batch([request])
+
+
+def test_image_placeholders_are_never_sampled_and_the_trainer_names_one_in_a_response():
+    """A model that prefers the image token still never emits it (the trainer's forward would take
+    it for a slot of image features); the logprobs stay the unfiltered ones the trainer computes."""
+    model = build_tiny_vl_model(seed=8)
+    image_pad = VL_TOKEN_IDS["<|image_pad|>"]
+    with torch.no_grad():
+        model.lm_head.weight[image_pad] *= 50.0  # tied: also the image token's input embedding, as it happens
+    engine = HFVisionEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=PAD)
+    samples = [t for group in engine.generate_batch(requests(temperature=1.0)) for t in group]
+    assert all(image_pad not in t.response_ids for t in samples)
+    batch = collate_trajectories(samples, pad_token_id=PAD)
+    trainer = TrainEngine(copy.deepcopy(model), optim=None, device=torch.device("cpu"))
+    logprobs, _ = trainer.compute_logprobs(batch, temperature=1.0, micro_batch_size=4)
+    mask = batch.response_mask.bool()
+    assert (logprobs[mask] - batch.rollout_logprobs[mask]).abs().max() < 1e-4
+    samples[0].response_ids[0] = image_pad
+    with pytest.raises(ValueError, match="a response holds the image placeholder token"):
+        trainer.compute_logprobs(collate_trajectories(samples, pad_token_id=PAD), temperature=1.0, micro_batch_size=4)
