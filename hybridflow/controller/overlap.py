@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from hybridflow.agents import answer_view
 from hybridflow.data import PromptRow
+from hybridflow.data.dataset import ImageInputs, row_multi_modal
 from hybridflow.rewards import judge
 from hybridflow.rewards.tally import RewardTally
 from hybridflow.tracking import reduce_metrics
@@ -39,13 +40,14 @@ METRIC_REWARD_OVERLAPPED = "perf/reward_overlapped_s"
 
 
 def round_requests(rows: list[PromptRow], params: SamplingParams, seed: int,
-                   seed_scope: tuple[int, ...]) -> list[GenerationRequest]:
+                   seed_scope: tuple[int, ...], vision: ImageInputs | None = None) -> list[GenerationRequest]:
     """The requests of a round: seeds depend only on (run seed, scope, position), so a resumed run
-    draws the same samples, whichever replica serves them and whenever."""
+    draws the same samples, whichever replica serves them and whenever. A row's images become
+    its request's pixels here (``vision``: the VL model's processor), travelling on to the batch."""
     return [
         GenerationRequest(prompt_ids=row.prompt_ids,
                           params=SamplingParams(**{**vars(params), "seed": derive_seed(seed, *seed_scope, i)}),
-                          request_id=row.source)
+                          request_id=row.source, multi_modal=row_multi_modal(row, vision))
         for i, row in enumerate(rows)
     ]
 
@@ -56,7 +58,7 @@ def generate_and_score(
     """``phases.generate`` then ``phases.score_answers`` of the round, overlapped (module docstring):
     the round's trajectories grouped by prompt (``group_id`` = row index), scored, and the reward
     metrics."""
-    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope)
+    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope, run.vision)
     metadata = [row.metadata() for row in rows]
     # Only agent loops read the row fields: a single-turn run sends the requests alone.
     sent = metadata if run.cfg.rollout.multi_turn.enable else None

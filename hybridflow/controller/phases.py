@@ -89,7 +89,7 @@ def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
 
 def generate(run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...]) -> list[Trajectory]:
     """n trajectories per prompt, grouped by prompt (``group_id`` = row index)."""
-    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope)
+    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope, run.vision)
     metadata = [row.metadata() for row in rows]
     outputs = generate_requests(run, requests, metadata)
     trajectories = []
@@ -304,7 +304,8 @@ def greedy_baselines(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> 
     with timer.phase("gen_baseline"):
         params = SamplingParams(n=1, temperature=0.0, max_tokens=run.cfg.data.max_response_length)
         groups = samples.groups
-        requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params) for g in groups]
+        requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params, multi_modal=g[0].multi_modal)
+                    for g in groups]
         metadata = [g[0].metadata for g in groups]
         greedy = [outputs[0] for outputs in generate_requests(run, requests, metadata)]
         for meta, t in zip(metadata, greedy, strict=True):

@@ -62,10 +62,12 @@ from hybridflow.data.tasks.calculator import (
     make_calculator_rows,
     write_calculator_task,
 )
-from hybridflow.models.loading import check_model_dir, check_sequence_classifier, load_tokenizer
+from hybridflow.data.tasks.colour_square import write_colour_square_task
+from hybridflow.models.loading import VL_MODEL_TYPES, check_model_dir, check_sequence_classifier, load_tokenizer
+from hybridflow.models.vision import is_vision_language, load_vision_processor
 from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
-from hybridflow.rollout.base import engine_model_problem, engine_unavailable
+from hybridflow.rollout.base import VL_ROLLOUT_ENGINE, engine_model_problem, engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
@@ -85,7 +87,10 @@ log = logging.getLogger(__name__)
 
 BUILTIN_TASK_SEED = 0
 # data.builtin_task -> the writer of its train/test parquet files.
-BUILTIN_TASK_WRITERS = {"arithmetic": write_arithmetic_task, "calculator": write_calculator_task}
+BUILTIN_TASK_WRITERS = {"arithmetic": write_arithmetic_task, "calculator": write_calculator_task,
+                        "colour_square": write_colour_square_task}
+# Built-in tasks whose rows have images: they need a vision-language model.path.
+VISUAL_TASKS = frozenset({"colour_square"})
 # Loops that run a row in one generation, what a run without rollout.multi_turn does anyway.
 SINGLE_TURN_AGENTS = frozenset({"single_turn", "single_turn_agent"})
 # rollout.weight_sync, resolved (``auto`` becomes one of them).
@@ -172,6 +177,9 @@ class RunSetup:
     tracker: Tracker
     progress: ProgressBar
     tokenizer: Any  # decodes prompts and responses for the generation dumps
+    # A vision-language model's processor (hybridflow.models.vision.VisionProcessor): turns a
+    # row's images into its request's pixels. None for a text-only model.
+    vision: Any = None
     warnings: list[str] = field(default_factory=list)
     validation_data_dir: Path | None = None  # trainer.validation_data_dir resolved (None: no dumps)
     rollout_data_dir: Path | None = None  # trainer.rollout_data_dir resolved
@@ -334,9 +342,43 @@ def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1) -
         model_config = json.loads(config_file.read_text())
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.path={path!r}: cannot read config.json ({error})", key="model.path") from error
+    if model_config.get("model_type") in VL_MODEL_TYPES and engine != VL_ROLLOUT_ENGINE:
+        # The native engine is text-only, and vLLM/SGLang would be handed token ids without the
+        # images behind them (a silently blind policy): only the HF-forward engine takes images.
+        raise ConfigError(
+            f"model.path={path!r} is a {model_config['model_type']} vision-language model, which "
+            f"rollout.name={engine} cannot generate from images; set rollout.name={VL_ROLLOUT_ENGINE} (the "
+            "vision tower and decoding through the HF model: slow, single-request)", key="model.path",
+        )
     problem = engine_model_problem(engine, model_config, tensor_parallel_size)
     if problem is not None:
         raise ConfigError(f"model.path={path!r} with rollout.name={engine}: {problem}", key="model.path")
+
+
+def check_vision_language_run(cfg: Config) -> None:
+    """What a vision-language ``model.path`` cannot do yet, refused before anything loads: agent
+    loops (they build their own requests, without the row's images), a critic (the value model
+    reads text only) and sequence parallelism (packed rows only, and image rows run padded)."""
+    visual_task = not cfg.data.train_files and cfg.data.builtin_task in VISUAL_TASKS
+    if cfg.model.path.startswith("builtin:") or not is_vision_language(cfg.model.path):
+        if visual_task:
+            # The built-in model is text-only and its warm start is the arithmetic one; there is
+            # no built-in vision-language model or visual warm start yet.
+            raise ConfigError(
+                f"data.builtin_task={cfg.data.builtin_task} asks about images: set model.path to a vision-language "
+                "model directory (qwen2_vl, qwen2_5_vl; hybridflow.models.tiny.write_tiny_vl_model writes a tiny "
+                "random one) and rollout.name=hf_vision", key="data.builtin_task",
+            )
+        return
+    problems = {
+        "rollout.multi_turn.enable": cfg.rollout.multi_turn.enable and "agent loops do not pass images on yet",
+        "algorithm.adv_estimator": config_needs_critic(cfg) and "a critic on image rows is not built",
+        "actor.ulysses_sequence_parallel_size": cfg.actor.ulysses_sequence_parallel_size > 1
+        and "image rows run padded, and sequence parallelism splits packed rows",
+    }
+    for key, problem in problems.items():
+        if problem:
+            raise ConfigError(f"{key}: model.path is a vision-language model and {problem}", key=key)
 
 
 def check_critic_model_path(path: str) -> None:
@@ -598,6 +640,7 @@ def resolve_plugins(cfg: Config) -> Plugins:
     if unavailable is not None:
         raise ConfigError(f"rollout.name={cfg.rollout.name}: {unavailable}", key="rollout.name")
     check_rollout_model(cfg.model.path, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
+    check_vision_language_run(cfg)
     agent = agent_setup(cfg.rollout.multi_turn)
     if agent is not None:
         check_agent_setup(agent, cfg.data)
@@ -766,6 +809,9 @@ def build_run(cfg: Config) -> RunSetup:
     data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
                        filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
                        data_sources=scorable, storage=storage)
+    vision = load_vision_processor(model_path, tokenizer, cfg.model.trust_remote_code) \
+        if is_vision_language(model_path) else None
+    data_kwargs["vision"] = vision
     train_data = RLDataset.from_files(train_files, tokenizer, **data_kwargs)
     log.info("train data: %s", train_data.describe())
     val_data = RLDataset.from_files(val_files, tokenizer, **data_kwargs) if val_files else None
@@ -882,7 +928,7 @@ def build_run(cfg: Config) -> RunSetup:
         kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
         reference_logprobs=reference_logprobs,
         actor_weights=ActorWorker.adapter_for_sync if adapter_sync else ActorWorker.weights_for_sync, critic=critic,
-        tracker=tracker, progress=progress, tokenizer=tokenizer, warnings=warnings, pools=pools,
+        tracker=tracker, progress=progress, tokenizer=tokenizer, vision=vision, warnings=warnings, pools=pools,
         weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
         rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,
         storage=storage,

@@ -33,7 +33,8 @@ from filelock import Timeout as FileLockTimeout
 
 from hybridflow.agents.tokens import TurnTemplate
 from hybridflow.algorithms import agg_loss, batch_counts
-from hybridflow.data import ResumableSampler
+from hybridflow.data import PromptRow, ResumableSampler
+from hybridflow.data.dataset import row_multi_modal
 from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm, load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.training import distributed
@@ -44,6 +45,7 @@ from hybridflow.utils.threads import adjust_threads
 
 log = logging.getLogger(__name__)
 
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"  # a vision-language model's image processor
 # Bump when the warm-start recipe changes so stale caches are not reused.
 WARM_START_VERSION = 1
 
@@ -164,6 +166,18 @@ def sft_loop(
     return metrics
 
 
+def image_row_trajectories(rows: Sequence[PromptRow], vision: Any, eos_token_id: int, tokenizer) -> list[Trajectory]:
+    """SFT examples of dataset rows with images (a vision-language warm start): each row's prompt
+    as the dataset tokenised it (image tokens expanded), its ground truth + EOS as the response,
+    and its pixels, so the engine's forward sees what the rollout will."""
+    out = []
+    for row in rows:
+        response_ids = list(tokenizer.encode(row.ground_truth, add_special_tokens=False)) + [eos_token_id]
+        out.append(Trajectory(list(row.prompt_ids), response_ids, [1] * len(response_ids), [0.0] * len(response_ids),
+                              finish_reason="stop", multi_modal=row_multi_modal(row, vision)))
+    return out
+
+
 def run_sft(
     model_dir: str | os.PathLike,
     pairs: list[SFTPair],
@@ -171,10 +185,14 @@ def run_sft(
     spec: SFTSpec,
     device: torch.device,
     on_step: Callable[[int, TrainEngine, dict[str, float]], None] | None = None,
+    examples: list[Trajectory] | None = None,
 ) -> dict[str, float]:
     """Fine-tune the model in ``model_dir`` on ``pairs`` and write the result to ``out_dir``.
 
     ``on_step(step, engine, metrics)`` runs after every optimizer step (evaluation, snapshots).
+    ``examples``: ready trajectories instead of ``pairs`` (``image_row_trajectories``: rows with
+    images, which chat messages alone cannot carry). The image processor's file, if the model has
+    one, is copied next to the result, so that it loads as the model did.
     """
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, device=device)
@@ -189,7 +207,8 @@ def run_sft(
         # should find the cached model equal to the one a fresh warm start would write.
         fused_lm_head=False,
     )
-    examples = sft_trajectories(pairs, tokenizer)
+    if examples is None:
+        examples = sft_trajectories(pairs, tokenizer)
     sampler = ResumableSampler(len(examples), spec.batch_size, shuffle=True, seed=spec.seed)
     start = time.perf_counter()
 
@@ -207,6 +226,8 @@ def run_sft(
     with hf_progress_bars_off():
         engine.model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if (Path(model_dir) / IMAGE_PROCESSOR_FILE).is_file():
+        shutil.copyfile(Path(model_dir) / IMAGE_PROCESSOR_FILE, out / IMAGE_PROCESSOR_FILE)
     give_default_modes(out)  # safetensors writes mode 0600; a shared warm_start.cache_dir must stay readable
     metrics["sft/time_s"] = time.perf_counter() - start
     return metrics

@@ -7,7 +7,15 @@ A row (one line of JSONL, one parquet row) looks like::
      "ability": "math",                                         # optional
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {"split": "train", "index": 0, ...},        # optional
-     "agent_name": "tool_agent"}                                # optional: the agent loop
+     "agent_name": "tool_agent",                                # optional: the agent loop
+     "images": [{"bytes": b"...", "path": "a.png"}]}            # optional: see below
+
+A vision-language row has ``images`` (verl's column: bytes, a ``{"bytes", "path"}`` dict or a
+path each; ``hybridflow.data.images``) and one ``<image>`` in its messages' text per image, in
+order. The placeholders become image parts of the message content (``[{"type": "image"},
+{"type": "text", ...}]``, what a VL chat template expects) and, after the template, each image's
+placeholder token is repeated once per merged patch of that image (``ImageInputs``), so
+``prompt_ids`` holds the model's real image tokens and ``max_prompt_length`` counts them.
 
 Why everything happens in ``RLDataset.from_files``: a malformed row found at reward time (after
 minutes of rollout) or an overlong prompt found mid-epoch inside a loader worker is the
@@ -33,6 +41,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, overload
 
 from hybridflow.utils.storage import Storage, StorageError, is_remote
+
+from hybridflow.data.images import IMAGE_PLACEHOLDER, ImageProblem, decode_image, image_bytes, split_placeholders
+from hybridflow.types import MultiModalInputs
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +81,9 @@ class BadRowReason:
     EXTRA_INFO_INVALID = "extra_info_invalid"
     AGENT_NAME_INVALID = "agent_name_invalid"
     CHAT_TEMPLATE_FAILED = "chat_template_failed"
+    IMAGES_INVALID = "images_invalid"  # not a list, or a count that differs from the <image> placeholders
+    IMAGE_UNREADABLE = "image_unreadable"  # a missing file, or bytes that do not decode
+    IMAGES_UNSUPPORTED = "images_unsupported"  # images for a text-only model
 
 
 class ChatTokenizer(Protocol):
@@ -78,6 +92,17 @@ class ChatTokenizer(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+
+class ImageInputs(Protocol):
+    """What the dataset needs of a vision-language model's processor
+    (``hybridflow.models.vision.VisionProcessor`` satisfies it)."""
+
+    image_token_id: int
+
+    def process(self, images: list[Any]) -> dict[str, Any]: ...
+
+    def expand_image_tokens(self, ids: list[int], grid_thw: Any) -> list[int]: ...
 
 
 @dataclass
@@ -92,6 +117,11 @@ class PromptRow:
     extra_info: dict[str, Any]  # verl keeps per-row tool arguments here too (extra_info.tools_kwargs)
     source: str  # "<file>:<row>", to trace a sample back to its row
     agent_name: str | None = None  # the agent loop for this row (None: the run's default)
+    # The row's images, encoded as read (compact; decoded again where pixels are needed), and
+    # each image's patch grid (t, h, w) from the image processor: prompt_ids holds
+    # t*h*w / merge_size**2 image tokens for image k.
+    images: tuple[bytes, ...] = ()
+    image_grid_thw: tuple[tuple[int, int, int], ...] = ()
 
     def metadata(self) -> dict[str, Any]:
         """The row fields a ``Trajectory.metadata`` carries to the agent loop, the reward and
@@ -444,6 +474,8 @@ class RLDataset(Sequence[PromptRow]):
         on_bad_row: str = "error",
         data_sources: Collection[str] | None = None,
         storage: Storage | None = None,
+        vision: ImageInputs | None = None,
+        image_key: str = "images",
     ) -> RLDataset:
         """Load, validate and tokenize every row of ``files`` (concatenated in order).
 
@@ -455,6 +487,10 @@ class RLDataset(Sequence[PromptRow]):
         - A row whose ``data_source`` is not in ``data_sources`` (when given: the sources the
           run's reward can score) is malformed too: found here, not at the first step that
           samples it, minutes into the run.
+        - ``vision`` (a vision-language model's processor) reads the ``image_key`` column; a
+          row with images and no ``vision`` (a text-only model), a missing or corrupt image, or
+          a count of images that differs from the ``<image>`` placeholders is malformed. A
+          prompt with images is never truncated (that would cut its image tokens).
         - A dataset left empty raises ``DataError`` saying what removed the rows.
         - A file given as a URL (``s3://``, ``gs://``) is read through ``storage`` (its endpoint).
         """
@@ -504,8 +540,15 @@ class RLDataset(Sequence[PromptRow]):
                     reject(location, problem)
                     continue
                 try:
+                    images, template_messages = _row_images(
+                        record.value.get(image_key), valid.messages, vision, image_key, Path(path).parent
+                    )
+                except _RowProblem as problem:
+                    reject(location, problem)
+                    continue
+                try:
                     text = tokenizer.apply_chat_template(
-                        valid.messages, tokenize=False, add_generation_prompt=True
+                        template_messages, tokenize=False, add_generation_prompt=True
                     )
                     prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
                 except Exception as exc:  # templates raise arbitrary errors (jinja raise_exception)
@@ -515,10 +558,31 @@ class RLDataset(Sequence[PromptRow]):
                     problem.__cause__ = exc
                     reject(location, problem)
                     continue
+                grid: tuple[tuple[int, int, int], ...] = ()
+                if images:
+                    assert vision is not None  # _row_images refuses images without it
+                    try:
+                        grid_thw = vision.process([image for _, image in images])["image_grid_thw"]
+                        prompt_ids = vision.expand_image_tokens(prompt_ids, grid_thw)
+                    except Exception as exc:  # the processor's errors are arbitrary (sizes, modes)
+                        problem = _RowProblem(
+                            BadRowReason.IMAGE_UNREADABLE,
+                            f"the image processor failed on {image_key!r}: {type(exc).__name__}: {exc}",
+                        )
+                        problem.__cause__ = exc
+                        reject(location, problem)
+                        continue
+                    grid = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
                 if len(prompt_ids) > max_prompt_length:
                     if filter_overlong_prompts:
                         stats.num_filtered_overlong += 1
                         continue
+                    if images:
+                        raise DataError(
+                            f"{location}: prompt is {len(prompt_ids)} tokens with its image tokens, over "
+                            f"max_prompt_length {max_prompt_length}; a prompt with images is not truncated "
+                            "(that would cut its image tokens): raise max_prompt_length or filter overlong prompts"
+                        )
                     if truncation == "error":
                         raise DataError(
                             f"{location}: prompt is {len(prompt_ids)} tokens after the chat template, "
@@ -540,6 +604,8 @@ class RLDataset(Sequence[PromptRow]):
                         extra_info=valid.extra_info,
                         source=f"{path}:{record.row}",
                         agent_name=valid.agent_name,
+                        images=tuple(data for data, _ in images),
+                        image_grid_thw=grid,
                     )
                 )
 
@@ -593,6 +659,62 @@ class RLDataset(Sequence[PromptRow]):
             f"{s.num_bad_rows} malformed skipped{bad}; prompt tokens "
             f"min/mean/max {min(lengths, default=0)}/{mean:.1f}/{max(lengths, default=0)}"
         )
+
+
+def row_multi_modal(row: PromptRow, vision: ImageInputs | None) -> MultiModalInputs | None:
+    """The row's images as model inputs (pixels and grids), None for a text-only row. Computed when
+    a request is made, not kept: a dataset's pixels would be far larger than its encoded images."""
+    if not row.images:
+        return None
+    if vision is None:
+        raise DataError(f"{row.source}: the row has images but no image processor was given")
+    out = vision.process([decode_image(data, f"{row.source} image {i}") for i, data in enumerate(row.images)])
+    return MultiModalInputs(out["pixel_values"], out["image_grid_thw"])
+
+
+def _row_images(
+    value: Any,
+    messages: list[dict[str, Any]],
+    vision: ImageInputs | None,
+    image_key: str,
+    base_dir: Path,
+) -> tuple[list[tuple[bytes, Any]], list[dict[str, Any]]]:
+    """A row's images as (encoded bytes, decoded image) pairs, and the messages to render: with
+    images, each ``<image>`` placeholder turned into an image part. Raises ``_RowProblem``."""
+    if value is None or (isinstance(value, list) and not value):
+        if vision is not None and any(IMAGE_PLACEHOLDER in m["content"] for m in messages):
+            count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+            raise _RowProblem(
+                BadRowReason.IMAGES_INVALID, f"the prompt has {count} {IMAGE_PLACEHOLDER} placeholders but no {image_key!r}"
+            )
+        return [], messages
+    if not isinstance(value, list):
+        raise _RowProblem(BadRowReason.IMAGES_INVALID, f"{image_key!r} must be a list of images, got {_type_name(value)}")
+    if vision is None:
+        raise _RowProblem(
+            BadRowReason.IMAGES_UNSUPPORTED,
+            f"the row has {len(value)} images in {image_key!r} but model.path is a text-only model "
+            "(no image processor); use a vision-language model (qwen2_vl, qwen2_5_vl)",
+        )
+    count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+    if count != len(value):
+        raise _RowProblem(
+            BadRowReason.IMAGES_INVALID,
+            f"{image_key!r} has {len(value)} images but the prompt has {count} {IMAGE_PLACEHOLDER} "
+            "placeholders; put one placeholder where each image goes",
+        )
+    images = []
+    for index, entry in enumerate(value):
+        try:
+            data, label = image_bytes(entry, index, base_dir)
+            images.append((data, decode_image(data, label)))
+        except ImageProblem as problem:
+            raise _RowProblem(BadRowReason.IMAGE_UNREADABLE, f"{image_key!r} {problem}") from problem
+    rendered = [
+        {**m, "content": split_placeholders(m["content"])} if IMAGE_PLACEHOLDER in m["content"] else m
+        for m in messages
+    ]
+    return images, rendered
 
 
 def _format_counts(counts: dict[str, int]) -> str:

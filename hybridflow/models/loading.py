@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 BUILTIN_PREFIX = "builtin:"
+# Vision-language model types (Qwen2-VL, Qwen2.5-VL) that load as their image-text-to-text class:
+# the same next-token head as a causal LM, with a vision tower in front (hybridflow.models.vision).
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 # transformers draws a "Loading weights" bar for every from_pretrained and a "Writing model
 # shards" bar for every save_pretrained: a run loads and saves several times, and each bar
@@ -137,12 +140,17 @@ def load_causal_lm(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
 ):
-    """A causal LM from a local directory, safetensors only (no pickle), on ``device``."""
-    from transformers import AutoModelForCausalLM
+    """A causal LM from a local directory, safetensors only (no pickle), on ``device``.
+
+    A vision-language model (``VL_MODEL_TYPES``) loads as ``AutoModelForImageTextToText``
+    (``Qwen2VLForConditionalGeneration``): transformers' causal-LM auto class does not map it,
+    and the actor and the reference need its whole model, vision tower included."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     p = check_model_dir(path)
+    auto = AutoModelForImageTextToText if _model_type(p) in VL_MODEL_TYPES else AutoModelForCausalLM
     with hf_progress_bars_off():
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             p,
             dtype=dtype,
             local_files_only=True,
@@ -156,12 +164,18 @@ def meta_causal_lm(path: str | os.PathLike, *, trust_remote_code: bool = False):
     """The causal LM of a local directory on the meta device: its parameters' names and shapes
     from config.json, no weights read and no memory behind them (the manifest a weight sync is
     checked against, for an engine that loads the checkpoint itself)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     p = check_model_dir(path)
     config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if config.model_type in VL_MODEL_TYPES else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return auto.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _model_type(model_dir: Path) -> str | None:
+    """``model_type`` from a model directory's config.json (None when it names none)."""
+    return json.loads((model_dir / "config.json").read_text()).get("model_type")
 
 
 # Where a transformers ``*ForTokenClassification`` model keeps its per-token head.

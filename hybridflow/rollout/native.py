@@ -83,7 +83,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridflow.rollout.base import serve_batch
+from hybridflow.rollout.base import refuse_images, serve_batch
 from hybridflow.rollout.compact import CompactCausalLM
 from hybridflow.rollout.graphs import GraphCaptureError, StaticDecoder
 from hybridflow.rollout.kv_cache import SlotKVCache
@@ -785,6 +785,7 @@ class NativeEngine:
 
     def _check_request(self, request: GenerationRequest) -> None:
         """Raise ``ValueError`` naming the request when it cannot be served by this engine."""
+        refuse_images(request, "native")
         label = repr(request.request_id) if request.request_id else "(no request_id)"
         prompt = request.prompt_ids
         if not prompt:

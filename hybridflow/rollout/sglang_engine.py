@@ -93,7 +93,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
-from hybridflow.rollout.base import serve_batch
+from hybridflow.rollout.base import refuse_images, serve_batch
 from hybridflow.rollout.sampling import derive_sample_seed, is_greedy
 from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, NamedTensor, check_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
@@ -653,6 +653,7 @@ class SGLangEngine:
             self.server.close()
 
     def _check_request(self, request: GenerationRequest) -> None:
+        refuse_images(request, "sglang")
         label = repr(request.request_id) if request.request_id else "(no request_id)"
         if not request.prompt_ids:
             raise ValueError(f"request {label}: empty prompt_ids (at least one token is needed)")

@@ -94,6 +94,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.rollout.base import refuse_images
 from hybridflow.rollout.sampling import check_sampling_params, derive_sample_seed
 from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, check_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
@@ -231,6 +232,7 @@ class VllmEngine:
 
     def _add(self, request: GenerationRequest) -> _Pending:
         """Queue the request's ``n`` samples in vLLM, each its own seeded request."""
+        refuse_images(request, "vllm")
         from vllm.inputs import TokensPrompt
 
         self._check_request(request)

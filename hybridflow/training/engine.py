@@ -41,6 +41,7 @@ import torch
 
 from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits, sum_pi_squared_from_logits
 from hybridflow.data.batching import padded_budget_partitions, token_budget_partitions
+from hybridflow.models.vision import mrope_position_ids
 from hybridflow.training import distributed, sharded_checkpoint
 from hybridflow.training.lm_head import TokenStats, fused_lm_head_supported, lm_head_token_stats
 from hybridflow.training.packing import (
@@ -256,13 +257,34 @@ class TrainEngine:
             sum_pi_squared_from_logits(logits) if with_sum_pi_squared else None,
         )
 
+    def _padded_inputs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """The model's inputs for padded rows. With images (a vision-language batch) also every
+        row's patches and grids in row order, the token types that mark image tokens, and M-RoPE
+        position ids (3, B, L) in place of the plain ones."""
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                  "position_ids": batch.position_ids}
+        images = [m for m in batch.multi_modal or () if m is not None]
+        if not images:
+            return inputs
+        image_token_id = self.model.config.image_token_id
+        if bool((batch.responses == image_token_id).any()):
+            # The forward would take it for a slot of image features and fail on the count.
+            raise ValueError(f"a response holds the image placeholder token {image_token_id}: a rollout engine for "
+                             "vision-language models must never sample it (hf_vision filters it out)")
+        grid = torch.cat([m.image_grid_thw for m in images]).to(self.device)
+        inputs.update(
+            pixel_values=torch.cat([m.pixel_values for m in images]).to(self.device),
+            image_grid_thw=grid,
+            mm_token_type_ids=(batch.input_ids == image_token_id).to(torch.int32),
+            position_ids=mrope_position_ids(self.model, batch.input_ids, batch.attention_mask, grid),
+        )
+        return inputs
+
     def _response_logits(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """Logits predicting each response token: positions P-1 .. P+R-2.  # (B, R, V)"""
         r = batch.response_length
         out = self._model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
+            **self._padded_inputs(batch),
             use_cache=False,
             # Only the last R+1 positions need the LM head: a long prompt never pays for it.
             logits_to_keep=r + 1,
@@ -280,10 +302,7 @@ class TrainEngine:
         batch = trim_padding(batch)
         p = batch.prompt_length
         if self.fused_lm_head and p > 0:
-            hidden = self._hidden_states(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False,
-            )
+            hidden = self._hidden_states(**self._padded_inputs(batch), use_cache=False)
             valid = batch.attention_mask[:, p:].bool()  # (B, R') response tokens
             # The hidden state at position P+t-1 predicts response token t; padding never reaches the head.
             rows = self._head(hidden[:, p - 1 : -1][valid], batch.responses[valid], temperature, with_entropy,
@@ -358,6 +377,8 @@ class TrainEngine:
             values = self._model(**inputs).logits[0, part.logit_positions, 0].float()  # (M,)
             return unpack_responses(values if shard is None else shard.gather(values), packed)
         self._refuse_padded_sequence_parallel()
+        if batch.multi_modal is not None and any(m is not None for m in batch.multi_modal):
+            raise ValueError("a value model on rows with images is not built (the critic reads text only)")
         full_r = batch.response_length
         batch = trim_padding(batch)
         p = batch.prompt_length

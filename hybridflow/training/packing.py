@@ -98,6 +98,11 @@ def pack_batch(batch: TrainBatch) -> PackedBatch:
     Position ids are taken from the batch, so the packed forward sees exactly the positions of
     the padded one (``collate_trajectories`` counts real tokens from 0).
     """
+    if batch.multi_modal is not None and any(m is not None for m in batch.multi_modal):
+        # A packed row would need each sample's M-RoPE positions (3, L) and its images' patches
+        # in pack order; not built: image rows run padded.
+        raise ValueError("rows with images run padded: sequence packing (use_remove_padding=True) does not carry "
+                         "their images and M-RoPE positions; set actor.use_remove_padding=false for a VL model")
     p, r = batch.prompt_length, batch.response_length
     valid = batch.attention_mask.bool()  # (B, P+R)
     _check_contiguous(valid)
@@ -153,6 +158,9 @@ def trim_padding(batch: TrainBatch) -> TrainBatch:
         if f.name == "prompt_length":
             continue
         value = getattr(batch, f.name)
+        if f.name == "multi_modal":  # per row, not per column: trimming columns leaves it as it is
+            kwargs[f.name] = value
+            continue
         if value is not None and value.dim() == 2 and value.shape[1] == p + r and f.name in _TOKEN_FIELDS:
             value = value[:, first : p + keep_r]
         elif value is not None and value.dim() == 2 and value.shape[1] == r:

@@ -220,7 +220,7 @@ def test_groups_are_scored_before_the_last_one_finishes_with_the_rewards_of_scor
     rows = [PromptRow(prompt_ids=r.prompt_ids, messages=[], data_source="hybridflow/arithmetic", ground_truth=str(i), ability="", extra_info={},
                       source=r.request_id) for i, r in enumerate(requests())]
     two = replicas(model_dir, 2)
-    run = SimpleNamespace(rollout=two, reward=reward, reward_model=None,
+    run = SimpleNamespace(rollout=two, reward=reward, reward_model=None, vision=None,
                           cfg=SimpleNamespace(trainer=SimpleNamespace(seed=5),
                                               rollout=SimpleNamespace(multi_turn=SimpleNamespace(enable=False))))
     params = SamplingParams(n=2, max_tokens=40, ignore_eos=True)
@@ -231,10 +231,10 @@ def test_groups_are_scored_before_the_last_one_finishes_with_the_rewards_of_scor
 
         built = overlap.round_requests
 
-        def uneven(rows, params, seed, scope):
+        def uneven(rows, params, seed, scope, vision=None):
             return [GenerationRequest(r.prompt_ids, SamplingParams(**{**vars(r.params), "max_tokens": q.params.max_tokens}),
                                       request_id=r.request_id)
-                    for r, q in zip(built(rows, params, seed, scope), requests(), strict=True)]
+                    for r, q in zip(built(rows, params, seed, scope, vision), requests(), strict=True)]
 
         overlap.round_requests = uneven
         try:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow.rewards import arithmetic, calculator, code, gsm8k
+from hybridflow.rewards import arithmetic, calculator, code, colour_square, gsm8k
 from hybridflow.rewards import math as math_reward
 from hybridflow.rewards.registry import DEFAULT_SCORERS, UnknownDataSourceError, default_compute_score
 
@@ -12,6 +12,7 @@ def test_the_dispatch_table_maps_each_data_source_to_its_scorer() -> None:
         "hybridflow/arithmetic": arithmetic.compute_score,
         "hybridflow/calculator": calculator.compute_score,
         "hybridflow/code": code.compute_score,
+        "hybridflow/colour_square": colour_square.compute_score,
         "openai/gsm8k": gsm8k.compute_score,
         "lighteval/MATH": math_reward.compute_score,
         "DigitalLearningGmbH/MATH-lighteval": math_reward.compute_score,

@@ -147,3 +147,39 @@ def test_a_supported_model_type_passes_the_set_up_check(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_act": "silu",
                                                       "sliding_window": 4096}))
     resolve_plugins(make_config(overrides=[f"model.path={tmp_path}"]))
+
+
+@pytest.mark.parametrize("engine", ["native", "vllm", "sglang"])
+def test_a_vision_language_model_needs_the_hf_vision_engine_and_it_needs_one(tmp_path, engine):
+    import json
+
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.setup import check_rollout_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    with pytest.raises(ConfigError, match=f"qwen2_vl vision-language model, which rollout.name={engine} cannot "
+                                          "generate from images; set rollout.name=hf_vision"):
+        check_rollout_model(str(tmp_path), engine)
+    check_rollout_model(str(tmp_path), "hf_vision")
+    with pytest.raises(ConfigError, match="hf_vision: runs vision-language models .* got 'qwen2': use rollout.name=native"):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+        check_rollout_model(str(tmp_path), "hf_vision")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.multi_turn.enable=true", "rollout.multi_turn.enable"),
+    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator"),
+])
+def test_what_a_vision_language_run_cannot_do_yet_is_refused_by_key(tmp_path, override, key):
+    import json
+
+    from hybridflow.api import make_config
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.setup import check_vision_language_run
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    check_vision_language_run(make_config(overrides=[f"model.path={tmp_path}", "rollout.name=hf_vision"]))
+    cfg = make_config(overrides=[f"model.path={tmp_path}", "rollout.name=hf_vision", override])
+    with pytest.raises(ConfigError, match=f"{key}: model.path is a vision-language model and") as caught:
+        check_vision_language_run(cfg)
+    assert caught.value.key == key
