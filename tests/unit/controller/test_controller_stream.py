@@ -38,10 +38,10 @@ def rollout_setup(model_dir: str) -> RolloutSetup:
                         max_batch_size=32, seed=0)
 
 
-def requests(count: int = 8) -> list[GenerationRequest]:
-    # Very different lengths (max_tokens 2 .. 40, EOS ignored): requests finish far apart.
+def requests(count: int = 8, long: int = 40) -> list[GenerationRequest]:
+    # Very different lengths (max_tokens 2 .. ``long``, EOS ignored): requests finish far apart.
     return [GenerationRequest(list(range(3, 3 + 4 + 5 * (i % 3))),
-                              SamplingParams(n=2, max_tokens=2 + 38 * (i % 4 == 3), seed=100 + i, ignore_eos=True),
+                              SamplingParams(n=2, max_tokens=2 + (long - 2) * (i % 4 == 3), seed=100 + i, ignore_eos=True),
                               request_id=f"req-{i}")
             for i in range(count)]
 
@@ -177,15 +177,17 @@ def test_closing_a_stream_early_aborts_what_is_in_flight(model_dir) -> None:
 def test_a_continuous_stream_takes_requests_while_others_run_and_keeps_each_under_its_key(model_dir) -> None:
     """The fully async loop's stream: a second round added while the first's long requests still
     generate joins them; every request comes back once under its key, with ``generate``'s samples."""
+    # The long requests make 480 tokens: on an idle machine the tiny model decodes 40 within one
+    # poll's 0.1 s wait, and the first round would be over before the second joins it.
     blocking, two = replicas(model_dir, 2), replicas(model_dir, 2)
-    expected = blocking.generate(requests())
+    expected = blocking.generate(requests(long=480))
     stream = two.open_stream()
-    stream.add(requests()[:4], None, keys=[("a", i) for i in range(4)])
+    stream.add(requests(long=480)[:4], None, keys=[("a", i) for i in range(4)])
     got = dict(stream.poll())
     while not got:
         got = dict(stream.poll())
     assert stream.in_flight > 0  # the first round's long request (index 3) still runs
-    stream.add(requests()[4:], None, keys=[("b", i) for i in range(4, 8)])
+    stream.add(requests(long=480)[4:], None, keys=[("b", i) for i in range(4, 8)])
     while stream.in_flight:
         for key, samples in stream.poll():
             assert key not in got
