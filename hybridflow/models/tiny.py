@@ -113,11 +113,14 @@ def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
     """A randomly initialised Qwen2ForCausalLM of the given shape (fp32, CPU)."""
     from transformers import Qwen2ForCausalLM
 
-    config = tiny_config(spec)
+    return _seeded(Qwen2ForCausalLM, tiny_config(spec), seed)
+
+
+def _seeded(model_class, config, seed: int):
+    """``model_class(config)`` initialised from ``seed`` without touching the caller's RNG."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    return model
+        return model_class(config)
 
 
 def write_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0) -> Path:
@@ -241,11 +244,7 @@ def build_tiny_vl_model(spec: TinyVLSpec = TinyVLSpec(), seed: int = 0):
     """A randomly initialised ``Qwen2VLForConditionalGeneration`` of the given shape (fp32, CPU)."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    config = tiny_vl_config(spec)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
-    return model
+    return _seeded(Qwen2VLForConditionalGeneration, tiny_vl_config(spec), seed)
 
 
 def build_tiny_vl_processor():
