@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hybridflow.config import Config
+from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE
 from hybridflow.tracking.loggers import METRICS_FILENAME, STEP_KEY, TENSORBOARD_DIRNAME
 from hybridflow.tracking.timeline import TIMELINE_FILENAME
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RUNS_DIR = Path("runs")
 """Where a run without ``trainer.output_dir`` makes its folder (relative to the working directory)."""
 
-SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME})
+SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE})
 """Files set-up writes before the first step; the metrics file counts only while it holds no step.
 The timeline (trainer.timeline) never counts: closing the run writes it, whatever the run reached;
 the steps it shows are in metrics.jsonl too."""

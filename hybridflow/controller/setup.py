@@ -51,6 +51,7 @@ from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig, 
 from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas, sequence_parallel_sizes
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
+from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model
 from hybridflow.data import PromptRow, RLDataset, ResumableSampler
 from hybridflow.data.dataset import DataError
@@ -880,7 +881,8 @@ def build_run(cfg: Config) -> RunSetup:
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))
-    rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=cfg.rollout.dtype, device=device,
+    rollout_dtype = resolve_run_rollout_dtype(cfg, device, model_path, output_dir)  # once for every replica
+    rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=rollout_dtype, device=device,
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,

@@ -289,7 +289,10 @@ class EngineSpec:
     ``install``: the command that installs the package when ``pip install 'hybridflow[extra]'``
     is not the whole story (default: that command). ``model_problem``: the config-time check of
     the checkpoint's config.json (as a dict) and the replica's tensor-parallel size: why the engine
-    cannot run that architecture, or None (default: any architecture).
+    cannot run that architecture, or None (default: any architecture). ``probes_cpu_precision``:
+    the engine decodes through ``CompactCausalLM``, the model ``rollout.precision``'s probe measures,
+    so ``rollout.dtype=auto`` on a CPU with bf16 hardware may pick bf16 for it; any other engine
+    stays float32 there (its decode is not what the probe times).
     """
 
     build: Callable[..., RolloutEngine]
@@ -299,6 +302,7 @@ class EngineSpec:
     loads_own_weights: bool = False
     install: str | None = None
     model_problem: Callable[[Mapping[str, Any], int], str | None] | None = None
+    probes_cpu_precision: bool = False
 
 
 # The engine that generates from images (vision-language models): the HF model's own forward.
@@ -347,7 +351,7 @@ def _needs_gpu(device: torch.device) -> str | None:
 
 # Config ``rollout.name`` → its spec.
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
-    "native": EngineSpec(build=_build_native, model_problem=config_problem),
+    "native": EngineSpec(build=_build_native, model_problem=config_problem, probes_cpu_precision=True),
     VL_ROLLOUT_ENGINE: EngineSpec(build=_build_hf_vision, model_problem=_vision_language_only),
     "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
                          loads_own_weights=True),
@@ -422,8 +426,8 @@ def build_rollout_engine(
         pad_token_id=pad_token_id,
         max_batch_size=max_batch_size,
         device=device,
-        # An engine that loads its own weights gets a meta-device model, which cannot be probed.
-        dtype=resolve_rollout_dtype(dtype, device, model=None if spec.loads_own_weights else model, batch=max_batch_size,
+        # Only an engine whose decode the probe times is probed (a meta-device model could not be).
+        dtype=resolve_rollout_dtype(dtype, device, model=model if spec.probes_cpu_precision else None, batch=max_batch_size,
                                     max_logprob_mismatch=max_logprob_mismatch) if isinstance(dtype, str) else dtype,
         seed=seed,
         tokenizer=tokenizer,

@@ -36,6 +36,9 @@ SMALL = [
     "data.max_response_length=4", "trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.num_threads=1",
     "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
     "trainer.save_final=false", "actor.optim.lr=1e-4",
+    # These runs check fp32 rollout against the fp32 trainer (1e-4): on a CPU with bf16 hardware
+    # rollout.dtype=auto may measure its way to bf16 (hybridflow.rollout.precision).
+    "rollout.dtype=float32",
 ]
 
 

@@ -71,6 +71,7 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3", "actor.use_kl_loss=true",
         "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true", f"actor.ppo_max_token_len_per_gpu={budget}",
         f"actor.log_prob_max_token_len_per_gpu={budget}", f"ref.log_prob_max_token_len_per_gpu={budget}",
+        "rollout.dtype=float32",  # rollout/trainer agreement within 1e-4 is fp32's (auto may pick bf16)
     ]
     # The two-replica run generates in server mode: each replica's engine behind its own HTTP server.
     runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.mode=server",
@@ -135,7 +136,7 @@ def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: 
         "trainer.val_before_train=false", "trainer.num_threads=1", "trainer.progress_bar=false",
         "trainer.logger=[jsonl]", "trainer.seed=3", "critic.ppo_max_token_len_per_gpu=160",
         "critic.forward_max_token_len_per_gpu=160", "actor.use_kl_loss=true", "actor.ppo_max_token_len_per_gpu=160",
-        "actor.log_prob_max_token_len_per_gpu=160",
+        "actor.log_prob_max_token_len_per_gpu=160", "rollout.dtype=float32",
     ]
     runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"],
             "ray_sp2": ["trainer.backend=ray", "trainer.n_workers=2", "actor.ulysses_sequence_parallel_size=2",
