@@ -52,7 +52,7 @@ from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_r
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
-from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model
+from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model, prepare_builtin_vl_model
 from hybridflow.data import PromptRow, RLDataset, ResumableSampler
 from hybridflow.data.dataset import DataError
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
@@ -360,15 +360,21 @@ def check_vision_language_run(cfg: Config) -> None:
     """What a vision-language ``model.path`` cannot do yet, refused before anything loads: agent
     loops (they build their own requests, without the row's images), a critic (the value model
     reads text only) and sequence parallelism (packed rows only, and image rows run padded)."""
-    visual_task = not cfg.data.train_files and cfg.data.builtin_task in VISUAL_TASKS
-    if cfg.model.path.startswith("builtin:") or not is_vision_language(cfg.model.path):
-        if visual_task:
-            # The built-in model is text-only and its warm start is the arithmetic one; there is
-            # no built-in vision-language model or visual warm start yet.
+    if cfg.model.path == BUILTIN_TINY and builtin_visual_task(cfg):
+        # The built-in model of a visual task is the tiny Qwen2-VL (resolve_builtin), which only
+        # the HF-forward engine runs; the checks below apply to it as to any VL model.
+        if cfg.rollout.name != VL_ROLLOUT_ENGINE:
+            raise ConfigError(
+                f"data.builtin_task={cfg.data.builtin_task} with the built-in model trains a tiny vision-language "
+                f"model, which rollout.name={cfg.rollout.name} cannot generate from images; set "
+                f"rollout.name={VL_ROLLOUT_ENGINE} (or use --preset {cfg.data.builtin_task})", key="rollout.name",
+            )
+    elif cfg.model.path.startswith("builtin:") or not is_vision_language(cfg.model.path):
+        if builtin_visual_task(cfg):
             raise ConfigError(
                 f"data.builtin_task={cfg.data.builtin_task} asks about images: set model.path to a vision-language "
-                "model directory (qwen2_vl, qwen2_5_vl; hybridflow.models.tiny.write_tiny_vl_model writes a tiny "
-                "random one) and rollout.name=hf_vision", key="data.builtin_task",
+                f"model directory (qwen2_vl, qwen2_5_vl), or leave it {BUILTIN_TINY} for a tiny one warm-started on "
+                f"the task (--preset {cfg.data.builtin_task})", key="data.builtin_task",
             )
         return
     problems = {
@@ -380,6 +386,11 @@ def check_vision_language_run(cfg: Config) -> None:
     for key, problem in problems.items():
         if problem:
             raise ConfigError(f"{key}: model.path is a vision-language model and {problem}", key=key)
+
+
+def builtin_visual_task(cfg: Config) -> bool:
+    """Whether the run trains on a built-in task about images (no data.train_files of its own)."""
+    return not cfg.data.train_files and cfg.data.builtin_task in VISUAL_TASKS
 
 
 def check_critic_model_path(path: str) -> None:
@@ -434,7 +445,16 @@ def resolve_builtin(cfg: Config, device: torch.device, model_path: str | None = 
         train_files = [str(train_path)]
         val_files = val_files or [str(val_path)]
     model_path = model_path or cfg.model.path
-    if model_path == BUILTIN_TINY:
+    if model_path == BUILTIN_TINY and builtin_visual_task(cfg):
+        warm, reason = warm_start_decision(cfg.warm_start.enable, model_path)
+        log.info("built-in vision-language model: %s", reason)
+        w = cfg.warm_start
+        spec = SFTSpec(steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=BUILTIN_TASK_SEED) if warm else None
+        model_path = str(prepare_builtin_vl_model(
+            cache, train_file=Path(train_files[0]), spec=spec, device=device, max_prompt_length=d.max_prompt_length,
+            data_key=f"{d.builtin_task}-train-{d.builtin_train_size}-s{BUILTIN_TASK_SEED}",
+        ))
+    elif model_path == BUILTIN_TINY:
         warm, reason = warm_start_decision(cfg.warm_start.enable, model_path)
         log.info("built-in model: %s", reason)
         recipe = warm_start_recipe(d.builtin_task, cfg.warm_start, d.builtin_train_size)

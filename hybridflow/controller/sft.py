@@ -16,6 +16,7 @@ tool replies, so the warm start teaches the token sequences RL will sample.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +37,7 @@ from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.data import PromptRow, ResumableSampler
 from hybridflow.data.dataset import row_multi_modal
 from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm, load_tokenizer
-from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
+from hybridflow.models.tiny import TinyModelSpec, TinyVLSpec, write_tiny_model, write_tiny_vl_model
 from hybridflow.training import distributed
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
@@ -273,19 +274,74 @@ def prepare_builtin_model(
     }
     if spec is not None and stages:  # absent otherwise, so single-stage keys stay as they were
         parts["stages"] = [(stage.steps, stage.lr) for stage in stages]
-    key = _cache_key(parts)
-    final = Path(cache_dir).expanduser() / f"builtin-tiny-{key}"
+    final = Path(cache_dir).expanduser() / f"builtin-tiny-{_cache_key(parts)}"
+    return _cached_model(final, lambda tmp: _build_builtin_model(tmp, pairs=pairs, spec=spec, device=device,
+                                                                 model_spec=model_spec, stages=stages))
+
+
+def prepare_builtin_vl_model(
+    cache_dir: str | os.PathLike,
+    *,
+    train_file: Path,
+    data_key: str,
+    spec: SFTSpec | None,
+    device: torch.device,
+    max_prompt_length: int,
+    model_spec: TinyVLSpec = TinyVLSpec(),
+) -> Path:
+    """The built-in vision-language model for a visual task: a tiny random Qwen2-VL
+    (``TinyVLSpec``), warm-started when ``spec`` is given by SFT on the image rows of
+    ``train_file`` (each row's ground truth as the answer; ``image_row_trajectories``). A random
+    model never names the colour, so RL needs this start as the text task needs its own. Cached
+    under ``cache_dir`` like ``prepare_builtin_model``; ``data_key`` must name the rows."""
+    parts: dict[str, Any] = {
+        "version": WARM_START_VERSION,
+        "model": json.dumps(dataclasses.asdict(model_spec), sort_keys=True),
+        "sft": None if spec is None else vars(spec),
+        "data": None if spec is None else [data_key, max_prompt_length],
+    }
+    final = Path(cache_dir).expanduser() / f"builtin-tiny-vl-{_cache_key(parts)}"
+
+    def build(tmp: Path) -> Path:
+        init_dir = write_tiny_vl_model(tmp / "init", model_spec, seed=0)
+        if spec is None:
+            return init_dir
+        from hybridflow.data.dataset import RLDataset
+        from hybridflow.models.vision import load_vision_processor
+
+        tokenizer = load_tokenizer(init_dir)
+        vision = load_vision_processor(init_dir, tokenizer)
+        rows = list(RLDataset.from_files([str(train_file)], tokenizer, max_prompt_length=max_prompt_length,
+                                         vision=vision))
+        log.info("built-in vision-language model: warm start (%d SFT steps on %d image rows, once per machine; "
+                 "cached in %s)", spec.steps, len(rows), final)
+        run_sft(init_dir, [], tmp / "sft", spec, device,
+                examples=image_row_trajectories(rows, vision, int(tokenizer.eos_token_id), tokenizer))
+        return tmp / "sft"
+
+    return _cached_model(final, build)
+
+
+def _cached_model(final: Path, build: Callable[[Path], Path]) -> Path:
+    """``final`` if it holds a model, else ``build(tmp)`` (which writes a model directory under
+    the scratch folder ``tmp`` and returns it) renamed to ``final``: the directory appears
+    atomically, so an interrupted warm start never leaves a half-written model that a later run
+    would trust. One build per cache entry at a time: runs started together (a sweep, parallel
+    tests) wait for the first to finish and reuse its model instead of each training its own."""
     if (final / "config.json").is_file():
         log.info("built-in model: using cached %s", final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    # One warm start per cache entry at a time: runs started together (a sweep, parallel tests)
-    # wait for the first to finish and reuse its model instead of each training its own copy.
     with _exclusive(final.parent / f".{final.name}.lock", final):
         if (final / "config.json").is_file():
             log.info("built-in model: using %s, which another run just built", final)
             return final
-        _build_builtin_model(final, pairs=pairs, spec=spec, device=device, model_spec=model_spec, stages=stages)
+        tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        result = build(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a directory without config.json is not a model
+        os.replace(result, final)
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -304,33 +360,28 @@ def _exclusive(lock_path: Path, what: Path) -> Iterator[None]:
 
 
 def _build_builtin_model(
-    final: Path,
+    tmp: Path,
     *,
     pairs: list[SFTPair] | None,
     spec: SFTSpec | None,
     device: torch.device,
     model_spec: TinyModelSpec,
     stages: Sequence[SFTStage],
-) -> None:
-    """Write the built-in model (warm-started when ``spec`` is given) to ``final``, atomically."""
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+) -> Path:
+    """Write the built-in model (warm-started when ``spec`` is given) under ``tmp``; its folder."""
     init_dir = tmp / "init"
     write_tiny_model(init_dir, model_spec, seed=0)
     if spec is None:
-        result = init_dir
-    else:
-        if not pairs or not all(stage.pairs for stage in stages):
-            raise ValueError("warm start needs (prompt, answer) pairs")
-        total = spec.steps + sum(stage.steps for stage in stages)
-        log.info("built-in model: warm start (%d SFT steps, once per machine; cached in %s)", total, final)
-        result = tmp / "sft"
-        run_sft(init_dir, pairs, result, spec, device)
-        for index, stage in enumerate(stages, start=1):
-            previous, result = result, tmp / f"sft-{index}"
-            # Its own shuffle: the stage's seed differs from the first stage's.
-            stage_spec = replace(spec, steps=stage.steps, seed=spec.seed + index, lr=stage.lr or spec.lr)
-            run_sft(previous, stage.pairs, result, stage_spec, device)
-    shutil.rmtree(final, ignore_errors=True)  # a directory without config.json is not a model
-    os.replace(result, final)
-    shutil.rmtree(tmp, ignore_errors=True)
+        return init_dir
+    if not pairs or not all(stage.pairs for stage in stages):
+        raise ValueError("warm start needs (prompt, answer) pairs")
+    total = spec.steps + sum(stage.steps for stage in stages)
+    log.info("built-in model: warm start (%d SFT steps, once per machine; cached in %s)", total, tmp.parent)
+    result = tmp / "sft"
+    run_sft(init_dir, pairs, result, spec, device)
+    for index, stage in enumerate(stages, start=1):
+        previous, result = result, tmp / f"sft-{index}"
+        # Its own shuffle: the stage's seed differs from the first stage's.
+        stage_spec = replace(spec, steps=stage.steps, seed=spec.seed + index, lr=stage.lr or spec.lr)
+        run_sft(previous, stage.pairs, result, stage_spec, device)
+    return result

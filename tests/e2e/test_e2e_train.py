@@ -256,9 +256,10 @@ PRESET_METRICS = {
 }
 
 
-@pytest.mark.parametrize("preset", list_presets())
+# colour_square trains a vision-language model on image rows: tests/e2e/test_e2e_vision_language.py runs it.
+@pytest.mark.parametrize("preset", [p for p in list_presets() if p != "colour_square"])
 def test_every_preset_runs_end_to_end(model_and_data, tmp_path, preset):
-    """Every shipped preset trains two steps on the built-in task's files through the CLI's API."""
+    """Every shipped text preset trains two steps on the built-in task's files through the CLI's API."""
     model_dir, train, val = model_and_data
     cfg = api.make_config(preset, overrides=[
         f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",

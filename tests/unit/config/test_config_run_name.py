@@ -10,7 +10,7 @@ from hybridflow.config.loader import default_experiment_name
 from hybridflow.controller.setup import resolve_output_dir
 
 
-@pytest.mark.parametrize("preset", sorted(set(list_presets()) - {"tool_agent"}))
+@pytest.mark.parametrize("preset", sorted(set(list_presets()) - {"tool_agent", "colour_square"}))
 def test_each_preset_names_its_run(preset):
     assert load_config(preset).trainer.experiment_name == f"{preset}-arithmetic"
 
@@ -22,6 +22,7 @@ def test_the_plain_defaults_are_grpo():
 
 def test_a_preset_that_names_its_run_keeps_that_name():
     assert load_config("tool_agent").trainer.experiment_name == "grpo-calculator"
+    assert load_config("colour_square").trainer.experiment_name == "grpo-colour-square"
 
 
 def test_a_name_the_user_gives_wins(tmp_path):

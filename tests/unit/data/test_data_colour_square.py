@@ -41,10 +41,22 @@ def test_exact_match_reward():
         compute_score("red", "")
 
 
-def test_the_visual_task_needs_a_vision_language_model():
+def test_the_visual_task_needs_a_vision_language_model(tmp_path):
     from hybridflow.api import make_config
     from hybridflow.config import ConfigError
     from hybridflow.controller.setup import check_vision_language_run
+    from hybridflow.models.tiny import write_tiny_model
 
-    with pytest.raises(ConfigError, match="data.builtin_task=colour_square asks about images: set model.path"):
+    # The built-in model of a visual task is the tiny Qwen2-VL: the preset runs it as it is, and
+    # what no VL model may do is refused for it too.
+    check_vision_language_run(make_config("colour_square"))
+    with pytest.raises(ConfigError, match="rollout.name=native cannot generate from images") as refused:
         check_vision_language_run(make_config(overrides=["data.builtin_task=colour_square"]))
+    assert refused.value.key == "rollout.name"
+    with pytest.raises(ConfigError, match="a critic on image rows is not built"):
+        check_vision_language_run(make_config("colour_square", overrides=["algorithm.adv_estimator=gae"]))
+    # A text-only model directory cannot see the images.
+    text_model = write_tiny_model(tmp_path / "text")
+    with pytest.raises(ConfigError, match="data.builtin_task=colour_square asks about images: set model.path"):
+        check_vision_language_run(make_config(overrides=["data.builtin_task=colour_square", f"model.path={text_model}",
+                                                         "rollout.name=hf_vision"]))
