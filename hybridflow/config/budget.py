@@ -119,10 +119,22 @@ BUILTIN_TINY_SHAPE = ModelShape(
 )
 
 
-def read_model_shape(model_path: str) -> ModelShape | None:
-    """The shape of ``model.path`` (None where its config.json cannot be read yet)."""
+# The built-in tasks about images: with model.path=builtin:tiny (and no data.train_files) they
+# train the built-in vision-language model instead, hybridflow.models.tiny.TinyVLSpec() (its text
+# model's shape here, as ModelShape.from_config reads the written config.json; a test keeps them equal).
+VISUAL_BUILTIN_TASKS = frozenset({"colour_square"})
+BUILTIN_TINY_VL_SHAPE = ModelShape(
+    model_type="qwen2_vl", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=272, tie_word_embeddings=True,
+)
+
+
+def read_model_shape(model_path: str, builtin_task: str | None = None) -> ModelShape | None:
+    """The shape of ``model.path`` (None where its config.json cannot be read yet). ``builtin_task``:
+    the built-in task the run trains on (None with data files of its own), which picks the
+    built-in model."""
     if model_path == "builtin:tiny":
-        return BUILTIN_TINY_SHAPE
+        return BUILTIN_TINY_VL_SHAPE if builtin_task in VISUAL_BUILTIN_TASKS else BUILTIN_TINY_SHAPE
     path = Path(model_path).expanduser() / "config.json"
     try:
         return ModelShape.from_config(json.loads(path.read_text()))

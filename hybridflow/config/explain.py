@@ -193,7 +193,7 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
 def _forward_lines(cfg: Config, dp: int) -> list[str]:
     """Packed or padded forwards, and the token budgets, as the actor will decide them."""
     actor, path = cfg.actor, cfg.model.path
-    shape = read_model_shape(path)
+    shape = read_model_shape(path, None if cfg.data.train_files else cfg.data.builtin_task)
     if shape is None:
         return [f"forward path and token budget: decided at start-up from {path}/config.json (not readable now)"]
     packed, why = packing_decision(actor.use_remove_padding, shape.model_type, shape.custom_code)

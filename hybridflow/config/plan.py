@@ -747,7 +747,7 @@ def format_memory_plan(plan: MemoryPlan) -> list[str]:
 
 def memory_plan_lines(cfg: Config, with_critic: bool = False) -> list[str]:
     """The plan for ``cfg``'s model, or why it cannot be made yet."""
-    shape = read_model_shape(cfg.model.path)
+    shape = read_model_shape(cfg.model.path, None if cfg.data.train_files else cfg.data.builtin_task)
     if shape is None:
         return [f"memory: {cfg.model.path}/config.json is not readable now; planned at start-up"]
     return format_memory_plan(plan_memory(cfg, shape, with_critic=with_critic))

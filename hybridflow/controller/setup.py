@@ -48,6 +48,7 @@ from hybridflow.cluster.worker_group import (
 )
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig, WarmStartConfig
+from hybridflow.config.budget import VISUAL_BUILTIN_TASKS
 from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas, sequence_parallel_sizes
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
@@ -91,7 +92,7 @@ BUILTIN_TASK_SEED = 0
 BUILTIN_TASK_WRITERS = {"arithmetic": write_arithmetic_task, "calculator": write_calculator_task,
                         "colour_square": write_colour_square_task}
 # Built-in tasks whose rows have images: they need a vision-language model.path.
-VISUAL_TASKS = frozenset({"colour_square"})
+VISUAL_TASKS = VISUAL_BUILTIN_TASKS
 # Loops that run a row in one generation, what a run without rollout.multi_turn does anyway.
 SINGLE_TURN_AGENTS = frozenset({"single_turn", "single_turn_agent"})
 # rollout.weight_sync, resolved (``auto`` becomes one of them).

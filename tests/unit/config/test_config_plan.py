@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config, validate_config
-from hybridflow.config.budget import BUILTIN_TINY_SHAPE, ModelShape, training_bytes_per_token
+from hybridflow.config.budget import BUILTIN_TINY_SHAPE, BUILTIN_TINY_VL_SHAPE, ModelShape, read_model_shape, training_bytes_per_token
 from hybridflow.config.plan import (
     HEAD_BACKWARD_TEMPORARIES,
     HEAD_FORWARD_TEMPORARIES,
@@ -301,3 +301,15 @@ def test_flagged_config_really_runs_out_and_passed_one_fits():
     measured_fixed = bench.measured_bytes(spec, 32, 64, 64, fixed_budget, gradient_checkpointing=False)
     assert measured_big > budget, f"flagged, yet measured {measured_big / MIB:.1f} MiB <= {budget / MIB:.0f} MiB"
     assert measured_fixed <= budget, f"passed, yet measured {measured_fixed / MIB:.1f} MiB > {budget / MIB:.0f} MiB"
+
+
+def test_the_built_in_vision_language_model_is_planned_with_its_own_shape(tmp_path):
+    """A visual built-in task with builtin:tiny trains the tiny Qwen2-VL (set-up's prepare_builtin_vl_model):
+    the planner and config explain read that shape, which is the written model's."""
+    import json
+
+    from hybridflow.models.tiny import write_tiny_vl_model
+
+    written = ModelShape.from_config(json.loads((write_tiny_vl_model(tmp_path / "vl") / "config.json").read_text()))
+    assert written == BUILTIN_TINY_VL_SHAPE == read_model_shape("builtin:tiny", "colour_square")
+    assert read_model_shape("builtin:tiny", "arithmetic") == read_model_shape("builtin:tiny") == BUILTIN_TINY_SHAPE
