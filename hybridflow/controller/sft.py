@@ -35,7 +35,7 @@ from filelock import Timeout as FileLockTimeout
 from hybridflow.agents.tokens import TurnTemplate
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.data import PromptRow, ResumableSampler
-from hybridflow.data.dataset import row_multi_modal
+from hybridflow.data.dataset import RLDataset, row_multi_modal
 from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm, load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec, TinyVLSpec, write_tiny_model, write_tiny_vl_model
 from hybridflow.training import distributed
@@ -306,7 +306,6 @@ def prepare_builtin_vl_model(
         init_dir = write_tiny_vl_model(tmp / "init", model_spec, seed=0)
         if spec is None:
             return init_dir
-        from hybridflow.data.dataset import RLDataset
         from hybridflow.models.vision import load_vision_processor
 
         tokenizer = load_tokenizer(init_dir)
