@@ -85,7 +85,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from dataclasses import dataclass
 

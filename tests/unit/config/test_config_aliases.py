@@ -7,7 +7,6 @@ import logging
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq

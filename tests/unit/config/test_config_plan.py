@@ -17,7 +17,6 @@ from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config.budget import BUILTIN_TINY_SHAPE, BUILTIN_TINY_VL_SHAPE, ModelShape, read_model_shape, training_bytes_per_token
 from hybridflow.config.plan import (
-    HEAD_BACKWARD_TEMPORARIES,
     HEAD_FORWARD_TEMPORARIES,
     KV_CACHE_MEMORY_FRACTION,
     KV_CAPACITY_ALIGN,

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerError, build_worker_group
 from hybridflow.types import Trajectory, collate_trajectories

@@ -11,7 +11,7 @@ import pytest
 
 from hybridflow.cli import main
 from hybridflow.tracking.timeline import (
-    TIMELINE_FILENAME, Timeline, format_timeline_summary, read_timeline, summarize_timeline,
+    TIMELINE_FILENAME, Timeline, read_timeline, summarize_timeline,
 )
 from hybridflow.utils.timer import PhaseTimer
 
