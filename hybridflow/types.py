@@ -126,6 +126,24 @@ class Trajectory:
     # The prompt's images (a vision-language row); None for a text-only prompt.
     multi_modal: MultiModalInputs | None = None
 
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def policy_tokens(self) -> int:
+        """Response tokens the policy produced (``loss_mask`` 1)."""
+        return sum(self.loss_mask)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The distinct policy versions its tokens record, oldest first (empty when none is recorded)."""
+        return tuple(sorted({v for v in self.token_versions or () if v != UNVERSIONED_TOKEN}))
+
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
@@ -248,13 +266,158 @@ class TrainBatch:
         return TrainBatch(**kwargs)
 
 
-def collate_trajectories(trajectories: list[Trajectory], pad_token_id: int) -> TrainBatch:
-    """Pad a list of trajectories into a ``TrainBatch`` (prompts left-padded, responses right-padded)."""
+@dataclass
+class SampleRecord:
+    """A trajectory as the controller sees it on the by-reference data plane
+    (``async_training.data_plane=refs``): its numbers and fields, without its tokens.
+
+    The tokens, loss mask, rollout logprobs and images (the *payload*) stay where they were
+    generated: ``payload`` is a handle to its prompt group's trajectories in the rollout replica's
+    store (``hybridflow.data.plane``), ``index`` its place in that group. What the controller
+    decides with (group, reward, lengths, which tokens are the policy's, which weight versions
+    made them) is here. Field names and meanings are ``Trajectory``'s.
+    """
+
+    payload: Any  # a ``hybridflow.data.plane.PayloadHandle``
+    index: int
+    prompt_length: int
+    response_length: int
+    policy_tokens: int
+    # The response positions with loss mask 1, as [start, end) runs: the loss mask without the tokens.
+    loss_mask_runs: tuple[tuple[int, int], ...]
+    versions: tuple[int, ...]
+    finish_reason: str
+    group_id: int = 0
+    reward: float | None = None
+    reward_extra: dict[str, float] = field(default_factory=dict)
+    reward_info: dict[str, float | str] = field(default_factory=dict)
+    num_turns: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+    stop_reason: int | str | None = None
+
+
+# A sample as the controller handles it: whole, or its record on the by-reference data plane.
+Sample = Trajectory | SampleRecord
+
+
+def loss_mask_runs(loss_mask: list[int]) -> tuple[tuple[int, int], ...]:
+    """The [start, end) runs of 1s in ``loss_mask`` (one run for a single-turn response)."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for position, bit in enumerate([*loss_mask, 0]):
+        if bit and start is None:
+            start = position
+        elif not bit and start is not None:
+            runs.append((start, position))
+            start = None
+    return tuple(runs)
+
+
+@dataclass
+class RefBatch:
+    """A ``TrainBatch`` without its payload: what the controller holds on the by-reference data
+    plane. It has every column the controller computes or decides with (rewards, group ids, the
+    loss mask rebuilt from ``SampleRecord.loss_mask_runs``, advantages and the other optional
+    fields as the step fills them) and, for each row, a handle to where its tokens are. A rank
+    that gets a shard (``chunk``) turns it into the ``TrainBatch`` it trains on by fetching the
+    payload and padding it to the same ``prompt_length`` and ``response_length``
+    (``hybridflow.data.plane.resolve_batch``): the batch the controller would have collated.
+    """
+
+    refs: tuple[tuple[Any, int], ...]  # per row: (payload handle, index in its group)
+    group_ids: torch.Tensor  # (B,) long
+    rewards: torch.Tensor  # (B,) float
+    prompt_lengths: torch.Tensor  # (B,) long
+    response_lengths: torch.Tensor  # (B,) long
+    prompt_length: int  # P, the padded prompt length of the whole batch
+    padded_response_length: int  # R
+    pad_token_id: int
+    # (B, R) the loss mask; None in a shard sent to a rank, which rebuilds it from the payload.
+    response_mask: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.refs)
+
+    @property
+    def response_length(self) -> int:
+        return self.padded_response_length
+
+    @property
+    def response_attention_mask(self) -> torch.Tensor:  # (B, R) 1 on response tokens
+        return (torch.arange(self.padded_response_length) < self.response_lengths[:, None]).long()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_lengths.sum() + self.response_lengths.sum())
+
+    def _tensor_fields(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in ("refs", "prompt_length", "padded_response_length", "pad_token_id")]
+
+    def select(self, index: torch.Tensor | list[int] | slice) -> RefBatch:
+        """Rows ``index`` of every column and handle (a new batch)."""
+        rows = list(range(self.batch_size)[index]) if isinstance(index, slice) else \
+            torch.as_tensor(index, dtype=torch.long).reshape(-1).tolist()
+        picked = torch.as_tensor(rows, dtype=torch.long)
+        kwargs: dict[str, Any] = {"refs": tuple(self.refs[i] for i in rows), "prompt_length": self.prompt_length,
+                                  "padded_response_length": self.padded_response_length,
+                                  "pad_token_id": self.pad_token_id}
+        for name in self._tensor_fields():
+            value = getattr(self, name)
+            kwargs[name] = None if value is None else value[picked]
+        return RefBatch(**kwargs)
+
+    def split(self, size: int) -> list[RefBatch]:
+        return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
+
+    def chunk(self, chunks: int) -> list[RefBatch]:
+        """``chunks`` equal consecutive shards for data-parallel ranks, without the loss mask
+        (each rank rebuilds it from the payload it fetches)."""
+        if self.batch_size % chunks != 0:
+            raise ValueError(f"cannot split {self.batch_size} samples evenly over {chunks} ranks")
+        return [dataclasses.replace(shard, response_mask=None) for shard in self.split(self.batch_size // chunks)]
+
+
+def collate_records(records: list[SampleRecord], pad_token_id: int) -> RefBatch:
+    """``collate_trajectories`` for records: the same columns, padding and loss mask, with each
+    row's tokens left where they are."""
+    if not records:
+        raise ValueError("collate_records: no records")
+    p = max(r.prompt_length for r in records)
+    r_len = max(1, max(r.response_length for r in records))
+    response_mask = torch.zeros((len(records), r_len), dtype=torch.float32)
+    for i, record in enumerate(records):
+        for start, end in record.loss_mask_runs:
+            response_mask[i, start:end] = 1.0
+    return RefBatch(
+        refs=tuple((r.payload, r.index) for r in records),
+        group_ids=torch.tensor([r.group_id for r in records], dtype=torch.long),
+        rewards=torch.tensor([0.0 if r.reward is None else float(r.reward) for r in records]),
+        prompt_lengths=torch.tensor([r.prompt_length for r in records], dtype=torch.long),
+        response_lengths=torch.tensor([r.response_length for r in records], dtype=torch.long),
+        prompt_length=p, padded_response_length=r_len, pad_token_id=pad_token_id, response_mask=response_mask,
+    )
+
+
+def collate_trajectories(trajectories: list[Trajectory], pad_token_id: int, prompt_length: int | None = None,
+                         response_length: int | None = None) -> TrainBatch:
+    """Pad a list of trajectories into a ``TrainBatch`` (prompts left-padded, responses right-padded):
+    to the longest prompt and response, or to ``prompt_length`` / ``response_length`` (a shard of a
+    larger batch, padded as the whole batch is)."""
     if not trajectories:
         raise ValueError("collate_trajectories: no trajectories")
     b = len(trajectories)
-    p = max(len(t.prompt_ids) for t in trajectories)
-    r = max(1, max(len(t.response_ids) for t in trajectories))
+    p = max(len(t.prompt_ids) for t in trajectories) if prompt_length is None else prompt_length
+    r = max(1, max(len(t.response_ids) for t in trajectories)) if response_length is None else response_length
     input_ids = torch.full((b, p + r), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((b, p + r), dtype=torch.long)
     response_mask = torch.zeros((b, r), dtype=torch.float32)

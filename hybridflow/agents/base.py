@@ -47,7 +47,7 @@ from hybridflow.agents.registry import resolve_object
 from hybridflow.agents.tokens import ChatTokenizer
 from hybridflow.agents.tools import ToolRegistry
 from hybridflow.rewards.sandbox import run_coroutine_sync
-from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.types import GenerationRequest, Sample, SamplingParams, Trajectory
 from hybridflow.utils.seed import derive_seed
 
 _T = TypeVar("_T")
@@ -149,7 +149,8 @@ def agent_loop_class(name: str) -> type:
 
 def build_agent_loop(name: str, context: AgentContext) -> AgentLoop:
     """The loop registered as ``name`` (``AGENT_LOOPS``), or the class at ``module:Class``."""
-    loop = agent_loop_class(name)(context)
+    loop_class = agent_loop_class(name)
+    loop = loop_class(context)
     if not isinstance(loop, AgentLoop) or not asyncio.iscoroutinefunction(loop.run):
         raise TypeError(f"agent loop {name!r} ({loop_class!r}) has no async run(prompt_ids, metadata, params, engine)")
     return loop
@@ -175,7 +176,7 @@ def episode_metrics(
     }
 
 
-def compute_agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+def compute_agent_metrics(trajectories: Sequence[Sample]) -> dict[str, float]:
     """``num_turns/{mean,max,min}``, ``tool_calls/{mean,max}`` (per episode) and the tool
     error and timeout rates (per call) over a batch."""
     if not trajectories:
@@ -184,8 +185,8 @@ def compute_agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float
     records = [t.metadata.get(AGENT_METRICS_KEY, {}) for t in trajectories]
     calls = [r.get("tool_calls", 0.0) for r in records]
     total_calls = sum(calls)
-    tokens = sum(len(t.loss_mask) for t in trajectories)
-    masked = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
+    tokens = sum(t.response_length for t in trajectories)
+    masked = sum(t.response_length - t.policy_tokens for t in trajectories)
     return {
         METRIC_NUM_TURNS_MEAN: sum(turns) / len(turns),
         METRIC_NUM_TURNS_MAX: max(turns),

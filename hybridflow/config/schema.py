@@ -734,6 +734,18 @@ class AsyncTrainingConfig:
         "the behaviour policy). true sets algorithm.rollout_correction.rollout_is=token when it is null; false "
         "trains on stale samples uncorrected. No effect in sync mode.",
     )
+    data_plane: str = f(
+        "controller",
+        "trainer.mode=fully_async: where the samples' tokens travel. controller: each finished prompt group comes back "
+        "to the controller, which scores it, queues it and collates the step's batch. refs: the rollout replica that "
+        "generated a group scores it and keeps its tokens, rollout logprobs and images in its store (Ray's object "
+        "store across processes); the controller queues records (rewards, lengths, loss-mask runs, versions, a "
+        "handle) and decides (staleness, filtering, balancing, advantages), and each actor, reference and critic "
+        "rank fetches its shard's tokens and collates it there. Same results; the controller never holds a token. "
+        "Not with a reward model, trainer.rollout_data_dir, or an estimator that reads the tokens in the controller "
+        "(remax, optimal_token_baseline).",
+        choices=("controller", "refs"),
+    )
 
 
 @dataclass

@@ -46,7 +46,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from hybridflow.algorithms import select_varied_groups
 from hybridflow.controller import phases
@@ -56,7 +56,7 @@ from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.controller.trainer import Trainer
 from hybridflow.data import PromptRow
 from hybridflow.rewards.tally import RewardTally
-from hybridflow.types import Trajectory
+from hybridflow.types import Sample, Trajectory
 from hybridflow.utils.timer import PhaseTimer
 
 Key = tuple[int, int]  # (generation round, the group's position in the round)
@@ -68,6 +68,8 @@ class FullyAsyncTrainer(Trainer):
         settings = run.cfg.async_training
         self.staleness, self.partial_rollout = settings.staleness_threshold, settings.partial_rollout
         self.in_draw_order = settings.consume_order == "draw"
+        # async_training.data_plane=refs: replicas score groups and keep their tokens; the queue holds records.
+        self.by_reference = settings.data_plane == "refs"
         self.batch_groups = run.cfg.data.train_batch_size
         self._queue: queue.Queue[_Group] = queue.Queue()  # bounded by admission (module docstring)
         self._taken: dict[Key, _Group] = {}  # off the queue, waiting for their turn (draw order)
@@ -197,9 +199,9 @@ class FullyAsyncTrainer(Trainer):
                     with self._rollout_lock:
                         if not self._draining.is_set():
                             self._admit(stream)
-                        finished = stream.poll() if stream.in_flight else []
-                        ready = [group for key, trajectories in finished
-                                 if (group := self._score(key, trajectories)) is not None]
+                        finished = self._poll(stream) if stream.in_flight else []
+                        ready = [group for key, samples, tally in finished
+                                 if (group := self._queue_group(key, samples, tally)) is not None]
                         busy = bool(stream.in_flight or finished)
                         delivered += len(finished)
                         if delivered >= self.batch_groups:
@@ -250,21 +252,34 @@ class FullyAsyncTrainer(Trainer):
             self._epochs[b] = run.sampler.epoch
             self._live += len(keep)
             self._next_round += 1
-        sent = [metadata[i] for i in keep] if run.cfg.rollout.multi_turn.enable else None
+        # Agent loops read the row's fields; a replica that scores (by reference) needs them too.
+        sent = [metadata[i] for i in keep] if run.cfg.rollout.multi_turn.enable or self.by_reference else None
         stream.add([requests[i] for i in keep], sent, keys=[(b, i) for i in keep])
 
-    def _score(self, key: Key, trajectories: list[Trajectory]) -> _Group | None:
-        """A finished prompt group with its row's fields and its scores, for the queue; None when
-        dynamic sampling drops it (rewards that do not vary)."""
+    def _poll(self, stream: ReplicaStream) -> list[tuple[Key, list[Sample], RewardTally | None]]:
+        """The prompt groups finished since the last poll: trajectories to score here, or (by
+        reference) records their replica scored, with its tally."""
+        if self.by_reference:
+            return [(key, list(group.records), group.tally) for key, group in stream.poll_records()]
+        return [(key, list(trajectories), None) for key, trajectories in stream.poll()]
+
+    def _queue_group(self, key: Key, samples: list[Sample], tally: RewardTally | None) -> _Group | None:
+        """A finished prompt group with its row's fields and its scores, for the queue (scored here
+        unless its replica did, ``tally``); None when dynamic sampling drops it (rewards that do
+        not vary)."""
         run, (b, i) = self.run, key
         record = self._rounds[b]
-        for t in trajectories:
+        for t in samples:
             t.group_id = i
-            t.metadata = {**record.rows[i].metadata(), **t.metadata}
-        tally, model_parts = RewardTally(), []
-        score_part(run, trajectories, tally, model_parts)
+        model_parts: list[tuple[int, dict[str, float]]] = []
+        if tally is None:
+            trajectories = cast(list[Trajectory], samples)
+            for t in trajectories:
+                t.metadata = {**record.rows[i].metadata(), **t.metadata}
+            tally = RewardTally()
+            score_part(run, trajectories, tally, model_parts)
         fg = run.cfg.algorithm.filter_groups
-        varied = bool(select_varied_groups([phases.filter_value(t, fg.metric) for t in trajectories], [i] * len(trajectories)))
+        varied = bool(select_varied_groups([phases.filter_value(t, fg.metric) for t in samples], [i] * len(samples)))
         with self._state:
             self._counts.generated += 1
             self._counts.constant += not varied
@@ -274,7 +289,7 @@ class FullyAsyncTrainer(Trainer):
                 self._live -= 1
                 self._forget_finished_rounds()
                 return None
-        return _Group(key, trajectories, tally, model_parts, record.version)
+        return _Group(key, samples, tally, model_parts, record.version)
 
     def _refresh_weights(self) -> None:
         """The newest weights to the rollout while nothing is in flight (without partial rollout)."""
@@ -357,7 +372,7 @@ class _Group:
     """One prompt group on the queue: its samples, their reward tally and the reward model's
     metrics, and the rollout's weight version when its round was admitted."""
 
-    def __init__(self, key: Key, trajectories: list[Trajectory], tally: RewardTally,
+    def __init__(self, key: Key, trajectories: list[Sample], tally: RewardTally,
                  model_parts: list[tuple[int, dict[str, float]]], version: int) -> None:
         self.key, self.trajectories, self.tally, self.model_parts, self.version = (
             key, trajectories, tally, model_parts, version)

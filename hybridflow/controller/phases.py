@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -43,8 +43,17 @@ from hybridflow.tracking import (
     compute_validation_metrics, reduce_metrics, reward_variables,
 )
 from hybridflow.tracking.generations import DUMP_MAX_LOGPROBS, rollout_rows, validation_rows, write_jsonl
-from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch, Trajectory, collate_trajectories
-from hybridflow.training.packing import sequence_lengths
+from hybridflow.types import (
+    GenerationRequest,
+    RefBatch,
+    Sample,
+    SampleRecord,
+    SamplingParams,
+    TrainBatch,
+    Trajectory,
+    collate_records,
+    collate_trajectories,
+)
 from hybridflow.utils.faults import fault_requested
 from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import activity
@@ -67,9 +76,9 @@ class Collected(NamedTuple):
 class StepSamples(NamedTuple):
     """This step's samples in the three views the estimator-input providers read."""
 
-    batch: TrainBatch
-    trajectories: list[Trajectory]  # in batch order
-    groups: list[list[Trajectory]]  # by prompt, as collected
+    batch: TrainBatch | RefBatch  # a RefBatch on the by-reference data plane
+    trajectories: list[Trajectory] | list[SampleRecord]  # in batch order
+    groups: list[list[Trajectory]] | list[list[SampleRecord]]  # by prompt, as collected
 
 
 # ---------------------------------------------------------------------- generation
@@ -133,7 +142,7 @@ def score_answers(
     return scores, metrics
 
 
-def agent_metrics(run: RunSetup, trajectories: list[Trajectory]) -> dict[str, float]:
+def agent_metrics(run: RunSetup, trajectories: Sequence[Sample]) -> dict[str, float]:
     """``num_turns/*``, ``tool_calls/*`` and the masked-token share, for agent runs only (a
     single-turn run's would be constants)."""
     return compute_agent_metrics(trajectories) if run.cfg.rollout.multi_turn.enable else {}
@@ -223,10 +232,10 @@ def prepare_batch(run: RunSetup, groups: list[list[Trajectory]], step: int, time
     """The step's training batch from its groups: collated, balanced over the actor's ranks, with
     old/ref logprobs where needed, the estimator's inputs, advantages and returns."""
     trajectories = [t for group in groups for t in group]
-    batch = collate_trajectories(trajectories, run.pad_token_id)
+    batch = collate(trajectories, run.pad_token_id)
     metrics: dict[str, float] = {}
     if run.cfg.trainer.balance_batch:
-        order, balance_metrics = balance(run, batch)
+        order, balance_metrics = balance(run, trajectories)
         batch, trajectories = batch.select(order), [trajectories[i] for i in order]
         metrics |= balance_metrics
     if run.needs_old_logprobs:
@@ -249,10 +258,19 @@ def prepare_batch(run: RunSetup, groups: list[list[Trajectory]], step: int, time
     return samples, metrics
 
 
-def balance(run: RunSetup, batch: TrainBatch) -> tuple[list[int], dict[str, float]]:
+def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch | RefBatch:
+    """The step's batch: padded tensors from trajectories, or from records (the by-reference data
+    plane) the same columns with each row's tokens left on the replica that made them."""
+    if all(isinstance(s, SampleRecord) for s in samples):
+        return collate_records(cast(list[SampleRecord], list(samples)), pad_token_id)
+    return collate_trajectories(cast(list[Trajectory], list(samples)), pad_token_id)
+
+
+def balance(run: RunSetup, samples: Sequence[Sample]) -> tuple[list[int], dict[str, float]]:
     """A sample order under which ``split_gather``'s even split hands each actor rank a similar
     workload. Advantages are computed over the whole batch here, so groups may be split."""
-    lengths = sequence_lengths(batch)
+    # What a packed forward pays for each sample: its valid (prompt + response) tokens.
+    lengths = [t.prompt_length + t.response_length for t in samples]
     parts = balanced_partitions(lengths, run.actor.world_size)
     return flatten_partitions(parts), global_seqlen_metrics(lengths, parts)
 
@@ -424,21 +442,21 @@ def weights_snapshot(run: RunSetup) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------- metrics
-def staleness_metrics(trajectories: list[Trajectory], actor_version: int, started_versions: list[int]) -> dict[str, float]:
+def staleness_metrics(trajectories: Sequence[Sample], actor_version: int, started_versions: list[int]) -> dict[str, float]:
     """How many versions the weights that made each sample lag the actor's (``async/staleness/*``):
     by its oldest token where the engine records token versions (``Trajectory.token_versions``;
     a partial rollout mixes versions), else by its ``started_versions`` entry, the rollout's when
     the sample began generating."""
     lags = [actor_version - oldest_version(t, started) for t, started in zip(trajectories, started_versions, strict=True)]
     # Samples whose tokens came from more than one version: a weight update reached them mid-way.
-    mixed = sum(1 for t in trajectories if len({v for v in (t.token_versions or []) if v >= 0}) > 1)
+    mixed = sum(1 for t in trajectories if len(t.versions) > 1)
     return {"async/staleness/mean": sum(lags) / max(1, len(lags)), "async/staleness/max": float(max(lags, default=0)),
             "async/partial_rollout_fraction": mixed / max(1, len(trajectories))}
 
 
-def oldest_version(t: Trajectory, started_version: int) -> int:
+def oldest_version(t: Sample, started_version: int) -> int:
     """The oldest weight version among ``t``'s tokens (``started_version`` where none is recorded)."""
-    return min((v for v in (t.token_versions or []) if v >= 0), default=started_version)
+    return t.versions[0] if t.versions else started_version
 
 
 def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSamples, timer: PhaseTimer) -> dict[str, float]:
@@ -450,8 +468,8 @@ def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSa
         "training/epoch": float(collected.epoch),
         **compute_batch_metrics(
             scores=batch.rewards,
-            response_lengths=torch.tensor([len(t.response_ids) for t in trajectories]),
-            prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories]),
+            response_lengths=torch.tensor([t.response_length for t in trajectories]),
+            prompt_lengths=torch.tensor([t.prompt_length for t in trajectories]),
             max_response_length=run.cfg.data.max_response_length,
             advantages=batch.advantages,
             response_mask=batch.response_mask,

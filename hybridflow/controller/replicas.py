@@ -34,10 +34,11 @@ import torch
 
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest, Ticket
+from hybridflow.rollout.stream import Finished
 from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
 from hybridflow.tracking.timeline import Timeline
 from hybridflow.types import GenerationRequest, Trajectory
-from hybridflow.workers.rollout import ReplicaOutput, RolloutWorker, StreamBatch
+from hybridflow.workers.rollout import RecordBatch, ReplicaOutput, RolloutWorker, ScoredGroup, StreamBatch
 
 logger = logging.getLogger(__name__)
 
@@ -299,15 +300,23 @@ class ReplicaStream:
 
     def poll(self) -> list[tuple[Any, list[Trajectory]]]:
         """The requests finished since the last poll (waiting at most ``STREAM_POLL_S`` for one)."""
+        return [(finished.tag[1], finished.trajectories) for finished in self._poll(RolloutWorker.take)]
+
+    def poll_records(self) -> list[tuple[Any, ScoredGroup]]:
+        """``poll`` on the by-reference data plane: each finished request scored by its replica,
+        which keeps its tokens; its records and reward tally (``RolloutWorker.take_records``)."""
+        return [(group.tag[1], group) for group in self._poll(RolloutWorker.take_records)]
+
+    def _poll(self, take: Callable[..., Any]) -> list[Any]:
         replicas = self._replicas
         polled = [r for r, waiting in enumerate(self._waiting) if waiting]
         try:
-            batches: list[StreamBatch] = [results[0] for results in wait_all(
-                *(replicas.groups[r].submit_one(0, RolloutWorker.take, STREAM_POLL_S) for r in polled))]
+            batches: list[StreamBatch | RecordBatch] = [results[0] for results in wait_all(
+                *(replicas.groups[r].submit_one(0, take, STREAM_POLL_S) for r in polled))]
         except WorkerError as error:
             replicas._mark_failed(str(error))
             raise
-        done: list[tuple[Any, list[Trajectory]]] = []
+        done = []
         for r, batch in zip(polled, batches, strict=True):
             self._after[r] = batch.engine_counts
             for finished in batch.finished:
@@ -315,9 +324,10 @@ class ReplicaStream:
                 if ticket is None:
                     logger.debug("%s: dropped a result of an earlier stream: %r", replica_role(r), finished.tag)
                     continue
-                replicas.router.finish(ticket, sum(len(t.response_ids) for t in finished.trajectories))
+                samples = finished.trajectories if isinstance(finished, Finished) else finished.records
+                replicas.router.finish(ticket, sum(t.response_length for t in samples))
                 self._seconds[r] = max(self._seconds[r], finished.seconds)
-                done.append((finished.tag[1], finished.trajectories))
+                done.append(finished)
         return done
 
     def end_round(self) -> None:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -234,7 +235,9 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
     tp = cfg.rollout.tensor_model_parallel_size
     try:
         for k in range(rollout_replicas(cfg)):
-            groups.append(build_worker_group(cfg.trainer.backend, replica_role(k), lambda r, w: RolloutWorker(r, w, setup),
+            named = dataclasses.replace(setup, name=replica_role(k))
+            groups.append(build_worker_group(cfg.trainer.backend, replica_role(k),
+                                             lambda r, w, named=named: RolloutWorker(r, w, named),
                                              tp, None if placement is None else placement.from_bundle(k * tp)))
     except BaseException:
         for group in groups:  # nobody else holds the replicas started so far
@@ -562,13 +565,16 @@ class EstimatorInputSource:
     # Made by generating while the step trains: the asynchronous loops generate the next step then.
     generates: bool = False
     sum_pi_squared: bool = False  # that forward also returns Σ_v π(v)² per token (ActorSetup.sum_pi_squared)
+    # Its provider reads the samples' tokens or rollout logprobs in the controller, which the
+    # by-reference data plane (async_training.data_plane=refs) keeps on the replicas.
+    reads_tokens: bool = False
 
 
 # One entry per name in OPTIONAL_ESTIMATOR_INPUTS (a unit test keeps them equal); the loop's
 # providers are in controller.phases.INPUT_PROVIDERS.
 ESTIMATOR_INPUT_SOURCES: dict[str, EstimatorInputSource] = {
     "values": EstimatorInputSource(critic=True),
-    "reward_baselines": EstimatorInputSource(generates=True),  # a greedy rollout per prompt, scored
+    "reward_baselines": EstimatorInputSource(generates=True, reads_tokens=True),  # a greedy rollout per prompt, scored
     "reward_components": EstimatorInputSource(),  # the reward's named numbers (algorithm.gdpo_reward_keys)
     "old_logprobs": EstimatorInputSource(old_logprobs=True),
     # Σ_v π(v)² per response token (verl's actor.calculate_sum_pi_squared), from the same logits
@@ -577,7 +583,7 @@ ESTIMATOR_INPUT_SOURCES: dict[str, EstimatorInputSource] = {
     # The rollout correction's importance weights compare that forward's logprobs with the
     # engine's. They must come from it even with one optimizer step per batch, where the actor
     # could take π_old from its update's own forward: advantages are computed before the update.
-    "rollout_is_weights": EstimatorInputSource(old_logprobs=True),
+    "rollout_is_weights": EstimatorInputSource(old_logprobs=True, reads_tokens=True),
 }
 
 
@@ -653,6 +659,12 @@ def resolve_plugins(cfg: Config) -> Plugins:
                 f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, a generation of its own during the "
                 f"update, while trainer.mode={cfg.trainer.mode} generates the next step then; use trainer.mode=sync",
                 key="trainer.mode",
+            )
+        if ESTIMATOR_INPUT_SOURCES[need].reads_tokens and cfg.async_training.data_plane == "refs":
+            raise ConfigError(
+                f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, made in the controller from the samples' "
+                f"tokens, which async_training.data_plane=refs keeps on the rollout replicas; use "
+                f"async_training.data_plane=controller", key="async_training.data_plane",
             )
     adv_params = _resolved("algorithm", lambda: build_estimator_params(adv_estimator, vars(alg)))
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
@@ -738,12 +750,11 @@ def build_reward_model_group(
     return RewardModelGroup(group, RewardModelWorker.score)
 
 
-def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker]:
-    """The reward role, in this process on every backend: scoring writes each trajectory's reward
-    in place, and the manager already runs the scorers in supervised subprocesses. A custom reward
-    function that cannot be loaded is a ``ConfigError`` on ``reward.custom_reward_function``."""
+def reward_setup(cfg: Config, model_path: str) -> RewardSetup:
+    """What a reward worker is built from: the reward role's, and each rollout replica's on the
+    by-reference data plane (``async_training.data_plane=refs``)."""
     custom, ob, d = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer, cfg.data
-    setup = RewardSetup(
+    return RewardSetup(
         tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
         timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
         startup_timeout_s=cfg.reward.startup_timeout_s, combine=cfg.reward_model.combine,
@@ -751,6 +762,14 @@ def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker
         overlong_penalty_factor=ob.penalty_factor, max_response_length=d.max_response_length,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+
+
+def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker]:
+    """The reward role, in this process on every backend: scoring writes each trajectory's reward
+    in place, and the manager already runs the scorers in supervised subprocesses. A custom reward
+    function that cannot be loaded is a ``ConfigError`` on ``reward.custom_reward_function``."""
+    custom = cfg.reward.custom_reward_function
+    setup = reward_setup(cfg, model_path)
     try:
         return build_worker_group("local", "reward", lambda r, w: RewardWorker(r, w, setup), 1)
     except (ImportError, AttributeError, SyntaxError, TypeError, OSError, TimeoutError, RuntimeError) as error:
@@ -909,7 +928,8 @@ def build_run(cfg: Config) -> RunSetup:
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
                                  max_logprob_mismatch=t.health.logprob_mismatch,
                                  lora_adapter_rank=cfg.actor.lora.rank if adapter_sync else 0,
-                                 chat_template=policy_chat_template(d), **common)
+                                 chat_template=policy_chat_template(d), **common,
+                                 scoring=reward_setup(cfg, model_path) if cfg.async_training.data_plane == "refs" else None)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
     rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))

@@ -50,6 +50,7 @@ from hybridflow.config.budget import (
     packing_decision,
 )
 from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
 from hybridflow.models.lora import (
     LoraLayout,
@@ -418,7 +419,7 @@ class ActorWorker:
 
     def _old_policy_forward(self, batch: TrainBatch, with_sum_pi_squared: bool) -> TokenStats:
         # Sequence parallel: the group computes its pooled shards; each rank returns its own rows.
-        batch, own = gather_group_batch(batch, self.engine.sp_group)
+        batch, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)
         stats = self.engine.compute_token_stats(
             batch, temperature=self.setup.temperature, micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
@@ -432,7 +433,7 @@ class ActorWorker:
         sp times) and the loss scaled by the world size: ``hybridflow.training.sequence_parallel``
         says why that trains like one rank."""
         cfg = self.cfg
-        batch, _ = gather_group_batch(batch, self.engine.sp_group)
+        batch, _ = gather_group_batch(resolve_batch(batch), self.engine.sp_group)
         batch, correction_metrics = self._rollout_correction(batch)
         mini_size = cfg.ppo_mini_batch_size * self.setup.rollout_n // self.data_parallel_size
         # Shuffle order and random loss choices (clip_cov) vary per update but are restored by a

@@ -23,6 +23,7 @@ import torch
 from hybridflow.algorithms import batch_counts
 from hybridflow.algorithms.value import compute_value_loss
 from hybridflow.config.schema import CriticConfig
+from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_tokenizer, load_value_model
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
@@ -100,7 +101,7 @@ class CriticWorker:
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """V(s_t) of every response token under the current weights (the rollout's values).  # (B, R)"""
-        batch, own = gather_group_batch(batch, self.engine.sp_group)  # as the actor's logprob pass
+        batch, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)  # as the actor's logprob pass
         return self.engine.compute_values(
             batch, micro_batch_size=self.cfg.forward_micro_batch_size_per_gpu,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
@@ -111,7 +112,7 @@ class CriticWorker:
         shard, regressing onto ``batch.returns`` around ``batch.values``; metrics averaged."""
         if batch.values is None or batch.returns is None:
             raise ValueError("update_critic needs the batch's values (compute_values) and returns (the estimator)")
-        batch, _ = gather_group_batch(batch, self.engine.sp_group)  # as the actor's update
+        batch, _ = gather_group_batch(resolve_batch(batch), self.engine.sp_group)  # as the actor's update
         mini_size = self.setup.ppo_mini_batch_size * self.setup.rollout_n // self.data_parallel_size
         # As the actor's: the shuffle order is seeded by the schedule's step count, which
         # checkpoints carry, so a resumed run shuffles alike.

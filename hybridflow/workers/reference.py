@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.sequence_parallel import gather_group_batch
@@ -56,7 +57,7 @@ class ReferenceWorker:
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
         s = self.setup
-        batch, own = gather_group_batch(batch, self.engine.sp_group)  # as the actor's logprob pass
+        batch, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)  # as the actor's logprob pass
         logprobs, _ = self.engine.compute_logprobs(
             batch, temperature=s.temperature, micro_batch_size=s.micro_batch_size,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.agents import answer_view
 from hybridflow.agents.base import AGENT_REWARD_EXTRA_KEY, AGENT_REWARD_KEY
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.rewards import RewardManager, ScoreRequest
@@ -144,6 +145,17 @@ class RewardWorker:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def score_trajectories(worker: RewardWorker, trajectories: list[Trajectory]) -> RewardTally:
+    """Score training samples in place as the controller scores a part of a round: each on its final
+    answer (``answer_view``: an agent's last assistant turn), overlong shaping on the whole response;
+    the part's reward tally. No reward model: its scores come from another role."""
+    views = [answer_view(t) for t in trajectories]
+    _, tally = worker.score_part(views, shaping=True, response_lengths=[len(t.response_ids) for t in trajectories])
+    for t, view in zip(trajectories, views, strict=True):
+        t.reward, t.reward_extra, t.reward_info = view.reward, view.reward_extra, view.reward_info
+    return tally
 
 
 def model_score_tally(scores: list[float]) -> RewardTally:

@@ -36,8 +36,10 @@ from typing import Any
 import torch
 
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
+from hybridflow.data.plane import put_group, records_of
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
 from hybridflow.models.lora import AdapterMerger, is_adapter_payload
+from hybridflow.rewards.tally import RewardTally
 from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine, weight_transfer
 from hybridflow.rollout.base import resolve_rollout_dtype
 from hybridflow.rollout.stream import Finished, Job, RequestStream
@@ -48,7 +50,8 @@ from hybridflow.rollout.weight_transfer import (
     gpu_uuid,
     sync_device,
 )
-from hybridflow.types import GenerationRequest, Trajectory
+from hybridflow.types import GenerationRequest, SampleRecord, Trajectory
+from hybridflow.workers.reward import RewardSetup, RewardWorker, score_trajectories
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,10 @@ class RolloutSetup:
     # actor.lora.sync=adapter: syncs bring LoRA adapters of this rank (actor.lora.rank), merged here
     # into a copy of the base weights; 0: syncs bring whole weights.
     lora_adapter_rank: int = 0
+    name: str = "rollout replica 0"  # the replica's role, as errors name it
+    # async_training.data_plane=refs: finished prompt groups are scored here with this reward
+    # (``take_records``) and kept in this process; None: the controller scores what ``take`` returns.
+    scoring: RewardSetup | None = None
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -117,6 +124,26 @@ class StreamBatch:
     finished: list[Finished]  # (tag, trajectories, seconds since its start call), completion order
     in_flight: int  # started requests not finished yet
     engine_counts: dict[str, float] = field(default_factory=dict)  # the engine's counters now
+
+
+@dataclass
+class ScoredGroup:
+    """A finished prompt group on the by-reference data plane: its samples' records (tokens kept
+    by the replica), its reward tally, and the seconds since its ``start`` call."""
+
+    tag: Any
+    records: list[SampleRecord]
+    tally: RewardTally
+    seconds: float
+
+
+@dataclass
+class RecordBatch:
+    """What one ``take_records`` returns: ``StreamBatch`` with scored groups' records."""
+
+    finished: list[ScoredGroup]
+    in_flight: int
+    engine_counts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,6 +179,9 @@ class RolloutWorker:
         self.server: Any = None  # rollout.mode=server: the engine's HTTP server in this process
         self.client: Any = None  # ... and the client every request of this replica goes through
         self._stream: RequestStream | None = None  # the event loop requests run on, from first use
+        self.name, self.scoring = setup.name, setup.scoring
+        self._scorer: RewardWorker | None = None  # built at the first take_records (its scoring processes)
+        self._row_fields: dict[Any, dict[str, Any]] = {}  # tag -> its row's fields, for scoring here
         if world_size > 1:
             # One replica over ``world_size`` ranks (rollout.tensor_model_parallel_size): rank 0
             # serves, the others follow its commands.
@@ -251,6 +281,8 @@ class RolloutWorker:
         if len(tags) != len(requests):
             raise ValueError(f"RolloutWorker.start: {len(tags)} tags for {len(requests)} requests")
         jobs = self._jobs(requests, metadata, tags)
+        if self.scoring is not None and metadata is not None:
+            self._row_fields.update(zip(tags, metadata, strict=True))
         counts = _engine_counts(self.engine)
         self.stream.start(jobs)
         return counts
@@ -264,9 +296,29 @@ class RolloutWorker:
         finished = self.stream.take(max_wait_s)
         return StreamBatch(finished, self.stream.in_flight, _engine_counts(self.engine))
 
+    def take_records(self, max_wait_s: float = 0.0) -> RecordBatch:
+        """``take`` on the by-reference data plane (``hybridflow.data.plane``): each finished
+        prompt group gets its row's fields (sent with ``start``), is scored here with the run's
+        reward (``RolloutSetup.scoring``; shaping on, as training scores) and kept in this process;
+        what comes back is its samples' records and the reward metrics' tally, not its tokens."""
+        if self.scoring is None:
+            raise RuntimeError(f"{self.name}: take_records needs RolloutSetup.scoring (async_training.data_plane=refs)")
+        if self._scorer is None:
+            self._scorer = RewardWorker(0, 1, self.scoring)
+        groups = []
+        for finished in self.stream.take(max_wait_s):
+            row = self._row_fields.pop(finished.tag, {})
+            for t in finished.trajectories:
+                t.metadata = {**row, **t.metadata}  # the row's fields, then what an agent loop recorded
+            tally = score_trajectories(self._scorer, finished.trajectories)
+            handle = put_group(finished.trajectories, self.name)
+            groups.append(ScoredGroup(finished.tag, records_of(finished.trajectories, handle), tally, finished.seconds))
+        return RecordBatch(groups, self.stream.in_flight, _engine_counts(self.engine))
+
     def abort(self) -> int:
         """Cancel every started request still in flight and drop finished ones not yet taken;
         returns how many. Used when a round fails elsewhere, so nothing stale reaches a later take."""
+        self._row_fields.clear()
         return self.stream.abort()
 
     def _jobs(
@@ -372,6 +424,9 @@ class RolloutWorker:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self._scorer is not None:
+            self._scorer.close()
+            self._scorer = None
 
 
 def _engine_counts(engine: Any) -> dict[str, float]:

@@ -117,15 +117,21 @@ def test_an_estimator_that_generates_during_the_update_is_refused_in_the_async_l
 
 
 def test_fully_async_with_staleness_zero_is_the_synchronous_algorithm(user_files, tmp_path):
+    """On either data plane: with ``async_training.data_plane=refs`` the replicas score the groups
+    and keep their tokens, the controller decides on records and the actor collates its shard from
+    references, and every number is the same."""
     sync = train(tmp_path / "sync", user_files, "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=3")
     zero = train(tmp_path / "zero", user_files, "trainer.mode=fully_async", "async_training.staleness_threshold=0",
                  "trainer.total_training_steps=3")
-    assert sync.returncode == 0, sync.stderr[-3000:]
-    assert zero.returncode == 0, zero.stderr[-3000:]
-    s, z = per_step(tmp_path / "sync"), per_step(tmp_path / "zero")
+    refs = train(tmp_path / "refs", user_files, "trainer.mode=fully_async", "async_training.staleness_threshold=0",
+                 "trainer.total_training_steps=3", "async_training.data_plane=refs", "trainer.rollout_data_dir=null")
+    for run in (sync, zero, refs):
+        assert run.returncode == 0, run.stderr[-3000:]
+    s, z, r = per_step(tmp_path / "sync"), per_step(tmp_path / "zero"), per_step(tmp_path / "refs")
     for step in (1, 2, 3):
         assert z[step]["async/staleness/max"] == 0.0
         assert {k: v for k, v in z[step].items() if not k.startswith("async/")} == s[step], f"step {step}"
+        assert r[step] == z[step], f"step {step}"
 
 
 def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt(user_files, tmp_path):

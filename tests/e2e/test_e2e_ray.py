@@ -442,7 +442,9 @@ def test_a_streamed_round_on_ray_replicas_lets_a_weight_update_through_and_names
 def test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight(tmp_path: Path) -> None:
     """The rollout replica in a resource pool of its own, the trainer's weights broadcast into its
     generation in flight (partial rollout) while the next steps are generated: the run finishes
-    within the staleness bound. (One run: step 1 equal to the sync loop's is tested in-process,
+    within the staleness bound. On the by-reference data plane: the replica scores each group and
+    keeps its tokens in Ray's object store, the actor rank fetches them from there. (One run: step
+    1 equal to the sync loop's, on either data plane, is tested in-process,
     tests/e2e/test_e2e_async.py.)"""
     model_dir = write_tiny_model(tmp_path / "model")
     train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
@@ -458,7 +460,8 @@ def test_fully_async_on_ray_with_split_placement_streams_weights_into_the_genera
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, "trainer.mode=fully_async",
-           "async_training.staleness_threshold=1", f"trainer.output_dir={tmp_path / 'out'}"]
+           "async_training.staleness_threshold=1", "async_training.data_plane=refs",
+           f"trainer.output_dir={tmp_path / 'out'}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     fully = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -436,3 +436,22 @@ def test_ulysses_sequence_parallel_size_must_split_the_model_heads() -> None:
     assert "actor.ulysses_sequence_parallel_size=8 must divide the 4 attention heads of builtin:tiny" in message
     validate_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4",
                                            "actor.ulysses_sequence_parallel_size=4"]))  # 2 KV heads, repeated
+
+
+def test_the_by_reference_data_plane_refuses_what_reads_tokens_in_the_controller() -> None:
+    assert "async_training.data_plane=refs is not built with trainer.mode=sync" in errors_for(
+        "async_training.data_plane=refs")
+    refs = ("async_training.data_plane=refs", "trainer.mode=fully_async")
+    validate_config(load_config(overrides=list(refs)))  # valid
+    assert "with reward_model.enable=true" in errors_for(*refs, "reward_model.enable=true",
+                                                         "reward_model.model.path=/rm")
+    assert "with trainer.rollout_data_dir" in errors_for(*refs, "trainer.rollout_data_dir=dumps")
+
+
+def test_the_by_reference_data_plane_refuses_an_estimator_input_made_from_tokens() -> None:
+    from hybridflow.controller.setup import resolve_plugins
+
+    with pytest.raises(ConfigError, match="rollout_is_weights, made in the controller from the samples' tokens") as error:
+        resolve_plugins(load_config(overrides=["algorithm.adv_estimator=optimal_token_baseline", "trainer.mode=fully_async",
+                                               "async_training.data_plane=refs"]))
+    assert error.value.key == "async_training.data_plane"
