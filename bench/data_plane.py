@@ -18,8 +18,8 @@ rank 0: not through the controller).
     python bench/data_plane.py --steps 4 --max-tokens 256 --repeats 2
 
 The planes alternate for ``--repeats`` runs each on one Ray cluster. Prints per step, for each
-plane: bytes into and out of the controller, the step time (median over every run's steps 2..N),
-and the ratios controller / refs.
+plane: bytes into and out of the controller, the step time (each run's median over its steps
+2..N, then the median over runs), and the ratios controller / refs.
 """
 
 from __future__ import annotations
