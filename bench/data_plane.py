@@ -1,7 +1,7 @@
 """What passes through the controller's process in fully async training on Ray: the default data
 plane (trajectories come back to the controller, which scores, queues and collates them and
 ships each actor rank its padded shard) against the by-reference one
-(``async_training.data_plane=refs``: the replica scores each group and keeps its tokens in Ray's
+(``trainer.data_plane=refs``: the replica scores each group and keeps its tokens in Ray's
 object store, the controller holds records, each rank fetches its shard's tokens).
 
 Workload: a random-init tiny model (it rarely stops: responses run to ``--max-tokens``) on the
@@ -107,7 +107,7 @@ def run(plane: str, out: Path, files: list[str], args: argparse.Namespace, traff
         f"data.max_response_length={args.max_tokens}", f"trainer.total_training_steps={args.steps}",
         "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_final=false", "trainer.num_threads=1",
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.mode=fully_async",
-        "async_training.staleness_threshold=1", f"async_training.data_plane={plane}", "rollout.dtype=float32",
+        "async_training.staleness_threshold=1", f"trainer.data_plane={plane}", "rollout.dtype=float32",
     ]
     before_in, before_out = traffic.received, traffic.sent
     start = time.perf_counter()

@@ -18,7 +18,9 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -285,13 +287,21 @@ def _dashboard(args: argparse.Namespace) -> int:
     from hybridflow.tracking.dashboard import make_dashboard_server
 
     server = make_dashboard_server(args.runs, host=args.host, port=args.port)
+
+    def stop(*_: object) -> None:
+        # Ctrl-C (or SIGTERM) is the user's way to stop it, not a failure. Not a KeyboardInterrupt
+        # raised wherever serve_forever happens to be: shutdown() asks its loop to end after the
+        # request in hand (it must be called from another thread than the loop's).
+        threading.Thread(target=server.shutdown, name="dashboard-stop", daemon=True).start()
+
+    previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
     # The URL on its own line, flushed: with --port 0 it is the only way to learn the port.
     print(f"live run page of {server.runs.root}: {server.url}  (Ctrl-C stops it)", flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass  # the user's way to stop it: not a failure
     finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         server.server_close()
     return 0
 

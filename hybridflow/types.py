@@ -269,7 +269,7 @@ class TrainBatch:
 @dataclass
 class SampleRecord:
     """A trajectory as the controller sees it on the by-reference data plane
-    (``async_training.data_plane=refs``): its numbers and fields, without its tokens.
+    (``trainer.data_plane=refs``): its numbers and fields, without its tokens.
 
     The tokens, loss mask, rollout logprobs and images (the *payload*) stay where they were
     generated: ``payload`` is a handle to its prompt group's trajectories in the rollout replica's

@@ -734,18 +734,6 @@ class AsyncTrainingConfig:
         "the behaviour policy). true sets algorithm.rollout_correction.rollout_is=token when it is null; false "
         "trains on stale samples uncorrected. No effect in sync mode.",
     )
-    data_plane: str = f(
-        "controller",
-        "trainer.mode=fully_async: where the samples' tokens travel. controller: each finished prompt group comes back "
-        "to the controller, which scores it, queues it and collates the step's batch. refs: the rollout replica that "
-        "generated a group scores it and keeps its tokens, rollout logprobs and images in its store (Ray's object "
-        "store across processes); the controller queues records (rewards, lengths, loss-mask runs, versions, a "
-        "handle) and decides (staleness, filtering, balancing, advantages), and each actor, reference and critic "
-        "rank fetches its shard's tokens and collates it there. Same results; the controller never holds a token. "
-        "Not with a reward model, trainer.rollout_data_dir, or an estimator that reads the tokens in the controller "
-        "(remax, optimal_token_baseline).",
-        choices=("controller", "refs"),
-    )
 
 
 @dataclass
@@ -773,6 +761,19 @@ class TrainerConfig:
         "ahead, and the trainer takes finished prompt groups from a queue; controller/fully_async.py). Steps, "
         "prompts and seeds are the same in all three (fully_async with async_training.consume_order=draw).",
         choices=("sync", "one_step_off", "fully_async"),
+    )
+    data_plane: str = f(
+        "controller",
+        "Where the training samples' tokens travel. controller: each finished prompt group comes back to the "
+        "controller, which scores it and collates the step's batch. refs: the rollout replica that generated a group "
+        "scores it and keeps its tokens, rollout logprobs and images in its store (Ray's object store across "
+        "processes); the controller holds records (rewards, lengths, loss-mask runs, versions, a handle) and decides "
+        "on them (filtering, staleness, balancing, advantages), and each actor, reference and critic rank fetches "
+        "its shard's tokens and collates it there. Same results, every loop; the controller holds no training "
+        "token (validation still generates through it; trainer.rollout_data_dir fetches the dumped samples' tokens). "
+        "Not with a reward model, or an estimator whose inputs are made from tokens in the controller (remax, "
+        "optimal_token_baseline).",
+        choices=("controller", "refs"),
     )
     total_epochs: int = f(1, "Passes over the training prompts.")
     total_training_steps: int | None = f(100, "Stop after this many steps (None: total_epochs).")

@@ -206,18 +206,12 @@ def batch_plan(cfg: Config) -> BatchPlan:
 
 
 def _check_refs_data_plane(cfg: Config, report: _Report) -> None:
-    """async_training.data_plane=refs keeps the tokens off the controller: what reads them there is refused."""
+    """trainer.data_plane=refs keeps the tokens off the controller: what reads them there is refused."""
     refuse = []
-    if cfg.trainer.mode != "fully_async":
-        refuse.append(f"trainer.mode={cfg.trainer.mode} (the by-reference queue is the fully async loop's; set "
-                      "trainer.mode=fully_async)")
     if cfg.reward_model.enable:
         refuse.append("reward_model.enable=true (the reward model scores tokens the controller sends it)")
-    if cfg.trainer.rollout_data_dir:
-        refuse.append("trainer.rollout_data_dir (the dump decodes every sample's tokens in the controller)")
     for reason in refuse:
-        report.error(f"async_training.data_plane=refs is not built with {reason}; use async_training.data_plane="
-                     "controller")
+        report.error(f"trainer.data_plane=refs is not built with {reason}; use trainer.data_plane=controller")
 
 
 def _check_vllm(cfg: Config, report: _Report) -> None:
@@ -850,7 +844,7 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     if t.mode == "fully_async" and cfg.async_training.partial_rollout and cfg.rollout.name != "native":
         report.error(f"async_training.partial_rollout=true (new weights pushed into the generation in flight) is built "
                      f"for rollout.name=native, not {cfg.rollout.name}; set async_training.partial_rollout=false")
-    if cfg.async_training.data_plane == "refs":
+    if t.data_plane == "refs":
         _check_refs_data_plane(cfg, report)
     if t.backend == "local" and cfg.rollout.weight_sync == "broadcast":
         report.error(

@@ -68,8 +68,8 @@ class FullyAsyncTrainer(Trainer):
         settings = run.cfg.async_training
         self.staleness, self.partial_rollout = settings.staleness_threshold, settings.partial_rollout
         self.in_draw_order = settings.consume_order == "draw"
-        # async_training.data_plane=refs: replicas score groups and keep their tokens; the queue holds records.
-        self.by_reference = settings.data_plane == "refs"
+        # trainer.data_plane=refs: replicas score groups and keep their tokens; the queue holds records.
+        self.by_reference = run.cfg.trainer.data_plane == "refs"
         self.batch_groups = run.cfg.data.train_batch_size
         self._queue: queue.Queue[_Group] = queue.Queue()  # bounded by admission (module docstring)
         self._taken: dict[Key, _Group] = {}  # off the queue, waiting for their turn (draw order)

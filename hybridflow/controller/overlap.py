@@ -27,7 +27,7 @@ from hybridflow.data.dataset import ImageInputs, row_multi_modal
 from hybridflow.rewards import judge
 from hybridflow.rewards.tally import RewardTally
 from hybridflow.tracking import reduce_metrics
-from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.types import GenerationRequest, Sample, SamplingParams, Trajectory
 from hybridflow.utils.seed import derive_seed
 from hybridflow.utils.timer import PhaseTimer, profiler_range
 from hybridflow.utils.watchdog import activity
@@ -54,15 +54,18 @@ def round_requests(rows: list[PromptRow], params: SamplingParams, seed: int,
 
 def generate_and_score(
     run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...], timer: PhaseTimer
-) -> tuple[list[Trajectory], dict[str, float]]:
+) -> tuple[list[Sample], dict[str, float]]:
     """``phases.generate`` then ``phases.score_answers`` of the round, overlapped (module docstring):
     the round's trajectories grouped by prompt (``group_id`` = row index), scored, and the reward
-    metrics."""
+    metrics. With ``trainer.data_plane=refs`` each replica scores its groups and keeps their
+    tokens: the round's ``SampleRecord``s, and no scoring left to wait for here."""
     requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope, run.vision)
     metadata = [row.metadata() for row in rows]
-    # Only agent loops read the row fields: a single-turn run sends the requests alone.
-    sent = metadata if run.cfg.rollout.multi_turn.enable else None
-    groups: list[list[Trajectory]] = [[] for _ in rows]
+    by_reference = run.cfg.trainer.data_plane == "refs"
+    # Agent loops read the row fields, and so does a replica that scores (by reference); else a
+    # single-turn run sends the requests alone.
+    sent = metadata if run.cfg.rollout.multi_turn.enable or by_reference else None
+    groups: list[list[Sample]] = [[] for _ in rows]
     tally, model_parts = RewardTally(), []
     overlapped = reward_s = model_s = 0.0
     remaining = len(rows)
@@ -70,11 +73,18 @@ def generate_and_score(
     generated_at = start
     # One profiler range for the round (its timing_s/gen and reward parts are split below).
     with activity("phase", "gen"), profiler_range("phase/gen"), \
-            contextlib.closing(run.rollout.stream_batches(requests, sent)) as batches:
+            contextlib.closing(run.rollout.stream_batches(requests, sent, by_reference)) as batches:
         for batch in batches:
             remaining -= len(batch)
             if not remaining:
                 generated_at = time.perf_counter()
+            if by_reference:  # scored by the replicas, which keep the tokens: records and tallies
+                for group_id, scored in batch:
+                    for record in scored.records:
+                        record.group_id = group_id
+                    groups[group_id] = scored.records
+                    tally.merge(scored.tally)
+                continue
             part: list[Trajectory] = []
             for group_id, samples in batch:
                 for t in samples:

@@ -38,6 +38,7 @@ from hybridflow.controller.overlap import generate_and_score, model_scores, roun
 from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
+from hybridflow.data.plane import fetch_trajectories
 from hybridflow.tracking import (
     compute_batch_metrics, compute_critic_metrics, compute_throughput_metrics, compute_val_core_metrics,
     compute_validation_metrics, reduce_metrics, reward_variables,
@@ -68,7 +69,7 @@ class Collected(NamedTuple):
     """One step's samples as collected: groups by prompt, and the collection's metrics (rewards,
     filtering, agents, and the rollout's own counters for the generation that made them)."""
 
-    groups: list[list[Trajectory]]
+    groups: list[list[Trajectory]] | list[list[SampleRecord]]  # records on the by-reference data plane
     metrics: dict[str, float]
     epoch: int  # the sampler's epoch after drawing them (the training/epoch metric of their step)
 
@@ -160,9 +161,9 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
     not depend on when, or on which weights' replica, the step's collection ran.
     """
     fg, want = run.cfg.algorithm.filter_groups, run.cfg.data.train_batch_size
-    kept: list[list[Trajectory]] = []
+    kept: list[list[Sample]] = []
     reward_metrics: list[dict[str, float]] = []
-    episodes: list[Trajectory] = []  # every round's samples, for the agent metrics
+    episodes: list[Sample] = []  # every round's samples, for the agent metrics
     rounds = generated = varied = constant = 0
     while True:
         rounds += 1
@@ -213,22 +214,22 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
     return Collected(kept, metrics | run.rollout.take_metrics(), run.sampler.epoch)
 
 
-def _by_group(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
-    """Trajectories grouped by ``group_id``, groups in first-seen order."""
-    groups: dict[int, list[Trajectory]] = {}
+def _by_group(trajectories: Sequence[Sample]) -> list[list[Sample]]:
+    """Samples grouped by ``group_id``, groups in first-seen order."""
+    groups: dict[int, list[Sample]] = {}
     for t in trajectories:
         groups.setdefault(t.group_id, []).append(t)
     return list(groups.values())
 
 
-def filter_value(t: Trajectory, metric: str) -> float:
+def filter_value(t: Sample, metric: str) -> float:
     """The number dynamic sampling requires to vary within a group (algorithm.filter_groups.metric)."""
     assert t.reward is not None, "score_answers() sets every reward"
     return t.reward if metric == "score" else t.reward_extra.get("acc", t.reward)
 
 
 # ---------------------------------------------------------------------- the batch
-def prepare_batch(run: RunSetup, groups: list[list[Trajectory]], step: int, timer: PhaseTimer) -> tuple[StepSamples, dict[str, float]]:
+def prepare_batch(run: RunSetup, groups: Sequence[Sequence[Sample]], step: int, timer: PhaseTimer) -> tuple[StepSamples, dict[str, float]]:
     """The step's training batch from its groups: collated, balanced over the actor's ranks, with
     old/ref logprobs where needed, the estimator's inputs, advantages and returns."""
     trajectories = [t for group in groups for t in group]
@@ -534,12 +535,13 @@ def dump_validation(run: RunSetup, step: int, trajectories: list[Trajectory], sc
     write_jsonl(run.validation_data_dir, step, rows)
 
 
-def dump_rollouts(run: RunSetup, step: int, batch: TrainBatch, trajectories: list[Trajectory]) -> None:
+def dump_rollouts(run: RunSetup, step: int, batch: TrainBatch | RefBatch, trajectories: Sequence[Sample]) -> None:
     """This step's samples to ``trainer.rollout_data_dir``: each with its sequence advantage, the
-    mean over its loss tokens (the advantage itself for outcome estimators)."""
+    mean over its loss tokens (the advantage itself for outcome estimators). On the by-reference
+    data plane the dumped ones' tokens (at most ``trainer.dump_max_samples``) are fetched here."""
     t = run.cfg.trainer
-    assert run.rollout_data_dir is not None and batch.advantages is not None
-    kept = trajectories[: t.dump_max_samples]
+    assert run.rollout_data_dir is not None and batch.advantages is not None and batch.response_mask is not None
+    kept = fetch_trajectories(trajectories[: t.dump_max_samples])
     advantages = masked_mean(batch.advantages[: len(kept)], batch.response_mask[: len(kept)], dim=-1)
     rows = rollout_rows(
         step=step, prompts=_decode(run, [x.prompt_ids for x in kept]),

@@ -121,18 +121,20 @@ class RolloutReplicas:
                 yield from batch
 
     def stream_batches(
-        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
-    ) -> Iterator[list[tuple[int, list[Trajectory]]]]:
+        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None,
+        by_reference: bool = False,
+    ) -> Iterator[list[tuple[int, Any]]]:
         """``generate``, yielding each request's ``n`` trajectories as ``(request index,
         trajectories)`` as soon as its replica finishes it (completion order; those that one poll
         of the replicas found finished come in one list), while the replicas keep generating the
         rest: the same trajectories and round metrics as ``generate``. One ``ReplicaStream``
         given the whole round at once; close the iterator (e.g. ``contextlib.closing``) to abort
-        what is unfinished."""
+        what is unfinished. ``by_reference``: ``(request index, ScoredGroup)``, scored by the
+        replica, which keeps the tokens (``ReplicaStream.poll_records``)."""
         with contextlib.closing(self.open_stream()) as stream:
             stream.add(requests, metadata, keys=range(len(requests)))
             while stream.in_flight:
-                done = stream.poll()
+                done = stream.poll_records() if by_reference else stream.poll()
                 if done:
                     yield done
             # Only a round that completed gets here (an error or an early close leaves through the with).

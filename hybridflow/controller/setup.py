@@ -566,7 +566,7 @@ class EstimatorInputSource:
     generates: bool = False
     sum_pi_squared: bool = False  # that forward also returns Σ_v π(v)² per token (ActorSetup.sum_pi_squared)
     # Its provider reads the samples' tokens or rollout logprobs in the controller, which the
-    # by-reference data plane (async_training.data_plane=refs) keeps on the replicas.
+    # by-reference data plane (trainer.data_plane=refs) keeps on the replicas.
     reads_tokens: bool = False
 
 
@@ -660,11 +660,11 @@ def resolve_plugins(cfg: Config) -> Plugins:
                 f"update, while trainer.mode={cfg.trainer.mode} generates the next step then; use trainer.mode=sync",
                 key="trainer.mode",
             )
-        if ESTIMATOR_INPUT_SOURCES[need].reads_tokens and cfg.async_training.data_plane == "refs":
+        if ESTIMATOR_INPUT_SOURCES[need].reads_tokens and cfg.trainer.data_plane == "refs":
             raise ConfigError(
                 f"algorithm.adv_estimator={alg.adv_estimator} needs {need}, made in the controller from the samples' "
-                f"tokens, which async_training.data_plane=refs keeps on the rollout replicas; use "
-                f"async_training.data_plane=controller", key="async_training.data_plane",
+                f"tokens, which trainer.data_plane=refs keeps on the rollout replicas; use "
+                f"trainer.data_plane=controller", key="trainer.data_plane",
             )
     adv_params = _resolved("algorithm", lambda: build_estimator_params(adv_estimator, vars(alg)))
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
@@ -752,7 +752,7 @@ def build_reward_model_group(
 
 def reward_setup(cfg: Config, model_path: str) -> RewardSetup:
     """What a reward worker is built from: the reward role's, and each rollout replica's on the
-    by-reference data plane (``async_training.data_plane=refs``)."""
+    by-reference data plane (``trainer.data_plane=refs``)."""
     custom, ob, d = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer, cfg.data
     return RewardSetup(
         tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
@@ -929,7 +929,7 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_logprob_mismatch=t.health.logprob_mismatch,
                                  lora_adapter_rank=cfg.actor.lora.rank if adapter_sync else 0,
                                  chat_template=policy_chat_template(d), **common,
-                                 scoring=reward_setup(cfg, model_path) if cfg.async_training.data_plane == "refs" else None)
+                                 scoring=reward_setup(cfg, model_path) if cfg.trainer.data_plane == "refs" else None)
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
     rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))

@@ -1,4 +1,4 @@
-"""The by-reference data plane (``async_training.data_plane=refs``): samples' tokens go from the
+"""The by-reference data plane (``trainer.data_plane=refs``): samples' tokens go from the
 rollout replica that made them straight to the ranks that train on them; the controller holds
 records and handles.
 
@@ -19,13 +19,16 @@ process the handle holds the list itself, and nothing is copied.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.types import (
     RefBatch,
+    Sample,
     SampleRecord,
     TrainBatch,
     Trajectory,
@@ -110,6 +113,23 @@ def _lost_message(ray: Any, handles: list[PayloadHandle], error: BaseException) 
             return (f"the samples that {h.owner} generated could not be fetched (its process died, or its "
                     f"object store lost them): {type(each).__name__}: {str(each).splitlines()[0] if str(each) else ''}")
     return f"fetching the step's samples failed: {type(error).__name__}: {error}"
+
+
+def fetch_trajectories(samples: Sequence[Sample]) -> list[Trajectory]:
+    """Whole trajectories for ``samples``: a trajectory as it is; a record's tokens fetched from
+    the replica that holds them, with the record's own fields on them (group, reward, the row's
+    fields). For what must read tokens in the controller and asks for a bounded few of them
+    (``trainer.rollout_data_dir``'s dumps)."""
+    records = [s for s in samples if isinstance(s, SampleRecord)]
+    groups = fetch_groups([r.payload for r in records]) if records else {}
+    whole = []
+    for s in samples:
+        if isinstance(s, SampleRecord):
+            fetched = groups[s.payload.key][s.index]
+            s = dataclasses.replace(fetched, group_id=s.group_id, reward=s.reward, reward_extra=dict(s.reward_extra),
+                                    reward_info=dict(s.reward_info), metadata=dict(s.metadata))
+        whole.append(s)
+    return whole
 
 
 def resolve_batch(batch: TrainBatch | RefBatch) -> TrainBatch:

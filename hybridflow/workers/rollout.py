@@ -96,7 +96,7 @@ class RolloutSetup:
     # into a copy of the base weights; 0: syncs bring whole weights.
     lora_adapter_rank: int = 0
     name: str = "rollout replica 0"  # the replica's role, as errors name it
-    # async_training.data_plane=refs: finished prompt groups are scored here with this reward
+    # trainer.data_plane=refs: finished prompt groups are scored here with this reward
     # (``take_records``) and kept in this process; None: the controller scores what ``take`` returns.
     scoring: RewardSetup | None = None
 
@@ -302,7 +302,7 @@ class RolloutWorker:
         reward (``RolloutSetup.scoring``; shaping on, as training scores) and kept in this process;
         what comes back is its samples' records and the reward metrics' tally, not its tokens."""
         if self.scoring is None:
-            raise RuntimeError(f"{self.name}: take_records needs RolloutSetup.scoring (async_training.data_plane=refs)")
+            raise RuntimeError(f"{self.name}: take_records needs RolloutSetup.scoring (trainer.data_plane=refs)")
         if self._scorer is None:
             self._scorer = RewardWorker(0, 1, self.scoring)
         groups = []

@@ -117,21 +117,26 @@ def test_an_estimator_that_generates_during_the_update_is_refused_in_the_async_l
 
 
 def test_fully_async_with_staleness_zero_is_the_synchronous_algorithm(user_files, tmp_path):
-    """On either data plane: with ``async_training.data_plane=refs`` the replicas score the groups
-    and keep their tokens, the controller decides on records and the actor collates its shard from
-    references, and every number is the same."""
+    """On either data plane: with ``trainer.data_plane=refs`` the replicas score the groups and
+    keep their tokens, the controller decides on records and the actor collates its shard from
+    references, and every number is the same, in the sync loop and in the fully async one."""
     sync = train(tmp_path / "sync", user_files, "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=3")
     zero = train(tmp_path / "zero", user_files, "trainer.mode=fully_async", "async_training.staleness_threshold=0",
                  "trainer.total_training_steps=3")
-    refs = train(tmp_path / "refs", user_files, "trainer.mode=fully_async", "async_training.staleness_threshold=0",
-                 "trainer.total_training_steps=3", "async_training.data_plane=refs", "trainer.rollout_data_dir=null")
-    for run in (sync, zero, refs):
+    refs = ("trainer.total_training_steps=3", "trainer.data_plane=refs")
+    sync_refs = train(tmp_path / "sync_refs", user_files, "algorithm.rollout_correction.rollout_is=token", *refs)
+    zero_refs = train(tmp_path / "zero_refs", user_files, "trainer.mode=fully_async",
+                      "async_training.staleness_threshold=0", *refs)
+    for run in (sync, zero, sync_refs, zero_refs):
         assert run.returncode == 0, run.stderr[-3000:]
-    s, z, r = per_step(tmp_path / "sync"), per_step(tmp_path / "zero"), per_step(tmp_path / "refs")
+    s, z = per_step(tmp_path / "sync"), per_step(tmp_path / "zero")
+    s_refs, z_refs = per_step(tmp_path / "sync_refs"), per_step(tmp_path / "zero_refs")
     for step in (1, 2, 3):
         assert z[step]["async/staleness/max"] == 0.0
         assert {k: v for k, v in z[step].items() if not k.startswith("async/")} == s[step], f"step {step}"
-        assert r[step] == z[step], f"step {step}"
+        assert s_refs[step] == s[step] and z_refs[step] == z[step], f"step {step}"
+    # The rollout dumps (the dumped samples' tokens fetched from the replicas) say the same.
+    assert prompts_per_step(tmp_path / "zero_refs") == prompts_per_step(tmp_path / "zero")
 
 
 def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt(user_files, tmp_path):
@@ -154,9 +159,10 @@ def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_
 def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(user_files, tmp_path):
     """``consume_order=completion``: a step takes the first groups to finish, whatever round drew
     them; across a SIGKILL and resume no prompt group is trained twice, and the groups the
-    checkpoint lists as trained are exactly those trained before the kill."""
+    checkpoint lists as trained are exactly those trained before the kill. On the by-reference
+    data plane (the queue holds records; the draw-order test above runs the default one)."""
     mode = ("trainer.mode=fully_async", "async_training.staleness_threshold=1",
-            "async_training.consume_order=completion", "trainer.save_freq=1")
+            "async_training.consume_order=completion", "trainer.save_freq=1", "trainer.data_plane=refs")
     out = tmp_path / "killed"
     killed = train(out, user_files, *mode, fault="after_step@2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]

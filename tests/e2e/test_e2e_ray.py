@@ -460,7 +460,7 @@ def test_fully_async_on_ray_with_split_placement_streams_weights_into_the_genera
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, "trainer.mode=fully_async",
-           "async_training.staleness_threshold=1", "async_training.data_plane=refs",
+           "async_training.staleness_threshold=1", "trainer.data_plane=refs",
            f"trainer.output_dir={tmp_path / 'out'}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -439,13 +439,11 @@ def test_ulysses_sequence_parallel_size_must_split_the_model_heads() -> None:
 
 
 def test_the_by_reference_data_plane_refuses_what_reads_tokens_in_the_controller() -> None:
-    assert "async_training.data_plane=refs is not built with trainer.mode=sync" in errors_for(
-        "async_training.data_plane=refs")
-    refs = ("async_training.data_plane=refs", "trainer.mode=fully_async")
-    validate_config(load_config(overrides=list(refs)))  # valid
+    refs = ("trainer.data_plane=refs",)
+    for mode in ("sync", "one_step_off", "fully_async"):
+        validate_config(load_config(overrides=[*refs, f"trainer.mode={mode}"]))  # every loop
     assert "with reward_model.enable=true" in errors_for(*refs, "reward_model.enable=true",
                                                          "reward_model.model.path=/rm")
-    assert "with trainer.rollout_data_dir" in errors_for(*refs, "trainer.rollout_data_dir=dumps")
 
 
 def test_the_by_reference_data_plane_refuses_an_estimator_input_made_from_tokens() -> None:
@@ -453,5 +451,5 @@ def test_the_by_reference_data_plane_refuses_an_estimator_input_made_from_tokens
 
     with pytest.raises(ConfigError, match="rollout_is_weights, made in the controller from the samples' tokens") as error:
         resolve_plugins(load_config(overrides=["algorithm.adv_estimator=optimal_token_baseline", "trainer.mode=fully_async",
-                                               "async_training.data_plane=refs"]))
-    assert error.value.key == "async_training.data_plane"
+                                               "trainer.data_plane=refs"]))
+    assert error.value.key == "trainer.data_plane"

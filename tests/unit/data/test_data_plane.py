@@ -9,7 +9,14 @@ import pickle
 import pytest
 import torch
 
-from hybridflow.data.plane import PayloadHandle, fetch_groups, put_group, records_of, resolve_batch
+from hybridflow.data.plane import (
+    PayloadHandle,
+    fetch_groups,
+    fetch_trajectories,
+    put_group,
+    records_of,
+    resolve_batch,
+)
 from hybridflow.types import (
     UNVERSIONED_TOKEN,
     RefBatch,
@@ -133,6 +140,20 @@ def test_a_lost_group_is_an_error_naming_its_replica(monkeypatch):
     handle = PayloadHandle("ref", "rollout replica 1", True, "k")
     with pytest.raises(RuntimeError, match="rollout replica 1 generated could not be fetched"):
         fetch_groups([handle])
+
+
+def test_fetched_trajectories_are_the_generated_ones_with_the_controllers_fields():
+    groups = _groups()
+    records = _records(groups)
+    for r in records:
+        r.group_id, r.reward, r.metadata = 7, 0.25, {"data_source": "x"}
+    fetched = fetch_trajectories([records[4], groups[0][0]])
+    assert fetched[1] is groups[0][0]  # a trajectory stays as it is
+    t, source = fetched[0], groups[1][1]
+    assert (t.prompt_ids, t.response_ids, t.rollout_logprobs) == (source.prompt_ids, source.response_ids,
+                                                                  source.rollout_logprobs)
+    assert (t.group_id, t.reward, t.metadata) == (7, 0.25, {"data_source": "x"})
+    assert source.group_id == 0 and source.reward is None  # the replica's copy is left alone
 
 
 def test_resolving_a_train_batch_is_the_batch_itself():

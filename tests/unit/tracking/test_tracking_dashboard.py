@@ -207,7 +207,8 @@ def test_the_cli_prints_the_url_of_a_free_port_and_stops_cleanly_on_ctrl_c(runs_
         status, body = get(url + "api/runs")
         assert status == 200 and {r["name"] for r in json.loads(body)["runs"]} == {"a", "group/b"}
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 0, stderr[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
