@@ -342,6 +342,9 @@ class RefBatch:
     token_level_rewards: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
+    # (B, R) columns sent as one number per row (``chunk``): the column is that number on the
+    # row's loss mask and 0 elsewhere, as an outcome estimator's advantages are.
+    row_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -361,7 +364,7 @@ class RefBatch:
 
     def _tensor_fields(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self)
-                if f.name not in ("refs", "prompt_length", "padded_response_length", "pad_token_id")]
+                if f.name not in ("refs", "prompt_length", "padded_response_length", "pad_token_id", "row_values")]
 
     def select(self, index: torch.Tensor | list[int] | slice) -> RefBatch:
         """Rows ``index`` of every column and handle (a new batch)."""
@@ -374,17 +377,37 @@ class RefBatch:
         for name in self._tensor_fields():
             value = getattr(self, name)
             kwargs[name] = None if value is None else value[picked]
+        kwargs["row_values"] = {name: values[picked] for name, values in self.row_values.items()}
         return RefBatch(**kwargs)
 
     def split(self, size: int) -> list[RefBatch]:
         return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
 
     def chunk(self, chunks: int) -> list[RefBatch]:
-        """``chunks`` equal consecutive shards for data-parallel ranks, without the loss mask
-        (each rank rebuilds it from the payload it fetches)."""
+        """``chunks`` equal consecutive shards for data-parallel ranks, as little as the ranks
+        need: no loss mask (each rank rebuilds it from the payload it fetches), no token-level
+        rewards (no rank reads them), and advantages and returns that are one number per row on
+        the loss mask (outcome estimators) as those numbers (``row_values``)."""
         if self.batch_size % chunks != 0:
             raise ValueError(f"cannot split {self.batch_size} samples evenly over {chunks} ranks")
-        return [dataclasses.replace(shard, response_mask=None) for shard in self.split(self.batch_size // chunks)]
+        sent = dataclasses.replace(self, token_level_rewards=None, row_values=dict(self.row_values))
+        for name in ("advantages", "returns"):
+            column = getattr(sent, name)
+            values = None if column is None or self.response_mask is None else row_constant(column, self.response_mask)
+            if values is not None:
+                sent.row_values[name] = values
+                setattr(sent, name, None)
+        return [dataclasses.replace(shard, response_mask=None) for shard in sent.split(self.batch_size // chunks)]
+
+
+def row_constant(column: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor | None:
+    """The per-row numbers v with ``column == v[:, None] * response_mask`` exactly (B,), or None
+    when ``column`` is not of that form (token-level values, a NaN)."""
+    if column.shape != response_mask.shape:
+        return None
+    first = response_mask.argmax(dim=-1, keepdim=True)  # each row's first loss token (0 for none)
+    values = column.gather(-1, first).squeeze(-1) * response_mask.any(dim=-1)
+    return values if torch.equal(values[:, None] * response_mask, column) else None
 
 
 def collate_records(records: list[SampleRecord], pad_token_id: int) -> RefBatch:

@@ -144,4 +144,6 @@ def resolve_batch(batch: TrainBatch | RefBatch) -> TrainBatch:
                                     response_length=batch.padded_response_length)
     for name in _CONTROLLER_COLUMNS:
         setattr(resolved, name, getattr(batch, name))
+    for name, values in batch.row_values.items():  # one number per row, on the row's loss mask
+        setattr(resolved, name, values[:, None] * resolved.response_mask)
     return resolved

@@ -223,7 +223,7 @@ def test_groups_are_scored_before_the_last_one_finishes_with_the_rewards_of_scor
                       source=r.request_id) for i, r in enumerate(requests())]
     two = replicas(model_dir, 2)
     run = SimpleNamespace(rollout=two, reward=reward, reward_model=None, vision=None,
-                          cfg=SimpleNamespace(trainer=SimpleNamespace(seed=5),
+                          cfg=SimpleNamespace(trainer=SimpleNamespace(seed=5, data_plane="controller"),
                                               rollout=SimpleNamespace(multi_turn=SimpleNamespace(enable=False))))
     params = SamplingParams(n=2, max_tokens=40, ignore_eos=True)
     timer = PhaseTimer()

@@ -25,6 +25,7 @@ from hybridflow.types import (
     collate_records,
     collate_trajectories,
     loss_mask_runs,
+    row_constant,
 )
 
 PAD = 0
@@ -110,6 +111,32 @@ def test_a_rank_collates_from_references_the_shard_the_controller_would_have_sen
     for want, shard in zip(whole.chunk(2), light.chunk(2), strict=True):
         assert shard.response_mask is None  # rebuilt on the rank, not sent
         _assert_batches_equal(resolve_batch(shard), want)
+
+
+def test_outcome_advantages_travel_as_one_number_per_row_and_token_rewards_not_at_all():
+    groups = _groups()
+    _scored(groups)
+    whole, light = collate_trajectories([t for g in groups for t in g], PAD), collate_records(_records(groups), PAD)
+    scores = torch.tensor([0.5, -1.0, 2.0, -0.25, 3.0, 1.5])  # GRPO's: one advantage per sample
+    for batch in (whole, light):
+        batch.advantages = batch.returns = scores[:, None] * batch.response_mask
+        batch.token_level_rewards = torch.ones_like(batch.response_mask)
+    light.old_logprobs = whole.old_logprobs = -torch.rand(whole.response_mask.shape)  # per token: sent whole
+    whole.token_level_rewards = None  # what a rank gets: no rank reads them
+    for want, shard in zip(whole.chunk(3), light.chunk(3), strict=True):
+        assert shard.advantages is None and shard.returns is None and shard.token_level_rewards is None
+        assert set(shard.row_values) == {"advantages", "returns"} and shard.row_values["advantages"].shape == (2,)
+        assert shard.old_logprobs is not None
+        _assert_batches_equal(resolve_batch(shard), want)
+
+
+def test_row_constant():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    assert torch.equal(row_constant(torch.tensor([[2.0, 2.0, 0.0], [0.0] * 3, [0.0, -1.0, -1.0]]), mask),
+                       torch.tensor([2.0, 0.0, -1.0]))
+    assert row_constant(torch.tensor([[2.0, 3.0, 0.0], [0.0] * 3, [0.0, 1.0, 1.0]]), mask) is None  # per token
+    assert row_constant(torch.tensor([[2.0, 2.0, 1.0], [0.0] * 3, [0.0, 1.0, 1.0]]), mask) is None  # off the mask
+    assert row_constant(torch.full((3, 3), float("nan")), mask) is None
 
 
 def test_a_shard_sent_to_another_process_pickles_without_tokens():
