@@ -125,7 +125,8 @@ class WarmStartConfig:
     lr: float = f(3e-3, "Warm-start learning rate.")
     cache_dir: str = f(
         "~/.cache/hybridflow",
-        "Where the built-in model and its warm start are cached (keyed by their settings).",
+        "Where the built-in model and its warm start are cached (keyed by their settings), and what "
+        "rollout.dtype=auto measured on this machine for a model (so later runs of it sample in the same precision).",
     )
 
 

@@ -26,8 +26,17 @@ def model_dir(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("model"), TinyModelSpec(num_hidden_layers=1)))
 
 
+CACHE: list[str] = []  # this test's machine records (warm_start.cache_dir), never the user's
+
+
+@pytest.fixture(autouse=True)
+def machine_cache(tmp_path_factory):
+    CACHE[:] = [str(tmp_path_factory.mktemp("cache"))]
+
+
 def config(*overrides: str):
-    return api.make_config("grpo", overrides=["rollout.max_batch_size=16", *overrides])
+    return api.make_config("grpo", overrides=["rollout.max_batch_size=16", f"warm_start.cache_dir={CACHE[0]}",
+                                              *overrides])
 
 
 def probe_saying(speedup: float, calls: list[int]):
@@ -76,3 +85,49 @@ def test_a_damaged_record_is_an_error_naming_the_file_and_the_fix(model_dir, tmp
     (tmp_path / ROLLOUT_DTYPE_FILE).write_text(text)
     with pytest.raises(ValueError, match=rf"{ROLLOUT_DTYPE_FILE}.*(delete it to measure again)"):
         resolve_run_rollout_dtype(config(), CPU, model_dir, tmp_path)
+
+
+def test_runs_in_other_folders_take_the_first_measurement_made_on_this_machine(model_dir, tmp_path):
+    """A probe is timing: a second run of the same model on the same machine (another folder) must
+    not sample in another precision because its probe read otherwise."""
+    calls: list[int] = []
+    for name in "abc":  # each run's folder
+        (tmp_path / name).mkdir()
+    with mock.patch.object(rollout_dtype, "cpu_features", return_value=BF16), \
+            mock.patch.object(precision, "probe_decode_precision", probe_saying(2.0, calls)):
+        assert resolve_run_rollout_dtype(config(), CPU, model_dir, tmp_path / "a") == "bfloat16"
+    with mock.patch.object(rollout_dtype, "cpu_features", return_value=BF16), \
+            mock.patch.object(precision, "probe_decode_precision", probe_saying(0.5, calls)):
+        assert resolve_run_rollout_dtype(config(), CPU, model_dir, tmp_path / "b") == "bfloat16"
+        # Another batch is another measurement.
+        assert resolve_run_rollout_dtype(config("rollout.max_batch_size=8"), CPU, model_dir, tmp_path / "c") == "float32"
+    assert calls == [16, 8]
+    assert json.loads((tmp_path / "b" / ROLLOUT_DTYPE_FILE).read_text())["dtype"] == "bfloat16"
+
+
+def test_of_two_runs_measuring_at_once_both_take_the_first_written_answer(model_dir, tmp_path):
+    cfg = config()
+    machine = rollout_dtype.machine_record(cfg, model_dir, BF16)
+    real_write_once = rollout_dtype._write_once
+
+    def lose_the_race(path, fields):  # another run wrote fp32 while this one measured bf16
+        real_write_once(path, {"dtype": "float32", "reason": "the other run's probe"})
+        return real_write_once(path, fields)
+
+    with mock.patch.object(rollout_dtype, "cpu_features", return_value=BF16), \
+            mock.patch.object(precision, "probe_decode_precision", probe_saying(2.0, [])), \
+            mock.patch.object(rollout_dtype, "_write_once", lose_the_race):
+        assert resolve_run_rollout_dtype(cfg, CPU, model_dir, tmp_path) == "float32"
+    assert json.loads(machine.read_text())["reason"] == "the other run's probe"
+    assert json.loads((tmp_path / ROLLOUT_DTYPE_FILE).read_text())["dtype"] == "float32"
+
+
+def test_a_damaged_machine_record_is_measured_again(model_dir, tmp_path):
+    cfg = config()
+    machine = rollout_dtype.machine_record(cfg, model_dir, BF16)
+    machine.parent.mkdir(parents=True, exist_ok=True)
+    machine.write_text("{not json")
+    with mock.patch.object(rollout_dtype, "cpu_features", return_value=BF16), \
+            mock.patch.object(precision, "probe_decode_precision", probe_saying(2.0, [])):
+        assert resolve_run_rollout_dtype(cfg, CPU, model_dir, tmp_path) == "bfloat16"
+    assert json.loads(machine.read_text())["dtype"] == "bfloat16"
