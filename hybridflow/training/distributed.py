@@ -72,6 +72,11 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def is_initialized() -> bool:
+    """Whether this process has joined a default process group (of any size)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def is_data_parallel() -> bool:
     return world_size() > 1
 

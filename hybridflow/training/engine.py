@@ -179,8 +179,10 @@ class TrainEngine:
         # FSDP2 renames the model's class (FSDPQwen2ForCausalLM): exports keep the real name.
         self.architecture = type(model).__name__
         if data_parallel:
-            if not distributed.is_data_parallel():
-                raise RuntimeError("data_parallel=True needs an initialised process group of more than one rank")
+            # One rank is allowed: FSDP2 over a one-rank group is how a single GPU exercises the sharded
+            # path (NCCL, DTensor parameters, CPU offload of parameters), as the GPU kit does.
+            if not distributed.is_initialized():
+                raise RuntimeError("data_parallel=True needs an initialised process group")
             if optim is None:
                 self.model.requires_grad_(False)
             distributed.shard_model(

@@ -1,7 +1,6 @@
 """CUDA-graph decode on a GPU: same tokens as eager decode, graphs follow weight updates and sleep.
 
-Skipped without CUDA (CI has none); run on a GPU machine with
-``python -m pytest tests/unit/rollout/test_rollout_cuda_graphs.py``.
+Skipped without CUDA (CI has none); the GPU kit runs them (``scripts/gpu_checks.sh``, step pytest_gpu).
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import pytest
 import torch
 from test_rollout_native_engine import PROMPTS, make_engine, make_model, request
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def generate(engine, max_tokens: int = 12) -> list[tuple[list[int], list[float]]]:

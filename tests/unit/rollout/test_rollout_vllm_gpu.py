@@ -1,13 +1,14 @@
 """rollout.name=vllm on a GPU: the vLLM engine (GPU build, ``pip install -e '.[vllm]'``) against the
 trainer's full-forward references, its sleep mode and a decode-throughput figure. Skipped without
 CUDA or without a GPU build of vLLM (``engine_unavailable("vllm", "cuda")`` gives the reason).
-``bash scripts/gpu_checks.sh`` installs the GPU extras and runs them; the CPU build's tests are
-``test_rollout_vllm.py``, whose model and references these reuse.
+They need a GPU machine where vLLM is installed: the machine the GPU kit (``scripts/gpu_checks.sh``)
+is made for has none and no network, so there they skip with that reason. The CPU build's tests
+are ``test_rollout_vllm.py``, whose model and references these reuse.
 
 vLLM lets one engine with sleep mode use its CuMem memory pool per process ("CuMem allocator can
 only be used for one instance per process"), so each group here builds its engine in a fresh
-pytest process when run by ``scripts/gpu_checks.sh`` (``::TestFloat32``, ``::TestBfloat16``, then
-``-m slow``). In a single run the engines are torn down between groups, and a group whose engine
+pytest process: ``python -m pytest -n 0 -s FILE::TestFloat32``, then ``FILE::TestBfloat16``, then
+``-m slow FILE``. In a single run the engines are torn down between groups, and a group whose engine
 cannot start because the pool is still held skips, naming the command that runs it alone.
 
 Not yet run on a GPU (no GPU was lent to the session that wrote them): read a failure here as
@@ -74,7 +75,7 @@ def require_free_pool() -> None:
 
     if CuMemAllocator.get_instance().get_current_usage() != 0:
         pytest.skip("another vLLM engine in this process still holds vLLM's CuMem pool (one per process): "
-                    "run this group in its own process, as scripts/gpu_checks.sh does")
+                    "run this group in its own pytest process (this file's docstring)")
 
 
 def shut_down(engine) -> None:

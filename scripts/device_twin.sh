@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The CPU twin of the lent GPU machine: a Python 3.12 venv (.venv-twin, ignored by git) holding the
+# versions that machine's image has (scripts/device_twin_requirements.txt: torch 2.11, transformers
+# 5.17, ...) and nothing else, in which `gpu_checks.sh --dry-run` runs every step's CPU part with
+# the kit's wheels, with no network (a network namespace of its own where `unshare` allows).
+# Run it before any device call: what fails here would fail there, minutes into a 15-minute lease.
+#
+#   bash scripts/device_kit.sh && bash scripts/device_twin.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-runs/device_twin}"
+venv=.venv-twin
+requirements=scripts/device_twin_requirements.txt
+python312="${PYTHON312:-$(command -v python3.12 || true)}"
+if [[ -z "$python312" ]]; then
+    echo "device_twin.sh: no python3.12 here (the GPU machine's version); set PYTHON312" >&2
+    exit 1
+fi
+# (Re)build when the requirements changed since the venv was made.
+stamp="$venv/.requirements.sha256"
+want="$(sha256sum "$requirements" | cut -d' ' -f1)"
+if [[ ! -x "$venv/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+    rm -rf "$venv"
+    "$python312" -m venv "$venv"
+    "$venv/bin/pip" install -q -r "$requirements"
+    echo "$want" >"$stamp"
+fi
+"$venv/bin/python" -c "import torch, transformers; print('twin: python', __import__('platform').python_version(), \
+'torch', torch.__version__, 'transformers', transformers.__version__)"
+export PYTHON="$PWD/$venv/bin/python"
+if unshare -rn true 2>/dev/null; then
+    # A user and network namespace: no route out, only a loopback (brought up for the one-rank
+    # process groups' TCP store on 127.0.0.1).
+    exec unshare -rn sh -c 'ip link set lo up && exec bash scripts/gpu_checks.sh "$@"' sh "$out" --dry-run
+fi
+echo "device_twin.sh: unshare is not allowed here; the dry run has the network (gpu_checks.sh uses none)" >&2
+exec bash scripts/gpu_checks.sh "$out" --dry-run
