@@ -1,18 +1,19 @@
 """verl's spellings of hybridflow's config keys, so a verl command line or YAML file works here.
 
 verl nests the policy's settings under ``actor_rollout_ref`` (``actor``, ``rollout``, ``ref``,
-``model``); hybridflow keeps them at the top level. A key is translated by the first rule that
-matches, each use logged once as a one-line note naming the hybridflow key:
+``model``); hybridflow keeps them at the top level. ``translate_key`` is the one entry point: a key
+is translated by the first rule that matches, each use logged once as a one-line note:
 
 - ``KEYS``: whole keys that live elsewhere here (the old-logprob micro-batch is the actor's, not the
   rollout's; padding removal is the actor's, not the model's; the chat template is the data's).
+- ``IGNORED`` and ``verl_keys.RULES``: keys accepted and dropped with why (a sharding strategy
+  hybridflow always uses, a profiler), or refused in one line saying what hybridflow does instead
+  (every Megatron key), some of them only away from the value that leaves the run as verl's.
 - ``PREFIXES``: ``actor_rollout_ref.<role>.`` -> ``<role>.``; the rest of the key is the same.
-- ``IGNORED``: keys that choose something hybridflow has no choice of (a sharding strategy it
-  always uses, a GPU memory fraction its engine does not size by): accepted, with why, and
-  dropped. Anything else unknown is still an error with a suggestion.
 
-The table is tested against verl's quickstart and GRPO example command lines
-(tests/unit/config/test_config_aliases.py): every target is a real key of the schema.
+Anything else unknown is still an error with a suggestion. Every key of verl's trainer config is
+classified (tests/unit/config/test_config_verl_keys.py walks them all; docs/verl_keys.md lists them),
+and verl's quickstart and GRPO command lines are tested in tests/unit/config/test_config_aliases.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from typing import Any
+
+from hybridflow.config.verl_keys import NULL_IS_UNSET, Rule, normalise, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,8 @@ PREFIXES: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.model.", "model."),
     # verl <= 0.7 kept the custom reward function at the top level.
     ("custom_reward_function.", "reward.custom_reward_function."),
+    # The reward manager's own arguments (verl passes them to the manager's constructor).
+    ("reward_model.reward_kwargs.", "reward.reward_kwargs."),
 )
 
 KEYS: dict[str, str] = {
@@ -45,6 +50,28 @@ KEYS: dict[str, str] = {
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "trainer.default_local_dir": "trainer.checkpoint_dir",
     "global_profiler.steps": "trainer.profile.steps",
+    # verl keeps the PPO clip's SAPO temperatures and gradient clip in other sections.
+    "actor_rollout_ref.actor.tau_pos": "actor.policy_loss.tau_pos",
+    "actor_rollout_ref.actor.tau_neg": "actor.policy_loss.tau_neg",
+    "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
+    "critic.optim.clip_grad": "critic.grad_clip",
+    "actor_rollout_ref.actor.optim.warmup_style": "actor.optim.lr_scheduler_type",  # verl's older name
+    "critic.optim.warmup_style": "critic.optim.lr_scheduler_type",
+    # The training compute dtype (float32 master weights either way) is one knob here.
+    "actor_rollout_ref.actor.fsdp_config.dtype": "model.dtype",
+    # verl files the critic's sharding and padding under its model.
+    "critic.model.fsdp_config.param_offload": "critic.fsdp_config.param_offload",
+    "critic.model.fsdp_config.optimizer_offload": "critic.fsdp_config.optimizer_offload",
+    "critic.model.fsdp_config.fsdp_size": "critic.fsdp_config.fsdp_size",
+    "critic.model.use_remove_padding": "critic.use_remove_padding",
+    # Rewards: the manager, DAPO's overlong buffer (a reward_kwargs entry in verl), scoring workers.
+    "reward_model.reward_manager": "reward.reward_manager",
+    "reward_manager.name": "reward.reward_manager",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": "reward.overlong_buffer.enable",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": "reward.overlong_buffer.len",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": "reward.overlong_buffer.penalty_factor",
+    "reward_model.num_workers": "reward.num_workers",
+    "data.tool_config_path": "rollout.multi_turn.tool_config_path",
     # verl's SFT trainer (fsdp_sft_trainer) spellings, read by hybridflow sft.
     "data.multiturn.messages_key": "sft.messages_key",
     "data.response_key": "sft.response_key",
@@ -53,8 +80,6 @@ KEYS: dict[str, str] = {
 }
 
 IGNORED: dict[str, str] = {
-    "actor_rollout_ref.actor.strategy": "the actor is always sharded with FSDP2 here",
-    "critic.strategy": "the critic is always sharded with FSDP2 here",
     "actor_rollout_ref.rollout.gpu_memory_utilization":
         "the native engine's KV cache is sized by rollout.max_batch_size and the response length, not a memory fraction",
     "actor_rollout_ref.rollout.mode": "rollout.mode here picks in-process (engine) or HTTP server (server) generation; "
@@ -64,18 +89,44 @@ IGNORED: dict[str, str] = {
 }
 
 
-def translate_key(key: str) -> str | None:
+_NO_VALUE: Any = object()
+
+
+def translate_key(key: str, value: Any = _NO_VALUE) -> str | None:
     """The hybridflow key for ``key`` (itself when it is not one of verl's spellings), or None when
-    the key is one hybridflow accepts and ignores. Logs the note once per key."""
+    the key is one hybridflow accepts and ignores (at ``value``: the text of an override or a YAML
+    value). Logs the note once per key. Raises ``ConfigError`` (one line, naming the key and what
+    hybridflow does instead) for a verl key, or a value of one, that hybridflow refuses; a key
+    refused only away from verl's default is refused when no ``value`` is given."""
+    if value is not _NO_VALUE and key in NULL_IS_UNSET and normalise(value) is None:
+        _note_once(key, f"config: {key}=null keeps hybridflow's value: {NULL_IS_UNSET[key]}")
+        return None
     if key in KEYS:
         return _noted(key, KEYS[key])
     if key in IGNORED:
         _note_once(key, f"config: {key} is ignored: {IGNORED[key]}")
         return None
+    found = rule_for(key)
+    if found is not None:
+        _, rule = found
+        if rule.always_ignored or (value is not _NO_VALUE and rule.accepted(value)):
+            _note_once(key, f"config: {key} is ignored: {rule.reason}")
+            return None
+        raise _refusal(key, value, rule)
     for theirs, ours in PREFIXES:
         if key.startswith(theirs):
             return _noted(key, ours + key[len(theirs):])
     return key
+
+
+def _refusal(key: str, value: Any, rule: Rule) -> Exception:
+    from hybridflow.config.loader import ConfigError  # loader imports this module
+
+    if rule.always_refused:
+        return ConfigError(f"verl's {key} is not supported here: {rule.reason}", key=key)
+    shown = "" if value is _NO_VALUE else f"={str(value).strip()}"
+    return ConfigError(f"verl's {key}{shown} is not supported here (accepted: {rule.accepted_text()}): "
+                       f"{rule.reason}", key=key)
 
 
 def translate_mapping(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
@@ -88,7 +139,7 @@ def translate_mapping(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
             out[key] = value  # the loader names it
             continue
         for dotted, leaf in _leaves(key, value):
-            ours = translate_key(dotted)
+            ours = translate_key(dotted, leaf)
             if ours is not None:
                 _merge(out, _nest(ours, leaf))
     return out

@@ -47,6 +47,11 @@ _OVERRIDE_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)
 _SUGGESTION_CUTOFF = 0.6
 """difflib similarity below which a guess is more confusing than helpful."""
 
+_NAME_SIMILARITY = 0.8
+"""difflib similarity a mistyped key name keeps with the name meant (``lrr``/``lr`` 0.8,
+``rolout``/``rollout`` 0.92); unrelated names that share a word score lower (``return_raw_chat``/
+``truncation`` 0.48)."""
+
 
 class ConfigError(ValueError):
     """A config that cannot be used. The message names the dotted key (and the file or override
@@ -136,16 +141,54 @@ def _suggest(section_cls: type, prefix: str, name: str, value: Any) -> str | Non
     nested = [path for path in leaves if path.startswith(f"{prefix}.") and path.rsplit(".", 1)[-1] == name]
     if prefix and nested:
         return max(nested, key=lambda p: difflib.SequenceMatcher(None, attempted, p).ratio())
-    sibling = difflib.get_close_matches(name, list(_fields(section_cls)), n=1, cutoff=_SUGGESTION_CUTOFF)
+    sibling = _closest_name(name, list(_fields(section_cls)))
     if sibling:
-        guess = _join(prefix, sibling[0])
+        guess = _join(prefix, sibling)
         return guess + suffix if guess + suffix in all_paths else guess
     same_name = [path for path in leaves if path.rsplit(".", 1)[-1] == name]
     if same_name:
         # Prefer the one that shares the most of the path the user wrote.
         return max(same_name, key=lambda p: difflib.SequenceMatcher(None, attempted, p).ratio())
-    close = difflib.get_close_matches(_join(prefix, name) + suffix, all_paths, n=1, cutoff=_SUGGESTION_CUTOFF)
+    # The closest full path, among those whose last part is a typo of the last part written: paths
+    # share so much (section names, _size, _per_gpu) that their similarity alone suggests unrelated
+    # keys (data.return_raw_chat -> data.truncation).
+    last = (_join(prefix, name) + suffix).rsplit(".", 1)[-1]
+    related = [path for path in all_paths if _similar_name(last, path.rsplit(".", 1)[-1])]
+    close = difflib.get_close_matches(_join(prefix, name) + suffix, related, n=1, cutoff=_SUGGESTION_CUTOFF)
     return close[0] if close else None
+
+
+def _closest_name(typed: str, names: Sequence[str]) -> str | None:
+    """The name in ``names`` that ``typed`` is most likely a typo of, or None."""
+    similar = [n for n in names if _similar_name(typed, n)]
+    return max(similar, key=lambda n: difflib.SequenceMatcher(None, typed, n).ratio()) if similar else None
+
+
+def _similar_name(typed: str, name: str) -> bool:
+    """Whether ``typed`` reads as a typo of the key name ``name``: most of it the same
+    (``_NAME_SIMILARITY``) and either a few edits away (``_edit_distance``: at most 2, or one per
+    8 characters of a long name) or cut short (``train_batch`` for ``train_batch_size``). Names
+    that only share a long common part are not (``pipeline_model_parallel_size`` is not a typo of
+    ``tensor_model_parallel_size``)."""
+    if difflib.SequenceMatcher(None, typed, name).ratio() < _NAME_SIMILARITY:
+        return False
+    if name.startswith(typed) or typed.startswith(name):
+        return True
+    return _edit_distance(typed, name) <= max(2, len(name) // 8)
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Damerau-Levenshtein distance (insertions, deletions, substitutions, adjacent swaps)."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                current[j] = min(current[j], previous2[j - 2] + 1)
+        previous2, previous = previous, current
+    return previous[len(b)]
 
 
 def _unknown_key_error(section_cls: type, prefix: str, name: str, value: Any, source: str) -> ConfigError:
@@ -352,7 +395,7 @@ def apply_override(cfg: Config, override: str) -> None:
     """
     key, raw = _parse_override(override)
     source = f"override {override!r}"
-    translated = translate_key(key)  # verl's spelling of a key (hybridflow.config.aliases)
+    translated = translate_key(key, raw)  # verl's spelling of a key (hybridflow.config.aliases)
     if translated is None:
         return
     key = translated

@@ -467,6 +467,23 @@ class RolloutConfig:
         "next turn of an agent episode, a shared system prompt) prefills only the rest. Outputs are unchanged; "
         "every weight sync clears the cache. Metric rollout/prefix_cache_hit_rate.",
     )
+    max_num_batched_tokens: int = f(
+        8192,
+        "Prompt tokens an engine step prefills at most (verl's and vLLM's key): prompts start prefilling together "
+        "up to this budget, and a longer prompt is prefilled over several steps (enable_chunked_prefill) while the "
+        "running sequences keep decoding. The native engine counts prompt tokens only (its decode rows are bounded "
+        "by max_batch_size); vLLM counts a step's decode tokens in it too; SGLang gets it as "
+        "--chunked-prefill-size and --max-prefill-tokens.",
+    )
+    enable_chunked_prefill: bool = f(
+        True,
+        "Split a prompt longer than what is left of max_num_batched_tokens over several steps (verl's and vLLM's "
+        "key). false: a step's prefill still stops at the budget, but a prompt is always prefilled whole in one "
+        "step, so every prompt must fit it: max_num_batched_tokens >= data.max_prompt_length + "
+        "data.max_response_length (vLLM's rule; the native engine refuses a longer prompt, vLLM raises the budget "
+        "to the model's context, SGLang gets --chunked-prefill-size -1). vLLM on a CPU always runs with it off (its "
+        "seeded sampling cannot resume a split prompt there).",
+    )
     mode: str = f(
         "engine",
         "How a replica's requests reach its engine: engine (a method call in the rollout worker's process) | server "

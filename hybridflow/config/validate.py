@@ -67,6 +67,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("rollout.max_batch_size", 1),
     ("rollout.tensor_model_parallel_size", 1),
     ("rollout.sleep_level", 1),
+    ("rollout.max_num_batched_tokens", 1),
     ("async_training.staleness_threshold", 0),
     ("rollout.val_kwargs.n", 1),
     ("rollout.multi_turn.max_assistant_turns", 1),
@@ -212,6 +213,18 @@ def _check_refs_data_plane(cfg: Config, report: _Report) -> None:
         refuse.append("reward_model.enable=true (the reward model scores tokens the controller sends it)")
     for reason in refuse:
         report.error(f"trainer.data_plane=refs is not built with {reason}; use trainer.data_plane=controller")
+
+
+def _check_prefill_budget(cfg: Config, report: _Report) -> None:
+    """With chunked prefill off a prompt is prefilled whole in one step, so the budget must hold the longest
+    sequence (vLLM's rule); the native engine would otherwise refuse long prompts mid-run."""
+    r, d = cfg.rollout, cfg.data
+    longest = d.max_prompt_length + d.max_response_length
+    if not r.enable_chunked_prefill and r.max_num_batched_tokens < longest:
+        report.error(f"rollout.enable_chunked_prefill=false prefills each prompt whole in one step, so "
+                     f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} must hold a whole sequence of "
+                     f"data.max_prompt_length + data.max_response_length = {longest} tokens; raise it, or set "
+                     f"rollout.enable_chunked_prefill=true")
 
 
 def _check_vllm(cfg: Config, report: _Report) -> None:
@@ -971,6 +984,7 @@ _CHECKS = (
     _check_lora,
     _check_reward_model,
     _check_multi_turn,
+    _check_prefill_budget,
     _check_trainer,
     _check_backend,
     _check_files,

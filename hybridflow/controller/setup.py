@@ -926,6 +926,8 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
+                                 max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
+                                 enable_chunked_prefill=cfg.rollout.enable_chunked_prefill,
                                  max_logprob_mismatch=t.health.logprob_mismatch,
                                  lora_adapter_rank=cfg.actor.lora.rank if adapter_sync else 0,
                                  chat_template=policy_chat_template(d), **common,

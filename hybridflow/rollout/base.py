@@ -98,8 +98,10 @@ def _build_native(
     enforce_eager: bool = False,
     enable_prefix_caching: bool = True,
     model_path: str | None = None,  # the checkpoint's directory; the native engine serves ``model``
+    max_num_batched_tokens: int | None = None,  # None: the engine's default
+    enable_chunked_prefill: bool = True,
 ) -> RolloutEngine:
-    from hybridflow.rollout.native import NativeEngine
+    from hybridflow.rollout.native import DEFAULT_MAX_PREFILL_TOKENS, NativeEngine
 
     return NativeEngine(
         model=model,
@@ -112,6 +114,8 @@ def _build_native(
         tokenizer=tokenizer,
         decode_mode="eager" if enforce_eager else None,  # None: CUDA graphs on a GPU
         enable_prefix_caching=enable_prefix_caching,
+        max_prefill_tokens=max_num_batched_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+        enable_chunked_prefill=enable_chunked_prefill,
     )
 
 
@@ -128,6 +132,8 @@ def _build_vllm(
     enforce_eager: bool = False,
     enable_prefix_caching: bool = True,
     model_path: str | None = None,
+    max_num_batched_tokens: int | None = None,  # None: vLLM's default
+    enable_chunked_prefill: bool = True,
 ) -> RolloutEngine:
     from hybridflow.rollout.vllm_engine import VllmEngine
 
@@ -144,6 +150,8 @@ def _build_vllm(
         seed=seed,
         enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
     )
 
 
@@ -317,7 +325,7 @@ def _build_hf_vision(
     device: torch.device | str,
     dtype: torch.dtype | str,
     seed: int,
-    **_settings: Any,  # batching, CUDA graphs and prefix caching: none apply to one request at a time
+    **_settings: Any,  # batching, CUDA graphs, prefix caching, prefill budget: none apply to one request at a time
 ) -> RolloutEngine:
     from hybridflow.rollout.hf_vision import HFVisionEngine
     from hybridflow.rollout.native import resolve_dtype
@@ -403,6 +411,8 @@ def build_rollout_engine(
     max_logprob_mismatch: float | None = None,
     enable_prefix_caching: bool = True,
     model_path: str | None = None,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
@@ -411,7 +421,10 @@ def build_rollout_engine(
     ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings. ``enforce_eager`` turns
     off CUDA graphs (``rollout.enforce_eager``). ``enable_prefix_caching`` keeps computed prefixes
     across requests (``rollout.enable_prefix_caching``). ``model_path`` is the checkpoint's directory,
-    for engines that load their own weights (``EngineSpec.loads_own_weights``). ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
+    for engines that load their own weights (``EngineSpec.loads_own_weights``). ``max_num_batched_tokens`` and
+    ``enable_chunked_prefill`` are a step's prefill budget and whether a prompt may be split over steps
+    (``rollout.max_num_batched_tokens``, ``rollout.enable_chunked_prefill``; None: the engine's default budget).
+    ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
     ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
     """
     try:
@@ -434,4 +447,6 @@ def build_rollout_engine(
         enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
         model_path=model_path,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
     )

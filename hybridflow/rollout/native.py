@@ -16,7 +16,9 @@ demand on the caller's event loop, exiting when there is nothing left) runs *ste
    rows would otherwise stay empty;
 2. runs the model in a worker thread (``_execute``): at most one prefill forward over prompt
    chunks (``max_prefill_tokens`` per step, so a long prompt is prefilled in chunks while decoding
-   goes on), then one decode forward over every running sequence, then sampling;
+   goes on; with ``enable_chunked_prefill=False`` a prompt is never split: one that does not fit
+   what is left of the step's budget waits for the next step), then one decode forward over every
+   running sequence, then sampling;
 3. records the step on the event-loop thread (``_apply``): appends each row's token and logprob,
    finishes rows on a stop token, stop string or ``max_tokens``, resolves a request's future once
    all of its samples are done.
@@ -430,6 +432,9 @@ class NativeEngine:
     ``kv_cache_memory_bytes`` leaves beside the slot cache and is cleared by every weight update.
     ``recompute_stale_kv`` recomputes the keys and values of samples in flight under new weights
     (exact per-version logprobs; see "partial rollout" in the module docstring); False keeps them.
+    ``max_prefill_tokens`` is a step's budget of prompt tokens (``rollout.max_num_batched_tokens``);
+    ``enable_chunked_prefill=False`` never splits a prompt over steps (vLLM's meaning), so a prompt
+    with more tokens to prefill than the whole budget is refused at intake.
     """
 
     def __init__(
@@ -454,6 +459,7 @@ class NativeEngine:
         cache_factory: Callable[..., SlotKVCache] = SlotKVCache,
         enable_prefix_caching: bool = True,
         recompute_stale_kv: bool = True,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"NativeEngine: max_batch_size must be >= 1, got {max_batch_size}")
@@ -483,6 +489,7 @@ class NativeEngine:
         self._max_batch_size = max_batch_size
         self._tokenizer = tokenizer
         self._max_prefill_tokens = max_prefill_tokens
+        self._chunked_prefill = enable_chunked_prefill
         self._logits_processors = tuple(logits_processors)
         self._generator = torch.Generator()
         self._generator.manual_seed(seed)
@@ -808,6 +815,12 @@ class NativeEngine:
             raise ValueError(f"request {label}: {exc}") from None
         if request.params.stop and self._tokenizer is None:
             raise ValueError(f"request {label}: stop strings need an engine built with a tokenizer")
+        if not self._chunked_prefill and len(prompt) - 1 > self._max_prefill_tokens:
+            raise ValueError(
+                f"request {label}: a prompt of {len(prompt)} tokens prefills {len(prompt) - 1} at once, more than a "
+                f"step's budget of {self._max_prefill_tokens} (rollout.max_num_batched_tokens) with chunked prefill "
+                f"off; raise the budget or set rollout.enable_chunked_prefill=true"
+            )
         length = len(prompt) + self._max_tokens(request) - 1
         if not self._cache.fits_alone(length):
             raise ValueError(
@@ -956,6 +969,8 @@ class NativeEngine:
             free = self._free_rows(max(self._needed_capacity(), request.cache_length), live)
             if claimed >= free and (claimed or live):
                 break
+            if not self._chunked_prefill and self._uncached_length(request) > budget:
+                break  # prefilled whole or not at all: it starts in a later step, first in line
             self._waiting.popleft()
             if len(deferred) < MAX_DEFERRED_PROMPTS and self._next_block_in_prefill(request, producing):
                 # Its next prefix block is being computed by a prompt already prefilling (requests
@@ -978,6 +993,13 @@ class NativeEngine:
             claimed += request.request.params.n
         self._waiting.extendleft(reversed(deferred))
         return chunks, restores
+
+    def _uncached_length(self, request: _Request) -> int:
+        """Prompt tokens ``request`` would prefill if it started now (its cached prefix is copied)."""
+        if self._prefix_cache is None:
+            return request.prefix_length
+        cached = self._prefix_cache.cached_count(self._prefix_digests(request)) * self._prefix_cache.block_size
+        return request.prefix_length - min(cached, request.prefix_length)
 
     def _prefix_digests(self, request: _Request) -> list[bytes]:
         """The prefix-cache names of ``request``'s prefilled part (none with the cache off)."""

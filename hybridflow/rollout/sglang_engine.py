@@ -411,10 +411,23 @@ class SGLangServer:
 
 
 def launch_args(*, dtype: str, seed: int, max_batch_size: int, enforce_eager: bool,
-                enable_prefix_caching: bool, device: torch.device) -> list[str]:
-    """The server flags that give hybridflow's semantics (see the module docstring)."""
+                enable_prefix_caching: bool, device: torch.device, max_num_batched_tokens: int | None = None,
+                enable_chunked_prefill: bool = True) -> list[str]:
+    """The server flags that give hybridflow's semantics (see the module docstring).
+
+    ``rollout.max_num_batched_tokens`` is SGLang's prefill budget per step twice over: the chunk size
+    a long prompt is split into (``--chunked-prefill-size``; -1, SGLang's "off", with
+    ``rollout.enable_chunked_prefill=false``) and the tokens one prefill batch takes
+    (``--max-prefill-tokens``). None leaves both at SGLang's defaults.
+    """
     args = ["--dtype", dtype, "--random-seed", str(seed), "--max-running-requests", str(max_batch_size),
             "--enable-deterministic-inference", "--enable-memory-saver", "--skip-server-warmup"]
+    if max_num_batched_tokens is not None:
+        args += ["--max-prefill-tokens", str(max_num_batched_tokens)]
+    if not enable_chunked_prefill:
+        args += ["--chunked-prefill-size", "-1"]
+    elif max_num_batched_tokens is not None:
+        args += ["--chunked-prefill-size", str(max_num_batched_tokens)]
     if device.type == "cuda" and device.index is not None:
         args += ["--base-gpu-id", str(device.index)]
     if device.type == "cpu":
@@ -685,6 +698,8 @@ def build_sglang_engine(
     model_path: str | None = None,
     enforce_eager: bool = False,
     enable_prefix_caching: bool = True,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
     **_: Any,  # eos ids, pad id and tokenizer: the server reads its own from the checkpoint
 ) -> SGLangEngine:
     """Launch a server for ``model_path`` and an engine over it (``rollout.name=sglang``).
@@ -701,7 +716,8 @@ def build_sglang_engine(
     targets = model.state_dict()
     server = SGLangServer.launch(model_path, launcher=LAUNCHER, args=launch_args(
         dtype=dtype_name, seed=seed, max_batch_size=max_batch_size, enforce_eager=enforce_eager,
-        enable_prefix_caching=enable_prefix_caching, device=device))
+        enable_prefix_caching=enable_prefix_caching, device=device, max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill))
     client = SGLangClient(server.url, name=server.name, why_dead=server.why_dead)
     sync = DistributedWeightSync(client, backend="gloo", device="cpu")
     return SGLangEngine(client, targets=targets, weight_sync=sync, seed=seed, server=server)

@@ -146,6 +146,8 @@ class VllmEngine:
         seed: int = 0,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         self._device = torch.device(device)
         # Names and shapes only (a meta-device model): what an update is checked against.
@@ -162,7 +164,8 @@ class VllmEngine:
         self._llm = _start_vllm(
             model_path, manifest, dtype=dtype, seed=seed, max_batch_size=max_batch_size,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
-            on_gpu=self._device.type == "cuda",
+            on_gpu=self._device.type == "cuda", max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
 
     # ------------------------------------------------------------------ generation
@@ -439,6 +442,31 @@ def _kv_cache_bytes(manifest: torch.nn.Module, max_batch_size: int, dtype_bytes:
     return max(_MIN_KV_CACHE_BYTES, min(_MAX_KV_CACHE_BYTES, wanted))
 
 
+def scheduler_args(max_num_batched_tokens: int | None, enable_chunked_prefill: bool, *, on_gpu: bool,
+                   longest: int) -> dict[str, Any]:
+    """vLLM's ``enable_chunked_prefill`` and ``max_num_batched_tokens`` for ``rollout.enable_chunked_prefill``
+    and ``rollout.max_num_batched_tokens`` (None: vLLM's default budget), ``longest`` being the model's
+    context (vLLM's max_model_len here).
+
+    On a CPU, chunked prefill is off whatever was asked: when a seeded request's prompt is split over
+    steps, vLLM 0.32 rewinds its generator with set_offset, which CPU generators do not have ("CPU
+    Generator does not use offset"). With chunked prefill off (asked, or on a CPU) vLLM refuses to
+    start with a budget below one full sequence, so a smaller budget is raised to ``longest``.
+    """
+    chunked = enable_chunked_prefill and on_gpu
+    if chunked:
+        return {} if max_num_batched_tokens is None else {"enable_chunked_prefill": True,
+                                                          "max_num_batched_tokens": max_num_batched_tokens}
+    budget = max(max_num_batched_tokens or _MIN_STEP_TOKENS, longest)
+    if enable_chunked_prefill and not on_gpu:
+        logger.info("vLLM on a CPU prefills whole prompts: rollout.enable_chunked_prefill is off there")
+    if max_num_batched_tokens is not None and budget > max_num_batched_tokens:
+        logger.warning("vLLM with chunked prefill off needs a step budget of a full sequence: "
+                       "rollout.max_num_batched_tokens=%d raised to the model's context of %d tokens",
+                       max_num_batched_tokens, longest)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+
+
 def _start_vllm(
     model_path: str,
     manifest: torch.nn.Module,
@@ -449,6 +477,8 @@ def _start_vllm(
     enforce_eager: bool,
     enable_prefix_caching: bool,
     on_gpu: bool,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
 ) -> Any:
     """vLLM's ``LLMEngine`` over ``model_path``, its engine core in this process."""
     # Read by vLLM when the engine is made: the in-process core is what lets weights load as
@@ -464,13 +494,8 @@ def _start_vllm(
     kv_bytes = None
     if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         kv_bytes = _kv_cache_bytes(manifest, max_batch_size, torch.finfo(torch_dtype).bits // 8)
-    # On a CPU, chunked prefill is off: when a seeded request's prompt is split over steps, vLLM
-    # 0.32 rewinds its generator with set_offset, which CPU generators do not have ("CPU Generator
-    # does not use offset"). Whole prompts then need a step budget of at least one full sequence.
-    chunking: dict[str, Any] = {}
-    if not on_gpu:
-        longest = int(manifest.config.max_position_embeddings)
-        chunking = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(_MIN_STEP_TOKENS, longest)}
+    chunking = scheduler_args(max_num_batched_tokens, enable_chunked_prefill, on_gpu=on_gpu,
+                              longest=int(manifest.config.max_position_embeddings))
     args = EngineArgs(
         model=model_path,
         dtype=str(torch_dtype).removeprefix("torch."),

@@ -89,6 +89,8 @@ class RolloutSetup:
     # A tensor-parallel replica's collectives fail after this long instead of hanging on a dead rank.
     tp_timeout_s: float = 60.0
     enable_prefix_caching: bool = True  # rollout.enable_prefix_caching
+    max_num_batched_tokens: int | None = None  # rollout.max_num_batched_tokens (None: the engine's default)
+    enable_chunked_prefill: bool = True  # rollout.enable_chunked_prefill
     # rollout.mode: "engine" (method calls) or "server" (the engine behind an HTTP server in this
     # process, requests and agent loops through HTTP).
     mode: str = "engine"
@@ -203,6 +205,8 @@ class RolloutWorker:
             max_logprob_mismatch=setup.max_logprob_mismatch,
             enable_prefix_caching=setup.enable_prefix_caching,
             model_path=setup.model_path,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            enable_chunked_prefill=setup.enable_chunked_prefill,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
         if setup.mode == "server":
@@ -235,6 +239,8 @@ class RolloutWorker:
             model, group, timeout_s=setup.tp_timeout_s, eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
             pad_token_id=int(tokenizer.pad_token_id), max_batch_size=setup.max_batch_size, device=setup.device,
             dtype=resolve_rollout_dtype(setup.dtype, setup.device), seed=setup.seed, tokenizer=tokenizer,
+            enable_chunked_prefill=setup.enable_chunked_prefill,
+            **({} if setup.max_num_batched_tokens is None else {"max_prefill_tokens": setup.max_num_batched_tokens}),
         )
         if isinstance(role, TensorParallelFollower):
             follower = threading.Thread(target=_follow, args=(role, self.rank), daemon=True,
