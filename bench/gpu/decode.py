@@ -42,14 +42,14 @@ def requests_for(prompts: list[list[int]], max_tokens: int, temperature: float =
 
 
 def native_rate(engine: NativeEngine, prompts: list[list[int]], max_tokens: int, repeats: int,
-                device: torch.device) -> float:
+                device: torch.device) -> float | None:
     full = median_time(lambda: engine.generate_batch(requests_for(prompts, max_tokens)), device, repeats)
     one = median_time(lambda: engine.generate_batch(requests_for(prompts, 1)), device, repeats)
-    return len(prompts) * (max_tokens - 1) / max(full - one, 1e-9)
+    return decode_tokens_per_s(len(prompts), max_tokens, full, one)
 
 
 def hf_rate(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, repeats: int,
-            device: torch.device) -> float:
+            device: torch.device) -> float | None:
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
 
@@ -60,7 +60,19 @@ def hf_rate(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, r
 
     full = median_time(lambda: generate(max_tokens), device, repeats)
     one = median_time(lambda: generate(1), device, repeats)
-    return len(prompts) * (max_tokens - 1) / max(full - one, 1e-9)
+    return decode_tokens_per_s(len(prompts), max_tokens, full, one)
+
+
+def decode_tokens_per_s(batch: int, max_tokens: int, full_s: float, one_s: float) -> float | None:
+    """The decode rate without the prefill; None when the full run was not slower than the
+    one-token run (timing noise swamped the decode: toy sizes on a loaded CPU)."""
+    if full_s <= one_s:
+        return None
+    return batch * (max_tokens - 1) / (full_s - one_s)
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def kv_bytes_per_position(shape: Shape, dtype: torch.dtype) -> int:
@@ -96,20 +108,20 @@ def decode_table(results: Results, shape: Shape, batches: list[int], prompt: int
                 weight_bytes = num_parameters(model) * dtype.itemsize
                 engine = NativeEngine(model=model, eos_token_ids=[EOS_TOKEN_ID], pad_token_id=PAD_TOKEN_ID,
                                       max_batch_size=batch, device=device, dtype=dtype, decode_mode=mode)
-                row[f"native_{mode}_tokens_s"] = round(native_rate(engine, prompts, max_tokens, repeats, device), 1)
+                row[f"native_{mode}_tokens_s"] = rounded(native_rate(engine, prompts, max_tokens, repeats, device))
                 del engine, model
                 release(device)
         with results.guard(f"decode {shape.name} batch {batch} hf generate"):
             model = build_on(shape, prompt + max_tokens, device, dtype)
             weight_bytes = num_parameters(model) * dtype.itemsize
-            row["hf_generate_tokens_s"] = round(hf_rate(model, prompts, max_tokens, repeats, device), 1)
+            row["hf_generate_tokens_s"] = rounded(hf_rate(model, prompts, max_tokens, repeats, device))
             del model
             release(device)
         if weight_bytes is not None:
             step_bytes = weight_bytes + batch * (prompt + (max_tokens - 1) / 2) * kv_bytes_per_position(shape, dtype)
             bound = batch * bandwidth / step_bytes
             row["roofline_tokens_s"] = round(bound, 1)
-            best = max((v for k, v in row.items() if k.startswith("native_")), default=None)
+            best = max((v for k, v in row.items() if k.startswith("native_") and v), default=None)
             if best is not None:
                 row["native_best_fraction_of_roofline"] = round(best / bound, 3)
                 if row.get("hf_generate_tokens_s"):
