@@ -160,7 +160,15 @@ class OptimConfig:
     )
     weight_decay: float = f(0.01, "AdamW weight decay.")
     betas: list[float] = f([0.9, 0.999], "AdamW betas.")
-    lr_warmup_steps: int = f(0, "Linear warm-up steps.")
+    lr_warmup_steps: int | None = f(
+        -1, "Linear warm-up steps (optimizer steps). -1 or null: lr_warmup_steps_ratio x the run's optimizer steps "
+        "(verl's convention).",
+    )
+    lr_warmup_steps_ratio: float = f(
+        0.0, "Warm-up as a fraction of the run's optimizer steps, in [0, 1), used when lr_warmup_steps is -1 or null "
+        "(verl's key: its warm-up is this x trainer steps, and its schedule steps once per trainer step; ours steps "
+        "once per optimizer step, so the warm-up covers the same share of the run).",
+    )
     lr_scheduler_type: str = f("constant", "constant | cosine.", choices=("constant", "cosine"))
     min_lr_ratio: float = f(0.0, "Cosine schedule floor as a fraction of lr.")
 

@@ -61,7 +61,6 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("actor.ppo_epochs", 1),
     ("critic.ppo_micro_batch_size_per_gpu", 1),
     ("critic.forward_micro_batch_size_per_gpu", 1),
-    ("actor.optim.lr_warmup_steps", 0),
     ("ref.log_prob_micro_batch_size_per_gpu", 1),
     ("rollout.n", 1),
     ("rollout.max_batch_size", 1),
@@ -387,6 +386,12 @@ def _check_optim(prefix: str, optim: OptimConfig, report: _Report) -> None:
         report.error(f"{prefix}.lr={optim.lr} must be > 0 (e.g. 1e-6)")
     if optim.weight_decay < 0:
         report.error(f"{prefix}.weight_decay={optim.weight_decay} must be >= 0")
+    if optim.lr_warmup_steps is not None and optim.lr_warmup_steps < -1:
+        report.error(f"{prefix}.lr_warmup_steps={optim.lr_warmup_steps} must be >= 0, or -1/null for "
+                     f"{prefix}.lr_warmup_steps_ratio x the run's optimizer steps")
+    if not 0 <= optim.lr_warmup_steps_ratio < 1:
+        report.error(f"{prefix}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} must be in [0, 1) (a fraction of "
+                     f"the run's optimizer steps)")
     if not 0 <= optim.min_lr_ratio <= 1:
         report.error(f"{prefix}.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1] (a fraction of lr)")
     if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):

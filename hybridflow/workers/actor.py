@@ -288,10 +288,20 @@ def _plan_micro_batches(
     return MicroBatchPlan(packed, ppo_max_token_len, log_prob_max_token_len, tuple(notes))
 
 
+def warmup_steps(o: OptimConfig, total_steps: int) -> int:
+    """``lr_warmup_steps``, or, when it is -1 or null, ``lr_warmup_steps_ratio`` x ``total_steps`` (verl's rule,
+    rounded down as verl does)."""
+    if o.lr_warmup_steps is not None and o.lr_warmup_steps >= 0:
+        return o.lr_warmup_steps
+    return int(o.lr_warmup_steps_ratio * total_steps)
+
+
 def optim_spec(o: OptimConfig, *, total_steps: int, grad_clip: float) -> OptimSpec:
-    """An ``actor.optim`` / ``critic.optim`` section as the engine's optimizer and schedule."""
+    """An ``actor.optim`` / ``critic.optim`` section as the engine's optimizer and schedule (``total_steps``: the
+    run's optimizer steps, which the schedule counts)."""
     return OptimSpec(
-        lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]), warmup_steps=o.lr_warmup_steps,
+        lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
+        warmup_steps=warmup_steps(o, total_steps),
         scheduler=o.lr_scheduler_type, min_lr_ratio=o.min_lr_ratio, total_steps=total_steps, grad_clip=grad_clip,
     )
 
