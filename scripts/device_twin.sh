@@ -11,9 +11,16 @@ cd "$(dirname "$0")/.."
 out="${1:-runs/device_twin}"
 venv=.venv-twin
 requirements=scripts/device_twin_requirements.txt
-python312="${PYTHON312:-$(command -v python3.12 || true)}"
+# A Python 3.12 that runs (a pyenv shim may exist for a version that is not selected).
+python312=""
+for candidate in ${PYTHON312:-} python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+        python312="$candidate"
+        break
+    fi
+done
 if [[ -z "$python312" ]]; then
-    echo "device_twin.sh: no python3.12 here (the GPU machine's version); set PYTHON312" >&2
+    echo "device_twin.sh: no Python 3.12 here (the GPU machine's version); set PYTHON312 to one" >&2
     exit 1
 fi
 # (Re)build when the requirements changed since the venv was made.
