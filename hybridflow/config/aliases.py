@@ -72,6 +72,9 @@ KEYS: dict[str, str] = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": "reward.overlong_buffer.penalty_factor",
     "reward_model.num_workers": "reward.num_workers",
     "data.tool_config_path": "rollout.multi_turn.tool_config_path",
+    # verl copies the data lengths into the rollout; one pair of lengths sizes everything here.
+    "actor_rollout_ref.rollout.prompt_length": "data.max_prompt_length",
+    "actor_rollout_ref.rollout.response_length": "data.max_response_length",
     # verl's SFT trainer (fsdp_sft_trainer) spellings, read by hybridflow sft.
     "data.multiturn.messages_key": "sft.messages_key",
     "data.response_key": "sft.response_key",
@@ -112,6 +115,8 @@ def translate_key(key: str, value: Any = _NO_VALUE) -> str | None:
         if rule.always_ignored or (value is not _NO_VALUE and rule.accepted(value)):
             _note_once(key, f"config: {key} is ignored: {rule.reason}")
             return None
+        if rule.forward is not None:
+            return _noted(key, rule.forward)
         raise _refusal(key, value, rule)
     for theirs, ours in PREFIXES:
         if key.startswith(theirs):

@@ -40,11 +40,15 @@ class Rule:
 
     ``accepts`` is the set of values that leave the run as verl would run it (accepted and
     dropped, with ``reason`` as the note): ``ANY`` for every value, a tuple of values, or a
-    predicate. Any other value is refused with ``reason`` as what hybridflow does instead.
+    predicate. Any other value is refused with ``reason`` as what hybridflow does instead, or given
+    to ``forward``.
     """
 
     reason: str
     accepts: tuple[Any, ...] | Callable[[Any], bool] | None = ()
+    forward: str | None = None
+    """A hybridflow key that any other value is given to, instead of a refusal (the value means the
+    same there, and verl's default means nothing here)."""
 
     @property
     def always_ignored(self) -> bool:
@@ -75,6 +79,11 @@ def ignore(reason: str) -> Rule:
 
 def refuse(reason: str, unless: tuple[Any, ...] | Callable[[Any], bool] = ()) -> Rule:
     return Rule(reason, unless)
+
+
+def forward(reason: str, unless: tuple[Any, ...], to: str) -> Rule:
+    """Accepted and dropped at ``unless`` (``reason`` says why); any other value sets ``to``."""
+    return Rule(reason, unless, forward=to)
 
 
 def _show(value: Any) -> str:
@@ -255,8 +264,8 @@ def _model_rules(prefix: str, role: str) -> dict[str, Rule]:
             f"{prefix}.enable_gradient_checkpointing": ignore(
                 "the critic recomputes activations when model.enable_gradient_checkpointing is on; " + SPEED),
             f"{prefix}.tokenizer_path": ignore("the critic reads the policy's token ids; it needs no tokenizer"),
-            f"{prefix}.trust_remote_code": refuse("set model.trust_remote_code (it covers the critic)",
-                                                  unless=(False,)),
+            f"{prefix}.trust_remote_code": forward("model.trust_remote_code covers the critic", unless=(False,),
+                                                   to="model.trust_remote_code"),
             f"{prefix}.lora_rank": refuse(f"LoRA is {lora_owner}", unless=(0,)),
             f"{prefix}.lora_alpha": ignore("only read with critic.model.lora_rank > 0, which hybridflow refuses"),
             f"{prefix}.target_modules": ignore("only read with critic.model.lora_rank > 0, which hybridflow refuses"),
@@ -278,7 +287,7 @@ def _rules() -> dict[str, Rule]:
         "global_profiler.*": PROFILER,
         "*.router_replay.mode": refuse(ROUTER_REPLAY, unless=("disabled",)),
         "*.router_replay.*": refuse(ROUTER_REPLAY, unless=(None,)),
-        "*.checkpoint.save_contents": refuse(CHECKPOINT_CONTENTS, unless=_all_contents),
+        "*.checkpoint.save_contents": ignore(CHECKPOINT_CONTENTS + "; what a checkpoint holds changes no result"),
         "*.checkpoint.load_contents": refuse(CHECKPOINT_CONTENTS, unless=_all_contents),
         "*.checkpoint.async_save": ignore("hybridflow saves synchronously; " + SPEED),
         "*.nccl_timeout": ignore("hybridflow's collectives use torch's default timeout; trainer.watchdog_timeout_s "
@@ -340,10 +349,6 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.model.torch_dtype": refuse("not a key of verl's model config; hybridflow's training compute dtype is "
                                           "model.dtype (float32 | bfloat16)"),
         # rollout
-        f"{ar}.rollout.prompt_length": ignore("verl's copy of data.max_prompt_length, which sizes hybridflow's "
-                                              "rollout"),
-        f"{ar}.rollout.response_length": ignore("verl's copy of data.max_response_length, which sizes hybridflow's "
-                                                "rollout"),
         f"{ar}.rollout.cudagraph_capture_sizes": ignore(
             "the native engine captures CUDA graphs per batch bucket itself (rollout.enforce_eager=true: none); "
             + SPEED),
@@ -411,8 +416,8 @@ def _rules() -> dict[str, Rule]:
             "hybridflow's agent loops have no simulated user; tools reply (rollout.multi_turn.tool_config_path)",
             unless=(None,)),
         f"{ar}.rollout.multi_turn.max_user_turns": refuse(
-            "hybridflow's agent loops have no simulated user; rollout.multi_turn.max_assistant_turns bounds an "
-            "episode", unless=(None,)),
+            "hybridflow bounds an episode by its assistant turns: rollout.multi_turn.max_assistant_turns",
+            unless=(None,)),
         f"{ar}.rollout.multi_turn.num_repeat_rollouts": refuse("each sample is one episode; rollout.n sets how many",
                                                                unless=(None,)),
         f"{ar}.rollout.multi_turn.tokenization_sanity_check_mode": ignore(
@@ -437,8 +442,8 @@ def _rules() -> dict[str, Rule]:
         "data.validation_shuffle": ignore("validation metrics do not depend on the order of its prompts"),
         "data.filter_overlong_prompts_workers": ignore("filtering processes; " + SPEED),
         "data.video_key": refuse("hybridflow reads no video column", unless=("videos",)),
-        "data.trust_remote_code": refuse("set model.trust_remote_code (it covers the tokenizer and processor)",
-                                         unless=(False,)),
+        "data.trust_remote_code": forward("model.trust_remote_code covers the tokenizer and processor",
+                                          unless=(False,), to="model.trust_remote_code"),
         "data.custom_cls.*": refuse("hybridflow reads parquet or JSONL rows in verl's schema with its own dataset",
                                     unless=(None,)),
         "data.sampler.*": refuse("hybridflow's sampler shuffles by data.shuffle and data.seed; no custom sampler",
@@ -512,7 +517,8 @@ def _rules() -> dict[str, Rule]:
         # trainer and the rest
         "trainer.esi_redundant_time": ignore("an Ascend ESI instance's save margin; hybridflow saves by "
                                              "trainer.save_freq"),
-        "trainer.val_only": refuse("run the validation by itself with trainer.total_training_steps=0", unless=(False,)),
+        "trainer.val_only": refuse("hybridflow has no validation-only run; trainer.val_before_train=true validates "
+                                   "before the first step", unless=(False,)),
         "trainer.default_hdfs_dir": refuse("trainer.checkpoint_dir takes an s3:// or gs:// URL", unless=(None,)),
         "trainer.del_local_ckpt_after_load": ignore("disk space only; trainer.max_ckpt_to_keep keeps the newest"),
         "trainer.max_critic_ckpt_to_keep": ignore("the critic is saved in the actor's checkpoints "
@@ -605,6 +611,9 @@ def classify(key: str, leaves: Iterable[str] | None = None) -> Classification:
             return Classification(key, "ignored", note=rule.reason, pattern=pattern)
         if rule.always_refused:
             return Classification(key, "refused", note=rule.reason, pattern=pattern)
+        if rule.forward is not None:
+            return Classification(key, "alias", rule.forward, note=f"at {rule.accepted_text()} ignored: {rule.reason}",
+                                  pattern=pattern)
         return Classification(key, "conditional", note=f"accepted at {rule.accepted_text()}; otherwise refused: "
                                                         f"{rule.reason}", pattern=pattern)
     ours = key

@@ -26,7 +26,7 @@ DOCS = ROOT / "docs" / "verl_keys.md"
 PENDING = {
     # hybridflow keys being added by the "knobs behind verl's frequent keys" work (issue 32, item 5);
     # verl's spellings reach them by the aliases and prefixes already. Remove an entry once it exists.
-    "rollout.enable_chunked_prefill", "rollout.max_num_batched_tokens", "actor.use_torch_compile",
+    "actor.use_torch_compile",
     "data.return_raw_chat", "data.image_key", "reward.reward_manager", "reward.reward_kwargs",
     "trainer.log_val_generations", "actor.optim.lr_warmup_steps_ratio", "critic.optim.lr_warmup_steps_ratio",
 }
@@ -166,7 +166,10 @@ def test_aliases_and_null_defaults_land_where_they_mean():
         "reward_model.reward_kwargs.overlong_buffer_cfg.len=64",
         "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "data.val_batch_size=null",
+        "data.trust_remote_code=False", "actor_rollout_ref.rollout.response_length=48",
     ])
+    assert cfg.data.max_response_length == 48 and cfg.model.trust_remote_code is False  # false: verl's default
+    assert load_config(overrides=["data.trust_remote_code=True"]).model.trust_remote_code  # true: the model's key
     assert cfg.critic.fsdp_config.param_offload and not cfg.critic.use_remove_padding
     assert cfg.actor.policy_loss.tau_pos == 2.0 and cfg.actor.grad_clip == 0.5
     assert (cfg.reward.overlong_buffer.enable, cfg.reward.overlong_buffer.len,
