@@ -87,7 +87,9 @@ def forward(reason: str, unless: tuple[Any, ...], to: str) -> Rule:
 
 
 def _show(value: Any) -> str:
-    return "null" if value is None else yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+    if value is None:
+        return "null"
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
 
 
 def normalise(value: Any) -> Any:
@@ -232,7 +234,8 @@ def _optim_rules(role: str, prefix: str) -> dict[str, Rule]:
     rules = {
         f"{prefix}.optimizer": refuse("hybridflow's optimizer is torch's AdamW", unless=_adamw),
         f"{prefix}.optimizer_impl": refuse("hybridflow's optimizer is torch's AdamW", unless=("torch.optim",)),
-        f"{prefix}.total_training_steps": ignore("verl fills it in; hybridflow sizes the schedule from the run's steps"),
+        f"{prefix}.total_training_steps": ignore("verl fills it in; hybridflow sizes the schedule from the run's "
+                                                 "steps"),
         f"{prefix}.num_cycles": refuse("hybridflow's cosine schedule is one half cycle", unless=(0.5,)),
         f"{prefix}.override_optimizer_config": refuse("hybridflow's AdamW takes lr, betas and weight_decay only",
                                                       unless=_empty),
@@ -492,7 +495,8 @@ def _rules() -> dict[str, Rule]:
         "reward_model.use_reward_loop": ignore("verl's choice of reward implementation; hybridflow has one"),
         "reward_model.launch_reward_fn_async": ignore("hybridflow scores in reward.num_workers processes; " + SPEED),
         "reward_model.reward_loop_source": refuse(
-            "a custom reward is reward.custom_reward_function.path/name or reward.reward_manager", unless=("register",)),
+            "a custom reward is reward.custom_reward_function.path/name or reward.reward_manager",
+            unless=("register",)),
         "reward_model.reward_loop_module_path": refuse(
             "a custom reward is reward.custom_reward_function.path/name or reward.reward_manager", unless=(None,)),
         "reward_model.reward_loop_class_name": refuse(
@@ -539,7 +543,8 @@ def _rules() -> dict[str, Rule]:
     return rules
 
 
-_MICRO_NULL = "verl's null leaves the micro-batch to be derived; hybridflow keeps its own (micro-batching changes no result)"
+_MICRO_NULL = ("verl's null leaves the micro-batch to be derived; hybridflow keeps its own (micro-batching changes no "
+               "result)")
 
 NULL_IS_UNSET: dict[str, str] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": _MICRO_NULL,
