@@ -180,7 +180,8 @@ class OpenAIAgentLoop:
 
         messages = metadata.get(PROMPT_MESSAGES_KEY)
         if not isinstance(messages, list):
-            raise ValueError(f"the openai agent loop needs the row's chat messages in metadata[{PROMPT_MESSAGES_KEY!r}]")
+            raise ValueError(f"the openai agent loop needs the row's chat messages in metadata[{PROMPT_MESSAGES_KEY!r}] "
+                             "(data.return_raw_chat=true keeps them)")
         server = self.server()
         record = EpisodeRecord(self.context.tokenizer, self.parser, params.max_tokens)
         live = LiveEpisode(record, engine, asyncio.get_running_loop(), params, MODEL_NAME)

@@ -45,6 +45,18 @@ class DataConfig:
         None, "A file holding the chat template (instead of data.chat_template; not both).",
     )
     prompt_key: str = f("prompt", "Column holding the chat messages of the prompt.")
+    image_key: str = f(
+        "images", "Column holding a row's images for a vision-language model (verl's key and default; each image as "
+        "bytes, a {bytes, path} dict or a path; one <image> placeholder per image in the messages' text).",
+    )
+    return_raw_chat: bool = f(
+        True,
+        "Keep each prompt's chat messages with its samples (metadata prompt_messages, verl's raw_prompt) beside the "
+        "chat-templated token ids the rollout generates from. The openai agent loop hands them to the agent and the "
+        "reward model renders them with its own template, so both need true. false: samples carry token ids only "
+        "(less to hold and ship per sample). verl's default (true) and key; unlike verl, hybridflow's rollout never "
+        "applies the template itself.",
+    )
     max_prompt_length: int = f(64, "Longest prompt in tokens, after the chat template.")
     max_response_length: int = f(8, "Most tokens generated per response.")
     train_batch_size: int = f(32, "Prompts per training step (each yields rollout.n samples).")

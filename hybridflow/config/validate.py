@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config.budget import read_model_shape
+from hybridflow.config.budget import VISUAL_BUILTIN_TASKS, read_model_shape
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config, OptimConfig, TrainerConfig
 from hybridflow.utils.storage import is_remote
@@ -224,6 +224,22 @@ def _check_prefill_budget(cfg: Config, report: _Report) -> None:
                      f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} must hold a whole sequence of "
                      f"data.max_prompt_length + data.max_response_length = {longest} tokens; raise it, or set "
                      f"rollout.enable_chunked_prefill=true")
+
+
+def _check_raw_chat_and_images(cfg: Config, report: _Report) -> None:
+    """data.return_raw_chat=false leaves samples without their chat messages, which two readers need; the
+    built-in image task writes its images under verl's column name."""
+    d, mt = cfg.data, cfg.rollout.multi_turn
+    if not d.return_raw_chat:
+        if cfg.reward_model.enable:
+            report.error("reward_model.enable=true renders each prompt from its chat messages, which "
+                         "data.return_raw_chat=false drops; set data.return_raw_chat=true")
+        if mt.enable and mt.default_agent_loop == OPENAI_LOOP:
+            report.error("rollout.multi_turn.default_agent_loop=openai hands each prompt's chat messages to the agent, "
+                         "which data.return_raw_chat=false drops; set data.return_raw_chat=true")
+    if not d.train_files and d.builtin_task in VISUAL_BUILTIN_TASKS and d.image_key != "images":
+        report.error(f"data.image_key={d.image_key!r} names a column of data.train_files, but the built-in "
+                     f"{d.builtin_task} task writes its images under 'images'; leave data.image_key at images")
 
 
 def _check_vllm(cfg: Config, report: _Report) -> None:
@@ -990,6 +1006,7 @@ _CHECKS = (
     _check_reward_model,
     _check_multi_turn,
     _check_prefill_budget,
+    _check_raw_chat_and_images,
     _check_trainer,
     _check_backend,
     _check_files,

@@ -849,7 +849,8 @@ def build_run(cfg: Config) -> RunSetup:
     scorable = None if cfg.reward.custom_reward_function.path or replaced else known_data_sources()
     data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
                        filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
-                       data_sources=scorable, storage=storage)
+                       data_sources=scorable, storage=storage, image_key=d.image_key,
+                       return_raw_chat=d.return_raw_chat)
     vision = load_vision_processor(model_path, tokenizer, cfg.model.trust_remote_code) \
         if is_vision_language(model_path) else None
     data_kwargs["vision"] = vision

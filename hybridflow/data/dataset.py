@@ -110,7 +110,7 @@ class PromptRow:
     """One validated, chat-templated prompt and the fields its reward needs."""
 
     prompt_ids: list[int]  # chat-templated, generation prompt appended, possibly truncated
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] | None  # the raw chat; None when not kept (data.return_raw_chat=false)
     data_source: str
     ground_truth: str  # scalars as text; a list ground truth as its JSON text
     ability: str  # "" when the row has none
@@ -132,9 +132,11 @@ class PromptRow:
             "ability": self.ability,
             "extra_info": self.extra_info,
             "source": self.source,
-            # The prompt as chat messages, for agent loops that hand it to an agent (openai).
-            "prompt_messages": self.messages,
         }
+        if self.messages is not None:
+            # The prompt as chat messages, for agent loops that hand it to an agent (openai) and the reward
+            # model, which renders prompts with its own template.
+            fields["prompt_messages"] = self.messages
         if self.agent_name is not None:
             fields["agent_name"] = self.agent_name
         return fields
@@ -476,6 +478,7 @@ class RLDataset(Sequence[PromptRow]):
         storage: Storage | None = None,
         vision: ImageInputs | None = None,
         image_key: str = "images",
+        return_raw_chat: bool = True,
     ) -> RLDataset:
         """Load, validate and tokenize every row of ``files`` (concatenated in order).
 
@@ -493,6 +496,8 @@ class RLDataset(Sequence[PromptRow]):
           prompt with images is never truncated (that would cut its image tokens).
         - A dataset left empty raises ``DataError`` saying what removed the rows.
         - A file given as a URL (``s3://``, ``gs://``) is read through ``storage`` (its endpoint).
+        - ``return_raw_chat`` keeps each row's chat messages (``PromptRow.messages``, the samples'
+          ``prompt_messages``) beside its token ids; False keeps the token ids only.
         """
         file_list = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         if not file_list:
@@ -597,7 +602,7 @@ class RLDataset(Sequence[PromptRow]):
                 rows.append(
                     PromptRow(
                         prompt_ids=prompt_ids,
-                        messages=valid.messages,
+                        messages=valid.messages if return_raw_chat else None,
                         data_source=valid.data_source,
                         ground_truth=valid.ground_truth,
                         ability=valid.ability,

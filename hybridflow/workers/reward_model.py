@@ -42,7 +42,7 @@ def prompt_messages(t: Trajectory) -> list[dict[str, str]]:
     messages = t.metadata.get("prompt_messages")
     if not messages:
         raise ValueError("a trajectory without metadata['prompt_messages']: the reward model re-renders the prompt "
-                         "from the row's chat messages")
+                         "from the row's chat messages (data.return_raw_chat=true keeps them)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
