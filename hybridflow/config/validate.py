@@ -22,6 +22,7 @@ from typing import Any
 from hybridflow.config.budget import VISUAL_BUILTIN_TASKS, read_model_shape
 from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import Config, OptimConfig, TrainerConfig
+from hybridflow.utils.files import special_file_kind
 from hybridflow.utils.storage import is_remote
 
 LOSS_AGG_MODES = (
@@ -822,16 +823,25 @@ def _check_files(cfg: Config, report: _Report) -> None:
         )
     for key in ("train_files", "val_files"):
         for i, file in enumerate(getattr(cfg.data, key)):
-            if not is_remote(file) and not Path(file).expanduser().is_file():
-                report.error(f"data.{key}[{i}]={file!r} does not exist (or is not a file)")
+            if not is_remote(file) and (problem := _file_problem(file)) is not None:
+                report.error(f"data.{key}[{i}]={file!r} {problem}")
     reward_path = cfg.reward.custom_reward_function.path
-    if reward_path is not None and not Path(reward_path).expanduser().is_file():
-        report.error(f"reward.custom_reward_function.path={reward_path!r} does not exist (or is not a file)")
+    if reward_path is not None and (problem := _file_problem(reward_path)) is not None:
+        report.error(f"reward.custom_reward_function.path={reward_path!r} {problem}")
     template_path = cfg.data.chat_template_path
     if template_path is not None and cfg.data.chat_template is not None:
         report.error("data.chat_template and data.chat_template_path are both set: give the template one way")
-    if template_path is not None and not Path(template_path).expanduser().is_file():
-        report.error(f"data.chat_template_path={template_path!r} does not exist (or is not a file)")
+    if template_path is not None and (problem := _file_problem(template_path)) is not None:
+        report.error(f"data.chat_template_path={template_path!r} {problem}")
+
+
+def _file_problem(path: str) -> str | None:
+    """Why a local path the run will read is not a readable file ("does not exist", "is a FIFO
+    (named pipe), not a regular file"), or None."""
+    local = Path(path).expanduser()
+    if (kind := special_file_kind(local)) is not None:
+        return f"is {kind}, not a regular file"
+    return None if local.is_file() else "does not exist"
 
 
 def _check_backend(cfg: Config, report: _Report) -> None:

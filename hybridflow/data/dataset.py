@@ -25,6 +25,11 @@ wrong, e.g. ``train.parquet row 17: 'prompt' message 0 has no 'content'``.
 
 Row numbers are 0-based positions among the file's records (the index ``load_rows(path)``
 gives). For JSON lines the 1-based line number is added, because that is what an editor shows.
+
+JSON lets a file say things no row should: values nested thousands deep (Python's parser gives
+up with ``RecursionError``) and lone UTF-16 surrogates (``"\\ud800"``, a str no tokenizer or
+UTF-8 writer accepts). The reader turns both into a record's problem, like invalid JSON, so they
+name the file and row and ``on_bad_row="skip"`` skips them.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, overload
 
+from hybridflow.utils.files import special_file_kind
 from hybridflow.utils.storage import Storage, StorageError, is_remote
 
 from hybridflow.data.images import IMAGE_PLACEHOLDER, ImageProblem, decode_image, image_bytes, split_placeholders
@@ -52,6 +58,11 @@ TRUNCATION_MODES = ("error", "left", "right")
 ON_BAD_ROW_MODES = ("error", "skip")
 PARQUET_SUFFIXES = (".parquet",)
 JSON_SUFFIXES = (".jsonl", ".json")
+# Containers (objects, lists) a JSON row may nest. verl's schema needs three (row, prompt list,
+# message) and tool schemas in extra_info a dozen or so; near 1000, Python's json and pickle hit
+# the recursion limit, so a deeper row that parsed here could still fail minutes later when a
+# rank pickles it or a logger writes it, from deeper in the stack.
+MAX_ROW_DEPTH = 100
 
 
 class DataError(ValueError):
@@ -65,6 +76,8 @@ class BadRowReason:
     """
 
     INVALID_JSON = "invalid_json"
+    NESTED_TOO_DEEP = "nested_too_deep"  # more than MAX_ROW_DEPTH containers inside each other
+    TEXT_INVALID = "text_invalid"  # a string that is not Unicode text (a lone surrogate)
     NOT_AN_OBJECT = "not_an_object"
     PROMPT_MISSING = "prompt_missing"
     PROMPT_INVALID = "prompt_invalid"
@@ -172,6 +185,7 @@ class _Record:
     where: str  # "row 17", or "row 17 (line 18)" for JSON lines
     value: Any  # the parsed object (None when parse_error is set)
     parse_error: str | None = None
+    parse_reason: str = BadRowReason.INVALID_JSON  # the BadRowReason of parse_error
 
 
 def _type_name(value: Any) -> str:
@@ -215,7 +229,10 @@ def _read_json_lines(fh: BinaryIO) -> list[_Record]:
         except json.JSONDecodeError as exc:
             records.append(_Record(row, where, None, f"invalid JSON: {exc.msg} at column {exc.colno}"))
             continue
-        records.append(_Record(row, where, value))
+        except RecursionError:
+            records.append(_Record(row, where, None, _TOO_DEEP, BadRowReason.NESTED_TOO_DEEP))
+            continue
+        records.append(_json_record(row, where, value))
     return records
 
 
@@ -225,7 +242,65 @@ def _read_json_array(path: Path | str, data: bytes) -> list[_Record]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         where = f"line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "decoding"
         raise DataError(f"{path}: invalid JSON array ({where}: {exc})") from exc
-    return [_Record(row=i, where=f"row {i}", value=v) for i, v in enumerate(values)]
+    except RecursionError:  # the whole file is one value: no row to blame
+        raise DataError(f"{path}: {_TOO_DEEP}") from None
+    return [_json_record(i, f"row {i}", v) for i, v in enumerate(values)]
+
+
+_TOO_DEEP = (
+    f"nested more than {MAX_ROW_DEPTH} levels deep (objects and lists inside each other); "
+    "a row in verl's schema needs a few levels: flatten or drop the deep value"
+)
+
+
+def _json_record(row: int, where: str, value: Any) -> _Record:
+    """A parsed JSON record, or its problem when JSON allowed what a row must not hold."""
+    problem = _value_problem(value)
+    if problem is None:
+        return _Record(row, where, value)
+    reason, message = problem
+    return _Record(row, where, None, message, reason)
+
+
+def _value_problem(value: Any) -> tuple[str, str] | None:
+    """(BadRowReason, message) for the first value nested past ``MAX_ROW_DEPTH`` or string that is
+    not Unicode text, in file order; None when there is none. Iterative: a recursive walk would
+    overflow on the very depth it guards against."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]  # (value, its dotted path, containers above it)
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, str):
+            if (problem := _text_problem(node)) is not None:
+                return BadRowReason.TEXT_INVALID, f"{repr(path) if path else 'the row'} {problem}"
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth >= MAX_ROW_DEPTH:
+            return BadRowReason.NESTED_TOO_DEEP, _TOO_DEEP
+        if isinstance(node, list):
+            children = [(item, f"{path}[{i}]") for i, item in enumerate(node)]
+        else:
+            children = []
+            for key, item in node.items():
+                if (problem := _text_problem(key)) is not None:
+                    return BadRowReason.TEXT_INVALID, f"the key {ascii(key)}{f' of {path!r}' if path else ''} {problem}"
+                children.append((item, f"{path}.{key}" if path else key))
+        stack.extend((item, child, depth + 1) for item, child in reversed(children))
+    return None
+
+
+def _text_problem(text: str) -> str | None:
+    """Why ``text`` is not Unicode text (a lone UTF-16 surrogate), or None. The message shows the
+    surrogate escaped: the character itself cannot be printed or written as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"has a lone surrogate (\\u{ord(text[exc.start]):04x}) at character {exc.start}: not "
+            "Unicode text, so no tokenizer can encode it; fix the text in the file (a character beyond U+FFFF "
+            "is escaped as a pair, like \\ud83d\\ude00)"
+        )
+    return None
 
 
 def _starts_with_bracket(data: bytes) -> bool:
@@ -251,8 +326,10 @@ def _read_records(path: str | os.PathLike[str], storage: Storage | None = None) 
             raise DataError(str(exc)) from exc
     else:
         assert isinstance(p, Path)
+        if (kind := special_file_kind(p)) is not None:  # refused unopened: a FIFO would block the run
+            raise DataError(f"{path}: {kind}, not a regular file; give a .parquet, .jsonl or .json file")
         if not p.is_file():
-            raise DataError(f"{path}: no such file" if not p.exists() else f"{path}: not a regular file")
+            raise DataError(f"{path}: no such file")
     if suffix in PARQUET_SUFFIXES:
         return _read_parquet(p, storage)
     try:
@@ -261,6 +338,8 @@ def _read_records(path: str | os.PathLike[str], storage: Storage | None = None) 
             data = fh.read()
     except StorageError as exc:
         raise DataError(str(exc)) from exc
+    except OSError as exc:  # permissions, a file removed or unreadable since the check above
+        raise DataError(f"{path}: cannot read it ({exc.strerror or exc}); check the path and its permissions") from exc
     # A .json file is read as JSON lines unless it is one top-level array: both are common
     # exports, and telling them apart by the first character is unambiguous.
     if suffix == ".json" and _starts_with_bracket(data):
@@ -530,7 +609,7 @@ class RLDataset(Sequence[PromptRow]):
             for record in records:
                 location = f"{path} {record.where}"
                 if record.parse_error is not None:
-                    reject(location, _RowProblem(BadRowReason.INVALID_JSON, record.parse_error))
+                    reject(location, _RowProblem(record.parse_reason, record.parse_error))
                     continue
                 try:
                     valid = _validate_row(record.value, prompt_key)

@@ -58,3 +58,26 @@ def give_default_modes(root: str | os.PathLike[str]) -> None:
         mode = executable if st.st_mode & stat.S_IXUSR else plain
         if stat.S_IMODE(st.st_mode) != mode:
             os.chmod(path, mode)
+
+
+# What each kind of non-regular file is called in an error. Reading one as data would block (a
+# FIFO waits for a writer), read forever (a device) or fail far from the path that caused it.
+_SPECIAL_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def special_file_kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is when it exists but is not a regular file ("a FIFO (named pipe)", "a
+    directory", ...); None for a regular file or a path that does not exist. Links are followed."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for is_kind, kind in _SPECIAL_FILE_KINDS if is_kind(mode)), "a special file")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -396,3 +397,108 @@ def test_skip_mode_counts_rows_without_a_scorer(tokenizer, tmp_path: Path) -> No
     assert data.stats.bad_rows == {BadRowReason.DATA_SOURCE_UNKNOWN: 1}
     # Without a set of scorable sources (a custom reward decides per call) every source loads.
     assert len(RLDataset.from_files(path, tokenizer, max_prompt_length=64)) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile input: nesting, text that is not Unicode, files that are not files
+
+DEEP = 200_000  # far past Python's recursion limit: json.loads raises RecursionError on it
+
+
+def _deep_line(depth: int) -> str:
+    """A good row but for ``extra_info``, a list nested ``depth`` deep: valid JSON, one line."""
+    row = json.dumps(good_row(1) | {"extra_info": None})
+    return row.replace("null", "[" * depth + "]" * depth)
+
+
+def _one_line_error(error: pytest.ExceptionInfo[DataError]) -> str:
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("depth", [DEEP, 150], ids=["past-the-parser", "past-the-row-limit"])
+def test_a_deeply_nested_line_is_a_bad_row_naming_file_and_row(tmp_path, tokenizer, depth):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(good_row(0)) + "\n" + _deep_line(depth) + "\n" + json.dumps(good_row(2)) + "\n")
+    with pytest.raises(DataError) as error:
+        RLDataset.from_files(path, tokenizer, max_prompt_length=64)
+    text = _one_line_error(error)
+    assert text.startswith(f"{path} row 1 (line 2): nested more than ") and "levels deep" in text
+    with pytest.raises(DataError, match=r"train\.jsonl row 1 \(line 2\): nested more than"):
+        load_rows(path)
+    ds = RLDataset.from_files(path, tokenizer, max_prompt_length=64, on_bad_row="skip")
+    assert ds.stats.bad_rows == {BadRowReason.NESTED_TOO_DEEP: 1}
+    assert [r.ground_truth for r in ds] == ["0", "2"]
+    assert "1 malformed skipped (nested_too_deep=1)" in ds.describe()
+
+
+def test_a_deeply_nested_json_array_file_names_the_file(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text("[" * DEEP + "]" * DEEP)
+    with pytest.raises(DataError) as error:
+        load_rows(path)
+    assert _one_line_error(error).startswith(f"{path}: nested more than ")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (_set(("prompt",), [{"role": "user", "content": "one \ud800 two"}]), "'prompt[0].content'"),
+        (_set(("prompt",), [{"role": "user", "content": "x"}, {"role": "user", "content": "\udfff"}]),
+         "'prompt[1].content'"),
+        (_set(("data_source",), "gsm8k\udc80"), "'data_source'"),
+        (_set(("reward_model", "ground_truth"), "4\ud83d"), "'reward_model.ground_truth'"),
+        (_set(("extra_info",), {"notes": ["ok", "bad \ud800"]}), "'extra_info.notes[1]'"),
+    ],
+    ids=["content", "second-message", "data_source", "ground_truth", "extra_info"],
+)
+def test_a_lone_surrogate_is_a_bad_row_naming_file_row_and_field(tmp_path, tokenizer, mutate, field):
+    # json.dumps writes a lone surrogate as the escape "\ud800", which JSON allows and Python
+    # reads back as a str that no tokenizer (and no UTF-8 writer) accepts.
+    path = _file_with_bad_row_2(tmp_path, mutate)
+    assert "\\ud" in path.read_text()
+    with pytest.raises(DataError) as error:
+        RLDataset.from_files([path], tokenizer, max_prompt_length=64)
+    text = _one_line_error(error)
+    assert text.startswith(f"{path} row 2 (line 3): {field} has a lone surrogate"), text
+    assert "TypeError" not in text
+    ds = RLDataset.from_files([path], tokenizer, max_prompt_length=64, on_bad_row="skip")
+    assert ds.stats.bad_rows == {BadRowReason.TEXT_INVALID: 1}
+    assert [r.ground_truth for r in ds] == ["0", "1", "3"]
+
+
+def test_a_surrogate_pair_is_text(tmp_path, tokenizer):
+    # "\ud83d\ude00" is how JSON escapes one emoji: Python joins the pair into one character.
+    path = tmp_path / "emoji.jsonl"
+    path.write_text(json.dumps(good_row(0)).replace("question 0", "smile \\ud83d\\ude00") + "\n")
+    (row,) = RLDataset.from_files(path, tokenizer, max_prompt_length=64)
+    assert row.messages[0]["content"] == "smile \U0001f600"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX named pipes")
+@pytest.mark.parametrize("name", ["train.jsonl", "train.parquet"])
+def test_a_fifo_is_not_a_regular_file(tmp_path, tokenizer, name):
+    fifo = tmp_path / name
+    os.mkfifo(fifo)  # opening it would block until a writer came: it must be refused unopened
+    with pytest.raises(DataError) as error:
+        RLDataset.from_files([fifo], tokenizer, max_prompt_length=64)
+    assert _one_line_error(error).startswith(f"{fifo}: a FIFO (named pipe), not a regular file")
+    folder = tmp_path / "folder.jsonl"
+    folder.mkdir()
+    with pytest.raises(DataError, match=r"folder\.jsonl: a directory, not a regular file"):
+        load_rows(folder)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX named pipes")
+def test_the_config_check_says_a_fifo_is_not_a_regular_file(tmp_path):
+    from hybridflow.config import ConfigError, load_config, validate_config
+
+    fifo = tmp_path / "train.jsonl"
+    os.mkfifo(fifo)
+    cfg = load_config(overrides=[f"data.train_files=[{fifo}]", f"data.val_files=[{tmp_path / 'missing.jsonl'}]"])
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    text = str(error.value)
+    assert f"data.train_files[0]={str(fifo)!r} is a FIFO (named pipe), not a regular file" in text
+    assert f"data.val_files[0]={str(tmp_path / 'missing.jsonl')!r} does not exist" in text

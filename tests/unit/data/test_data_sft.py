@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -139,3 +140,29 @@ def test_verl_sft_spellings_and_a_single_file_string():
                                      "data.max_length=256", "data.train_files=train.parquet"])
     assert cfg.sft.messages_key == "conversation" and cfg.sft.response_key == "output"
     assert cfg.sft.max_length == 256 and cfg.data.train_files == ["train.parquet"]
+
+
+# Hostile input: the reader is RLDataset's, the row checks are SFT's own.
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}", "row 1 (line 2): nested more than "),
+    (json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\ud800"}]}),
+     "row 1 (line 2): 'messages[1].content' has a lone surrogate"),
+    (json.dumps({"prompt": "a\udfff", "response": "b"}), "row 1 (line 2): 'prompt' has a lone surrogate"),
+    (json.dumps({"prompt": "a", "response": "\udc00b"}), "row 1 (line 2): 'response' has a lone surrogate"),
+])
+def test_deep_nesting_and_lone_surrogates_are_one_line_errors_naming_the_row(tok, tmp_path, line, message):
+    path = tmp_path / "rows.jsonl"
+    good = {"prompt": "a", "response": "b"}
+    path.write_text(json.dumps(good) + "\n" + line + "\n")
+    with pytest.raises(DataError) as info:
+        load_sft_examples([path], tok, SFTColumns(), max_length=None)
+    text = str(info.value)
+    assert text.startswith(f"{path} {message}") and "\n" not in text, text
+
+
+def test_a_fifo_is_not_a_regular_file(tok, tmp_path):
+    fifo = tmp_path / "sft.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"sft\.jsonl: a FIFO \(named pipe\), not a regular file"):
+        load_sft_examples([fifo], tok, SFTColumns(), max_length=None)
