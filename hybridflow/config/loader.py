@@ -165,16 +165,17 @@ def _closest_name(typed: str, names: Sequence[str]) -> str | None:
 
 
 def _similar_name(typed: str, name: str) -> bool:
-    """Whether ``typed`` reads as a typo of the key name ``name``: most of it the same
-    (``_NAME_SIMILARITY``) and either a few edits away (``_edit_distance``: at most 2, or one per
-    8 characters of a long name) or cut short (``train_batch`` for ``train_batch_size``). Names
+    """Whether ``typed`` reads as a typo of the key name ``name``: one edit away, or most of it the
+    same (``_NAME_SIMILARITY``) and either a few edits away (``_edit_distance``: at most 2, or one
+    per 8 characters of a long name) or cut short (``train_batch`` for ``train_batch_size``). Names
     that only share a long common part are not (``pipeline_model_parallel_size`` is not a typo of
     ``tensor_model_parallel_size``)."""
+    distance = _edit_distance(typed, name)
+    if distance <= 1:  # one slip, however short the name (rollout.nn for rollout.n)
+        return True
     if difflib.SequenceMatcher(None, typed, name).ratio() < _NAME_SIMILARITY:
         return False
-    if name.startswith(typed) or typed.startswith(name):
-        return True
-    return _edit_distance(typed, name) <= max(2, len(name) // 8)
+    return name.startswith(typed) or typed.startswith(name) or distance <= max(2, len(name) // 8)
 
 
 def _edit_distance(a: str, b: str) -> int:

@@ -43,6 +43,7 @@ def test_a_top_level_section_hybridflow_lacks_lists_the_sections() -> None:
         ("actor.entropy_ceoff=0.01", "actor.entropy_coeff"),  # two letters swapped
         ("rollout.tensor_model_paralel_size=2", "rollout.tensor_model_parallel_size"),
         ("data.train_batch=8", "data.train_batch_size"),  # cut short
+        ("rollout.nn=4", "rollout.n"),  # one slip in a one-letter name
     ],
 )
 def test_a_true_typo_still_gets_its_suggestion(override: str, suggestion: str) -> None:
