@@ -29,7 +29,9 @@ want="$(sha256sum "$requirements" | cut -d' ' -f1)"
 if [[ ! -x "$venv/bin/python" || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     rm -rf "$venv"
     "$python312" -m venv "$venv"
-    "$venv/bin/pip" install -q -r "$requirements"
+    # (This machine's pip configuration names local package folders that may not exist: noise.)
+    "$venv/bin/pip" install -q -r "$requirements" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+    "$venv/bin/python" -c "import torch, transformers" || { echo "device_twin.sh: the twin's install failed" >&2; exit 1; }
     echo "$want" >"$stamp"
 fi
 "$venv/bin/python" -c "import torch, transformers; print('twin: python', __import__('platform').python_version(), \

@@ -27,7 +27,9 @@ def main() -> None:
     if args.dry_run:
         overrides = ["trainer.device=cpu", "trainer.total_training_steps=2", "trainer.test_freq=2",
                      "warm_start.steps=20", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
-                     "data.builtin_val_size=16", f"trainer.num_threads={args.threads}"]
+                     "data.builtin_val_size=16", f"trainer.num_threads={args.threads}",
+                     # No bf16 probe on a CPU with bf16 hardware: the dry run checks code, not speed.
+                     "rollout.dtype=float32"]
     else:
         overrides = ["trainer.device=cuda", "trainer.total_training_steps=20", "trainer.test_freq=10"]
     overrides += [f"trainer.output_dir={work / 'run'}", f"warm_start.cache_dir={work / 'cache'}",
