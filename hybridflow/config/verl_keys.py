@@ -213,7 +213,8 @@ def _fsdp_rules() -> dict[str, Rule]:
             f"{prefix}.forward_only": ignore("verl sets it per role; hybridflow knows which roles train"),
             f"{prefix}.strategy": _strategy(role),
             f"{prefix}.mixed_precision.param_dtype": refuse(
-                "hybridflow's compute dtype is model.dtype (float32 | bfloat16; float32 master weights)"),
+                "hybridflow's compute dtype is model.dtype: model.dtype=bfloat16 computes in bf16 over float32 master "
+                "weights"),
             f"{prefix}.mixed_precision.reduce_dtype": refuse(
                 "hybridflow always reduces gradients in float32", unless=("fp32", "float32")),
             f"{prefix}.mixed_precision.buffer_dtype": refuse(
@@ -506,11 +507,10 @@ def _rules() -> dict[str, Rule]:
             unless=(None,)),
         "reward_model.sandbox_fusion.*": ignore("only read with reward_model.sandbox_fusion.url, which hybridflow "
                                                 "refuses"),
-        "reward_model.rollout.name": refuse(
-            "a generative reward model here is an LLM judge behind an OpenAI-compatible endpoint: "
-            "reward_model.style=generative and reward_model.judge.base_url (`hybridflow serve` or vLLM serves one)",
-            unless=("???", None)),
-        "reward_model.rollout.*": ignore("only read with reward_model.rollout.name, which hybridflow refuses"),
+        # verl's reward loop serves the reward model (a sequence classifier, reward_model.model.path) with an
+        # inference engine; hybridflow runs the same model's forward in a worker group: the same scores.
+        "reward_model.rollout.*": ignore("verl serves reward_model.model.path with an inference engine; hybridflow "
+                                         "runs that model's forward in its own worker group, with the same scores"),
         "reward_model.reward_kwargs.overlong_buffer_cfg.log": ignore(
             "hybridflow always logs the overlong penalty's metrics"),
         "reward_model.reward_kwargs.max_resp_len": ignore(
