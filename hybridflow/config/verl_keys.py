@@ -208,8 +208,9 @@ def _fsdp_rules() -> dict[str, Rule]:
                 ".ulysses_sequence_parallel_size", unless=(1,)),
             f"{prefix}.entropy_from_logits_with_chunking": ignore(SPEED),
             f"{prefix}.entropy_checkpointing": ignore(SPEED),
-            f"{prefix}.use_torch_compile": ignore(f"verl's engine copy; {ours}.use_torch_compile decides, and "
-                                                  "compilation changes speed, not results"),
+            f"{prefix}.use_torch_compile": ignore(
+                (f"verl's engine copy; {ours}.use_torch_compile decides, and " if ours == "actor" else "")
+                + "compilation changes speed, not results"),
             f"{prefix}.forward_only": ignore("verl sets it per role; hybridflow knows which roles train"),
             f"{prefix}.strategy": _strategy(role),
             f"{prefix}.mixed_precision.param_dtype": refuse(
@@ -440,7 +441,8 @@ def _rules() -> dict[str, Rule]:
                                        unless=(-1,)),
         "data.reward_fn_key": refuse("the scorer is picked by each row's data_source column", unless=("data_source",)),
         "data.return_raw_input_ids": ignore("hybridflow's reward model re-renders the chat with its own tokenizer"),
-        "data.return_full_prompt": ignore("the prompt text reaches the reward function as hybridflow's extra_info"),
+        "data.return_full_prompt": ignore("an extra field of verl's batch for custom reward managers; hybridflow's "
+                                          "reward functions get (data_source, solution_str, ground_truth, extra_info)"),
         "data.dataloader_num_workers": ignore("data-loading processes; " + SPEED),
         "data.image_patch_size": refuse("images are processed by the model's own processor", unless=(14,)),
         "data.validation_shuffle": ignore("validation metrics do not depend on the order of its prompts"),
@@ -475,9 +477,9 @@ def _rules() -> dict[str, Rule]:
         # reward
         "reward_model.enable_resource_pool": ignore("the reward model runs in its own worker group; placement "
                                                     "changes no result"),
-        "reward_model.n_gpus_per_node": ignore("the reward model's ranks follow the trainer's; placement changes no "
-                                               "result"),
-        "reward_model.nnodes": ignore("the reward model's ranks follow the trainer's; placement changes no result"),
+        "reward_model.n_gpus_per_node": ignore("where verl places the reward model's workers; placement "
+                                               "changes no result"),
+        "reward_model.nnodes": ignore("where verl places the reward model's workers; placement changes no result"),
         "reward_model.model.input_tokenizer": ignore("hybridflow re-renders the chat for the reward model with its "
                                                      "own tokenizer whenever they differ"),
         "reward_model.model.external_lib": refuse("hybridflow imports no extra module; reward_model.model."
