@@ -30,9 +30,17 @@ from hybridflow.controller.checkpoint import CheckpointError
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     _add_debug(p)
-    p.add_argument("--preset", default="grpo", help=f"starting preset: {', '.join(list_presets())} (default grpo)")
+    p.add_argument("--preset", default=None,
+                   help=f"starting preset: {', '.join(list_presets())} (default: grpo's settings, or verl's "
+                        f"algorithm.adv_estimator=gae on a command line in verl's keys)")
     p.add_argument("--config", dest="config_file", default=None, help="a YAML file of overrides")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 actor.optim.lr=1e-5")
+    # Hydra's flags, as verl's scripts give them (--config-path=DIR or --config-path DIR).
+    p.add_argument("--config-path", dest="config_path", default=None,
+                   help="Hydra: the folder of --config-name (e.g. a verl checkout's verl/trainer/config)")
+    p.add_argument("--config-name", dest="config_name", default=None,
+                   help="Hydra: a YAML config in --config-path, composed with its defaults list (e.g. ppo_trainer)")
+    p.add_argument("overrides", nargs="*",
+                   help="overrides in Hydra's grammar, e.g. rollout.n=8 actor.optim.lr=1e-5 +key=value ~key")
 
 
 def _add_debug(p: argparse.ArgumentParser) -> None:
@@ -354,8 +362,21 @@ def _disk_full_cause(error: BaseException) -> OSError | None:
     return None
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with flags and overrides in any order: verl's scripts put ``--config-path``
+    after some overrides, which argparse alone would refuse as unrecognized."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    flags = [arg for arg in extra if arg.startswith("-")]
+    if flags or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
@@ -371,6 +392,45 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if debug else f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
         print(message + (hint if code == 1 else ""), file=sys.stderr)
         return code
+
+
+CANNOT_RUN = "cannot run here:"
+"""How ``config explain`` lists a machine problem (the config is fine; this machine lacks something)."""
+
+
+def _explain(args: argparse.Namespace) -> int:
+    """``hybridflow config explain``: judge the config, not this machine. Every config error at
+    once (exit 2); machine problems listed as "cannot run here" with the explanation (exit 0)."""
+    from hybridflow.config.errors import ConfigErrors, flatten
+    from hybridflow.config.loader import load_config_collecting
+    from hybridflow.controller.setup import machine_problems, needs_critic, resolve_plugins
+
+    cfg, errors = load_config_collecting(args.preset, args.config_file, args.overrides, config_path=args.config_path,
+                                         config_name=args.config_name)
+    plugins = None
+    try:
+        validate_config(cfg)  # every config error first, then the pluggable names
+        plugins = resolve_plugins(cfg, check_machine=False)  # a wrong pluggable name fails here, not only in train
+    except ConfigError as error:
+        errors.append(error)
+    machine = machine_problems(cfg)
+    errors = flatten(errors)
+    if errors:
+        # The list on stdout, one problem a line; stderr keeps its one line (all of them, "; "-joined).
+        print(f"Config errors ({len(errors)})")
+        print("\n".join(f"  - {_one_line(error)}" for error in errors))
+        if machine:
+            print("This machine")
+            print("\n".join(f"  {CANNOT_RUN} {_one_line(problem)}" for problem in machine))
+        print(describe_error(errors[0] if len(errors) == 1 else ConfigErrors(errors))[0], file=sys.stderr)
+        return 2
+    assert plugins is not None
+    print(explain_config(cfg, with_critic=needs_critic(plugins.estimator_needs)), end="")
+    if machine:
+        print("\nThis machine")
+        print("\n".join(f"  {CANNOT_RUN} {_one_line(problem)}" for problem in machine))
+        print("  (the config is valid: hybridflow train runs it where these are met)")
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -400,7 +460,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "config" and args.config_command == "presets":
         print("\n".join(list_presets()))
         return 0
-    cfg = load_config(args.preset, args.config_file, args.overrides)
+    if args.command == "config":
+        return _explain(args)
+    cfg = load_config(args.preset, args.config_file, args.overrides, config_path=args.config_path,
+                      config_name=args.config_name)
     if args.command == "plan":
         from hybridflow.config.plan import memory_plan_lines
         from hybridflow.controller.setup import config_needs_critic
@@ -408,13 +471,6 @@ def _run(args: argparse.Namespace) -> int:
         validate_config(cfg)
         # Only the estimator is resolved (does it need a critic?): a GPU run is planned on any machine.
         print("\n".join(memory_plan_lines(cfg, with_critic=config_needs_critic(cfg))))
-        return 0
-    if args.command == "config":
-        from hybridflow.controller.setup import needs_critic, resolve_plugins
-
-        validate_config(cfg)  # every config error first, then the pluggable names
-        plugins = resolve_plugins(cfg)  # a wrong pluggable name fails here too, not only when training
-        print(explain_config(cfg, with_critic=needs_critic(plugins.estimator_needs)))
         return 0
     if args.command == "sft":
         from hybridflow.controller.sft_run import sft_cli  # heavy imports only when training

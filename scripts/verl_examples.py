@@ -82,6 +82,7 @@ class Outcome:
     status: str  # pass | machine | refused | not-run
     error: str = ""
     machine: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # every config error explain reported
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,18 +226,16 @@ def judge(script: str, args: list[str] | None, cwd: Path) -> Outcome:
     machine = [line.strip() for line in out.splitlines() + err.splitlines() if CANNOT_RUN in line]
     if code == 0:
         return Outcome(script, kind, "machine" if machine else "pass", machine=machine)
+    # explain lists every config error on stdout ("Config errors (N)", then "  - ..." lines).
+    listed = out.split("Config errors (", 1)[1].splitlines()[1:] if "Config errors (" in out else []
+    errors = [line[4:] for line in listed if line.startswith("  - ")]
     lines = [line.strip() for line in err.splitlines() if line.strip() and not _log_line(line)]
-    return Outcome(script, kind, "refused", first_error(lines[-1] if lines else f"exit {code}"), machine)
+    first = errors[0] if errors else (lines[-1] if lines else f"exit {code}")
+    return Outcome(script, kind, "refused", first, machine, errors)
 
 
 def _log_line(line: str) -> bool:
     return bool(re.match(r"^\d\d:\d\d:\d\d (INFO|WARNING|DEBUG) ", line))
-
-
-def first_error(text: str) -> str:
-    """The first of a listed error (``N config errors: a; b``), without the count."""
-    text = re.sub(r"^config error: \d+ config errors: ", "config error: ", text)
-    return text.split("; ")[0] if text.startswith("config error:") else text
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,17 +1,25 @@
-"""Build a typed ``Config`` from layers: schema defaults, a preset, a YAML file, CLI overrides.
+"""Build a typed ``Config`` from layers: schema defaults, a preset, files, CLI overrides.
 
 Precedence, lowest to highest::
 
-    schema defaults  <  preset YAML  <  --config FILE  <  dotted overrides (a.b.c=value)
+    schema defaults  <  preset YAML  <  --config-path/--config-name (Hydra)  <  --config FILE  <  overrides
 
 Every value is checked against the dataclass annotation of its field as it is applied, so a
 typo or a wrong type fails here, naming the dotted key and the layer it came from, long before
 a model is loaded. Semantic checks that need several keys at once (batch arithmetic) live in
 ``validate.py``; this module only guarantees that the result is structurally a ``Config``.
+``load_config_collecting`` goes on past a bad key and returns every error with the config.
 
-Why hand-written rather than OmegaConf/Hydra: the schema is plain dataclasses, and the few rules
-we need (strict booleans, ``1e-5`` read as a float, a suggestion on every unknown key, no
-``+key`` escape hatch that lets typos through) are simpler to state than to configure.
+The schema is plain dataclasses, applied here by hand: strict booleans, ``1e-5`` read as a float,
+a suggestion on every unknown key, verl's spellings through the alias table. What verl's users
+type is read by the libraries they already use: overrides by Hydra's override parser
+(``overrides.py``: ``+key``, ``++key``, ``~key``, lists, quoting), ``--config-name`` files by
+Hydra's composition and OmegaConf's interpolation (``compose.py``). ``+`` is no escape hatch here:
+every key, with or without it, must be one of the schema's or verl's known spellings.
+
+A verl command line gets verl's defaults where they differ in meaning (``verl_defaults``): no
+``algorithm.adv_estimator`` means verl's gae (PPO with a critic), and several GPUs or nodes mean
+the Ray backend unless ``trainer.backend`` is set.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import math
 import re
 import types
@@ -29,7 +38,10 @@ from typing import Any
 
 import yaml
 
-from hybridflow.config.aliases import translate_key, translate_mapping
+from hybridflow.config.aliases import translate_key
+# ConfigError and MachineProblem live in errors.py; importing them from here keeps working.
+from hybridflow.config.errors import ConfigError, ConfigErrors, MachineProblem, raise_all  # noqa: F401
+from hybridflow.config.overrides import DELETE, ParsedOverride, parse_override
 from hybridflow.config.schema import Config
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -42,24 +54,15 @@ _NUMBER_RE = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 """A decimal float literal. YAML 1.1 (PyYAML) reads ``1e-5`` as a *string* because it lacks a
 dot; we accept such strings for float fields, and nothing looser (no ``nan``, ``inf``, ``1,5``)."""
 
-_OVERRIDE_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-
 _SUGGESTION_CUTOFF = 0.6
 """difflib similarity below which a guess is more confusing than helpful."""
+
+log = logging.getLogger(__name__)
 
 _NAME_SIMILARITY = 0.8
 """difflib similarity a mistyped key name keeps with the name meant (``lrr``/``lr`` 0.8,
 ``rolout``/``rollout`` 0.92); unrelated names that share a word score lower (``return_raw_chat``/
 ``truncation`` 0.48)."""
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used. The message names the dotted key (and the file or override
-    it came from) and says what would be valid; ``key`` holds the dotted key when there is one."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,45 +363,24 @@ def _apply_mapping(target: Any, mapping: Mapping[Any, Any], prefix: str, source:
                                                single_as_list=meta.get("single_as_list", False)))
 
 
-def _parse_override(text: str) -> tuple[str, str]:
-    """``'a.b=1'`` -> ``('a.b', '1')``, splitting at the first ``=``."""
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    expected = "expected the form section.key=value, e.g. actor.optim.lr=1e-5"
-    if not sep:
-        raise ConfigError(f"malformed override {text!r}: no '='; {expected}")
-    if not _OVERRIDE_KEY_RE.fullmatch(key):
-        raise ConfigError(
-            f"malformed override {text!r}: {key!r} is not a dotted key; {expected} "
-            f"(no leading '-' or '+': every key already exists in the schema)"
-        )
-    return key, raw
+def apply_override(cfg: Config, override: str | ParsedOverride) -> str | None:
+    """Apply one override to ``cfg`` in place; return the hybridflow key it set (None: dropped).
 
-
-def _load_yaml_value(raw: str, key: str, source: str) -> Any:
-    try:
-        return yaml.load(raw, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        problem = str(exc)
-        if isinstance(exc, yaml.MarkedYAMLError) and exc.problem and exc.problem_mark is not None:
-            problem = f"{exc.problem} at character {exc.problem_mark.column + 1}"
-        raise ConfigError(
-            f"config key '{key}': value {raw!r} is not valid YAML ({problem}) ({source})", key=key
-        ) from exc
-
-
-def apply_override(cfg: Config, override: str) -> None:
-    """Apply one ``a.b.c=value`` override to ``cfg`` in place.
-
-    The value is read as YAML (``true``, ``null``, ``[a, b]``, ``{lr: 1e-5}`` for a section),
-    except that a string field keeps the text as written, so ``trainer.experiment_name=2024``
-    or ``model.path=./ckpt/1.10`` stay strings instead of becoming numbers.
+    Hydra's grammar (``hybridflow.config.overrides``): ``key=value``, ``+key=value``,
+    ``++key=value`` set a key, ``~key`` puts it back to its schema default; the value is Hydra's
+    reading (``true``, ``null``, ``[a, b]``, ``{lr: 1e-5}`` for a section), except that a text key
+    keeps the text as written, so ``trainer.experiment_name=2024`` or ``model.path=./ckpt/1.10``
+    stay text instead of becoming numbers. ``${...}`` in a value is resolved against the config.
     """
-    key, raw = _parse_override(override)
-    source = f"override {override!r}"
-    translated = translate_key(key, raw)  # verl's spelling of a key (hybridflow.config.aliases)
+    parsed = override if isinstance(override, ParsedOverride) else parse_override(override)
+    source = f"override {parsed.text!r}"
+    if parsed.is_group_choice:
+        raise ConfigError(f"override {parsed.text!r} chooses a file of a config group, which only a Hydra composition "
+                          f"has: give --config-path DIR --config-name NAME", key=parsed.key)
+    # verl's spelling of a key (hybridflow.config.aliases); it sees the value as verl would read it.
+    translated = translate_key(parsed.key, parsed.raw if parsed.problem else parsed.value)
     if translated is None:
-        return
+        return None
     key = translated
     parts = key.split(".")
     target: Any = cfg
@@ -407,7 +389,7 @@ def apply_override(cfg: Config, override: str) -> None:
         section_cls = type(target)
         fields = _fields(section_cls)
         if name not in fields:
-            rest: Any = raw
+            rest: Any = parsed.raw
             for later in reversed(parts[depth + 1 :]):
                 rest = {later: rest}
             raise _unknown_key_error(section_cls, prefix, name, rest, source)
@@ -415,25 +397,92 @@ def apply_override(cfg: Config, override: str) -> None:
         path = _join(prefix, name)
         last = depth == len(parts) - 1
         if _is_section(tp):
-            if last:
-                value = _load_yaml_value(raw, path, source)
-                _apply_mapping(target, {name: value}, prefix, source)
-                return
-            target = getattr(target, name)
-            continue
+            if not last:
+                target = getattr(target, name)
+                continue
+            if parsed.kind == DELETE:
+                setattr(target, name, tp())
+                return key
+            _apply_mapping(target, {name: _override_value(cfg, parsed, key, tp, source)}, prefix, source)
+            return key
         if not last:
             raise ConfigError(
                 f"config key '{path}' is a {_type_name(tp)} value, not a section, so '{key}' "
                 f"does not exist ({source})",
                 key=key,
             )
-        value = _load_yaml_value(raw, path, source)
-        scalar = [m for m in (_union_args(tp) or (tp,)) if m is not type(None)]
-        if scalar == [str] and value is not None and not isinstance(value, (str, list, dict)):
-            value = raw.strip()  # YAML made a number, boolean or date of it; keep the text
         meta = fields[name].metadata
-        setattr(target, name, coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
-                                           single_as_list=meta.get("single_as_list", False)))
+
+        def coerce(value: Any) -> Any:
+            return coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
+                                single_as_list=meta.get("single_as_list", False))
+
+        if parsed.kind == DELETE:
+            if parsed.has_value and getattr(target, name) != coerce(_override_value(cfg, parsed, key, tp, source)):
+                raise ConfigError(f"override {parsed.text!r}: '{path}' is {getattr(target, name)!r}, not the value "
+                                  f"given, so it is not reset (Hydra's ~key=value resets only a matching key)", key=path)
+            setattr(target, name, getattr(_default_section(cfg, prefix), name))
+            return key
+        setattr(target, name, coerce(_override_value(cfg, parsed, key, tp, source)))
+        return key
+    return key
+
+
+def _default_section(cfg: Config, prefix: str) -> Any:
+    """The schema's default of the section at ``prefix`` (``~key`` restores its fields from it)."""
+    section: Any = Config()
+    for name in filter(None, prefix.split(".")):
+        section = getattr(section, name)
+    return section
+
+
+def _override_value(cfg: Config, parsed: ParsedOverride, key: str, tp: Any, source: str) -> Any:
+    """The value an override gives ``key`` (annotated ``tp``): Hydra's reading, text keys keeping
+    the text as written, interpolations resolved.
+
+    A value outside Hydra's grammar that YAML reads (``~/data/x.parquet``, ``~`` for null, ``.inf``)
+    is read as YAML, as hybridflow read every value before it spoke Hydra's grammar."""
+    scalar = [m for m in (_union_args(tp) or (tp,)) if m is not type(None)]
+    text_key = scalar == [str]
+    value = parsed.value
+    if parsed.problem is not None:
+        if text_key:
+            return parsed.raw
+        value = None if parsed.is_sweep else _yaml_value(parsed.raw)
+        if value is _UNREADABLE or parsed.is_sweep:
+            raise ConfigError(f"config key '{key}': value {parsed.raw!r} cannot be read: {parsed.problem} ({source})",
+                              key=key)
+    if isinstance(value, str) and "${" in value:
+        value = _interpolate(cfg, key, value, source)
+    if text_key and value is not None and not isinstance(value, (str, list, dict)):
+        value = parsed.raw.strip()  # Hydra made a number or boolean of it; keep the text
+    return value
+
+
+_UNREADABLE = object()
+
+
+def _yaml_value(raw: str) -> Any:
+    try:
+        return yaml.load(raw, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        return _UNREADABLE
+
+
+def _interpolate(cfg: Config, key: str, value: str, source: str) -> Any:
+    """``${...}`` in an override's value, resolved by OmegaConf against the config as it stands
+    (``${data.max_prompt_length}``, ``${oc.env:HOME}``, ``${oc.select:a.b,default}``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    tree = OmegaConf.create(config_to_dict(cfg))
+    try:
+        OmegaConf.update(tree, key, value, merge=False, force_add=True)
+        resolved = OmegaConf.select(tree, key, throw_on_resolution_failure=True)
+        return OmegaConf.to_container(resolved, resolve=True) if OmegaConf.is_config(resolved) else resolved
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"config key '{key}': cannot resolve {value!r}: {str(error).splitlines()[0]} ({source})",
+                          key=key) from error
 
 
 # ----------------------------------------------------------------------------------------------
@@ -534,10 +583,12 @@ def preset_path(name: str) -> Path:
     return PRESETS_DIR / f"{name}.yaml"
 
 
-def _apply_preset(cfg: Config, name: str) -> None:
+def _apply_preset(cfg: Config, name: str, assigned: set[str] | None = None) -> None:
     path = preset_path(name)
     mapping = read_yaml_mapping(path, what=f"preset '{name}'")
     _apply_mapping(cfg, mapping, "", f"preset '{name}' ({path})")
+    if assigned is not None:
+        assigned |= {key for key, _ in _flat(mapping)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -545,48 +596,205 @@ def _apply_preset(cfg: Config, name: str) -> None:
 
 
 def load_config(
-    preset: str | None = "grpo",
+    preset: str | None = None,
     config_file: str | Path | None = None,
     overrides: Sequence[str] = (),
+    *,
+    config_path: str | None = None,
+    config_name: str | None = None,
 ) -> Config:
-    """Resolve a ``Config``: schema defaults, then ``preset``, then ``config_file``, then
-    ``overrides`` (each ``a.b.c=value``), each later layer winning.
+    """Resolve a ``Config``: schema defaults, then ``preset``, then the Hydra composition of
+    ``config_name`` in ``config_path`` (``--config-path/--config-name``), then ``config_file``, then
+    ``overrides`` (Hydra's grammar: ``a.b.c=value``, ``+a.b=value``, ``~a.b``), each later layer winning.
 
     A config file may name ``preset: NAME`` at its top level; that preset then replaces the
     ``preset`` argument (the file is the more specific choice), and is applied before the
-    file's own keys. ``preset=None`` means the plain schema defaults.
+    file's own keys. ``preset=None`` means the plain schema defaults (the grpo preset's values),
+    with verl's defaults where verl's keys are used (``verl_defaults``).
 
     A run left unnamed (``trainer.experiment_name`` at the schema default) is named after the
     preset and the data (``default_experiment_name``): ``--preset dapo`` writes ``runs/dapo-...``.
 
-    The result is type-checked but not semantically validated: call ``validate_config``.
+    The result is type-checked but not semantically validated: call ``validate_config``. Raises
+    the first problem, or ``ConfigErrors`` listing all of them (``load_config_collecting``).
     """
+    cfg, errors = load_config_collecting(preset, config_file, overrides, config_path=config_path,
+                                         config_name=config_name)
+    raise_all(errors)
+    return cfg
+
+
+def load_config_collecting(
+    preset: str | None = None,
+    config_file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    config_path: str | None = None,
+    config_name: str | None = None,
+) -> tuple[Config, list[ConfigError]]:
+    """``load_config`` that goes on past a bad key: the config with every good key applied, and
+    every error found (a key that failed keeps its earlier layer's value)."""
     if isinstance(overrides, str):
         # A bare string would be iterated character by character into nonsense overrides.
         raise TypeError("overrides must be a sequence of 'key=value' strings, not a single string")
+    errors: list[ConfigError] = []
+    layers = _Layers(errors)
+    parsed = [p for p in (layers.attempt(parse_override, text) for text in overrides) if p is not None]
     file_mapping: dict[str, Any] = {}
     if config_file is not None:
-        file_mapping = dict(read_yaml_mapping(config_file))
+        file_mapping = layers.attempt(lambda: dict(read_yaml_mapping(config_file))) or {}
         if PRESET_KEY in file_mapping:
             named = file_mapping.pop(PRESET_KEY)
             if named is not None and not isinstance(named, str):
-                raise ConfigError(
+                errors.append(ConfigError(
                     f"config file '{config_file}': '{PRESET_KEY}' must be a preset name, got "
                     f"{_value_text(named)}; available presets: {', '.join(list_presets())}",
                     key=PRESET_KEY,
-                )
-            preset = named
-        file_mapping = translate_mapping(file_mapping)
+                ))
+            else:
+                preset = named
+    composed = None
+    if config_path is not None or config_name is not None:
+        composed = layers.attempt(_compose, config_path, config_name, parsed)
     cfg = Config()
     if preset is not None:
-        _apply_preset(cfg, preset)
+        layers.attempt(_apply_preset, cfg, preset, layers.assigned)
+    if composed is not None:
+        _apply_composed(cfg, composed, layers)
     if config_file is not None:
-        _apply_mapping(cfg, file_mapping, "", f"config file '{config_file}'")
-    for override in overrides:
-        apply_override(cfg, override)
+        source = f"config file '{config_file}'"
+        for dotted, value in _flat(file_mapping):
+            layers.apply(cfg, dotted, value, source)
+    for override in parsed:
+        if composed is not None and override.is_group_choice:
+            continue  # Hydra chose that file in the composition
+        key = layers.attempt(apply_override, cfg, override)
+        if key is not None:
+            layers.assigned.add(key)
+    verl = (composed is not None and composed.uses_verl) or any(
+        key.startswith(VERL_ONLY_SECTION) for key in [p.key for p in parsed] + [k for k, _ in _flat(file_mapping)])
+    named_after = verl_defaults(cfg, layers.assigned, verl=verl and preset is None) or preset
     if cfg.trainer.experiment_name == _UNNAMED_RUN:
-        cfg.trainer.experiment_name = default_experiment_name(preset, cfg)
-    return cfg
+        cfg.trainer.experiment_name = default_experiment_name(named_after, cfg)
+    return cfg, errors
+
+
+class _Layers:
+    """What the layers did: the errors found (each attempt goes on past one) and the hybridflow
+    keys some layer set (``verl_defaults`` fills in only what nobody set)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = errors
+        self.assigned: set[str] = set()
+
+    def attempt(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ConfigError as error:
+            self.errors.append(error)
+            return None
+
+    def apply(self, cfg: Config, dotted: Any, value: Any, source: str) -> None:
+        """One leaf of a file, through the alias table (verl's spelling) onto the schema."""
+        if not isinstance(dotted, str):
+            self.attempt(_apply_mapping, cfg, {dotted: value}, "", source)  # names the bad key
+            return
+        try:
+            ours = translate_key(dotted, value)
+            if ours is not None:
+                _apply_mapping(cfg, _nest(ours, value), "", source)
+                self.assigned.add(ours)
+        except ConfigError as error:
+            self.errors.append(error)
+
+
+def _flat(mapping: Mapping[Any, Any], prefix: str = "") -> list[tuple[Any, Any]]:
+    """A nested mapping's leaves as (dotted key, value); a section left empty or null is a leaf."""
+    out: list[tuple[Any, Any]] = []
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            out.append((key, value) if not prefix else (prefix, {key: value}))
+            continue
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value):
+            out += _flat(value, dotted)
+        else:
+            out.append((dotted, value))
+    return out
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
+
+
+def _compose(config_path: str | None, config_name: str | None, parsed: Sequence[ParsedOverride]) -> Any:
+    from hybridflow.config.compose import compose
+
+    if config_path is None or config_name is None:
+        given, missing = ("--config-path", "--config-name") if config_name is None else ("--config-name", "--config-path")
+        raise ConfigError(f"{given} needs {missing} too: Hydra composes --config-name NAME from the folder "
+                          f"--config-path DIR (e.g. --config-path verl/trainer/config --config-name ppo_trainer)",
+                          key=missing)
+    return compose(config_path, config_name, parsed)
+
+
+def _apply_composed(cfg: Config, composed: Any, layers: _Layers) -> None:
+    """A Hydra composition's leaves (``compose.py``): what a user's file chose is checked like an
+    override; verl's defaults are applied where hybridflow has the key and dropped elsewhere."""
+    from hybridflow.config.compose import MISSING
+
+    schema = set(_all_paths()[0]) | set(_all_paths()[1])
+    for leaf in composed.leaves:
+        if leaf.key.rsplit(".", 1)[-1] == "_target_":
+            continue  # the Python class verl builds the section as, not a setting
+        if leaf.value is MISSING:
+            if leaf.chosen and leaf.problem:
+                layers.errors.append(ConfigError(f"{composed.source}: '{leaf.key}' {leaf.problem}", key=leaf.key))
+            continue  # '???': the command line fills it in, or verl itself would stop
+        if leaf.chosen:
+            layers.apply(cfg, leaf.key, leaf.value, composed.source)
+            continue
+        try:
+            ours = translate_key(leaf.key, leaf.value)
+            if ours is None or ours not in schema or leaf.value is None:
+                continue  # verl's default of something hybridflow does its own way, or leaves unset
+            _apply_mapping(cfg, _nest(ours, leaf.value), "", f"verl's default in {composed.source}")
+            layers.assigned.add(ours)
+        except ConfigError as error:
+            log.debug("verl's default %s=%r is not applied: %s", leaf.key, leaf.value, error)
+
+
+VERL_ONLY_SECTION = "actor_rollout_ref."
+"""A key under this section is verl's spelling: the command line is a verl one."""
+
+VERL_DEFAULT_ESTIMATOR = "gae"
+"""verl's ``algorithm.adv_estimator`` default (its ppo_trainer.yaml): PPO with a critic."""
+
+
+def verl_defaults(cfg: Config, assigned: set[str], verl: bool) -> str | None:
+    """Fill in what a command line means where nobody set the key; return the run's algorithm
+    name when verl's estimator was filled in (for the run's name).
+
+    - ``verl``: verl's keys were used (``actor_rollout_ref.*``, or a composition of verl's config)
+      and no preset was chosen: no ``algorithm.adv_estimator`` means verl's ``gae``, so verl's PPO
+      quickstart trains PPO with a critic, not the schema's GRPO.
+    - ``trainer.n_gpus_per_node > 1`` or ``trainer.nnodes > 1`` means ranks in processes of their
+      own: the Ray backend, unless ``trainer.backend`` was set (verl always runs on Ray).
+    """
+    named = None
+    if verl and "algorithm.adv_estimator" not in assigned:
+        cfg.algorithm.adv_estimator = VERL_DEFAULT_ESTIMATOR
+        log.info("config: no algorithm.adv_estimator on a verl command line: verl's default, %s (PPO with a critic)",
+                 VERL_DEFAULT_ESTIMATOR)
+        named = "ppo"
+    t = cfg.trainer
+    if "trainer.backend" not in assigned and t.backend == "local" and (t.n_gpus_per_node > 1 or t.nnodes > 1):
+        t.backend = "ray"
+        log.info("config: trainer.n_gpus_per_node=%d x trainer.nnodes=%d ranks run on trainer.backend=ray (each "
+                 "rank a process; set trainer.backend to choose)", t.n_gpus_per_node, t.nnodes)
+    return named
 
 
 _UNNAMED_RUN = Config().trainer.experiment_name

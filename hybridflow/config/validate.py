@@ -5,14 +5,15 @@ batch arithmetic. A bad batch split is the classic silent failure: a micro-batch
 rank's share of the mini-batch gives zero gradient-accumulation steps and a NaN loss with no
 clear error (verl #2505). Every message states the numbers involved and a value that would work.
 
-All errors are collected and raised together, so one run shows every problem.
+All errors are collected and raised together, so one run shows every problem. What this machine
+lacks (a GPU, a package) is not the config's problem and is not checked here: see
+``machine_problems`` in controller/setup.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import math
 import re
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.budget import VISUAL_BUILTIN_TASKS, read_model_shape
-from hybridflow.config.loader import ConfigError
+from hybridflow.config.errors import ConfigError, raise_all
 from hybridflow.config.schema import Config, OptimConfig, TrainerConfig
 from hybridflow.utils.files import special_file_kind
 from hybridflow.utils.storage import is_remote
@@ -424,9 +425,6 @@ def _check_lora(cfg: Config, report: _Report) -> None:
         report.error(f"actor.lora.alpha={lora.alpha} must be > 0 (the update is scaled by alpha / rank; e.g. 16)")
     if not 0 <= lora.dropout < 1:
         report.error(f"actor.lora.dropout={lora.dropout} must be in [0, 1) (e.g. 0.05)")
-    if lora.rank > 0 and importlib.util.find_spec("peft") is None:
-        report.error(f"actor.lora.rank={lora.rank} needs PEFT, which is not installed: pip install 'hybridflow[lora]' "
-                     f"(or set actor.lora.rank=0)")
     if lora.base_dtype != "float32" and lora.rank == 0:
         report.error(f"actor.lora.base_dtype={lora.base_dtype} stores LoRA's frozen base, but actor.lora.rank=0 "
                      f"trains every weight (kept in float32 master weights); set actor.lora.rank > 0, or "
@@ -853,8 +851,6 @@ def _check_backend(cfg: Config, report: _Report) -> None:
             f"trainer.backend=local runs every role in this process with one rank, but {dp_source(t)} asks for "
             f"{dp} data-parallel ranks; use trainer.backend=ray (each rank its own process), or one rank"
         )
-    if t.backend == "ray" and importlib.util.find_spec("ray") is None:
-        report.error("trainer.backend=ray needs the ray package: pip install 'hybridflow[ray]' (or pip install ray)")
     if t.n_workers is not None and t.device == "cuda":
         report.error(
             f"trainer.n_workers={t.n_workers} counts CPU ranks, but trainer.device=cuda: GPU ranks are "
@@ -880,8 +876,9 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     if cfg.rollout.mode == "server" and (cfg.rollout.name != "native" or tp > 1):
         report.error(f"rollout.mode=server serves the native engine of one-rank replicas over HTTP, not rollout.name="
                      f"{cfg.rollout.name} with rollout.tensor_model_parallel_size={tp}; use rollout.mode=engine")
-    if tp > 1 and cfg.rollout.name != "native":
-        report.error(f"rollout.tensor_model_parallel_size={tp} is built for rollout.name=native, not "
+    if tp > 1 and cfg.rollout.name not in ("native", "vllm", "sglang"):
+        # vLLM and SGLang split a replica's model over its tp devices themselves (tensor_parallel_size, --tp-size).
+        report.error(f"rollout.tensor_model_parallel_size={tp} is built for rollout.name=native, vllm or sglang, not "
                      f"{cfg.rollout.name!r}")
     if cfg.rollout.name == "vllm":
         _check_vllm(cfg, report)
@@ -1032,9 +1029,5 @@ def validate_config(cfg: Config) -> list[str]:
     report = _Report()
     for check in _CHECKS:
         check(cfg, report)
-    if len(report.errors) == 1:
-        raise ConfigError(report.errors[0])
-    if report.errors:
-        listed = "\n".join(f"  - {message}" for message in report.errors)
-        raise ConfigError(f"{len(report.errors)} config errors:\n{listed}")
+    raise_all([ConfigError(message) for message in report.errors])
     return report.warnings

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from hybridflow.cluster.worker_group import (
     wait_all,
 )
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
+from hybridflow.config.errors import MachineProblem, raise_all
 from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig, WarmStartConfig
 from hybridflow.config.budget import VISUAL_BUILTIN_TASKS
 from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_replicas, sequence_parallel_sizes
@@ -70,7 +72,7 @@ from hybridflow.models.loading import VL_MODEL_TYPES, check_model_dir, check_seq
 from hybridflow.models.vision import is_vision_language, load_vision_processor
 from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
-from hybridflow.rollout.base import VL_ROLLOUT_ENGINE, engine_model_problem, engine_unavailable
+from hybridflow.rollout.base import ROLLOUT_ENGINES, VL_ROLLOUT_ENGINE, engine_model_problem, engine_unavailable
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
@@ -639,10 +641,50 @@ def policy_chat_template(data: DataConfig) -> str | None:
         raise ConfigError(f"data.chat_template_path={str(path)!r}: {error}", key="data.chat_template_path") from error
 
 
-def resolve_plugins(cfg: Config) -> Plugins:
+def machine_problems(cfg: Config) -> list[MachineProblem]:
+    """What this machine lacks to run ``cfg``, a config that may be right for another one: no CUDA
+    for trainer.device=cuda, fewer GPUs than trainer.n_gpus_per_node x trainer.nnodes, a package
+    the config needs (ray, peft, the rollout engine's, httpx) not installed, an engine that needs a
+    GPU. The one place that decides what is the machine's problem rather than the config's:
+    ``hybridflow config explain`` lists these as "cannot run here" and exits 0; ``train`` refuses them."""
+    t, problems = cfg.trainer, []
+
+    def lack(message: str, key: str) -> None:
+        problems.append(MachineProblem(message, key=key))
+
+    cuda = torch.cuda.is_available()
+    if t.device == "cuda" and not cuda:
+        lack("trainer.device=cuda but CUDA is not available here (no GPU, or a CPU build of torch); use "
+             "trainer.device=cpu or auto, or run on a GPU machine", "trainer.device")
+    elif t.device == "cuda" and t.n_workers is None and t.ray_address is None:
+        wanted, have = data_parallel_size(t), torch.cuda.device_count()
+        if have < wanted:
+            lack(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} asks for {wanted} GPUs, "
+                 f"this machine has {have}; join a Ray cluster that has them (trainer.ray_address) or ask for "
+                 f"fewer", "trainer.n_gpus_per_node")
+    if t.backend == "ray" and importlib.util.find_spec("ray") is None:
+        lack("trainer.backend=ray needs the ray package: pip install 'hybridflow[ray]' (or pip install ray)",
+             "trainer.backend")
+    lora = cfg.actor.lora
+    if lora.rank > 0 and importlib.util.find_spec("peft") is None:
+        lack(f"actor.lora.rank={lora.rank} needs PEFT, which is not installed: pip install 'hybridflow[lora]' "
+             f"(or set actor.lora.rank=0)", "actor.lora.rank")
+    if cfg.rollout.name in ROLLOUT_ENGINES:
+        device = "cuda" if t.device == "cuda" or (t.device == "auto" and cuda) else "cpu"
+        unavailable = engine_unavailable(cfg.rollout.name, device)
+        if unavailable is not None:
+            lack(f"rollout.name={cfg.rollout.name}: {unavailable}", "rollout.name")
+    rm = cfg.reward_model
+    if rm.enable and rm.style == "generative" and importlib.util.find_spec("httpx") is None:
+        lack("reward_model.style=generative needs httpx: pip install 'hybridflow[judge]'", "reward_model.style")
+    return problems
+
+
+def resolve_plugins(cfg: Config, check_machine: bool = True) -> Plugins:
     """Resolve every name the config plugs in (registries and ``module:function`` paths, whose
     signatures are checked against the call the trainer makes), so a wrong one fails at start-up
-    in well under a second, not at step 1 after the models loaded. ``config explain`` runs it too."""
+    in well under a second, not at step 1 after the models loaded. ``config explain`` runs it too,
+    with ``check_machine=False``: it lists ``machine_problems`` instead of stopping at them."""
     alg = cfg.algorithm
     adv_estimator = _resolved("algorithm.adv_estimator", lambda: get_adv_estimator(alg.adv_estimator))
     needs = _resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator))
@@ -670,9 +712,11 @@ def resolve_plugins(cfg: Config) -> Plugins:
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
     # The loss's typed params: a policy_loss key that does not apply to the chosen loss fails here.
     _resolved("actor.policy_loss", lambda: build_actor_policy_loss(cfg.actor, alg.rollout_correction))
-    unavailable = engine_unavailable(cfg.rollout.name, config_device(cfg.trainer.device))
-    if unavailable is not None:
-        raise ConfigError(f"rollout.name={cfg.rollout.name}: {unavailable}", key="rollout.name")
+    if cfg.rollout.name not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.name={cfg.rollout.name}: {engine_unavailable(cfg.rollout.name, 'cpu')}",
+                          key="rollout.name")
+    if check_machine:
+        raise_all(machine_problems(cfg))
     check_rollout_model(cfg.model.path, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
     check_vision_language_run(cfg)
     agent = agent_setup(cfg.rollout.multi_turn)
@@ -686,7 +730,7 @@ def resolve_plugins(cfg: Config) -> Plugins:
 
 def check_reward_model(cfg: Config) -> None:
     """What ``reward_model.enable`` needs beyond the config's own checks: a sequence-classifier
-    directory (config.json only, no weights) or, for the judge, httpx and its API key."""
+    directory (config.json only, no weights) or, for the judge, its API key."""
     rm = cfg.reward_model
     if not rm.enable:
         return
@@ -697,12 +741,7 @@ def check_reward_model(cfg: Config) -> None:
         except (OSError, ValueError) as error:
             raise ConfigError(f"reward_model.model.path: {error}", key="reward_model.model.path") from error
         return
-    try:
-        import httpx  # noqa: F401  (the judge's HTTP client)
-    except ImportError as error:
-        raise ConfigError("reward_model.style=generative needs httpx: pip install 'hybridflow[judge]'",
-                          key="reward_model.style") from error
-    judge_api_key(cfg)
+    judge_api_key(cfg)  # httpx, the judge's HTTP client, is one of machine_problems
 
 
 def judge_api_key(cfg: Config) -> str | None:

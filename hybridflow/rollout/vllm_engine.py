@@ -148,6 +148,7 @@ class VllmEngine:
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self._device = torch.device(device)
         # Names and shapes only (a meta-device model): what an update is checked against.
@@ -165,8 +166,7 @@ class VllmEngine:
             model_path, manifest, dtype=dtype, seed=seed, max_batch_size=max_batch_size,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
             on_gpu=self._device.type == "cuda", max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
+            enable_chunked_prefill=enable_chunked_prefill, tensor_parallel_size=tensor_parallel_size)
 
     # ------------------------------------------------------------------ generation
 
@@ -467,6 +467,28 @@ def scheduler_args(max_num_batched_tokens: int | None, enable_chunked_prefill: b
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
+def engine_kwargs(model_path: str, *, dtype: str, seed: int, max_batch_size: int, enable_prefix_caching: bool,
+                  enforce_eager: bool, kv_cache_bytes: int | None, on_gpu: bool, chunking: dict[str, Any],
+                  tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """vLLM's ``EngineArgs`` for hybridflow's settings. ``tensor_parallel_size`` is
+    ``rollout.tensor_model_parallel_size``: vLLM splits the model over that many devices itself."""
+    return dict(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_num_seqs=max_batch_size,
+        enable_prefix_caching=enable_prefix_caching,
+        enforce_eager=enforce_eager,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",  # sampling comes from hybridflow, not the checkpoint's defaults
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enable_sleep_mode=on_gpu,
+        disable_log_stats=True,
+        tensor_parallel_size=tensor_parallel_size,
+        **chunking,
+    )
+
+
 def _start_vllm(
     model_path: str,
     manifest: torch.nn.Module,
@@ -479,6 +501,7 @@ def _start_vllm(
     on_gpu: bool,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> Any:
     """vLLM's ``LLMEngine`` over ``model_path``, its engine core in this process."""
     # Read by vLLM when the engine is made: the in-process core is what lets weights load as
@@ -496,20 +519,10 @@ def _start_vllm(
         kv_bytes = _kv_cache_bytes(manifest, max_batch_size, torch.finfo(torch_dtype).bits // 8)
     chunking = scheduler_args(max_num_batched_tokens, enable_chunked_prefill, on_gpu=on_gpu,
                               longest=int(manifest.config.max_position_embeddings))
-    args = EngineArgs(
-        model=model_path,
-        dtype=str(torch_dtype).removeprefix("torch."),
-        seed=seed,
-        max_num_seqs=max_batch_size,
-        enable_prefix_caching=enable_prefix_caching,
-        enforce_eager=enforce_eager,
-        logprobs_mode="processed_logprobs",
-        generation_config="vllm",  # sampling comes from hybridflow, not the checkpoint's defaults
-        kv_cache_memory_bytes=kv_bytes,
-        enable_sleep_mode=on_gpu,
-        disable_log_stats=True,
-        **chunking,
-    )
+    args = EngineArgs(**engine_kwargs(
+        model_path, dtype=str(torch_dtype).removeprefix("torch."), seed=seed, max_batch_size=max_batch_size,
+        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, kv_cache_bytes=kv_bytes,
+        on_gpu=on_gpu, chunking=chunking, tensor_parallel_size=tensor_parallel_size))
     # vLLM sets up its process as a server's: it reseeds the global generators, drops torch to one
     # thread and replaces torch.set_num_threads with a no-op (its CPU worker binds threads). Here
     # it shares the trainer's process, whose seeded state and thread count must not change: all

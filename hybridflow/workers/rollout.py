@@ -231,8 +231,22 @@ class RolloutWorker:
         it stops (so this worker's construction returns while rank 0's still sends them)."""
         from hybridflow.rollout.tensor_parallel import TensorParallelFollower, build_tp_engine, new_tp_group
 
+        spec = ROLLOUT_ENGINES.get(setup.engine)
+        if spec is not None and spec.own_tensor_parallel:
+            # vLLM and SGLang split the model over the replica's devices with workers of their own:
+            # rank 0 builds the engine over all ``size`` of them; the other ranks only hold theirs.
+            if self.rank != 0:
+                return None
+            return build_rollout_engine(
+                setup.engine, model=model, eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
+                pad_token_id=int(tokenizer.pad_token_id), max_batch_size=setup.max_batch_size, device=setup.device,
+                dtype=setup.dtype, seed=setup.seed, tokenizer=tokenizer, enforce_eager=setup.enforce_eager,
+                enable_prefix_caching=setup.enable_prefix_caching, model_path=setup.model_path,
+                max_num_batched_tokens=setup.max_num_batched_tokens,
+                enable_chunked_prefill=setup.enable_chunked_prefill, tensor_parallel_size=size)
         if setup.engine != "native":
-            raise ValueError(f"rollout.tensor_model_parallel_size={size} needs rollout.name=native, not {setup.engine!r}")
+            raise ValueError(f"rollout.tensor_model_parallel_size={size} needs rollout.name=native, vllm or sglang, "
+                             f"not {setup.engine!r}")
         group = new_tp_group(size, setup.tp_timeout_s)
         # Every rank must agree on the dtype: an explicit one, or what ``auto`` gives without a probe.
         role = build_tp_engine(
