@@ -30,7 +30,13 @@ A hostile or careless client must not be able to take the server from everyone e
 - a request whose client has gone (closed the connection, timed out) is cancelled: its sequences
   leave the engine's batch at the next step, streamed or not;
 - bound to a loopback address, the server answers only requests addressed to a loopback name
-  (the ``Host`` header), so a web page cannot reach it through DNS rebinding.
+  (the ``Host`` header), so a web page cannot reach it through DNS rebinding;
+- text must be Unicode: a lone surrogate (``"\\ud800"``, an escape JSON allows) in any string of
+  the body is a 400 naming the field, found before the body reaches an endpoint.
+
+``hybridflow serve`` renders the model's chat template once before it loads the weights: a template
+that cannot render a plain conversation stops the start-up, naming its file, rather than failing
+every chat request later with a 400 that would blame the client.
 
 Token streaming: ``NativeEngine.add_token_listener`` reports every token the engine appends to a
 listener registered under the request id, on the event-loop thread. Text is detokenized
@@ -128,6 +134,16 @@ SERVER_THREADS = 2
 LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]")
 # Status of an answer nobody reads (the client left): nginx's "client closed request".
 CLIENT_CLOSED_REQUEST = 499
+# A lone surrogate reaches Python only through a JSON escape (UTF-8 bytes cannot encode one), so
+# a body without such an escape needs no further look; a surrogate pair (an escaped emoji) matches
+# too and is then found to be fine.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Conversations rendered with the chat template at start-up, in order until one renders: some
+# templates insist on a system turn first, which is strict, not broken.
+TEMPLATE_PROBES = (
+    [{"role": "user", "content": "Hello"}],
+    [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello"}],
+)
 
 # ---------------------------------------------------------------------------------------- text
 
@@ -484,6 +500,9 @@ class RequestGuard:
                 return
             if not message.get("more_body", False):
                 break
+        if (error := _lone_surrogate_error(bytes(body))) is not None:
+            await self._refuse(scope, receive, send, error)
+            return
         replayed = False
 
         async def replay() -> MutableMapping[str, Any]:
@@ -509,6 +528,50 @@ class RequestGuard:
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:
         await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+
+
+def _lone_surrogate_error(body: bytes) -> ApiError | None:
+    """A 400 naming the first string (or key) of a JSON body that holds a lone surrogate; None
+    when there is none, or when the body is not JSON (the endpoint then says so)."""
+    if SURROGATE_ESCAPE.search(body) is None:
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    # Iterative, in document order: the body's depth is the client's to choose.
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            if (position := _lone_surrogate_at(node)) is not None:
+                return ApiError(400, f"{path or 'the body'}: {_surrogate_reason(node, position)}", path or None)
+        elif isinstance(node, list):
+            stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in reversed(list(enumerate(node))))
+        elif isinstance(node, dict):
+            for key in node:
+                if (position := _lone_surrogate_at(key)) is not None:
+                    where = f"the key {ascii(key)}" + (f" in {path}" if path else "")
+                    return ApiError(400, f"{where}: {_surrogate_reason(key, position)}", path or None)
+            stack.extend((item, f"{path}.{key}" if path else key) for key, item in reversed(node.items()))
+    return None
+
+
+def _lone_surrogate_at(text: str) -> int | None:
+    """The position of the first lone surrogate in ``text``, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _surrogate_reason(text: str, position: int) -> str:
+    # The surrogate is shown escaped: the character itself cannot be written as UTF-8.
+    return (
+        f"character {position} is a lone surrogate (\\u{ord(text[position]):04x}), which is not Unicode text; "
+        "send text as UTF-8, and escape a character beyond U+FFFF as a pair (\\ud83d\\ude00)"
+    )
 
 
 async def _client_gone(receive: Receive) -> None:
@@ -1171,6 +1234,36 @@ class ServeError(Exception):
     """A reason ``hybridflow serve`` cannot start, as one line: what failed, where, and the fix."""
 
 
+def chat_template_source(model_dir: Path) -> str:
+    """Where transformers read the default chat template of ``model_dir`` from: the file to fix."""
+    jinja = model_dir / "chat_template.jinja"  # takes priority over tokenizer_config.json's entry
+    return str(jinja) if jinja.is_file() else f"{model_dir / 'tokenizer_config.json'}'s chat_template"
+
+
+def check_chat_template(tokenizer: Any, source: str) -> None:
+    """Render the tokenizer's chat template on small conversations (``TEMPLATE_PROBES``) as a chat
+    request would be; ``ServeError`` naming ``source`` when it renders none. No template: chat
+    requests get a 400 saying so, and completions work, so there is nothing to check."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        logger.info("the model has no chat template: /v1/chat/completions answers 400, /v1/completions works")
+        return
+    first: Exception | None = None
+    for conversation in TEMPLATE_PROBES:
+        try:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            tokenizer.encode(text, add_special_tokens=False)
+            return
+        except Exception as exc:  # jinja's syntax and runtime errors, raise_exception, anything a template does
+            first = first or exc
+    assert first is not None
+    line = getattr(first, "lineno", None)  # jinja's TemplateSyntaxError knows the template line
+    where = f" at line {line}" if line else ""
+    raise ServeError(
+        f"the chat template in {source} cannot render a one-message conversation: {type(first).__name__}{where}: "
+        f"{_one_line(first).rstrip('.')}; fix the template (or delete it to serve /v1/completions only)"
+    ) from first
+
+
 def _one_line(exc: BaseException) -> str:
     """An exception's message on one line, short enough to read (library messages can be pages)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -1216,6 +1309,7 @@ def build_server_engine(
             f"cannot load the tokenizer from {path}: {_one_line(exc)}; the directory needs the model's "
             "tokenizer files (tokenizer.json or tokenizer_config.json)"
         ) from exc
+    check_chat_template(tokenizer, chat_template_source(path))  # before the weights: seconds, not minutes
     try:
         model = load_causal_lm(path, dtype=resolve_dtype(dtype), device=device)
         eos = eos_token_ids(path, tokenizer)

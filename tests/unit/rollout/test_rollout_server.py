@@ -7,6 +7,7 @@ written as a local HF directory; the reference is the offline ``LLM`` API on the
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import socket
@@ -29,6 +30,7 @@ from hybridflow.rollout.llm import LLM
 from hybridflow.rollout.native import NativeEngine
 from hybridflow.rollout.server import (
     IncrementalDetokenizer,
+    ServeError,
     build_server_engine,
     create_app,
     warn_if_exposed,
@@ -310,3 +312,88 @@ def test_cli_parses_serve_and_warns_on_exposed_hosts(caplog: pytest.LogCaptureFi
         assert warn_if_exposed("0.0.0.0")
     assert "no authentication" in caplog.text
     assert main(["serve", str(tmp_path / "missing")]) == 1
+
+
+# A lone surrogate: JSON allows the escape "\ud800", which Python reads as a str that is not
+# Unicode text (no tokenizer, no UTF-8 writer takes it). Written here as raw JSON text, since
+# a client library would escape or refuse it first.
+LONE_SURROGATE_BODIES = [
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt", 1),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt.1", 0),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}, '
+     '{"role": "user", "content": "x\\ud83d"}], "max_tokens": 2}', "messages.1.content", 1),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": '
+     '[{"type": "text", "text": "ab\\udc00"}]}], "max_tokens": 2}', "messages.0.content.0.text", 2),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "us\\udc00er", "content": "hi"}], '
+     '"max_tokens": 2}', "messages.0.role", 2),
+    ("/v1/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}', "stop.0", 0),
+    ("/generate", '{"prompt_ids": [1, 2], "request_id": "r\\ud800"}', "request_id", 1),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "position"), LONE_SURROGATE_BODIES,
+                         ids=[param for _, _, param, _ in LONE_SURROGATE_BODIES])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server: Server, path: str, body: str, param: str,
+                                                    position: int) -> None:
+    answer = httpx.post(f"{server.url}{path}", content=body.encode(), headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: character {position} is a lone surrogate (\\u"), error["message"]
+    assert "not Unicode text" in error["message"]
+
+
+def test_a_surrogate_pair_is_text_not_an_error(server: Server) -> None:
+    body = '{"model": "tiny", "prompt": "smile \\ud83d\\ude00", "max_tokens": 2}'  # one emoji, escaped as JSON does
+    headers = {"content-type": "application/json"}
+    answer = httpx.post(f"{server.url}/v1/completions", content=body.encode(), headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == len(server.tokenizer.encode("smile \U0001f600"))
+
+
+def _model_with_template(tmp_path: Path, template: str) -> Path:
+    directory = write_tiny_model(tmp_path / "model", seed=2)
+    (directory / "chat_template.jinja").write_text(template)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("template", "error"),
+    [
+        ("{% for m in messages %}{{ m['content'] }}", "TemplateSyntaxError"),  # no endfor
+        ("{{ messages[0]['content'] | no_such_filter }}", "TemplateAssertionError"),
+        ("{{ raise_exception('this template is broken') }}", "this template is broken"),
+    ],
+    ids=["syntax", "unknown-filter", "always-raises"],
+)
+def test_a_broken_chat_template_refuses_to_start_naming_its_file(tmp_path: Path, template: str, error: str) -> None:
+    directory = _model_with_template(tmp_path, template)
+    with pytest.raises(ServeError) as refused:
+        build_server_engine(directory, max_batch_size=2, kv_cache_memory_bytes=16 << 20)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert str(directory / "chat_template.jinja") in message and error in message, message
+
+
+def test_a_template_in_tokenizer_config_is_named_there(tmp_path: Path) -> None:
+    directory = write_tiny_model(tmp_path / "model", seed=2)
+    (directory / "chat_template.jinja").unlink()
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{% if %}"
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ServeError, match=r"tokenizer_config\.json's chat_template.*TemplateSyntaxError"):
+        build_server_engine(directory, max_batch_size=2, kv_cache_memory_bytes=16 << 20)
+
+
+def test_a_template_that_needs_a_system_message_still_starts(tmp_path: Path) -> None:
+    # Some templates refuse a conversation without a system turn: not broken, just strict.
+    template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    engine, tokenizer, _ = build_server_engine(
+        _model_with_template(tmp_path, template), max_batch_size=2, kv_cache_memory_bytes=16 << 20
+    )
+    assert "a system message comes first" in tokenizer.chat_template
