@@ -892,7 +892,10 @@ class TrainerConfig:
         "torch CPU threads of this process. None: every core, and fewer while other processes keep cores busy "
         "(looked at each phase, at most once a second; one busy process on 2 cores: 1 thread). A number fixes it.",
     )
-    progress_bar: bool = f(True, "Show a progress bar on the console.")
+    progress_bar: bool = f(
+        True, "Show a progress bar on the console, where stderr is a terminal (a redirected log gets the console "
+        "logger's per-step lines, not the bar's redraws).",
+    )
     profile: ProfileConfig = sub(ProfileConfig, "torch.profiler traces of chosen steps.")
     timeline: bool = f(
         True,

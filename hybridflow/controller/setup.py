@@ -1001,7 +1001,7 @@ def build_run(cfg: Config) -> RunSetup:
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))
-    progress = ProgressBar(total_steps, enabled=t.progress_bar)
+    progress = ProgressBar.for_console(total_steps, enabled=t.progress_bar)
     timeline = Timeline(output_dir / TIMELINE_FILENAME, enabled=t.timeline)
     timeline.observe_worker_calls()  # until RunSetup.close
     rollout.timeline = timeline

@@ -395,6 +395,13 @@ def _route_console_logs_through_tqdm() -> list[tuple[logging.Logger, list[loggin
     return saved
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class ProgressBar:
     """A tqdm bar over training steps; ``update(step, summary)`` moves it and shows the summary.
 
@@ -425,6 +432,13 @@ class ProgressBar:
                 file=file,
             )
             self._saved_handlers = _route_console_logs_through_tqdm()
+
+    @classmethod
+    def for_console(cls, total_steps: int, enabled: bool, *, initial_step: int = 0) -> ProgressBar:
+        """The run's bar on stderr, drawn only where stderr is a terminal: a redirected log
+        (``> train.log``, a cluster job's output file) would fill with the bar's carriage-return
+        redraws, and it has the console logger's per-step lines anyway."""
+        return cls(total_steps, enabled and _is_terminal(sys.stderr), initial_step=initial_step)
 
     @property
     def step(self) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import sys
@@ -91,3 +92,20 @@ def test_levels_and_other_handlers_are_kept(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "above it" in err and "below the console's level" not in err
     assert "below the console's level" in (tmp_path / "log.txt").read_text()
+
+
+def test_the_runs_bar_is_drawn_only_where_stderr_is_a_terminal(monkeypatch):
+    """A redirected log (a file, a pipe) gets no carriage-return redraws; a terminal gets the bar."""
+    import os
+
+    for stream, drawn in ((io.StringIO(), False), (None, True)):
+        if stream is None:
+            leader, follower = os.openpty()
+            stream = os.fdopen(follower, "w")
+        monkeypatch.setattr(sys, "stderr", stream)
+        bar = ProgressBar.for_console(3, enabled=True)
+        assert (bar.step is not None) == drawn
+        bar.close()
+    assert ProgressBar.for_console(3, enabled=False).step is None
+    stream.close()
+    os.close(leader)
