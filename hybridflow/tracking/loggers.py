@@ -134,6 +134,10 @@ CONSOLE_FIELDS: tuple[tuple[str, str], ...] = (
     ("pg_loss", m.ACTOR_PG_LOSS),
     ("kl_loss", m.ACTOR_KL_LOSS),
     ("grad_norm", m.ACTOR_GRAD_NORM),
+    # hybridflow sft's step (an RL step has none of these keys, an SFT step none of the above)
+    ("loss", m.SFT_TRAIN_LOSS),
+    ("val_loss", m.VAL_LOSS),
+    ("grad_norm", m.SFT_GRAD_NORM),
 )
 
 

@@ -91,6 +91,11 @@ TRAINING_EPOCH = "training/epoch"
 # --- validation -------------------------------------------------------------------------------
 VAL_PREFIX = "val/"
 VAL_SCORE_MEAN = "val/score/mean"
+VAL_LOSS = "val/loss"  # hybridflow sft: token-mean loss on the held-out chats
+
+# --- supervised fine-tuning (hybridflow sft) --------------------------------------------------------
+SFT_TRAIN_LOSS = "train/loss"
+SFT_GRAD_NORM = "train/grad_norm"
 
 PASS_THRESHOLD = 0.5
 """A validation sample counts as *correct* for pass@k when its score is above this.

@@ -102,6 +102,11 @@ def test_console_line_content():
     assert line == "step 3 | score 1 | 2.00 s/step"
 
 
+def test_an_sft_step_shows_its_loss_not_a_bare_step_number():
+    line = format_console_line({"train/loss": 1.23456, "train/lr": 1e-5, "train/grad_norm": 0.5, "val/loss": 1.5}, 4)
+    assert line == "step 4 | loss 1.235 | val_loss 1.5 | grad_norm 0.5"
+
+
 def test_console_backend_prints_through_tracker(tmp_path, capsys):
     with _tracker(tmp_path, ["console"]) as tracker:
         tracker.log({"critic/score/mean": 0.25, "actor/grad_norm": torch.tensor(1.5)}, step=7)
