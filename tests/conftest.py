@@ -53,6 +53,21 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Say up front why the first minutes look quiet: each worker starts with one of the longest
+    end-to-end runs, and -q prints a test's dot only when it ends."""
+    config = session.config
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not workers:
+        return  # a worker process, or one process (-n 0): nothing runs in parallel
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            "hybridflow: the longest end-to-end runs start first, one per worker, so the first results take a few "
+            "minutes; the whole suite takes about 20 minutes on 2 cores (-n 0: one process, file order)."
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest tests first, then the other end-to-end runs, then the unit tests (a stable
     sort: file order within each)."""

@@ -124,8 +124,8 @@ def test_every_shell_command_in_readme_order(user):
             check_serves(args[2:], user)
             ran["serve"] += 1
         else:  # installing, and the test command itself: what CI runs (.ci/run)
-            assert command.startswith(("python3 -m venv", ". .venv/bin/activate", "pip install", "python -m pytest")), \
-                command
+            assert command.startswith(("python3 -m venv", ". .venv/bin/activate", "pip install", "python -m pytest",
+                                       "bash scripts/test.sh")), command
     assert ran["train"] >= 5 and ran["preprocess"] == 1 and ran["serve"] == 1, ran
     # The train commands, checked by `hybridflow config explain` on their arguments, all in one
     # subprocess (each CLI start imports torch and transformers: seconds apiece on 2 cores).

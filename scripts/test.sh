@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install everything from scratch and run the test suite: the README's test command, and exactly
+# what CI (.ci/run) runs, so the two cannot disagree on which tests run.
+#
+#   bash scripts/test.sh [PYTEST ARGS...]
+#
+# The live run page's browser test (tests/e2e/test_e2e_dashboard.py) drives Debian's Chromium
+# through its driver: installed here where apt-get can (as root, or with sudo that needs no
+# password; about a minute), else that one test skips and says why.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ ! -x /usr/bin/chromium || ! -x /usr/bin/chromedriver ]] && command -v apt-get >/dev/null; then
+    sudo=""; [[ "$(id -u)" == "0" ]] || sudo="sudo -n"
+    { $sudo apt-get update -qq && $sudo apt-get install -y -qq chromium chromium-driver; } \
+        || echo "scripts/test.sh: could not install chromium (needs root): the browser test will skip" >&2
+fi
+python3 -m venv .venv && . .venv/bin/activate && pip install -q "torch==2.13.0" -e ".[test]" && python -m pytest "$@"
