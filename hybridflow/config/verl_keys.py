@@ -386,7 +386,11 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.rollout.engine_kwargs.vllm": refuse("hybridflow passes vLLM no extra engine arguments", unless=_empty),
         f"{ar}.rollout.engine_kwargs.sglang": refuse("hybridflow passes SGLang no extra engine arguments",
                                                      unless=_empty),
-        f"{ar}.rollout.engine_kwargs.trtllm": refuse("hybridflow has no TensorRT-LLM rollout", unless=_empty),
+        # Read only by a TensorRT-LLM rollout, which rollout.name (native | hf_vision | vllm | sglang) refuses.
+        f"{ar}.rollout.engine_kwargs.trtllm": ignore("only read with rollout.name=trtllm, which hybridflow does not "
+                                                     "have"),
+        f"{ar}.rollout.engine_kwargs.trtllm.*": ignore("only read with rollout.name=trtllm, which hybridflow does not "
+                                                       "have"),
         # Engine arguments verl's examples set, each a speed setting of the engine.
         f"{ar}.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache": ignore(SPEED),
         f"{ar}.rollout.engine_kwargs.vllm.compilation_config.*": ignore(SPEED),
