@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,9 @@ JSON_SUFFIXES = (".jsonl", ".json")
 # the recursion limit, so a deeper row that parsed here could still fail minutes later when a
 # rank pickles it or a logger writes it, from deeper in the stack.
 MAX_ROW_DEPTH = 100
+# A lone surrogate reaches a JSON line only as an escape (strict UTF-8 decoding refuses an encoded
+# one), so a line without one (or with only pairs, which then pass) holds none.
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class DataError(ValueError):
@@ -232,7 +236,7 @@ def _read_json_lines(fh: BinaryIO) -> list[_Record]:
         except RecursionError:
             records.append(_Record(row, where, None, _TOO_DEEP, BadRowReason.NESTED_TOO_DEEP))
             continue
-        records.append(_json_record(row, where, value))
+        records.append(_json_record(row, where, value, text))
     return records
 
 
@@ -253,13 +257,21 @@ _TOO_DEEP = (
 )
 
 
-def _json_record(row: int, where: str, value: Any) -> _Record:
+def _json_record(row: int, where: str, value: Any, text: str | None = None) -> _Record:
     """A parsed JSON record, or its problem when JSON allowed what a row must not hold."""
-    problem = _value_problem(value)
-    if problem is None:
-        return _Record(row, where, value)
-    reason, message = problem
-    return _Record(row, where, None, message, reason)
+    if text is None or _may_hold_a_problem(text):
+        if (problem := _value_problem(value)) is not None:
+            reason, message = problem
+            return _Record(row, where, None, message, reason)
+    return _Record(row, where, value)
+
+
+def _may_hold_a_problem(text: str) -> bool:
+    """False when a record's JSON text can neither nest past ``MAX_ROW_DEPTH`` (it has no more
+    brackets than that) nor hold a lone surrogate (it has no surrogate escape): nearly every row,
+    which then skips the walk over its values (walking every row doubled the CPU time of reading
+    a JSON lines file; this test adds a tenth)."""
+    return text.count("[") + text.count("{") > MAX_ROW_DEPTH or SURROGATE_ESCAPE.search(text) is not None
 
 
 def _value_problem(value: Any) -> tuple[str, str] | None:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridflow.data.dataset import BadRowReason, DataError, RLDataset, load_rows
+from hybridflow.data.dataset import MAX_ROW_DEPTH, BadRowReason, DataError, RLDataset, load_rows
 from hybridflow.models.tiny import build_tiny_tokenizer
 
 
@@ -406,9 +406,10 @@ DEEP = 200_000  # far past Python's recursion limit: json.loads raises Recursion
 
 
 def _deep_line(depth: int) -> str:
-    """A good row but for ``extra_info``, a list nested ``depth`` deep: valid JSON, one line."""
-    row = json.dumps(good_row(1) | {"extra_info": None})
-    return row.replace("null", "[" * depth + "]" * depth)
+    """A good row whose containers nest ``depth`` deep (the row, extra_info, then lists): valid
+    JSON, one line."""
+    row = json.dumps(good_row(1) | {"extra_info": {"deep": None}})
+    return row.replace("null", "[" * (depth - 2) + "]" * (depth - 2))
 
 
 def _one_line_error(error: pytest.ExceptionInfo[DataError]) -> str:
@@ -431,6 +432,14 @@ def test_a_deeply_nested_line_is_a_bad_row_naming_file_and_row(tmp_path, tokeniz
     assert ds.stats.bad_rows == {BadRowReason.NESTED_TOO_DEEP: 1}
     assert [r.ground_truth for r in ds] == ["0", "2"]
     assert "1 malformed skipped (nested_too_deep=1)" in ds.describe()
+
+
+def test_the_depth_limit_counts_every_container(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    path.write_text(_deep_line(MAX_ROW_DEPTH) + "\n" + _deep_line(MAX_ROW_DEPTH + 1) + "\n")
+    ds = RLDataset.from_files(path, tokenizer, max_prompt_length=64, on_bad_row="skip")
+    assert len(ds) == 1 and ds.stats.bad_rows == {BadRowReason.NESTED_TOO_DEEP: 1}
+    assert ds.stats.num_rows == 2
 
 
 def test_a_deeply_nested_json_array_file_names_the_file(tmp_path):
@@ -474,6 +483,9 @@ def test_a_surrogate_pair_is_text(tmp_path, tokenizer):
     path.write_text(json.dumps(good_row(0)).replace("question 0", "smile \\ud83d\\ude00") + "\n")
     (row,) = RLDataset.from_files(path, tokenizer, max_prompt_length=64)
     assert row.messages[0]["content"] == "smile \U0001f600"
+    path.write_text(json.dumps(good_row(0, content="a backslash, then ud800: \\ud800")) + "\n")
+    (row,) = RLDataset.from_files(path, tokenizer, max_prompt_length=64)
+    assert row.messages[0]["content"] == "a backslash, then ud800: \\ud800"
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX named pipes")
