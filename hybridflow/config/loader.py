@@ -24,6 +24,7 @@ the Ray backend unless ``trainer.backend`` is set.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -310,6 +311,11 @@ def coerce_value(
         return coerce_value(value, others[0], key, source=source, choices=choices)
     if value is None:
         raise _type_error(key, value, tp, source)
+    if tp is dict or typing.get_origin(tp) is dict:
+        # A free-form mapping (reward.reward_kwargs): any keys, values as written.
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise _type_error(key, value, tp, source, "write a mapping such as {name: value}")
+        return copy.deepcopy(dict(value))
     if typing.get_origin(tp) is list:
         (item_type,) = typing.get_args(tp)
         if single_as_list and isinstance(value, str):
@@ -359,8 +365,11 @@ def _apply_mapping(target: Any, mapping: Mapping[Any, Any], prefix: str, source:
             _apply_mapping(getattr(target, name), value, path, source)
         else:
             meta = fields[name].metadata
-            setattr(target, name, coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
-                                               single_as_list=meta.get("single_as_list", False)))
+            coerced = coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
+                                   single_as_list=meta.get("single_as_list", False))
+            if isinstance(coerced, dict):  # a mapping leaf: key=value overrides add to it, as Hydra merges
+                coerced = {**getattr(target, name), **coerced}
+            setattr(target, name, coerced)
 
 
 def apply_override(cfg: Config, override: str | ParsedOverride) -> str | None:
@@ -404,6 +413,17 @@ def apply_override(cfg: Config, override: str | ParsedOverride) -> str | None:
                 setattr(target, name, tp())
                 return key
             _apply_mapping(target, {name: _override_value(cfg, parsed, key, tp, source)}, prefix, source)
+            return key
+        if not last and (tp is dict or typing.get_origin(tp) is dict):
+            # reward.reward_kwargs.alpha=2: one key inside a mapping leaf (nested keys make nested mappings).
+            mapping = node = copy.deepcopy(getattr(target, name))
+            for part in parts[depth + 1 : -1]:
+                node = node[part] if isinstance(node.get(part), dict) else node.setdefault(part, {})
+            if parsed.kind == DELETE:
+                node.pop(parts[-1], None)
+            else:
+                node[parts[-1]] = _override_value(cfg, parsed, key, Any, source)
+            setattr(target, name, mapping)
             return key
         if not last:
             raise ConfigError(
@@ -659,8 +679,7 @@ def load_config_collecting(
     cfg = Config()
     if preset is not None:
         layers.attempt(_apply_preset, cfg, preset, layers.assigned)
-    if composed is not None:
-        _apply_composed(cfg, composed, layers)
+    critic_defaults = _apply_composed(cfg, composed, layers) if composed is not None else []
     if config_file is not None:
         source = f"config file '{config_file}'"
         for dotted, value in _flat(file_mapping):
@@ -674,6 +693,7 @@ def load_config_collecting(
     verl = (composed is not None and composed.uses_verl) or any(
         key.startswith(VERL_ONLY_SECTION) for key in [p.key for p in parsed] + [k for k, _ in _flat(file_mapping)])
     named_after = verl_defaults(cfg, layers.assigned, verl=verl and preset is None) or preset
+    _apply_critic_defaults(cfg, critic_defaults, layers)
     if cfg.trainer.experiment_name == _UNNAMED_RUN:
         cfg.trainer.experiment_name = default_experiment_name(named_after, cfg)
     return cfg, errors
@@ -740,12 +760,14 @@ def _compose(config_path: str | None, config_name: str | None, parsed: Sequence[
     return compose(config_path, config_name, parsed)
 
 
-def _apply_composed(cfg: Config, composed: Any, layers: _Layers) -> None:
+def _apply_composed(cfg: Config, composed: Any, layers: _Layers) -> list[tuple[str, Any]]:
     """A Hydra composition's leaves (``compose.py``): what a user's file chose is checked like an
-    override; verl's defaults are applied where hybridflow has the key and dropped elsewhere."""
+    override; verl's defaults are applied where hybridflow has the key and dropped elsewhere.
+    Returns verl's critic defaults, kept for ``_apply_critic_defaults``."""
     from hybridflow.config.compose import MISSING
 
     schema = set(_all_paths()[0]) | set(_all_paths()[1])
+    critic_defaults: list[tuple[str, Any]] = []
     for leaf in composed.leaves:
         if leaf.key.rsplit(".", 1)[-1] == "_target_":
             continue  # the Python class verl builds the section as, not a setting
@@ -760,10 +782,32 @@ def _apply_composed(cfg: Config, composed: Any, layers: _Layers) -> None:
             ours = translate_key(leaf.key, leaf.value)
             if ours is None or ours not in schema or leaf.value is None:
                 continue  # verl's default of something hybridflow does its own way, or leaves unset
+            if ours.startswith(CRITIC_SECTION):
+                critic_defaults.append((ours, leaf.value))
+                continue
             _apply_mapping(cfg, _nest(ours, leaf.value), "", f"verl's default in {composed.source}")
             layers.assigned.add(ours)
         except ConfigError as error:
             log.debug("verl's default %s=%r is not applied: %s", leaf.key, leaf.value, error)
+    return critic_defaults
+
+
+CRITIC_SECTION = "critic."
+
+
+def _apply_critic_defaults(cfg: Config, defaults: list[tuple[str, Any]], layers: _Layers) -> None:
+    """verl's critic defaults, where nobody set the key, for a run that trains a critic. verl builds
+    one for gae only, and its critic defaults follow the actor's batch (``${oc.select:...}``), so in
+    a GRPO run they would be judged against hybridflow's critic micro-batch for nothing."""
+    if cfg.algorithm.adv_estimator != VERL_DEFAULT_ESTIMATOR:
+        return
+    for key, value in defaults:
+        if key in layers.assigned:
+            continue
+        try:
+            _apply_mapping(cfg, _nest(key, value), "", "verl's critic default")
+        except ConfigError as error:
+            log.debug("verl's default %s=%r is not applied: %s", key, value, error)
 
 
 VERL_ONLY_SECTION = "actor_rollout_ref."

@@ -556,6 +556,22 @@ class RewardConfig:
         "the run at start-up after this).",
     )
     overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO's soft overlong punishment.")
+    reward_manager: str = f(
+        "naive",
+        "How responses are scored (verl's reward managers, verl's key): naive (the reward function once per sample) | "
+        "batch (once per scoring call with lists: fn(data_sources, solution_strs, ground_truths, extra_infos) -> a "
+        "list of results; needs custom_reward_function; a call covers a step's samples, or each part of them scored "
+        "as it finishes) | dapo (per sample, with DAPO's overlong penalty of reward.overlong_buffer, which verl reads "
+        "from reward_kwargs.overlong_buffer_cfg; --preset dapo) | prime (per sample in a pool of scoring processes, "
+        "as verl's prime: at least as many as the CPU's cores, up to 64, whatever reward.num_workers). Every "
+        "manager here scores in supervised processes with reward.timeout_s per sample.",
+        choices=("naive", "batch", "dapo", "prime"),
+    )
+    reward_kwargs: dict[str, Any] = f(
+        {}, "Extra keyword arguments of every call of custom_reward_function (verl passes reward_model.reward_kwargs "
+        "to its manager, and custom_reward_function.reward_kwargs to the function); needs a custom function.",
+    )
+
 
 
 DEFAULT_JUDGE_TEMPLATE = (

@@ -244,6 +244,18 @@ def _check_raw_chat_and_images(cfg: Config, report: _Report) -> None:
                      f"{d.builtin_task} task writes its images under 'images'; leave data.image_key at images")
 
 
+def _check_reward_manager(cfg: Config, report: _Report) -> None:
+    """reward.reward_manager and reward.reward_kwargs: what the built-in scorers cannot take."""
+    reward = cfg.reward
+    if reward.custom_reward_function.path is None:
+        if reward.reward_manager == "batch":
+            report.error("reward.reward_manager=batch calls a reward function with lists of samples, which the "
+                         "built-in scorers are not; set reward.custom_reward_function.path, or use naive")
+        if reward.reward_kwargs:
+            report.error(f"reward.reward_kwargs={reward.reward_kwargs} are keyword arguments of "
+                         f"reward.custom_reward_function, which is not set (the built-in scorers take none)")
+
+
 def _check_vllm(cfg: Config, report: _Report) -> None:
     """What rollout.name=vllm cannot do (hybridflow/rollout/vllm_engine.py says why)."""
     replicas = rollout_replicas(cfg)
@@ -1013,6 +1025,7 @@ _CHECKS = (
     _check_reward_model,
     _check_multi_turn,
     _check_prefill_budget,
+    _check_reward_manager,
     _check_raw_chat_and_images,
     _check_trainer,
     _check_backend,

@@ -73,6 +73,7 @@ from hybridflow.models.vision import is_vision_language, load_vision_processor
 from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
 from hybridflow.rollout.base import ROLLOUT_ENGINES, VL_ROLLOUT_ENGINE, engine_model_problem, engine_unavailable
+from hybridflow.rewards.manager import scoring_processes
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
@@ -795,7 +796,9 @@ def reward_setup(cfg: Config, model_path: str) -> RewardSetup:
     custom, ob, d = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer, cfg.data
     return RewardSetup(
         tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
-        timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        num_workers=scoring_processes(cfg.reward.reward_manager, cfg.reward.num_workers),
+        batch=cfg.reward.reward_manager == "batch", reward_kwargs=dict(cfg.reward.reward_kwargs),
         startup_timeout_s=cfg.reward.startup_timeout_s, combine=cfg.reward_model.combine,
         overlong_buffer_len=(resolve_overlong_buffer(ob.len, d.max_response_length) if ob.enable else None),
         overlong_penalty_factor=ob.penalty_factor, max_response_length=d.max_response_length,

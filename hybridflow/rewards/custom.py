@@ -6,6 +6,13 @@ reward files written for verl work unchanged::
     def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict:
         ...  # a dict must hold "score"; its other numeric values become metrics
 
+With ``reward.reward_manager=batch`` (verl's batch manager) it scores a list at once and returns a
+list of those results::
+
+    def compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> list[float | dict]:
+
+``reward.reward_kwargs`` are passed as further keyword arguments on every call.
+
 ``async def`` functions are accepted and run to completion on each call.
 
 Loading executes the file, so it is code with the same standing as the config that names it.
@@ -30,6 +37,8 @@ RewardFunction = Callable[..., Any]
 
 # The keyword arguments every reward function receives (verl's names).
 CALL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
+# ... and a batch reward function's (reward.reward_manager=batch: verl's BatchRewardManager), one list each.
+BATCH_CALL_KEYWORDS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 
 
 def _module_name(file: Path) -> str:
@@ -64,23 +73,24 @@ def _import_file(file: Path) -> Any:
     return module
 
 
-def _check_signature(fn: Callable[..., Any], file: Path, name: str) -> None:
+def _check_signature(fn: Callable[..., Any], file: Path, name: str, keywords: tuple[str, ...]) -> None:
     """Fail at load time, not on the first sample, if the keyword call cannot bind."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # some builtins and C callables have no introspectable signature
     try:
-        signature.bind(**{keyword: None for keyword in CALL_KEYWORDS})
+        signature.bind(**{keyword: None for keyword in keywords})
     except TypeError as error:
-        raise TypeError(
-            f"{file}: {name}{signature} cannot be called as "
-            f"{name}(data_source=..., solution_str=..., ground_truth=..., extra_info=...): {error}"
-        ) from None
+        call = ", ".join(f"{keyword}=..." for keyword in keywords)
+        raise TypeError(f"{file}: {name}{signature} cannot be called as {name}({call}): {error}") from None
 
 
-def load_reward_function(path: str, name: str = "compute_score") -> RewardFunction:
-    """Import ``path`` and return its function ``name``, checked against verl's signature.
+def load_reward_function(path: str, name: str = "compute_score", *, batch: bool = False,
+                         extra_keywords: tuple[str, ...] = ()) -> RewardFunction:
+    """Import ``path`` and return its function ``name``, checked against verl's signature: the four
+    per-sample keywords, or with ``batch`` the four list keywords (``BATCH_CALL_KEYWORDS``), plus
+    ``extra_keywords`` (the names of ``reward.reward_kwargs``, passed on every call).
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
@@ -103,7 +113,7 @@ def load_reward_function(path: str, name: str = "compute_score") -> RewardFuncti
         )
     if not callable(fn):
         raise TypeError(f"{name!r} in custom reward file {file} is a {type(fn).__name__}, not a function")
-    _check_signature(fn, file, name)
+    _check_signature(fn, file, name, (*(BATCH_CALL_KEYWORDS if batch else CALL_KEYWORDS), *extra_keywords))
     if inspect.iscoroutinefunction(fn):
         return _run_to_completion(fn)
     return fn

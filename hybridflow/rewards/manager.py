@@ -61,6 +61,22 @@ METRIC_NONFINITE_RATE = "reward/nonfinite_rate"
 METRIC_WORKER_RESTARTS = "reward/worker_restarts"
 METRIC_EXTRA_MEAN = "reward/extra/{key}/mean"
 
+# verl's reward managers (config reward.reward_manager), as they map here: naive and dapo score per
+# sample (dapo's overlong shaping is reward.overlong_buffer, applied by the reward role), batch calls
+# the function once per score() with lists, prime scores per sample in a pool of processes.
+REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
+# verl's prime manager scores in a pool of 64 processes; here at most that many, one per core.
+PRIME_MAX_WORKERS = 64
+
+
+def scoring_processes(reward_manager: str, num_workers: int) -> int:
+    """Scoring processes for ``reward.reward_manager`` and ``reward.num_workers``: prime's pool is at
+    least one process per core (up to ``PRIME_MAX_WORKERS``), the others' ``num_workers``."""
+    if reward_manager == "prime":
+        return max(num_workers, min(PRIME_MAX_WORKERS, os.cpu_count() or 1))
+    return num_workers
+
+
 # Statuses the trainer assigns when it has to give up on a sample (the worker's own are in
 # worker.py). A crash counts towards reward/error_rate.
 STATUS_TIMEOUT = 3
@@ -235,6 +251,11 @@ class RewardManager:
             ``MemoryError`` inside the reward (an error sample); past half of it the worker is
             replaced between samples, which bounds a slow leak.
         startup_timeout_s: How long a worker may take to start and load the reward function.
+        batch: Call the reward function once per ``score`` call with lists (verl's batch reward
+            manager; ``worker.py``) instead of once per sample. The call runs in one worker with a
+            deadline of ``timeout_s`` per sample; a call that fails, crashes or times out fails every
+            sample of it.
+        reward_kwargs: Extra keyword arguments of every call (``reward.reward_kwargs``; picklable).
 
     Construction starts the workers and waits until they have loaded the reward function, so a
     missing file, a syntax error (file and line) or a missing function raises here, in the
@@ -250,6 +271,8 @@ class RewardManager:
         *,
         memory_limit_mb: int | None = DEFAULT_MEMORY_LIMIT_MB,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        batch: bool = False,
+        reward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(
@@ -266,9 +289,14 @@ class RewardManager:
             raise ValueError(f"RewardManager startup_timeout_s must be positive, got {startup_timeout_s!r}")
         if custom_path is not None and not custom_name:
             raise ValueError("RewardManager custom_name must name the function in the custom reward file")
+        if custom_path is None and (batch or reward_kwargs):
+            raise ValueError("RewardManager: batch scoring and reward_kwargs need a custom reward function (the "
+                             "built-in scorers score one sample and take no extra arguments)")
         # Absolute now: a worker restarted later must find the file even if the trainer chdir'd.
         self._custom_path = None if custom_path is None else os.path.abspath(os.path.expanduser(custom_path))
         self._custom_name = custom_name
+        self._batch = batch
+        self._reward_kwargs = dict(reward_kwargs or {})
         # Imported here, not at the top: a manager for a custom reward never needs the built-in
         # scorers, and they pull sympy into the trainer.
         if custom_path is None:
@@ -324,7 +352,7 @@ class RewardManager:
         n = len(requests)
         round_ = _Round(
             payload=[(r.data_source, r.solution_str, r.ground_truth, r.extra_info) for r in requests],
-            pending=_chunks(n, len(self._workers)),
+            pending=(deque([list(range(n))]) if n else deque()) if self._batch else _chunks(n, len(self._workers)),
             statuses=[None] * n,
             scores=[0.0] * n,
             extra=[{} for _ in range(n)],
@@ -387,6 +415,8 @@ class RewardManager:
                 os.getpid(),
                 threading.current_thread() is threading.main_thread(),
                 self._memory_limit_mb,
+                self._batch,
+                self._reward_kwargs,
             ),
             name=f"hybridflow-reward-worker-{slot}",
         )
@@ -413,7 +443,7 @@ class RewardManager:
     def _describe_function(self) -> str:
         if self._custom_path is None:
             return "the built-in scorers"
-        return f"{self._custom_name} from {self._custom_path}"
+        return f"{'batch reward function ' if self._batch else ''}{self._custom_name} from {self._custom_path}"
 
     # -- the scoring loop ---------------------------------------------------------------------
 
@@ -434,7 +464,8 @@ class RewardManager:
                 # sample keeps the loop making progress even if every new worker dies here.
                 self._on_crash(worker, round_, "while receiving samples")
                 continue
-            worker.deadline = time.monotonic() + self._timeout_s
+            # A batch call answers for its whole chunk at once: it gets the chunk's time.
+            worker.deadline = time.monotonic() + self._timeout_s * (len(chunk) if self._batch else 1)
 
     def _pickle_chunk(self, round_: _Round, chunk: list[int]) -> bytes:
         try:
@@ -544,11 +575,15 @@ class RewardManager:
         self._give_up(worker, round_, STATUS_CRASH, f"reward worker (pid {pid}) {how} {when}")
 
     def _give_up(self, worker: _WorkerHandle, round_: _Round | None, status: int, message: str) -> None:
-        """Charge the running sample with ``status``, requeue the rest of the chunk, replace the worker."""
+        """Charge the running sample with ``status``, requeue the rest of the chunk, replace the worker.
+        In batch mode the rest was in the same failed call: it is charged too, not run again."""
         assert round_ is not None and worker.state is _State.BUSY
         self._record(round_, worker.assigned[worker.position], status, 0.0, {}, message)
         rest = worker.assigned[worker.position + 1 :]
-        if rest:
+        if rest and self._batch:
+            for index in rest:
+                self._record(round_, index, status, 0.0, {}, message)
+        elif rest:
             round_.pending.appendleft(rest)
         self._replace(worker, round_)
 

@@ -17,6 +17,11 @@ Protocol (over one duplex ``multiprocessing`` pipe):
   voluntary exit (memory grew too much), after the result of the sample that caused it.
 - trainer -> worker: a pickled list of ``(data_source, solution_str, ground_truth, extra_info)``
   (``send_bytes``), or ``b""`` to stop.
+
+Per sample (``batch=False``) the function is called once per request; in batch mode
+(``reward.reward_manager=batch``, verl's ``BatchRewardManager``) once per chunk, with lists
+(``data_sources``, ``solution_strs``, ``ground_truths``, ``extra_infos``), and must return one result
+per request. Either way ``reward_kwargs`` are passed as extra keyword arguments, as verl does.
 """
 
 from __future__ import annotations
@@ -167,7 +172,8 @@ def _range_note(score: float | None) -> str:
     return ""
 
 
-def _score_one(fn: Callable[..., Any], request: tuple[str, str, Any, Any]) -> Outcome:
+def _score_one(fn: Callable[..., Any], request: tuple[str, str, Any, Any],
+               reward_kwargs: dict[str, Any] | None = None) -> Outcome:
     data_source, solution_str, ground_truth, extra_info = request
     try:
         value = fn(
@@ -175,6 +181,7 @@ def _score_one(fn: Callable[..., Any], request: tuple[str, str, Any, Any]) -> Ou
             solution_str=solution_str,
             ground_truth=ground_truth,
             extra_info=extra_info,
+            **(reward_kwargs or {}),
         )
         outcome = classify(value)
         # Drop the reward's object here, so a slow or hanging __del__ is charged to this sample.
@@ -182,6 +189,27 @@ def _score_one(fn: Callable[..., Any], request: tuple[str, str, Any, Any]) -> Ou
         return outcome
     except BaseException as error:  # SystemExit and MemoryError included: the sample failed, not the worker
         return STATUS_ERROR, 0.0, {}, _describe_exception(error)
+
+
+def _score_batch(fn: Callable[..., Any], requests: list[tuple[str, str, Any, Any]],
+                 reward_kwargs: dict[str, Any] | None = None) -> list[Outcome]:
+    """One call of a batch reward function for ``requests``: each result classified as ``_score_one``'s;
+    a call that raises, or returns anything but one result per request, fails every request."""
+    try:
+        values = fn(
+            data_sources=[r[0] for r in requests],
+            solution_strs=[r[1] for r in requests],
+            ground_truths=[r[2] for r in requests],
+            extra_infos=[r[3] for r in requests],
+            **(reward_kwargs or {}),
+        )
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != len(requests):
+            got = f"{len(values)} results" if hasattr(values, "__len__") else _describe(values)
+            message = f"batch reward function returned {got} for {len(requests)} requests (one result each expected)"
+            return [(STATUS_ERROR, 0.0, {}, message)] * len(requests)
+        return [classify(value) for value in values]
+    except BaseException as error:  # as in _score_one: the samples failed, not the worker
+        return [(STATUS_ERROR, 0.0, {}, _describe_exception(error))] * len(requests)
 
 
 def _rss_bytes() -> int:
@@ -240,14 +268,15 @@ def _die_with_parent(parent_pid: int, started_from_main_thread: bool) -> None:
     threading.Thread(target=watch, name="hybridflow-reward-orphan-watchdog", daemon=True).start()
 
 
-def _load_function(custom_path: str | None, custom_name: str) -> Callable[..., Any]:
+def _load_function(custom_path: str | None, custom_name: str, batch: bool = False,
+                   reward_kwargs: dict[str, Any] | None = None) -> Callable[..., Any]:
     if custom_path is None:
         from hybridflow.rewards.registry import default_compute_score
 
         return default_compute_score
     from hybridflow.rewards.custom import load_reward_function
 
-    return load_reward_function(custom_path, custom_name)
+    return load_reward_function(custom_path, custom_name, batch=batch, extra_keywords=tuple(reward_kwargs or ()))
 
 
 def run_worker(
@@ -257,13 +286,15 @@ def run_worker(
     parent_pid: int,
     started_from_main_thread: bool,
     memory_limit_mb: int | None,
+    batch: bool = False,
+    reward_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Entry point of a worker process (the ``target`` the manager spawns)."""
     os.setsid()  # lead a new session and process group: the trainer kills the whole group
     _die_with_parent(parent_pid, started_from_main_thread)
     memory_limit = _limit_memory(memory_limit_mb)
     try:
-        fn = _load_function(custom_path, custom_name)
+        fn = _load_function(custom_path, custom_name, batch, reward_kwargs)
     except BaseException as error:
         try:
             conn.send((LOAD_ERROR, error))
@@ -279,9 +310,16 @@ def run_worker(
             return
         if payload == SHUTDOWN:
             return
-        for request in pickle.loads(payload):
-            status, score, extra, message = _score_one(fn, request)
+        requests = pickle.loads(payload)
+        # Batch mode scores the chunk in one call, then reports it sample by sample as per-sample mode
+        # does; it retires only after the chunk's last result (the rest is already scored).
+        outcomes = _score_batch(fn, requests, reward_kwargs) if batch else None
+        for index, request in enumerate(requests):
+            outcome = outcomes[index] if outcomes is not None else _score_one(fn, request, reward_kwargs)
+            status, score, extra, message = outcome
             conn.send((RESULT, status, score, extra, message))
+            if outcomes is not None and index < len(requests) - 1:
+                continue
             out_of_memory = status == STATUS_ERROR and message.startswith("MemoryError")
             if out_of_memory or (recycle_at is not None and _rss_bytes() > recycle_at):
                 # The heap may be fragmented or leaking; a fresh process is cheaper than doubt.

@@ -43,6 +43,8 @@ class RewardSetup:
     max_response_length: int = 0
     startup_timeout_s: float = 60.0  # a scoring worker's limit to start and load the reward function
     combine: str = "add"  # reward_model.combine: how a reward model's scores meet the rule scores
+    batch: bool = False  # reward.reward_manager=batch: the function scores a list per call
+    reward_kwargs: dict | None = None  # reward.reward_kwargs: extra keyword arguments of every call
 
 
 class RewardWorker:
@@ -51,7 +53,7 @@ class RewardWorker:
         self.tokenizer = load_tokenizer(setup.tokenizer_path, setup.trust_remote_code)
         self.manager = RewardManager(
             setup.custom_path, setup.custom_name, timeout_s=setup.timeout_s, num_workers=setup.num_workers,
-            startup_timeout_s=setup.startup_timeout_s,
+            startup_timeout_s=setup.startup_timeout_s, batch=setup.batch, reward_kwargs=setup.reward_kwargs,
         )
 
     def score(
