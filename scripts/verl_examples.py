@@ -3,7 +3,7 @@
 verl's users arrive with its ``examples/**/*.sh`` scripts. This tool expands each script as bash
 would (variables and their defaults, line continuations, ``$@``) by running it under bash with a
 ``python3`` that only records its arguments, replaces the model and data paths with local ones
-(the built-in tiny model, a small parquet file), and runs ``hybridflow config explain`` on the
+(small random-init model directories, a small parquet file), and runs ``hybridflow config explain`` on the
 result in this process. Each script is then:
 
 - ``pass``: explained, exit 0, nothing missing on this machine;
@@ -45,8 +45,9 @@ MIRROR = Path("/work/.mirror/volcengine+verl/repo")
 TRAINER_MODULES = ("verl.trainer.main_ppo",)
 """The Python modules whose launch is verl's RL trainer; other scripts (SFT, generation) are not counted."""
 
-MODEL = "builtin:tiny"
-"""What every ``*.model.path`` becomes: the one model that exists on any machine."""
+CLUSTER_ENV = {"SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1", "ARNOLD_WORKER_NUM": "1", "ARNOLD_WORKER_GPU": "8",
+               "GPUS_PER_NODE": "8", "NNODES": "1"}
+"""What a one-node cluster's scheduler sets, for scripts that read the node count from it."""
 
 RECORDED_COMMANDS = ("python", "python3", "ray", "srun", "torchrun")
 """Commands that may launch verl's trainer (``ray job submit -- python3 -m ...``): each records its argv."""
@@ -136,7 +137,7 @@ def expand(script: Path, root: Path, bin_dir: Path, home: Path) -> list[list[str
     record = home / "record.jsonl"
     record.unlink(missing_ok=True)
     env = {"PATH": str(bin_dir), "HOME": str(home), "USER": "verl", "VERL_EXAMPLES_RECORD": str(record),
-           "LANG": "C.UTF-8", "TMPDIR": str(home)}
+           "LANG": "C.UTF-8", "TMPDIR": str(home), **CLUSTER_ENV}
     try:
         subprocess.run(["/bin/bash", "-c", STRICT_OFF, str(script)], cwd=root, env=env, stdin=subprocess.DEVNULL,
                        capture_output=True, timeout=SCRIPT_TIMEOUT_S, check=False)
@@ -161,20 +162,40 @@ def trainer_args(calls: list[list[str]]) -> list[str] | None:
 
 
 _MODEL_KEY = re.compile(r"^[+~]*([\w.]*\.)?model\.(path|tokenizer_path)$")
+_REWARD_MODEL_KEY = re.compile(r"^[+~]*reward_model\.model\.(path|tokenizer_path)$")
 _DATA_KEY = re.compile(r"^[+~]*data\.(train_files|val_files)$")
 
 
-def localize(args: list[str], data_file: Path) -> list[str]:
-    """``args`` with every model path the tiny model and every data file ``data_file``."""
+@dataclass(frozen=True)
+class LocalFiles:
+    policy: Path  # a small causal LM directory (for the actor, reference and critic)
+    reward_model: Path  # a small sequence classifier directory
+    data: Path  # a parquet file in verl's row schema
+
+
+def localize(args: list[str], local: LocalFiles) -> list[str]:
+    """``args`` with every model path a local model directory and every data file a local one."""
     out = []
     for arg in args:
         key, sep, _ = arg.partition("=")
-        if sep and _MODEL_KEY.match(key):
-            arg = f"{key}={MODEL}"
+        if sep and _REWARD_MODEL_KEY.match(key):
+            arg = f"{key}={local.reward_model}"
+        elif sep and _MODEL_KEY.match(key):
+            arg = f"{key}={local.policy}"
         elif sep and _DATA_KEY.match(key):
-            arg = f"{key}={data_file}"
+            arg = f"{key}={local.data}"
         out.append(arg)
     return out
+
+
+def write_models(folder: Path) -> tuple[Path, Path]:
+    """Random-init tiny models: a context as long as verl's longest runs (64k tokens) and 8 heads, so
+    the sequence-parallel sizes the scripts use divide them, as the real models' do."""
+    from hybridflow.models.tiny import TinyModelSpec, write_tiny_model, write_tiny_reward_model
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
+                         num_key_value_heads=8, max_position_embeddings=65536)
+    return write_tiny_model(folder / "model", spec), write_tiny_reward_model(folder / "reward_model", spec)
 
 
 def write_data(folder: Path) -> Path:
@@ -292,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         home = scratch / "home"
         home.mkdir()
         bin_dir = stub_bin(scratch)
-        data_file = write_data(home)
+        policy, reward_model = write_models(scratch / "models")
+        local = LocalFiles(policy, reward_model, write_data(home))
         outcomes = []
         for script in example_scripts(root, args.pattern):
             calls = expand(script, root, bin_dir, home)
             hydra_args = trainer_args(calls)
-            localized = None if hydra_args is None else localize(hydra_args, data_file)
+            localized = None if hydra_args is None else localize(hydra_args, local)
             outcomes.append(judge(str(script.relative_to(root)), localized, root))
     print(report(outcomes, args.verbose, args.top))
     if args.json:

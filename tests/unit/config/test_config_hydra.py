@@ -10,10 +10,22 @@ from pathlib import Path
 import pytest
 
 from hybridflow.cli import main
+from hybridflow.config import aliases
 from hybridflow.config import Config, ConfigError, load_config
 from hybridflow.config.errors import ConfigErrors, MachineProblem
 from hybridflow.config.loader import load_config_collecting
 from hybridflow.config.overrides import parse_override
+
+
+@pytest.fixture(autouse=True)
+def _keep_alias_notes():
+    """translate_key notes each verl key once per process; these tests' uses must not take the note
+    from a later test that checks it (test_config_aliases)."""
+    saved = set(aliases._noted_keys)
+    yield
+    aliases._noted_keys.clear()
+    aliases._noted_keys.update(saved)
+
 
 # --------------------------------------------------------------------------------------------
 # Hydra's override grammar
@@ -308,3 +320,12 @@ def test_machine_problems_are_their_own_kind() -> None:
         assert problems and all(isinstance(p, MachineProblem) for p in problems)
         assert any(p.key == "trainer.device" for p in problems)
     assert machine_problems(load_config()) == []  # the built-in run needs nothing this machine lacks
+
+
+def test_verls_critic_defaults_apply_only_when_a_critic_is_trained(verl_tree, monkeypatch) -> None:
+    monkeypatch.chdir(verl_tree)
+    gae = load_config(config_path="verl/trainer/config", config_name="ppo_trainer", overrides=_tiny([]))
+    assert gae.critic.ppo_mini_batch_size == 256  # verl's ${oc.select:...actor.ppo_mini_batch_size}
+    grpo = load_config(config_path="verl/trainer/config", config_name="ppo_trainer",
+                       overrides=_tiny(["algorithm.adv_estimator=grpo"]))
+    assert grpo.critic.ppo_mini_batch_size is Config().critic.ppo_mini_batch_size  # no critic: none of verl's
