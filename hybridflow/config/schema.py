@@ -946,6 +946,13 @@ class TrainerConfig:
         "step, group_id, the reward's extras, response_tokens, the first 512 rollout logprobs and their token texts). "
         "A relative path is inside the run's output folder. null: off.",
     )
+    log_val_generations: int = f(
+        0, "Validation samples (input, output, score) each validation sends to the loggers (verl's key): the "
+        "console prints them, jsonl appends them to <output_dir>/val_generations.jsonl, tensorboard shows them as "
+        "text (val/generations), wandb as a table. Picked as verl picks them (sorted "
+        "by input, shuffled with seed 42), so every validation shows the same prompts; texts cut to dump_max_chars. "
+        "0: none.",
+    )
     dump_max_samples: int = f(
         256, "Most samples per file of validation_data_dir and rollout_data_dir (the first ones: whole prompt groups "
         "first).",

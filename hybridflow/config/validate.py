@@ -81,6 +81,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.n_gpus_per_node", 1),
     ("trainer.nnodes", 1),
     ("trainer.dump_max_samples", 1),
+    ("trainer.log_val_generations", 0),
     ("trainer.dump_max_chars", 1),
 )
 """Integer keys and their minimum (checked with the field's help text in the message)."""

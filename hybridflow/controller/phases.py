@@ -43,7 +43,10 @@ from hybridflow.tracking import (
     compute_batch_metrics, compute_critic_metrics, compute_throughput_metrics, compute_val_core_metrics,
     compute_validation_metrics, reduce_metrics, reward_variables,
 )
-from hybridflow.tracking.generations import DUMP_MAX_LOGPROBS, rollout_rows, validation_rows, write_jsonl
+from hybridflow.tracking.generations import (
+    DUMP_MAX_LOGPROBS, clip_text, pick_val_generations, rollout_rows, validation_rows, write_jsonl,
+)
+from hybridflow.tracking.loggers import Generation
 from hybridflow.types import (
     GenerationRequest,
     RefBatch,
@@ -511,6 +514,8 @@ def _validate(run: RunSetup, step: int) -> dict[str, float]:
     metrics |= compute_val_core_metrics(sources, group_ids, variables, preds)
     if run.validation_data_dir is not None:
         dump_validation(run, step, trajectories, scores)
+    if run.cfg.trainer.log_val_generations > 0:
+        log_val_generations(run, step, trajectories, scores)
     metrics |= {f"val/{key}": value for key, value in agent_metrics(run, trajectories).items()}
     metrics["timing_s/testing"] = time.perf_counter() - start
     run.rollout.take_metrics()  # the step's rollout metrics are of training generation only
@@ -533,6 +538,18 @@ def dump_validation(run: RunSetup, step: int, trajectories: list[Trajectory], sc
         max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
     )
     write_jsonl(run.validation_data_dir, step, rows)
+
+
+def log_val_generations(run: RunSetup, step: int, trajectories: list[Trajectory], scores: list[float]) -> None:
+    """``trainer.log_val_generations`` of this validation's samples to the loggers, picked as verl
+    picks them (the same prompts every validation), texts cut to ``trainer.dump_max_chars``."""
+    t = run.cfg.trainer
+    inputs = _decode(run, [x.prompt_ids for x in trajectories])
+    chosen = pick_val_generations(inputs, t.log_val_generations)
+    outputs = _decode(run, [trajectories[i].response_ids for i in chosen])
+    samples = [Generation(clip_text(inputs[i], t.dump_max_chars), clip_text(output, t.dump_max_chars), float(scores[i]))
+               for i, output in zip(chosen, outputs, strict=True)]
+    run.tracker.log_generations(samples, step)
 
 
 def dump_rollouts(run: RunSetup, step: int, batch: TrainBatch | RefBatch, trajectories: Sequence[Sample]) -> None:

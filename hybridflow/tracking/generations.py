@@ -114,3 +114,19 @@ def write_jsonl(directory: Path, step: int, rows: Sequence[Mapping[str, Any]]) -
         for row in rows:
             out.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
     return path
+
+
+VAL_GENERATIONS_SEED = 42
+"""verl's seed for picking the validation samples it logs (``trainer.log_val_generations``)."""
+
+
+def pick_val_generations(inputs: Sequence[str], count: int) -> list[int]:
+    """Which ``count`` of a validation's samples ``trainer.log_val_generations`` logs, as verl picks
+    them: sorted by input text, shuffled with a fixed seed, the first ``count``. The same prompts
+    come back at every validation, so a reader sees how the answers to them change."""
+    import numpy as np
+
+    order = sorted(range(len(inputs)), key=lambda i: inputs[i])
+    np.random.RandomState(VAL_GENERATIONS_SEED).shuffle(order)
+    return order[:count]
+

@@ -14,6 +14,11 @@ Backends, chosen by name (the config's ``trainer.logger`` list) in one registry,
 - ``wandb``: a Weights & Biases run.
 
 ``tensorboard`` and ``wandb`` are optional dependencies, imported only when chosen.
+
+``Tracker.log_generations`` sends validation samples (``trainer.log_val_generations``: input,
+output, score) to the backends that show text: the console prints them, ``jsonl`` appends them
+to ``<output_dir>/val_generations.jsonl``, ``tensorboard`` adds a text entry
+(``val/generations``), ``wandb`` a table.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from hybridflow.tracking import metrics as m
 logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
+VAL_GENERATIONS_FILENAME = "val_generations.jsonl"
+VAL_GENERATIONS_TAG = "val/generations"
 TENSORBOARD_DIRNAME = "tensorboard"
 STEP_KEY = "step"
 
@@ -85,12 +92,36 @@ def to_json_line(metrics: Mapping[str, float | int], step: int) -> str:
     return json.dumps(record, allow_nan=False)
 
 
+@dataclass(frozen=True)
+class Generation:
+    """One validation sample as logged (``trainer.log_val_generations``)."""
+
+    input: str
+    output: str
+    score: float
+
+
 class TrackingBackend(Protocol):
-    """One destination for metrics; ``metrics`` holds plain numbers (``normalize_metrics``)."""
+    """One destination for metrics; ``metrics`` holds plain numbers (``normalize_metrics``). A backend
+    that shows text also has ``log_generations(samples: Sequence[Generation], step)``."""
 
     def log(self, metrics: Mapping[str, float | int], step: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+def generations_markdown(samples: Sequence[Generation], step: int) -> str:
+    """The samples as one markdown text (TensorBoard's text panel renders it)."""
+    parts = [f"**Validation generations, step {step}**"]
+    for i, sample in enumerate(samples, start=1):
+        parts.append(f"### Sample {i} (score {format_value(sample.score)})\n\n**Input**\n\n"
+                     f"    {_indented(sample.input)}\n\n**Output**\n\n    {_indented(sample.output)}")
+    return "\n\n".join(parts)
+
+
+def _indented(text: str) -> str:
+    # Four spaces per line: TensorBoard renders markdown, and an indented block keeps the text verbatim.
+    return text.replace("\n", "\n    ")
 
 
 class JsonlBackend:
@@ -111,6 +142,13 @@ class JsonlBackend:
             raise RuntimeError(f"{self.path}: JSONL metrics file is closed")
         self._file.write(to_json_line(metrics, step) + "\n")
         self._file.flush()
+
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        """One line per sample in ``val_generations.jsonl`` beside the metrics file."""
+        with (self.path.parent / VAL_GENERATIONS_FILENAME).open("a", encoding="utf-8") as out:
+            for sample in samples:
+                row = {"step": step, "input": sample.input, "output": sample.output, "score": sample.score}
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
@@ -174,6 +212,11 @@ class ConsoleBackend:
     def log(self, metrics: Mapping[str, float | int], step: int) -> None:
         tqdm.write(format_console_line(metrics, step), file=self._stream or sys.stdout)
 
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        for i, sample in enumerate(samples, start=1):
+            tqdm.write(f"[val step {step}, sample {i}/{len(samples)}, score {format_value(sample.score)}]\n"
+                       f"[input] {sample.input}\n[output] {sample.output}", file=self._stream or sys.stdout)
+
     def close(self) -> None:
         pass
 
@@ -202,6 +245,10 @@ class TensorBoardBackend:
         # Flushed each step, like the JSONL file, so a crash loses nothing already logged.
         self._writer.flush()
 
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        self._writer.add_text(VAL_GENERATIONS_TAG, generations_markdown(samples, step), global_step=step)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 
@@ -225,6 +272,13 @@ class WandbBackend:
 
     def log(self, metrics: Mapping[str, float | int], step: int) -> None:
         self._run.log(dict(metrics), step=step)
+
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        import wandb
+
+        table = wandb.Table(columns=["step", "input", "output", "score"],
+                            data=[[step, s.input, s.output, s.score] for s in samples])
+        self._run.log({VAL_GENERATIONS_TAG: table}, step=step)
 
     def close(self) -> None:
         self._run.finish()
@@ -327,6 +381,20 @@ class Tracker:
                 raise RuntimeError(
                     f"tracking backend {name!r} failed to log step {step}: {err}"
                 ) from err
+
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        """Validation samples (input, output, score) to every backend that shows text."""
+        if self._closed:
+            raise RuntimeError(f"Tracker.log_generations(step={step}) after close()")
+        for name, backend in self._backends:
+            log = getattr(backend, "log_generations", None)
+            if log is None:
+                continue
+            try:
+                log(samples, step)
+            except Exception as err:
+                raise RuntimeError(f"tracking backend {name!r} failed to log the generations of step {step}: "
+                                   f"{err}") from err
 
     def close(self) -> None:
         """Close every backend (each one, even if another fails); safe to call twice."""

@@ -27,7 +27,7 @@ DOCS = ROOT / "docs" / "verl_keys.md"
 PENDING = {
     # hybridflow keys being added by the "knobs behind verl's frequent keys" work (issue 32, item 5);
     # verl's spellings reach them by the aliases and prefixes already. Remove an entry once it exists.
-    "actor.use_torch_compile", "trainer.log_val_generations",
+    "actor.use_torch_compile",
 }
 
 VALUE_REFUSED = {
