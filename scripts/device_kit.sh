@@ -14,11 +14,19 @@ mkdir -p "$kit"
 rm -f "$kit"/*.whl
 # Pure-Python wheels for CPython 3.12 on x86-64 (the lent machine's python3); --no-deps: the
 # requirements file names every wheel that must travel, and nothing the image already has.
+quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }  # this machine's pip config
 grep -v '^\s*#' scripts/device_kit_requirements.txt | grep -v '^\s*$' | while read -r requirement; do
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    if ! python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$kit" "$requirement" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+        -d "$kit" "$requirement" 2>/dev/null; then
+        # No wheel on PyPI (antlr4 4.9.3 ships only its source): build one here; it must be pure Python.
+        python3 -m pip wheel -q --no-deps -w "$kit" "$requirement" 2> >(quiet >&2)
+    fi
 done
+if ls "$kit"/*.whl | grep -v -e '-none-any\.whl$' -e 'cp312' ; then
+    echo "device_kit.sh: the wheels above are neither pure Python nor built for CPython 3.12" >&2
+    exit 1
+fi
 wheels=$(ls "$kit"/*.whl | wc -l)
 expected=$(grep -cv -e '^\s*#' -e '^\s*$' scripts/device_kit_requirements.txt)
 if [[ "$wheels" -ne "$expected" ]]; then

@@ -38,6 +38,6 @@ fi
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 # No hub lookups from transformers or huggingface_hub: the models are built here, not downloaded.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-"$python" -c "import hybridflow.cli, math_verify" \
+"$python" -c "import hybridflow.cli, math_verify, hydra, omegaconf" \
     || { echo "gpu_checks.sh: hybridflow does not import with this python and the kit" >&2; exit 1; }
 "$python" scripts/gpu_checks.py "$out" "$@"
