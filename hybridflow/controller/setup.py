@@ -76,6 +76,7 @@ from hybridflow.rollout.base import ROLLOUT_ENGINES, VL_ROLLOUT_ENGINE, engine_m
 from hybridflow.rewards.manager import scoring_processes
 from hybridflow.rewards.shaping import resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
+from hybridflow.tracking.loggers import missing_logger_packages
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import configure_threads, resolve_device
@@ -678,6 +679,8 @@ def machine_problems(cfg: Config) -> list[MachineProblem]:
     rm = cfg.reward_model
     if rm.enable and rm.style == "generative" and importlib.util.find_spec("httpx") is None:
         lack("reward_model.style=generative needs httpx: pip install 'hybridflow[judge]'", "reward_model.style")
+    for message in missing_logger_packages(t.logger):
+        lack(message, "trainer.logger")
     return problems
 
 

@@ -12,13 +12,16 @@ Backends, chosen by name (the config's ``trainer.logger`` list) in one registry,
   progress bar instead of tearing it.
 - ``tensorboard``: ``<output_dir>/tensorboard`` through ``torch.utils.tensorboard``.
 - ``wandb``: a Weights & Biases run.
+- ``mlflow``: an MLflow run (experiment ``project``, run name ``experiment``) with the config as
+  params, in ``MLFLOW_TRACKING_URI`` when set, else a local store in ``<output_dir>/mlruns``.
 
-``tensorboard`` and ``wandb`` are optional dependencies, imported only when chosen.
+``tensorboard``, ``wandb`` and ``mlflow`` are optional dependencies, imported only when chosen.
 
 ``Tracker.log_generations`` sends validation samples (``trainer.log_val_generations``: input,
 output, score) to the backends that show text: the console prints them, ``jsonl`` appends them
 to ``<output_dir>/val_generations.jsonl``, ``tensorboard`` adds a text entry
-(``val/generations``), ``wandb`` a table.
+(``val/generations``), ``wandb`` a table, ``mlflow`` a JSON artifact
+(``val_generations/step_<k>.json``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import json
 import logging
 import math
 import numbers
+import os
+import re
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,7 +236,7 @@ class TensorBoardBackend:
         except ImportError as err:
             raise ImportError(
                 f"the 'tensorboard' logger needs the tensorboard package ({err}); "
-                "install it with: pip install hybridflow[tensorboard]"
+                "install it with: pip install 'hybridflow[tensorboard]'"
             ) from err
         self.log_dir = Path(log_dir)
         self._writer: Any = SummaryWriter(log_dir=str(self.log_dir))
@@ -264,7 +270,7 @@ class WandbBackend:
         except ImportError as err:
             raise ImportError(
                 f"the 'wandb' logger needs the wandb package ({err}); "
-                "install it with: pip install hybridflow[wandb]"
+                "install it with: pip install 'hybridflow[wandb]'"
             ) from err
         self._run: Any = wandb.init(
             project=project, name=name, config=dict(config), dir=str(output_dir)
@@ -284,6 +290,79 @@ class WandbBackend:
         self._run.finish()
 
 
+MLFLOW_DIRNAME = "mlruns"
+# MLflow's limits: a param value's length, and how many params / metrics one log_batch call takes.
+MLFLOW_MAX_PARAM_CHARS = 6000
+MLFLOW_MAX_PARAMS_PER_BATCH = 100
+MLFLOW_MAX_METRICS_PER_BATCH = 1000
+_MLFLOW_INVALID = re.compile(r"[^/\w.\- :]")
+
+
+def mlflow_metric_key(key: str) -> str:
+    """``key`` in the characters MLflow accepts (verl's spelling of the same mapping: ``@`` becomes
+    ``_at_``, repeated slashes one, anything else outside ``[/\w.\- :]`` an underscore)."""
+    return _MLFLOW_INVALID.sub("_", re.sub(r"/+", "/", key.replace("@", "_at_")))
+
+
+def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """The config as MLflow params: one per leaf, named by its path with ``/`` (as verl names them)."""
+    params: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            params |= flatten_params(value, f"{name}/")
+        else:
+            params[name] = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return params
+
+
+class MlflowBackend:
+    """An MLflow run through ``MlflowClient`` (no global active run, so nothing leaks into other code
+    using MLflow's fluent API). The store is ``MLFLOW_TRACKING_URI`` when set (a server, a database),
+    else MLflow's file store in ``<output_dir>/mlruns`` (``mlflow ui --backend-store-uri`` reads it;
+    MLflow 3 keeps that store behind ``MLFLOW_ALLOW_FILE_STORE``, which is set for this process when
+    unset). ``MLFLOW_RUN_ID`` continues that run instead of starting one, as verl does."""
+
+    def __init__(self, *, project: str, name: str, config: Mapping[str, Any], output_dir: str | Path) -> None:
+        try:
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking import MlflowClient
+        except ImportError as err:
+            raise ImportError(
+                f"the 'mlflow' logger needs the mlflow package ({err}); install it with: pip install 'hybridflow[mlflow]'"
+            ) from err
+        self._metric, self._param = Metric, Param
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (Path(output_dir).resolve() / MLFLOW_DIRNAME).as_uri()
+        self.tracking_uri = uri
+        self._client: Any = MlflowClient(tracking_uri=uri)
+        run_id = os.environ.get("MLFLOW_RUN_ID")
+        if run_id:
+            self.run_id = run_id
+        else:
+            experiment = self._client.get_experiment_by_name(project)
+            experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(project)
+            self.run_id = self._client.create_run(experiment_id, run_name=name).info.run_id
+        params = [Param(k, v[:MLFLOW_MAX_PARAM_CHARS]) for k, v in flatten_params(config).items()]
+        for start in range(0, len(params), MLFLOW_MAX_PARAMS_PER_BATCH):
+            self._client.log_batch(self.run_id, params=params[start : start + MLFLOW_MAX_PARAMS_PER_BATCH])
+
+    def log(self, metrics: Mapping[str, float | int], step: int) -> None:
+        now = int(time.time() * 1000)
+        batch = [self._metric(mlflow_metric_key(k), float(v), now, step) for k, v in metrics.items()]
+        for start in range(0, len(batch), MLFLOW_MAX_METRICS_PER_BATCH):
+            self._client.log_batch(self.run_id, metrics=batch[start : start + MLFLOW_MAX_METRICS_PER_BATCH])
+
+    def log_generations(self, samples: Sequence[Generation], step: int) -> None:
+        rows = [{"input": s.input, "output": s.output, "score": s.score} for s in samples]
+        self._client.log_dict(self.run_id, {"step": step, "samples": rows}, f"val_generations/step_{step}.json")
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """What a backend may need to know about the run."""
@@ -301,6 +380,9 @@ BACKEND_BUILDERS: dict[str, Callable[[RunInfo], TrackingBackend]] = {
         run.output_dir / TENSORBOARD_DIRNAME, config=run.config
     ),
     "wandb": lambda run: WandbBackend(
+        project=run.project, name=run.experiment, config=run.config, output_dir=run.output_dir
+    ),
+    "mlflow": lambda run: MlflowBackend(
         project=run.project, name=run.experiment, config=run.config, output_dir=run.output_dir
     ),
 }
@@ -439,6 +521,20 @@ class _BarSafeHandler(logging.StreamHandler):
 
 # Loggers whose console handlers print while the bar is shown: ours (through the root logger)
 # and transformers' (its own stderr handler, not propagated to the root).
+LOGGER_PACKAGES: dict[str, tuple[str, str]] = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+"""trainer.logger names that need an optional package: name -> (module to import, hybridflow extra)."""
+
+
+def missing_logger_packages(names: Sequence[str]) -> list[str]:
+    """One line per chosen logger whose package is not installed (checked at start-up, with the
+    config, rather than when the first metric is written)."""
+    import importlib.util
+
+    return [f"trainer.logger={name} needs the {module} package: pip install 'hybridflow[{extra}]'"
+            for name in names if name in LOGGER_PACKAGES
+            for module, extra in [LOGGER_PACKAGES[name]] if importlib.util.find_spec(module) is None]
+
+
 _CONSOLE_LOGGERS = ("", "transformers")
 
 

@@ -242,3 +242,21 @@ def test_log_errors(tmp_path):
     with pytest.raises(RuntimeError, match="after close"):
         tracker.log({"x": 1.0}, step=3)
     assert tracker.metrics_path.read_text() == ""  # rejected records were never half-written
+
+
+def test_a_logger_whose_package_is_missing_is_a_machine_problem_found_with_the_config(monkeypatch, capsys):
+    """Like a missing PEFT or Ray, found before any model loads (train refuses, explain lists it),
+    with a hint a shell does not glob; not an ImportError when the first metric is written."""
+    import importlib.util
+
+    from hybridflow.cli import main
+    from hybridflow.config import load_config
+    from hybridflow.controller.setup import machine_problems
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    problems = [str(p) for p in machine_problems(load_config(overrides=["trainer.logger=[console,wandb]"]))]
+    assert problems == ["trainer.logger=wandb needs the wandb package: pip install 'hybridflow[wandb]'"]
+    assert machine_problems(load_config(overrides=["trainer.logger=[console,jsonl]"])) == []
+    assert main(["config", "explain", "trainer.logger=[console,wandb]"]) == 0
+    assert "cannot run here: trainer.logger=wandb needs the wandb package" in capsys.readouterr().out
