@@ -521,7 +521,9 @@ class _BarSafeHandler(logging.StreamHandler):
 
 # Loggers whose console handlers print while the bar is shown: ours (through the root logger)
 # and transformers' (its own stderr handler, not propagated to the root).
-LOGGER_PACKAGES: dict[str, tuple[str, str]] = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"),
+}
 """trainer.logger names that need an optional package: name -> (module to import, hybridflow extra)."""
 
 
