@@ -26,15 +26,30 @@ _HEADER = """\
 A run's configuration is resolved in layers, each later one winning:
 
 1. the defaults below (the built-in tiny model on the built-in arithmetic task, on CPU);
-2. a preset, `--preset NAME` (default `grpo`): {presets};
-3. a YAML file, `--config my.yaml`, with the same nested sections as below; a top-level
+2. a preset, `--preset NAME` (default: `grpo`'s settings): {presets};
+3. a Hydra-composed YAML config, `--config-path DIR --config-name NAME`, as verl's scripts give it
+   (a defaults list with `_self_` and `group@package: option`, `hydra.searchpath`, `${{...}}`
+   interpolation with `oc.env` and `oc.select`); pointed at verl's own `verl/trainer/config`,
+   verl's defaults apply wherever hybridflow has the key, and keys it does not have are dropped,
+   while a file of your own is checked key by key;
+4. a YAML file, `--config my.yaml`, with the same nested sections as below; a top-level
    `preset: NAME` line in it picks the preset;
-4. dotted overrides on the command line, `section.key=value`, e.g. `actor.optim.lr=1e-5`,
-   `trainer.logger=[console,wandb]`, `trainer.total_training_steps=null`.
+5. overrides on the command line in Hydra's grammar, `section.key=value`, e.g.
+   `actor.optim.lr=1e-5`, `trainer.logger=[console,wandb]`, `trainer.total_training_steps=null`,
+   `+key=value` and `++key=value` (the same as `key=value`: every key must still be known),
+   `~key` (back to the default), quoted text `'a,b'`.
+
+verl's spellings (`actor_rollout_ref.actor.*`, ...) are translated (docs/verl_keys.md); a
+command line in verl's keys gets verl's defaults where they differ in meaning: no
+`algorithm.adv_estimator` means verl's `gae` (PPO with a critic), and more than one GPU or node
+(`trainer.n_gpus_per_node`, `trainer.nnodes`) means `trainer.backend=ray` unless the backend is set.
 
 Unknown keys, wrong types and values outside a key's allowed set are errors that name the
 dotted key; `hybridflow config explain [overrides]` prints the resolved config and the batch
-plan it implies.
+plan it implies, or every error at once (exit 2). What this machine lacks for a valid config (no
+GPU, fewer GPUs than asked, vLLM/SGLang/ray not installed) is listed as `cannot run here: ...`
+and explain still exits 0, so a cluster's config can be checked on a laptop; `hybridflow train`
+refuses both kinds.
 
 Batch-size units: `data.train_batch_size` and `actor.ppo_mini_batch_size` count *prompts*
 (each prompt yields `rollout.n` samples); `*_micro_batch_size_per_gpu` counts *samples* on one
