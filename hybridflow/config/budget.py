@@ -232,7 +232,11 @@ def auto_token_budget(
     fits = int(MEMORY_FRACTION * available_bytes) // per_token
     ppo = max(longest_sample, min(cap, _floor_power_of_two(fits)))
     log_prob = max(longest_sample, min(cap * LOG_PROB_BUDGET_FACTOR, ppo * LOG_PROB_BUDGET_FACTOR))
-    if fits >= cap:
+    if fits >= cap and longest_sample > cap:
+        # Both bounds apply: say which one won, or the plan prints 8256 beside "capped at 4096".
+        bound = (f"capped at {cap} on {device_type}, then raised to the longest possible sample "
+                 f"({longest_sample}: a sample is never split)")
+    elif fits >= cap:
         bound = f"capped at {cap} on {device_type}"
     elif ppo == longest_sample:
         bound = f"raised to the longest possible sample ({longest_sample}); memory is tight"

@@ -94,3 +94,12 @@ def test_explain_shows_the_path_and_the_budget(overrides, expected):
     from hybridflow.config.explain import explain_config
 
     assert expected in explain_config(load_config(overrides=overrides))
+
+
+def test_a_sample_longer_than_the_cap_raises_the_budget_and_the_reason_says_so() -> None:
+    """The plan printed "8256 per micro-batch" beside "capped at 4096": both bounds applied and the
+    reason named only the one that lost."""
+    budget = auto_token_budget(BUILTIN_TINY_SHAPE, 64 * GIB, 8256, compute_bytes=4)
+    assert budget.ppo == 8256 > MAX_AUTO_TOKENS["cpu"]
+    assert f"capped at {MAX_AUTO_TOKENS['cpu']} on cpu, then raised to the longest possible sample (8256" in budget.reason
+    assert "raised" not in auto_token_budget(BUILTIN_TINY_SHAPE, 64 * GIB, 72, compute_bytes=4).reason
