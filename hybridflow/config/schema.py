@@ -137,8 +137,7 @@ class WarmStartConfig:
     lr: float = f(3e-3, "Warm-start learning rate.")
     cache_dir: str = f(
         "~/.cache/hybridflow",
-        "Where the built-in model and its warm start are cached (keyed by their settings), and what "
-        "rollout.dtype=auto measured on this machine for a model (so later runs of it sample in the same precision).",
+        "Where the built-in model and its warm start are cached (keyed by their settings).",
     )
 
 
@@ -454,12 +453,13 @@ class RolloutConfig:
         "engine is built). 1: every rollout rank is a whole engine.",
     )
     dtype: str = f(
-        "auto", "Rollout compute dtype: auto | float32 | bfloat16. auto: bfloat16 on a GPU; on a CPU float32, or "
-        "bfloat16 where the CPU has bf16 hardware (avx512_bf16/AMX) and a probe at set-up finds the native "
-        "engine's bf16 decode of this model at least 1.2x faster with its logprobs within "
-        "trainer.health.logprob_mismatch of fp32's. Decided once per run for every replica; a measured answer is "
-        "recorded in <output_dir>/rollout_dtype.json and reused when the run resumes in that folder.",
-        choices=("auto", "float32", "bfloat16"),
+        "auto", "Rollout compute dtype: auto | tune | float32 | bfloat16. auto, a rule of the hardware and the model "
+        "(never a timing): bfloat16 on a GPU; on a CPU bfloat16 where it has bf16 hardware (avx512_bf16/AMX) and "
+        "the native engine decodes a model of at least 10M parameters, else float32. tune: on such a CPU, a "
+        "probe at set-up times the native engine's decode of this model, bfloat16 if at least 1.2x faster with "
+        "its logprobs within trainer.health.logprob_mismatch of fp32's. Decided once per run for every replica, "
+        "recorded with its reason in <output_dir>/rollout_dtype.json and reused when the run resumes in that folder.",
+        choices=("auto", "tune", "float32", "bfloat16"),
     )
     enforce_eager: bool = f(
         False, "Decode without CUDA graphs on a GPU (they replay each decode step with one launch; captured "

@@ -1,35 +1,41 @@
-"""``rollout.dtype=auto`` decided once per run, by set-up, and kept for the run's resumes.
+"""``rollout.dtype`` decided once per run, by set-up, recorded in the run folder and kept for its resumes.
 
-An explicit dtype is kept, and ``auto`` on a GPU is bfloat16: nothing to decide. On a CPU with
-bf16 hardware ``auto`` measures (``hybridflow.rollout.precision``), and a measurement is timing:
-left to each rollout replica, two replicas of one run could sample in two precisions, and a run
-started again after a kill could sample in another precision than the run it resumes, which then
-no longer reproduces. So set-up measures once, in the controller, hands every replica the answer
-as an explicit dtype, and records a measured answer in the run folder (``ROLLOUT_DTYPE_FILE``):
-a run started again in that folder takes the recorded answer without measuring.
+An explicit dtype is kept. ``auto`` is a rule (``hybridflow.rollout.precision``): bfloat16 on a GPU;
+on a CPU bfloat16 only with bf16 hardware and a model of at least ``BF16_MIN_PARAMETERS``
+parameters that the native engine decodes in one process, else float32. A rule, not a timing: the
+sampling precision changes every sampled token, and a timing taken while other processes run
+could make the same command sample in fp32 in one run and in bf16 in the next. ``tune`` measures
+(the user asked for timing): a probe of the model itself, once, in the controller.
 
-Two runs of one config on one machine should sample in one precision too (an A/B comparison, a
-test that compares runs), and a probe of a small model under load can read either way (seen:
-0.88x and 3.9x for the same 0.9M model in two runs of one CI job). So the first measurement on
-a machine is kept for every later run of the same model, batch, threads and threshold
-(``machine_record``, under ``warm_start.cache_dir``), first writer wins: runs that measured at the
-same time all take the answer that was written first.
+Set-up hands every replica the answer as an explicit dtype (two replicas of one run never sample
+in two precisions) and records it with its reason in the run folder (``ROLLOUT_DTYPE_FILE``): a run
+started again in that folder takes the recorded answer, so a resume samples as the run it
+continues did even where a new measurement (``tune``) would read otherwise, or where the rule was
+changed since. The record's ``reuse`` is the override that makes another run sample the same way.
+
+The record also holds the native engine's weight layout (``rollout.compact.resolve_weight_layout``,
+a rule of the CPU's vendor and the dtype; the layouts round differently): a resume on hardware
+where the rule gives another layout says that its rollouts will not be bitwise the ones the
+uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hybridflow.config import Config
+from hybridflow.config.budget import read_model_shape
 from hybridflow.models.loading import load_causal_lm
-from hybridflow.rollout.base import ROLLOUT_ENGINES, choose_rollout_dtype
-from hybridflow.utils.device import CpuFeatures, cpu_features
+from hybridflow.rollout.base import ROLLOUT_DTYPE_RULES, ROLLOUT_ENGINES, choose_rollout_dtype
+from hybridflow.rollout.compact import resolve_weight_layout
+from hybridflow.rollout.precision import DtypeChoice
+from hybridflow.utils.device import cpu_features, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -40,101 +46,78 @@ RECORDED_DTYPES = ("float32", "bfloat16")
 def resolve_run_rollout_dtype(cfg: Config, device: torch.device, model_path: str, output_dir: Path) -> str:
     """The dtype every rollout replica of this run samples in (module docstring)."""
     r = cfg.rollout
-    if r.dtype != "auto":
-        return r.dtype
     record = output_dir / ROLLOUT_DTYPE_FILE
-    recorded = read_recorded_dtype(record)
+    layout = _weight_layout if ROLLOUT_ENGINES[r.name].probes_cpu_precision else _no_layout
+    recorded = read_record(record) if r.dtype in ROLLOUT_DTYPE_RULES else None
     if recorded is not None:
-        log.info("rollout.dtype=auto: %s, as this run folder recorded when the run started (%s)", recorded, record)
-        return recorded
-    # Only a single-process native replica decodes what the probe times (EngineSpec.probes_cpu_precision);
-    # a tensor-parallel replica splits each matmul over ranks, so it keeps auto's unmeasured answer.
-    cpu = cpu_features()
-    probed = (device.type == "cpu" and ROLLOUT_ENGINES[r.name].probes_cpu_precision
-              and r.tensor_model_parallel_size == 1 and cpu.native_bf16)
-    machine = machine_record(cfg, model_path, cpu) if probed else None
-    known = None if machine is None else _read_machine_record(machine)
-    if machine is not None and known is not None:
-        log.info("rollout.dtype=auto: %s, as measured on this machine for this model before (%s)", known, machine)
-        _write_record(record, {**json.loads(machine.read_text(encoding="utf-8")), "machine_record": str(machine)})
-        return known
-    model = load_causal_lm(model_path, trust_remote_code=cfg.model.trust_remote_code) if probed else None
-    choice = choose_rollout_dtype("auto", device, model=model, batch=r.max_batch_size,
-                                  max_logprob_mismatch=cfg.trainer.health.logprob_mismatch, cpu=cpu)
-    del model
-    if choice.probe is None:
-        return choice.dtype
-    fields: dict[str, object] = {"dtype": choice.dtype, "reason": choice.reason,
-                                 "bfloat16_speedup": choice.probe.bfloat16_speedup,
-                                 "logprob_mismatch": choice.probe.logprob_mismatch}
-    if machine is not None and not _write_once(machine, fields):  # another run measured first: its answer
-        fields = {**json.loads(machine.read_text(encoding="utf-8")), "machine_record": str(machine)}
+        log.info("rollout.dtype=%s: %s, as this run folder recorded when the run started (%s)", r.dtype,
+                 recorded["dtype"], record)
+        _check_layout(recorded, layout(device, recorded["dtype"]), record)
+        return str(recorded["dtype"])
+    choice = _decide(cfg, device, model_path)
+    fields: dict[str, Any] = {"dtype": choice.dtype, "rollout.dtype": r.dtype, "reason": choice.reason}
+    if choice.probe is not None:
+        fields |= {"bfloat16_speedup": choice.probe.bfloat16_speedup, "logprob_mismatch": choice.probe.logprob_mismatch,
+                   "batch": choice.probe.batch}
+    fields |= layout(device, choice.dtype)
+    fields["reuse"] = f"rollout.dtype={choice.dtype}"
     _write_record(record, fields)
-    return str(fields["dtype"])
+    if r.dtype == "tune":
+        log.info("rollout.dtype=tune measured %s (%s); recorded in %s: pass rollout.dtype=%s to sample the same "
+                 "way in other runs", choice.dtype, choice.reason, record, choice.dtype)
+    return choice.dtype
 
 
-def machine_record(cfg: Config, model_path: str, cpu: CpuFeatures) -> Path:
-    """Where this machine keeps the measured answer for this model and these settings: keyed by
-    the CPU, torch, the model's files (config, and each weight file's size and time), the
-    replicas' batch, torch's threads and the logprob threshold."""
-    folder = Path(model_path)
-    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
-    key = {
-        "cpu": [cpu.model_name, cpu.capability, sorted(cpu.flags & {"avx512_bf16", "amx_bf16"})],
-        "torch": torch.__version__,
-        "config": (folder / "config.json").read_text(encoding="utf-8") if (folder / "config.json").is_file() else "",
-        "weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
-        "batch": cfg.rollout.max_batch_size, "threads": torch.get_num_threads(),
-        "max_logprob_mismatch": cfg.trainer.health.logprob_mismatch,
-    }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return Path(cfg.warm_start.cache_dir).expanduser() / "rollout_dtype" / f"{digest}.json"
+def _decide(cfg: Config, device: torch.device, model_path: str) -> DtypeChoice:
+    """``rollout.dtype`` resolved for a replica of this config: the native engine in one process is
+    sized (``auto``) or measured (``tune``); any other engine's decode is not what was measured."""
+    r = cfg.rollout
+    native = ROLLOUT_ENGINES[r.name].probes_cpu_precision and r.tensor_model_parallel_size == 1
+    cpu = cpu_features()
+    shape = read_model_shape(model_path) if native else None
+    measured = native and r.dtype == "tune" and device.type == "cpu" and cpu.native_bf16
+    model = load_causal_lm(model_path, trust_remote_code=cfg.model.trust_remote_code) if measured else None
+    return choose_rollout_dtype(r.dtype, device, model=model, batch=r.max_batch_size, cpu=cpu,
+                                max_logprob_mismatch=cfg.trainer.health.logprob_mismatch,
+                                num_parameters=None if shape is None else shape.num_parameters)
 
 
-def _read_machine_record(path: Path) -> str | None:
-    """The dtype a machine record holds; a damaged one is removed (measured again), not an error:
-    no run depends on it the way a resumed run depends on its own record."""
-    try:
-        return read_recorded_dtype(path)
-    except ValueError as error:
-        log.warning("rollout.dtype=auto: ignoring and removing %s (%s)", path, str(error).split(" (")[0])
-        path.unlink(missing_ok=True)
-        return None
+def _weight_layout(device: torch.device, dtype: str) -> dict[str, str]:
+    return {"weight_layout": resolve_weight_layout("auto", device, parse_dtype(dtype))}
 
 
-def _write_once(path: Path, fields: dict[str, object]) -> bool:
-    """Create ``path`` holding ``fields`` unless it exists (atomically: a reader sees all or nothing);
-    False when another run created it first."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(fields, indent=1) + "\n", encoding="utf-8")
-    try:
-        os.link(partial, path)  # fails if it exists: the first writer wins
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        partial.unlink(missing_ok=True)
+def _no_layout(device: torch.device, dtype: str) -> dict[str, str]:
+    return {}
 
 
-def read_recorded_dtype(record: Path) -> str | None:
-    """The dtype ``record`` holds, or None when there is none. A record that cannot be read is
-    an error naming the file: guessing would break the reproduction the record exists for."""
+def _check_layout(recorded: dict[str, Any], now: dict[str, str], record: Path) -> None:
+    started = recorded.get("weight_layout")
+    if started is not None and now and now["weight_layout"] != started:
+        log.warning("%s: the run started with the native engine's %s weight layout; this machine's is %s, which "
+                    "rounds differently: the resumed run's rollouts will not be bitwise the uninterrupted run's",
+                    record, started, now["weight_layout"])
+
+
+def read_record(record: Path) -> dict[str, Any] | None:
+    """What ``record`` holds, or None when there is none. A record that cannot be read is an error
+    naming the file: guessing would break the reproduction the record exists for."""
     if not record.is_file():
         return None
     try:
-        dtype = json.loads(record.read_text(encoding="utf-8"))["dtype"]
+        fields = json.loads(record.read_text(encoding="utf-8"))
+        dtype = fields["dtype"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{record} is damaged ({error}): it records the rollout dtype this run started with; "
-                         "delete it to measure again, or set rollout.dtype=float32|bfloat16") from None
+                         "delete it to decide again, or set rollout.dtype=float32|bfloat16") from None
     if dtype not in RECORDED_DTYPES:
         raise ValueError(f"{record} records rollout dtype {dtype!r}, not one of {', '.join(RECORDED_DTYPES)}; "
-                         "delete it to measure again, or set rollout.dtype explicitly")
-    return dtype
+                         "delete it to decide again, or set rollout.dtype explicitly")
+    return fields
 
 
 def _write_record(record: Path, fields: dict[str, object]) -> None:
-    """Write ``record`` atomically: a kill mid-write leaves the old state (no file), never half a file."""
-    partial = record.with_name(record.name + ".tmp")
+    """Write ``record`` atomically: a kill mid-write leaves the old state, never half a file. The
+    temporary name carries the writer's pid (``run_folder.clean_leftovers`` knows it)."""
+    partial = record.with_name(f".{record.name}.tmp-{os.getpid()}")
     partial.write_text(json.dumps(fields, indent=1) + "\n", encoding="utf-8")
     os.replace(partial, record)

@@ -182,6 +182,11 @@ def _has_distribution(name: str) -> bool:
     return True
 
 
+ROLLOUT_DTYPE_RULES = ("auto", "tune")
+"""``rollout.dtype`` values that are decided here rather than named: ``auto`` by a rule of the
+hardware and the model (``precision.rule_cpu_rollout_dtype``), ``tune`` by measuring."""
+
+
 def resolve_rollout_dtype(
     dtype: str,
     device: torch.device | str,
@@ -205,22 +210,39 @@ def choose_rollout_dtype(
     batch: int = 1,
     max_logprob_mismatch: float | None = None,
     cpu: CpuFeatures | None = None,
+    num_parameters: int | None = None,
 ) -> DtypeChoice:
     """``resolve_rollout_dtype`` with its reason (and figures, when it measured).
 
-    On a CPU ``auto`` is bfloat16 only with bf16 hardware (avx512_bf16/AMX, ``cpu`` or this
-    machine's) and when a probe of ``model`` at ``batch`` rows finds bf16 decode faster and its
-    logprobs within ``max_logprob_mismatch`` (default: the health check's threshold) of fp32; see
-    ``precision``. Without a model to probe it stays float32.
+    On a CPU ``auto`` follows ``precision.rule_cpu_rollout_dtype``: bfloat16 only with bf16
+    hardware (avx512_bf16/AMX, ``cpu`` or this machine's) and a model of at least
+    ``precision.BF16_MIN_PARAMETERS`` parameters (``num_parameters``, else counted on ``model``;
+    neither: float32). ``tune`` measures instead: a probe of ``model`` at ``batch`` rows must find
+    bf16 decode faster and its logprobs within ``max_logprob_mismatch`` (default: the health check's
+    threshold) of fp32; see ``precision``. Without a model to probe it stays float32.
     """
     from hybridflow.rollout import precision
 
-    if dtype != "auto":
+    if dtype not in ROLLOUT_DTYPE_RULES:
         return precision.DtypeChoice(dtype, "set explicitly")
     if torch.device(device).type == "cuda":
-        return precision.DtypeChoice("bfloat16", "auto on a GPU")
-    threshold = precision.DEFAULT_MAX_LOGPROB_MISMATCH if max_logprob_mismatch is None else max_logprob_mismatch
+        return precision.DtypeChoice("bfloat16", f"{dtype} on a GPU")
     cpu = cpu or cpu_features()
+    if dtype == "auto":
+        if num_parameters is None and model is not None:
+            num_parameters = sum(p.numel() for p in model.parameters())
+        choice = precision.rule_cpu_rollout_dtype(cpu, num_parameters)
+    else:
+        choice = _tune(cpu, model, batch, max_logprob_mismatch)
+    logger.info("rollout.dtype=%s on %s: %s (%s)", dtype, cpu.describe(), choice.dtype, choice.reason)
+    return choice
+
+
+def _tune(cpu: CpuFeatures, model: torch.nn.Module | None, batch: int, max_logprob_mismatch: float | None) -> DtypeChoice:
+    """``rollout.dtype=tune`` on a CPU: measured on ``model`` (``precision.tune_cpu_rollout_dtype``)."""
+    from hybridflow.rollout import precision
+
+    threshold = precision.DEFAULT_MAX_LOGPROB_MISMATCH if max_logprob_mismatch is None else max_logprob_mismatch
 
     def probe() -> precision.PrecisionProbe:
         if model is None:
@@ -228,11 +250,9 @@ def choose_rollout_dtype(
         return precision.probe_decode_precision(model, batch=min(batch, precision.PROBE_MAX_BATCH))
 
     try:
-        choice = precision.choose_cpu_rollout_dtype(cpu, probe, max_logprob_mismatch=threshold)
+        return precision.tune_cpu_rollout_dtype(cpu, probe, max_logprob_mismatch=threshold)
     except _NoModel:
         return precision.DtypeChoice("float32", "bf16 hardware, but no model to measure bf16 on")
-    logger.info("rollout.dtype=auto on %s: %s (%s)", cpu.describe(), choice.dtype, choice.reason)
-    return choice
 
 
 class _NoModel(Exception):
@@ -300,9 +320,9 @@ class EngineSpec:
     is not the whole story (default: that command). ``model_problem``: the config-time check of
     the checkpoint's config.json (as a dict) and the replica's tensor-parallel size: why the engine
     cannot run that architecture, or None (default: any architecture). ``probes_cpu_precision``:
-    the engine decodes through ``CompactCausalLM``, the model ``rollout.precision``'s probe measures,
-    so ``rollout.dtype=auto`` on a CPU with bf16 hardware may pick bf16 for it; any other engine
-    stays float32 there (its decode is not what the probe times).
+    the engine decodes through ``CompactCausalLM``, the decoder ``rollout.precision``'s figures and
+    probe describe, so ``rollout.dtype=auto|tune`` on a CPU with bf16 hardware may pick bf16 for it;
+    any other engine stays float32 there (its decode is not what was measured).
     """
 
     build: Callable[..., RolloutEngine]
@@ -451,7 +471,7 @@ def build_rollout_engine(
         pad_token_id=pad_token_id,
         max_batch_size=max_batch_size,
         device=device,
-        # Only an engine whose decode the probe times is probed (a meta-device model could not be).
+        # Only an engine whose decode the figures describe is sized or probed (a meta-device model could not be).
         dtype=resolve_rollout_dtype(dtype, device, model=model if spec.probes_cpu_precision else None, batch=max_batch_size,
                                     max_logprob_mismatch=max_logprob_mismatch) if isinstance(dtype, str) else dtype,
         seed=seed,

@@ -1,24 +1,30 @@
-"""Which dtype ``rollout.dtype=auto`` means on a CPU: bf16 only where it was measured to pay.
+"""Which dtype ``rollout.dtype=auto`` means on a CPU: a rule of the hardware and the model's size.
 
-On a GPU the answer is bf16 (``base.resolve_rollout_dtype``). On a CPU, bf16 matmuls are fast only
+On a GPU the answer is bf16 (``base.choose_rollout_dtype``). On a CPU, bf16 matmuls are fast only
 with bf16 hardware (``utils.device.NATIVE_BF16_FLAGS``: avx512_bf16 or AMX); elsewhere torch
 converts to fp32 on the fly, which measured ~10x *slower* than fp32 decode on an AVX2 EPYC. And
-even where bf16 is fast it changes the rollout logprobs the trainer (fp32 by default) recomputes:
-the policy ratio then starts off 1 by the mismatch, which ``trainer.health.logprob_mismatch``
-watches (mean |log pi_trainer - log pi_rollout| per token).
+even where bf16 hardware is present, a small model's decode is bound by per-op overheads, not by
+reading its weights, and bf16 only adds conversions: measured (README, ``bench/rollout_compute_bound.py``)
+bf16 decode on a Zen 4 with avx512_bf16 was 0.40-0.75x fp32 for the built-in 0.9M model, 1.36-1.81x
+for a ~20M model and 1.55-1.95x for a ~100M one.
 
-So on a CPU, ``auto`` resolves in two stages (``choose_cpu_rollout_dtype``):
+So on a CPU, ``auto`` is a rule (``rule_cpu_rollout_dtype``), never a measurement: the sampling
+precision changes every sampled token and logprob, and a decision that changes results must be a
+pure function of the hardware, the model and the config. A timing taken while other processes run
+read "0.13x" in one run and "7.16x" in the next for the same 0.9M model, and the two runs of one
+command then sampled in two precisions.
 
-1. no avx512_bf16/amx_bf16 flag → float32, without measuring anything (the common case);
-2. with one, a short probe (``probe_decode_precision``) decodes the model itself at the rollout
-   batch in both dtypes, from the same prompts and the same tokens (drawn by the bf16 run, as a
-   bf16 rollout would draw them; the fp32 run is teacher-forced on them), and bf16 is chosen only
-   when its decode step is at least ``MIN_BF16_SPEEDUP`` times faster *and* the mean |logprob
-   difference| of those tokens stays within the health threshold. Otherwise float32.
+1. no avx512_bf16/amx_bf16 flag → float32;
+2. a model of at least ``BF16_MIN_PARAMETERS`` parameters → bfloat16, a smaller one → float32.
 
-The margin keeps a borderline machine from flipping between runs on timing noise (a resumed run
-must draw its rollouts in the dtype it started with to reproduce). The decision and its figures
-are logged, and ``bench/rollout_compute_bound.py`` prints them.
+``rollout.dtype=tune`` asks for the measurement instead (``tune_cpu_rollout_dtype``): a short probe
+(``probe_decode_precision``) decodes the model itself at the rollout batch in both dtypes, from
+the same prompts and the same tokens (drawn by the bf16 run, as a bf16 rollout would draw them;
+the fp32 run is teacher-forced on them), and bf16 is chosen only when its decode step is at least
+``MIN_BF16_SPEEDUP`` times faster *and* the mean |logprob difference| of those tokens stays within
+the health check's threshold (``trainer.health.logprob_mismatch``, mean |log pi_trainer - log
+pi_rollout| per token). The training run records the answer and its figures in its folder
+(``controller.rollout_dtype``), so its resumes keep it and the user can pass it on explicitly.
 """
 
 from __future__ import annotations
@@ -40,8 +46,13 @@ from hybridflow.utils.device import CpuFeatures
 
 logger = logging.getLogger(__name__)
 
-# bf16 must beat fp32 by this factor: below it the gain does not pay for the logprob mismatch it
-# adds, and timing noise on a shared machine could flip the choice from one run to the next.
+# rollout.dtype=auto on a CPU with bf16 hardware: bfloat16 from this many parameters up. bf16 was
+# measured slower below 1M parameters (0.40-0.75x at 0.9M) and faster from 20M (1.36x at batch 8,
+# 1.63-1.81x at 32; 1.55-1.95x at 100M); no size between was measured. 10M sits 11x above the
+# slower side and 2x below the smallest measured gain: a model near 10M loses little either way.
+BF16_MIN_PARAMETERS = 10_000_000
+# rollout.dtype=tune: bf16 must beat fp32 by this factor: below it the gain does not pay for the
+# logprob mismatch it adds, and timing noise on a shared machine could flip the choice.
 MIN_BF16_SPEEDUP = 1.2
 # The default ceiling on the mean |logprob difference|: the health check's own default.
 DEFAULT_MAX_LOGPROB_MISMATCH = HealthThresholds().logprob_mismatch
@@ -77,16 +88,32 @@ class DtypeChoice:
     probe: PrecisionProbe | None = None
 
 
-def choose_cpu_rollout_dtype(
+def rule_cpu_rollout_dtype(cpu: CpuFeatures, num_parameters: int | None) -> DtypeChoice:
+    """The CPU rollout dtype for ``auto`` (module docstring): the hardware's bf16 flags and the
+    model's parameter count (None: unknown, or an engine whose decode the figures do not describe)."""
+    if not cpu.native_bf16:
+        return DtypeChoice("float32", f"no avx512_bf16/amx_bf16 on {cpu.model_name or 'this CPU'}: bf16 would be "
+                                      "emulated, far slower than fp32")
+    if num_parameters is None:
+        return DtypeChoice("float32", "bf16 hardware, but no model size to apply the rule to (an engine that does not "
+                                      "decode through the native decoder, or a model without one)")
+    size = f"{num_parameters / 1e6:.1f}M parameters"
+    if num_parameters < BF16_MIN_PARAMETERS:
+        return DtypeChoice("float32", f"bf16 hardware, {size}: below {BF16_MIN_PARAMETERS / 1e6:g}M bf16 decode was "
+                                      "measured slower than fp32 (rollout.dtype=tune measures this model)")
+    return DtypeChoice("bfloat16", f"bf16 hardware, {size}: from {BF16_MIN_PARAMETERS / 1e6:g}M up bf16 decode was "
+                                   "measured 1.4-1.9x faster than fp32 (rollout.dtype=tune measures this model)")
+
+
+def tune_cpu_rollout_dtype(
     cpu: CpuFeatures,
     probe: Callable[[], PrecisionProbe],
     max_logprob_mismatch: float = DEFAULT_MAX_LOGPROB_MISMATCH,
     min_speedup: float = MIN_BF16_SPEEDUP,
 ) -> DtypeChoice:
-    """The CPU rollout dtype for ``auto`` (module docstring); ``probe`` runs only on bf16 hardware."""
+    """The CPU rollout dtype for ``tune`` (module docstring); ``probe`` runs only on bf16 hardware."""
     if not cpu.native_bf16:
-        return DtypeChoice("float32", f"no avx512_bf16/amx_bf16 on {cpu.model_name or 'this CPU'}: bf16 would be "
-                                      "emulated, far slower than fp32")
+        return rule_cpu_rollout_dtype(cpu, None)
     measured = probe()
     figures = (f"bf16 decode {measured.bfloat16_speedup:.2f}x fp32 at batch {measured.batch}, mean |logprob "
                f"difference| {measured.logprob_mismatch:.4f} (max {measured.logprob_mismatch_max:.3f})")

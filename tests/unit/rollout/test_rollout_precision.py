@@ -1,4 +1,5 @@
-"""rollout.dtype=auto on a CPU: bf16 only on bf16 hardware, and only when measured faster and close."""
+"""rollout.dtype on a CPU: auto is a rule (bf16 hardware and the model's size); tune bf16 only when measured
+faster and close."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import torch
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.rollout import base, precision
 from hybridflow.rollout.base import build_rollout_engine, choose_rollout_dtype, resolve_rollout_dtype
-from hybridflow.rollout.precision import PrecisionProbe, choose_cpu_rollout_dtype, probe_decode_precision
+from hybridflow.rollout.precision import (
+    BF16_MIN_PARAMETERS,
+    PrecisionProbe,
+    probe_decode_precision,
+    rule_cpu_rollout_dtype,
+    tune_cpu_rollout_dtype,
+)
 from hybridflow.utils.device import CpuFeatures
 
 torch.set_num_threads(1)
@@ -31,7 +38,7 @@ def never() -> PrecisionProbe:
 
 
 def test_without_bf16_hardware_auto_is_float32_and_nothing_is_measured():
-    choice = choose_cpu_rollout_dtype(AVX2, never)
+    choice = tune_cpu_rollout_dtype(AVX2, never)
     assert choice.dtype == "float32" and "no avx512_bf16/amx_bf16" in choice.reason and choice.probe is None
 
 
@@ -45,27 +52,56 @@ def test_without_bf16_hardware_auto_is_float32_and_nothing_is_measured():
     ],
 )
 def test_with_bf16_hardware_bf16_needs_both_speed_and_agreement(speedup, mismatch, expected, why):
-    choice = choose_cpu_rollout_dtype(AMX, lambda: figures(speedup, mismatch), max_logprob_mismatch=0.05)
+    choice = tune_cpu_rollout_dtype(AMX, lambda: figures(speedup, mismatch), max_logprob_mismatch=0.05)
     assert choice.dtype == expected and why in choice.reason
     assert choice.probe is not None and f"{speedup:.2f}x" in choice.reason
 
 
 def test_the_threshold_is_the_health_checks_unless_given():
     assert precision.DEFAULT_MAX_LOGPROB_MISMATCH == 0.05
-    assert choose_cpu_rollout_dtype(AMX, lambda: figures(2.0, 0.03)).dtype == "bfloat16"
-    assert choose_cpu_rollout_dtype(AMX, lambda: figures(2.0, 0.03), max_logprob_mismatch=0.02).dtype == "float32"
+    assert tune_cpu_rollout_dtype(AMX, lambda: figures(2.0, 0.03)).dtype == "bfloat16"
+    assert tune_cpu_rollout_dtype(AMX, lambda: figures(2.0, 0.03), max_logprob_mismatch=0.02).dtype == "float32"
 
 
-def test_resolution_keeps_explicit_dtypes_and_needs_a_model_to_probe():
+def test_auto_is_a_rule_of_the_hardware_and_the_model_size():
+    assert rule_cpu_rollout_dtype(AVX2, 10**9).dtype == "float32"  # no bf16 hardware
+    assert rule_cpu_rollout_dtype(AMX, None).dtype == "float32"  # no size to go by
+    assert rule_cpu_rollout_dtype(AMX, BF16_MIN_PARAMETERS - 1).dtype == "float32"
+    choice = rule_cpu_rollout_dtype(AMX, BF16_MIN_PARAMETERS)
+    assert choice.dtype == "bfloat16" and "10.0M parameters" in choice.reason and choice.probe is None
+    # The README's figures: the built-in ~0.9M model measured slower in bf16, ~20M and ~100M faster.
+    assert rule_cpu_rollout_dtype(AMX, 823_424).dtype == "float32"
+    assert rule_cpu_rollout_dtype(AMX, 20_000_000).dtype == rule_cpu_rollout_dtype(AMX, 10**8).dtype == "bfloat16"
+
+
+def test_resolution_keeps_explicit_dtypes_and_needs_a_model_to_tune():
     assert resolve_rollout_dtype("float32", "cpu", cpu=AMX) == "float32"
     assert resolve_rollout_dtype("bfloat16", "cpu", cpu=AVX2) == "bfloat16"
     assert resolve_rollout_dtype("auto", "cuda", cpu=AVX2) == "bfloat16"
+    assert resolve_rollout_dtype("tune", "cuda", cpu=AVX2) == "bfloat16"
     assert resolve_rollout_dtype("auto", "cpu", cpu=AVX2) == "float32"
-    choice = choose_rollout_dtype("auto", "cpu", cpu=AMX)  # bf16 hardware, nothing to measure on
+    choice = choose_rollout_dtype("tune", "cpu", cpu=AMX)  # bf16 hardware, nothing to measure on
     assert choice.dtype == "float32" and "no model" in choice.reason
 
 
-def test_the_factory_probes_the_served_model_on_bf16_hardware():
+def test_the_factory_sizes_the_served_model_for_auto_and_never_times_it(monkeypatch):
+    model = build_tiny_model(TinyModelSpec(num_hidden_layers=1))
+    size = sum(p.numel() for p in model.parameters())
+
+    def never(probed: torch.nn.Module, batch: int) -> PrecisionProbe:
+        raise AssertionError("auto must not time anything")
+
+    for threshold, expected in ((size, torch.bfloat16), (size + 1, torch.float32)):
+        monkeypatch.setattr(precision, "BF16_MIN_PARAMETERS", threshold)
+        with mock.patch.object(base, "cpu_features", return_value=AMX), \
+                mock.patch.object(precision, "probe_decode_precision", never):
+            engine = build_rollout_engine("native", model=build_tiny_model(TinyModelSpec(num_hidden_layers=1)),
+                                          eos_token_ids=[258], pad_token_id=256, max_batch_size=8, device="cpu",
+                                          dtype="auto")
+        assert next(engine.model.parameters()).dtype == expected
+
+
+def test_the_factory_probes_the_served_model_for_tune_on_bf16_hardware():
     model = build_tiny_model(TinyModelSpec(num_hidden_layers=1))
     seen = {}
 
@@ -76,7 +112,7 @@ def test_the_factory_probes_the_served_model_on_bf16_hardware():
     with mock.patch.object(base, "cpu_features", return_value=AMX), \
             mock.patch.object(precision, "probe_decode_precision", fake_probe):
         engine = build_rollout_engine("native", model=model, eos_token_ids=[258], pad_token_id=256,
-                                      max_batch_size=8, device="cpu", dtype="auto", max_logprob_mismatch=0.01)
+                                      max_batch_size=8, device="cpu", dtype="tune", max_logprob_mismatch=0.01)
     assert seen == {"model": model, "batch": 8}
     assert next(engine.model.parameters()).dtype == torch.bfloat16
 
