@@ -12,6 +12,9 @@ def test_lora_is_off_by_default_and_a_rank_turns_it_on() -> None:
     cfg = load_config("grpo", overrides=["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"])
     assert validate_config(cfg) == []
     assert (cfg.actor.lora.rank, cfg.actor.lora.target_modules) == (8, ["q_proj", "v_proj"])
+    # verl writes one name: a list of one
+    assert load_config("grpo", overrides=["actor.lora.target_modules=all-linear"]).actor.lora.target_modules == [
+        "all-linear"]
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,6 @@ VALUE_REFUSED = {
     # Keys honoured here whose verl *default* is refused by the value check, and why that is right.
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns":
         "verl's null is unbounded; hybridflow bounds an episode (default 5)",
-    "actor_rollout_ref.model.target_modules": "verl writes one string; actor.lora.target_modules takes a list",
 }
 
 
