@@ -235,7 +235,9 @@ class LoraConfig:
     target_modules: list[str] = f(
         ["all-linear"],
         "Modules that get an adapter, by name suffix (e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-        "down_proj]). [all-linear]: every linear layer of the decoder, not the output head (PEFT's all-linear).",
+        "down_proj]). [all-linear]: every linear layer of the decoder, not the output head (PEFT's all-linear). "
+        "One name alone (verl's target_modules=all-linear) is a list of one.",
+        single_as_list=True,
     )
     dropout: float = f(0.0, "Dropout on the adapter's input, in [0, 1).")
     sync: str = f(
