@@ -875,7 +875,9 @@ class TrainerConfig:
         "Run name for loggers and the output folder. Left at this default, a run is named <preset>-<data> "
         "(e.g. dapo-arithmetic, grpo-gsm8k from the first train file's folder).",
     )
-    logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb (one name alone: a list of one).",
+    logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb | mlflow (one name alone: a list "
+                                                "of one). mlflow: MLFLOW_TRACKING_URI, else a local store in "
+                                                "<output_dir>/mlruns (mlflow ui --backend-store-uri <that folder>).",
                           single_as_list=True)
     backend: str = f(
         "local",
@@ -951,7 +953,7 @@ class TrainerConfig:
     log_val_generations: int = f(
         0, "Validation samples (input, output, score) each validation sends to the loggers (verl's key): the "
         "console prints them, jsonl appends them to <output_dir>/val_generations.jsonl, tensorboard shows them as "
-        "text (val/generations), wandb as a table. Picked as verl picks them (sorted "
+        "text (val/generations), wandb as a table, mlflow as a JSON artifact. Picked as verl picks them (sorted "
         "by input, shuffled with seed 42), so every validation shows the same prompts; texts cut to dump_max_chars. "
         "0: none.",
     )

@@ -39,7 +39,7 @@ KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 """verl's KL estimators; a trailing ``+`` selects the straight-through variant (value of the
 estimator, gradient of k2)."""
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 """Backends ``trainer.logger`` may list."""
 
 GROUP_ESTIMATORS_NEEDING_N2 = {"rloo": "error", "grpo": "warning", "gdpo": "warning"}

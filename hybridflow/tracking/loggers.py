@@ -300,7 +300,7 @@ _MLFLOW_INVALID = re.compile(r"[^/\w.\- :]")
 
 def mlflow_metric_key(key: str) -> str:
     """``key`` in the characters MLflow accepts (verl's spelling of the same mapping: ``@`` becomes
-    ``_at_``, repeated slashes one, anything else outside ``[/\w.\- :]`` an underscore)."""
+    ``_at_``, repeated slashes one, anything but letters, digits and ``_/.- :`` an underscore)."""
     return _MLFLOW_INVALID.sub("_", re.sub(r"/+", "/", key.replace("@", "_at_")))
 
 
@@ -329,7 +329,8 @@ class MlflowBackend:
             from mlflow.tracking import MlflowClient
         except ImportError as err:
             raise ImportError(
-                f"the 'mlflow' logger needs the mlflow package ({err}); install it with: pip install 'hybridflow[mlflow]'"
+                f"the 'mlflow' logger needs the mlflow package ({err}); "
+                "install it with: pip install 'hybridflow[mlflow]'"
             ) from err
         self._metric, self._param = Metric, Param
         uri = os.environ.get("MLFLOW_TRACKING_URI")
