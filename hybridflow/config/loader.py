@@ -768,6 +768,7 @@ def _apply_composed(cfg: Config, composed: Any, layers: _Layers) -> list[tuple[s
 
     schema = set(_all_paths()[0]) | set(_all_paths()[1])
     critic_defaults: list[tuple[str, Any]] = []
+    refused: list[ConfigError] = []  # a verl config's choice of trainer that hybridflow refuses (Megatron)
     for leaf in composed.leaves:
         if leaf.key.rsplit(".", 1)[-1] == "_target_":
             continue  # the Python class verl builds the section as, not a setting
@@ -788,11 +789,22 @@ def _apply_composed(cfg: Config, composed: Any, layers: _Layers) -> list[tuple[s
             _apply_mapping(cfg, _nest(ours, leaf.value), "", f"verl's default in {composed.source}")
             layers.assigned.add(ours)
         except ConfigError as error:
+            if leaf.key.rsplit(".", 1)[-1] == STRATEGY_KEY:
+                # Not a default of a feature hybridflow lacks but the config's choice of trainer
+                # (ppo_megatron_trainer.yaml: strategy=megatron): what it trains would not be verl's.
+                refused.append(error)
             log.debug("verl's default %s=%r is not applied: %s", leaf.key, leaf.value, error)
+    if refused:  # one line for one choice (the actor's, critic's, reference's ... strategy)
+        more = f" (and the same for {len(refused) - 1} more roles)" if len(refused) > 1 else ""
+        layers.errors.append(ConfigError(f"{composed.source}: {refused[0]}{more}", key=refused[0].key))
     return critic_defaults
 
 
 CRITIC_SECTION = "critic."
+
+STRATEGY_KEY = "strategy"
+"""verl's per-role choice of training backend (fsdp, fsdp2, megatron): the one default of a verl
+config folder that is checked, since a Megatron config trains something else than hybridflow's FSDP2."""
 
 
 def _apply_critic_defaults(cfg: Config, defaults: list[tuple[str, Any]], layers: _Layers) -> None:

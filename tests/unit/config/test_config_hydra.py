@@ -329,3 +329,24 @@ def test_verls_critic_defaults_apply_only_when_a_critic_is_trained(verl_tree, mo
     grpo = load_config(config_path="verl/trainer/config", config_name="ppo_trainer",
                        overrides=_tiny(["algorithm.adv_estimator=grpo"]))
     assert grpo.critic.ppo_mini_batch_size is Config().critic.ppo_mini_batch_size  # no critic: none of verl's
+
+
+def test_a_megatron_config_of_verls_is_refused_in_one_line(verl_tree, monkeypatch) -> None:
+    monkeypatch.chdir(verl_tree)
+    _write(verl_tree / "verl" / "trainer" / "config" / "ppo_megatron_trainer.yaml", """\
+        defaults:
+          - ppo_trainer
+          - _self_
+        actor_rollout_ref:
+          actor:
+            strategy: megatron
+            megatron:
+              tensor_model_parallel_size: 1
+        critic:
+          strategy: megatron
+        """)
+    with pytest.raises(ConfigError) as info:
+        load_config(config_path="verl/trainer/config", config_name="ppo_megatron_trainer", overrides=_tiny([]))
+    message = str(info.value)
+    assert not isinstance(info.value, ConfigErrors)  # one line, not one per Megatron key
+    assert "strategy=megatron" in message and "Megatron" in message and "1 more roles" in message
