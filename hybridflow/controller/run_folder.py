@@ -1,4 +1,13 @@
-"""A run that fails before its first step leaves no folder behind in ``runs/``.
+"""The run's folder: one run at a time in it, and no folder left behind by a run that fails early.
+
+One run at a time: set-up takes an OS file lock on ``LOCK_FILE`` in the folder (``lock_run_folder``)
+before it writes anything there, and holds it until the run ends. Two runs writing one folder would
+corrupt each other silently (metrics.jsonl with steps 1,1,2,2; each checkpoint whichever run wrote
+it last), so a second run refuses to start, naming the holder's pid. ``flock`` locks belong to the
+open file, so the kernel releases the lock when its holder dies, SIGKILL included: a stale lock of
+a dead run is simply taken over, never a file to delete by hand.
+
+No folder left behind:
 
 Set-up makes the run's folder and writes ``config.yaml`` into it before it loads the model,
 the data and the reward function, so that a mistake there would otherwise leave a folder that
@@ -10,15 +19,18 @@ recognise keeps it, and a folder that existed before the run (a resumed run's) i
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hybridflow.config import Config
+from hybridflow.config import Config, ConfigError
 from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE
 from hybridflow.tracking.loggers import METRICS_FILENAME, STEP_KEY, TENSORBOARD_DIRNAME
 from hybridflow.tracking.timeline import TIMELINE_FILENAME
@@ -28,7 +40,10 @@ log = logging.getLogger(__name__)
 DEFAULT_RUNS_DIR = Path("runs")
 """Where a run without ``trainer.output_dir`` makes its folder (relative to the working directory)."""
 
-SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE})
+LOCK_FILE = ".run.lock"
+"""The lock a run holds on its folder (``lock_run_folder``); it holds the holder's pid, host and start."""
+
+SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE, LOCK_FILE})
 """Files set-up writes before the first step; the metrics file counts only while it holds no step.
 The timeline (trainer.timeline) never counts: closing the run writes it, whatever the run reached;
 the steps it shows are in metrics.jsonl too."""
@@ -75,7 +90,8 @@ def discard_run_folder_on_failure(cfg: Config) -> Iterator[None]:
     The folder counts as made by this run when ``trainer.output_dir`` did not exist before the
     block; without ``trainer.output_dir``, when set-up's ``runs/<experiment>-<time>`` name was
     not in ``runs/`` before (and ``runs/`` itself goes too when the run made it and it is left
-    empty).
+    empty); and only while this run holds its lock. However the block ends, the lock set-up took
+    on the folder is released.
     """
     given = cfg.trainer.output_dir
     existed = given is not None and Path(given).expanduser().exists()
@@ -88,11 +104,53 @@ def discard_run_folder_on_failure(cfg: Config) -> Iterator[None]:
         if chosen is not None and not existed:
             out = Path(chosen).expanduser()
             made_here = given is not None or out.name not in runs_before
-            if made_here and out.is_dir() and not out.is_symlink() and not holds_results(out):
+            # Only under this run's own lock: a folder another run holds is that run's.
+            if made_here and holds_lock(out) and out.is_dir() and not out.is_symlink() and not holds_results(out):
                 _remove(out)
                 if given is None and not runs_existed:
                     _remove_if_empty(DEFAULT_RUNS_DIR)
         raise
+    finally:
+        if cfg.trainer.output_dir is not None:
+            release_run_folder(Path(cfg.trainer.output_dir).expanduser())
+
+
+_held: dict[Path, int] = {}  # run folder (resolved) -> the descriptor of this process's lock on it
+
+
+def lock_run_folder(out: Path) -> None:
+    """Hold ``out``'s lock for this process (module docstring) until ``release_run_folder``; a
+    folder this process holds already is held once more. Raises ``ConfigError`` on
+    ``trainer.output_dir`` naming the holder when another live process holds it."""
+    key = out.resolve()
+    if key in _held:
+        return
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not written its pid yet"
+        os.close(fd)
+        raise ConfigError(f"trainer.output_dir={str(out)!r} is in use by another run ({holder}); two runs in one "
+                          f"folder overwrite each other's checkpoints and metrics: wait for it to end, or choose "
+                          f"another trainer.output_dir", key="trainer.output_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+              .encode(), 0)
+    _held[key] = fd
+
+
+def holds_lock(out: Path) -> bool:
+    """Whether this process holds ``out``'s lock."""
+    return out.resolve() in _held
+
+
+def release_run_folder(out: Path) -> None:
+    """Give up this process's lock on ``out`` (nothing when it holds none). The file stays: a run
+    that opened it to wait would otherwise lock a file that a third run no longer sees."""
+    fd = _held.pop(out.resolve(), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _remove(out: Path) -> None:

@@ -56,6 +56,7 @@ from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_r
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
+from hybridflow.controller.run_folder import lock_run_folder
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model, prepare_builtin_vl_model
 from hybridflow.data import PromptRow, RLDataset, ResumableSampler
 from hybridflow.data.dataset import DataError
@@ -262,7 +263,8 @@ def dump_dir(path: str | None, output_dir: Path) -> Path | None:
 
 
 def resolve_output_dir(cfg: Config) -> Path:
-    """The run's folder, created and checked writable now (not at the first checkpoint)."""
+    """The run's folder, created and checked writable now (not at the first checkpoint), and locked
+    for this run before anything is written in it (``run_folder.lock_run_folder``)."""
     if cfg.trainer.output_dir:
         out = Path(cfg.trainer.output_dir).expanduser()
     else:
@@ -270,6 +272,7 @@ def resolve_output_dir(cfg: Config) -> Path:
         cfg.trainer.output_dir = str(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        lock_run_folder(out)  # first: a run refused for another's lock writes nothing
         probe = out / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()

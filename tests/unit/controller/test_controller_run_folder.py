@@ -1,14 +1,18 @@
-"""A run that fails before its first step takes its new folder with it; results are never lost."""
+"""A run that fails before its first step takes its new folder with it; results are never lost; one run at a
+time holds a folder."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from hybridflow.config import load_config
-from hybridflow.controller.run_folder import discard_run_folder_on_failure, holds_results
+from hybridflow.config import ConfigError, load_config
+from hybridflow.controller.run_folder import LOCK_FILE, discard_run_folder_on_failure, holds_lock, holds_results
 from hybridflow.controller.setup import resolve_output_dir
 
 
@@ -95,3 +99,61 @@ def test_a_run_that_succeeds_keeps_its_folder(tmp_path):
     with discard_run_folder_on_failure(cfg):
         write_config(resolve_output_dir(cfg))
     assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from hybridflow.controller.run_folder import lock_run_folder
+lock_run_folder(Path(sys.argv[1]))
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_lock(out: Path) -> subprocess.Popen:
+    """Another process that holds ``out``'s lock until it is killed."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_run_on_a_locked_folder_refuses_naming_the_holder_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = hold_lock(out)
+    try:
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        cfg = load_config("grpo", overrides=[f"trainer.output_dir={out}"])
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {holder.pid} on ") as refused:
+            with discard_run_folder_on_failure(cfg):
+                resolve_output_dir(cfg)
+        assert refused.value.key == "trainer.output_dir"
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written, nothing removed
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died (SIGKILL: no clean-up); its lock died with it, and the next run takes the folder.
+    cfg = load_config("grpo", overrides=[f"trainer.output_dir={out}"])
+    with discard_run_folder_on_failure(cfg):
+        resolve_output_dir(cfg)
+        assert holds_lock(out)
+        assert f"pid {os.getpid()} " in (out / LOCK_FILE).read_text()
+    assert not holds_lock(out)  # released when the run's block ends
+
+
+def test_a_new_folder_another_run_holds_is_never_removed_by_a_refused_run(tmp_path):
+    """Two runs started together on one new folder: the one refused must not take the folder (and
+    the other run's files) with it as a folder it made and that failed."""
+    out = tmp_path / "new"
+    cfg = load_config("grpo", overrides=[f"trainer.output_dir={out}"])
+    with pytest.raises(ConfigError, match="in use by another run"):
+        with discard_run_folder_on_failure(cfg):
+            out.mkdir()  # the other run made it first, just after this one looked
+            holder = hold_lock(out)
+            try:
+                resolve_output_dir(cfg)
+            finally:
+                holder.kill()
+                holder.wait()
+    assert (out / LOCK_FILE).is_file()
