@@ -46,7 +46,7 @@ TRAINER_MODULES = ("verl.trainer.main_ppo",)
 """The Python modules whose launch is verl's RL trainer; other scripts (SFT, generation) are not counted."""
 
 CLUSTER_ENV = {"SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1", "ARNOLD_WORKER_NUM": "1", "ARNOLD_WORKER_GPU": "8",
-               "GPUS_PER_NODE": "8", "NNODES": "1"}
+               "GPUS_PER_NODE": "8", "NNODES": "1", "SLURM_GPUS_PER_NODE": "8"}
 """What a one-node cluster's scheduler sets, for scripts that read the node count from it."""
 
 RECORDED_COMMANDS = ("python", "python3", "ray", "srun", "torchrun")
