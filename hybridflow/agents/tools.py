@@ -18,6 +18,12 @@ YAML file (``rollout.multi_turn.tool_config_path``)::
 Built-in tools alone need no file: ``tool_config_path: builtin:calculator`` (or
 ``builtin:calculator,python``); ``load_tools`` reads either form.
 
+verl's tool files are read too (``tools: - class_name: ..., config: {...}, tool_schema: {...}``):
+an entry whose verl class has a built-in here with the same meaning becomes that tool under the
+entry's ``tool_schema`` (``VERL_TOOL_CLASSES``: SandboxFusionTool, a code interpreter, is
+``python``, run in the local sandbox instead of a SandboxFusion service); any other class is
+refused naming it and what to write instead (``verl_tool_entry``).
+
 ``ToolRegistry.call`` never raises for the model's mistakes or the tool's failures: an unknown
 tool, bad arguments, an exception or a timeout become an error message for the model and a
 count in ``ToolRegistry.stats``. A sync tool runs in a daemon thread; a thread cannot be
@@ -410,6 +416,53 @@ BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {
 
 _ENTRY_KEYS = {"name", "function", "timeout_s", "tool_schema", "max_response_length"}
 
+# verl's tool classes (verl/tools/*.py) -> the built-in tool with the same meaning.
+VERL_TOOL_CLASSES = {"SandboxFusionTool": "python"}
+# Those without one, and why: each keeps per-episode state or calls a service hybridflow does not run.
+VERL_TOOLS_WITHOUT_BUILTIN = {
+    "Gsm8kTool": "it checks the model's answer against the row's ground truth, which the reward function (the "
+                 "built-in openai/gsm8k scorer) does here",
+    "Geo3kTool": "it checks the model's answer against the row's ground truth, which the reward function does here",
+    "SearchTool": "it queries a retrieval server",
+    "MCPSearchTool": "it calls a search tool of an MCP server",
+    "MCPBaseTool": "it calls the tools of an MCP server",
+    "ImageZoomInTool": "it crops the row's image for a vision-language model's next turn",
+}
+_VERL_INSTEAD = ("write the tool as a Python function (sync or async; @tool from hybridflow.agents.tools sets its "
+                 "schema) and name it in the entry as 'function: my_package.tools:my_tool', keeping verl's tool_schema")
+
+
+def verl_tool_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A verl tool-config entry (``class_name``, ``config``, ``tool_schema``) as hybridflow's, or
+    ``ValueError`` naming the class and what to do instead."""
+    class_name = str(entry["class_name"])
+    short = class_name.rsplit(".", 1)[-1]
+    unknown = set(entry) - {"class_name", "config", "tool_schema"}
+    if unknown:
+        raise ValueError(f"verl tool entry {class_name}: unknown key(s) {sorted(unknown)}; verl's entries hold "
+                         f"class_name, config and tool_schema")
+    if short not in VERL_TOOL_CLASSES:
+        why = VERL_TOOLS_WITHOUT_BUILTIN.get(short, "hybridflow does not run verl's tool classes (create/execute/"
+                                                    "release with per-episode state)")
+        raise ValueError(f"verl tool class {class_name} has no hybridflow equivalent ({why}); {_VERL_INSTEAD}. "
+                         f"Built-in tools: {', '.join(BUILTIN_TOOLS)}")
+    config = dict(entry.get("config") or {})
+    language = config.get("default_language", "python")
+    if language != "python":
+        raise ValueError(f"verl tool class {class_name} with default_language={language!r}: hybridflow's code "
+                         f"interpreter runs Python only")
+    made: dict[str, Any] = {"name": VERL_TOOL_CLASSES[short]}
+    if "tool_schema" in entry:
+        properties = dict((entry["tool_schema"].get("function") or {}).get("parameters", {}).get("properties") or {})
+        extra = sorted(set(properties) - {"code"})
+        if extra:
+            raise ValueError(f"verl tool class {class_name}: its tool_schema declares {extra}, but hybridflow's "
+                             f"code interpreter takes only 'code'")
+        made["tool_schema"] = entry["tool_schema"]
+    if config.get("default_timeout") is not None:
+        made["timeout_s"] = float(config["default_timeout"])
+    return made
+
 
 def build_tool(entry: Mapping[str, Any], default_timeout_s: float | None = None) -> Tool:
     """One tool from a config entry (see the module docstring for the keys). ``default_timeout_s``
@@ -456,6 +509,8 @@ def load_tool_config(
     tools = []
     for index, entry in enumerate(config["tools"]):
         try:
+            if isinstance(entry, dict) and "class_name" in entry:  # verl's format
+                entry = verl_tool_entry(entry)
             tools.append(build_tool(entry if isinstance(entry, dict) else {"name": entry}, default_timeout_s))
         except (ValueError, TypeError) as error:
             raise ValueError(f"tool config {file}, tools[{index}]: {error}") from error

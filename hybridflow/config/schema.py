@@ -402,8 +402,9 @@ class MultiTurnConfig:
     )
     tool_config_path: str | None = f(
         None,
-        "The tools: a YAML file of tool entries (OpenAI function schemas; see hybridflow/agents/tools.py), "
-        "builtin:<name>[,<name>...] for built-in tools (calculator, python), or null for none.",
+        "The tools: a YAML file of tool entries (OpenAI function schemas; see hybridflow/agents/tools.py; verl's "
+        "tool files too: class_name SandboxFusionTool is the python tool, other verl classes are refused naming "
+        "what to write instead), builtin:<name>[,<name>...] for built-in tools (calculator, python), or null for none.",
     )
     format: str = f("hermes", "Tool-call parser: hermes | qwen (<tool_call> JSON), or package.module:Class.")
     max_assistant_turns: int = f(5, "Most assistant turns per episode (a turn that still calls a tool then ends it).")
