@@ -191,9 +191,9 @@ def _leaves(node: Any, prefix: str, chosen: set[str], resolve: bool = True) -> l
     out: list[Leaf] = []
     for name in node.keys():
         key = f"{prefix}.{name}" if prefix else str(name)
-        child = node._get_node(name)
-        if isinstance(child, DictConfig) and not child._is_interpolation() and not child._is_missing() and len(child):
-            out += _leaves(child, key, chosen, resolve)
+        plain = not OmegaConf.is_interpolation(node, name) and not OmegaConf.is_missing(node, name)
+        if plain and isinstance(node[name], DictConfig) and len(node[name]):
+            out += _leaves(node[name], key, chosen, resolve)
             continue
         if not resolve:
             out.append(Leaf(key, None, True))
@@ -207,5 +207,5 @@ def _leaves(node: Any, prefix: str, chosen: set[str], resolve: bool = True) -> l
             out.append(Leaf(key, MISSING, key in chosen))
         except OmegaConfBaseException as error:
             message = " ".join(str(error).split("\n")[0].split())
-            out.append(Leaf(key, MISSING, key in chosen, problem=f"cannot resolve {child._value()!r}: {message}"))
+            out.append(Leaf(key, MISSING, key in chosen, problem=f"cannot be resolved: {message}"))
     return out

@@ -350,3 +350,21 @@ def test_a_megatron_config_of_verls_is_refused_in_one_line(verl_tree, monkeypatc
     message = str(info.value)
     assert not isinstance(info.value, ConfigErrors)  # one line, not one per Megatron key
     assert "strategy=megatron" in message and "Megatron" in message and "1 more roles" in message
+
+
+def test_an_unresolvable_interpolation_in_the_users_file_names_its_key(verl_tree, monkeypatch) -> None:
+    monkeypatch.chdir(verl_tree)
+    monkeypatch.delenv("HF_TEST_NEVER_SET", raising=False)
+    folder = verl_tree / "examples" / "my" / "config"
+    _write(folder / "env.yaml", """\
+        hydra:
+          searchpath:
+            - file://verl/trainer/config
+        defaults:
+          - ppo_trainer
+          - _self_
+        trainer:
+          experiment_name: ${oc.env:HF_TEST_NEVER_SET}
+        """)
+    with pytest.raises(ConfigError, match=r"'trainer.experiment_name' cannot be resolved.*HF_TEST_NEVER_SET"):
+        load_config(config_path=str(folder), config_name="env", overrides=_tiny([]))
