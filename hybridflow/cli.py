@@ -1,8 +1,9 @@
 """``hybridflow`` command line: a thin layer over the Python API.
 
-    hybridflow train [--preset grpo] [--config my.yaml] [key=value ...]
+    hybridflow train [--preset grpo] [--config my.yaml] [--config-path DIR --config-name NAME] [key=value ...]
     hybridflow sft [--config my.yaml] data.train_files=... [key=value ...]   (supervised fine-tuning)
-    hybridflow config explain [--preset ...] [--config ...] [key=value ...]
+    hybridflow config explain [same as train]   (every config error at once, exit 2; what this machine
+                                                 lacks as "cannot run here" lines, exit 0)
     hybridflow config presets
     hybridflow plan [--preset ...] [--config ...] [key=value ...]   (predicted peak memory per role and phase)
     hybridflow export <checkpoint or run folder> <out dir> [--overwrite] [--endpoint-url URL]   (either may be s3://...)
@@ -382,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt as exc:
-        # Never exit 0 short of the planned steps; 130 is the shell's code for SIGINT.
+        # Never exit 0 short of the planned steps: the shell's code for the signal (TrainingInterrupted's
+        # exit_code: 143 for SIGTERM), 130 for SIGINT.
         print(f"stopped: {exc}" if str(exc) else "stopped by Ctrl-C", file=sys.stderr)
-        return 130
+        return getattr(exc, "exit_code", 130)
     except Exception as exc:
         if debug:
             traceback.print_exc()
