@@ -409,9 +409,17 @@ def python_tool(sandbox: Sandbox | None = None, timeout_s: float = 10.0) -> Tool
     return tool(python, timeout_s=box.limits.timeout_s + 5.0)
 
 
-BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {
-    "calculator": lambda: calculator,
-    "python": python_tool,
+def _with_limit(base: Tool, timeout_s: float | None) -> Tool:
+    """``base`` with its own time limit, or ``timeout_s`` when one is given."""
+    limit = base.timeout_s if timeout_s is None else timeout_s
+    return Tool(base.name, base.description, base.parameters, base.fn, limit, base.max_response_length)
+
+
+# name -> factory(time limit or None for the tool's own): python gives the limit to its sandbox, which
+# kills the program itself (the registry's own limit stays a backstop just past it).
+BUILTIN_TOOLS: dict[str, Callable[[float | None], Tool]] = {
+    "calculator": lambda timeout_s: _with_limit(calculator, timeout_s),
+    "python": lambda timeout_s: python_tool() if timeout_s is None else python_tool(timeout_s=timeout_s),
 }
 
 _ENTRY_KEYS = {"name", "function", "timeout_s", "tool_schema", "max_response_length"}
@@ -471,11 +479,12 @@ def build_tool(entry: Mapping[str, Any], default_timeout_s: float | None = None)
     unknown = set(entry) - _ENTRY_KEYS
     if unknown:
         raise ValueError(f"tool entry {dict(entry)!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}")
+    limit = entry.get("timeout_s", default_timeout_s)
     if "function" in entry:
         target = resolve_object(str(entry["function"]), "tool function")
-        base = target if isinstance(target, Tool) else tool(target)
+        base = _with_limit(target if isinstance(target, Tool) else tool(target), limit)
     elif entry.get("name") in BUILTIN_TOOLS:
-        base = BUILTIN_TOOLS[entry["name"]]()
+        base = BUILTIN_TOOLS[entry["name"]](None if limit is None else float(limit))
     else:
         raise ValueError(
             f"tool entry {dict(entry)!r} needs 'function: module:function' or the name of a built-in tool "
@@ -487,7 +496,6 @@ def build_tool(entry: Mapping[str, Any], default_timeout_s: float | None = None)
         made.name = function.get("name", made.name)
         made.description = function.get("description", made.description)
         made.parameters = function.get("parameters", made.parameters)
-    made.timeout_s = float(entry.get("timeout_s", made.timeout_s if default_timeout_s is None else default_timeout_s))
     made.max_response_length = entry.get("max_response_length", made.max_response_length)
     return made
 

@@ -77,6 +77,10 @@ def test_sandbox_fusion_is_the_python_tool_under_verls_schema(tmp_path):
     assert schema["function"]["parameters"]["required"] == ["code"]
     result = asyncio.run(registry.call(ToolCall("code_interpreter", {"code": "print(6 * 7)"})))
     assert (result.status, result.text) == ("ok", "42\n")
+    # verl's default_timeout is the program's time limit, enforced by the sandbox itself.
+    quick = load_tools(write(tmp_path, SANDBOX_FUSION.replace("default_timeout: 30", "default_timeout: 1")))
+    stuck = asyncio.run(quick.call(ToolCall("code_interpreter", {"code": "while True: pass"})))
+    assert stuck.status == "ok" and "[killed: timeout]" in stuck.text
 
 
 @pytest.mark.parametrize("text, match", [
