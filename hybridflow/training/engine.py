@@ -43,6 +43,7 @@ from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_
 from hybridflow.data.batching import padded_budget_partitions, token_budget_partitions
 from hybridflow.models.vision import mrope_position_ids
 from hybridflow.training import distributed, sharded_checkpoint
+from hybridflow.training.compile import LayerCompiler
 from hybridflow.training.lm_head import TokenStats, fused_lm_head_supported, lm_head_token_stats
 from hybridflow.training.packing import (
     enable_varlen_attention,
@@ -143,6 +144,7 @@ class TrainEngine:
         metrics_prefix: str = "actor",
         sequence_parallel_size: int = 1,
         checkpoint_trainable_only: bool = False,
+        compile_layers: bool = False,
     ) -> None:
         """``varlen_attention``: swap a model's ``sdpa`` for the per-sequence kernel of
         ``hybridflow.training.packing`` so packed forwards cost Σ Lᵢ² instead of N² attention.
@@ -167,7 +169,10 @@ class TrainEngine:
 
         ``checkpoint_trainable_only``: checkpoints hold only the parameters that require grad (a
         LoRA actor's adapters, ``hybridflow.models.lora``), not the frozen weights that the model
-        is rebuilt from anyway; the full format writes them to ``model/trainable.safetensors``."""
+        is rebuilt from anyway; the full format writes them to ``model/trainable.safetensors``.
+
+        ``compile_layers``: torch.compile each decoder layer (``actor.use_torch_compile``;
+        ``hybridflow.training.compile``), falling back to eager with a warning if compiling fails."""
         self.model = model.to(device)
         self.checkpoint_trainable_only = checkpoint_trainable_only
         # The parameters a trainable-only checkpoint holds, by name (FSDP2 sharding keeps the names).
@@ -197,6 +202,8 @@ class TrainEngine:
             enable_ulysses_attention(self.model, sequence_parallel_size)
             self.sp_group = distributed.sequence_parallel_group(sequence_parallel_size)
         self.sequence_parallel_size = sequence_parallel_size
+        # After sharding and the attention swaps, so FSDP2's hooks and the swapped kernels are what compiles.
+        self.compiler = LayerCompiler(self.model) if compile_layers else None
         # One rank: autocast does what FSDP2's mixed-precision policy does for sharded ranks.
         self.autocast_dtype = mixed_precision if not data_parallel else None
         self.fused_lm_head = fused_lm_head and not data_parallel and fused_lm_head_supported(self.model)
@@ -489,7 +496,10 @@ class TrainEngine:
         self._check_same_count(len(micro_batches), f"compute_{output}")
         parts = []
         for mb in micro_batches:
-            stats = self._forward(mb, output, temperature, with_entropy, use_remove_padding, with_sum_pi_squared)
+            def forward(mb: TrainBatch = mb) -> TokenStats:
+                return self._forward(mb, output, temperature, with_entropy, use_remove_padding, with_sum_pi_squared)
+
+            stats = self.compiler.run(forward) if self.compiler is not None else forward()
             parts.append([None if x is None else x.cpu() for x in stats])
         if self.data_parallel:
             distributed.reshard(self.model)  # no backward follows to free the root's gathered weights
@@ -522,15 +532,22 @@ class TrainEngine:
             raise RuntimeError("this engine was built without an optimizer (a reference model)")
         self._check_same_count(len(micro_batches), "optimizer_step")
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for mb in micro_batches:
-            mb = mb.to(self.device)
-            stats = self._forward(mb, output, temperature, with_entropy, use_remove_padding)
-            loss, metrics = loss_fn(mb, stats.logprobs, stats.entropy)
-            loss.backward()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+        optimizer = self.optimizer
+
+        def accumulate() -> dict[str, float]:
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for mb in micro_batches:
+                mb = mb.to(self.device)
+                stats = self._forward(mb, output, temperature, with_entropy, use_remove_padding)
+                loss, metrics = loss_fn(mb, stats.logprobs, stats.entropy)
+                loss.backward()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            return sums
+
+        # A compile failing mid-step (a backward compiles at its first call) redoes the whole step eagerly.
+        sums = self.compiler.run(accumulate) if self.compiler is not None else accumulate()
         metrics = {k: v / len(micro_batches) for k, v in sums.items()}
         clip = self.optim_spec.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]

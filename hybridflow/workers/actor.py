@@ -391,6 +391,7 @@ class ActorWorker:
             offload_optimizer=cfg.fsdp_config.optimizer_offload,
             sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
             checkpoint_trainable_only=self.lora is not None,
+            compile_layers=cfg.use_torch_compile,
         )
         # Ulysses groups of sp ranks pool their shards: world / sp data-parallel ranks.
         self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size

@@ -28,6 +28,7 @@ class ReferenceSetup:
     longest_sample: int = 0  # max prompt + max response: the floor of a derived budget
     fsdp_size: int | None = None  # shard group size with several ranks (actor.fsdp_config.fsdp_size)
     sequence_parallel_size: int = 1  # Ulysses group size (ref.ulysses_sequence_parallel_size)
+    use_torch_compile: bool = False  # actor.use_torch_compile: the reference's forward is the actor's model's
 
 
 class ReferenceWorker:
@@ -48,6 +49,7 @@ class ReferenceWorker:
         self.engine = TrainEngine(
             model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
             fsdp_size=setup.fsdp_size, sequence_parallel_size=setup.sequence_parallel_size,
+            compile_layers=setup.use_torch_compile,
         )
         self.plan = plan_micro_batches(
             self.engine, use_remove_padding=setup.use_remove_padding, use_dynamic_bsz=setup.use_dynamic_bsz,

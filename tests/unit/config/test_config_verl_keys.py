@@ -24,11 +24,9 @@ from verl_config_keys import KEYS_TSV, read_tsv  # noqa: E402
 ROWS = read_tsv(KEYS_TSV)
 DOCS = ROOT / "docs" / "verl_keys.md"
 
-PENDING = {
-    # hybridflow keys being added by the "knobs behind verl's frequent keys" work (issue 32, item 5);
-    # verl's spellings reach them by the aliases and prefixes already. Remove an entry once it exists.
-    "actor.use_torch_compile",
-}
+# hybridflow keys being added by the "knobs behind verl's frequent keys" work (issue 32, item 5), whose
+# verl spellings reach them by the aliases and prefixes already; an entry goes once its key exists.
+PENDING: set[str] = set()
 
 VALUE_REFUSED = {
     # Keys honoured here whose verl *default* is refused by the value check, and why that is right.
