@@ -951,6 +951,13 @@ class TrainerConfig:
     phase_timeouts: list[str] = f(
         [], "Per-phase limits overriding watchdog_timeout_s, e.g. [gen=7200,update_actor=1800]."
     )
+    preempt_grace_s: float = f(
+        25.0,
+        "SIGTERM (a scheduler's preemption) or Ctrl-C: finish the step, save a checkpoint and exit 143 (130 for "
+        "Ctrl-C) naming it, all within this many seconds; past it, or on a second signal, stop at once, abandoning "
+        "the step (the newest checkpoint stands). Set it below the scheduler's grace before SIGKILL (Kubernetes' "
+        "terminationGracePeriodSeconds and Slurm's KillWait are 30 s by default).",
+    )
     validation_data_dir: str | None = f(
         None, "Write each validation's samples to <dir>/<step>.jsonl (input, output, gts, score, step, data_source and "
         "the reward's extras such as acc and pred). A relative path is inside the run's output folder. null: off.",

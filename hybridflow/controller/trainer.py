@@ -1,4 +1,4 @@
-"""What every training loop does around its steps: resume, validation, checkpoints, Ctrl-C.
+"""What every training loop does around its steps: resume, validation, checkpoints, preemption.
 
 A loop (``sync.py``, ``one_step_off.py``) subclasses ``Trainer`` and writes ``train_step``: how
 one step's samples are made and trained on. Everything else about a run is here, once:
@@ -13,8 +13,6 @@ what of its in-flight state a checkpoint must hold (``loop_state`` / ``load_loop
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from hybridflow.config import config_to_yaml
 from hybridflow.controller import phases
 from hybridflow.controller.profiling import profiled_step
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, RemoteCheckpoints
+from hybridflow.controller.preemption import Preemption, TrainingInterrupted
 from hybridflow.controller.setup import RunSetup
 from hybridflow.tracking.health import HealthMonitor, HealthThresholds
 from hybridflow.types import TrainBatch
@@ -112,9 +111,10 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train until the planned number of steps; returns the last step's metrics.
 
-        Ctrl-C finishes the current step, saves a checkpoint and raises ``TrainingInterrupted``
-        (a second Ctrl-C stops at once). A phase that stalls past its limit ends the process
-        through the watchdog, naming what it waited on.
+        SIGTERM or Ctrl-C finishes the current step, saves a checkpoint and raises
+        ``TrainingInterrupted`` (``preemption``: within ``trainer.preempt_grace_s``; a second signal
+        stops at once). A phase that stalls past its limit ends the process through the watchdog,
+        naming what it waited on.
         """
         try:
             return self._fit()
@@ -128,7 +128,7 @@ class Trainer:
             log.info("run already finished: step %d of %d; nothing to do", self.step, run.total_steps)
             return {}
         metrics: dict[str, float] = {}
-        with self.watchdog(), _GracefulInterrupt() as interrupt:
+        with self.watchdog(), Preemption(trainer_cfg.preempt_grace_s, self.newest_checkpoint) as interrupt:
             if trainer_cfg.val_before_train and self.step == 0 and run.val_data is not None:
                 run.tracker.log(self.validate(), step=0)
             while self.step < run.total_steps:
@@ -145,12 +145,7 @@ class Trainer:
                 run.progress.update(self.step, {k: metrics[m] for k, m in PROGRESS_KEYS.items() if m in metrics})
                 maybe_fault("after_step", self.step)
                 if interrupt.requested and not last:
-                    raise TrainingInterrupted(
-                        f"interrupted after step {self.step} of {run.total_steps}; a checkpoint was saved: run the "
-                        f"same command again to resume" if saved else
-                        f"interrupted after step {self.step} of {run.total_steps}; saving its checkpoint failed (see "
-                        f"the warning above): the same command resumes from the newest earlier checkpoint"
-                    )
+                    raise interrupt.stopped(self.step, run.total_steps, saved or None)
         return metrics
 
     def watchdog(self) -> Watchdog:
@@ -158,22 +153,21 @@ class Trainer:
         return Watchdog(t.watchdog_timeout_s, parse_phase_timeouts(t.phase_timeouts))
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> bool:
-        """Save one checkpoint; True when it was saved. A save that fails (a full disk: "no space
-        left on <path>") has removed its partial folder and left the earlier checkpoints alone;
-        then the run stops with that ``CheckpointError`` or, with ``trainer.on_save_error=warn``,
-        goes on without this checkpoint (False)."""
+    def save_checkpoint(self) -> Path | None:
+        """Save one checkpoint; its folder when it was saved. A save that fails (a full disk: "no
+        space left on <path>") has removed its partial folder and left the earlier checkpoints
+        alone; then the run stops with that ``CheckpointError`` or, with
+        ``trainer.on_save_error=warn``, goes on without this checkpoint (None)."""
         with activity("phase", "save_checkpoint"), self.run.timeline.span("trainer", "save_checkpoint"):
             try:
-                self._save_checkpoint()
+                return self._save_checkpoint()
             except CheckpointError as exc:
                 if self.cfg.trainer.on_save_error != "warn":
                     raise
                 log.warning("%s; training goes on without this checkpoint (trainer.on_save_error=warn)", exc)
-                return False
-        return True
+                return None
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self) -> Path:
         run = self.run
         state = {
             "step": self.step,
@@ -191,6 +185,13 @@ class Trainer:
         )
         if self.remote is not None:
             self.remote.upload(saved)
+        return saved
+
+    def newest_checkpoint(self) -> str:
+        """Where the same command resumes from, in words (for a stop that could not save)."""
+        folders = self.checkpoints.step_folders()
+        return (f"the same command resumes from the newest checkpoint, {folders[-1][1]}" if folders else
+                "no checkpoint was saved yet: the same command starts over")
 
     def resume(self) -> None:
         """Continue from a checkpoint (``trainer.resume_mode``). ``auto`` takes the newest one that
@@ -245,30 +246,4 @@ class Trainer:
         return state
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped training between steps, after saving a checkpoint."""
-
-
-class _GracefulInterrupt:
-    """The first SIGINT sets ``requested`` (the loop saves and stops after the step); the second
-    raises KeyboardInterrupt at once. Only the main thread can install signal handlers: elsewhere
-    (a notebook thread, a test runner) Ctrl-C keeps its default behaviour."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __enter__(self) -> _GracefulInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("Ctrl-C: finishing this step, saving a checkpoint, then stopping (Ctrl-C again to stop now)")
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+__all__ = ["Trainer", "TrainingInterrupted"]

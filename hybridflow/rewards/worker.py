@@ -291,6 +291,10 @@ def run_worker(
 ) -> None:
     """Entry point of a worker process (the ``target`` the manager spawns)."""
     os.setsid()  # lead a new session and process group: the trainer kills the whole group
+    # SIGTERM sent to every process of a job (Slurm's scancel, a container runtime) is the trainer's
+    # to handle: it finishes the step, which needs this worker's scores, saves and then stops us
+    # (SIGKILL, or its death: below). Dying here would fail the step the trainer is saving.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(parent_pid, started_from_main_thread)
     memory_limit = _limit_memory(memory_limit_mb)
     try:

@@ -227,7 +227,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(user_files, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr[-3000:]
-    assert "interrupted after step" in stderr
+    assert "stopped: SIGINT after step" in stderr and "saved checkpoint" in stderr
     stopped_at = max(per_step(out))
     assert 1 <= stopped_at < 50
     assert (out / "checkpoints" / f"global_step_{stopped_at}" / "manifest.json").is_file()

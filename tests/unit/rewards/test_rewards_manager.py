@@ -424,3 +424,15 @@ def test_workers_die_with_a_trainer_that_dies_mid_score(
     if not gone:
         os.kill(worker_pid, signal.SIGKILL)  # do not leave it behind for the next test run
     assert gone, f"worker {worker_pid} outlived its trainer"
+
+
+def test_a_sigterm_to_every_process_of_the_job_leaves_the_workers_scoring(hostile: RewardManager) -> None:
+    """Slurm's scancel and container runtimes send SIGTERM to every process: the trainer then
+    finishes its step and saves, which needs its workers' scores; they are the trainer's to stop."""
+    pids = hostile.worker_pids
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    output = hostile.score([echo(1), echo(2)])
+    assert output.scores == [1.0, 2.0] and output.metrics["reward/worker_restarts"] == 0.0
+    assert hostile.worker_pids == pids
