@@ -328,9 +328,11 @@ def _one_line(text: object) -> str:
 def describe_error(error: BaseException) -> tuple[str, int]:
     """The one line a user sees for ``error`` (what, where, the fix) and the exit code: 2 for a
     mistake in the config or the data (fix the input, run again), 1 for a failure while running."""
-    from hybridflow.cluster.worker_group import WorkerError
-    from hybridflow.data.dataset import DataError
-    from hybridflow.utils.storage import StorageError
+    # An error's class is in a module that was imported to raise it: looked up, not imported, so a
+    # config error is reported before torch loads (worker_group and dataset import it).
+    WorkerError = _loaded_class("hybridflow.cluster.worker_group", "WorkerError")
+    DataError = _loaded_class("hybridflow.data.dataset", "DataError")
+    StorageError = _loaded_class("hybridflow.utils.storage", "StorageError")
 
     if isinstance(error, ConfigError):
         return f"config error: {_one_line(error)}", 2
@@ -349,6 +351,14 @@ def describe_error(error: BaseException) -> tuple[str, int]:
     if isinstance(error, OSError) and error.filename is not None:
         return f"error: {error.strerror or type(error).__name__}: {error.filename}", 1
     return f"error: {type(error).__name__}: {_one_line(error)}", 1
+
+
+class _NeverRaised(Exception):
+    """Stands in for an error class whose module was never imported (so nothing raised one)."""
+
+
+def _loaded_class(module: str, name: str) -> type[BaseException]:
+    return getattr(sys.modules.get(module), name, _NeverRaised)
 
 
 def _disk_full_cause(error: BaseException) -> OSError | None:
