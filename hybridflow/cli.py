@@ -29,11 +29,15 @@ from hybridflow.config import ConfigError, explain_config, list_presets, load_co
 from hybridflow.controller.checkpoint import CheckpointError
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def _add_config_args(p: argparse.ArgumentParser, *, presets: bool = True) -> None:
+    """The config flags; ``presets=False`` for a command the RL presets mean nothing to (sft)."""
     _add_debug(p)
-    p.add_argument("--preset", default=None,
-                   help=f"starting preset: {', '.join(list_presets())} (default: grpo's settings, or verl's "
-                        f"algorithm.adv_estimator=gae on a command line in verl's keys)")
+    if presets:
+        p.add_argument("--preset", default=None,
+                       help=f"starting preset: {', '.join(list_presets())} (default: grpo's settings, or verl's "
+                            f"algorithm.adv_estimator=gae on a command line in verl's keys)")
+    else:
+        p.set_defaults(preset=None)
     p.add_argument("--config", dest="config_file", default=None, help="a YAML file of overrides")
     # Hydra's flags, as verl's scripts give them (--config-path=DIR or --config-path DIR).
     p.add_argument("--config-path", dest="config_path", default=None,
@@ -56,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run RL training (no arguments: the built-in tiny model and task)")
     _add_config_args(train)
     sft = sub.add_parser("sft", help="supervised fine-tuning on chat data (loss on assistant tokens only)")
-    _add_config_args(sft)
+    _add_config_args(sft, presets=False)  # the RL presets (grpo, ppo, ...) set nothing SFT reads
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     explain = config_sub.add_parser("explain", help="print the resolved config and the derived plan")

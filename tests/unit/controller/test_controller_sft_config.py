@@ -31,3 +31,14 @@ def test_a_row_without_the_columns_is_a_data_error_naming_file_and_row(capsys, t
     err = capsys.readouterr().err
     assert code == 2, err
     assert f"data error: {data} row 1 (line 2): no column 'messages'" in err and "'conversation'" in err
+
+
+def test_sft_help_does_not_offer_the_rl_presets(capsys):
+    """The RL presets (grpo, ppo, dapo, ...) set nothing SFT reads: sft --help does not list them."""
+    from hybridflow.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sft", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--preset" not in help_text and "dapo" not in help_text
+    assert build_parser().parse_args(["sft", "data.train_files=[a.jsonl]"]).preset is None
