@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from hybridflow.config.verl_keys import NULL_IS_UNSET, Rule, normalise, rule_for
+from hybridflow.config.verl_keys import GLOBAL_MICRO_BATCH, NULL_IS_UNSET, Rule, normalise, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ def translate_key(key: str, value: Any = _NO_VALUE) -> str | None:
     if value is not _NO_VALUE and key in NULL_IS_UNSET and normalise(value) is None:
         _note_once(key, f"config: {key}=null keeps hybridflow's value: {NULL_IS_UNSET[key]}")
         return None
+    if key in GLOBAL_MICRO_BATCH:
+        return _global_micro_batch(key, value)
     if key in KEYS:
         return _noted(key, KEYS[key])
     if key in IGNORED:
@@ -122,6 +124,20 @@ def translate_key(key: str, value: Any = _NO_VALUE) -> str | None:
         if key.startswith(theirs):
             return _noted(key, ours + key[len(theirs):])
     return key
+
+
+def _global_micro_batch(key: str, value: Any) -> None:
+    """verl's null global micro-batch (its default) leaves the per-rank key alone; a number needs
+    the run's rank count, which only the whole config has: the loader converts it
+    (``verl_keys.per_rank_micro_batch``) and never passes it here."""
+    from hybridflow.config.loader import ConfigError  # loader imports this module
+
+    per_gpu = GLOBAL_MICRO_BATCH[key].per_gpu
+    if value is not _NO_VALUE and normalise(value) is None:
+        _note_once(key, f"config: {key}=null keeps hybridflow's {per_gpu}")
+        return None
+    raise ConfigError(f"verl's {key} is a global micro-batch, divided over the run's ranks into {per_gpu}; only a "
+                      f"whole config (load_config) can convert it: set {per_gpu} (samples per rank)", key=key)
 
 
 def _refusal(key: str, value: Any, rule: Rule) -> Exception:

@@ -44,6 +44,7 @@ from hybridflow.config.aliases import translate_key
 from hybridflow.config.errors import ConfigError, ConfigErrors, MachineProblem, raise_all  # noqa: F401
 from hybridflow.config.overrides import DELETE, ParsedOverride, parse_override
 from hybridflow.config.schema import Config
+from hybridflow.config.verl_keys import GLOBAL_MICRO_BATCH, normalise, per_rank_micro_batch
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 """Folder of the shipped presets; ``<name>.yaml`` is the preset ``name``."""
@@ -687,11 +688,16 @@ def load_config_collecting(
     for override in parsed:
         if composed is not None and override.is_group_choice:
             continue  # Hydra chose that file in the composition
+        if layers.defer_global_micro(override.key, override.value if override.kind != DELETE else None,
+                                     f"override {override.text!r}"):
+            continue
         key = layers.attempt(apply_override, cfg, override)
         if key is not None:
             layers.assigned.add(key)
+            layers.given.add(key)
     verl = (composed is not None and composed.uses_verl) or any(
         key.startswith(VERL_ONLY_SECTION) for key in [p.key for p in parsed] + [k for k, _ in _flat(file_mapping)])
+    layers.apply_global_micro(cfg)
     named_after = verl_defaults(cfg, layers.assigned, verl=verl and preset is None) or preset
     _apply_critic_defaults(cfg, critic_defaults, layers)
     if cfg.trainer.experiment_name == _UNNAMED_RUN:
@@ -706,6 +712,33 @@ class _Layers:
     def __init__(self, errors: list[ConfigError]) -> None:
         self.errors = errors
         self.assigned: set[str] = set()
+        self.given: set[str] = set()  # keys a user's layer (file, composition, command line) set
+        self.global_micro: dict[str, tuple[Any, str]] = {}  # verl's global micro-batches: (value, source)
+
+    def defer_global_micro(self, key: str, value: Any, source: str) -> bool:
+        """verl's deprecated global micro-batch (verl_keys.GLOBAL_MICRO_BATCH) is kept until every
+        layer is applied: its per-rank value needs the final trainer.n_gpus_per_node and nnodes."""
+        if key not in GLOBAL_MICRO_BATCH or normalise(value) is None:
+            return False
+        self.global_micro[key] = (value, source)
+        return True
+
+    def apply_global_micro(self, cfg: Config) -> None:
+        for key, (value, source) in self.global_micro.items():
+            per_gpu = GLOBAL_MICRO_BATCH[key].per_gpu
+            if per_gpu in self.given:
+                # verl's config refuses both ("Please remove ... the former is deprecated").
+                self.errors.append(ConfigError(f"{source}: verl's {key} and {per_gpu} both set the micro-batch; "
+                                               f"keep one ({per_gpu}: samples per rank)", key=key))
+                continue
+            per_rank = self.attempt(per_rank_micro_batch, cfg, key, value)
+            if per_rank is None:
+                continue
+            section, name = per_gpu.rsplit(".", 1)
+            _apply_mapping(cfg, _nest(section, {name: per_rank}), "", source)
+            self.assigned.add(per_gpu)
+            log.info("config: %s=%s over %d ranks is hybridflow's %s=%d", key, value,
+                     cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes, per_gpu, per_rank)
 
     def attempt(self, fn: Any, *args: Any) -> Any:
         try:
@@ -719,11 +752,14 @@ class _Layers:
         if not isinstance(dotted, str):
             self.attempt(_apply_mapping, cfg, {dotted: value}, "", source)  # names the bad key
             return
+        if self.defer_global_micro(dotted, value, source):
+            return
         try:
             ours = translate_key(dotted, value)
             if ours is not None:
                 _apply_mapping(cfg, _nest(ours, value), "", source)
                 self.assigned.add(ours)
+                self.given.add(ours)
         except ConfigError as error:
             self.errors.append(error)
 

@@ -176,7 +176,6 @@ ROUTER_REPLAY = "hybridflow has no MoE router replay; routing is recomputed by t
 CHECKPOINT_CONTENTS = ("hybridflow's checkpoints always hold the model, the optimizer and the trainer state "
                        "(`hybridflow export` writes a Hugging Face folder)")
 OVERRIDE_CONFIG = ("hybridflow loads the model's config.json as saved (edit a copy of the model folder to change it)")
-DEPRECATED_MICRO = "verl's deprecated global micro-batch; set the per-rank {0} (samples per rank)"
 ROLE_FSDP = {
     "actor_rollout_ref.actor.fsdp_config": "actor",
     "actor_rollout_ref.ref.fsdp_config": "ref",
@@ -315,8 +314,6 @@ def _rules() -> dict[str, Rule]:
         "critic.strategy": _strategy("critic"),
         "reward_model.strategy": _strategy("reward_model"),
         # actor
-        f"{ar}.actor.ppo_micro_batch_size": refuse(DEPRECATED_MICRO.format("actor.ppo_micro_batch_size_per_gpu"),
-                                                   unless=(None,)),
         f"{ar}.actor.calculate_entropy": ignore("the entropy is a metric here (actor/entropy), computed with "
                                                 "actor.entropy_coeff or not"),
         f"{ar}.actor.calculate_sum_pi_squared": ignore(
@@ -330,8 +327,6 @@ def _rules() -> dict[str, Rule]:
             "hybridflow trains every weight of a vision-language model (or only LoRA adapters: actor.lora.rank)",
             unless=(False,)),
         # reference
-        f"{ar}.ref.log_prob_micro_batch_size": refuse(
-            DEPRECATED_MICRO.format("ref.log_prob_micro_batch_size_per_gpu"), unless=(None,)),
         f"{ar}.ref.log_prob_use_dynamic_bsz": ignore(
             "the reference forms micro-batches as actor.use_dynamic_bsz says; micro-batching changes no result"),
         f"{ar}.ref.use_torch_compile": ignore("the reference follows actor.use_torch_compile; " + SPEED),
@@ -374,8 +369,6 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.rollout.scheduling_policy": ignore("the order requests are served in; " + SPEED),
         f"{ar}.rollout.load_format": ignore("the rollout gets the actor's weights before its first generation "
                                             "whatever format it starts from"),
-        f"{ar}.rollout.log_prob_micro_batch_size": refuse(
-            DEPRECATED_MICRO.format("actor.log_prob_micro_batch_size_per_gpu"), unless=(None,)),
         f"{ar}.rollout.disable_log_stats": ignore("the engine's own statistics log; hybridflow logs rollout/* metrics"),
         f"{ar}.rollout.do_sample": refuse("training samples are drawn with rollout.temperature (0: greedy)",
                                           unless=(True,)),
@@ -468,10 +461,6 @@ def _rules() -> dict[str, Rule]:
         # critic
         "critic.enable": refuse("hybridflow builds a critic exactly when algorithm.adv_estimator=gae",
                                 unless=(None,)),
-        "critic.ppo_micro_batch_size": refuse(DEPRECATED_MICRO.format("critic.ppo_micro_batch_size_per_gpu"),
-                                              unless=(None,)),
-        "critic.forward_micro_batch_size": refuse(
-            DEPRECATED_MICRO.format("critic.forward_micro_batch_size_per_gpu"), unless=(None,)),
         # algorithm
         "algorithm.use_pf_ppo": refuse("hybridflow has no PF-PPO sample reweighting", unless=(False,)),
         "algorithm.pf_ppo.*": ignore("only read with algorithm.use_pf_ppo, which hybridflow refuses"),
@@ -494,8 +483,6 @@ def _rules() -> dict[str, Rule]:
         "reward_model.model.use_remove_padding": ignore(SPEED),
         "reward_model.model.use_fused_kernels": ignore(SPEED),
         "reward_model.model.fsdp_config.*": ignore("the reward model is sharded by hybridflow's FSDP2; " + SPEED),
-        "reward_model.micro_batch_size": refuse(DEPRECATED_MICRO.format("reward_model.micro_batch_size_per_gpu"),
-                                                unless=(None,)),
         "reward_model.use_dynamic_bsz": ignore("micro-batching of the reward model's forward; " + SPEED),
         "reward_model.forward_max_token_len_per_gpu": ignore("micro-batching of the reward model's forward; " + SPEED),
         "reward_model.ulysses_sequence_parallel_size": ignore(SPEED),
@@ -570,6 +557,85 @@ NULL_IS_UNSET: dict[str, str] = {
 """verl keys honoured here whose verl value ``null`` means "not set": null keeps hybridflow's value
 (with a note) instead of failing the type check of a key that takes no null."""
 
+
+
+@dataclass(frozen=True)
+class GlobalMicroBatch:
+    """verl's deprecated global micro-batch of a role: samples per forward summed over its
+    data-parallel ranks. verl's workers divide it by (world size // the role's Ulysses size) and use
+    the quotient as the per-rank ``*_per_gpu`` value (fsdp_workers.py, "normalize config"); it is
+    never divided by rollout.n."""
+
+    per_gpu: str
+    """The hybridflow key that counts the same samples per data-parallel rank."""
+    sequence_parallel: tuple[str, ...] = ()
+    """hybridflow keys of the role's Ulysses size, the first one set wins (the reference's None is
+    the actor's); empty: the role has no sequence parallelism (verl's reward model)."""
+
+
+GLOBAL_MICRO_BATCH: dict[str, GlobalMicroBatch] = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size": GlobalMicroBatch(
+        "actor.ppo_micro_batch_size_per_gpu", ("actor.ulysses_sequence_parallel_size",)),
+    # verl's old-logprob forward is the actor's (hybridflow keeps its micro-batch there too).
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": GlobalMicroBatch(
+        "actor.log_prob_micro_batch_size_per_gpu", ("actor.ulysses_sequence_parallel_size",)),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": GlobalMicroBatch(
+        "ref.log_prob_micro_batch_size_per_gpu",
+        ("ref.ulysses_sequence_parallel_size", "actor.ulysses_sequence_parallel_size")),
+    "critic.ppo_micro_batch_size": GlobalMicroBatch(
+        "critic.ppo_micro_batch_size_per_gpu", ("critic.ulysses_sequence_parallel_size",)),
+    "critic.forward_micro_batch_size": GlobalMicroBatch(
+        "critic.forward_micro_batch_size_per_gpu", ("critic.ulysses_sequence_parallel_size",)),
+    "reward_model.micro_batch_size": GlobalMicroBatch("reward_model.micro_batch_size_per_gpu"),
+}
+"""verl key -> its per-rank hybridflow key. The division needs the run's rank count, so the loader
+collects these values and converts them once every layer is applied (``per_rank_micro_batch``);
+verl's null (its default) leaves the per-rank key as it is."""
+
+GLOBAL_MICRO_NOTE = ("verl's deprecated global micro-batch: {per_gpu} = it / (trainer.n_gpus_per_node x "
+                     "trainer.nnodes / {sp}), as verl's workers divide it; refused when it does not divide")
+
+
+def _global_micro_note(spec: GlobalMicroBatch) -> str:
+    sp = spec.sequence_parallel[0] if spec.sequence_parallel else "1"
+    return GLOBAL_MICRO_NOTE.format(per_gpu=spec.per_gpu, sp=sp)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def per_rank_micro_batch(cfg: Any, key: str, value: Any) -> int:
+    """verl's global micro-batch ``key=value`` as the per-rank count of ``cfg`` (the whole config,
+    so the rank count is final). ``ConfigError`` naming ``key`` when the value is not a positive
+    integer, or does not divide evenly over the data-parallel ranks (verl would floor it, to 0 below
+    one sample per rank, which verl itself refuses: a silent change of the global micro-batch)."""
+    from hybridflow.config.loader import ConfigError  # loader imports this module
+
+    spec = GLOBAL_MICRO_BATCH[key]
+    value = normalise(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"verl's {key} is a global micro-batch (samples summed over the ranks); expected a "
+                          f"positive integer, got {_show(value)}", key=key)
+    t = cfg.trainer
+    ranks = t.n_gpus_per_node * t.nnodes
+    sp_key = next((k for k in spec.sequence_parallel if _get(cfg, k) is not None), None)
+    sp = _get(cfg, sp_key) if sp_key else 1
+    groups = f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes}"
+    if sp > 1:
+        groups += f" / {sp_key}={sp}"
+    if sp < 1 or ranks % sp:
+        raise ConfigError(f"verl's {key}={value} is divided over the data-parallel ranks ({groups}), which is not a "
+                          f"whole number; set {spec.per_gpu} (samples per rank) instead", key=key)
+    dp = ranks // sp
+    if value % dp:
+        raise ConfigError(f"verl's {key}={value} is a global micro-batch, divided over the {dp} data-parallel ranks "
+                          f"({groups}); {value} does not divide by {dp} (verl would floor it to {value // dp}): "
+                          f"give a multiple of {dp}, or set {spec.per_gpu} (samples per rank) instead", key=key)
+    return value // dp
+
 RULES: dict[str, Rule] = _rules()
 """verl key (exact, or a glob over a subtree) -> how hybridflow treats it."""
 
@@ -613,6 +679,9 @@ def classify(key: str, leaves: Iterable[str] | None = None) -> Classification:
     known = set(leaves) if leaves is not None else _schema_leaves()
     if key in KEYS:
         return Classification(key, "alias", KEYS[key])
+    if key in GLOBAL_MICRO_BATCH:
+        spec = GLOBAL_MICRO_BATCH[key]
+        return Classification(key, "alias", spec.per_gpu, note=_global_micro_note(spec))
     if key in IGNORED:
         return Classification(key, "ignored", note=IGNORED[key], pattern=key)
     found = rule_for(key)

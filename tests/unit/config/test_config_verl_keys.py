@@ -206,3 +206,49 @@ def test_docs_verl_keys_md_is_up_to_date():
         "docs/verl_keys.md is out of date; regenerate it with `python scripts/verl_config_keys.py --table "
         "docs/verl_keys.md`"
     )
+
+
+def test_verls_global_micro_batch_is_divided_over_the_data_parallel_ranks():
+    """verl's deprecated global micro-batches become per-rank counts as verl's workers divide them:
+    by the ranks over the role's Ulysses size (the reference's is the actor's unless set), never by
+    rollout.n; the reward model's by the ranks alone."""
+    cfg = load_config(overrides=[
+        "actor_rollout_ref.actor.ppo_micro_batch_size=176", "trainer.n_gpus_per_node=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size=16", "actor_rollout_ref.rollout.n=5",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size=32", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "critic.ppo_micro_batch_size=16", "critic.forward_micro_batch_size=48", "reward_model.micro_batch_size=64",
+        "trainer.nnodes=2",  # after the micro-batches: the rank count is the final one's
+    ])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 176 // 8  # 16 ranks / sp 2
+    assert cfg.actor.log_prob_micro_batch_size_per_gpu == 2 and cfg.ref.log_prob_micro_batch_size_per_gpu == 4
+    assert cfg.critic.ppo_micro_batch_size_per_gpu == 1 and cfg.critic.forward_micro_batch_size_per_gpu == 3
+    assert cfg.reward_model.micro_batch_size_per_gpu == 4
+    # One rank: the global count is the per-rank one (verl's 1-GPU LoRA tuning scripts).
+    one = load_config(overrides=["actor_rollout_ref.actor.ppo_micro_batch_size=62", "trainer.n_gpus_per_node=1"])
+    assert one.actor.ppo_micro_batch_size_per_gpu == 62
+    # verl's null (its default) keeps hybridflow's per-rank value.
+    assert load_config(overrides=["actor_rollout_ref.actor.ppo_micro_batch_size=null"]).actor \
+        .ppo_micro_batch_size_per_gpu == load_config().actor.ppo_micro_batch_size_per_gpu
+    assert classify("critic.ppo_micro_batch_size").target == "critic.ppo_micro_batch_size_per_gpu"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["actor_rollout_ref.actor.ppo_micro_batch_size=10", "trainer.n_gpus_per_node=4"],
+     r"ppo_micro_batch_size=10 .*4 data-parallel ranks.*verl would floor it to 2"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size=2", "trainer.n_gpus_per_node=4"], r"does not divide by 4"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+     r"both set the micro-batch"),
+    (["critic.ppo_micro_batch_size=many"], r"positive integer"),
+])
+def test_a_global_micro_batch_that_does_not_divide_is_refused_naming_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(overrides=overrides)
+    assert info.value.key == overrides[0].split("=")[0]
+
+
+def test_a_global_micro_batch_in_a_yaml_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size: 32\ntrainer:\n  n_gpus_per_node: 4\n")
+    assert load_config(config_file=path).actor.ppo_micro_batch_size_per_gpu == 8
+    with pytest.raises(ConfigError, match="only a whole config"):
+        translate_key("actor_rollout_ref.actor.ppo_micro_batch_size", 32)
