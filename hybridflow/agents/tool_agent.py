@@ -174,14 +174,14 @@ class ToolAgentLoop:
             episode.end("stop", "max_assistant_turns")
             messages = None
         else:
-            messages = await self._run_tools(episode, parsed)
+            messages = await self._run_tools(episode, parsed, metadata)
         if messages is not None:
             episode.messages.extend(messages)
         return messages
 
-    async def _run_tools(self, episode: _Episode, parsed: ParsedTurn) -> list[Message]:
+    async def _run_tools(self, episode: _Episode, parsed: ParsedTurn, row: dict[str, Any]) -> list[Message]:
         items = list(parsed.items)
-        results = await asyncio.gather(*(self._call(item, index) for index, item in enumerate(items)))
+        results = await asyncio.gather(*(self._call(item, index, row) for index, item in enumerate(items)))
         episode.count(results)
         messages: list[Message] = []
         for item, result in zip(items, results):
@@ -191,13 +191,13 @@ class ToolAgentLoop:
             messages.append(message)
         return messages
 
-    async def _call(self, item: ToolCall | MalformedCall, index: int) -> ToolResult:
+    async def _call(self, item: ToolCall | MalformedCall, index: int, row: dict[str, Any]) -> ToolResult:
         if isinstance(item, MalformedCall):
             return ToolResult(f"Error: {item.error}", "error")
         limit = self.context.max_parallel_tool_calls
         if index >= limit:
             return ToolResult(f"Error: at most {limit} tool calls per turn; this call was not run", "error")
-        return await self.tools.call(item)
+        return await self.tools.call(item, row)  # a tool that scores the answer reads the row's ground truth
 
     async def _ask_interaction(self, episode: _Episode, metadata: dict[str, Any], is_last: bool) -> list[Message] | None:
         interaction = self.context.interaction

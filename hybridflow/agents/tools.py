@@ -21,8 +21,13 @@ Built-in tools alone need no file: ``tool_config_path: builtin:calculator`` (or
 verl's tool files are read too (``tools: - class_name: ..., config: {...}, tool_schema: {...}``):
 an entry whose verl class has a built-in here with the same meaning becomes that tool under the
 entry's ``tool_schema`` (``VERL_TOOL_CLASSES``: SandboxFusionTool, a code interpreter, is
-``python``, run in the local sandbox instead of a SandboxFusion service); any other class is
-refused naming it and what to write instead (``verl_tool_entry``).
+``python``, run in the local sandbox instead of a SandboxFusion service; Gsm8kTool is
+``calc_gsm8k_reward``, which scores the model's answer against the row's ground truth); any
+other class is refused naming it and what to write instead (``verl_tool_entry``).
+
+A tool that needs the sample it serves (``Tool.takes_context``) gets a ``call_context``
+keyword (``ToolCallContext``: its own name and the row's fields, ``ground_truth`` and
+``extra_info`` included), as verl's tools get the row's ``tools_kwargs``.
 
 ``ToolRegistry.call`` never raises for the model's mistakes or the tool's failures: an unknown
 tool, bad arguments, an exception or a timeout become an error message for the model and a
@@ -42,7 +47,7 @@ import operator
 import threading
 import typing
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +55,7 @@ import yaml
 
 from hybridflow.agents.parsers import ToolCall
 from hybridflow.agents.registry import resolve_object
+from hybridflow.rewards import gsm8k
 from hybridflow.rewards.sandbox import Sandbox, SandboxLimits
 
 DEFAULT_TOOL_TIMEOUT_S = 10.0
@@ -79,6 +85,7 @@ class Tool:
     fn: Callable[..., Any]
     timeout_s: float = DEFAULT_TOOL_TIMEOUT_S
     max_response_length: int | None = None  # characters; None: the registry's limit
+    takes_context: bool = False  # fn also gets call_context=ToolCallContext (not in the schema)
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function schema (what ``apply_chat_template(tools=...)`` takes)."""
@@ -87,6 +94,22 @@ class Tool:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class ToolCallContext:
+    """The sample a call serves, for a tool with ``takes_context``: its name (as the model called
+    it) and the row's fields (``data_source``, ``ground_truth``, ``extra_info``, ...)."""
+
+    tool_name: str
+    row: Mapping[str, Any]
+
+    def create_kwargs(self) -> dict[str, Any]:
+        """verl's per-row arguments of this tool: ``extra_info.tools_kwargs.<name>.create_kwargs``
+        (verl's multi-turn data puts a tool's ground truth there)."""
+        extra = self.row.get("extra_info") or {}
+        per_tool = (extra.get("tools_kwargs") or {}).get(self.tool_name) or {}
+        return dict(per_tool.get("create_kwargs") or {})
 
 
 def tool(
@@ -264,8 +287,9 @@ class ToolRegistry:
         """OpenAI function schemas, for the chat template's ``tools`` (the prompt must list them)."""
         return [item.schema() for item in self._tools.values()]
 
-    async def call(self, call: ToolCall) -> ToolResult:
-        """Run one call; every failure is a result, never an exception."""
+    async def call(self, call: ToolCall, row: Mapping[str, Any] | None = None) -> ToolResult:
+        """Run one call; every failure is a result, never an exception. ``row``: the fields of
+        the sample the call serves, for a tool that takes them (``Tool.takes_context``)."""
         item = self._tools.get(call.name)
         if item is None:
             return ToolResult(f"Error: unknown tool {call.name!r}; available tools: {', '.join(self._tools)}", "error")
@@ -276,7 +300,10 @@ class ToolRegistry:
             stats.errors += 1
             return ToolResult(f"Error: {problem}", "error")
         try:
-            value = await asyncio.wait_for(self._invoke(item, call.arguments), timeout=item.timeout_s)
+            arguments = dict(call.arguments)
+            if item.takes_context:
+                arguments["call_context"] = ToolCallContext(item.name, row or {})
+            value = await asyncio.wait_for(self._invoke(item, arguments), timeout=item.timeout_s)
         except asyncio.TimeoutError:
             stats.timeouts += 1
             return ToolResult(f"Error: tool {item.name!r} timed out after {item.timeout_s:g} s", "timeout")
@@ -412,7 +439,40 @@ def python_tool(sandbox: Sandbox | None = None, timeout_s: float = 10.0) -> Tool
 def _with_limit(base: Tool, timeout_s: float | None) -> Tool:
     """``base`` with its own time limit, or ``timeout_s`` when one is given."""
     limit = base.timeout_s if timeout_s is None else timeout_s
-    return Tool(base.name, base.description, base.parameters, base.fn, limit, base.max_response_length)
+    return replace(base, timeout_s=limit)
+
+
+GSM8K_TOOL_NAME = "calc_gsm8k_reward"
+
+
+async def _calc_gsm8k_reward(answer: str, call_context: ToolCallContext) -> str:
+    """verl's Gsm8kTool: the answer, read as a final answer ("#### " prefixed unless it is), scored by
+    the GSM8K scorer's flexible extraction (1.0 right, 0.0 otherwise) against the ground truth
+    of verl's per-row tools_kwargs, else the row's own ground truth; the reply is verl's text.
+    (verl's step penalty, -0.05 for an answer that does not improve, lands in a per-turn list
+    its trainer never reads, and verl makes a fresh instance per call: nothing here to carry.)"""
+    ground_truth = call_context.create_kwargs().get("ground_truth")
+    if ground_truth is None:
+        ground_truth = call_context.row.get("ground_truth")
+    if ground_truth is None:
+        raise ValueError("this sample has no ground truth to check the answer against")
+    response = answer if answer.startswith("#### ") else "#### " + answer
+    reward = gsm8k.compute_score(response, str(ground_truth), method="flexible", format_score=0.0, score=1.0)
+    return f"Current parsed {answer=} {reward=}"
+
+
+def gsm8k_reward_tool(timeout_s: float | None = None) -> Tool:
+    """``calc_gsm8k_reward``: the model submits its answer and reads back its GSM8K reward."""
+    return Tool(
+        name=GSM8K_TOOL_NAME,
+        description="A tool for calculating the reward of gsm8k",
+        parameters={"type": "object", "properties": {"answer": {"type": "string",
+                                                                "description": "The answer to the question"}},
+                    "required": ["answer"]},
+        fn=_calc_gsm8k_reward,
+        timeout_s=DEFAULT_TOOL_TIMEOUT_S if timeout_s is None else timeout_s,
+        takes_context=True,
+    )
 
 
 # name -> factory(time limit or None for the tool's own): python gives the limit to its sandbox, which
@@ -420,16 +480,17 @@ def _with_limit(base: Tool, timeout_s: float | None) -> Tool:
 BUILTIN_TOOLS: dict[str, Callable[[float | None], Tool]] = {
     "calculator": lambda timeout_s: _with_limit(calculator, timeout_s),
     "python": lambda timeout_s: python_tool() if timeout_s is None else python_tool(timeout_s=timeout_s),
+    GSM8K_TOOL_NAME: gsm8k_reward_tool,
 }
 
 _ENTRY_KEYS = {"name", "function", "timeout_s", "tool_schema", "max_response_length"}
 
 # verl's tool classes (verl/tools/*.py) -> the built-in tool with the same meaning.
-VERL_TOOL_CLASSES = {"SandboxFusionTool": "python"}
+VERL_TOOL_CLASSES = {"SandboxFusionTool": "python", "Gsm8kTool": GSM8K_TOOL_NAME}
+# The arguments each of those built-ins takes (verl's tool_schema may rename the tool, not add arguments).
+_VERL_TOOL_ARGUMENTS = {"python": {"code"}, GSM8K_TOOL_NAME: {"answer"}}
 # Those without one, and why: each keeps per-episode state or calls a service hybridflow does not run.
 VERL_TOOLS_WITHOUT_BUILTIN = {
-    "Gsm8kTool": "it checks the model's answer against the row's ground truth, which the reward function (the "
-                 "built-in openai/gsm8k scorer) does here",
     "Geo3kTool": "it checks the model's answer against the row's ground truth, which the reward function does here",
     "SearchTool": "it queries a retrieval server",
     "MCPSearchTool": "it calls a search tool of an MCP server",
@@ -455,17 +516,19 @@ def verl_tool_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"verl tool class {class_name} has no hybridflow equivalent ({why}); {_VERL_INSTEAD}. "
                          f"Built-in tools: {', '.join(BUILTIN_TOOLS)}")
     config = dict(entry.get("config") or {})
+    ours = VERL_TOOL_CLASSES[short]
     language = config.get("default_language", "python")
-    if language != "python":
+    if ours == "python" and language != "python":
         raise ValueError(f"verl tool class {class_name} with default_language={language!r}: hybridflow's code "
                          f"interpreter runs Python only")
-    made: dict[str, Any] = {"name": VERL_TOOL_CLASSES[short]}
+    made: dict[str, Any] = {"name": ours}
     if "tool_schema" in entry:
         properties = dict((entry["tool_schema"].get("function") or {}).get("parameters", {}).get("properties") or {})
-        extra = sorted(set(properties) - {"code"})
+        takes = _VERL_TOOL_ARGUMENTS[ours]
+        extra = sorted(set(properties) - takes)
         if extra:
             raise ValueError(f"verl tool class {class_name}: its tool_schema declares {extra}, but hybridflow's "
-                             f"code interpreter takes only 'code'")
+                             f"{ours} tool takes only {', '.join(repr(p) for p in sorted(takes))}")
         made["tool_schema"] = entry["tool_schema"]
     if config.get("default_timeout") is not None:
         made["timeout_s"] = float(config["default_timeout"])
@@ -490,7 +553,7 @@ def build_tool(entry: Mapping[str, Any], default_timeout_s: float | None = None)
             f"tool entry {dict(entry)!r} needs 'function: module:function' or the name of a built-in tool "
             f"({', '.join(BUILTIN_TOOLS)})"
         )
-    made = Tool(base.name, base.description, base.parameters, base.fn, base.timeout_s, base.max_response_length)
+    made = replace(base)
     if "tool_schema" in entry:
         function = entry["tool_schema"].get("function", {})
         made.name = function.get("name", made.name)

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from hybridflow.agents.parsers import ToolCall
+from hybridflow.agents.base import AgentContext, AgentRow, AgentRunner
+from hybridflow.agents.tokens import render_ids
 from hybridflow.agents.tools import load_tools
+from hybridflow.types import SamplingParams
 from hybridflow.rewards.sandbox import sandbox_unavailable_reason
 
 # verl's examples/sglang_multiturn/config/tool_config/sandbox_fusion_tool_config.yaml, as verl ships it.
@@ -84,17 +87,69 @@ def test_sandbox_fusion_is_the_python_tool_under_verls_schema(tmp_path):
 
 
 @pytest.mark.parametrize("text, match", [
-    (GSM8K, r"verl tool class verl\.tools\.gsm8k_tool\.Gsm8kTool has no hybridflow equivalent \(it checks the "
-            r"model's answer against the row's ground truth.*'function: my_package\.tools:my_tool'"),
+    (GSM8K.replace("verl.tools.gsm8k_tool.Gsm8kTool", "verl.tools.geo3k_tool.Geo3kTool"),
+     r"verl tool class verl\.tools\.geo3k_tool\.Geo3kTool has no hybridflow equivalent \(it checks the "
+     r"model's answer against the row's ground truth.*'function: my_package\.tools:my_tool'"),
     (GSM8K.replace("verl.tools.gsm8k_tool.Gsm8kTool", "my_lab.tools.WeatherTool"),
      r"my_lab\.tools\.WeatherTool has no hybridflow equivalent \(hybridflow does not run verl's tool classes"),
     (SANDBOX_FUSION.replace('default_language: "python"', 'default_language: "cpp"'),
      r"default_language='cpp': hybridflow's code interpreter runs Python only"),
     (SANDBOX_FUSION.replace("            code:\n", "            language:\n              type: string\n"
                                               "            code:\n"),
-     r"declares \['language'\], but hybridflow's code interpreter takes only 'code'"),
+     r"declares \['language'\], but hybridflow's python tool takes only 'code'"),
+    (GSM8K.replace("            answer:\n", "            steps:\n              type: string\n            answer:\n"),
+     r"declares \['steps'\], but hybridflow's calc_gsm8k_reward tool takes only 'answer'"),
 ])
 def test_what_has_no_equivalent_is_refused_naming_the_class(tmp_path, text, match):
     with pytest.raises(ValueError, match=match) as error:
         load_tools(write(tmp_path, text))
     assert "tools[0]" in str(error.value)  # which entry of which file
+
+
+# A row of verl's multi-turn GSM8K data (examples/data_preprocess/gsm8k_multiturn_w_tool.py): the tool's
+# ground truth is in extra_info.tools_kwargs, the reward's in reward_model.ground_truth (the same answer).
+VERL_ROW = {"data_source": "openai/gsm8k", "ground_truth": "72",
+            "extra_info": {"need_tools_kwargs": True,
+                           "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+
+
+def call(registry, answer, row):
+    return asyncio.run(registry.call(ToolCall("calc_gsm8k_reward", {"answer": answer}), row))
+
+
+def test_gsm8k_tool_replies_with_the_answers_reward(tmp_path):
+    """verl's Gsm8kTool: the answer is scored as a GSM8K final answer against the row's ground truth, the
+    reply is verl's "Current parsed answer=... reward=..." text."""
+    registry = load_tools(write(tmp_path, GSM8K))
+    assert registry.names == ["calc_gsm8k_reward"]
+    assert registry.schemas()[0]["function"]["parameters"]["required"] == ["answer"]
+    right = call(registry, "72", VERL_ROW)
+    assert (right.status, right.text) == ("ok", "Current parsed answer='72' reward=1.0")
+    assert call(registry, "#### 72", VERL_ROW).text == "Current parsed answer='#### 72' reward=1.0"
+    assert call(registry, "1,234", {**VERL_ROW, "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {
+        "create_kwargs": {"ground_truth": "1234"}}}}}).text.endswith("reward=1.0")  # the scorer's normalisation
+    assert call(registry, "71", VERL_ROW).text == "Current parsed answer='71' reward=0.0"
+    assert call(registry, "I do not know", VERL_ROW).text.endswith("reward=0.0")
+    # verl's tools_kwargs wins; a row without them is checked against its own ground truth.
+    assert call(registry, "72", {**VERL_ROW, "ground_truth": "5"}).text.endswith("reward=1.0")
+    assert call(registry, "5", {"ground_truth": "5", "extra_info": {}}).text.endswith("reward=1.0")
+    missing = call(registry, "5", {"extra_info": {}})
+    assert missing.status == "error" and "no ground truth" in missing.text
+    # Built in by name too, under verl's tool name, so verl's tools_kwargs reach it.
+    assert call(load_tools("builtin:calc_gsm8k_reward"), "72", VERL_ROW).text.endswith("reward=1.0")
+
+
+def test_gsm8k_tool_in_an_episode_reads_its_rows_ground_truth(tmp_path, tokenizer, scripted):
+    """Through the tool agent loop: each episode's call is scored against its own row."""
+    registry = load_tools(write(tmp_path, GSM8K))
+    runner = AgentRunner(AgentContext(tokenizer, tools=registry), default_agent="tool_agent")
+
+    def reply(text: str, turn: int) -> str:
+        return ('<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}</tool_call>'
+                if turn == 0 else "#### 72")
+
+    prompt = render_ids(tokenizer, [{"role": "user", "content": "How many?"}], add_generation_prompt=True)
+    rows = [AgentRow(prompt, VERL_ROW), AgentRow(prompt, {"ground_truth": "8", "extra_info": {}})]
+    right, wrong = runner.generate_sync(rows, SamplingParams(max_tokens=400), scripted(reply))
+    assert right.metadata["agent_messages"][1]["content"] == "Current parsed answer='72' reward=1.0"
+    assert wrong.metadata["agent_messages"][1]["content"] == "Current parsed answer='72' reward=0.0"
