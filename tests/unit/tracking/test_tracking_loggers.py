@@ -159,7 +159,7 @@ def test_tensorboard_backend_writes_readable_events(tmp_path):
 
 def test_tensorboard_missing_gives_install_hint(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match=r"pip install hybridflow\[tensorboard\]"):
+    with pytest.raises(ImportError, match=r"pip install 'hybridflow\[tensorboard\]'"):
         _tracker(tmp_path, ["tensorboard"])
 
 
@@ -173,7 +173,7 @@ def test_wandb_missing_gives_install_hint_and_closes_other_backends(tmp_path, mo
         opened.append(self)
 
     monkeypatch.setattr(JsonlBackend, "__init__", spy_init)
-    with pytest.raises(ImportError, match=r"pip install hybridflow\[wandb\]"):
+    with pytest.raises(ImportError, match=r"pip install 'hybridflow\[wandb\]'"):
         _tracker(tmp_path, ["jsonl", "wandb"])
     assert len(opened) == 1 and opened[0]._file is None  # the JSONL file was closed
 
