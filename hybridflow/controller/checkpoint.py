@@ -122,6 +122,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _not_a_writer(pid: int) -> bool:
+    """Whether a temporary name's writer ``pid`` cannot be writing it now: gone, or this process
+    (which writes none before it cleans)."""
+    return pid == os.getpid() or not _pid_alive(pid)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -247,10 +253,13 @@ class CheckpointManager:
         return [(step, p) for step, p in self.step_folders() if (p / STATE_FILE).is_file()]
 
     # ---------------------------------------------------------------- housekeeping
-    def clean_leftovers(self) -> list[str]:
+    def clean_leftovers(self, exclusive: bool = False) -> list[str]:
         """Remove what killed saves and prunes left behind: folders being deleted (``.trash-*``),
-        and temporary save folders and ``latest`` files whose writer is no longer running. Never
-        touches a ``global_step_<N>`` folder. Returns the names removed."""
+        and temporary save folders and ``latest`` files whose writer is no longer running, or is
+        this process (a killed run's pid taken again, as a container's restart gives its trainer
+        the same one, is no writer), or any writer when ``exclusive`` (the caller holds the run
+        folder's lock, so no other run writes here). Never touches a ``global_step_<N>`` folder.
+        Returns the names removed."""
         if not self.root.is_dir():
             return []
         removed = []
@@ -258,9 +267,9 @@ class CheckpointManager:
             if p.name.startswith(TRASH_PREFIX):
                 stale = True
             elif m := TMP_DIR.match(p.name):
-                stale = m.group(1) is None or not _pid_alive(int(m.group(1)))
+                stale = exclusive or m.group(1) is None or _not_a_writer(int(m.group(1)))
             elif m := TMP_FILE.match(p.name):
-                stale = not _pid_alive(int(m.group(1)))
+                stale = exclusive or _not_a_writer(int(m.group(1)))
             else:
                 continue
             if not stale:

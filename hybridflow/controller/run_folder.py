@@ -5,7 +5,9 @@ before it writes anything there, and holds it until the run ends. Two runs writi
 corrupt each other silently (metrics.jsonl with steps 1,1,2,2; each checkpoint whichever run wrote
 it last), so a second run refuses to start, naming the holder's pid. ``flock`` locks belong to the
 open file, so the kernel releases the lock when its holder dies, SIGKILL included: a stale lock of
-a dead run is simply taken over, never a file to delete by hand.
+a dead run is simply taken over, never a file to delete by hand. Holding the lock, set-up removes
+what killed runs left in the folder (``clean_leftovers``): temporary records and the checkpoint
+folder's temporary saves, whatever pid they name, since no other run can be writing them.
 
 No folder left behind:
 
@@ -23,6 +25,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -31,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hybridflow.config import Config, ConfigError
+from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE
 from hybridflow.tracking.loggers import METRICS_FILENAME, STEP_KEY, TENSORBOARD_DIRNAME
 from hybridflow.tracking.timeline import TIMELINE_FILENAME
@@ -42,6 +46,10 @@ DEFAULT_RUNS_DIR = Path("runs")
 
 LOCK_FILE = ".run.lock"
 """The lock a run holds on its folder (``lock_run_folder``); it holds the holder's pid, host and start."""
+
+LEFTOVER = re.compile(r"^\.(?:.+\.tmp-|write-test-)\d+$")
+"""A record being replaced (``.<name>.tmp-<pid>``: rollout_dtype.json, the checkpoint manager's files)
+or set-up's write test (``.write-test-<pid>``): what a run killed at the wrong moment leaves."""
 
 SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE, LOCK_FILE})
 """Files set-up writes before the first step; the metrics file counts only while it holds no step.
@@ -138,6 +146,19 @@ def lock_run_folder(out: Path) -> None:
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
               .encode(), 0)
     _held[key] = fd
+    clean_leftovers(out)
+
+
+def clean_leftovers(out: Path) -> list[str]:
+    """Remove what killed runs left in ``out``, whose lock this process holds: temporary records
+    (``LEFTOVER``) and the checkpoint folder's leftovers (``CheckpointManager.clean_leftovers``),
+    whatever pid they name. Returns the names removed."""
+    removed = [p.name for p in out.iterdir() if LEFTOVER.match(p.name) and p.is_file()]
+    for name in removed:
+        (out / name).unlink(missing_ok=True)
+    if removed:
+        log.info("removed what a killed run left in %s: %s", out, ", ".join(removed))
+    return removed + CheckpointManager(out / "checkpoints", None).clean_leftovers(exclusive=True)
 
 
 def holds_lock(out: Path) -> bool:

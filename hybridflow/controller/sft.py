@@ -41,6 +41,7 @@ from hybridflow.models.tiny import TinyModelSpec, TinyVLSpec, write_tiny_model, 
 from hybridflow.training import distributed
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
+from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.files import give_default_modes
 from hybridflow.utils.threads import adjust_threads
 
@@ -187,8 +188,13 @@ def run_sft(
     device: torch.device,
     on_step: Callable[[int, TrainEngine, dict[str, float]], None] | None = None,
     examples: list[Trajectory] | None = None,
+    progress_dir: Path | None = None,
 ) -> dict[str, float]:
     """Fine-tune the model in ``model_dir`` on ``pairs`` and write the result to ``out_dir``.
+
+    ``progress_dir``: every ``PROGRESS_EVERY`` steps the weights, the optimizer, the schedule and
+    the sampler are saved there, and a call that finds them there goes on from them: a warm start
+    killed at step 400 of 500 costs 100 steps, not 500, and ends in the same weights, bitwise.
 
     ``on_step(step, engine, metrics)`` runs after every optimizer step (evaluation, snapshots).
     ``examples``: ready trajectories instead of ``pairs`` (``image_row_trajectories``: rows with
@@ -211,6 +217,7 @@ def run_sft(
     if examples is None:
         examples = sft_trajectories(pairs, tokenizer)
     sampler = ResumableSampler(len(examples), spec.batch_size, shuffle=True, seed=spec.seed)
+    done = _load_progress(progress_dir, engine, sampler, spec.steps) if progress_dir is not None else 0
     start = time.perf_counter()
 
     def report(step: int, metrics: dict[str, float]) -> None:
@@ -219,10 +226,14 @@ def run_sft(
         if step % 50 == 0 or step == spec.steps:
             log.info("warm start step %d/%d  loss %.3f  %.0f s", step, spec.steps, metrics["sft/loss"],
                      time.perf_counter() - start)
+        if progress_dir is not None and step % PROGRESS_EVERY == 0 and step < spec.steps:
+            _save_progress(progress_dir, step, engine, sampler)
+        maybe_fault("warm_start_step", step)  # tests kill the warm start here and run it again
 
     # The whole batch as one padded micro-batch: the recipe the cached warm starts were made with.
-    metrics = sft_loop(engine, examples, sampler, range(1, spec.steps + 1), pad_token_id=int(tokenizer.pad_token_id),
-                       micro_batches=lambda batch: [batch], use_remove_padding=False, on_step=report)
+    metrics = sft_loop(engine, examples, sampler, range(done + 1, spec.steps + 1),
+                       pad_token_id=int(tokenizer.pad_token_id), micro_batches=lambda batch: [batch],
+                       use_remove_padding=False, on_step=report)
     out = Path(out_dir)
     with hf_progress_bars_off():
         engine.model.save_pretrained(out, safe_serialization=True)
@@ -232,6 +243,50 @@ def run_sft(
     give_default_modes(out)  # safetensors writes mode 0600; a shared warm_start.cache_dir must stay readable
     metrics["sft/time_s"] = time.perf_counter() - start
     return metrics
+
+
+# Warm-start steps between saves of its progress (``run_sft``'s ``progress_dir``): a save of the
+# built-in model's weights and Adam moments takes ~10 MB and a fraction of a second, a step ~0.05-0.5 s.
+PROGRESS_EVERY = 50
+PROGRESS_FILE = "progress.pt"
+
+
+def _save_progress(folder: Path, step: int, engine: TrainEngine, sampler: ResumableSampler) -> None:
+    """Everything a warm start at ``step`` needs to go on as if it had not stopped, replaced whole."""
+    assert engine.optimizer is not None and engine.scheduler is not None
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict(),
+             "scheduler": engine.scheduler.state_dict(), "sampler": sampler.state_dict()}
+    partial = folder / f".{PROGRESS_FILE}.tmp"
+    torch.save(state, partial)
+    os.replace(partial, folder / PROGRESS_FILE)
+
+
+def _load_progress(folder: Path, engine: TrainEngine, sampler: ResumableSampler, steps: int) -> int:
+    """The steps a killed warm start made, put back from ``folder`` (0: none saved, or unreadable)."""
+    path = folder / PROGRESS_FILE
+    if not path.is_file():
+        return 0
+    assert engine.optimizer is not None and engine.scheduler is not None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        engine.model.load_state_dict(state["model"])
+        engine.optimizer.load_state_dict(state["optimizer"])
+        engine.scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        done = int(state["step"])
+    except Exception as error:  # our own scratch file, cut or damaged: any failure to read it
+        # Half-loaded weights would not be a warm start of this recipe: start over, saying so.
+        log.warning("built-in model: the warm start's saved progress %s cannot be used (%s); starting it over", path,
+                    str(error).splitlines()[0] if str(error) else type(error).__name__)
+        raise _StartOver from error
+    log.info("built-in model: the warm start goes on at step %d of %d, where a killed run left it (%s)", done + 1,
+             steps, folder)
+    return done
+
+
+class _StartOver(Exception):
+    """A warm start's saved progress could not be used: build from the beginning."""
 
 
 @dataclass(frozen=True)
@@ -314,8 +369,8 @@ def prepare_builtin_vl_model(
                                          vision=vision))
         log.info("built-in vision-language model: warm start (%d SFT steps on %d image rows, once per machine; "
                  "cached in %s)", spec.steps, len(rows), final)
-        run_sft(init_dir, [], tmp / "sft", spec, device,
-                examples=image_row_trajectories(rows, vision, int(tokenizer.eos_token_id), tokenizer))
+        _run_stage(init_dir, [], tmp / "sft", spec, device,
+                   examples=image_row_trajectories(rows, vision, int(tokenizer.eos_token_id), tokenizer))
         return tmp / "sft"
 
     return _cached_model(final, build)
@@ -335,9 +390,17 @@ def _cached_model(final: Path, build: Callable[[Path], Path]) -> Path:
         if (final / "config.json").is_file():
             log.info("built-in model: using %s, which another run just built", final)
             return final
-        tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        result = build(tmp)
+        # One build at a time holds the lock, so the scratch folder needs no pid: a build killed
+        # mid-way leaves it for the next one to go on from (``run_sft``'s progress).
+        tmp = final.parent / f".tmp-{final.name}"
+        for old in final.parent.glob(f".tmp-{final.name}-*"):  # scratch of killed builds named by pid
+            log.info("built-in model: removing %s, left by a killed warm start", old)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            result = build(tmp)
+        except _StartOver:
+            shutil.rmtree(tmp, ignore_errors=True)
+            result = build(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a directory without config.json is not a model
         os.replace(result, final)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -369,7 +432,7 @@ def _build_builtin_model(
 ) -> Path:
     """Write the built-in model (warm-started when ``spec`` is given) under ``tmp``; its folder."""
     init_dir = tmp / "init"
-    write_tiny_model(init_dir, model_spec, seed=0)
+    write_tiny_model(init_dir, model_spec, seed=0)  # the same bytes every time (seed 0)
     if spec is None:
         return init_dir
     if not pairs or not all(stage.pairs for stage in stages):
@@ -377,10 +440,25 @@ def _build_builtin_model(
     total = spec.steps + sum(stage.steps for stage in stages)
     log.info("built-in model: warm start (%d SFT steps, once per machine; cached in %s)", total, tmp.parent)
     result = tmp / "sft"
-    run_sft(init_dir, pairs, result, spec, device)
+    _run_stage(init_dir, pairs, result, spec, device)
     for index, stage in enumerate(stages, start=1):
         previous, result = result, tmp / f"sft-{index}"
         # Its own shuffle: the stage's seed differs from the first stage's.
         stage_spec = replace(spec, steps=stage.steps, seed=spec.seed + index, lr=stage.lr or spec.lr)
-        run_sft(previous, stage.pairs, result, stage_spec, device)
+        _run_stage(previous, stage.pairs, result, stage_spec, device)
     return result
+
+
+def _run_stage(model_dir: Path, pairs: list[SFTPair], out: Path, spec: SFTSpec, device: torch.device,
+               examples: list[Trajectory] | None = None) -> None:
+    """One warm-start stage into ``out``, unless a killed build finished it already: the stage is
+    written beside ``out`` and renamed into place, its progress kept until then (``run_sft``)."""
+    if (out / "config.json").is_file():
+        log.info("built-in model: warm-start stage %s was finished by a killed run; going on from it", out.name)
+        return
+    partial = out.with_name(f"{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    progress = out.with_name(f"{out.name}.progress")
+    run_sft(model_dir, pairs, partial, spec, device, examples=examples, progress_dir=progress)
+    os.replace(partial, out)
+    shutil.rmtree(progress, ignore_errors=True)

@@ -119,8 +119,10 @@ def test_two_sigterms_in_the_middle_of_a_save_stop_at_once_and_corrupt_nothing(u
     assert lines[-1] == ("stopped at once (a second SIGTERM), abandoning the step in hand: the same command resumes "
                          f"from the newest checkpoint, {newest}")
     assert not (out / "checkpoints" / "global_step_2").exists()
+    assert list((out / "checkpoints").glob(".tmp-global_step_2-*"))  # the save cut short left its folder
     verify_checkpoint(newest)
     resume_and_compare(out, user_files, reference)
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # which the next start removed
 
 
 def test_sigterm_in_the_middle_of_a_save_completes_it_then_stops(user_files, tmp_path):

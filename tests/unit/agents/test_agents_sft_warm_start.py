@@ -52,7 +52,7 @@ def test_a_conversation_must_end_with_an_assistant_turn(tokenizer) -> None:
 def test_stages_run_in_order_and_enter_the_cache_key(tmp_path, monkeypatch) -> None:
     runs: list[tuple[int, int, float, str]] = []
 
-    def fake_run_sft(model_dir, pairs, out_dir, spec, device):  # the SFT itself is tested elsewhere
+    def fake_run_sft(model_dir, pairs, out_dir, spec, device, **_):  # the SFT itself is tested elsewhere
         runs.append((spec.steps, spec.seed, spec.lr, pairs[0][1]))
         shutil.copytree(model_dir, out_dir)
 
@@ -78,7 +78,7 @@ def test_runs_started_together_share_one_warm_start(tmp_path, monkeypatch) -> No
     runs: list[str] = []
     started, release = threading.Event(), threading.Event()
 
-    def slow_run_sft(model_dir, pairs, out_dir, spec, device):
+    def slow_run_sft(model_dir, pairs, out_dir, spec, device, **_):
         runs.append(threading.current_thread().name)
         started.set()
         release.wait(timeout=30)

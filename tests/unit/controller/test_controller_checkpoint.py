@@ -324,8 +324,11 @@ def test_leftovers_of_killed_writers_are_cleaned_at_start(tmp_path):
     mgr = CheckpointManager(tmp_path, max_to_keep=None)
     mgr.save(1, {"step": 1}, write_actor)
     dead = dead_pid()
-    stale = [f".latest.tmp-{dead}", f".tmp-global_step_2-{dead}", ".tmp-global_step_3", ".trash-global_step_0-1"]
-    live = [f".latest.tmp-{os.getpid()}", f".tmp-global_step_4-{os.getpid()}"]
+    # This process's own pid names a killed run's files too (a container's restart reuses pids):
+    # it writes nothing before it cleans.
+    stale = [f".latest.tmp-{dead}", f".tmp-global_step_2-{dead}", ".tmp-global_step_3", ".trash-global_step_0-1",
+             f".latest.tmp-{os.getpid()}"]
+    live = [f".latest.tmp-{os.getppid()}", f".tmp-global_step_4-{os.getppid()}"]
     for name in stale + live:
         if "latest" in name:
             (tmp_path / name).write_text("global_step_9\n")

@@ -157,3 +157,44 @@ def test_a_new_folder_another_run_holds_is_never_removed_by_a_refused_run(tmp_pa
                 holder.kill()
                 holder.wait()
     assert (out / LOCK_FILE).is_file()
+
+
+def test_the_next_start_removes_what_killed_runs_left_whatever_pid_they_name(tmp_path):
+    """A killed run leaves temporary names with its pid; a container's restart gives the next run
+    the same pid, and another live process may have it: under the lock none of them is a writer."""
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    (ckpts / "global_step_2").mkdir(parents=True)
+    (ckpts / "global_step_2" / "manifest.json").write_text("{}")
+    (ckpts / "latest").write_text("global_step_2\n")
+    leftovers = {
+        out / f".rollout_dtype.json.tmp-{os.getppid()}": "a live pid",
+        out / f".write-test-{os.getpid()}": "this process's own pid",
+        ckpts / f".latest.tmp-{os.getpid()}": "",
+        ckpts / f".latest.tmp-{os.getppid()}": "",
+        ckpts / ".trash-global_step_1" / "manifest.json": "{}",
+        ckpts / f".tmp-global_step_3-{os.getppid()}" / "trainer_state.json": "{}",
+    }
+    for path, text in leftovers.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (out / "config.yaml").write_text("trainer: {}\n")
+    (out / "notes.tmp-1").write_text("the user's")  # not a name hybridflow writes
+    cfg = load_config("grpo", overrides=[f"trainer.output_dir={out}"])
+    with discard_run_folder_on_failure(cfg):
+        resolve_output_dir(cfg)
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE, "checkpoints", "config.yaml", "notes.tmp-1"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["global_step_2", "latest"]
+
+
+def test_a_checkpoint_folder_outside_the_run_folder_keeps_a_live_writers_save(tmp_path):
+    """Without the run's lock over it (trainer.checkpoint_dir elsewhere) only saves whose writer is
+    gone, or is this process, are leftovers."""
+    from hybridflow.controller.checkpoint import CheckpointManager
+
+    live = tmp_path / f".tmp-global_step_3-{os.getppid()}"
+    own = tmp_path / f".latest.tmp-{os.getpid()}"
+    live.mkdir()
+    own.write_text("")
+    assert CheckpointManager(tmp_path, None).clean_leftovers() == [own.name]
+    assert live.is_dir()
