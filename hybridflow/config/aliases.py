@@ -31,6 +31,9 @@ PREFIXES: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.", "rollout."),
     ("actor_rollout_ref.ref.", "ref."),
     ("actor_rollout_ref.model.", "model."),
+    # verl's keyword arguments for the custom reward function: hybridflow's reward.reward_kwargs
+    # (passed to every call, checked against the function's signature at start-up).
+    ("custom_reward_function.reward_kwargs.", "reward.reward_kwargs."),
     # verl <= 0.7 kept the custom reward function at the top level.
     ("custom_reward_function.", "reward.custom_reward_function."),
     # The reward manager's own arguments (verl passes them to the manager's constructor).
@@ -38,6 +41,7 @@ PREFIXES: tuple[tuple[str, str], ...] = (
 )
 
 KEYS: dict[str, str] = {
+    "custom_reward_function.reward_kwargs": "reward.reward_kwargs",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor.use_dynamic_bsz",

@@ -178,3 +178,9 @@ def test_the_verl_quickstart_trains_here(files, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "global_step_1").is_dir()
     assert "adv_estimator: gae" in (tmp_path / "run" / "config.yaml").read_text()
     assert (tmp_path / "run" / "checkpoints" / "global_step_1" / "critic").is_dir()  # a critic was trained
+
+
+def test_verls_custom_reward_kwargs_are_hybridflows_reward_kwargs() -> None:
+    cfg = load_config(overrides=["custom_reward_function.reward_kwargs.alpha=0.5",
+                                 "custom_reward_function.reward_kwargs.mode=strict"])
+    assert cfg.reward.reward_kwargs == {"alpha": 0.5, "mode": "strict"}
