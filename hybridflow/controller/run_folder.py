@@ -136,7 +136,12 @@ def lock_run_folder(out: Path) -> None:
     fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as error:
+        if not isinstance(error, BlockingIOError):  # a file system without locks (ENOLCK): run unguarded
+            os.close(fd)
+            log.warning("could not lock %s (%s): nothing stops a second run from writing this folder at the same "
+                        "time", out / LOCK_FILE, error.strerror or error)
+            return
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not written its pid yet"
         os.close(fd)
         raise ConfigError(f"trainer.output_dir={str(out)!r} is in use by another run ({holder}); two runs in one "

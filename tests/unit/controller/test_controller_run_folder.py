@@ -198,3 +198,18 @@ def test_a_checkpoint_folder_outside_the_run_folder_keeps_a_live_writers_save(tm
     own.write_text("")
     assert CheckpointManager(tmp_path, None).clean_leftovers() == [own.name]
     assert live.is_dir()
+
+
+def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cfg = load_config("grpo", overrides=[f"trainer.output_dir={tmp_path / 'run'}"])
+    with caplog.at_level("WARNING"), discard_run_folder_on_failure(cfg):
+        out = resolve_output_dir(cfg)
+        assert not holds_lock(out)
+    assert "No locks available" in caplog.text and "nothing stops a second run" in caplog.text
