@@ -214,7 +214,8 @@ class FSDPConfig:
     fsdp_size: int = f(
         -1,
         "Ranks per FSDP2 shard group; the groups replicate (HSDP): parameter gathers stay within a "
-        "group, only gradients cross groups. -1: shard over every data-parallel rank.",
+        "group, only gradients cross groups. -1, or at least the rank count (as verl): shard over every "
+        "data-parallel rank.",
     )
     param_offload: bool = f(
         False, "Keep sharded parameters, gradients and the optimizer step on the CPU (FSDP2 CPUOffloadPolicy; GPU runs)."

@@ -914,9 +914,11 @@ def _check_backend(cfg: Config, report: _Report) -> None:
         report.warn("trainer.ray_dashboard=true has no effect with trainer.ray_address: the joined cluster keeps its "
                     "own dashboard settings")
     fsdp = cfg.actor.fsdp_config
-    if fsdp.fsdp_size != -1 and (fsdp.fsdp_size < 1 or dp % fsdp.fsdp_size):
+    # verl's create_device_mesh shards over every rank when fsdp_size >= the ranks (its 64-GPU
+    # example's fsdp_size=32 on fewer GPUs): the same here.
+    if fsdp.fsdp_size != -1 and fsdp.fsdp_size < dp and (fsdp.fsdp_size < 1 or dp % fsdp.fsdp_size):
         report.error(f"actor.fsdp_config.fsdp_size={fsdp.fsdp_size} must divide the {dp} data-parallel ranks "
-                     f"({dp_source(t)}), or be -1 (shard over all of them)")
+                     f"({dp_source(t)}), or be -1 or at least {dp} (shard over all of them)")
     if fsdp.param_offload and t.device == "cpu":
         report.error("actor.fsdp_config.param_offload=true moves parameters from the GPU to the CPU, but "
                      f"trainer.device={t.device}: on a CPU run they are in host memory already")

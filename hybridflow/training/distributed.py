@@ -267,9 +267,10 @@ def shard_mesh(fsdp_size: int | None):
     from torch.distributed.device_mesh import init_device_mesh
 
     world = world_size()
-    full = fsdp_size is None or fsdp_size in (-1, world)
+    full = fsdp_size is None or fsdp_size == -1 or fsdp_size >= world  # verl's create_device_mesh: >= world is all
     if not full and (fsdp_size < 1 or world % fsdp_size):
-        raise ValueError(f"fsdp_size={fsdp_size} must divide the {world} data-parallel ranks (or be -1: all of them)")
+        raise ValueError(f"fsdp_size={fsdp_size} must divide the {world} data-parallel ranks (or be -1 or at least "
+                         f"{world}: all of them)")
     device_type = _comm_device().type
     if full:
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))

@@ -453,3 +453,12 @@ def test_the_by_reference_data_plane_refuses_an_estimator_input_made_from_tokens
         resolve_plugins(load_config(overrides=["algorithm.adv_estimator=optimal_token_baseline", "trainer.mode=fully_async",
                                                "trainer.data_plane=refs"]))
     assert error.value.key == "trainer.data_plane"
+
+
+def test_fsdp_size_at_least_the_ranks_shards_over_all_of_them() -> None:
+    """verl's create_device_mesh shards over every rank when fsdp_size >= the ranks (its 64-GPU
+    example's fsdp_size=32, run on 8); a smaller size must divide them."""
+    warnings_for("trainer.backend=ray", "trainer.n_workers=4", "actor.fsdp_config.fsdp_size=32")  # valid
+    warnings_for("trainer.backend=ray", "trainer.n_workers=4", "actor.fsdp_config.fsdp_size=2")
+    assert "actor.fsdp_config.fsdp_size=3 must divide the 4 data-parallel ranks" in errors_for(
+        "trainer.backend=ray", "trainer.n_workers=4", "actor.fsdp_config.fsdp_size=3")
