@@ -512,9 +512,9 @@ class RolloutConfig:
         True,
         "Split a prompt longer than what is left of max_num_batched_tokens over several steps (verl's and vLLM's "
         "key). false: a step's prefill still stops at the budget, but a prompt is always prefilled whole in one "
-        "step, so every prompt must fit it: max_num_batched_tokens >= data.max_prompt_length + "
-        "data.max_response_length (vLLM's rule; the native engine refuses a longer prompt, vLLM raises the budget "
-        "to the model's context, SGLang gets --chunked-prefill-size -1). vLLM on a CPU always runs with it off (its "
+        "step: one longer than the whole budget has a step of its own (the native engine; SGLang, given "
+        "--chunked-prefill-size -1, bounds a prefill batch by the larger of the budget and the context; vLLM gets "
+        "the budget raised to the model's context, as it refuses less). vLLM on a CPU always runs with it off (its "
         "seeded sampling cannot resume a split prompt there).",
     )
     mode: str = f(

@@ -218,15 +218,18 @@ def _check_refs_data_plane(cfg: Config, report: _Report) -> None:
 
 
 def _check_prefill_budget(cfg: Config, report: _Report) -> None:
-    """With chunked prefill off a prompt is prefilled whole in one step, so the budget must hold the longest
-    sequence (vLLM's rule); the native engine would otherwise refuse long prompts mid-run."""
+    """With chunked prefill off a prompt is prefilled whole in one step. A budget below the longest
+    sequence is what verl's SGLang examples set (verl gives SGLang neither key): every engine still
+    prefills such a prompt whole, in a step of its own (SGLang bounds a prefill batch by the larger of
+    the budget and the context; the native engine does the same; vLLM, which refuses to start below
+    its context with chunking off, gets the budget raised to it), so this is a note, not an error."""
     r, d = cfg.rollout, cfg.data
     longest = d.max_prompt_length + d.max_response_length
     if not r.enable_chunked_prefill and r.max_num_batched_tokens < longest:
-        report.error(f"rollout.enable_chunked_prefill=false prefills each prompt whole in one step, so "
-                     f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} must hold a whole sequence of "
-                     f"data.max_prompt_length + data.max_response_length = {longest} tokens; raise it, or set "
-                     f"rollout.enable_chunked_prefill=true")
+        report.warn(f"rollout.enable_chunked_prefill=false with rollout.max_num_batched_tokens="
+                    f"{r.max_num_batched_tokens} below a whole sequence (data.max_prompt_length + "
+                    f"data.max_response_length = {longest} tokens): a longer prompt is prefilled whole in a step of "
+                    f"its own (vLLM gets the budget raised to the model's context)")
 
 
 def _check_raw_chat_and_images(cfg: Config, report: _Report) -> None:

@@ -17,7 +17,9 @@ demand on the caller's event loop, exiting when there is nothing left) runs *ste
 2. runs the model in a worker thread (``_execute``): at most one prefill forward over prompt
    chunks (``max_prefill_tokens`` per step, so a long prompt is prefilled in chunks while decoding
    goes on; with ``enable_chunked_prefill=False`` a prompt is never split: one that does not fit
-   what is left of the step's budget waits for the next step), then one decode forward over every
+   what is left of the step's budget waits for the next step, and one longer than the whole budget
+   is prefilled alone in a step of its own, as SGLang bounds a prefill batch by the larger of its
+   budget and the context), then one decode forward over every
    running sequence, then sampling;
 3. records the step on the event-loop thread (``_apply``): appends each row's token and logprob,
    finishes rows on a stop token, stop string or ``max_tokens``, resolves a request's future once
@@ -433,8 +435,9 @@ class NativeEngine:
     ``recompute_stale_kv`` recomputes the keys and values of samples in flight under new weights
     (exact per-version logprobs; see "partial rollout" in the module docstring); False keeps them.
     ``max_prefill_tokens`` is a step's budget of prompt tokens (``rollout.max_num_batched_tokens``);
-    ``enable_chunked_prefill=False`` never splits a prompt over steps (vLLM's meaning), so a prompt
-    with more tokens to prefill than the whole budget is refused at intake.
+    ``enable_chunked_prefill=False`` never splits a prompt over steps (vLLM's meaning); a prompt
+    with more tokens to prefill than the whole budget is prefilled alone in a step of its own
+    (SGLang's rule; hybridflow's vLLM adapter raises vLLM's budget to the context for the same).
     """
 
     def __init__(
@@ -815,12 +818,6 @@ class NativeEngine:
             raise ValueError(f"request {label}: {exc}") from None
         if request.params.stop and self._tokenizer is None:
             raise ValueError(f"request {label}: stop strings need an engine built with a tokenizer")
-        if not self._chunked_prefill and len(prompt) - 1 > self._max_prefill_tokens:
-            raise ValueError(
-                f"request {label}: a prompt of {len(prompt)} tokens prefills {len(prompt) - 1} at once, more than a "
-                f"step's budget of {self._max_prefill_tokens} (rollout.max_num_batched_tokens) with chunked prefill "
-                f"off; raise the budget or set rollout.enable_chunked_prefill=true"
-            )
         length = len(prompt) + self._max_tokens(request) - 1
         if not self._cache.fits_alone(length):
             raise ValueError(
@@ -969,8 +966,13 @@ class NativeEngine:
             free = self._free_rows(max(self._needed_capacity(), request.cache_length), live)
             if claimed >= free and (claimed or live):
                 break
-            if not self._chunked_prefill and self._uncached_length(request) > budget:
-                break  # prefilled whole or not at all: it starts in a later step, first in line
+            whole = self._uncached_length(request)
+            if not self._chunked_prefill and whole > budget and not (
+                whole > self._max_prefill_tokens and budget == self._max_prefill_tokens
+            ):
+                # Prefilled whole or not at all: it starts in a later step, first in line. One longer
+                # than the whole budget starts first in a step and has that step to itself.
+                break
             self._waiting.popleft()
             if len(deferred) < MAX_DEFERRED_PROMPTS and self._next_block_in_prefill(request, producing):
                 # Its next prefix block is being computed by a prompt already prefilling (requests
@@ -984,7 +986,7 @@ class NativeEngine:
             if blocks:
                 restores.append(_Restore(request.prompt_slot, blocks))
             start = len(blocks) * self._prefix_cache.block_size if self._prefix_cache is not None else 0
-            end = min(request.prefix_length, start + budget)
+            end = min(request.prefix_length, start + budget) if self._chunked_prefill else request.prefix_length
             if end > start:
                 chunks.append(_Chunk(request, request.prompt_slot, start, end))
             budget -= end - start

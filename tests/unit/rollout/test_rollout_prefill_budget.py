@@ -104,11 +104,17 @@ def test_without_chunking_a_step_stops_at_the_budget_and_never_splits_a_prompt(m
                                                                                    [(5, 10)]]
 
 
-def test_without_chunking_a_prompt_longer_than_the_budget_is_refused(model):
+def test_without_chunking_a_prompt_longer_than_the_budget_is_prefilled_whole_in_a_step_of_its_own(model):
+    """SGLang's bound (the larger of the budget and the context): verl's examples turn chunking off with a
+    budget below their longest prompt, and the prompt is still prefilled whole, alone in its step."""
     engine = make_engine(model, max_prefill_tokens=16, enable_chunked_prefill=False)
-    with pytest.raises(ValueError, match=r"rollout\.max_num_batched_tokens.*enable_chunked_prefill=true"):
-        generate(engine, [LONG_PROMPT])
-    assert generate(engine, [PROMPTS[1]])[0].response_ids == reference_greedy(model, PROMPTS[1], 10, {EOS})
+    steps = record_chunks(engine)
+    long, short = generate(engine, [LONG_PROMPT, PROMPTS[1]])
+    prefilling = [[(start, end) for start, end, _ in chunks] for chunks in steps if chunks]
+    assert prefilling[0] == [(0, 40)]  # the 40 tokens at once, nothing else in that step
+    assert [(0, len(PROMPTS[1]) - 1)] in prefilling[1:]
+    assert long.response_ids == reference_greedy(model, LONG_PROMPT, 10, {EOS})
+    assert short.response_ids == reference_greedy(model, PROMPTS[1], 10, {EOS})
 
 
 def test_the_rollout_factory_gives_the_native_engine_the_budget(model):
@@ -152,7 +158,7 @@ def test_sglang_gets_the_budget_as_its_chunk_size_and_prefill_tokens():
     assert flags() == {}
 
 
-def test_chunked_prefill_off_needs_a_budget_of_a_whole_sequence():
+def test_chunked_prefill_off_with_a_budget_below_a_whole_sequence_is_a_note():
     from hybridflow.api import make_config
     from hybridflow.config import ConfigError
     from hybridflow.config.validate import validate_config
@@ -161,9 +167,11 @@ def test_chunked_prefill_off_needs_a_budget_of_a_whole_sequence():
     validate_config(make_config(overrides=[*lengths, "rollout.enable_chunked_prefill=false",
                                            "rollout.max_num_batched_tokens=1024"]))
     validate_config(make_config(overrides=[*lengths, "rollout.max_num_batched_tokens=256"]))  # chunked: any budget
-    with pytest.raises(ConfigError, match=r"rollout\.max_num_batched_tokens=1000 must hold a whole sequence"):
-        validate_config(make_config(overrides=[*lengths, "rollout.enable_chunked_prefill=false",
-                                     "rollout.max_num_batched_tokens=1000"]))
+    # Below a whole sequence: a note (every engine prefills a longer prompt whole, in a step of its own).
+    (warning,) = [w for w in validate_config(make_config(overrides=[
+        *lengths, "rollout.enable_chunked_prefill=false", "rollout.max_num_batched_tokens=1000"]))
+        if "max_num_batched_tokens" in w]
+    assert "max_num_batched_tokens=1000 below a whole sequence" in warning and "step of its own" in warning
     with pytest.raises(ConfigError, match=r"rollout\.max_num_batched_tokens=0 must be >= 1"):
         validate_config(make_config(overrides=["rollout.max_num_batched_tokens=0"]))
 
