@@ -909,7 +909,12 @@ class TrainerConfig:
         "on 127.0.0.1 only.",
     )
     ray_dashboard: bool = f(False, "Start the Ray dashboard (on 127.0.0.1) with the local cluster; needs ray[default].")
-    device: str = f("auto", "auto | cpu | cuda.", choices=("auto", "cpu", "cuda"))
+    device: str = f(
+        "auto",
+        "auto | cpu | cuda. npu (verl's Ascend device) is read so that a verl NPU config can be checked; no machine "
+        "runs it (hybridflow has no NPU backend): config explain lists it under 'cannot run here', train refuses it.",
+        choices=("auto", "cpu", "cuda", "npu"),
+    )
     device_memory_gb: float | None = f(
         None,
         "Memory of one device in GiB (2^30 bytes; the GPU's, or the RAM a CPU rank may use), for the memory plan "

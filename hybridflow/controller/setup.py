@@ -658,7 +658,11 @@ def machine_problems(cfg: Config) -> list[MachineProblem]:
         problems.append(MachineProblem(message, key=key))
 
     cuda = torch.cuda.is_available()
-    if t.device == "cuda" and not cuda:
+    if t.device == "npu":
+        # The rest of a verl NPU config is judged as it is (a CUDA cluster runs it with trainer.device=cuda).
+        lack("trainer.device=npu: hybridflow has no Ascend NPU backend (torch_npu), here or on any other machine; "
+             "the same config runs on CUDA GPUs with trainer.device=cuda", "trainer.device")
+    elif t.device == "cuda" and not cuda:
         lack("trainer.device=cuda but CUDA is not available here (no GPU, or a CPU build of torch); use "
              "trainer.device=cpu or auto, or run on a GPU machine", "trainer.device")
     elif t.device == "cuda" and t.n_workers is None and t.ray_address is None:

@@ -368,3 +368,16 @@ def test_an_unresolvable_interpolation_in_the_users_file_names_its_key(verl_tree
         """)
     with pytest.raises(ConfigError, match=r"'trainer.experiment_name' cannot be resolved.*HF_TEST_NEVER_SET"):
         load_config(config_path=str(folder), config_name="env", overrides=_tiny([]))
+
+
+def test_a_verl_npu_config_is_explained_with_npu_as_what_no_machine_here_has(capsys, tmp_path) -> None:
+    """verl's Ascend examples (trainer.device=npu) are judged as configs; NPU itself is listed as
+    'cannot run here' on every machine (hybridflow has no NPU backend), and train refuses it."""
+    npu = ["actor_rollout_ref.model.path=builtin:tiny", "algorithm.adv_estimator=grpo", "trainer.device=npu"]
+    code = main(["config", "explain", *npu])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    (line,) = [line.strip() for line in out.splitlines() if "cannot run here:" in line]
+    assert "trainer.device=npu: hybridflow has no Ascend NPU backend" in line and "trainer.device=cuda" in line
+    assert main(["train", *npu, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    assert "Ascend NPU" in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -224,7 +224,7 @@ def test_bad_choice_suggests_closest() -> None:
 
 def test_bool_into_str_choice_without_that_choice_is_refused() -> None:
     err = error_of(overrides=["trainer.device=true"])
-    assert "allowed values: auto, cpu, cuda" in str(err)
+    assert "allowed values: auto, cpu, cuda, npu" in str(err)
 
 
 # --------------------------------------------------------------------------------------------
