@@ -372,9 +372,18 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.rollout.disable_log_stats": ignore("the engine's own statistics log; hybridflow logs rollout/* metrics"),
         f"{ar}.rollout.do_sample": refuse("training samples are drawn with rollout.temperature (0: greedy)",
                                           unless=(True,)),
-        f"{ar}.rollout.over_sample_rate": refuse(
-            "a sync step waits for every sample; trainer.mode=fully_async with async_training.consume_order="
-            "completion trains on the groups that finish first", unless=(0,)),
+        # verl declares it ("abort the rest once (1 - rate) of the requests completed") but no verl code reads
+        # it: every request completes there, as here.
+        f"{ar}.rollout.over_sample_rate": ignore(
+            "declared by verl but read by none of its code (every request completes, as here); to train on the "
+            "groups that finish first, trainer.mode=fully_async with async_training.consume_order=completion"),
+        # Keys of verl's SGLang server-mode YAML (examples/sglang_multiturn/config/*_server.yaml) that no verl code
+        # reads any more.
+        f"{ar}.rollout.sglang_rollout_mode": ignore(
+            "read by no verl code (its SGLang rollout picks its own mode); hybridflow's HTTP generation is "
+            "rollout.mode=server"),
+        f"{ar}.rollout.server.*": ignore("verl's SGLang server client settings (timeouts, retries, connections), "
+                                         "read by none of its rollout code; " + SPEED),
         f"{ar}.rollout.multi_stage_wake_up": ignore(SPEED),
         f"{ar}.rollout.engine_kwargs.vllm": refuse("hybridflow passes vLLM no extra engine arguments", unless=_empty),
         f"{ar}.rollout.engine_kwargs.sglang": refuse("hybridflow passes SGLang no extra engine arguments",
@@ -447,10 +456,13 @@ def _rules() -> dict[str, Rule]:
         "data.video_key": refuse("hybridflow reads no video column", unless=("videos",)),
         "data.trust_remote_code": forward("model.trust_remote_code covers the tokenizer and processor",
                                           unless=(False,), to="model.trust_remote_code"),
-        "data.custom_cls.*": refuse("hybridflow reads parquet or JSONL rows in verl's schema with its own dataset",
-                                    unless=(None,)),
-        "data.sampler.*": refuse("hybridflow's sampler shuffles by data.shuffle and data.seed; no custom sampler",
-                                 unless=(None,)),
+        "data.custom_cls.*": refuse(
+            "hybridflow has no dataset class to plug in: write the rows your class would make (prompt, data_source, "
+            "reward_model.ground_truth, extra_info) to a parquet or JSONL file and give it as data.train_files",
+            unless=(None,)),
+        "data.sampler.*": refuse(
+            "hybridflow has no sampler class to plug in: it shuffles by data.shuffle and data.seed (for a fixed "
+            "curriculum, write the rows in order and set data.shuffle=false)", unless=(None,)),
         "data.datagen.*": refuse("hybridflow trains on data.train_files; no dynamic data generation", unless=(None,)),
         "data.return_multi_modal_inputs": ignore("images reach the model through its processor either way"),
         "data.apply_chat_template_kwargs": refuse(

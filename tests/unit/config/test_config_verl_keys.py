@@ -252,3 +252,15 @@ def test_a_global_micro_batch_in_a_yaml_file(tmp_path):
     assert load_config(config_file=path).actor.ppo_micro_batch_size_per_gpu == 8
     with pytest.raises(ConfigError, match="only a whole config"):
         translate_key("actor_rollout_ref.actor.ppo_micro_batch_size", 32)
+
+
+def test_keys_verl_declares_but_never_reads_are_accepted_as_verl_runs_them():
+    """over_sample_rate (no verl code reads it: every request completes) and the SGLang server-mode
+    YAML's sglang_rollout_mode / server.* load at any value and change nothing."""
+    cfg = load_config(overrides=["actor_rollout_ref.rollout.over_sample_rate=0.1",
+                                 "actor_rollout_ref.rollout.sglang_rollout_mode=server",
+                                 "actor_rollout_ref.rollout.server.timeout=60"])
+    assert cfg == load_config(overrides=["actor_rollout_ref.hybrid_engine=true"])  # another verl line that sets nothing
+    for key in ("data.custom_cls.path=my/dataset.py", "data.sampler.class_name=RandomCurriculumSampler"):
+        with pytest.raises(ConfigError, match="data.train_files|data.shuffle=false"):
+            load_config(overrides=[key])
