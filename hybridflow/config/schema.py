@@ -416,6 +416,13 @@ class MultiTurnConfig:
         "tool files too: class_name SandboxFusionTool is the python tool, other verl classes are refused naming "
         "what to write instead), builtin:<name>[,<name>...] for built-in tools (calculator, python), or null for none.",
     )
+    interaction_config_path: str | None = f(
+        None,
+        "A simulated user (verl's interaction file: interaction: - name, class_name, config): after each assistant "
+        "turn that calls no tool, the row's interaction (extra_info.interaction_kwargs.name) replies as the user "
+        "(loss mask 0) or ends the episode. verl's Gsm8kInteraction is built in (a strict GSM8K check of the last "
+        "answer: right ends it, wrong asks for another try); a hybridflow class is module:Class. null: none.",
+    )
     format: str = f("hermes", "Tool-call parser: hermes | qwen (<tool_call> JSON), or package.module:Class.")
     max_assistant_turns: int = f(5, "Most assistant turns per episode (a turn that still calls a tool then ends it).")
     max_parallel_calls: int = f(1, "Tool calls run per assistant turn; further calls in that turn get an error reply.")

@@ -30,6 +30,7 @@ import torch
 
 from hybridflow.agents import build_tool_parser, load_tools
 from hybridflow.agents.base import agent_loop_class, agent_name_of
+from hybridflow.agents.interactions import load_interaction_config
 from hybridflow.agents.openai_agent import load_agent_function
 from hybridflow.algorithms import (
     build_estimator_params,
@@ -486,6 +487,7 @@ def agent_setup(multi_turn: MultiTurnConfig) -> AgentSetup | None:
     return AgentSetup(
         default_agent=mt.default_agent_loop or "tool_agent",
         tool_config_path=mt.tool_config_path,
+        interaction_config_path=mt.interaction_config_path,
         tool_parser=mt.format,
         max_assistant_turns=mt.max_assistant_turns,
         max_parallel_calls=mt.max_parallel_calls,
@@ -512,6 +514,8 @@ def check_agent_setup(agent: AgentSetup, data: DataConfig) -> None:
     resolved("format", lambda: build_tool_parser(agent.tool_parser))
     tools = resolved("tool_config_path", lambda: load_tools(
         agent.tool_config_path, agent.max_tool_response_length, agent.tool_timeout_s))
+    if agent.interaction_config_path is not None:
+        resolved("interaction_config_path", lambda: load_interaction_config(agent.interaction_config_path))
     tool = TOOL_TASKS.get(data.builtin_task)
     if tool is not None and not data.train_files and (tools is None or tool not in tools.names):
         have = ", ".join(tools.names) if tools is not None else "none"

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
+from hybridflow.agents.interactions import load_interaction_config
 from hybridflow.data.plane import put_group, records_of
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
 from hybridflow.models.lora import AdapterMerger, is_adapter_payload
@@ -62,6 +63,7 @@ class AgentSetup:
 
     default_agent: str  # the loop for rows without an agent_name
     tool_config_path: str | None = None  # a YAML file, builtin:<name>[,...], or None (no tools)
+    interaction_config_path: str | None = None  # verl's interaction file, or None (no simulated user)
     tool_parser: str = "hermes"
     max_assistant_turns: int = 5
     max_parallel_calls: int = 1
@@ -107,11 +109,16 @@ def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
     """The runner for ``setup``: tools loaded and every named loop and parser resolved, so a bad
     name fails here, at start-up, not on the first batch."""
     tools = load_tools(setup.tool_config_path, setup.max_tool_response_length, setup.tool_timeout_s)
+    interaction = (load_interaction_config(setup.interaction_config_path)
+                   if setup.interaction_config_path is not None else None)
     context = AgentContext(
         tokenizer,
         tools=tools,
         tool_parser=setup.tool_parser,
         max_assistant_turns=setup.max_assistant_turns,
+        # verl's null max_user_turns: the user may reply after every assistant turn (never more often).
+        max_user_turns=setup.max_assistant_turns,
+        interaction=interaction,
         max_parallel_tool_calls=setup.max_parallel_calls,
         openai_agent=setup.openai_agent,
         openai_timeout_s=setup.openai_timeout_s,
