@@ -51,6 +51,7 @@ KEYS: dict[str, str] = {
     "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
     "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
     "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
+    "actor_rollout_ref.model.exclude_modules": "actor.lora.exclude_modules",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "trainer.default_local_dir": "trainer.checkpoint_dir",
     "global_profiler.steps": "trainer.profile.steps",

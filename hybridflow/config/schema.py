@@ -241,6 +241,11 @@ class LoraConfig:
         single_as_list=True,
     )
     dropout: float = f(0.0, "Dropout on the adapter's input, in [0, 1).")
+    exclude_modules: str | None = f(
+        None, "A regular expression of module names (matched whole, PEFT's exclude_modules, as verl passes it) that "
+        "get no adapter even when target_modules names them, e.g. '.*visual.*' keeps a vision tower without "
+        "adapters. null: none excluded.",
+    )
     sync: str = f(
         "merged",
         "What a weight sync sends the rollout: merged (W + B·A·alpha/rank under the base model's names, which "

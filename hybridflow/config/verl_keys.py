@@ -333,8 +333,6 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.ref.entropy_from_logits_with_chunking": ignore(SPEED),
         f"{ar}.ref.entropy_checkpointing": ignore(SPEED),
         # policy model
-        f"{ar}.model.exclude_modules": refuse("actor.lora.target_modules lists the adapted modules; there is no "
-                                              "exclude list", unless=(None,)),
         f"{ar}.model.lora_adapter_path": refuse("hybridflow starts LoRA adapters fresh (a run resumes its own from "
                                                 "its checkpoints)", unless=(None,)),
         f"{ar}.model.hf_config_path": refuse("hybridflow reads the model's config from model.path", unless=(None,)),

@@ -38,13 +38,14 @@ class LoraSpec:
     alpha: float
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
     dropout: float = 0.0
+    exclude_modules: str | None = None  # a regex of module names left without an adapter (PEFT's, as verl's)
 
     def peft_config(self):
         from peft import LoraConfig, TaskType
 
         targets: str | list[str] = ALL_LINEAR if list(self.target_modules) == [ALL_LINEAR] else list(self.target_modules)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=self.dropout,
-                          bias="none", task_type=TaskType.CAUSAL_LM)
+                          exclude_modules=self.exclude_modules, bias="none", task_type=TaskType.CAUSAL_LM)
 
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec):
@@ -225,7 +226,8 @@ def read_lora_manifest(model_dir: Path) -> tuple[str, LoraSpec] | None:
     try:
         payload = json.loads(path.read_text())
         spec = LoraSpec(rank=int(payload["rank"]), alpha=float(payload["alpha"]),
-                        target_modules=tuple(payload["target_modules"]), dropout=float(payload["dropout"]))
+                        target_modules=tuple(payload["target_modules"]), dropout=float(payload["dropout"]),
+                        exclude_modules=payload.get("exclude_modules"))  # absent in older checkpoints
         return str(payload["base_model_path"]), spec
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a LoRA manifest: {exc}") from exc

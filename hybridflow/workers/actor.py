@@ -665,7 +665,8 @@ class ActorWorker:
 
 def lora_spec(cfg: LoraConfig) -> LoraSpec:
     """``actor.lora`` (rank > 0) as the spec ``apply_lora`` takes."""
-    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, target_modules=tuple(cfg.target_modules), dropout=cfg.dropout)
+    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, target_modules=tuple(cfg.target_modules), dropout=cfg.dropout,
+                    exclude_modules=cfg.exclude_modules)
 
 
 def build_actor_policy_loss(cfg: ActorConfig, rc: RolloutCorrectionConfig) -> tuple[PolicyLossFn, Any]:

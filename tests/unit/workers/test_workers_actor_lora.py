@@ -444,3 +444,30 @@ def test_bf16_base_on_two_sharded_ranks_trains_like_one(model_dir):
         assert out["merged"][name].dtype == torch.bfloat16
         # Adapters equal to 1e-5 may still round W + delta to a neighbouring bf16 value: one ulp.
         torch.testing.assert_close(out["merged"][name].float(), tensor.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_exclude_modules_leaves_the_matching_layers_without_adapters_through_export(model_dir, tmp_path):
+    """actor.lora.exclude_modules (verl's actor_rollout_ref.model.exclude_modules): a regex of module names
+    that keep no adapter under target_modules=all-linear; the checkpoint's manifest keeps it, so the export
+    rebuilds the same adapted layers."""
+    from hybridflow.config import load_config
+    from hybridflow.controller import export
+
+    assert load_config(overrides=["actor_rollout_ref.model.exclude_modules=.*mlp.*"]).actor.lora.exclude_modules \
+        == ".*mlp.*"
+    actor = _actor(model_dir)
+    actor_cfg = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, use_dynamic_bsz=False)
+    actor_cfg.lora.rank, actor_cfg.lora.exclude_modules = 8, ".*mlp.*"
+    setup = ActorSetup(model_path=model_dir, device=torch.device("cpu"), temperature=1.0, rollout_n=4,
+                       total_optimizer_steps=10, max_response_length=16, max_prompt_length=8, dtype="float32")
+    excluded = ActorWorker(0, 1, actor_cfg, setup)
+    adapted = {n.split(".lora_")[0] for n in _adapters(actor)}
+    kept = {n.split(".lora_")[0] for n in _adapters(excluded)}
+    assert any(".mlp." in n for n in adapted) and not any(".mlp." in n for n in kept)
+    assert kept == {n for n in adapted if ".mlp." not in n} and kept  # attention keeps its adapters
+    excluded.update_actor(_batch())
+    excluded.save_checkpoint(str(tmp_path / "actor"))
+    export._write_export(tmp_path / "actor", tmp_path / "exported", export.EXPORT_SHARD_BYTES)
+    exported = load_causal_lm(str(tmp_path / "exported")).state_dict()
+    merged = dict(excluded.weights_for_sync())
+    assert all(torch.equal(exported[k], merged[k]) for k in merged)
