@@ -330,6 +330,12 @@ class ActorConfig:
         "Default false: on a 2-core CPU a compiled 20M-parameter model trained slower than eager (0.74x per step, "
         "bench/torch_compile.py), after a first step 2x longer.",
     )
+    freeze_vision_tower: bool = f(
+        False,
+        "Train a vision-language model's language part only: the image encoder (Qwen2-VL's visual, a vision_tower "
+        "or vision_model) keeps its loaded weights and the optimizer never holds them (verl's key). A text-only "
+        "model has none: a note says so. With LoRA use actor.lora.exclude_modules instead.",
+    )
 
 
 @dataclass

@@ -928,6 +928,11 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     elif fsdp.param_offload and dp == 1:
         report.error("actor.fsdp_config.param_offload=true is FSDP2's offload of sharded parameters; it needs "
                      "several data-parallel ranks (use actor.fsdp_config.optimizer_offload on one)")
+    if cfg.actor.freeze_vision_tower and cfg.actor.lora.rank > 0:
+        # LoRA already freezes every base weight; frozen adapters inside the tower would leave checkpoints
+        # and exports disagreeing on which adapters exist.
+        report.error("actor.freeze_vision_tower=true with actor.lora.rank > 0: LoRA trains only adapters; keep "
+                     "the vision tower out of them with actor.lora.exclude_modules (e.g. '.*visual.*') instead")
     _check_sequence_parallel(cfg, dp, report)
 
 

@@ -323,9 +323,6 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.actor.entropy_checkpointing": ignore(SPEED),
         f"{ar}.actor.use_fused_kernels": ignore(SPEED),
         f"{ar}.actor.use_prefix_grouper": ignore("shares a group's prompt forward; " + SPEED),
-        f"{ar}.actor.freeze_vision_tower": refuse(
-            "hybridflow trains every weight of a vision-language model (or only LoRA adapters: actor.lora.rank)",
-            unless=(False,)),
         # reference
         f"{ar}.ref.log_prob_use_dynamic_bsz": ignore(
             "the reference forms micro-batches as actor.use_dynamic_bsz says; micro-batching changes no result"),

@@ -122,3 +122,34 @@ def mrope_position_ids(
         input_ids, mm_token_type_ids=token_types, image_grid_thw=image_grid_thw, attention_mask=attention_mask
     )
     return position_ids
+
+
+# Where vision-language models keep their image encoder: Qwen2-VL / Qwen2.5-VL (``model.visual`` in
+# transformers >= 4.52, ``visual`` before), LLaVA-style ``vision_tower``, and ``vision_model``.
+_VISION_TOWER_PATHS = ("model.visual", "visual", "model.vision_tower", "vision_tower", "model.vision_model",
+                       "vision_model")
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The image encoder of a vision-language model, or None for a text-only one."""
+    for path in _VISION_TOWER_PATHS:
+        module: Any = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """verl's actor.freeze_vision_tower: the image encoder's parameters stop requiring grad, so the
+    optimizer never holds them and they keep their loaded values. Returns how many were frozen (0:
+    no vision tower, which verl also only reports)."""
+    tower = vision_tower(model)
+    if tower is None:
+        return 0
+    params = [p for p in tower.parameters() if p.requires_grad]
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in params)

@@ -52,6 +52,7 @@ from hybridflow.config.budget import (
 from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
+from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.models.lora import (
     LoraLayout,
     LoraSpec,
@@ -373,6 +374,12 @@ class ActorWorker:
             model = self.peft_model.get_base_model()
             keep_adapters_in(model, torch.float32)
             self.lora = LoraLayout.from_model(model)
+        if cfg.freeze_vision_tower:
+            # Before the engine: its optimizer holds only what requires grad.
+            frozen = freeze_vision_tower(model)
+            if self.rank == 0:
+                log.info("actor.freeze_vision_tower: %s", f"{frozen} vision-tower parameters frozen" if frozen
+                         else "the model has no vision tower")
         if setup.gradient_checkpointing:
             enable_activation_checkpointing(model)
             if self.lora is not None:
