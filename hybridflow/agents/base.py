@@ -119,6 +119,9 @@ class AgentContext:
     tool_parser: str = "hermes"  # a TOOL_PARSERS name or module:Class
     max_assistant_turns: int = 5
     max_user_turns: int = 5  # interaction replies per episode
+    # verl's max_user_turns (rollout.multi_turn.max_user_turns): turns of tool replies and interaction
+    # replies together; once this many happened the episode ends after the next assistant turn. None: no bound.
+    max_reply_turns: int | None = None
     max_parallel_tool_calls: int = 8  # calls per turn; more are answered with an error
     interaction: Interaction | None = None
     openai_agent: str | None = None  # the openai loop's function: module:function or file.py:function
@@ -128,6 +131,8 @@ class AgentContext:
         for name in ("max_assistant_turns", "max_user_turns", "max_parallel_tool_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentContext.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_reply_turns is not None and self.max_reply_turns < 0:
+            raise ValueError(f"AgentContext.max_reply_turns must be >= 0, got {self.max_reply_turns}")
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The schemas the prompt's chat template must be rendered with (``tools=``)."""

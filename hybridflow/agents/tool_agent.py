@@ -53,6 +53,7 @@ class _Episode:
     messages: list[Message] = field(default_factory=list)
     num_turns: int = 0
     user_turns: int = 0
+    reply_turns: int = 0  # turns of tool replies and of interaction replies (verl's user turns)
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
@@ -167,6 +168,11 @@ class ToolAgentLoop:
         self, episode: _Episode, text: str, metadata: dict[str, Any], is_last: bool
     ) -> list[Message] | None:
         """The messages that answer the assistant's turn, or None when the episode ends."""
+        limit = self.context.max_reply_turns
+        if limit is not None and episode.reply_turns >= limit:
+            # verl's max_user_turns: checked after the assistant turn, before its calls or the user.
+            episode.end("stop", "max_user_turns")
+            return None
         parsed = self.parser.parse(text) if len(self.tools) else ParsedTurn()
         if not parsed.items:
             messages = await self._ask_interaction(episode, metadata, is_last)
@@ -176,6 +182,7 @@ class ToolAgentLoop:
         else:
             messages = await self._run_tools(episode, parsed, metadata)
         if messages is not None:
+            episode.reply_turns += 1
             episode.messages.extend(messages)
         return messages
 

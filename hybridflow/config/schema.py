@@ -436,6 +436,11 @@ class MultiTurnConfig:
     )
     format: str = f("hermes", "Tool-call parser: hermes | qwen (<tool_call> JSON), or package.module:Class.")
     max_assistant_turns: int = f(5, "Most assistant turns per episode (a turn that still calls a tool then ends it).")
+    max_user_turns: int | None = f(
+        None, "verl's bound on user turns: turns of tool replies and interaction replies together; once this many "
+        "happened, the episode ends after the next assistant turn (its calls are not run). null or 0: no bound "
+        "beyond max_assistant_turns.",
+    )
     max_parallel_calls: int = f(1, "Tool calls run per assistant turn; further calls in that turn get an error reply.")
     max_tool_response_length: int = f(
         256,

@@ -93,6 +93,7 @@ _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.num_threads", 1),
     ("critic.ppo_epochs", 1),
     ("critic.ppo_mini_batch_size", 1),
+    ("rollout.multi_turn.max_user_turns", 0),  # verl's 0 is no bound, as null
 )
 """Like ``_POSITIVE_INTS`` but None is allowed (it means "no limit" / "default")."""
 

@@ -418,10 +418,6 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.rollout.mtp": refuse("hybridflow has no multi-token prediction", unless=_mtp_off),
         f"{ar}.rollout.layered_summon": ignore(SPEED),
         f"{ar}.rollout.ignore_eos": refuse("a response ends at its end-of-sequence token", unless=(False,)),
-        f"{ar}.rollout.multi_turn.max_user_turns": refuse(
-            "verl counts tool replies and the interaction's together; hybridflow bounds an episode by its assistant "
-            "turns: rollout.multi_turn.max_assistant_turns (verl's max_user_turns=N is max_assistant_turns=N+1 "
-            "when only tools reply)", unless=(None,)),
         f"{ar}.rollout.multi_turn.num_repeat_rollouts": refuse("each sample is one episode; rollout.n sets how many",
                                                                unless=(None,)),
         f"{ar}.rollout.multi_turn.tokenization_sanity_check_mode": ignore(

@@ -490,6 +490,7 @@ def agent_setup(multi_turn: MultiTurnConfig) -> AgentSetup | None:
         interaction_config_path=mt.interaction_config_path,
         tool_parser=mt.format,
         max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
         max_parallel_calls=mt.max_parallel_calls,
         max_tool_response_length=mt.max_tool_response_length,
         tool_timeout_s=mt.tool_timeout_s,

@@ -66,6 +66,7 @@ class AgentSetup:
     interaction_config_path: str | None = None  # verl's interaction file, or None (no simulated user)
     tool_parser: str = "hermes"
     max_assistant_turns: int = 5
+    max_user_turns: int | None = None  # verl's: tool and interaction reply turns per episode (None, 0: no bound)
     max_parallel_calls: int = 1
     max_tool_response_length: int = 256
     tool_timeout_s: float | None = None  # None: each tool's own limit
@@ -118,6 +119,7 @@ def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
         max_assistant_turns=setup.max_assistant_turns,
         # verl's null max_user_turns: the user may reply after every assistant turn (never more often).
         max_user_turns=setup.max_assistant_turns,
+        max_reply_turns=setup.max_user_turns or None,  # verl's 0 is no bound too
         interaction=interaction,
         max_parallel_tool_calls=setup.max_parallel_calls,
         openai_agent=setup.openai_agent,

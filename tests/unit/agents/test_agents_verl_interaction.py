@@ -88,3 +88,32 @@ def test_verls_interaction_config_path_reaches_the_agent_loop(tmp_path, tokenize
                                  f"rollout.multi_turn.interaction_config_path={write(tmp_path, 'x: 1')}"])
     with pytest.raises(ConfigError, match="rollout.multi_turn.interaction_config_path: interaction config"):
         check_agent_setup(agent_setup(bad.rollout.multi_turn), bad.data)
+
+
+def test_verls_max_user_turns_counts_tool_and_interaction_replies(tmp_path, tokenizer, scripted):
+    """verl's max_user_turns: after an assistant turn, once that many reply turns (tool replies and the
+    interaction's together) happened, the episode ends there, its calls not run; 0 or null: no bound."""
+    from hybridflow.agents.base import AgentContext, AgentRunner
+    from hybridflow.agents.tools import ToolRegistry, calculator
+
+    prompt = render_ids(tokenizer, [{"role": "user", "content": "How many?"}], add_generation_prompt=True)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*12"}}</tool_call>'
+    # tool, wrong answer (the interaction replies), tool, ...: reply turns 1, 2, 3.
+    engine = scripted(lambda text, turn: [call, "#### 71", call, "#### 72", call][turn])
+
+    def run(limit):
+        context = AgentContext(tokenizer, tools=ToolRegistry([calculator]), max_assistant_turns=5,
+                               interaction=load_interaction_config(write(tmp_path, GSM8K)), max_reply_turns=limit)
+        (episode,) = AgentRunner(context, default_agent="tool_agent").generate_sync(
+            [AgentRow(prompt, ROW)], SamplingParams(max_tokens=600), engine)
+        return episode
+
+    capped = run(2)
+    assert capped.num_turns == 3 and capped.metadata["agent_stop"] == "max_user_turns"
+    assert [m["role"] for m in capped.metadata["agent_messages"]] == ["assistant", "tool", "assistant", "user",
+                                                                       "assistant"]  # the third turn's call not run
+    free = run(None)
+    assert free.num_turns == 4 and free.metadata["agent_stop"] == "interaction_done"
+    cfg = load_config(overrides=["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                 "actor_rollout_ref.rollout.multi_turn.max_user_turns=5"])
+    assert agent_setup(cfg.rollout.multi_turn).max_user_turns == 5
