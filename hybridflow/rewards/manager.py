@@ -359,7 +359,7 @@ class RewardManager:
             remaining=n,
         )
         try:
-            self._ensure_workers()
+            self._ensure_workers(round_)
             while round_.remaining:
                 self._dispatch(round_)
                 self._poll(round_)
@@ -399,10 +399,15 @@ class RewardManager:
     def _live_workers(self) -> list[_WorkerHandle]:
         return [worker for worker in self._workers if worker is not None]
 
-    def _ensure_workers(self) -> None:
+    def _ensure_workers(self, round_: _Round | None = None) -> None:
         for slot, worker in enumerate(self._workers):
             if worker is None:
                 self._workers[slot] = self._start_worker(slot)
+            elif worker.state is _State.IDLE and multiprocessing.connection.wait([worker.process.sentinel], 0):
+                # Died between rounds (the OOM killer, a stray kill): it held no sample, so it is
+                # replaced before this round rather than charged with the first sample sent to it.
+                # (Its sentinel, unlike is_alive(), leaves it unreaped: see _terminate.)
+                self._replace(worker, round_)
 
     def _start_worker(self, slot: int) -> _WorkerHandle:
         parent_conn, child_conn = self._context.Pipe(duplex=True)

@@ -204,6 +204,18 @@ def test_a_hang_costs_one_timeout_and_a_restart(hostile: RewardManager) -> None:
     assert all(wait_until_gone(pid, 5.0) for pid in old_pids)
 
 
+def test_a_worker_killed_between_rounds_is_replaced_without_charging_a_sample(hostile: RewardManager) -> None:
+    # The OOM killer or a stray kill between steps: no sample was running, so none may score 0.
+    assert hostile.score([echo(1)]).scores == [1.0]
+    for pid in hostile.worker_pids:
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until_gone(pid, 5.0)
+    output = hostile.score([echo(1), echo(2), echo(3)])
+    assert output.scores == [1.0, 2.0, 3.0]
+    assert output.metrics["reward/error_rate"] == 0.0
+    assert output.metrics["reward/worker_restarts"] == float(len(hostile.worker_pids))
+
+
 def test_dict_results_report_their_numeric_extras(hostile: RewardManager) -> None:
     dict_result = ScoreRequest("test/hostile", "dict", "2"), ScoreRequest("test/hostile", "dict", "4")
     output = hostile.score([dict_result[0], echo(1), dict_result[1]])
