@@ -110,11 +110,11 @@ def run_sft_job(cfg: Config) -> SFTResult:
     columns = SFTColumns(cfg.sft.messages_key, cfg.data.prompt_key, cfg.sft.response_key)
     length = max_length(cfg)
     train, stats = load_sft_examples(cfg.data.train_files, tokenizer, columns, max_length=length,
-                                     truncation=cfg.sft.truncation)
+                                     truncation=cfg.sft.truncation, on_bad_row=cfg.data.on_bad_row)
     val: list[Trajectory] = []
     if cfg.data.val_files:
         val, _ = load_sft_examples(cfg.data.val_files, tokenizer, columns, max_length=length,
-                                   truncation=cfg.sft.truncation)
+                                   truncation=cfg.sft.truncation, on_bad_row=cfg.data.on_bad_row)
     log.info("sft: %s", stats.describe())
     if cfg.data.train_batch_size > len(train):
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {len(train)} training "

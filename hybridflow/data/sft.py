@@ -179,10 +179,11 @@ def sft_example(tokenizer, messages: list[dict[str, str]], max_length: int | Non
 
 def load_sft_examples(
     paths: Sequence[str | os.PathLike[str]], tokenizer, columns: SFTColumns, *, max_length: int | None,
-    truncation: str = "right",
+    truncation: str = "right", on_bad_row: str = "error",
 ) -> tuple[list[Trajectory], SFTDataStats]:
     """Every row of ``paths`` (parquet or JSON lines) as a training example. A malformed row is a
-    ``DataError`` naming file, row and column; an example left with no assistant token after
+    ``DataError`` naming file, row and column, or with ``on_bad_row="skip"`` (``data.on_bad_row``)
+    dropped, counted and logged with that same line; an example left with no assistant token after
     truncation to ``max_length`` is skipped, counted and warned about (a long prompt should not
     stop a run over a whole dataset)."""
     stats = SFTDataStats()
@@ -191,13 +192,20 @@ def load_sft_examples(
         for record in _read_records(path):
             stats.rows += 1
             where = f"{path} {record.where}"
-            if record.parse_error is not None:
-                raise DataError(f"{where}: {record.parse_error}")
-            messages = row_messages(record.value, columns, where)
             try:
-                traj, truncated = sft_example(tokenizer, messages, max_length, truncation)
+                if record.parse_error is not None:
+                    raise DataError(f"{where}: {record.parse_error}")
+                messages = row_messages(record.value, columns, where)
+                try:
+                    traj, truncated = sft_example(tokenizer, messages, max_length, truncation)
+                except DataError as exc:
+                    raise DataError(f"{where}: {exc}") from exc
             except DataError as exc:
-                raise DataError(f"{where}: {exc}") from exc
+                if on_bad_row != "skip":
+                    raise
+                stats.skipped["malformed (data.on_bad_row=skip)"] += 1
+                log.warning("skipped: %s", exc)
+                continue
             if traj is None:
                 stats.skipped["with no assistant token within the max length"] += 1
                 continue

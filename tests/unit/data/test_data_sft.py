@@ -159,6 +159,9 @@ def test_deep_nesting_and_lone_surrogates_are_one_line_errors_naming_the_row(tok
         load_sft_examples([path], tok, SFTColumns(), max_length=None)
     text = str(info.value)
     assert text.startswith(f"{path} {message}") and "\n" not in text, text
+    # data.on_bad_row=skip drops that row, counts it and keeps the good one.
+    examples, stats = load_sft_examples([path], tok, SFTColumns(), max_length=None, on_bad_row="skip")
+    assert len(examples) == stats.kept == 1 and stats.skipped == {"malformed (data.on_bad_row=skip)": 1}
 
 
 def test_a_fifo_is_not_a_regular_file(tok, tmp_path):
