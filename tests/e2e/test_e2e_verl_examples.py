@@ -92,8 +92,7 @@ def cli(*args: str) -> tuple[int, str]:
 
 # Lines whose refusals are being worked on (issue 32): strict, so each fails loudly once it passes.
 PENDING = {
-    "dapo": "override_config.max_position_embeddings and fsdp_size=32 on 8 ranks are refused",
-    "multi_turn_tool": "rollout.over_sample_rate=0.1 is refused",
+    "dapo": "override_config.max_position_embeddings is refused",
 }
 NAMES = [pytest.param(name, marks=pytest.mark.xfail(reason=PENDING[name], strict=True)) if name in PENDING else name
          for name in LINES]
