@@ -1,0 +1,54 @@
+"""A short chaos soak (bench/chaos_soak.py): the trainer SIGKILLed and SIGTERMed at random moments and
+at the fault points, its reward worker SIGKILLed, each time resumed, and the run still ends with
+the uninterrupted run's metrics, losing no step beyond the newest checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos_soak.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("chaos_soak", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["chaos_soak"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_run_killed_at_random_ends_with_the_uninterrupted_runs_metrics(tmp_path):
+    chaos = load_bench()
+    soak = chaos.soak_run(tmp_path, faults=5, seed=3, steps=8)
+    report = soak.report()
+    injected = sum(soak.injected.values())
+    # Every kind struck at least once: the kinds come in rounds of one each, in a random order.
+    assert set(soak.injected) == set(chaos.KINDS), report
+    assert injected >= 4, report
+    assert soak.restarts >= 3, report  # every fault but the reward worker's ends the trainer
+    assert soak.steps_lost == 0, report
+    assert soak.problems == [], report
+    assert soak.survived == injected, report
+    assert soak.equal, report
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "hybridflow/controller/trainer.py logs a step's metrics after saving its checkpoint: a kill in "
+    "between (here while the save prunes an old checkpoint) leaves checkpoint N without step N's "
+    "record, and the resume starts at N + 1, so the record is never written. Logging before the "
+    "save fixes it; then remove this mark."))
+def test_a_kill_while_a_save_prunes_keeps_the_steps_metrics_record(tmp_path):
+    chaos = load_bench()
+    files = chaos.write_inputs(tmp_path / "inputs")
+    out = tmp_path / "run"
+    # Checkpoint 3's save prunes checkpoint 1 (max_actor_ckpt_to_keep=2): killed there.
+    assert chaos.finish(chaos.start(out, files, 4, "checkpoint_delete@1")) == -9
+    assert chaos.newest_checkpoint(out) == 3
+    assert chaos.finish(chaos.start(out, files, 4)) == 0
+    assert sorted(chaos.per_step(out)) == [0, 1, 2, 3, 4]
