@@ -4,16 +4,18 @@ The run is small and fast (a tiny model on the built-in arithmetic task, ``train
 so every run computes the same numbers, ``trainer.save_freq=1``, the local backend). It runs once
 uninterrupted, then again while faults arrive at seeded random moments; after each fault that ends
 the trainer the same command is started again (``trainer.resume_mode=auto``) until the run
-completes. Fault kinds:
+completes. A fault strikes at a random moment of a trainer's life: during its start-up (a fifth
+of them), or a random fraction of a step into one of the next three steps, so every fault lands before
+the run ends. Fault kinds:
 
-- ``controller_kill``: SIGKILL of the trainer after a random wall-clock delay (an OOM kill, a lost
-  node): no cleanup, no save; the restart resumes from the newest complete checkpoint.
-- ``controller_term``: SIGTERM after a random delay (a scheduler's preemption): the trainer finishes
+- ``controller_kill``: SIGKILL of the trainer (an OOM kill, a lost node): no cleanup, no save; the restart resumes from the newest complete checkpoint.
+- ``controller_term``: SIGTERM (a scheduler's preemption): the trainer finishes
   the step, saves and exits 143; the restart resumes from that save.
 - ``fault_point``: ``HYBRIDFLOW_FAULT=<point>@<step>[:TERM]`` (``hybridflow/utils/faults.py``): the
   signal arrives exactly at the most damaging places, mid checkpoint write, mid prune, after a step.
-- ``reward_worker_kill``: SIGKILL of a scoring worker (a child of the trainer, found in /proc) after
-  a random delay: the trainer replaces it and goes on; no restart.
+- ``reward_worker_kill``: SIGKILL of a scoring worker (a child of the trainer, found in /proc): the
+  trainer replaces it and goes on; killed while it loads (the trainer's start-up), it ends the
+  trainer with exit 1 and the restart carries on.
 
 A fault is *survived* when the run then goes on to complete and nothing beyond the newest complete
 checkpoint at the moment of the fault is lost: each restart must resume from that checkpoint (or a
@@ -188,13 +190,14 @@ def fault_point(rng: random.Random, done: int, steps: int) -> str:
     if done >= steps:
         return ""  # the run is over: the next start only says so
     where, _, sig = rng.choice(FAULT_POINTS).partition(":")
-    low, high = done + 1, steps
+    # One of the next three steps, not the last (a signal in the last step ends a finished run).
+    low, high = done + 1, min(done + 3, steps - 1)
     if where == "checkpoint_delete":
         # checkpoint_delete@k strikes while checkpoint k is pruned, at the save of step k + 2
         # (trainer.max_actor_ckpt_to_keep=2).
-        low, high = max(done - 1, 1), steps - 2
+        low, high = max(done - 1, 1), min(done + 1, steps - 3)
     if low > high:
-        where, low, high = "after_step", done + 1, steps
+        where, low, high = "after_step", done + 1, max(done + 1, steps - 1)
     return f"{where}@{rng.randint(low, high)}" + (f":{sig}" if sig else "")
 
 
@@ -217,8 +220,9 @@ class Timing:
             except subprocess.TimeoutExpired:
                 return True
             return False
-        # Step k + 1 runs once step k is logged; the last step is excluded: its end is the run's.
-        after = rng.randint(max(logged, 0), max(logged, steps - 2))
+        # Step k + 1 runs once step k is logged. Within the next three steps, so that a run of S
+        # steps takes about S faults; the last step is excluded: its end is the run's.
+        after = min(max(logged, 0) + rng.randint(0, 2), max(logged, steps - 2))
         while run.poll() is None and max(per_step(out), default=-1) < after:
             time.sleep(0.05)
         try:
@@ -328,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=24, help="RL steps of the run")
+    parser.add_argument("--steps", type=int, default=32, help="RL steps of the run")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs and their logs here")
     args = parser.parse_args(argv)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="chaos_soak_"))

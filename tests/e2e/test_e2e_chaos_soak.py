@@ -25,7 +25,7 @@ def load_bench():
 
 def test_a_run_killed_at_random_ends_with_the_uninterrupted_runs_metrics(tmp_path):
     chaos = load_bench()
-    soak = chaos.soak_run(tmp_path, faults=5, seed=3, steps=8)
+    soak = chaos.soak_run(tmp_path, faults=5, seed=3, steps=10)
     report = soak.report()
     injected = sum(soak.injected.values())
     # Every kind struck at least once: the kinds come in rounds of one each, in a random order.
