@@ -8,9 +8,11 @@ completes. A fault strikes at a random moment of a trainer's life: during its st
 of them), or a random fraction of a step into one of the next three steps, so every fault lands before
 the run ends. Fault kinds:
 
-- ``controller_kill``: SIGKILL of the trainer (an OOM kill, a lost node): no cleanup, no save; the restart resumes from the newest complete checkpoint.
-- ``controller_term``: SIGTERM (a scheduler's preemption): the trainer finishes
-  the step, saves and exits 143; the restart resumes from that save.
+- ``controller_kill``: SIGKILL of the trainer (an OOM kill, a lost node): no cleanup, no save; the
+  restart resumes from the newest complete checkpoint.
+- ``controller_term``: SIGTERM (a scheduler's preemption): the trainer finishes the step, saves and
+  exits 143 (during start-up, before its handler is installed, it dies at once); the restart
+  resumes from that save.
 - ``fault_point``: ``HYBRIDFLOW_FAULT=<point>@<step>[:TERM]`` (``hybridflow/utils/faults.py``): the
   signal arrives exactly at the most damaging places, mid checkpoint write, mid prune, after a step.
 - ``reward_worker_kill``: SIGKILL of a scoring worker (a child of the trainer, found in /proc): the
