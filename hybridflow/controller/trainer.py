@@ -140,8 +140,11 @@ class Trainer:
                 if last or (trainer_cfg.test_freq > 0 and self.step % trainer_cfg.test_freq == 0):
                     metrics.update(self.validate())
                 save = (trainer_cfg.save_freq > 0 and self.step % trainer_cfg.save_freq == 0) or (last and trainer_cfg.save_final)
-                saved = (save or (interrupt.requested and not last)) and self.save_checkpoint()
+                # Logged before the save: a kill between the two then re-runs this step after the
+                # resume and logs it again (an identical record), where a kill after a save that
+                # came first left the checkpoint with no record of its step, never to be written.
                 run.tracker.log(metrics, step=self.step)
+                saved = (save or (interrupt.requested and not last)) and self.save_checkpoint()
                 run.progress.update(self.step, {k: metrics[m] for k, m in PROGRESS_KEYS.items() if m in metrics})
                 maybe_fault("after_step", self.step)
                 if interrupt.requested and not last:

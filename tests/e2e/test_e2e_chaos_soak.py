@@ -38,12 +38,10 @@ def test_a_run_killed_at_random_ends_with_the_uninterrupted_runs_metrics(tmp_pat
     assert soak.equal, report
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "hybridflow/controller/trainer.py logs a step's metrics after saving its checkpoint: a kill in "
-    "between (here while the save prunes an old checkpoint) leaves checkpoint N without step N's "
-    "record, and the resume starts at N + 1, so the record is never written. Logging before the "
-    "save fixes it; then remove this mark."))
 def test_a_kill_while_a_save_prunes_keeps_the_steps_metrics_record(tmp_path):
+    """The trainer logged a step's metrics after saving its checkpoint: a kill in between (here
+    while the save prunes an old checkpoint) left checkpoint N without step N's record, and the
+    resume started at N + 1, so the record was never written. It logs before the save now."""
     chaos = load_bench()
     files = chaos.write_inputs(tmp_path / "inputs")
     out = tmp_path / "run"
