@@ -198,6 +198,19 @@ def _chunks(n: int, num_workers: int) -> deque[list[int]]:
     return deque(list(range(start, min(start + size, n))) for start in range(0, n, size))
 
 
+def _has_exited(process: BaseProcess) -> bool:
+    """Whether ``process`` has exited, asked of the kernel without reaping it (``WNOWAIT``: its
+    exit code stays for ``_terminate``). Not its sentinel: a process it started may still hold the
+    sentinel pipe open for a while after it was killed (the chaos soak saw a SIGKILLed, zombie
+    worker whose sentinel was not yet readable)."""
+    if process.pid is None:
+        return False
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped: gone
+        return True
+
+
 def _terminate(worker: _WorkerHandle, graceful: bool) -> None:
     """Stop a worker and everything it spawned, and reap it.
 
@@ -403,11 +416,20 @@ class RewardManager:
         for slot, worker in enumerate(self._workers):
             if worker is None:
                 self._workers[slot] = self._start_worker(slot)
-            elif worker.state is _State.IDLE and multiprocessing.connection.wait([worker.process.sentinel], 0):
+            elif self._died_holding_nothing(worker, round_):
                 # Died between rounds (the OOM killer, a stray kill): it held no sample, so it is
                 # replaced before this round rather than charged with the first sample sent to it.
-                # (Its sentinel, unlike is_alive(), leaves it unreaped: see _terminate.)
                 self._replace(worker, round_)
+
+    def _died_holding_nothing(self, worker: _WorkerHandle, round_: _Round | None) -> bool:
+        """Exited while idle, or after it loaded: its READY may still be unread in the pipe (the
+        handle then says STARTING), so that is read first. A worker that died loading stays
+        STARTING and is left for ``_poll`` to report as a load failure."""
+        if worker.state is _State.BUSY or not _has_exited(worker.process):
+            return False
+        if worker.state is _State.STARTING:
+            self._drain(worker, round_)
+        return worker.state is _State.IDLE
 
     def _start_worker(self, slot: int) -> _WorkerHandle:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
