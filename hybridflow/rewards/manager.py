@@ -199,10 +199,10 @@ def _chunks(n: int, num_workers: int) -> deque[list[int]]:
 
 
 def _has_exited(process: BaseProcess) -> bool:
-    """Whether ``process`` has exited, asked of the kernel without reaping it (``WNOWAIT``: its
-    exit code stays for ``_terminate``). Not its sentinel: a process it started may still hold the
-    sentinel pipe open for a while after it was killed (the chaos soak saw a SIGKILLed, zombie
-    worker whose sentinel was not yet readable)."""
+    """Whether ``process`` has wholly exited, asked of the kernel without reaping it (``WNOWAIT``:
+    its exit code stays for ``_terminate``). Asked directly rather than through its sentinel, which
+    only reads as closed once every holder of the pipe is gone (a SIGKILLed worker's other threads
+    can take a moment to exit while /proc already shows it as a zombie)."""
     if process.pid is None:
         return False
     try:
