@@ -32,7 +32,7 @@ from bench.gpu.common import (
     num_parameters, pick_device, step_arguments,
 )
 from hybridflow.rollout.native import NativeEngine
-from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.engine import TrainEngine
 from hybridflow.types import GenerationRequest, SamplingParams, collate_trajectories
 
 

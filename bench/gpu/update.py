@@ -103,11 +103,13 @@ def run_variant(variant: Variant, shape: Shape, batch: TrainBatch, token_budget:
     out = {"step_s": round(seconds, 4), "micro_batches": len(micro_batches)}
     if device.type == "cuda":
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    del engine, model
+    return out  # the engine goes with this frame; the caller frees the device's cache
+
+
+def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return out
 
 
 def main() -> None:
@@ -139,6 +141,7 @@ def main() -> None:
     for variant in VARIANTS:
         with results.guard(f"update {variant.name}"):
             out = run_variant(variant, shape, batch, budget, repeats, device)
+            release(device)
             out["tokens_s"] = round(samples * length / out["step_s"], 1)
             achieved = flops / out["step_s"]
             out["tflop_s"] = round(achieved / 1e12, 2)

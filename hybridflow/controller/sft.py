@@ -253,13 +253,8 @@ PROGRESS_FILE = "progress.pt"
 
 def _save_progress(folder: Path, step: int, engine: TrainEngine, sampler: ResumableSampler) -> None:
     """Everything a warm start at ``step`` needs to go on as if it had not stopped, replaced whole."""
-    assert engine.optimizer is not None and engine.scheduler is not None
     folder.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict(),
-             "scheduler": engine.scheduler.state_dict(), "sampler": sampler.state_dict()}
-    partial = folder / f".{PROGRESS_FILE}.tmp"
-    torch.save(state, partial)
-    os.replace(partial, folder / PROGRESS_FILE)
+    engine.save_state(folder / PROGRESS_FILE, {"step": step, "sampler": sampler.state_dict()})
 
 
 def _load_progress(folder: Path, engine: TrainEngine, sampler: ResumableSampler, steps: int) -> int:
@@ -267,14 +262,10 @@ def _load_progress(folder: Path, engine: TrainEngine, sampler: ResumableSampler,
     path = folder / PROGRESS_FILE
     if not path.is_file():
         return 0
-    assert engine.optimizer is not None and engine.scheduler is not None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        engine.model.load_state_dict(state["model"])
-        engine.optimizer.load_state_dict(state["optimizer"])
-        engine.scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        done = int(state["step"])
+        extra = engine.load_state(path)
+        sampler.load_state_dict(extra["sampler"])
+        done = int(extra["step"])
     except Exception as error:  # our own scratch file, cut or damaged: any failure to read it
         # Half-loaded weights would not be a warm start of this recipe: start over, saying so.
         log.warning("built-in model: the warm start's saved progress %s cannot be used (%s); starting it over", path,

@@ -32,10 +32,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -610,6 +611,27 @@ class TrainEngine:
         planned from them agree across ranks; ``distributed.gather_weight`` gathers one (a
         collective), ``distributed.lead_bucket_gathers`` streams them bucket by bucket."""
         return list(self.model.state_dict().items())
+
+    def save_state(self, path: Path, extra: dict[str, Any]) -> None:
+        """The model, optimizer and schedule with ``extra`` (plain values and tensors) in one file,
+        replaced whole (a kill mid-write leaves the previous file). For a run's own scratch progress
+        (the warm start's), not a checkpoint: no manifest, one rank, read back by ``load_state``."""
+        assert self.optimizer is not None and self.scheduler is not None
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "extra": extra}
+        partial = path.with_name(f".{path.name}.tmp")
+        torch.save(state, partial)
+        os.replace(partial, path)
+
+    def load_state(self, path: Path) -> dict[str, Any]:
+        """Put back what ``save_state`` wrote (tensors only: ``weights_only``, nothing unpickled runs)
+        and return its ``extra``; any failure to read it raises."""
+        assert self.optimizer is not None and self.scheduler is not None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return state["extra"]
 
     def save(self, out_dir: Path, tokenizer=None, *, sharded: bool = False) -> None:
         """Full format: HF safetensors of the full model under ``model/`` and ``optim.pt`` with the

@@ -86,12 +86,14 @@ def test_no_transformers_progress_bars(one_step_run):
         assert text not in one_step_run.stderr
 
 
-def test_log_records_start_on_their_own_line_under_the_progress_bar(one_step_run):
+def test_a_redirected_log_has_each_record_on_its_own_line_and_no_bar(one_step_run):
+    """stderr here is a pipe, as in a log file or a cluster job's output: the bar is not drawn
+    (its carriage-return redraws filled such logs), and every record is a line of its own. The bar
+    on a terminal, with records above it, is tests/unit/tracking/test_tracking_progress_bar.py's."""
     lines = rendered_lines(one_step_run.stderr)
     records = [line for line in lines if LOG_RECORD.search(line)]
-    # Validation runs and the checkpoint save are logged while the bar is shown.
     assert any("validation at step 1" in line for line in records), lines
-    assert any("training:" in line for line in lines), lines  # the bar was drawn
+    assert "\r" not in one_step_run.stderr and not any("training:" in line for line in lines), lines
     assert [line for line in records if not LOG_LINE.match(line)] == []
 
 

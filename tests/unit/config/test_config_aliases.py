@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hybridflow.config import ConfigError, load_config, validate_config
+from hybridflow.config import aliases
 from hybridflow.config.aliases import IGNORED, KEYS, PREFIXES, translate_key
 from hybridflow.config.loader import schema_keys
 from hybridflow.data.gsm8k import gsm8k_row
@@ -87,8 +88,11 @@ def test_every_alias_names_a_real_key():
     assert not set(IGNORED) & set(KEYS)
 
 
-def test_verl_quickstart_resolves_to_what_it_means(files, caplog):
+def test_verl_quickstart_resolves_to_what_it_means(files, caplog, monkeypatch):
     model, train, test = files
+    # Each spelling is noted once per process: another test in this process (a verl line run
+    # in-process) may have used them already.
+    monkeypatch.setattr(aliases, "_noted_keys", set())
     with caplog.at_level(logging.INFO, logger="hybridflow.config.aliases"):
         cfg = load_config(overrides=quickstart(model, train, test))
     assert cfg.data.train_files == [train] and cfg.data.val_files == [test]  # one path: a list of one

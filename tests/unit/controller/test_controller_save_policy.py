@@ -46,7 +46,7 @@ def test_stop_ends_the_run_with_one_line(tmp_path):
 
 def test_warn_logs_and_goes_on(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        assert RLTrainer.save_checkpoint(trainer(tmp_path, "warn")) is False  # fit() must not claim a save
+        assert RLTrainer.save_checkpoint(trainer(tmp_path, "warn")) is None  # fit() must not claim a save
     assert "no space left on" in caplog.text and "trainer.on_save_error=warn" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "latest"]
     verify_checkpoint(tmp_path / "global_step_1")
