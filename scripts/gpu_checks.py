@@ -86,7 +86,7 @@ def junit_summary(path: Path) -> dict[str, object]:
     return {**counts, "failures": failures, "skips": skips}
 
 
-def run_step(step: Step, out_dir: Path, work: Path, dry_run: bool, log) -> dict[str, object]:
+def run_step(step: Step, work: Path, dry_run: bool, log) -> dict[str, object]:
     json_path = work / f"{step.name}.json"
     command = step_command(step, json_path, dry_run, work)
     time_box_s = step.time_box_s * (DRY_RUN_SLACK if dry_run else 1)
@@ -142,7 +142,7 @@ def main() -> int:
     with open(args.out_dir / "gpu_checks.log", "a") as log:
         for step in steps:
             print(f"--- {step.name} ...", flush=True)
-            record = run_step(step, args.out_dir, work, args.dry_run, log)
+            record = run_step(step, work, args.dry_run, log)
             report["steps"][step.name] = record
             report["elapsed_s"] = round(time.monotonic() - started, 1)
             tmp = args.out_dir / "gpu_checks.json.tmp"

@@ -60,7 +60,7 @@ def test_a_step_past_its_time_box_is_killed_and_reported(tmp_path, monkeypatch) 
                         lambda step, json_path, dry_run, work: [sys.executable, "-c", "import time; time.sleep(60)"])
     start = time.monotonic()
     with open(tmp_path / "log", "w") as log:
-        record = driver.run_step(driver.Step("env", 1, "sleeps"), tmp_path, tmp_path, False, log)
+        record = driver.run_step(driver.Step("env", 1, "sleeps"), tmp_path, False, log)
     assert record["status"] == "timed out" and time.monotonic() - start < 20
 
 
