@@ -23,7 +23,6 @@ signals keep their default behaviour.
 
 from __future__ import annotations
 
-import _thread
 import logging
 import os
 import signal
@@ -91,7 +90,11 @@ class Preemption:
         assert self.signum is not None
         self._expired = True
         if self.signum == signal.SIGINT:
-            _thread.interrupt_main(signal.SIGINT)  # runs ``_handle`` in the main thread, which stops
+            # A real signal to the main thread, not ``_thread.interrupt_main``: that only sets a flag
+            # the interpreter checks between bytecodes, so a step blocked in C (a sleep, a long kernel,
+            # a socket read) would run on past the grace period. The signal wakes it; ``_handle`` then
+            # raises KeyboardInterrupt there.
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             return
         self._stop_now(self.signum, self._why())
 
