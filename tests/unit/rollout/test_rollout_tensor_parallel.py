@@ -36,6 +36,10 @@ GONE_TIMEOUT_S = 2.0  # the replica whose leader goes silent: its follower must 
 DEADLINE_S = 120.0
 FAMILIES = ("qwen2", "llama", "phi3", "gemma3_text")
 
+# Every test reads one module-scoped run of two ranks (about 35 s): one pytest worker runs them all,
+# instead of each worker that draws one of them launching the run again.
+pytestmark = pytest.mark.xdist_group("tp_cpu_run")
+
 
 def make_model(family: str, seed: int) -> torch.nn.Module:
     """A 2-layer random model, 4 query heads over 2 kv heads (GQA), so TP=2 gives each rank 2 and 1."""
