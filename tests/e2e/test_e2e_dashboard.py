@@ -143,6 +143,10 @@ def test_the_page_draws_a_real_runs_curves_live_and_its_rollouts_token_by_token(
         assert series is not None and series["points"] >= 1, chart
     reward = _series(browser, "reward")
     assert reward["key"] == "critic/score/mean" and reward["points"] == STEPS
+    # This GRPO run has no critic: the menu says what verl's "critic/score/mean" is.
+    shown = browser.execute_script("const s = document.querySelector('#chart-reward select');"
+                                   "return s.options[s.selectedIndex].text;")
+    assert shown == "critic/score/mean: the reward's score (verl's name; no critic involved)", shown
     assert reward["d"].count("L") == STEPS - 1  # a path through every point
     assert _series(browser, "val")["points"] == 2  # the validation before training (step 0) and after the last step
 
