@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow.rewards import arithmetic, calculator, code, colour_square, gsm8k
+from hybridflow.rewards import arithmetic, calculator, code, colour_square, geo3k, gsm8k
 from hybridflow.rewards import math as math_reward
 from hybridflow.rewards.registry import DEFAULT_SCORERS, UnknownDataSourceError, default_compute_score
 
@@ -13,6 +13,7 @@ def test_the_dispatch_table_maps_each_data_source_to_its_scorer() -> None:
         "hybridflow/calculator": calculator.compute_score,
         "hybridflow/code": code.compute_score,
         "hybridflow/colour_square": colour_square.compute_score,
+        "hiyouga/geometry3k": geo3k.compute_score,
         "openai/gsm8k": gsm8k.compute_score,
         "lighteval/MATH": math_reward.compute_score,
         "DigitalLearningGmbH/MATH-lighteval": math_reward.compute_score,
@@ -28,6 +29,7 @@ def test_the_dispatch_table_maps_each_data_source_to_its_scorer() -> None:
         ("hybridflow/arithmetic", "The answer is 12", "12", 0.0),
         ("openai/gsm8k", "#### 12", "12", 1.0),
         ("openai/gsm8k", "12", "12", 0.0),
+        ("hiyouga/geometry3k", "<think>...</think> \\boxed{\\dfrac{40}{3}}", "\\frac{40}{3}", 1.0),
         (
             "HuggingFaceH4/MATH-500",
             "\\boxed{0.5}",
