@@ -102,6 +102,16 @@ _JOIN_TIMEOUT_S = 5.0
 _SHUTDOWN_GRACE_S = 1.0
 # Enough for sympy and a custom reward that loads a small library; far below a host's RAM.
 DEFAULT_MEMORY_LIMIT_MB = 4096
+# A slot whose workers are killed by a signal this many times in a row while loading stops the run:
+# something kills every import (a memory limit below what it needs), not a one-off.
+MAX_LOAD_KILLS = 3
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
 
 
 @contextlib.contextmanager
@@ -178,6 +188,7 @@ class _WorkerHandle:
     retiring: bool = False  # sent RECYCLE: it exits after its last result, through no fault
     terminated: bool = False  # killed and reaped; its pid may already belong to someone else
     exitcode: int | None = None  # set when terminated (negative: killed by that signal)
+    load_kills: int = 0  # this slot's workers killed by a signal while loading, in a row
 
 
 @dataclass
@@ -453,11 +464,12 @@ class RewardManager:
         startup_deadline = time.monotonic() + self._startup_timeout_s
         return _WorkerHandle(process, parent_conn, _State.STARTING, startup_deadline)
 
-    def _replace(self, worker: _WorkerHandle, round_: _Round | None) -> None:
+    def _replace(self, worker: _WorkerHandle, round_: _Round | None, load_kills: int = 0) -> None:
         """Kill ``worker`` (if still running) and start a fresh one in its slot."""
         slot = self._workers.index(worker)
         _terminate(worker, graceful=False)
-        self._workers[slot] = self._start_worker(slot)
+        self._workers[slot] = replacement = self._start_worker(slot)
+        replacement.load_kills = load_kills
         if round_ is not None:
             round_.restarts += 1
 
@@ -566,11 +578,8 @@ class RewardManager:
 
     def _on_exit(self, worker: _WorkerHandle, round_: _Round | None) -> None:
         if worker.state is _State.STARTING:
-            _terminate(worker, graceful=False)
-            raise RuntimeError(
-                f"reward worker exited with code {worker.exitcode} while loading "
-                f"{self._describe_function()} (a custom file that calls exit() on import?)"
-            )
+            self._on_load_exit(worker, round_)
+            return
         if worker.state is _State.BUSY and not worker.retiring:
             self._on_crash(worker, round_, "while scoring")
             return
@@ -578,6 +587,28 @@ class RewardManager:
             assert round_ is not None
             round_.pending.appendleft(worker.assigned[worker.position :])
         self._replace(worker, round_)
+
+    def _on_load_exit(self, worker: _WorkerHandle, round_: _Round | None) -> None:
+        """A worker ended before it finished loading. An exit code is the reward file's doing (it
+        calls exit() on import): loading again would do the same, so the run stops naming it. A
+        signal usually comes from outside (the out-of-memory killer, an operator, a chaos test):
+        the slot starts a fresh worker, up to MAX_LOAD_KILLS times in a row."""
+        multiprocessing.connection.wait([worker.process.sentinel], _SHUTDOWN_GRACE_S)
+        pid = worker.process.pid
+        _terminate(worker, graceful=False)
+        code = worker.exitcode
+        what = self._describe_function()
+        if code is None or code >= 0:
+            raise RuntimeError(f"reward worker exited with code {code} while loading {what} "
+                               "(a custom file that calls exit() on import?)")
+        signame = _signal_name(-code)
+        if worker.load_kills + 1 >= MAX_LOAD_KILLS:
+            raise RuntimeError(
+                f"reward worker was killed by {signame} while loading {what}, {MAX_LOAD_KILLS} times in a row "
+                "(the out-of-memory killer? reward.memory_limit_mb too low for its imports?)")
+        logger.warning("reward worker (pid %s) was killed by %s while loading %s; starting another",
+                    pid, signame, what)
+        self._replace(worker, round_, load_kills=worker.load_kills + 1)
 
     def _on_deadline(self, worker: _WorkerHandle, round_: _Round | None) -> None:
         if worker.state is _State.STARTING:

@@ -387,6 +387,36 @@ def test_a_reward_file_that_hangs_on_import_times_out_at_startup(tmp_path: Path)
         RewardManager(str(path), "compute_score", timeout_s=1.0, startup_timeout_s=1.0)
 
 
+def test_a_worker_killed_by_a_signal_while_loading_is_started_again(tmp_path: Path, caplog) -> None:
+    """The out-of-memory killer (or an operator) may kill a worker mid-import: that is not the
+    file's fault, so the slot loads again and the run goes on, with a warning naming the signal."""
+    marker = tmp_path / "killed_once"
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "import os, signal\n"
+        f"if not os.path.exists({str(marker)!r}):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str == ground_truth)\n")
+    with caplog.at_level(logging.WARNING, logger="hybridflow.rewards.manager"):
+        manager = RewardManager(str(path), "compute_score", timeout_s=TIMEOUT_S)
+    try:
+        assert marker.exists()
+        assert "was killed by SIGKILL (signal 9) while loading compute_score" in caplog.text
+        out = manager.score([ScoreRequest("any", "4", "4"), ScoreRequest("any", "5", "4")])
+        assert list(out.scores) == [1.0, 0.0]
+    finally:
+        manager.close()
+
+
+def test_a_worker_killed_at_every_load_stops_the_run_naming_the_signal(tmp_path: Path) -> None:
+    path = tmp_path / "reward.py"
+    path.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    with pytest.raises(RuntimeError, match=r"killed by SIGKILL \(signal 9\) while loading .*3 times in a row"):
+        RewardManager(str(path), "compute_score", timeout_s=1.0)
+
+
 def test_close_stops_the_workers_and_is_idempotent(hostile_file: str) -> None:
     manager = RewardManager(hostile_file, "compute_score", timeout_s=TIMEOUT_S, num_workers=2)
     pids = manager.worker_pids
