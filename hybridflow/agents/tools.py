@@ -6,9 +6,12 @@ YAML file (``rollout.multi_turn.tool_config_path``)::
 
     max_tool_response_length: 1024      # characters; longer responses are cut
     tools:
-      - name: calculator                # a built-in: calculator, python
+      - name: calculator                # a built-in: calculator, python, calc_gsm8k_reward, ...
       - name: python
         timeout_s: 20
+      - name: search                    # a built-in with settings: a retrieval server's client
+        timeout_s: 30
+        config: {retrieval_service_url: "http://127.0.0.1:8000/retrieve", topk: 3, max_concurrency: 120}
       - function: my_package.tools:search   # a @tool function, or a plain function
         timeout_s: 5
         tool_schema:                        # optional: replaces the derived schema
@@ -21,9 +24,11 @@ Built-in tools alone need no file: ``tool_config_path: builtin:calculator`` (or
 verl's tool files are read too (``tools: - class_name: ..., config: {...}, tool_schema: {...}``):
 an entry whose verl class has a built-in here with the same meaning becomes that tool under the
 entry's ``tool_schema`` (``VERL_TOOL_CLASSES``: SandboxFusionTool, a code interpreter, is
-``python``, run in the local sandbox instead of a SandboxFusion service; Gsm8kTool is
-``calc_gsm8k_reward``, which scores the model's answer against the row's ground truth); any
-other class is refused naming it and what to write instead (``verl_tool_entry``).
+``python``, run in the local sandbox instead of a SandboxFusion service; Gsm8kTool and Geo3kTool
+are ``calc_gsm8k_reward`` and ``calc_geo3k_reward``, which score the model's answer against the
+row's ground truth; SearchTool is ``search``, a client of a search-R1 retrieval server, its
+verl config read by ``search.settings_from_verl``); any other class is refused naming it and
+what to write instead (``verl_tool_entry``).
 
 A tool that needs the sample it serves (``Tool.takes_context``) gets a ``call_context``
 keyword (``ToolCallContext``: its own name and the row's fields, ``ground_truth`` and
@@ -55,7 +60,8 @@ import yaml
 
 from hybridflow.agents.parsers import ToolCall
 from hybridflow.agents.registry import resolve_object
-from hybridflow.rewards import gsm8k
+from hybridflow.agents.search import RetrievalClient, RetrievalSettings, settings_from_verl
+from hybridflow.rewards import geo3k, gsm8k
 from hybridflow.rewards.sandbox import Sandbox, SandboxLimits
 
 DEFAULT_TOOL_TIMEOUT_S = 10.0
@@ -110,6 +116,16 @@ class ToolCallContext:
         extra = self.row.get("extra_info") or {}
         per_tool = (extra.get("tools_kwargs") or {}).get(self.tool_name) or {}
         return dict(per_tool.get("create_kwargs") or {})
+
+    def ground_truth(self) -> str:
+        """The answer a grading tool checks against: verl's per-row ``create_kwargs.ground_truth``,
+        else the row's own ``ground_truth``; ``ValueError`` when the sample has neither."""
+        truth = self.create_kwargs().get("ground_truth")
+        if truth is None:
+            truth = self.row.get("ground_truth")
+        if truth is None:
+            raise ValueError("this sample has no ground truth to check the answer against")
+        return str(truth)
 
 
 def tool(
@@ -451,13 +467,9 @@ async def _calc_gsm8k_reward(answer: str, call_context: ToolCallContext) -> str:
     of verl's per-row tools_kwargs, else the row's own ground truth; the reply is verl's text.
     (verl's step penalty, -0.05 for an answer that does not improve, lands in a per-turn list
     its trainer never reads, and verl makes a fresh instance per call: nothing here to carry.)"""
-    ground_truth = call_context.create_kwargs().get("ground_truth")
-    if ground_truth is None:
-        ground_truth = call_context.row.get("ground_truth")
-    if ground_truth is None:
-        raise ValueError("this sample has no ground truth to check the answer against")
     response = answer if answer.startswith("#### ") else "#### " + answer
-    reward = gsm8k.compute_score(response, str(ground_truth), method="flexible", format_score=0.0, score=1.0)
+    reward = gsm8k.compute_score(response, call_context.ground_truth(), method="flexible", format_score=0.0,
+                                 score=1.0)
     return f"Current parsed {answer=} {reward=}"
 
 
@@ -475,24 +487,97 @@ def gsm8k_reward_tool(timeout_s: float | None = None) -> Tool:
     )
 
 
-# name -> factory(time limit or None for the tool's own): python gives the limit to its sandbox, which
-# kills the program itself (the registry's own limit stays a backstop just past it).
-BUILTIN_TOOLS: dict[str, Callable[[float | None], Tool]] = {
-    "calculator": lambda timeout_s: _with_limit(calculator, timeout_s),
-    "python": lambda timeout_s: python_tool() if timeout_s is None else python_tool(timeout_s=timeout_s),
-    GSM8K_TOOL_NAME: gsm8k_reward_tool,
+GEO3K_TOOL_NAME = "calc_geo3k_reward"
+
+
+def _calc_geo3k_reward(answer: str, call_context: ToolCallContext) -> str:
+    """verl's Geo3kTool: the whole answer (no box needed) graded against the ground truth of verl's
+    per-row tools_kwargs, else the row's own: 1.0 when it states the same value, 0.0 otherwise
+    (wrong, or nothing that parses); the reply is verl's text. Sync on purpose: math-verify's
+    sympy work runs in the registry's thread, off the event loop, under the tool's time limit.
+    (verl's -0.05 step penalty is, as for Gsm8kTool, in a list its trainer never reads.)"""
+    reward = geo3k.compute_score(answer, call_context.ground_truth(), use_boxed=False, format_score=0.0)
+    return f"Current parsed {answer=} {reward=}"
+
+
+def geo3k_reward_tool(timeout_s: float | None = None) -> Tool:
+    """``calc_geo3k_reward``: the model submits its answer and reads back its Geometry3K reward."""
+    return Tool(
+        name=GEO3K_TOOL_NAME,
+        description="A tool for calculating the reward of geo3k",
+        parameters={"type": "object", "properties": {"answer": {"type": "string",
+                                                                "description": "The answer to the question"}},
+                    "required": ["answer"]},
+        fn=_calc_geo3k_reward,
+        timeout_s=DEFAULT_TOOL_TIMEOUT_S if timeout_s is None else timeout_s,
+        takes_context=True,
+    )
+
+
+SEARCH_TOOL_NAME = "search"
+# The client keeps its own time budget (search.RetrievalClient); the registry's limit is a backstop past it.
+_SEARCH_BACKSTOP_S = 5.0
+
+
+def search_tool(timeout_s: float | None, config: Mapping[str, Any]) -> Tool:
+    """``search``: the model's queries go to a search-R1 retrieval server (``config``: its
+    ``retrieval_service_url``, ``topk``, ``max_concurrency``; ``timeout_s``: each call's whole
+    budget), the documents come back as verl's SearchTool shows them. Building it contacts
+    nothing: a server that is down costs each call an error message, not the run."""
+    client = RetrievalClient(RetrievalSettings.from_config(config, timeout_s))
+
+    def search(query_list: list) -> str:
+        """Searches for relevant information based on the given queries.
+
+        Args:
+            query_list: fully-formed semantic queries; the tool returns search results for each.
+        """
+        if not query_list or not all(isinstance(query, str) and query.strip() for query in query_list):
+            raise ValueError(f"query_list must be a non-empty list of query strings, got {query_list!r}")
+        return client.search(query_list)
+
+    parameters = derive_parameters(search)
+    parameters["properties"]["query_list"]["items"] = {"type": "string"}
+    return tool(search, name=SEARCH_TOOL_NAME, parameters=parameters,
+                timeout_s=client.settings.timeout_s + _SEARCH_BACKSTOP_S)
+
+
+ToolFactory = Callable[[float | None, Mapping[str, Any]], Tool]
+
+
+def _without_config(name: str, factory: Callable[[float | None], Tool]) -> ToolFactory:
+    """A factory for a built-in that has no settings: an entry that gives it a ``config`` is a mistake."""
+
+    def build(timeout_s: float | None, config: Mapping[str, Any]) -> Tool:
+        if config:
+            raise ValueError(f"the {name} tool takes no config, got {sorted(config)}")
+        return factory(timeout_s)
+
+    return build
+
+
+# name -> factory(time limit or None for the tool's own, the entry's config): python gives the limit
+# to its sandbox, which kills the program itself, and search to its client, which gives up itself
+# (the registry's own limit stays a backstop just past it).
+BUILTIN_TOOLS: dict[str, ToolFactory] = {
+    "calculator": _without_config("calculator", lambda timeout_s: _with_limit(calculator, timeout_s)),
+    "python": _without_config(
+        "python", lambda timeout_s: python_tool() if timeout_s is None else python_tool(timeout_s=timeout_s)),
+    GSM8K_TOOL_NAME: _without_config(GSM8K_TOOL_NAME, gsm8k_reward_tool),
+    GEO3K_TOOL_NAME: _without_config(GEO3K_TOOL_NAME, geo3k_reward_tool),
+    SEARCH_TOOL_NAME: search_tool,
 }
 
-_ENTRY_KEYS = {"name", "function", "timeout_s", "tool_schema", "max_response_length"}
+_ENTRY_KEYS = {"name", "function", "timeout_s", "tool_schema", "max_response_length", "config"}
 
 # verl's tool classes (verl/tools/*.py) -> the built-in tool with the same meaning.
-VERL_TOOL_CLASSES = {"SandboxFusionTool": "python", "Gsm8kTool": GSM8K_TOOL_NAME}
+VERL_TOOL_CLASSES = {"SandboxFusionTool": "python", "Gsm8kTool": GSM8K_TOOL_NAME, "Geo3kTool": GEO3K_TOOL_NAME,
+                     "SearchTool": SEARCH_TOOL_NAME}
 # The arguments each of those built-ins takes (verl's tool_schema may rename the tool, not add arguments).
-_VERL_TOOL_ARGUMENTS = {"python": {"code"}, GSM8K_TOOL_NAME: {"answer"}}
+_VERL_TOOL_ARGUMENTS = {"python": {"code"}, GSM8K_TOOL_NAME: {"answer"}, GEO3K_TOOL_NAME: {"answer"},
+                        SEARCH_TOOL_NAME: {"query_list"}}
 # Those without one, and why: each keeps per-episode state or calls a service hybridflow does not run.
 VERL_TOOLS_WITHOUT_BUILTIN = {
-    "Geo3kTool": "it checks the model's answer against the row's ground truth, which the reward function does here",
-    "SearchTool": "it queries a retrieval server",
     "MCPSearchTool": "it calls a search tool of an MCP server",
     "MCPBaseTool": "it calls the tools of an MCP server",
     "ImageZoomInTool": "it crops the row's image for a vision-language model's next turn",
@@ -530,7 +615,14 @@ def verl_tool_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"verl tool class {class_name}: its tool_schema declares {extra}, but hybridflow's "
                              f"{ours} tool takes only {', '.join(repr(p) for p in sorted(takes))}")
         made["tool_schema"] = entry["tool_schema"]
-    if config.get("default_timeout") is not None:
+    if ours == SEARCH_TOOL_NAME:
+        try:
+            made["config"], timeout_s = settings_from_verl(config)
+        except ValueError as error:
+            raise ValueError(f"verl tool class {class_name}: {error}") from None
+        if timeout_s is not None:
+            made["timeout_s"] = timeout_s
+    elif config.get("default_timeout") is not None:
         made["timeout_s"] = float(config["default_timeout"])
     return made
 
@@ -543,11 +635,17 @@ def build_tool(entry: Mapping[str, Any], default_timeout_s: float | None = None)
     if unknown:
         raise ValueError(f"tool entry {dict(entry)!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}")
     limit = entry.get("timeout_s", default_timeout_s)
+    config = entry.get("config") or {}
+    if not isinstance(config, Mapping):
+        raise ValueError(f"tool entry {dict(entry)!r}: config must be a mapping of the built-in tool's settings")
     if "function" in entry:
+        if config:
+            raise ValueError(f"tool entry {dict(entry)!r}: config is for built-in tools (search); a function "
+                             f"tool reads its own settings")
         target = resolve_object(str(entry["function"]), "tool function")
         base = _with_limit(target if isinstance(target, Tool) else tool(target), limit)
     elif entry.get("name") in BUILTIN_TOOLS:
-        base = BUILTIN_TOOLS[entry["name"]](None if limit is None else float(limit))
+        base = BUILTIN_TOOLS[entry["name"]](None if limit is None else float(limit), config)
     else:
         raise ValueError(
             f"tool entry {dict(entry)!r} needs 'function: module:function' or the name of a built-in tool "

@@ -87,9 +87,9 @@ def test_sandbox_fusion_is_the_python_tool_under_verls_schema(tmp_path):
 
 
 @pytest.mark.parametrize("text, match", [
-    (GSM8K.replace("verl.tools.gsm8k_tool.Gsm8kTool", "verl.tools.geo3k_tool.Geo3kTool"),
-     r"verl tool class verl\.tools\.geo3k_tool\.Geo3kTool has no hybridflow equivalent \(it checks the "
-     r"model's answer against the row's ground truth.*'function: my_package\.tools:my_tool'"),
+    (GSM8K.replace("verl.tools.gsm8k_tool.Gsm8kTool", "verl.tools.mcp_search_tool.MCPSearchTool"),
+     r"verl tool class verl\.tools\.mcp_search_tool\.MCPSearchTool has no hybridflow equivalent \(it calls a "
+     r"search tool of an MCP server.*'function: my_package\.tools:my_tool'"),
     (GSM8K.replace("verl.tools.gsm8k_tool.Gsm8kTool", "my_lab.tools.WeatherTool"),
      r"my_lab\.tools\.WeatherTool has no hybridflow equivalent \(hybridflow does not run verl's tool classes"),
     (SANDBOX_FUSION.replace('default_language: "python"', 'default_language: "cpp"'),
@@ -153,3 +153,57 @@ def test_gsm8k_tool_in_an_episode_reads_its_rows_ground_truth(tmp_path, tokenize
     right, wrong = runner.generate_sync(rows, SamplingParams(max_tokens=400), scripted(reply))
     assert right.metadata["agent_messages"][1]["content"] == "Current parsed answer='72' reward=1.0"
     assert wrong.metadata["agent_messages"][1]["content"] == "Current parsed answer='72' reward=0.0"
+
+
+# verl's own tool files (examples/sglang_multiturn/config/tool_config/, copied as they ship).
+VERL_TOOL_CONFIGS = Path(__file__).parents[2] / "data" / "verl_tool_configs"
+
+# A row of verl's multi-turn Geometry3K data (examples/data_preprocess/geo3k_multiturn_w_tool.py).
+GEO3K_ROW = {"data_source": "hiyouga/geometry3k", "ground_truth": "\\frac{40}{3}",
+             "extra_info": {"need_tools_kwargs": True,
+                            "tools_kwargs": {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "\\frac{40}{3}"}}}}}
+
+
+def geo3k(registry, answer, row):
+    return asyncio.run(registry.call(ToolCall("calc_geo3k_reward", {"answer": answer}), row))
+
+
+def test_verls_geo3k_tool_file_is_the_geo3k_grading_tool():
+    """verl's Geo3kTool: the bare answer graded against the row's ground truth (1.0 / 0.0), verl's reply."""
+    registry = load_tools(str(VERL_TOOL_CONFIGS / "geo3k_tool_config.yaml"))
+    assert registry.names == ["calc_geo3k_reward"]
+    assert registry.schemas()[0]["function"]["description"].startswith("A tool for calculating the reward of geo3k.")
+    right = geo3k(registry, "\\dfrac{40}{3}", GEO3K_ROW)
+    assert (right.status, right.text) == ("ok", "Current parsed answer='\\\\dfrac{40}{3}' reward=1.0")
+    assert geo3k(registry, "40/3", GEO3K_ROW).text.endswith("reward=1.0")
+    assert geo3k(registry, "13", GEO3K_ROW).text == "Current parsed answer='13' reward=0.0"
+    unparseable = geo3k(registry, "}{ no idea", GEO3K_ROW)
+    assert (unparseable.status, unparseable.text[-10:]) == ("ok", "reward=0.0")
+    # verl's tools_kwargs win over the row's ground truth; without them the row's own is used.
+    assert geo3k(registry, "\\frac{40}{3}", {**GEO3K_ROW, "ground_truth": "7"}).text.endswith("reward=1.0")
+    assert geo3k(registry, "7", {"ground_truth": "7", "extra_info": {}}).text.endswith("reward=1.0")
+    missing = geo3k(registry, "7", {"extra_info": {}})
+    assert missing.status == "error" and "no ground truth" in missing.text
+    assert geo3k(load_tools("builtin:calc_geo3k_reward"), "40/3", GEO3K_ROW).text.endswith("reward=1.0")
+
+
+def test_geo3k_tool_in_an_episode_grades_against_its_own_row(tokenizer, scripted):
+    registry = load_tools(str(VERL_TOOL_CONFIGS / "geo3k_tool_config.yaml"))
+    runner = AgentRunner(AgentContext(tokenizer, tools=registry), default_agent="tool_agent")
+
+    def reply(text: str, turn: int) -> str:
+        return ('<tool_call>{"name": "calc_geo3k_reward", "arguments": {"answer": "60"}}</tool_call>'
+                if turn == 0 else "\\boxed{60}")
+
+    prompt = render_ids(tokenizer, [{"role": "user", "content": "Find x."}], add_generation_prompt=True)
+    rows = [AgentRow(prompt, {"extra_info": {"tools_kwargs": {"calc_geo3k_reward": {
+                "create_kwargs": {"ground_truth": "60"}}}}}),
+            AgentRow(prompt, {"ground_truth": "30", "extra_info": {}})]
+    right, wrong = runner.generate_sync(rows, SamplingParams(max_tokens=400), scripted(reply))
+    assert right.metadata["agent_messages"][1]["content"] == "Current parsed answer='60' reward=1.0"
+    assert wrong.metadata["agent_messages"][1]["content"] == "Current parsed answer='60' reward=0.0"
+
+
+def test_a_built_in_without_settings_refuses_a_config(tmp_path):
+    with pytest.raises(ValueError, match=r"tools\[0\]: the calc_geo3k_reward tool takes no config, got \['topk'\]"):
+        load_tools(write(tmp_path, "tools:\n  - name: calc_geo3k_reward\n    config: {topk: 3}\n"))
