@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM tests (pytest -m vllm: tests/unit/rollout/test_rollout_vllm.py and the e2e run in
 # tests/e2e/test_e2e_vllm.py) in a fresh virtual environment with vLLM's CPU build. Separate from
-# the default test run because the install alone takes minutes (see README, "vLLM").
+# the default test run because the install alone takes minutes (see docs/guide.md, "vLLM").
 #
 #   bash scripts/test_vllm_cpu.sh [VENV_DIR]      # default: .venv-vllm in the repository root
 #

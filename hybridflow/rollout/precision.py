@@ -4,7 +4,7 @@ On a GPU the answer is bf16 (``base.choose_rollout_dtype``). On a CPU, bf16 matm
 with bf16 hardware (``utils.device.NATIVE_BF16_FLAGS``: avx512_bf16 or AMX); elsewhere torch
 converts to fp32 on the fly, which measured ~10x *slower* than fp32 decode on an AVX2 EPYC. And
 even where bf16 hardware is present, a small model's decode is bound by per-op overheads, not by
-reading its weights, and bf16 only adds conversions: measured (README, ``bench/rollout_compute_bound.py``)
+reading its weights, and bf16 only adds conversions: measured (docs/figures.md, ``bench/rollout_compute_bound.py``)
 bf16 decode on a Zen 4 with avx512_bf16 was 0.40-0.75x fp32 for the built-in 0.9M model, 1.36-1.81x
 for a ~20M model and 1.55-1.95x for a ~100M one.
 

@@ -1,4 +1,5 @@
-"""Every code block in README.md, run as a new user would, in a subprocess.
+"""Every code block in README.md and docs/guide.md (the feature sections the README links), run as a
+new user would, in a subprocess.
 
 A README claim that stops being true is a bug, so its code blocks are tests:
 - each Python block is saved as a script *without* an ``if __name__ == "__main__":`` guard and
@@ -33,12 +34,15 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# Read in this order, as a reader follows the README into the guide: a file one block defines
+# (``my_reward.py``) is there for the commands after it.
+DOCS = (README, ROOT / "docs" / "guide.md")
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) ")
 
 
 def readme_blocks(language: str) -> list[str]:
-    return [body for lang, body in BLOCK.findall(README.read_text()) if lang == language]
+    return [body for doc in DOCS for lang, body in BLOCK.findall(doc.read_text()) if lang == language]
 
 
 def shell_commands() -> list[str]:
