@@ -330,6 +330,10 @@ class RayPendingCall(Generic[R]):
     def wait(self) -> list[R]:
         return wait_ray_calls(self)[0]
 
+    @staticmethod
+    def wait_together(*calls: PendingCall[Any]) -> list[list[Any]]:
+        return wait_ray_calls(*calls)
+
 
 @dataclass(frozen=True)
 class _Failure:

@@ -40,15 +40,8 @@ from hybridflow.algorithms import (
     get_policy_loss,
 )
 from hybridflow.cluster.ray_group import Placement, ResourcePool
-from hybridflow.cluster.worker_group import (
-    WorkerError,
-    WorkerGroup,
-    build_worker_group,
-    meeting_host,
-    reserve_placements,
-    runs_in_process,
-    wait_all,
-)
+from hybridflow.cluster.backends import build_worker_group, reserve_placements, runs_in_process
+from hybridflow.cluster.worker_group import WorkerError, WorkerGroup, meeting_host, wait_all
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.errors import MachineProblem, raise_all
 from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig, WarmStartConfig

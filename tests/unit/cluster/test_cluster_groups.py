@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.cluster.worker_group import LocalWorkerGroup, build_worker_group, reserve_placements
+from hybridflow.cluster.backends import build_worker_group, reserve_placements
+from hybridflow.cluster.worker_group import LocalWorkerGroup
 from hybridflow.training.distributed import collective, is_collective
 from hybridflow.workers.actor import check_rank_group, model_precision
 

@@ -1,6 +1,7 @@
 import pytest
 
-from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerError, build_worker_group
+from hybridflow.cluster.backends import build_worker_group
+from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerError
 from hybridflow.types import Trajectory, collate_trajectories
 
 
