@@ -424,8 +424,10 @@ class MultiTurnConfig:
     tool_config_path: str | None = f(
         None,
         "The tools: a YAML file of tool entries (OpenAI function schemas; see hybridflow/agents/tools.py; verl's "
-        "tool files too: class_name SandboxFusionTool is the python tool, other verl classes are refused naming "
-        "what to write instead), builtin:<name>[,<name>...] for built-in tools (calculator, python), or null for none.",
+        "tool files too: class_name SandboxFusionTool, Gsm8kTool, Geo3kTool, SearchTool are the python, "
+        "calc_gsm8k_reward, calc_geo3k_reward and search tools, other verl classes are refused naming what to write "
+        "instead), builtin:<name>[,<name>...] for built-in tools (calculator, python, calc_gsm8k_reward, "
+        "calc_geo3k_reward), or null for none.",
     )
     interaction_config_path: str | None = f(
         None,
