@@ -449,9 +449,6 @@ def _rules() -> dict[str, Rule]:
             "hybridflow has no dataset class to plug in: write the rows your class would make (prompt, data_source, "
             "reward_model.ground_truth, extra_info) to a parquet or JSONL file and give it as data.train_files",
             unless=(None,)),
-        "data.sampler.*": refuse(
-            "hybridflow has no sampler class to plug in: it shuffles by data.shuffle and data.seed (for a fixed "
-            "curriculum, write the rows in order and set data.shuffle=false)", unless=(None,)),
         "data.datagen.*": refuse("hybridflow trains on data.train_files; no dynamic data generation", unless=(None,)),
         "data.return_multi_modal_inputs": ignore("images reach the model through its processor either way"),
         "data.apply_chat_template_kwargs": refuse(

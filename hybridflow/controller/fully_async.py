@@ -99,6 +99,7 @@ class FullyAsyncTrainer(Trainer):
                 collected = self._collected(groups)
                 samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)
                 update_metrics = self.update(samples.batch, timer)
+                phases.feed_sampler(run, self.step, collected)
                 if self.partial_rollout:
                     with timer.phase("update_weights"):  # into the generation in flight (module docstring)
                         self.push_weights()
@@ -180,7 +181,8 @@ class FullyAsyncTrainer(Trainer):
             metrics["filter/varied_group_fraction"] = (generated - constant) / max(1, generated)
             metrics["filter/dropped_groups"] = float(filtered)
         epoch = max(self._epochs.get(g.key[0], self.run.sampler.epoch) for g in groups)
-        return phases.Collected([g.trajectories for g in groups], metrics | self.run.rollout.take_metrics(), epoch)
+        return phases.Collected([g.trajectories for g in groups], metrics | self.run.rollout.take_metrics(), epoch,
+                                [g.index for g in groups])
 
     # ------------------------------------------------------------------ the rollout thread
     def _start(self) -> None:
@@ -242,13 +244,14 @@ class FullyAsyncTrainer(Trainer):
     def _admit_round(self, stream: ReplicaStream) -> None:
         run, b = self.run, self._next_round
         sampler_before = run.sampler.state_dict()
-        rows: list[PromptRow] = [run.train_data[i] for i in run.sampler.next_batch()]
+        drawn = run.sampler.next_batch()
+        rows: list[PromptRow] = [run.train_data[i] for i in drawn]
         keep = [i for i in range(len(rows)) if i not in self._resumed.pop(b, set())]
         # Seeds from (round, 1, position): the sync loop's for step b's first generation round.
         requests = round_requests(rows, phases.train_sampling(run), run.cfg.trainer.seed, (b, 1), run.vision)
         metadata = [row.metadata() for row in rows]
         with self._state:
-            self._rounds[b] = _Round(sampler_before, rows, set(keep), self.rollout_version)
+            self._rounds[b] = _Round(sampler_before, rows, drawn, set(keep), self.rollout_version)
             self._epochs[b] = run.sampler.epoch
             self._live += len(keep)
             self._next_round += 1
@@ -289,7 +292,7 @@ class FullyAsyncTrainer(Trainer):
                 self._live -= 1
                 self._forget_finished_rounds()
                 return None
-        return _Group(key, samples, tally, model_parts, record.version)
+        return _Group(key, record.indices[i], samples, tally, model_parts, record.version)
 
     def _refresh_weights(self) -> None:
         """The newest weights to the rollout while nothing is in flight (without partial rollout)."""
@@ -360,22 +363,24 @@ class FullyAsyncTrainer(Trainer):
 
 
 class _Round:
-    """An admitted generation round: the sampler before it drew, its rows, its groups not yet
-    taken by the trainer nor dropped (``pending``), and the rollout's weight version when it was
-    admitted."""
+    """An admitted generation round: the sampler before it drew, its rows and their dataset
+    indices, its groups not yet taken by the trainer nor dropped (``pending``), and the rollout's
+    weight version when it was admitted."""
 
-    def __init__(self, sampler_before: dict[str, Any], rows: list[PromptRow], pending: set[int], version: int) -> None:
-        self.sampler_before, self.rows, self.pending, self.version = sampler_before, rows, pending, version
+    def __init__(self, sampler_before: dict[str, Any], rows: list[PromptRow], indices: list[int], pending: set[int],
+                 version: int) -> None:
+        self.sampler_before, self.rows, self.indices, self.pending, self.version = (
+            sampler_before, rows, indices, pending, version)
 
 
 class _Group:
-    """One prompt group on the queue: its samples, their reward tally and the reward model's
-    metrics, and the rollout's weight version when its round was admitted."""
+    """One prompt group on the queue: its prompt's dataset index, its samples, their reward tally
+    and the reward model's metrics, and the rollout's weight version when its round was admitted."""
 
-    def __init__(self, key: Key, trajectories: list[Sample], tally: RewardTally,
+    def __init__(self, key: Key, index: int, trajectories: list[Sample], tally: RewardTally,
                  model_parts: list[tuple[int, dict[str, float]]], version: int) -> None:
-        self.key, self.trajectories, self.tally, self.model_parts, self.version = (
-            key, trajectories, tally, model_parts, version)
+        self.key, self.index, self.trajectories, self.tally, self.model_parts, self.version = (
+            key, index, trajectories, tally, model_parts, version)
 
 
 class _Counts:

@@ -50,6 +50,7 @@ class OneStepOffTrainer(Trainer):
                 self._start_next(self.step + 1)
             samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)
             update_metrics = self.update(samples.batch, timer)
+            phases.feed_sampler(run, self.step, collected)
         overlap = {
             # Versions between the weights that made the samples and the actor's before this update.
             **phases.staleness_metrics(samples.trajectories, self.step - 1, [made.version] * len(samples.trajectories)),

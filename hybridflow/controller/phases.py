@@ -39,6 +39,7 @@ from hybridflow.controller.setup import BROADCAST, RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
 from hybridflow.data.plane import fetch_trajectories
+from hybridflow.data.sampler import SamplerFeedback
 from hybridflow.tracking import (
     compute_batch_metrics, compute_critic_metrics, compute_throughput_metrics, compute_val_core_metrics,
     compute_validation_metrics, reduce_metrics, reward_variables,
@@ -75,6 +76,7 @@ class Collected(NamedTuple):
     groups: list[list[Trajectory]] | list[list[SampleRecord]]  # records on the by-reference data plane
     metrics: dict[str, float]
     epoch: int  # the sampler's epoch after drawing them (the training/epoch metric of their step)
+    indices: list[int]  # each group's prompt: its dataset index (what the sampler drew), as groups
 
 
 class StepSamples(NamedTuple):
@@ -165,12 +167,14 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
     """
     fg, want = run.cfg.algorithm.filter_groups, run.cfg.data.train_batch_size
     kept: list[list[Sample]] = []
+    kept_indices: list[int] = []  # the dataset index of each kept group's prompt
     reward_metrics: list[dict[str, float]] = []
     episodes: list[Sample] = []  # every round's samples, for the agent metrics
     rounds = generated = varied = constant = 0
     while True:
         rounds += 1
-        rows = [run.train_data[i] for i in run.sampler.next_batch()]
+        drawn = run.sampler.next_batch()
+        rows = [run.train_data[i] for i in drawn]
         # Each prompt group is scored as soon as its samples are done, while the rest of the
         # round is generated. The round is part of the seed scope: each round draws fresh
         # samples, and a resumed run draws the same ones.
@@ -186,6 +190,7 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
             groups = [g for g in groups if g[0].group_id in varied_ids]
         varied += len(groups)
         kept.extend(groups)
+        kept_indices.extend(drawn[g[0].group_id] for g in groups)
         out_of_rounds = 0 < fg.max_num_gen_batches <= rounds
         if len(kept) >= want or not fg.enable or out_of_rounds:
             break
@@ -194,13 +199,14 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
         # Nothing varied in any round: train on the last round (zero advantages for the
         # group estimators, so the update only moves entropy/KL terms) rather than skip.
         kept = _by_group(trajectories)
+        kept_indices = [drawn[g[0].group_id] for g in kept]
     if exhausted and fg.enable:
         log.warning(
             "step %d: only %d of %d prompts had varied rewards after %d generation rounds "
             "(algorithm.filter_groups.max_num_gen_batches=%d); training on those",
             step, len(kept), want, rounds, fg.max_num_gen_batches,
         )
-    kept = kept[:want]
+    kept, kept_indices = kept[:want], kept_indices[:want]
     for group_id, group in enumerate(kept):
         for t in group:
             t.group_id = group_id
@@ -214,7 +220,16 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
         }
     # The rollout's counters belong to the generation that made these samples (in the async
     # loops another step's update runs meanwhile).
-    return Collected(kept, metrics | run.rollout.take_metrics(), run.sampler.epoch)
+    return Collected(kept, metrics | run.rollout.take_metrics(), run.sampler.epoch, kept_indices)
+
+def feed_sampler(run: RunSetup, step: int, collected: Collected) -> None:
+    """Tell the prompt sampler what the step trained on (after its update): one entry per sample,
+    its prompt's dataset index and its reward. The built-in sampler ignores it; a curriculum
+    sampler class (data.sampler) reorders what it draws next."""
+    rows = [(index, t) for index, group in zip(collected.indices, collected.groups, strict=True) for t in group]
+    run.sampler.after_step(SamplerFeedback(
+        step=step, indices=[index for index, _ in rows], scores=[float(t.reward or 0.0) for _, t in rows],
+        group_ids=[t.group_id for _, t in rows]))
 
 
 def _by_group(trajectories: Sequence[Sample]) -> list[list[Sample]]:

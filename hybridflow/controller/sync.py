@@ -24,6 +24,7 @@ class SyncTrainer(Trainer):
             samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)
             run.rollout.sleep()  # generation is over for this step: free the KV caches for training
             update_metrics = self.update(samples.batch, timer)
+            phases.feed_sampler(run, self.step, collected)
             with timer.phase("update_weights"):
                 self.push_weights()
         return collected.metrics | batch_metrics | update_metrics | phases.step_metrics(run, self.step, collected, samples, timer)

@@ -11,7 +11,8 @@ of stateful loaders; see reliability.md, "Dataloader replays data after resume".
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +33,48 @@ def epoch_seed(seed: int, epoch: int) -> int:
     """
     digest = hashlib.sha256(f"hybridflow.sampler:{seed}:{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & _SEED_MASK
+
+
+@dataclass(frozen=True)
+class SamplerFeedback:
+    """What a training step tells the prompt sampler after its update: the samples it trained on.
+
+    One entry per trained sample (B = prompts kept x rollout.n), in the order the step collected
+    them; a prompt's dataset index repeats once per sample of its group. Dropped groups (dynamic
+    sampling) are not in it: this is the batch the update saw, as verl's curriculum hook gets it.
+    """
+
+    step: int
+    indices: list[int]  # [B] the dataset index (position in data.train_files' rows) of each sample's prompt
+    scores: list[float]  # [B] each sample's reward (the score its advantage was computed from)
+    group_ids: list[int]  # [B] the sample's prompt group within the step (0 .. prompts - 1)
+
+    def mean_score_by_index(self) -> dict[int, float]:
+        """Each trained prompt's mean reward over its samples, by dataset index."""
+        sums: dict[int, list[float]] = {}
+        for index, score in zip(self.indices, self.scores, strict=True):
+            sums.setdefault(index, []).append(score)
+        return {index: sum(values) / len(values) for index, values in sums.items()}
+
+
+class PromptSampler(Protocol):
+    """What a training loop asks of its prompt sampler (``ResumableSampler``, or
+    ``sampler_plugin.PluginSampler`` around a user's class). ``state_dict`` is JSON-able and
+    holds ``epoch``; ``after_step`` is called once per step, after the update."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def next_batch(self) -> list[int]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def after_step(self, feedback: SamplerFeedback) -> None: ...
 
 
 class ResumableSampler:
@@ -101,6 +144,9 @@ class ResumableSampler:
             self._position = 0
             self._order = None
         return batch
+
+    def after_step(self, feedback: SamplerFeedback) -> None:
+        """Nothing to learn: the order is a function of (seed, epoch) alone."""
 
     def state_dict(self) -> dict[str, int | bool]:
         """Plain JSON-able state. The settings are included so a mismatch on load is caught."""
