@@ -10,8 +10,9 @@
   requests are stitched into one trajectory. ``examples/``: agents to copy.
 - ``tokens``: incremental multi-turn token ids and ``check_token_consistency``.
 - ``parsers``: tool-call parsers (``<tool_call>`` JSON); ``tools``: tool declaration, the
-  registry that runs calls, the ``calculator`` and ``python`` built-ins;
-  ``interactions``: the optional user simulator.
+  registry that runs calls, the built-ins (``calculator``, ``python``, the GSM8K and Geometry3K
+  grading tools, ``search``) and verl's tool files; ``search``: the retrieval-server client
+  behind the ``search`` tool; ``interactions``: the optional user simulator.
 
 Layering: agents/ sits on types, utils, models and rewards (the sandbox); it never imports
 training/, workers/, controller/, config/ or ray, and reaches the engine only through the
