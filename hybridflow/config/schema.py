@@ -29,6 +29,18 @@ def sub(cls: type, help: str) -> Any:
 
 
 @dataclass
+class SamplerConfig:
+    class_path: str | None = f(
+        None, "Where the class that orders the training prompts lives: pkg://package.module, a file (path.py or "
+        "file://path.py), or module:Class. None: the built-in seeded shuffle (data.shuffle, data.seed). verl's key "
+        "and protocol: class(data_source, data_config) is a torch Sampler over dataset indices; its update(batch) "
+        "(if any) gets each step's trained samples; state_dict/load_state_dict (if any) resume it. See "
+        "hybridflow/data/sampler_plugin.py.",
+    )
+    class_name: str | None = f(None, "The sampler class's name in class_path (verl's key).")
+
+
+@dataclass
 class DataConfig:
     train_files: list[str] = f(
         [], "Parquet or JSONL files in verl's row schema (one path alone is a list of one, as verl takes it); local "
@@ -80,6 +92,10 @@ class DataConfig:
     )
     shuffle: bool = f(True, "Shuffle the training prompts each epoch (seeded, resumable).")
     seed: int | None = f(None, "Sampler seed. None: trainer.seed.")
+    sampler: SamplerConfig = sub(
+        SamplerConfig, "A sampler class of your own deciding the prompts' order, e.g. a curriculum that learns from "
+        "each step's rewards (verl's data.sampler; replaces data.shuffle).",
+    )
     builtin_task: str = f(
         "arithmetic",
         "The built-in task used when train_files is empty: arithmetic (carry-free sums, answered directly) | "

@@ -52,7 +52,9 @@ from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
 from hybridflow.controller.run_folder import lock_run_folder
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model, prepare_builtin_vl_model
-from hybridflow.data import PromptRow, RLDataset, ResumableSampler
+from hybridflow.data import PromptRow, RLDataset
+from hybridflow.data.sampler import PromptSampler
+from hybridflow.data.sampler_plugin import SamplerError, build_prompt_sampler
 from hybridflow.data.dataset import DataError
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
 from hybridflow.data.tasks.calculator import (
@@ -162,7 +164,7 @@ class RunSetup:
     pad_token_id: int
     train_data: RLDataset
     val_data: RLDataset | None
-    sampler: ResumableSampler
+    sampler: PromptSampler  # the built-in seeded shuffle, or data.sampler's class
     total_steps: int
     needs_old_logprobs: bool
     adv_estimator: Any  # fn(AdvantageInputs, params) -> AdvantageOutputs
@@ -921,8 +923,10 @@ def build_run(cfg: Config) -> RunSetup:
         key = "data.gen_batch_size" if gen_batch != d.train_batch_size else "data.train_batch_size"
         raise ConfigError(f"{key}={gen_batch} prompts per step is more than the {len(train_data)} prompts loaded from "
                           f"data.train_files ({train_data.describe()}); use a smaller batch or more data", key=key)
-    sampler = ResumableSampler(len(train_data), gen_batch, shuffle=d.shuffle,
-                               seed=d.seed if d.seed is not None else t.seed)
+    try:
+        sampler = build_prompt_sampler(d, train_data, gen_batch, seed=d.seed if d.seed is not None else t.seed)
+    except SamplerError as error:
+        raise ConfigError(str(error), key="data.sampler.class_name") from error
     total_steps = planned_total_steps(sampler.steps_per_epoch, t.total_epochs, t.total_training_steps)
     assert total_steps is not None
     updates_per_batch = d.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs
