@@ -22,6 +22,7 @@ environment (``http_proxy``, ``no_proxy``), as ``requests`` does in verl.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -190,6 +191,9 @@ class RetrievalClient:
         try:
             with urllib.request.urlopen(request, timeout=remaining) as response:
                 raw = response.read(_MAX_RESPONSE_BYTES + 1)
+                # A bounded read returns short instead of raising when the server hangs up early;
+                # ``length`` is what its Content-Length promised and never came.
+                cut_short = len(raw) <= _MAX_RESPONSE_BYTES and bool(response.length)
         except urllib.error.HTTPError as error:
             detail = error.read(_ERROR_BODY_CHARS).decode("utf-8", "replace")
             if error.code in _RETRIED_STATUSES:
@@ -202,8 +206,10 @@ class RetrievalClient:
                 raise SearchError(f"retrieval server {url} gave no answer within "
                                   f"{self.settings.timeout_s:g} s") from None
             return _Retry(f"cannot connect ({error.reason})")
-        except OSError as error:  # a connection reset halfway through the answer
-            return _Retry(f"connection failed ({error})")
+        except (OSError, http.client.HTTPException) as error:  # a connection reset or cut halfway through
+            return _Retry(f"connection failed ({type(error).__name__}: {error})")
+        if cut_short:
+            return _Retry(f"connection failed (the answer was cut short after {len(raw)} bytes)")
         if len(raw) > _MAX_RESPONSE_BYTES:
             raise SearchError(f"retrieval server {url} answered more than {_MAX_RESPONSE_BYTES} bytes")
         try:

@@ -33,6 +33,7 @@ class FakeRetrieval:
         self.delay_s = 0.0
         self.statuses: list[int] = []
         self.body: bytes | None = None  # answer this instead of documents
+        self.cut = False  # promise more bytes than are sent, then hang up
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
@@ -70,9 +71,10 @@ class FakeRetrieval:
                      for rank in range(1, request["topk"] + 1)]
                     for query in request["queries"]]}).encode()
             handler.send_response(status)
-            handler.send_header("Content-Length", str(len(body)))
+            handler.send_header("Content-Length", str(len(body) + (1000 if self.cut else 0)))
             handler.end_headers()
             handler.wfile.write(body)
+            handler.close_connection = self.cut
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up waiting: what a slow server's client does
         finally:
@@ -165,6 +167,12 @@ def test_a_client_error_is_not_retried_and_nothing_answers_a_closed_port(tmp_pat
     retrieval.close()
     closed = search(load_tools(verl_file(tmp_path, url, timeout_s=0.5)), ["x"])
     assert closed.status == "error" and "cannot connect" in closed.text
+
+
+def test_an_answer_cut_short_is_an_error(tmp_path, retrieval):
+    retrieval.cut = True
+    result = search(load_tools(verl_file(tmp_path, retrieval.url, timeout_s=0.5)), ["x"])
+    assert result.status == "error" and "connection failed (the answer was cut short after" in result.text
 
 
 def test_malformed_answers_and_arguments_are_the_models_information(tmp_path, retrieval):
