@@ -129,7 +129,7 @@ class PromptRow:
     prompt_ids: list[int]  # chat-templated, generation prompt appended, possibly truncated
     messages: list[dict[str, Any]] | None  # the raw chat; None when not kept (data.return_raw_chat=false)
     data_source: str
-    ground_truth: str  # scalars as text; a list ground truth as its JSON text
+    ground_truth: str  # scalars as text; a list or mapping ground truth as its JSON text
     ability: str  # "" when the row has none
     extra_info: dict[str, Any]  # verl keeps per-row tool arguments here too (extra_info.tools_kwargs)
     source: str  # "<file>:<row>", to trace a sample back to its row
@@ -437,14 +437,16 @@ def _check_messages(value: Any, prompt_key: str) -> list[dict[str, Any]]:
 
 
 def _ground_truth_text(value: Any) -> str:
-    """The ground truth as text: scalars as written, a list as its JSON text.
+    """The ground truth as text: scalars as written, a list or a mapping as its JSON text (verl's
+    search-R1 rows hold ``{"target": [golden answers]}``; the scorer reads the JSON back).
 
     An integral float becomes an integer string ("72", not "72.0"): parquet writers promote an
     integer column with a missing value to float64, and "72.0" would fail exact-match scorers.
     """
     label = "'reward_model.ground_truth'"
     if isinstance(value, bool):  # bool is an int subclass; True is never a meant answer
-        raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} must be a string, number or list, got bool")
+        raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID,
+                          f"{label} must be a string, number, list or mapping, got bool")
     if isinstance(value, str):
         if not value.strip():
             raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is an empty string")
@@ -455,15 +457,17 @@ def _ground_truth_text(value: Any) -> str:
         if not math.isfinite(value):
             raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is {value} (a missing value?)")
         return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, list):
+    if isinstance(value, (list, dict)):
+        kind = "list" if isinstance(value, list) else "mapping"
         if not value:
-            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is an empty list")
+            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is an empty {kind}")
         try:
             return json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
-            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} list is not JSON-serialisable: {exc}")
+            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} {kind} is not JSON-serialisable: {exc}")
     raise _RowProblem(
-        BadRowReason.GROUND_TRUTH_INVALID, f"{label} must be a string, number or list, got {_type_name(value)}"
+        BadRowReason.GROUND_TRUTH_INVALID,
+        f"{label} must be a string, number, list or mapping, got {_type_name(value)}",
     )
 
 

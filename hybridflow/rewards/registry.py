@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.rewards import arithmetic, calculator, code, colour_square, geo3k, gsm8k
+from hybridflow.rewards import arithmetic, calculator, code, colour_square, geo3k, gsm8k, search_r1
 from hybridflow.rewards import math as math_reward
 
 # A scorer takes the response text and the ground truth and returns a score, or a dict holding
@@ -27,6 +27,7 @@ DEFAULT_SCORERS: dict[str, Scorer] = {
     geo3k.DATA_SOURCE: geo3k.compute_score,
     gsm8k.DATA_SOURCE: gsm8k.compute_score,
     **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
+    **{source: search_r1.compute_score for source in search_r1.DATA_SOURCES},
 }
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow.rewards import arithmetic, calculator, code, colour_square, geo3k, gsm8k
+from hybridflow.rewards import arithmetic, calculator, code, colour_square, geo3k, gsm8k, search_r1
 from hybridflow.rewards import math as math_reward
 from hybridflow.rewards.registry import DEFAULT_SCORERS, UnknownDataSourceError, default_compute_score
 
@@ -19,6 +19,9 @@ def test_the_dispatch_table_maps_each_data_source_to_its_scorer() -> None:
         "DigitalLearningGmbH/MATH-lighteval": math_reward.compute_score,
         "HuggingFaceH4/MATH-500": math_reward.compute_score,
         "math": math_reward.compute_score,
+        **{source: search_r1.compute_score for source in ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa",
+                                                          "searchR1_hotpotqa", "searchR1_2wikimultihopqa",
+                                                          "searchR1_musique", "searchR1_bamboogle")},
     }
 
 
@@ -37,6 +40,7 @@ def test_the_dispatch_table_maps_each_data_source_to_its_scorer() -> None:
             {"score": 1.0, "acc": True, "pred": "0.5"},
         ),
         ("math", "\\boxed{3}", "4", {"score": 0.0, "acc": False, "pred": "3"}),
+        ("searchR1_nq", "<answer>The Eiffel tower</answer>", '{"target": ["Eiffel Tower"]}', 1.0),
     ],
 )
 def test_default_compute_score_dispatches(
