@@ -62,8 +62,13 @@ KEYS: dict[str, str] = {
     "critic.optim.clip_grad": "critic.grad_clip",
     "actor_rollout_ref.actor.optim.warmup_style": "actor.optim.lr_scheduler_type",  # verl's older name
     "critic.optim.warmup_style": "critic.optim.lr_scheduler_type",
-    # The training compute dtype (float32 master weights either way) is one knob here.
+    # The training compute dtype is one knob here (FSDP2's param_dtype is the compute dtype); the
+    # stored dtype and the gradient reduction's are fsdp_config's.
     "actor_rollout_ref.actor.fsdp_config.dtype": "model.dtype",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "model.dtype",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype": "actor.fsdp_config.reduce_dtype",
+    "critic.model.fsdp_config.mixed_precision.reduce_dtype": "critic.fsdp_config.reduce_dtype",
+    "critic.model.fsdp_config.model_dtype": "critic.fsdp_config.model_dtype",
     # verl files the critic's sharding and padding under its model.
     "critic.model.fsdp_config.param_offload": "critic.fsdp_config.param_offload",
     "critic.model.fsdp_config.optimizer_offload": "critic.fsdp_config.optimizer_offload",

@@ -336,6 +336,13 @@ def coerce_value(
     return result
 
 
+def canonical_spelling(meta: Mapping[str, Any], value: Any) -> Any:
+    """``value`` in the field's own spelling where its metadata names others (``spellings``: verl
+    writes dtypes as bf16/fp32, the schema as bfloat16/float32), so either reads the same."""
+    spellings = meta.get("spellings")
+    return spellings.get(value, value) if spellings and isinstance(value, str) else value
+
+
 # ----------------------------------------------------------------------------------------------
 # Applying layers
 
@@ -366,8 +373,8 @@ def _apply_mapping(target: Any, mapping: Mapping[Any, Any], prefix: str, source:
             _apply_mapping(getattr(target, name), value, path, source)
         else:
             meta = fields[name].metadata
-            coerced = coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
-                                   single_as_list=meta.get("single_as_list", False))
+            coerced = coerce_value(canonical_spelling(meta, value), tp, path, source=source,
+                                   choices=meta.get("choices"), single_as_list=meta.get("single_as_list", False))
             if isinstance(coerced, dict):  # a mapping leaf: key=value overrides add to it, as Hydra merges
                 coerced = {**getattr(target, name), **coerced}
             setattr(target, name, coerced)
@@ -435,7 +442,7 @@ def apply_override(cfg: Config, override: str | ParsedOverride) -> str | None:
         meta = fields[name].metadata
 
         def coerce(value: Any) -> Any:
-            return coerce_value(value, tp, path, source=source, choices=meta.get("choices"),
+            return coerce_value(canonical_spelling(meta, value), tp, path, source=source, choices=meta.get("choices"),
                                 single_as_list=meta.get("single_as_list", False))
 
         if parsed.kind == DELETE:

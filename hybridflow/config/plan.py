@@ -23,7 +23,9 @@ response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
 - AdamW: two fp32 moments, N x 8, allocated by the first step; the step itself adds temporaries
   (``torch.optim.AdamW``'s foreach path on a GPU: one fp32 copy of the parameters; the per-tensor
   loop on a CPU: two copies of the largest tensor). ``optimizer_offload`` keeps them off the
-  device except during the step; ``param_offload`` (sharded ranks) keeps all three off it.
+  device except during the step; ``param_offload`` (FSDP2: several ranks, or one GPU rank sharded
+  over itself) keeps all three off it. ``fsdp_config.model_dtype=bfloat16`` (pure bf16) halves all
+  three: 2-byte weights and gradients, two 2-byte moments.
 - Activations of a training micro-batch: ``training_bytes_per_token`` (``budget.py``) x T,
   the per-layer count of what a decoder layer saves for backward (checked against the saved
   tensors of the built-in model: within 1%), or the layer inputs plus one layer's set with
@@ -78,7 +80,7 @@ from hybridflow.config.budget import (
     read_model_shape,
     training_bytes_per_token,
 )
-from hybridflow.config.schema import Config
+from hybridflow.config.schema import Config, FSDPConfig
 from hybridflow.config.validate import batch_plan, data_parallel_size, rollout_replicas
 
 GIB = 2**30
@@ -300,7 +302,8 @@ class _Layout:
 
     device_type: str  # cuda | cpu
     dp: int  # actor (and reference, critic) ranks
-    shard: int  # ranks one FSDP2 group shards over (1: not sharded)
+    shard: int  # ranks one FSDP2 group shards over (1: one rank)
+    fsdp2: bool  # the actor's model is FSDP2-sharded: several ranks, or param_offload on one GPU
     colocated: bool  # the rollout shares the trainers' devices
     tp: int
 
@@ -310,11 +313,20 @@ def _layout(cfg: Config) -> _Layout:
     dp = 1 if t.backend == "local" else data_parallel_size(t)
     fsdp = cfg.actor.fsdp_config.fsdp_size
     shard = dp if fsdp in (-1, 0) or fsdp > dp else fsdp
+    device_type = "cuda" if t.device == "cuda" else "cpu"
+    shard = shard if dp > 1 else 1
     return _Layout(
-        device_type="cuda" if t.device == "cuda" else "cpu", dp=dp, shard=shard if dp > 1 else 1,
+        device_type=device_type, dp=dp, shard=shard,
+        fsdp2=shard > 1 or _offloads_params(cfg.actor.fsdp_config.param_offload, device_type),
         colocated=t.backend == "local" or cfg.rollout.placement == "colocated",
         tp=cfg.rollout.tensor_model_parallel_size if t.backend != "local" else 1,
     )
+
+
+def _offloads_params(param_offload: bool, device_type: str) -> bool:
+    """FSDP2 offloads a role's parameters with param_offload on a GPU, sharded over several ranks or
+    over one (a CPU run refuses the key: they are in host memory already)."""
+    return param_offload and device_type == "cuda"
 
 
 def _value_shape(shape: ModelShape) -> ModelShape:
@@ -322,14 +334,10 @@ def _value_shape(shape: ModelShape) -> ModelShape:
     return ModelShape(**{**shape.__dict__, "vocab_size": 1, "tie_word_embeddings": False})
 
 
-def _trained_model_params(n: int) -> int:
-    return n * 4
-
-
 def _gathered_bytes(shape: ModelShape, layout: _Layout, compute_bytes: int) -> int:
     """FSDP2's gathered working set: two layers and the root in the compute dtype, one layer's
     unsharded fp32 gradient."""
-    if layout.shard <= 1:
+    if not layout.fsdp2:
         return 0
     layer = (shape.num_parameters - shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)) \
         // shape.num_hidden_layers
@@ -390,7 +398,7 @@ def _token_budgets(
         free, label = 1 << 62, "free GPU memory (unknown: the cap)"
     auto = auto_token_budget(
         shape, free, longest, compute_bytes=BYTES[cfg.model.dtype],
-        gradient_checkpointing=cfg.model.enable_gradient_checkpointing, full_logits=layout.shard > 1,
+        gradient_checkpointing=cfg.model.enable_gradient_checkpointing, full_logits=layout.fsdp2,
         memory_label=label, device_type=layout.device_type,
     )
     ppo = a.ppo_max_token_len_per_gpu or auto.ppo
@@ -403,13 +411,15 @@ def _token_budgets(
     return _Budgets(ppo, log_prob, ref, critic, critic_forward, reason)
 
 
-def _trainer_resident(n: int, layout: _Layout, offload_params: bool, offload_optimizer: bool) -> tuple[int, int, int]:
+def _trainer_resident(n: int, layout: _Layout, fsdp: FSDPConfig) -> tuple[int, int, int]:
     """(params, grads, optimizer) a trained model keeps on its device between its phases."""
-    on_device = not (offload_params and layout.shard > 1)
+    on_device = not _offloads_params(fsdp.param_offload, layout.device_type)
     per_rank = n // layout.shard
-    params = _trained_model_params(per_rank) if on_device else 0
-    grads = per_rank * 4 if on_device else 0
-    optimizer = per_rank * 8 if on_device and not offload_optimizer else 0
+    # Weights, gradients and Adam's two moments in the stored dtype: fp32 master weights, or pure bf16.
+    stored = BYTES[fsdp.model_dtype]
+    params = per_rank * stored if on_device else 0
+    grads = per_rank * stored if on_device else 0
+    optimizer = per_rank * 2 * stored if on_device and not fsdp.optimizer_offload else 0
     return params, grads, optimizer
 
 
@@ -429,18 +439,17 @@ def plan_memory(
     if cfg.trainer.device == "auto":
         notes.append("trainer.device=auto is planned as a CPU run; set trainer.device=cuda to plan a GPU run")
     packed, _ = packing_decision(a.use_remove_padding, shape.model_type, shape.custom_code)
-    fused = layout.shard <= 1  # sharded ranks keep the model's own head (FSDP2 gathers its weight in the root)
+    fused = not layout.fsdp2  # sharded ranks keep the model's own head (FSDP2 gathers its weight in the root)
     with_reference = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     gathered = _gathered_bytes(shape, layout, compute_bytes)
 
     # Resident between phases.
-    actor_p, actor_g, actor_o = _trainer_resident(n, layout, a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload)
+    actor_p, actor_g, actor_o = _trainer_resident(n, layout, a.fsdp_config)
     ref_bytes = BYTES[cfg.model.dtype] if layout.shard <= 1 else 4
     ref_p = (n // layout.shard) * ref_bytes if with_reference else 0
     vshape = _value_shape(shape)
     critic_p, critic_g, critic_o = (
-        _trainer_resident(vshape.num_parameters, layout, cfg.critic.fsdp_config.param_offload,
-                          cfg.critic.fsdp_config.optimizer_offload) if with_critic else (0, 0, 0)
+        _trainer_resident(vshape.num_parameters, layout, cfg.critic.fsdp_config) if with_critic else (0, 0, 0)
     )
     rollout_dtype = 4 if r.dtype == "float32" or (r.dtype == "auto" and layout.device_type == "cpu") else 2
     embed_head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
@@ -504,8 +513,9 @@ def plan_memory(
 
     # Actor: old-logprob forward, update.
     optimizer_offload = a.fsdp_config.optimizer_offload
-    # One rank computes in bf16 under autocast over fp32 weights; FSDP2 casts the gathered weights instead.
-    autocast = compute_bytes < 4 and layout.shard <= 1
+    # One rank computes in bf16 under autocast over fp32 weights; FSDP2 casts the gathered weights instead,
+    # and pure bf16 weights need no cast.
+    autocast = compute_bytes < 4 and not layout.fsdp2 and a.fsdp_config.model_dtype == "float32"
 
     def forward_phase(role: str, name: str, model: ModelShape, tokens: int, head: bool, mixed: bool = autocast,
                       sp: int = 1, **terms: int) -> PhaseMemory:
@@ -534,8 +544,9 @@ def plan_memory(
     grads_live = actor_g if micro_batches > 1 else 0
     optimizer_fwd = 0 if optimizer_offload else actor_o
     shard = n // layout.shard
-    step_peak = actor_p + actor_g + shard * 8 + adamw_step_temporary_bytes(shape, shard, layout.device_type)
-    if a.fsdp_config.param_offload and layout.shard > 1:
+    moments = shard * 2 * BYTES[a.fsdp_config.model_dtype]  # on the device for the step, even offloaded between
+    step_peak = actor_p + actor_g + moments + adamw_step_temporary_bytes(shape, shard, layout.device_type)
+    if _offloads_params(a.fsdp_config.param_offload, layout.device_type):
         step_peak = 0  # FSDP2's CPU offload runs the optimizer step on the CPU
     fwd_bwd = actor_p + gathered + grads_live + optimizer_fwd + activations + logits - overlap
     if step_peak > fwd_bwd:
@@ -570,7 +581,7 @@ def plan_memory(
         c_opt = 0 if c.fsdp_config.optimizer_offload else critic_o
         nv = vshape.num_parameters // layout.shard
         c_step = critic_p + critic_g + nv * 8 + adamw_step_temporary_bytes(vshape, nv, layout.device_type)
-        if c.fsdp_config.param_offload and layout.shard > 1:
+        if _offloads_params(c.fsdp_config.param_offload, layout.device_type):
             c_step = 0
         c_fwd = critic_p + gathered + (critic_g if c_micro > 1 else 0) + c_opt + train_activation_bytes(
             vshape, ctokens, compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
@@ -675,7 +686,7 @@ def _fix_candidates(
             out.append(("split each rollout replica's weights and KV cache over more ranks (tensor parallel)", tps))
     if role == "rollout" and cfg.trainer.backend == "ray" and cfg.rollout.placement == "colocated":
         out.append(("give the rollout devices of its own", [{"rollout.placement": "split"}]))
-    if dp > 1 and not getattr(cfg, section).fsdp_config.param_offload:
+    if cfg.trainer.device == "cuda" and not getattr(cfg, section).fsdp_config.param_offload:
         out.append(("keep sharded parameters, gradients and the optimizer on the CPU (slow)",
                     [{f"{section}.fsdp_config.param_offload": True}]))
     ranks = [{"trainer.backend": "ray", "trainer.n_gpus_per_node": k} for k in (2, 4, 8)

@@ -28,6 +28,10 @@ def sub(cls: type, help: str) -> Any:
     return field(default_factory=cls, metadata={"help": help})
 
 
+# verl's short dtype spellings (its PrecisionType), read as the schema's names by dtype keys.
+DTYPE_SPELLINGS = {"bf16": "bfloat16", "fp32": "float32"}
+
+
 @dataclass
 class SamplerConfig:
     class_path: str | None = f(
@@ -121,8 +125,11 @@ class ModelConfig:
     dtype: str = f(
         "float32",
         "Training compute dtype: float32 | bfloat16 (mixed precision: fp32 master weights, optimizer and "
-        "gradient reduction; bf16 matmuls). The reference model loads in this dtype.",
-        choices=("float32", "bfloat16"),
+        "gradient reduction; bf16 matmuls; actor.fsdp_config.model_dtype=bfloat16 drops the fp32 copy). The "
+        "reference model loads in this dtype. verl's actor.fsdp_config.dtype and "
+        "fsdp_config.mixed_precision.param_dtype (FSDP2's param_dtype is this compute dtype; bf16/fp32 spellings "
+        "accepted).",
+        choices=("float32", "bfloat16"), spellings=DTYPE_SPELLINGS,
     )
     enable_gradient_checkpointing: bool = f(False, "Recompute activations in backward to save memory.")
 
@@ -234,9 +241,28 @@ class FSDPConfig:
         "data-parallel rank.",
     )
     param_offload: bool = f(
-        False, "Keep sharded parameters, gradients and the optimizer step on the CPU (FSDP2 CPUOffloadPolicy; GPU runs)."
+        False, "Keep sharded parameters, gradients and the optimizer step on the CPU (FSDP2 CPUOffloadPolicy; GPU "
+        "runs). On one GPU the model is sharded over a one-rank group so that it can be offloaded, as verl does."
     )
     optimizer_offload: bool = f(False, "Keep the optimizer state on the CPU between optimizer steps.")
+    model_dtype: str = f(
+        "float32",
+        "dtype the trained weights, their gradients and the optimizer state are stored in: float32 (master "
+        "weights; model.dtype=bfloat16 computes in bf16 over them) | bfloat16 (pure bf16 training: no float32 "
+        "copy, half the memory of weights, gradients and Adam's moments; needs model.dtype=bfloat16). Accuracy "
+        "cost of bfloat16: an update smaller than about 1/256 of a weight (bf16's 8-bit mantissa) rounds away, so "
+        "tiny learning rates can leave weights unchanged, and Adam's moments are rounded too. verl's key; "
+        "bf16/fp32 spellings accepted.",
+        choices=("float32", "bfloat16"), spellings=DTYPE_SPELLINGS,
+    )
+    reduce_dtype: str = f(
+        "float32",
+        "dtype FSDP2 reduces gradients over ranks in: float32 | bfloat16 (half the gradient traffic; each rank's "
+        "gradient is rounded to bf16 before the sum). Sharded roles only (several ranks, or param_offload on "
+        "one GPU): an unsharded rank reduces nothing. verl's fsdp_config.mixed_precision.reduce_dtype; bf16/fp32 "
+        "spellings accepted.",
+        choices=("float32", "bfloat16"), spellings=DTYPE_SPELLINGS,
+    )
 
 
 @dataclass

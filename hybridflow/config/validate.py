@@ -923,18 +923,35 @@ def _check_backend(cfg: Config, report: _Report) -> None:
     if fsdp.fsdp_size != -1 and fsdp.fsdp_size < dp and (fsdp.fsdp_size < 1 or dp % fsdp.fsdp_size):
         report.error(f"actor.fsdp_config.fsdp_size={fsdp.fsdp_size} must divide the {dp} data-parallel ranks "
                      f"({dp_source(t)}), or be -1 or at least {dp} (shard over all of them)")
-    if fsdp.param_offload and t.device == "cpu":
-        report.error("actor.fsdp_config.param_offload=true moves parameters from the GPU to the CPU, but "
-                     f"trainer.device={t.device}: on a CPU run they are in host memory already")
-    elif fsdp.param_offload and dp == 1:
-        report.error("actor.fsdp_config.param_offload=true is FSDP2's offload of sharded parameters; it needs "
-                     "several data-parallel ranks (use actor.fsdp_config.optimizer_offload on one)")
+    _check_fsdp_precision_and_offload(cfg, dp, report)
     if cfg.actor.freeze_vision_tower and cfg.actor.lora.rank > 0:
         # LoRA already freezes every base weight; frozen adapters inside the tower would leave checkpoints
         # and exports disagreeing on which adapters exist.
         report.error("actor.freeze_vision_tower=true with actor.lora.rank > 0: LoRA trains only adapters; keep "
                      "the vision tower out of them with actor.lora.exclude_modules (e.g. '.*visual.*') instead")
     _check_sequence_parallel(cfg, dp, report)
+
+
+def _check_fsdp_precision_and_offload(cfg: Config, dp: int, report: _Report) -> None:
+    """The actor's and critic's ``fsdp_config`` offload and dtypes. param_offload on one GPU rank is
+    honoured by sharding over a one-rank group (the workers do it), so only a CPU run refuses it."""
+    for role in ("actor", "critic"):
+        fsdp = getattr(cfg, role).fsdp_config
+        key = f"{role}.fsdp_config"
+        if fsdp.param_offload and cfg.trainer.device == "cpu":
+            report.error(f"{key}.param_offload=true moves parameters from the GPU to the CPU, but "
+                         f"trainer.device={cfg.trainer.device}: on a CPU run they are in host memory already")
+        if fsdp.model_dtype == "bfloat16" and cfg.model.dtype != "bfloat16":
+            report.error(f"{key}.model_dtype=bfloat16 stores the trained weights in bf16, so they compute in bf16: "
+                         f"set model.dtype=bfloat16 too (model.dtype={cfg.model.dtype} over float32 weights is "
+                         f"{key}.model_dtype=float32)")
+        if fsdp.reduce_dtype != "float32" and dp == 1 and not fsdp.param_offload:
+            report.warn(f"{key}.reduce_dtype={fsdp.reduce_dtype} has no effect: one unsharded rank reduces no "
+                        "gradients")
+    if cfg.actor.fsdp_config.model_dtype == "bfloat16" and cfg.actor.lora.rank > 0:
+        report.error("actor.fsdp_config.model_dtype=bfloat16 with actor.lora.rank > 0: LoRA's adapters stay float32 "
+                     "(they are small) and its frozen base is stored as actor.lora.base_dtype says; set "
+                     "actor.lora.base_dtype=bfloat16 instead")
 
 
 def sequence_parallel_sizes(cfg: Config) -> dict[str, int]:

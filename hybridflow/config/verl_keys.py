@@ -196,9 +196,6 @@ def _fsdp_rules() -> dict[str, Rule]:
             f"{prefix}.forward_prefetch": ignore(SPEED),
             f"{prefix}.wrap_policy.min_num_params": ignore("hybridflow's FSDP2 shards each decoder layer; " + SPEED),
             f"{prefix}.use_orig_params": ignore("an FSDP1 setting; FSDP2 always keeps the original parameters"),
-            f"{prefix}.model_dtype": refuse(
-                f"hybridflow keeps float32 master weights; model.dtype picks the compute dtype",
-                unless=("fp32", "float32")),
             f"{prefix}.seed": ignore("hybridflow seeds every role from trainer.seed"),
             f"{prefix}.full_determinism": refuse("hybridflow does not switch torch to deterministic kernels",
                                                  unless=(False,)),
@@ -212,20 +209,34 @@ def _fsdp_rules() -> dict[str, Rule]:
                 + "compilation changes speed, not results"),
             f"{prefix}.forward_only": ignore("verl sets it per role; hybridflow knows which roles train"),
             f"{prefix}.strategy": _strategy(role),
-            f"{prefix}.mixed_precision.param_dtype": refuse(
-                "hybridflow's compute dtype is model.dtype: model.dtype=bfloat16 computes in bf16 over float32 master "
-                "weights"),
-            f"{prefix}.mixed_precision.reduce_dtype": refuse(
-                "hybridflow always reduces gradients in float32", unless=("fp32", "float32")),
             f"{prefix}.mixed_precision.buffer_dtype": refuse(
-                "hybridflow keeps buffers in float32", unless=("fp32", "float32")),
+                "FSDP2's mixed precision has no buffer dtype: buffers (rotary frequencies) stay as the model loads "
+                "them", unless=("fp32", "float32")),
         })
+    # The actor's and critic's own model_dtype, and the actor's param_dtype and both reduce_dtypes, are
+    # hybridflow keys (aliases.KEYS); the others are the reference's, or a critic compute dtype of its own.
+    rules.update(_role_precision_rules())
     rules["actor_rollout_ref.ref.fsdp_config.dtype"] = ignore("the reference computes in model.dtype, as the actor")
     rules["critic.model.fsdp_config.dtype"] = ignore("the critic computes in model.dtype, as the actor")
     for key in ("optimizer_offload", "fsdp_size"):  # param_offload: aliases.IGNORED
         rules[f"actor_rollout_ref.ref.fsdp_config.{key}"] = ignore(
             "the reference is sharded and offloaded as the actor (actor.fsdp_config.*)")
     return rules
+
+
+def _role_precision_rules() -> dict[str, Rule]:
+    """verl's per-role precision keys that are not the actor's or the critic's own."""
+    same_compute = ("every role computes in model.dtype, as the actor: set it with model.dtype (or "
+                    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)")
+    return {
+        "actor_rollout_ref.ref.fsdp_config.model_dtype": refuse(
+            "the reference trains nothing, so it has no master weights: it loads in model.dtype on one rank and "
+            "in float32 under model.dtype's mixed precision when sharded", unless=("fp32", "float32")),
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype": refuse(same_compute),
+        "critic.model.fsdp_config.mixed_precision.param_dtype": refuse(same_compute),
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.reduce_dtype": ignore(
+            "the reference computes no gradients, so it reduces none"),
+    }
 
 
 def _optim_rules(role: str, prefix: str) -> dict[str, Rule]:

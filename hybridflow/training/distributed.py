@@ -111,6 +111,17 @@ def init_process_group(
     return backend
 
 
+def join_one_rank_group(device: torch.device) -> None:
+    """Make this process a default process group of one rank (FSDP2 shards over a group, even of
+    one: how one GPU offloads its parameters). A group this process already has is kept, if it
+    is of one rank; a rank of a larger group cannot be a group of its own."""
+    if is_initialized():
+        if world_size() != 1:
+            raise RuntimeError(f"this process is rank {rank()} of a group of {world_size()}, not a group of one")
+        return
+    init_process_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), device=device)
+
+
 def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -210,6 +221,7 @@ def shard_model(
     model: torch.nn.Module,
     *,
     mixed_precision: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
     fsdp_size: int | None = None,
     offload_params: bool = False,
 ) -> torch.nn.Module:
@@ -217,8 +229,12 @@ def shard_model(
     LM head, tied or not). Parameters become DTensors sharded over the default process group.
 
     ``mixed_precision`` (bf16): forward/backward run in that dtype on the gathered parameters
-    while the sharded master weights, the optimizer and the gradient reduction stay fp32. None
-    keeps everything in the parameters' own dtype.
+    while the sharded master weights and the optimizer stay in their own dtype (fp32). None
+    computes in the parameters' own dtype (bf16 ones: pure bf16 training).
+
+    ``reduce_dtype``: the dtype gradients are reduce-scattered in (FSDP2 casts each rank's
+    gradient to it before the collective, and the result back to the parameters' dtype). fp32
+    by default whatever the compute dtype, as verl; bf16 halves the traffic at bf16's rounding.
 
     ``fsdp_size`` (verl's ``fsdp_config.fsdp_size``): shard over groups of this many ranks and
     replicate across the groups (HSDP), so parameter all-gathers stay inside a node while only
@@ -231,11 +247,7 @@ def shard_model(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-        if mixed_precision is not None
-        else MixedPrecisionPolicy()
-    )
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=reduce_dtype)
     mesh = shard_mesh(fsdp_size)
     offload = OffloadPolicy()
     if offload_params:

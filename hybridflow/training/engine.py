@@ -138,6 +138,7 @@ class TrainEngine:
         varlen_attention: bool = True,
         data_parallel: bool = False,
         mixed_precision: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
         fsdp_size: int | None = None,
         offload_params: bool = False,
         offload_optimizer: bool = False,
@@ -157,7 +158,10 @@ class TrainEngine:
         ``mixed_precision`` (bf16): compute in this dtype over fp32 master weights, optimizer
         and gradient reduction. Sharded, FSDP2 casts the gathered parameters; on one rank the
         forward runs under ``torch.autocast``. Logprobs and losses are computed in fp32 either way.
-        ``fsdp_size`` and ``offload_params``: see ``distributed.shard_model`` (sharded only).
+        A model whose trained weights are bf16 (pure bf16, ``fsdp_config.model_dtype``) passes None:
+        it computes, and its optimizer steps, in bf16.
+        ``reduce_dtype``, ``fsdp_size`` and ``offload_params``: see ``distributed.shard_model``
+        (sharded only; one unsharded rank reduces no gradients).
         ``offload_optimizer``: keep the optimizer state on the CPU between optimizer steps, so
         a colocated rollout gets that memory back (moved to the device for the step only).
         ``fused_lm_head``: compute logprobs and entropy from the hidden states in row chunks
@@ -192,7 +196,8 @@ class TrainEngine:
             if optim is None:
                 self.model.requires_grad_(False)
             distributed.shard_model(
-                self.model, mixed_precision=mixed_precision, fsdp_size=fsdp_size, offload_params=offload_params
+                self.model, mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, fsdp_size=fsdp_size,
+                offload_params=offload_params,
             )
         elif offload_params:
             raise ValueError("offload_params applies to the sharded (data_parallel) engine only")

@@ -49,7 +49,14 @@ from hybridflow.config.budget import (
     available_host_memory_bytes,
     packing_decision,
 )
-from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from hybridflow.config.schema import (
+    ActorConfig,
+    FSDPConfig,
+    LoraConfig,
+    OptimConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+)
 from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
 from hybridflow.models.vision import freeze_vision_tower
@@ -186,17 +193,41 @@ def check_rank_group(role: str, rank: int, world_size: int) -> None:
         )
 
 
-def model_precision(dtype: str, *, trainable: bool, data_parallel: bool) -> tuple[torch.dtype, torch.dtype | None]:
+def model_precision(
+    dtype: str, *, trainable: bool, data_parallel: bool, master_dtype: str = "float32"
+) -> tuple[torch.dtype, torch.dtype | None]:
     """(dtype the weights load in, mixed-precision compute dtype or None).
 
     A trained model in bf16 is mixed precision: fp32 master weights, optimizer and gradient
     reduction, bf16 compute (FSDP2's policy when sharded, autocast on one rank), because Adam
     updates of ~1e-6 relative vanish in bf16's 8-bit mantissa. A frozen model (the reference)
-    on one rank simply loads in bf16: half the memory, the same bf16 compute."""
+    on one rank simply loads in bf16: half the memory, the same bf16 compute.
+
+    ``master_dtype`` (``fsdp_config.model_dtype``) bf16 is verl's pure bf16 training, chosen
+    knowing that rounding: the trained weights load in bf16 and compute in it, with no fp32
+    copy and no autocast (the optimizer's state takes the weights' dtype)."""
     weights = parse_dtype(dtype)
+    if trainable and parse_dtype(master_dtype) != torch.float32:
+        return parse_dtype(master_dtype), None
     if weights != torch.float32 and (trainable or data_parallel):
         return torch.float32, weights
     return weights, None
+
+
+def shards_model(role: str, world_size: int, fsdp: FSDPConfig, device: torch.device) -> bool:
+    """Whether a training role's engine shards its model with FSDP2: with several ranks, and with
+    ``param_offload`` on one GPU rank, because FSDP2 offloads sharded parameters only (its
+    CPUOffloadPolicy), so one rank shards over a process group of itself, as verl does. Joins that
+    one-rank group when this process has no group yet (a one-rank role starts without one)."""
+    if world_size > 1:
+        return True
+    if not fsdp.param_offload:
+        return False
+    if device.type != "cuda":
+        raise ValueError(f"{role}.fsdp_config.param_offload=true moves parameters from the GPU to the CPU, but "
+                         f"this {role} computes on {device.type}")
+    distributed.join_one_rank_group(device)
+    return True
 
 
 @dataclass(frozen=True)
@@ -350,8 +381,9 @@ class ActorWorker:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code, setup.chat_template)
-        data_parallel = world_size > 1
-        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel)
+        data_parallel = shards_model("actor", world_size, cfg.fsdp_config, setup.device)
+        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel,
+                                                       master_dtype=cfg.fsdp_config.model_dtype)
         if cfg.lora.rank > 0:
             # LoRA's base is frozen: it needs no fp32 master copy, so it may load in bf16 straight
             # away (actor.lora.base_dtype; no fp32 copy is ever made). The adapters stay fp32 below.
@@ -393,6 +425,7 @@ class ActorWorker:
             setup.device,
             data_parallel=data_parallel,
             mixed_precision=compute_dtype,
+            reduce_dtype=parse_dtype(cfg.fsdp_config.reduce_dtype),
             fsdp_size=cfg.fsdp_config.fsdp_size,
             offload_params=cfg.fsdp_config.param_offload,
             offload_optimizer=cfg.fsdp_config.optimizer_offload,

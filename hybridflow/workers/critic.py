@@ -30,6 +30,7 @@ from hybridflow.training.distributed import collective
 from hybridflow.training.engine import LossFn, TrainEngine
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
+from hybridflow.utils.device import parse_dtype
 from hybridflow.workers.actor import (
     check_rank_group,
     load_engine_checkpoint,
@@ -37,6 +38,7 @@ from hybridflow.workers.actor import (
     optim_spec,
     plan_micro_batches,
     sharded_checkpoints,
+    shards_model,
     train_micro_batches,
 )
 
@@ -67,20 +69,22 @@ class CriticWorker:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
-        data_parallel = world_size > 1
-        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel)
+        fsdp = cfg.fsdp_config
+        data_parallel = shards_model("critic", world_size, fsdp, setup.device)
+        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel,
+                                                       master_dtype=fsdp.model_dtype)
         model = load_value_model(
             setup.model_path, dtype=weights_dtype, device=setup.device, trust_remote_code=setup.trust_remote_code
         )
         if setup.gradient_checkpointing:
             enable_activation_checkpointing(model)
-        fsdp = cfg.fsdp_config
         self.engine = TrainEngine(
             model,
             optim_spec(cfg.optim, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip),
             setup.device,
             data_parallel=data_parallel,
             mixed_precision=compute_dtype,
+            reduce_dtype=parse_dtype(fsdp.reduce_dtype),
             fsdp_size=fsdp.fsdp_size,
             offload_params=fsdp.param_offload,
             offload_optimizer=fsdp.optimizer_offload,
