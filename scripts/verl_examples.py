@@ -2,8 +2,8 @@
 
 verl's users arrive with its ``examples/**/*.sh`` scripts. This tool expands each script as bash
 would (variables and their defaults, line continuations, ``$@``) by running it under bash with a
-``python3`` that only records its arguments, replaces the model and data paths with local ones
-(small random-init model directories, a small parquet file), and runs ``hybridflow config explain`` on the
+``python3`` that only records its arguments, replaces the model, LoRA adapter and data paths with local
+ones (small random-init model directories, a PEFT adapter of the policy, a small parquet file), and runs ``hybridflow config explain`` on the
 result in this process. Each script is then:
 
 - ``pass``: explained, exit 0, nothing missing on this machine;
@@ -164,6 +164,7 @@ def trainer_args(calls: list[list[str]]) -> list[str] | None:
 _MODEL_KEY = re.compile(r"^[+~]*([\w.]*\.)?model\.(path|tokenizer_path)$")
 _REWARD_MODEL_KEY = re.compile(r"^[+~]*reward_model\.model\.(path|tokenizer_path)$")
 _DATA_KEY = re.compile(r"^[+~]*data\.(train_files|val_files)$")
+_ADAPTER_KEY = re.compile(r"^[+~]*actor_rollout_ref\.model\.lora_adapter_path$")
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ class LocalFiles:
     policy: Path  # a small causal LM directory (for the actor, reference and critic)
     reward_model: Path  # a small sequence classifier directory
     data: Path  # a parquet file in verl's row schema
+    adapter: Path | None = None  # a saved PEFT LoRA adapter of the policy (lora_adapter_path)
 
 
 def localize(args: list[str], local: LocalFiles) -> list[str]:
@@ -184,6 +186,8 @@ def localize(args: list[str], local: LocalFiles) -> list[str]:
             arg = f"{key}={local.policy}"
         elif sep and _DATA_KEY.match(key):
             arg = f"{key}={local.data}"
+        elif sep and _ADAPTER_KEY.match(key) and local.adapter is not None:
+            arg = f"{key}={local.adapter}"
         out.append(arg)
     return out
 
@@ -196,6 +200,17 @@ def write_models(folder: Path) -> tuple[Path, Path]:
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
                          num_key_value_heads=8, max_position_embeddings=65536)
     return write_tiny_model(folder / "model", spec), write_tiny_reward_model(folder / "reward_model", spec)
+
+
+def write_adapter(policy: Path, folder: Path) -> Path:
+    """A LoRA adapter of ``policy`` as PEFT saves one (adapter_config.json + adapter_model.safetensors)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hybridflow.models.loading import load_causal_lm
+
+    get_peft_model(load_causal_lm(policy), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+                   ).save_pretrained(str(folder))
+    return folder
 
 
 def write_data(folder: Path) -> Path:
@@ -314,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         home.mkdir()
         bin_dir = stub_bin(scratch)
         policy, reward_model = write_models(scratch / "models")
-        local = LocalFiles(policy, reward_model, write_data(home))
+        local = LocalFiles(policy, reward_model, write_data(home), write_adapter(policy, scratch / "adapter"))
         outcomes = []
         for script in example_scripts(root, args.pattern):
             calls = expand(script, root, bin_dir, home)

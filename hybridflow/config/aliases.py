@@ -30,6 +30,8 @@ PREFIXES: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.actor.", "actor."),
     ("actor_rollout_ref.rollout.", "rollout."),
     ("actor_rollout_ref.ref.", "ref."),
+    # verl's HFModelConfig unwraps override_config.model_config (Megatron's nesting) into the same keys.
+    ("actor_rollout_ref.model.override_config.model_config.", "model.override_config."),
     ("actor_rollout_ref.model.", "model."),
     # verl's keyword arguments for the custom reward function: hybridflow's reward.reward_kwargs
     # (passed to every call, checked against the function's signature at start-up).
@@ -52,6 +54,7 @@ KEYS: dict[str, str] = {
     "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
     "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
     "actor_rollout_ref.model.exclude_modules": "actor.lora.exclude_modules",
+    "actor_rollout_ref.model.lora_adapter_path": "actor.lora.adapter_path",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "trainer.default_local_dir": "trainer.checkpoint_dir",
     "global_profiler.steps": "trainer.profile.steps",

@@ -42,6 +42,7 @@ import yaml
 from hybridflow.config.aliases import translate_key
 # ConfigError and MachineProblem live in errors.py; importing them from here keeps working.
 from hybridflow.config.errors import ConfigError, ConfigErrors, MachineProblem, raise_all  # noqa: F401
+from hybridflow.config.lora_adapter import apply_adapter_config
 from hybridflow.config.overrides import DELETE, ParsedOverride, parse_override
 from hybridflow.config.schema import Config
 from hybridflow.config.verl_keys import GLOBAL_MICRO_BATCH, normalise, per_rank_micro_batch
@@ -709,6 +710,8 @@ def load_config_collecting(
     _apply_critic_defaults(cfg, critic_defaults, layers)
     if cfg.trainer.experiment_name == _UNNAMED_RUN:
         cfg.trainer.experiment_name = default_experiment_name(named_after, cfg)
+    # Last: a saved LoRA adapter's own shape wins over every layer's actor.lora values (as in verl).
+    layers.attempt(apply_adapter_config, cfg)
     return cfg, errors
 
 

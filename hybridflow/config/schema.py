@@ -132,6 +132,14 @@ class ModelConfig:
         choices=("float32", "bfloat16"), spellings=DTYPE_SPELLINGS,
     )
     enable_gradient_checkpointing: bool = f(False, "Recompute activations in backward to save memory.")
+    override_config: dict[str, Any] = f(
+        {}, "Entries set on the model's Hugging Face config before the model is built (verl's "
+        "actor_rollout_ref.model.override_config), e.g. {max_position_embeddings: 32768, attention_dropout: 0.0}; a "
+        "mapping value updates a sub-config (text_config). The actor, the reference and the rollout engine all build "
+        "from the overridden config (vLLM gets them as hf_overrides, SGLang as --json-model-override-args). A name "
+        "the model's config class lacks is an error. The critic's model is not affected.",
+    )
+
 
 
 @dataclass
@@ -283,6 +291,12 @@ class LoraConfig:
         single_as_list=True,
     )
     dropout: float = f(0.0, "Dropout on the adapter's input, in [0, 1).")
+    adapter_path: str | None = f(
+        None, "A saved PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start training from "
+        "instead of fresh adapters (verl's actor_rollout_ref.model.lora_adapter_path). As in verl the adapter's own "
+        "config wins: rank, alpha, target_modules, dropout and exclude_modules are read from it (a differing value "
+        "given here is replaced, with a note), and LoRA is on whatever actor.lora.rank says. null: fresh adapters.",
+    )
     exclude_modules: str | None = f(
         None, "A regular expression of module names (matched whole, PEFT's exclude_modules, as verl passes it) that "
         "get no adapter even when target_modules names them, e.g. '.*visual.*' keeps a vision tower without "

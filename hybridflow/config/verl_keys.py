@@ -176,6 +176,9 @@ ROUTER_REPLAY = "hybridflow has no MoE router replay; routing is recomputed by t
 CHECKPOINT_CONTENTS = ("hybridflow's checkpoints always hold the model, the optimizer and the trainer state "
                        "(`hybridflow export` writes a Hugging Face folder)")
 OVERRIDE_CONFIG = ("hybridflow loads the model's config.json as saved (edit a copy of the model folder to change it)")
+POLICY_OVERRIDE_CONFIG = ("hybridflow's model.override_config takes the model's HF config keys "
+                          "(actor_rollout_ref.model.override_config.<key>, or .model_config.<key> as verl's FSDP "
+                          "engine unwraps it); Megatron's MoE settings have no counterpart")
 ROLE_FSDP = {
     "actor_rollout_ref.actor.fsdp_config": "actor",
     "actor_rollout_ref.ref.fsdp_config": "ref",
@@ -265,15 +268,23 @@ def _model_rules(prefix: str, role: str) -> dict[str, Rule]:
     rules = {
         f"{prefix}.external_lib": refuse("hybridflow imports no extra module; model.trust_remote_code loads code "
                                          "shipped with the model", unless=(None,)),
-        f"{prefix}.override_config": refuse(OVERRIDE_CONFIG, unless=_empty),
-        f"{prefix}.override_config.model_config": refuse(OVERRIDE_CONFIG, unless=_empty),
+        f"{prefix}.override_config.model_config": refuse(
+            POLICY_OVERRIDE_CONFIG if role == "actor" else OVERRIDE_CONFIG, unless=_empty),
         f"{prefix}.override_config.moe_config.freeze_moe_router": refuse(
             "hybridflow trains the MoE router with the other weights", unless=(False,)),
-        f"{prefix}.override_config.*": refuse(OVERRIDE_CONFIG),
         f"{prefix}.enable_activation_offload": ignore(SPEED),
         f"{prefix}.use_shm": ignore("loading through shared memory; " + SPEED),
         f"{prefix}.tiled_mlp.*": ignore(SPEED),
     }
+    if role == "actor":
+        # The policy's overrides are model.override_config (aliases.PREFIXES): every role's model is built
+        # from the overridden config; .model_config.<key> is the same key (verl's HFModelConfig unwraps it).
+        rules[f"{prefix}.override_config.moe_config.*"] = refuse(POLICY_OVERRIDE_CONFIG)
+    else:
+        rules.update({
+            f"{prefix}.override_config": refuse(OVERRIDE_CONFIG, unless=_empty),
+            f"{prefix}.override_config.*": refuse(OVERRIDE_CONFIG),
+        })
     if role == "critic":
         rules.update({
             f"{prefix}.enable_gradient_checkpointing": ignore(
@@ -341,8 +352,6 @@ def _rules() -> dict[str, Rule]:
         f"{ar}.ref.entropy_from_logits_with_chunking": ignore(SPEED),
         f"{ar}.ref.entropy_checkpointing": ignore(SPEED),
         # policy model
-        f"{ar}.model.lora_adapter_path": refuse("hybridflow starts LoRA adapters fresh (a run resumes its own from "
-                                                "its checkpoints)", unless=(None,)),
         f"{ar}.model.hf_config_path": refuse("hybridflow reads the model's config from model.path", unless=(None,)),
         f"{ar}.model.tokenizer_path": refuse("hybridflow reads the tokenizer from model.path", unless=(None,)),
         f"{ar}.model.use_liger": ignore("Liger's fused kernels; " + SPEED),

@@ -76,7 +76,8 @@ def _decide(cfg: Config, device: torch.device, model_path: str) -> DtypeChoice:
     cpu = cpu_features()
     shape = read_model_shape(model_path) if native else None
     measured = native and r.dtype == "tune" and device.type == "cpu" and cpu.native_bf16
-    model = load_causal_lm(model_path, trust_remote_code=cfg.model.trust_remote_code) if measured else None
+    model = load_causal_lm(model_path, trust_remote_code=cfg.model.trust_remote_code,
+                           override_config=cfg.model.override_config) if measured else None
     return choose_rollout_dtype(r.dtype, device, model=model, batch=r.max_batch_size, cpu=cpu,
                                 max_logprob_mismatch=cfg.trainer.health.logprob_mismatch,
                                 num_parameters=None if shape is None else shape.num_parameters)

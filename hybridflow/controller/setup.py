@@ -964,7 +964,8 @@ def build_run(cfg: Config) -> RunSetup:
         split_roles=["rollout"] if split else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
     )
-    common = dict(trust_remote_code=cfg.model.trust_remote_code)
+    # The policy's model as every role builds it: the actor, its rollout engines and the reference.
+    common = dict(trust_remote_code=cfg.model.trust_remote_code, override_config=cfg.model.override_config)
     actor_setup = ActorSetup(
         model_path=model_path, dtype=cfg.model.dtype, device=device, temperature=cfg.rollout.temperature,
         rollout_n=cfg.rollout.n, total_optimizer_steps=total_steps * updates_per_batch,

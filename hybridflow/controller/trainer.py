@@ -35,6 +35,8 @@ from hybridflow.workers.critic import CriticWorker
 log = logging.getLogger(__name__)
 
 # The few numbers worth a glance on the progress bar; the console logger prints the rest.
+STARTS_ELSEWHERE = -1  # Trainer.rollout_version when the actor's first weights are not the ones the rollout loaded
+
 PROGRESS_KEYS = {"score": "critic/score/mean", "val": "val/score/mean", "s/step": "timing_s/step"}
 
 
@@ -57,7 +59,9 @@ class Trainer:
         # on the rollout replicas. A loop that generates ahead trains on samples from older
         # weights than the actor's.
         self.actor_version = 0
-        self.rollout_version = 0
+        # The rollout loads model.path; an actor that starts from a saved LoRA adapter
+        # (actor.lora.adapter_path) holds other weights, pushed before anything is generated (_fit).
+        self.rollout_version = STARTS_ELSEWHERE if self.cfg.actor.lora.adapter_path is not None else 0
         h = self.cfg.trainer.health
         self.health = HealthMonitor(
             HealthThresholds(
@@ -124,6 +128,7 @@ class Trainer:
     def _fit(self) -> dict[str, float]:
         run, trainer_cfg = self.run, self.cfg.trainer
         self.resume()
+        self.push_weights()  # a no-op unless the actor starts from weights the rollout did not load
         if self.step >= run.total_steps:
             log.info("run already finished: step %d of %d; nothing to do", self.step, run.total_steps)
             return {}

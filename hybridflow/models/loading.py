@@ -7,10 +7,11 @@ an ordinary HF directory first (see ``hybridflow.models.tiny``) and then loaded 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,10 @@ def load_causal_lm(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
+    override_config: Mapping[str, Any] | None = None,
 ):
-    """A causal LM from a local directory, safetensors only (no pickle), on ``device``.
+    """A causal LM from a local directory, safetensors only (no pickle), on ``device``, its
+    config.json with ``override_config`` (``model.override_config``) applied before the model is built.
 
     A vision-language model (``VL_MODEL_TYPES``) loads as ``AutoModelForImageTextToText``
     (``Qwen2VLForConditionalGeneration``): transformers' causal-LM auto class does not map it,
@@ -149,9 +152,13 @@ def load_causal_lm(
 
     p = check_model_dir(path)
     auto = AutoModelForImageTextToText if _model_type(p) in VL_MODEL_TYPES else AutoModelForCausalLM
+    # Without overrides transformers reads config.json itself, exactly as before they existed.
+    config = {"config": load_model_config(p, override_config=override_config, trust_remote_code=trust_remote_code)
+              } if override_config else {}
     with hf_progress_bars_off():
         model = auto.from_pretrained(
             p,
+            **config,
             dtype=dtype,
             local_files_only=True,
             trust_remote_code=trust_remote_code,
@@ -160,17 +167,57 @@ def load_causal_lm(
     return model.to(device)
 
 
-def meta_causal_lm(path: str | os.PathLike, *, trust_remote_code: bool = False):
+def meta_causal_lm(path: str | os.PathLike, *, trust_remote_code: bool = False,
+                   override_config: Mapping[str, Any] | None = None):
     """The causal LM of a local directory on the meta device: its parameters' names and shapes
-    from config.json, no weights read and no memory behind them (the manifest a weight sync is
-    checked against, for an engine that loads the checkpoint itself)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from config.json (``override_config`` applied), no weights read and no memory behind them (the
+    manifest a weight sync is checked against, for an engine that loads the checkpoint itself)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     p = check_model_dir(path)
-    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    config = load_model_config(p, override_config=override_config, trust_remote_code=trust_remote_code)
     auto = AutoModelForImageTextToText if config.model_type in VL_MODEL_TYPES else AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(config, trust_remote_code=trust_remote_code)
+
+
+OVERRIDE_KEY = "model.override_config"
+
+
+def load_model_config(path: str | os.PathLike, *, override_config: Mapping[str, Any] | None = None,
+                      trust_remote_code: bool = False):
+    """The Hugging Face config of the model at ``path`` with ``override_config`` applied
+    (``apply_config_overrides``): what every role builds its model from, so the actor, the
+    reference and the rollout engine see one config."""
+    from transformers import AutoConfig
+
+    p = check_model_dir(path)
+    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    apply_config_overrides(config, override_config or {})
+    return config
+
+
+def apply_config_overrides(config: Any, overrides: Mapping[str, Any], key: str = OVERRIDE_KEY) -> None:
+    """Set each entry of ``overrides`` on ``config`` in place, as verl's ``update_model_config``
+    does: a mapping value updates the sub-config of that name (``text_config``) entry by entry,
+    anything else replaces the attribute. A name the config class does not have is a ValueError
+    naming the key and the class: transformers would keep it as an unused extra attribute, so a
+    typo (``max_position_embedding``) would change nothing and say nothing."""
+    for name, value in overrides.items():
+        if not hasattr(config, name):
+            raise ValueError(f"{key}.{name}: {type(config).__name__} has no attribute {name!r} (the keys are those of "
+                             f"the model's config.json, e.g. max_position_embeddings, attention_dropout, rope_theta)")
+        current = getattr(config, name)
+        if isinstance(value, Mapping) and _is_config(current):
+            apply_config_overrides(current, value, f"{key}.{name}")
+        else:
+            setattr(config, name, copy.deepcopy(value))
+
+
+def _is_config(value: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(value, PretrainedConfig)
 
 
 def _model_type(model_dir: Path) -> str | None:

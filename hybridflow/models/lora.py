@@ -246,3 +246,45 @@ def merge_adapter_into_base(base: torch.nn.Module, spec: LoraSpec, adapters: dic
                          f"unexpected {unexpected[:3]}")
     inner.load_state_dict(adapters, strict=False)
     return peft_model.merge_and_unload(safe_merge=False)
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's save_pretrained writes the adapter here
+
+
+def load_adapter(model: torch.nn.Module, path: str | Path, spec: LoraSpec):
+    """``model`` wrapped by PEFT around the saved adapter in the folder ``path``
+    (``actor.lora.adapter_path``; verl's lora_adapter_path): ``PeftModel.from_pretrained`` with
+    the adapter trainable, as verl loads it, instead of ``apply_lora``'s fresh adapters.
+
+    The folder's adapter_config.json must describe ``spec`` (config loading fills actor.lora from
+    it) and its weights file must hold every adapter the wrapped model has, no more: PEFT itself
+    only warns about a missing adapter and starts it fresh. Any problem is a ValueError in one line
+    naming ``path``."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    weights = folder / ADAPTER_WEIGHTS
+    try:
+        with safe_open(str(weights), framework="pt") as saved:
+            saved_names = set(saved.keys())
+        peft_model = PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+    except Exception as exc:  # noqa: BLE001 - a missing file, bad JSON or a corrupt tensor file: name the folder
+        raise ValueError(f"actor.lora.adapter_path={str(path)!r}: cannot load the adapter: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    config = peft_model.peft_config[ADAPTER]
+    saved_targets = sorted(config.target_modules) if not isinstance(config.target_modules, str) \
+        else [config.target_modules]
+    if (config.r, float(config.lora_alpha), saved_targets) != (spec.rank, float(spec.alpha),
+                                                                sorted(spec.target_modules)):
+        raise ValueError(f"actor.lora.adapter_path={str(path)!r} holds an adapter of rank {config.r}, alpha "
+                         f"{config.lora_alpha}, targets {saved_targets}, not actor.lora's rank {spec.rank}, alpha "
+                         f"{spec.alpha}, targets {sorted(spec.target_modules)}")
+    # PEFT saves names without the adapter's name: ``...q_proj.lora_A.weight``.
+    wanted = {n.replace(f".{ADAPTER}.", ".") for n, p in peft_model.named_parameters() if p.requires_grad}
+    if saved_names != wanted:
+        missing, unexpected = sorted(wanted - saved_names), sorted(saved_names - wanted)
+        raise ValueError(f"actor.lora.adapter_path={str(path)!r}: {ADAPTER_WEIGHTS} does not match the model's "
+                         f"adapters: missing {missing[:2]}{'...' if len(missing) > 2 else ''}, unexpected "
+                         f"{unexpected[:2]}{'...' if len(unexpected) > 2 else ''} (saved from another model?)")
+    return peft_model

@@ -135,6 +135,7 @@ def _build_vllm(
     max_num_batched_tokens: int | None = None,  # None: vLLM's default
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,  # vLLM's own tensor parallelism (rollout.tensor_model_parallel_size)
+    model_override_config: Mapping[str, Any] | None = None,  # model.override_config: vLLM's hf_overrides
 ) -> RolloutEngine:
     from hybridflow.rollout.vllm_engine import VllmEngine
 
@@ -154,6 +155,7 @@ def _build_vllm(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         tensor_parallel_size=tensor_parallel_size,
+        hf_overrides=model_override_config,
     )
 
 
@@ -441,6 +443,7 @@ def build_rollout_engine(
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,
+    model_override_config: Mapping[str, Any] | None = None,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
@@ -458,6 +461,8 @@ def build_rollout_engine(
     (``rollout.max_num_batched_tokens``, ``rollout.enable_chunked_prefill``; None: the engine's default budget).
     ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
     ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
+    ``model_override_config`` (``model.override_config``) is what ``model``'s config was built with on top of
+    the checkpoint's config.json: an engine that reads the checkpoint itself gets it to apply too.
     """
     try:
         spec = ROLLOUT_ENGINES[name]
@@ -482,7 +487,16 @@ def build_rollout_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         **_tensor_parallel_arg(spec, name, tensor_parallel_size),
+        **_model_override_arg(spec, model_override_config),
     )
+
+
+def _model_override_arg(spec: EngineSpec, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``model.override_config`` for an engine that reads the checkpoint's config itself (vLLM,
+    SGLang); the others serve ``model``, whose config already carries it."""
+    if not overrides or not spec.loads_own_weights:
+        return {}
+    return {"model_override_config": dict(overrides)}
 
 
 def _tensor_parallel_arg(spec: EngineSpec, name: str, size: int) -> dict[str, int]:

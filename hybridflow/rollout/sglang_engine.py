@@ -76,6 +76,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -412,8 +413,12 @@ class SGLangServer:
 
 def launch_args(*, dtype: str, seed: int, max_batch_size: int, enforce_eager: bool,
                 enable_prefix_caching: bool, device: torch.device, max_num_batched_tokens: int | None = None,
-                enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1) -> list[str]:
+                enable_chunked_prefill: bool = True, tensor_parallel_size: int = 1,
+                model_override_config: Mapping[str, Any] | None = None) -> list[str]:
     """The server flags that give hybridflow's semantics (see the module docstring).
+
+    ``model_override_config`` (``model.override_config``) goes to ``--json-model-override-args``:
+    SGLang applies it to the checkpoint's config, so it serves the model the trainer built.
 
     ``rollout.max_num_batched_tokens`` is SGLang's prefill budget per step twice over: the chunk size
     a long prompt is split into (``--chunked-prefill-size``; -1, SGLang's "off", with
@@ -434,6 +439,8 @@ def launch_args(*, dtype: str, seed: int, max_batch_size: int, enforce_eager: bo
         args += ["--base-gpu-id", str(device.index)]
     if device.type == "cpu":
         args += ["--device", "cpu"]
+    if model_override_config:
+        args += ["--json-model-override-args", json.dumps(dict(model_override_config), sort_keys=True)]
     if enforce_eager:
         args.append("--disable-cuda-graph")
     if not enable_prefix_caching:
@@ -703,6 +710,7 @@ def build_sglang_engine(
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,
+    model_override_config: Mapping[str, Any] | None = None,  # model.override_config
     **_: Any,  # eos ids, pad id and tokenizer: the server reads its own from the checkpoint
 ) -> SGLangEngine:
     """Launch a server for ``model_path`` and an engine over it (``rollout.name=sglang``).
@@ -720,7 +728,8 @@ def build_sglang_engine(
     server = SGLangServer.launch(model_path, launcher=LAUNCHER, args=launch_args(
         dtype=dtype_name, seed=seed, max_batch_size=max_batch_size, enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching, device=device, max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=enable_chunked_prefill, tensor_parallel_size=tensor_parallel_size))
+        enable_chunked_prefill=enable_chunked_prefill, tensor_parallel_size=tensor_parallel_size,
+        model_override_config=model_override_config))
     client = SGLangClient(server.url, name=server.name, why_dead=server.why_dead)
     sync = DistributedWeightSync(client, backend="gloo", device="cpu")
     return SGLangEngine(client, targets=targets, weight_sync=sync, seed=seed, server=server)

@@ -84,11 +84,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import random
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +150,7 @@ class VllmEngine:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         tensor_parallel_size: int = 1,
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self._device = torch.device(device)
         # Names and shapes only (a meta-device model): what an update is checked against.
@@ -166,7 +168,8 @@ class VllmEngine:
             model_path, manifest, dtype=dtype, seed=seed, max_batch_size=max_batch_size,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
             on_gpu=self._device.type == "cuda", max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, tensor_parallel_size=tensor_parallel_size)
+            enable_chunked_prefill=enable_chunked_prefill, tensor_parallel_size=tensor_parallel_size,
+            hf_overrides=hf_overrides)
 
     # ------------------------------------------------------------------ generation
 
@@ -469,9 +472,12 @@ def scheduler_args(max_num_batched_tokens: int | None, enable_chunked_prefill: b
 
 def engine_kwargs(model_path: str, *, dtype: str, seed: int, max_batch_size: int, enable_prefix_caching: bool,
                   enforce_eager: bool, kv_cache_bytes: int | None, on_gpu: bool, chunking: dict[str, Any],
-                  tensor_parallel_size: int = 1) -> dict[str, Any]:
+                  tensor_parallel_size: int = 1, hf_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's ``EngineArgs`` for hybridflow's settings. ``tensor_parallel_size`` is
-    ``rollout.tensor_model_parallel_size``: vLLM splits the model over that many devices itself."""
+    ``rollout.tensor_model_parallel_size``: vLLM splits the model over that many devices itself.
+    ``hf_overrides`` is ``model.override_config``: vLLM applies it to the checkpoint's config, so
+    it serves the model the trainer built (absent when there is none)."""
+    overrides = {"hf_overrides": copy.deepcopy(dict(hf_overrides))} if hf_overrides else {}
     return dict(
         model=model_path,
         dtype=dtype,
@@ -485,6 +491,7 @@ def engine_kwargs(model_path: str, *, dtype: str, seed: int, max_batch_size: int
         enable_sleep_mode=on_gpu,
         disable_log_stats=True,
         tensor_parallel_size=tensor_parallel_size,
+        **overrides,
         **chunking,
     )
 
@@ -502,6 +509,7 @@ def _start_vllm(
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> Any:
     """vLLM's ``LLMEngine`` over ``model_path``, its engine core in this process."""
     # Read by vLLM when the engine is made: the in-process core is what lets weights load as
@@ -522,7 +530,7 @@ def _start_vllm(
     args = EngineArgs(**engine_kwargs(
         model_path, dtype=str(torch_dtype).removeprefix("torch."), seed=seed, max_batch_size=max_batch_size,
         enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, kv_cache_bytes=kv_bytes,
-        on_gpu=on_gpu, chunking=chunking, tensor_parallel_size=tensor_parallel_size))
+        on_gpu=on_gpu, chunking=chunking, tensor_parallel_size=tensor_parallel_size, hf_overrides=hf_overrides))
     # vLLM sets up its process as a server's: it reseeds the global generators, drops torch to one
     # thread and replaces torch.set_num_threads with a no-op (its CPU worker binds threads). Here
     # it shares the trainer's process, whose seeded state and thread count must not change: all

@@ -66,6 +66,7 @@ from hybridflow.models.lora import (
     adapter_payload,
     apply_lora,
     keep_adapters_in,
+    load_adapter,
     write_lora_manifest,
 )
 from hybridflow.rollout import weight_transfer
@@ -118,6 +119,7 @@ class ActorSetup:
     sum_pi_squared: bool = False
     checkpoint_format: str = "auto"  # trainer.checkpoint_format
     seed: int = 0  # trainer.seed: LoRA's adapter init, the same on every rank
+    override_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # model.override_config
 
 
 @dataclass
@@ -393,6 +395,7 @@ class ActorWorker:
             dtype=weights_dtype,
             device=setup.device,
             trust_remote_code=setup.trust_remote_code,
+            override_config=setup.override_config,
         )
         # LoRA: the engine trains the PEFT-wrapped model's inner HF model (adapters injected in
         # place, everything else frozen); the PeftModel is kept to switch its adapter off.
@@ -402,7 +405,9 @@ class ActorWorker:
             # replicas (fsdp_size) must start equal. Drawn from the run's seed, RNG left as it was.
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(setup.seed)
-                self.peft_model = apply_lora(model, lora_spec(cfg.lora))
+                # actor.lora.adapter_path: the saved adapter (every rank reads the same file) instead of fresh ones.
+                self.peft_model = apply_lora(model, lora_spec(cfg.lora)) if cfg.lora.adapter_path is None \
+                    else load_adapter(model, cfg.lora.adapter_path, lora_spec(cfg.lora))
             model = self.peft_model.get_base_model()
             keep_adapters_in(model, torch.float32)
             self.lora = LoraLayout.from_model(model)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ class ReferenceSetup:
     fsdp_size: int | None = None  # shard group size with several ranks (actor.fsdp_config.fsdp_size)
     sequence_parallel_size: int = 1  # Ulysses group size (ref.ulysses_sequence_parallel_size)
     use_torch_compile: bool = False  # actor.use_torch_compile: the reference's forward is the actor's model's
+    override_config: dict[str, Any] = field(default_factory=dict)  # model.override_config, as the actor's
 
 
 class ReferenceWorker:
@@ -45,6 +47,7 @@ class ReferenceWorker:
             dtype=weights_dtype,
             device=setup.device,
             trust_remote_code=setup.trust_remote_code,
+            override_config=setup.override_config,
         )
         self.engine = TrainEngine(
             model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,

@@ -104,6 +104,9 @@ class RolloutSetup:
     # trainer.data_plane=refs: finished prompt groups are scored here with this reward
     # (``take_records``) and kept in this process; None: the controller scores what ``take`` returns.
     scoring: RewardSetup | None = None
+    # model.override_config: the model the engine serves is built from the overridden config, and an
+    # engine that reads the checkpoint itself (vLLM, SGLang) is given the overrides to apply.
+    override_config: dict[str, Any] = field(default_factory=dict)
 
 
 def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
@@ -177,9 +180,11 @@ class RolloutWorker:
         # itself (vLLM) gets the model on the meta device: names and shapes, no second copy.
         spec = ROLLOUT_ENGINES.get(setup.engine)  # an unknown name fails in build_rollout_engine, with the list
         if spec is not None and spec.loads_own_weights:
-            model = meta_causal_lm(setup.model_path, trust_remote_code=setup.trust_remote_code)
+            model = meta_causal_lm(setup.model_path, trust_remote_code=setup.trust_remote_code,
+                                   override_config=setup.override_config)
         else:
-            model = load_causal_lm(setup.model_path, device=setup.device, trust_remote_code=setup.trust_remote_code)
+            model = load_causal_lm(setup.model_path, device=setup.device, trust_remote_code=setup.trust_remote_code,
+                                   override_config=setup.override_config)
         # The module the engine serves (it may cast or move it in place): its state dict names the
         # parameters and shapes a broadcast sync is checked against.
         self.model = model
@@ -216,6 +221,7 @@ class RolloutWorker:
             model_path=setup.model_path,
             max_num_batched_tokens=setup.max_num_batched_tokens,
             enable_chunked_prefill=setup.enable_chunked_prefill,
+            model_override_config=setup.override_config,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
         if setup.mode == "server":
@@ -252,7 +258,8 @@ class RolloutWorker:
                 dtype=setup.dtype, seed=setup.seed, tokenizer=tokenizer, enforce_eager=setup.enforce_eager,
                 enable_prefix_caching=setup.enable_prefix_caching, model_path=setup.model_path,
                 max_num_batched_tokens=setup.max_num_batched_tokens,
-                enable_chunked_prefill=setup.enable_chunked_prefill, tensor_parallel_size=size)
+                enable_chunked_prefill=setup.enable_chunked_prefill, tensor_parallel_size=size,
+                model_override_config=setup.override_config)
         if setup.engine != "native":
             raise ValueError(f"rollout.tensor_model_parallel_size={size} needs rollout.name=native, vllm or sglang, "
                              f"not {setup.engine!r}")

@@ -6,10 +6,11 @@ written from verl's scripts by scripts/verl_example_lines.py), run here as a ver
    accepts the line (exit 0); what this machine lacks (vLLM, SGLang, wandb, the GPUs) is listed as
    "cannot run here", nothing else;
 2. with the GPU counts and sizes changed for a 2-core CPU (and the engine and logger this machine
-   lacks swapped for ones it has, the only other change), ``hybridflow train`` runs 2 steps, and
-   trains the algorithm verl would: the PPO line builds a critic and uses GAE, the GRPO line a KL
-   loss without a critic, the RLOO line RLOO with KL in the reward, the DAPO line DAPO's overlong
-   reward shaping with its loss, the multi-turn line agent episodes with the tool.
+   lacks swapped for ones it has, and GPU parameter offload off: the only other changes),
+   ``hybridflow train`` runs 2 steps, and trains the algorithm verl would: the PPO line builds a
+   critic and uses GAE, the GRPO line a KL loss without a critic, the RLOO line RLOO with KL in the
+   reward, the DAPO line DAPO's overlong reward shaping with its loss and its model.override_config,
+   the multi-turn line agent episodes with the tool.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ SIZES = [
     "trainer.val_before_train=false", "trainer.save_freq=-1", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
     "trainer.num_threads=1", "trainer.progress_bar=false",
 ]
-MACHINE = ["actor_rollout_ref.rollout.name=native", "trainer.logger=[console,jsonl]"]
+MACHINE = ["actor_rollout_ref.rollout.name=native", "trainer.logger=[console,jsonl]",
+           # Offloading parameters from a GPU (the DAPO line's): a CPU run's are in host memory already.
+           "actor_rollout_ref.actor.fsdp_config.param_offload=false"]
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +94,7 @@ def cli(*args: str) -> tuple[int, str]:
 
 
 # Lines whose refusals are being worked on (issue 32): strict, so each fails loudly once it passes.
-PENDING = {
-    "dapo": "override_config.max_position_embeddings is refused",
-}
+PENDING: dict[str, str] = {}
 NAMES = [pytest.param(name, marks=pytest.mark.xfail(reason=PENDING[name], strict=True)) if name in PENDING else name
          for name in LINES]
 
@@ -112,6 +113,7 @@ EXPECTED = {
     "grpo": {"algorithm.adv_estimator": "grpo", "actor.use_kl_loss": True, "actor.kl_loss_type": "low_var_kl"},
     "rloo": {"algorithm.adv_estimator": "rloo", "algorithm.use_kl_in_reward": True, "actor.use_kl_loss": False},
     "dapo": {"reward.reward_manager": "dapo", "reward.overlong_buffer.enable": True,
+             "model.override_config": {"max_position_embeddings": 32768},
              "actor.policy_loss.loss_mode": "geo_mean", "actor.clip_ratio_low": 0.4},
     "multi_turn_tool": {"rollout.multi_turn.enable": True, "algorithm.adv_estimator": "grpo", "actor.use_kl_loss": True},
 }

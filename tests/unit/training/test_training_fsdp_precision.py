@@ -30,9 +30,9 @@ def model_dir(tmp_path_factory):
 
 
 def _actor(model_dir: str, *, dtype: str, model_dtype: str, lr: float, device: str = "cpu",
-           param_offload: bool = False) -> ActorWorker:
+           param_offload: bool = False, lora_rank: int = 0) -> ActorWorker:
     cfg = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=8, use_dynamic_bsz=False)
-    cfg.optim.lr, cfg.optim.weight_decay = lr, 0.0
+    cfg.optim.lr, cfg.optim.weight_decay, cfg.lora.rank = lr, 0.0, lora_rank
     cfg.fsdp_config.model_dtype, cfg.fsdp_config.param_offload = model_dtype, param_offload
     setup = ActorSetup(model_path=model_dir, dtype=dtype, device=torch.device(device), temperature=1.0,
                        rollout_n=4, total_optimizer_steps=10, max_response_length=16, max_prompt_length=8)
@@ -129,12 +129,47 @@ def test_shards_model_only_with_ranks_or_param_offload_on_a_gpu() -> None:
         shards_model("actor", 1, FSDPConfig(param_offload=True), cpu)
 
 
+def test_a_one_rank_sharded_lora_actor_trains_and_syncs_like_the_plain_one(model_dir, monkeypatch) -> None:
+    """What param_offload on one GPU runs, less the offload (a CPU run has nothing to offload to):
+    verl's 1-GPU LoRA tuning examples' actor as FSDP2 over a one-rank group, through the worker's
+    own update and weight sync. It must train exactly like the unsharded actor."""
+    def lora_actor() -> ActorWorker:
+        cfg = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=8, use_dynamic_bsz=False)
+        cfg.optim.lr, cfg.lora.rank, cfg.lora.alpha = 1e-2, 8, 16.0
+        setup = ActorSetup(model_path=model_dir, dtype="float32", device=torch.device("cpu"), temperature=1.0,
+                           rollout_n=4, total_optimizer_steps=10, max_response_length=16, max_prompt_length=8)
+        return ActorWorker(0, 1, cfg, setup)
+
+    plain = lora_actor()
+    plain.update_actor(_batch())
+    expected = dict(plain.weights_for_sync())
+
+    def one_rank_group(role, world_size, fsdp, device):  # shards_model's GPU answer, on the CPU
+        distributed.join_one_rank_group(device)
+        return True
+
+    monkeypatch.setattr("hybridflow.workers.actor.shards_model", one_rank_group)
+    try:
+        sharded = lora_actor()
+        assert sharded.engine.data_parallel and distributed.is_sharded(sharded.engine.model)
+        sharded.update_actor(_batch())
+        got = dict(sharded.weights_for_sync())
+    finally:
+        dist.destroy_process_group()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    base = dict(lora_actor().weights_for_sync())
+    assert any(not torch.equal(base[n], expected[n]) for n in expected)  # the update moved the merged weights
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_param_offload_on_one_gpu_shards_over_a_one_rank_group_on_the_cpu(model_dir) -> None:
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])  # lora: verl's 1-GPU tuning examples
+def test_param_offload_on_one_gpu_shards_over_a_one_rank_group_on_the_cpu(model_dir, lora_rank) -> None:
     try:
         actor = _actor(model_dir, dtype="bfloat16", model_dtype="float32", lr=1e-3, device="cuda",
-                       param_offload=True)
+                       param_offload=True, lora_rank=lora_rank)
         assert actor.engine.data_parallel and distributed.is_sharded(actor.engine.model)
         assert distributed.world_size() == 1
         # Between uses the parameters' shards live in host memory (FSDP2's CPUOffloadPolicy).
@@ -145,6 +180,8 @@ def test_param_offload_on_one_gpu_shards_over_a_one_rank_group_on_the_cpu(model_
         assert {p.to_local().device.type for p in actor.engine.model.parameters()} == {"cpu"}
         after = _weights(actor)
         assert any(not torch.equal(after[n].cpu(), before[n].cpu()) for n in before)
+        synced = dict(actor.weights_for_sync())  # what the rollout gets: full tensors, LoRA merged
+        assert synced and all(not hasattr(t, "device_mesh") for t in synced.values())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
