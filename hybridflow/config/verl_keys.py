@@ -513,19 +513,12 @@ def _rules() -> dict[str, Rule]:
             "a custom reward is reward.custom_reward_function.path/name or reward.reward_manager", unless=(None,)),
         "reward_model.reward_loop_class_name": refuse(
             "a custom reward is reward.custom_reward_function.path/name or reward.reward_manager", unless=(None,)),
-        "reward_model.sandbox_fusion.url": refuse(
-            "hybridflow runs code rewards in its own local sandbox (hybridflow.rewards), not a SandboxFusion service",
-            unless=(None,)),
-        "reward_model.sandbox_fusion.*": ignore("only read with reward_model.sandbox_fusion.url, which hybridflow "
-                                                "refuses"),
         # verl's reward loop serves the reward model (a sequence classifier, reward_model.model.path) with an
         # inference engine; hybridflow runs the same model's forward in a worker group: the same scores.
         "reward_model.rollout.*": ignore("verl serves reward_model.model.path with an inference engine; hybridflow "
                                          "runs that model's forward in its own worker group, with the same scores"),
         "reward_model.reward_kwargs.overlong_buffer_cfg.log": ignore(
             "hybridflow always logs the overlong penalty's metrics"),
-        "reward_model.reward_kwargs.max_resp_len": ignore(
-            "hybridflow's overlong buffer ends at data.max_response_length, which verl's examples set it to"),
         "reward_manager.source": refuse("a custom reward manager is reward.custom_reward_function or "
                                         "reward.reward_manager", unless=("register",)),
         "reward_manager.module.*": ignore("only read with reward_manager.source=importlib, which hybridflow refuses"),
