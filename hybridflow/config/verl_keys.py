@@ -179,6 +179,8 @@ OVERRIDE_CONFIG = ("hybridflow loads the model's config.json as saved (edit a co
 POLICY_OVERRIDE_CONFIG = ("hybridflow's model.override_config takes the model's HF config keys "
                           "(actor_rollout_ref.model.override_config.<key>, or .model_config.<key> as verl's FSDP "
                           "engine unwraps it); Megatron's MoE settings have no counterpart")
+MODEL_CONFIG_ENTRIES = ("give its entries one by one: actor_rollout_ref.model.override_config.model_config.<key> is "
+                        "model.override_config.<key>")
 ROLE_FSDP = {
     "actor_rollout_ref.actor.fsdp_config": "actor",
     "actor_rollout_ref.ref.fsdp_config": "ref",
@@ -269,7 +271,7 @@ def _model_rules(prefix: str, role: str) -> dict[str, Rule]:
         f"{prefix}.external_lib": refuse("hybridflow imports no extra module; model.trust_remote_code loads code "
                                          "shipped with the model", unless=(None,)),
         f"{prefix}.override_config.model_config": refuse(
-            POLICY_OVERRIDE_CONFIG if role == "actor" else OVERRIDE_CONFIG, unless=_empty),
+            MODEL_CONFIG_ENTRIES if role == "actor" else OVERRIDE_CONFIG, unless=_empty),
         f"{prefix}.override_config.moe_config.freeze_moe_router": refuse(
             "hybridflow trains the MoE router with the other weights", unless=(False,)),
         f"{prefix}.enable_activation_offload": ignore(SPEED),
