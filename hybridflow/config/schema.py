@@ -135,7 +135,8 @@ class ModelConfig:
     override_config: dict[str, Any] = f(
         {}, "Entries set on the model's Hugging Face config before the model is built (verl's "
         "actor_rollout_ref.model.override_config), e.g. {max_position_embeddings: 32768, attention_dropout: 0.0}; a "
-        "mapping value updates a sub-config (text_config). The actor, the reference and the rollout engine all build "
+        "mapping value updates a sub-config (text_config); attn_implementation (eager | sdpa | flash_attention_2) picks "
+        "transformers' attention kernel, as in verl. The actor, the reference and the rollout engine all build "
         "from the overridden config (vLLM gets them as hf_overrides, SGLang as --json-model-override-args). A name "
         "the model's config class lacks is an error. The critic's model is not affected.",
     )

@@ -182,6 +182,9 @@ def meta_causal_lm(path: str | os.PathLike, *, trust_remote_code: bool = False,
 
 
 OVERRIDE_KEY = "model.override_config"
+# Not an attribute of the config but the attention kernel transformers builds the model with (eager |
+# sdpa | flash_attention_2), which verl reads from override_config too: passed to from_pretrained.
+ATTN_IMPLEMENTATION = "attn_implementation"
 
 
 def load_model_config(path: str | os.PathLike, *, override_config: Mapping[str, Any] | None = None,
@@ -192,8 +195,11 @@ def load_model_config(path: str | os.PathLike, *, override_config: Mapping[str, 
     from transformers import AutoConfig
 
     p = check_model_dir(path)
-    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
-    apply_config_overrides(config, override_config or {})
+    overrides = dict(override_config or {})
+    attention = overrides.pop(ATTN_IMPLEMENTATION, None)
+    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code,
+                                        **({} if attention is None else {ATTN_IMPLEMENTATION: attention}))
+    apply_config_overrides(config, overrides)
     return config
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from hybridflow.rollout.families import config_problem
-from hybridflow.models.loading import VL_MODEL_TYPES
+from hybridflow.models.loading import ATTN_IMPLEMENTATION, VL_MODEL_TYPES
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
@@ -493,10 +493,12 @@ def build_rollout_engine(
 
 def _model_override_arg(spec: EngineSpec, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """``model.override_config`` for an engine that reads the checkpoint's config itself (vLLM,
-    SGLang); the others serve ``model``, whose config already carries it."""
-    if not overrides or not spec.loads_own_weights:
+    SGLang); the others serve ``model``, whose config already carries it. ``attn_implementation`` is
+    transformers' attention kernel, not a config entry: those engines run kernels of their own."""
+    entries = {k: v for k, v in (overrides or {}).items() if k != ATTN_IMPLEMENTATION}
+    if not entries or not spec.loads_own_weights:
         return {}
-    return {"model_override_config": dict(overrides)}
+    return {"model_override_config": entries}
 
 
 def _tensor_parallel_arg(spec: EngineSpec, name: str, size: int) -> dict[str, int]:

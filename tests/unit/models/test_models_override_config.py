@@ -47,6 +47,18 @@ def test_overrides_reach_the_built_model_and_change_its_forward(model_dir):
         == 32768
 
 
+def test_attn_implementation_picks_the_attention_kernel_as_in_verl(model_dir):
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    eager = load_causal_lm(model_dir, override_config={"attn_implementation": "eager"})
+    assert eager.config._attn_implementation == "eager"
+    assert load_causal_lm(model_dir).config._attn_implementation == "sdpa"
+    assert torch.allclose(_logits(eager, ids), _logits(load_causal_lm(model_dir), ids), atol=1e-5)
+    # vLLM and SGLang run kernels of their own: only config entries reach them.
+    assert _model_override_arg(ROLLOUT_ENGINES["vllm"], {"attn_implementation": "eager"}) == {}
+    assert _model_override_arg(ROLLOUT_ENGINES["vllm"], {"attn_implementation": "eager", "rope_theta": 1.0}) == {
+        "model_override_config": {"rope_theta": 1.0}}
+
+
 def test_a_name_the_config_class_lacks_is_an_error_naming_key_and_class(model_dir):
     with pytest.raises(ValueError, match=r"model.override_config.max_position_embedding: Qwen2Config has no "
                                          r"attribute 'max_position_embedding'"):
