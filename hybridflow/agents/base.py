@@ -39,7 +39,7 @@ import asyncio
 import dataclasses
 import inspect
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from hybridflow.agents.interactions import Interaction
@@ -126,6 +126,8 @@ class AgentContext:
     interaction: Interaction | None = None
     openai_agent: str | None = None  # the openai loop's function: module:function or file.py:function
     openai_timeout_s: float = 300.0  # the openai loop's limit per episode
+    # data.apply_chat_template_kwargs: the template's variables, on every turn as on the prompt.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("max_assistant_turns", "max_user_turns", "max_parallel_tool_calls"):

@@ -183,7 +183,8 @@ class OpenAIAgentLoop:
             raise ValueError(f"the openai agent loop needs the row's chat messages in metadata[{PROMPT_MESSAGES_KEY!r}] "
                              "(data.return_raw_chat=true keeps them)")
         server = self.server()
-        record = EpisodeRecord(self.context.tokenizer, self.parser, params.max_tokens)
+        record = EpisodeRecord(self.context.tokenizer, self.parser, params.max_tokens,
+                               template_kwargs=self.context.chat_template_kwargs)
         live = LiveEpisode(record, engine, asyncio.get_running_loop(), params, MODEL_NAME)
         episode_id = server.register(live)
         row = {k: v for k, v in metadata.items() if k != PROMPT_MESSAGES_KEY}

@@ -122,8 +122,10 @@ class Prepared:
 class EpisodeRecord:
     """The token history of one episode (see the module docstring)."""
 
-    def __init__(self, tokenizer: ChatTokenizer, parser: ToolParser, budget: int, turn_end_id: int | None = None) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, parser: ToolParser, budget: int, turn_end_id: int | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})  # data.apply_chat_template_kwargs
         self.parser = parser
         self.budget = budget
         self.lock = threading.Lock()
@@ -155,7 +157,7 @@ class EpisodeRecord:
         template = self._template(tools, tools_key)
         if not self.prompt_ids:
             self.prompt_ids = render_ids(self.tokenizer, self._for_template(messages), tools=tools,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, template_kwargs=self.template_kwargs)
         elif self._extends(normal, tools_key) and (delta := self._delta(template, messages[len(self._seen):])):
             self._insert(delta)
         else:
@@ -216,7 +218,7 @@ class EpisodeRecord:
     # ------------------------------------------------------------------ internals
     def _template(self, tools: list[dict[str, Any]] | None, key: str) -> TurnTemplate:
         if key not in self._templates:
-            self._templates[key] = TurnTemplate(self.tokenizer, tools=tools)
+            self._templates[key] = TurnTemplate(self.tokenizer, tools=tools, template_kwargs=self.template_kwargs)
             self._turn_end_id = self._templates[key].turn_end_id
         return self._templates[key]
 
@@ -251,7 +253,8 @@ class EpisodeRecord:
         """Render the conversation fresh; keep the history's common prefix with it, insert the rest."""
         self.history_rewrites += 1
         self._keep_common_prefix(
-            render_ids(self.tokenizer, self._for_template(messages), tools=tools, add_generation_prompt=True)
+            render_ids(self.tokenizer, self._for_template(messages), tools=tools, add_generation_prompt=True,
+                       template_kwargs=self.template_kwargs)
         )
 
     def _keep_common_prefix(self, fresh: list[int]) -> None:

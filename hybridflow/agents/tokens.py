@@ -20,7 +20,7 @@ full-conversation rendering, and the loss mask covers exactly the model's tokens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from hybridflow.types import Trajectory
@@ -46,11 +46,14 @@ def render_ids(
     *,
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """The chat template's ids for ``messages``, rendered to text and encoded the way the
-    dataset renders prompts (no extra special tokens)."""
+    dataset renders prompts (no extra special tokens), with ``template_kwargs``
+    (``data.apply_chat_template_kwargs``) as the template's variables, as the dataset does."""
     text = tokenizer.apply_chat_template(
-        list(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages), tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+        **(template_kwargs or {}),
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -58,10 +61,13 @@ def render_ids(
 class TurnTemplate:
     """What a chat template puts between turns, measured from the template itself."""
 
-    def __init__(self, tokenizer: ChatTokenizer, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:
         self._tokenizer = tokenizer
         self._tools = tools or None
-        text = tokenizer.apply_chat_template(_PROBE, tools=self._tools, tokenize=False)
+        # The template's variables change what it puts between turns (a reasoning channel): measured with them.
+        self._template_kwargs = dict(template_kwargs or {})
+        text = tokenizer.apply_chat_template(_PROBE, tools=self._tools, tokenize=False, **self._template_kwargs)
         if _MARKER not in text:
             raise ValueError("the chat template does not render an assistant message's content verbatim")
         # What follows an assistant message's content: its end-of-turn token, then separators.
@@ -73,13 +79,14 @@ class TurnTemplate:
                 f"(tokens after the content: {self.tail_ids}); incremental multi-turn ids need one"
             )
         self.turn_end_id: int = self.tail_ids[0]
-        probe_ids = render_ids(tokenizer, _PROBE, tools=self._tools)
+        probe_ids = render_ids(tokenizer, _PROBE, tools=self._tools, template_kwargs=self._template_kwargs)
         self._prefix = probe_ids[: len(probe_ids) - len(self.tail_ids) + 1]  # through the turn end
 
     def delta(self, messages: Sequence[Message]) -> list[int]:
         """The ids that follow a finished assistant turn (its end-of-turn token) when
         ``messages`` come next, through the next assistant generation prompt."""
-        full = render_ids(self._tokenizer, [*_PROBE, *messages], tools=self._tools, add_generation_prompt=True)
+        full = render_ids(self._tokenizer, [*_PROBE, *messages], tools=self._tools, add_generation_prompt=True,
+                          template_kwargs=self._template_kwargs)
         if full[: len(self._prefix)] != self._prefix:
             raise ValueError(
                 "the chat template renders earlier turns differently once later messages follow "
@@ -89,17 +96,19 @@ class TurnTemplate:
 
 
 def assistant_spans(
-    tokenizer: ChatTokenizer, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
+    tokenizer: ChatTokenizer, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[tuple[int, int]]:
     """For each assistant message, the [start, end) token span of its content and end-of-turn
     token in the full rendering: the tokens the model itself generates."""
-    tail = TurnTemplate(tokenizer, tools).tail_ids
+    tail = TurnTemplate(tokenizer, tools, template_kwargs).tail_ids
     spans = []
     for index, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start = len(render_ids(tokenizer, messages[:index], tools=tools, add_generation_prompt=True))
-        end = len(render_ids(tokenizer, messages[: index + 1], tools=tools)) - len(tail) + 1
+        start = len(render_ids(tokenizer, messages[:index], tools=tools, add_generation_prompt=True,
+                               template_kwargs=template_kwargs))
+        end = len(render_ids(tokenizer, messages[: index + 1], tools=tools, template_kwargs=template_kwargs)) - len(tail) + 1
         spans.append((start, end))
     return spans
 
@@ -109,6 +118,7 @@ def check_token_consistency(
     prompt_messages: Sequence[Message],
     trajectory: Trajectory,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Problems with an agent trajectory's ids and mask (an empty list: consistent).
 
@@ -122,20 +132,22 @@ def check_token_consistency(
     """
     problems: list[str] = []
     messages = [*prompt_messages, *trajectory.metadata.get("agent_messages", [])]
-    expected_prompt = render_ids(tokenizer, prompt_messages, tools=tools, add_generation_prompt=True)
+    expected_prompt = render_ids(tokenizer, prompt_messages, tools=tools, add_generation_prompt=True,
+                                 template_kwargs=template_kwargs)
     if expected_prompt != trajectory.prompt_ids:
         problems.append(_first_difference("prompt ids", expected_prompt, trajectory.prompt_ids))
     ids = [*trajectory.prompt_ids, *trajectory.response_ids]
     ends_with_assistant = bool(messages) and messages[-1].get("role") == "assistant"
-    full = render_ids(tokenizer, messages, tools=tools, add_generation_prompt=not ends_with_assistant)
+    full = render_ids(tokenizer, messages, tools=tools, add_generation_prompt=not ends_with_assistant,
+                      template_kwargs=template_kwargs)
     if full[: len(ids)] != ids:
         problems.append(_first_difference("conversation ids", full[: len(ids)], ids))
     rest = full[len(ids) :]
-    tail = TurnTemplate(tokenizer, tools).tail_ids
+    tail = TurnTemplate(tokenizer, tools, template_kwargs).tail_ids
     if rest and trajectory.finish_reason != "length" and rest != tail[len(tail) - len(rest) :]:
         problems.append(f"the rendering continues past the trajectory with {rest[:8]}..., not only closing tokens")
     expected_mask = [0] * len(ids)
-    for start, end in assistant_spans(tokenizer, messages, tools):
+    for start, end in assistant_spans(tokenizer, messages, tools, template_kwargs):
         for position in range(start, min(end, len(ids))):
             expected_mask[position] = 1
     response_mask = expected_mask[len(trajectory.prompt_ids) :]

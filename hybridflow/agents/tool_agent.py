@@ -122,7 +122,8 @@ class ToolAgentLoop:
         self.context = context
         self.tools = context.tools if context.tools is not None else ToolRegistry([])
         self.parser = build_tool_parser(context.tool_parser)
-        self.template = TurnTemplate(context.tokenizer, tools=context.tool_schemas())
+        self.template = TurnTemplate(context.tokenizer, tools=context.tool_schemas(),
+                                     template_kwargs=context.chat_template_kwargs)
 
     async def run(
         self, prompt_ids: list[int], metadata: dict[str, Any], params: SamplingParams, engine: GenerateEngine

@@ -100,6 +100,11 @@ class DataConfig:
         SamplerConfig, "A sampler class of your own deciding the prompts' order, e.g. a curriculum that learns from "
         "each step's rewards (verl's data.sampler; replaces data.shuffle).",
     )
+    apply_chat_template_kwargs: dict[str, Any] = f(
+        {}, "Extra keyword arguments of every tokenizer.apply_chat_template call that renders the policy's chat: "
+        "training and validation prompts and the agent loops' turns (verl's key), e.g. {reasoning_effort: medium} "
+        "for gpt-oss or {enable_thinking: false} for Qwen3; the chat template reads them as variables.",
+    )
     builtin_task: str = f(
         "arithmetic",
         "The built-in task used when train_files is empty: arithmetic (carry-free sums, answered directly) | "

@@ -473,11 +473,6 @@ def _rules() -> dict[str, Rule]:
             unless=(None,)),
         "data.datagen.*": refuse("hybridflow trains on data.train_files; no dynamic data generation", unless=(None,)),
         "data.return_multi_modal_inputs": ignore("images reach the model through its processor either way"),
-        "data.apply_chat_template_kwargs": refuse(
-            "hybridflow renders the chat template with no extra arguments (data.chat_template replaces the template)",
-            unless=_empty),
-        "data.apply_chat_template_kwargs.*": refuse(
-            "hybridflow renders the chat template with no extra arguments (data.chat_template replaces the template)"),
         # critic
         "critic.enable": refuse("hybridflow builds a critic exactly when algorithm.adv_estimator=gae",
                                 unless=(None,)),

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builti
 from hybridflow.data import PromptRow, RLDataset
 from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.sampler_plugin import SamplerError, build_prompt_sampler
-from hybridflow.data.dataset import DataError
+from hybridflow.data.dataset import DataError, check_chat_template_kwargs
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
 from hybridflow.data.tasks.calculator import (
     MIXED_STAGE_LR_SCALE,
@@ -474,8 +474,9 @@ def resolve_builtin(cfg: Config, device: torch.device, model_path: str | None = 
     return model_path, train_files, val_files
 
 
-def agent_setup(multi_turn: MultiTurnConfig) -> AgentSetup | None:
-    """``rollout.multi_turn`` as the rollout worker's agent settings; None when it is off."""
+def agent_setup(multi_turn: MultiTurnConfig, chat_template_kwargs: Mapping[str, Any] | None = None) -> AgentSetup | None:
+    """``rollout.multi_turn`` as the rollout worker's agent settings, its turns rendered with
+    ``chat_template_kwargs`` (data.apply_chat_template_kwargs) as the prompts are; None when it is off."""
     mt = multi_turn
     if not mt.enable:
         return None
@@ -491,6 +492,7 @@ def agent_setup(multi_turn: MultiTurnConfig) -> AgentSetup | None:
         tool_timeout_s=mt.tool_timeout_s,
         openai_agent=mt.openai_agent,
         openai_timeout_s=mt.openai_timeout_s,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
     )
 
 
@@ -730,7 +732,11 @@ def resolve_plugins(cfg: Config, check_machine: bool = True) -> Plugins:
         raise_all(machine_problems(cfg))
     check_rollout_model(cfg.model.path, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
     check_vision_language_run(cfg)
-    agent = agent_setup(cfg.rollout.multi_turn)
+    try:
+        check_chat_template_kwargs(cfg.data.apply_chat_template_kwargs)
+    except ValueError as error:
+        raise ConfigError(str(error), key="data.apply_chat_template_kwargs") from error
+    agent = agent_setup(cfg.rollout.multi_turn, cfg.data.apply_chat_template_kwargs)
     if agent is not None:
         check_agent_setup(agent, cfg.data)
     kl = alg.kl_ctrl
@@ -902,7 +908,7 @@ def build_run(cfg: Config) -> RunSetup:
     data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
                        filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
                        data_sources=scorable, storage=storage, image_key=d.image_key,
-                       return_raw_chat=d.return_raw_chat)
+                       return_raw_chat=d.return_raw_chat, chat_template_kwargs=d.apply_chat_template_kwargs)
     vision = load_vision_processor(model_path, tokenizer, cfg.model.trust_remote_code) \
         if is_vision_language(model_path) else None
     data_kwargs["vision"] = vision

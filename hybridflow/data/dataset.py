@@ -41,7 +41,7 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, overload
@@ -67,6 +67,23 @@ MAX_ROW_DEPTH = 100
 # A lone surrogate reaches a JSON line only as an escape (strict UTF-8 decoding refuses an encoded
 # one), so a line without one (or with only pairs, which then pass) holds none.
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+# apply_chat_template arguments hybridflow sets itself or that change what it returns: data.
+# apply_chat_template_kwargs may not set them (the rest reach the template as variables).
+RESERVED_TEMPLATE_KWARGS = ("conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+                            "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+                            "max_length")
+
+
+def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``data.apply_chat_template_kwargs`` as a plain dict; ValueError naming a reserved key."""
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"data.apply_chat_template_kwargs.{reserved[0]}: hybridflow sets {reserved[0]!r} itself "
+                         f"when it renders a chat; the keyword arguments are for the template's own variables "
+                         f"(reasoning_effort, enable_thinking, ...)")
+    return dict(kwargs)
 
 
 class DataError(ValueError):
@@ -574,6 +591,7 @@ class RLDataset(Sequence[PromptRow]):
         vision: ImageInputs | None = None,
         image_key: str = "images",
         return_raw_chat: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> RLDataset:
         """Load, validate and tokenize every row of ``files`` (concatenated in order).
 
@@ -593,7 +611,10 @@ class RLDataset(Sequence[PromptRow]):
         - A file given as a URL (``s3://``, ``gs://``) is read through ``storage`` (its endpoint).
         - ``return_raw_chat`` keeps each row's chat messages (``PromptRow.messages``, the samples'
           ``prompt_messages``) beside its token ids; False keeps the token ids only.
+        - ``chat_template_kwargs`` (``data.apply_chat_template_kwargs``) are passed to every
+          ``apply_chat_template`` call: the template reads them as variables (``reasoning_effort``).
         """
+        template_kwargs = check_chat_template_kwargs(chat_template_kwargs or {})
         file_list = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         if not file_list:
             raise DataError("RLDataset.from_files: no files given")
@@ -648,7 +669,7 @@ class RLDataset(Sequence[PromptRow]):
                     continue
                 try:
                     text = tokenizer.apply_chat_template(
-                        template_messages, tokenize=False, add_generation_prompt=True
+                        template_messages, tokenize=False, add_generation_prompt=True, **template_kwargs
                     )
                     prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
                 except Exception as exc:  # templates raise arbitrary errors (jinja raise_exception)

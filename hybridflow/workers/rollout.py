@@ -72,6 +72,7 @@ class AgentSetup:
     tool_timeout_s: float | None = None  # None: each tool's own limit
     openai_agent: str | None = None  # the openai loop's function (module:function or file.py:function)
     openai_timeout_s: float = 300.0  # the openai loop's limit per episode
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # data.apply_chat_template_kwargs
 
 
 @dataclass
@@ -127,6 +128,7 @@ def build_agent_runner(tokenizer: Any, setup: AgentSetup) -> AgentRunner:
         max_parallel_tool_calls=setup.max_parallel_calls,
         openai_agent=setup.openai_agent,
         openai_timeout_s=setup.openai_timeout_s,
+        chat_template_kwargs=dict(setup.chat_template_kwargs),
     )
     return AgentRunner(context, default_agent=setup.default_agent)
 
