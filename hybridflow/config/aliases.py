@@ -83,6 +83,11 @@ KEYS: dict[str, str] = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable": "reward.overlong_buffer.enable",
     "reward_model.reward_kwargs.overlong_buffer_cfg.len": "reward.overlong_buffer.len",
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": "reward.overlong_buffer.penalty_factor",
+    "reward_model.reward_kwargs.max_resp_len": "reward.overlong_buffer.max_response_length",
+    # verl's SandboxFusion code rewards: rule scoring, which is reward.* here.
+    "reward_model.sandbox_fusion.url": "reward.sandbox_fusion.url",
+    "reward_model.sandbox_fusion.max_concurrent": "reward.sandbox_fusion.max_concurrent",
+    "reward_model.sandbox_fusion.memory_limit_mb": "reward.sandbox_fusion.memory_limit_mb",
     "reward_model.num_workers": "reward.num_workers",
     "data.tool_config_path": "rollout.multi_turn.tool_config_path",
     # verl copies the data lengths into the rollout; one pair of lengths sizes everything here.

@@ -642,6 +642,27 @@ class OverlongBufferConfig:
         "(length - (max_response_length - len)) / len x penalty_factor. None: max_response_length // 5.",
     )
     penalty_factor: float = f(1.0, "Penalty at max_response_length (linear from 0 at the buffer's start).")
+    max_response_length: int | None = f(
+        None,
+        "Where the buffer ends, in tokens (verl's reward_model.reward_kwargs.max_resp_len): the penalty is 0 up to "
+        "max_response_length - len and reaches -penalty_factor here (more past it). None: data.max_response_length.",
+    )
+
+
+@dataclass
+class SandboxFusionConfig:
+    url: str | None = f(
+        None,
+        "A SandboxFusion service's run_code endpoint (https://host/run_code). Set: rows of data_source codecontests, "
+        "apps, codeforces or taco are scored there (the fraction of their first 10 test cases passed), as verl "
+        "does; hybridflow/code keeps the local sandbox. Built-in scoring only (not with custom_reward_function).",
+    )
+    max_concurrent: int = f(64, "Requests in flight to the service at most, over all scoring processes.")
+    memory_limit_mb: int = f(1024, "The memory limit the service gives each run.")
+    run_timeout_s: float = f(
+        10.0, "The service's compile and run time limits per test case; a sample's requests all end by 0.9 x "
+        "reward.timeout_s, and a service that fails or answers late makes the sample an error (score 0).",
+    )
 
 
 @dataclass
@@ -656,6 +677,9 @@ class RewardConfig:
         "the run at start-up after this).",
     )
     overlong_buffer: OverlongBufferConfig = sub(OverlongBufferConfig, "DAPO's soft overlong punishment.")
+    sandbox_fusion: SandboxFusionConfig = sub(
+        SandboxFusionConfig, "Code rewards run by a SandboxFusion service (verl's reward_model.sandbox_fusion)."
+    )
     reward_manager: str = f(
         "naive",
         "How responses are scored (verl's reward managers, verl's key): naive (the reward function once per sample) | "

@@ -261,6 +261,29 @@ def _check_reward_manager(cfg: Config, report: _Report) -> None:
                          f"reward.custom_reward_function, which is not set (the built-in scorers take none)")
 
 
+def _check_sandbox_fusion(cfg: Config, report: _Report) -> None:
+    """reward.sandbox_fusion: a usable endpoint, limits in range, and a sample budget that fits a run."""
+    sf, reward = cfg.reward.sandbox_fusion, cfg.reward
+    if sf.max_concurrent < 1:
+        report.error(f"reward.sandbox_fusion.max_concurrent={sf.max_concurrent} must be >= 1")
+    if sf.memory_limit_mb < 1:
+        report.error(f"reward.sandbox_fusion.memory_limit_mb={sf.memory_limit_mb} must be >= 1")
+    if not sf.run_timeout_s > 0:
+        report.error(f"reward.sandbox_fusion.run_timeout_s={sf.run_timeout_s} must be > 0")
+    if sf.url is None:
+        return
+    if not sf.url.startswith(("http://", "https://")):
+        report.error(f"reward.sandbox_fusion.url={sf.url!r} must be an http:// or https:// URL (the service's "
+                     "run_code endpoint)")
+    if reward.custom_reward_function.path is not None:
+        report.warn("reward.sandbox_fusion.url is used by the built-in scorers only, and "
+                    "reward.custom_reward_function.path replaces them (as in verl): the service is not called")
+    elif reward.timeout_s <= sf.run_timeout_s:
+        report.warn(f"reward.timeout_s={reward.timeout_s} <= reward.sandbox_fusion.run_timeout_s={sf.run_timeout_s}: "
+                    "a test case that runs to the service's limit makes its sample an error (score 0) instead of a "
+                    "failed case; raise reward.timeout_s")
+
+
 def _check_vllm(cfg: Config, report: _Report) -> None:
     """What rollout.name=vllm cannot do (hybridflow/rollout/vllm_engine.py says why)."""
     replicas = rollout_replicas(cfg)
@@ -700,10 +723,13 @@ def _check_dapo_and_correction(cfg: Config, report: _Report) -> None:
     elif d.gen_batch_size is not None and d.gen_batch_size != d.train_batch_size:
         report.warn(f"data.gen_batch_size={d.gen_batch_size} has no effect while algorithm.filter_groups.enable=false")
     if ob.enable:
-        if ob.len is not None and not 0 < ob.len <= d.max_response_length:
-            report.error(
-                f"reward.overlong_buffer.len={ob.len} must be in [1, data.max_response_length={d.max_response_length}]"
-            )
+        # The buffer ends at verl's max_resp_len when given, else at the response budget.
+        end, end_key = ((ob.max_response_length, "reward.overlong_buffer.max_response_length")
+                        if ob.max_response_length is not None else (d.max_response_length, "data.max_response_length"))
+        if end < 1:
+            report.error(f"{end_key}={end} must be >= 1")
+        elif ob.len is not None and not 0 < ob.len <= end:
+            report.error(f"reward.overlong_buffer.len={ob.len} must be in [1, {end_key}={end}]")
         if ob.penalty_factor < 0:
             report.error(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
     rc = cfg.algorithm.rollout_correction
@@ -1055,6 +1081,7 @@ _CHECKS = (
     _check_multi_turn,
     _check_prefill_budget,
     _check_reward_manager,
+    _check_sandbox_fusion,
     _check_raw_chat_and_images,
     _check_trainer,
     _check_backend,

@@ -522,7 +522,8 @@ def _validate(run: RunSetup, step: int) -> dict[str, float]:
         for t in chunk:
             t.group_id += start_i
         trajectories.extend(chunk)
-    scores, _ = score_answers(run, trajectories, shaping=False)
+    # Scored as training scores, overlong penalty included: verl validates with the same DAPO manager.
+    scores, _ = score_answers(run, trajectories, shaping=True)
     sources, group_ids = [t.metadata["data_source"] for t in trajectories], [t.group_id for t in trajectories]
     metrics = compute_validation_metrics(sources, scores, group_ids)
     variables, preds = reward_variables(scores, [t.reward_info for t in trajectories])

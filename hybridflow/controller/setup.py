@@ -71,7 +71,9 @@ from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
 from hybridflow.rollout.base import ROLLOUT_ENGINES, VL_ROLLOUT_ENGINE, engine_model_problem, engine_unavailable
 from hybridflow.rewards.manager import scoring_processes
-from hybridflow.rewards.shaping import resolve_overlong_buffer
+from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
+from hybridflow.rewards.sandbox_fusion import build_settings as build_sandbox_fusion_settings
+from hybridflow.rewards.shaping import overlong_buffer_end, resolve_overlong_buffer
 from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.loggers import missing_logger_packages
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
@@ -810,16 +812,26 @@ def reward_setup(cfg: Config, model_path: str) -> RewardSetup:
     """What a reward worker is built from: the reward role's, and each rollout replica's on the
     by-reference data plane (``trainer.data_plane=refs``)."""
     custom, ob, d = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer, cfg.data
+    buffer_end = overlong_buffer_end(ob.max_response_length, d.max_response_length)
     return RewardSetup(
         tokenizer_path=model_path, custom_path=custom.path, custom_name=custom.name,
         timeout_s=cfg.reward.timeout_s,
         num_workers=scoring_processes(cfg.reward.reward_manager, cfg.reward.num_workers),
         batch=cfg.reward.reward_manager == "batch", reward_kwargs=dict(cfg.reward.reward_kwargs),
         startup_timeout_s=cfg.reward.startup_timeout_s, combine=cfg.reward_model.combine,
-        overlong_buffer_len=(resolve_overlong_buffer(ob.len, d.max_response_length) if ob.enable else None),
-        overlong_penalty_factor=ob.penalty_factor, max_response_length=d.max_response_length,
-        trust_remote_code=cfg.model.trust_remote_code,
+        overlong_buffer_len=(resolve_overlong_buffer(ob.len, buffer_end) if ob.enable else None),
+        overlong_penalty_factor=ob.penalty_factor, max_response_length=buffer_end,
+        trust_remote_code=cfg.model.trust_remote_code, sandbox_fusion=sandbox_fusion_settings(cfg),
     )
+
+
+def sandbox_fusion_settings(cfg: Config) -> SandboxFusionSettings | None:
+    """The SandboxFusion service of reward.sandbox_fusion (None: no url), its requests bounded by reward.timeout_s."""
+    sf = cfg.reward.sandbox_fusion
+    if sf.url is None:
+        return None
+    return build_sandbox_fusion_settings(sf.url, sf.max_concurrent, sf.memory_limit_mb, sf.run_timeout_s,
+                                         cfg.reward.timeout_s)
 
 
 def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker]:
@@ -904,7 +916,8 @@ def build_run(cfg: Config) -> RunSetup:
     # row's data_source now (a custom function decides per call what it scores). A reward model
     # that replaces the rule scores scores any row.
     replaced = cfg.reward_model.enable and cfg.reward_model.combine == "replace"
-    scorable = None if cfg.reward.custom_reward_function.path or replaced else known_data_sources()
+    scorable = None if cfg.reward.custom_reward_function.path or replaced else \
+        known_data_sources(sandbox_fusion=cfg.reward.sandbox_fusion.url is not None)
     data_kwargs = dict(max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key, truncation=d.truncation,
                        filter_overlong_prompts=d.filter_overlong_prompts, on_bad_row=d.on_bad_row,
                        data_sources=scorable, storage=storage, image_key=d.image_key,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import math
 import multiprocessing
@@ -37,6 +38,7 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -46,10 +48,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.rewards import worker as protocol
 from hybridflow.rewards.tally import RewardTally
+
+if TYPE_CHECKING:
+    from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +302,7 @@ class RewardManager:
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         batch: bool = False,
         reward_kwargs: dict[str, Any] | None = None,
+        sandbox_fusion: SandboxFusionSettings | None = None,
     ) -> None:
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(
@@ -323,10 +329,19 @@ class RewardManager:
         self._reward_kwargs = dict(reward_kwargs or {})
         # Imported here, not at the top: a manager for a custom reward never needs the built-in
         # scorers, and they pull sympy into the trainer.
+        # A SandboxFusion service (built-in scoring only, as in verl): its request slots are files in
+        # a directory of this manager's, shared by its workers (sandbox_fusion.py says why files).
+        self._slots_dir: tempfile.TemporaryDirectory[str] | None = None
+        if sandbox_fusion is not None and custom_path is None:
+            self._slots_dir = tempfile.TemporaryDirectory(prefix="hybridflow-sandbox-fusion-")
+            sandbox_fusion = dataclasses.replace(sandbox_fusion, slots_dir=self._slots_dir.name)
+        else:
+            sandbox_fusion = None
+        self._sandbox_fusion = sandbox_fusion
         if custom_path is None:
-            from hybridflow.rewards.registry import DEFAULT_SCORERS
+            from hybridflow.rewards.registry import scorers_for
 
-            self._builtin_sources: frozenset[str] | None = frozenset(DEFAULT_SCORERS)
+            self._builtin_sources: frozenset[str] | None = frozenset(scorers_for(sandbox_fusion))
         else:
             self._builtin_sources = None
         self._timeout_s = float(timeout_s)
@@ -406,6 +421,8 @@ class RewardManager:
             if worker is not None:
                 _terminate(worker, graceful=True)
                 self._workers[slot] = None
+        if self._slots_dir is not None:
+            self._slots_dir.cleanup()
 
     def __enter__(self) -> RewardManager:
         return self
@@ -455,6 +472,7 @@ class RewardManager:
                 self._memory_limit_mb,
                 self._batch,
                 self._reward_kwargs,
+                self._sandbox_fusion,
             ),
             name=f"hybridflow-reward-worker-{slot}",
         )

@@ -8,10 +8,13 @@ scorer, add a line to support a new one. Anything else goes through a custom rew
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.rewards import arithmetic, calculator, code, colour_square, geo3k, gsm8k, search_r1
 from hybridflow.rewards import math as math_reward
+
+if TYPE_CHECKING:
+    from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
 
 # A scorer takes the response text and the ground truth and returns a score, or a dict holding
 # "score" plus extra values for the metrics (see manager.py for how each is handled).
@@ -39,15 +42,34 @@ class UnknownDataSourceError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def known_data_sources() -> list[str]:
-    return sorted(DEFAULT_SCORERS)
+def scorers_for(sandbox_fusion: SandboxFusionSettings | None = None) -> dict[str, Scorer]:
+    """The dispatch table of a run: ``DEFAULT_SCORERS``, plus verl's code-contest sources
+    (``sandbox_fusion.DATA_SOURCES``) scored by a SandboxFusion service when one is configured."""
+    if sandbox_fusion is None:
+        return DEFAULT_SCORERS
+    from hybridflow.rewards import sandbox_fusion as service
+
+    return {**DEFAULT_SCORERS, **service.scorers(sandbox_fusion)}
+
+
+def known_data_sources(sandbox_fusion: bool = False) -> list[str]:
+    """The sources the built-in scorers score; ``sandbox_fusion``: with a SandboxFusion service's."""
+    if not sandbox_fusion:
+        return sorted(DEFAULT_SCORERS)
+    from hybridflow.rewards.sandbox_fusion import DATA_SOURCES as SERVICE_SOURCES
+
+    return sorted({*DEFAULT_SCORERS, *SERVICE_SOURCES})
 
 
 def unknown_data_source_message(data_sources: list[str]) -> str:
     """One message for every caller that rejects data sources, so they all read the same."""
     names = ", ".join(repr(source) for source in data_sources)
+    from hybridflow.rewards.sandbox_fusion import DATA_SOURCES as SERVICE_SOURCES
+
+    service = [source for source in data_sources if source in SERVICE_SOURCES]
+    hint = f" {service} are scored by a SandboxFusion service: set reward.sandbox_fusion.url." if service else ""
     return (
-        f"no built-in reward for data_source {names}; known: {known_data_sources()}. "
+        f"no built-in reward for data_source {names}; known: {known_data_sources()}.{hint} "
         "Fix the dataset's data_source column, or set reward.custom_reward_function.path "
         "to a file with fn(data_source, solution_str, ground_truth, extra_info)."
     )
@@ -58,16 +80,19 @@ def default_compute_score(
     solution_str: str,
     ground_truth: Any,
     extra_info: dict[str, Any] | None = None,
+    *,
+    sandbox_fusion: SandboxFusionSettings | None = None,
 ) -> float | dict[str, Any]:
     """Score one response with the built-in scorer for ``data_source``.
 
     Same signature as a custom reward function, so a custom function can fall back to it.
+    ``sandbox_fusion``: the run's SandboxFusion service, for the sources it scores (``scorers_for``).
 
     Raises:
         UnknownDataSourceError: (a ``KeyError``) ``data_source`` has no built-in scorer; the
             message lists the known ones.
     """
-    scorer = DEFAULT_SCORERS.get(data_source)
+    scorer = scorers_for(sandbox_fusion).get(data_source)
     if scorer is None:
         raise UnknownDataSourceError(unknown_data_source_message([data_source]))
     return scorer(solution_str, ground_truth)

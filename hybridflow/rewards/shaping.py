@@ -5,13 +5,18 @@ from __future__ import annotations
 import torch
 
 
-def resolve_overlong_buffer(buffer_len: int | None, max_response_length: int) -> int:
-    """The buffer length a config asks for (None: a fifth of the budget, DAPO's 4096 of 20480)."""
-    length = max(1, max_response_length // 5) if buffer_len is None else int(buffer_len)
-    if not 0 < length <= max_response_length:
-        raise ValueError(
-            f"reward.overlong_buffer.len={buffer_len} must be in [1, data.max_response_length={max_response_length}]"
-        )
+def overlong_buffer_end(buffer_end: int | None, max_response_length: int) -> int:
+    """Where the buffer ends (L_max below): ``reward.overlong_buffer.max_response_length`` (verl's
+    ``reward_kwargs.max_resp_len``) when set, else the response budget ``data.max_response_length``."""
+    return max_response_length if buffer_end is None else int(buffer_end)
+
+
+def resolve_overlong_buffer(buffer_len: int | None, buffer_end: int) -> int:
+    """The buffer length a config asks for (None: a fifth of the buffer's end, DAPO's 4096 of 20480)."""
+    length = max(1, buffer_end // 5) if buffer_len is None else int(buffer_len)
+    if not 0 < length <= buffer_end:
+        raise ValueError(f"reward.overlong_buffer.len={buffer_len} must be in [1, the buffer's end {buffer_end}] "
+                         "(reward.overlong_buffer.max_response_length, else data.max_response_length)")
     return length
 
 

@@ -269,11 +269,15 @@ def _die_with_parent(parent_pid: int, started_from_main_thread: bool) -> None:
 
 
 def _load_function(custom_path: str | None, custom_name: str, batch: bool = False,
-                   reward_kwargs: dict[str, Any] | None = None) -> Callable[..., Any]:
+                   reward_kwargs: dict[str, Any] | None = None, sandbox_fusion: Any = None) -> Callable[..., Any]:
     if custom_path is None:
+        import functools
+
         from hybridflow.rewards.registry import default_compute_score
 
-        return default_compute_score
+        # sandbox_fusion (a SandboxFusionSettings or None) adds the sources that service scores.
+        return functools.partial(default_compute_score, sandbox_fusion=sandbox_fusion) if sandbox_fusion \
+            else default_compute_score
     from hybridflow.rewards.custom import load_reward_function
 
     return load_reward_function(custom_path, custom_name, batch=batch, extra_keywords=tuple(reward_kwargs or ()))
@@ -288,6 +292,7 @@ def run_worker(
     memory_limit_mb: int | None,
     batch: bool = False,
     reward_kwargs: dict[str, Any] | None = None,
+    sandbox_fusion: Any = None,
 ) -> None:
     """Entry point of a worker process (the ``target`` the manager spawns)."""
     os.setsid()  # lead a new session and process group: the trainer kills the whole group
@@ -298,7 +303,7 @@ def run_worker(
     _die_with_parent(parent_pid, started_from_main_thread)
     memory_limit = _limit_memory(memory_limit_mb)
     try:
-        fn = _load_function(custom_path, custom_name, batch, reward_kwargs)
+        fn = _load_function(custom_path, custom_name, batch, reward_kwargs, sandbox_fusion)
     except BaseException as error:
         try:
             conn.send((LOAD_ERROR, error))

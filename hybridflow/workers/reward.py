@@ -24,6 +24,7 @@ from hybridflow.agents.base import AGENT_REWARD_EXTRA_KEY, AGENT_REWARD_KEY
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.rewards import RewardManager, ScoreRequest
 from hybridflow.rewards.manager import RewardOutput
+from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
 from hybridflow.rewards.shaping import compute_overlong_penalty
 from hybridflow.rewards.tally import RewardTally
 from hybridflow.types import Trajectory
@@ -37,14 +38,15 @@ class RewardSetup:
     timeout_s: float
     num_workers: int
     trust_remote_code: bool = False
-    # DAPO overlong shaping of training rewards (validation always reports the raw score).
+    # DAPO overlong shaping, of training and validation rewards alike (verl's DAPO manager scores both).
     overlong_buffer_len: int | None = None  # None: off
     overlong_penalty_factor: float = 1.0
-    max_response_length: int = 0
+    max_response_length: int = 0  # where the overlong buffer ends (verl's max_resp_len, else the response budget)
     startup_timeout_s: float = 60.0  # a scoring worker's limit to start and load the reward function
     combine: str = "add"  # reward_model.combine: how a reward model's scores meet the rule scores
     batch: bool = False  # reward.reward_manager=batch: the function scores a list per call
     reward_kwargs: dict | None = None  # reward.reward_kwargs: extra keyword arguments of every call
+    sandbox_fusion: SandboxFusionSettings | None = None  # reward.sandbox_fusion.url's service, for its sources
 
 
 class RewardWorker:
@@ -54,6 +56,7 @@ class RewardWorker:
         self.manager = RewardManager(
             setup.custom_path, setup.custom_name, timeout_s=setup.timeout_s, num_workers=setup.num_workers,
             startup_timeout_s=setup.startup_timeout_s, batch=setup.batch, reward_kwargs=setup.reward_kwargs,
+            sandbox_fusion=setup.sandbox_fusion,
         )
 
     def score(
@@ -65,7 +68,9 @@ class RewardWorker:
         ``.reward_extra`` gets the scorer's score as ``acc`` plus any numeric extras it returned;
         ``.reward_info`` what it returned beside the score, as it returned it (numbers and ``pred``);
         ``.reward`` gets that score plus the overlong penalty when shaping is configured and
-        ``shaping`` is true (training), or the plain score (validation). The penalty measures
+        ``shaping`` is true (training and validation, as verl's DAPO manager), and ``.reward_info``
+        then holds the score before it as ``acc`` unless the scorer gave its own (verl's DAPO
+        manager records a plain number's score so; validation's val-core reads it). The penalty measures
         ``response_lengths`` (default: each trajectory's response): an agent episode is scored on
         its final answer but spends its length budget on every turn. ``model_scores``: the reward
         model's score of each trajectory, combined with the rule scores (module docstring).
@@ -84,7 +89,8 @@ class RewardWorker:
             self._combined_scores(trajectories, model_scores)
         scores = list(output.scores)
         s = self.setup
-        if shaping and s.overlong_buffer_len is not None:
+        shaped = shaping and s.overlong_buffer_len is not None
+        if shaped:
             if response_lengths is not None and len(response_lengths) != len(trajectories):
                 raise ValueError(f"RewardWorker.score: {len(response_lengths)} response_lengths for "
                                  f"{len(trajectories)} trajectories")
@@ -99,7 +105,7 @@ class RewardWorker:
         for t, score, raw, extra in zip(trajectories, scores, output.scores, output.extra, strict=True):
             t.reward = score
             t.reward_extra = {"acc": raw, **{k: v for k, v in extra.items() if not isinstance(v, str)}}
-            t.reward_info = dict(extra)
+            t.reward_info = {"acc": raw, **extra} if shaped else dict(extra)
         return scores, tally
 
     def _combined_scores(self, trajectories: list[Trajectory], model_scores: list[float]) -> tuple[RewardOutput, RewardTally]:
