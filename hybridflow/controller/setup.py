@@ -808,9 +808,10 @@ def build_reward_model_group(
     return RewardModelGroup(group, RewardModelWorker.score)
 
 
-def reward_setup(cfg: Config, model_path: str) -> RewardSetup:
+def reward_setup(cfg: Config, model_path: str, scorers: int = 1) -> RewardSetup:
     """What a reward worker is built from: the reward role's, and each rollout replica's on the
-    by-reference data plane (``trainer.data_plane=refs``)."""
+    by-reference data plane (``trainer.data_plane=refs``), where ``scorers`` (the replicas) share
+    the run's limits on outside services."""
     custom, ob, d = cfg.reward.custom_reward_function, cfg.reward.overlong_buffer, cfg.data
     buffer_end = overlong_buffer_end(ob.max_response_length, d.max_response_length)
     return RewardSetup(
@@ -821,17 +822,19 @@ def reward_setup(cfg: Config, model_path: str) -> RewardSetup:
         startup_timeout_s=cfg.reward.startup_timeout_s, combine=cfg.reward_model.combine,
         overlong_buffer_len=(resolve_overlong_buffer(ob.len, buffer_end) if ob.enable else None),
         overlong_penalty_factor=ob.penalty_factor, max_response_length=buffer_end,
-        trust_remote_code=cfg.model.trust_remote_code, sandbox_fusion=sandbox_fusion_settings(cfg),
+        trust_remote_code=cfg.model.trust_remote_code, sandbox_fusion=sandbox_fusion_settings(cfg, scorers),
     )
 
 
-def sandbox_fusion_settings(cfg: Config) -> SandboxFusionSettings | None:
-    """The SandboxFusion service of reward.sandbox_fusion (None: no url), its requests bounded by reward.timeout_s."""
+def sandbox_fusion_settings(cfg: Config, scorers: int = 1) -> SandboxFusionSettings | None:
+    """The SandboxFusion service of reward.sandbox_fusion (None: no url), its requests bounded by reward.timeout_s.
+    ``scorers`` reward workers (each rollout replica's, on the refs data plane, perhaps on other nodes: no lock
+    reaches across them) share max_concurrent in equal parts, at least one request each."""
     sf = cfg.reward.sandbox_fusion
     if sf.url is None:
         return None
-    return build_sandbox_fusion_settings(sf.url, sf.max_concurrent, sf.memory_limit_mb, sf.run_timeout_s,
-                                         cfg.reward.timeout_s)
+    return build_sandbox_fusion_settings(sf.url, max(1, sf.max_concurrent // scorers), sf.memory_limit_mb,
+                                         sf.run_timeout_s, cfg.reward.timeout_s)
 
 
 def build_reward_group(cfg: Config, model_path: str) -> WorkerGroup[RewardWorker]:
@@ -1006,7 +1009,8 @@ def build_run(cfg: Config) -> RunSetup:
                                  max_logprob_mismatch=t.health.logprob_mismatch,
                                  lora_adapter_rank=cfg.actor.lora.rank if adapter_sync else 0,
                                  chat_template=policy_chat_template(d), **common,
-                                 scoring=reward_setup(cfg, model_path) if cfg.trainer.data_plane == "refs" else None)
+                                 scoring=(reward_setup(cfg, model_path, rollout_replicas(cfg))
+                                          if cfg.trainer.data_plane == "refs" else None))
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
     rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))

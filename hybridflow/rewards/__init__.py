@@ -3,6 +3,8 @@
 - ``arithmetic``, ``gsm8k``, ``math``: rule scorers ``compute_score(solution_str, ground_truth)``.
 - ``registry``: ``DEFAULT_SCORERS`` (data_source -> scorer) and ``default_compute_score``.
 - ``custom``: ``load_reward_function(path, name)`` for a user's file (verl's signature).
+- ``sandbox_fusion``: verl's code-contest sources scored by a SandboxFusion service
+  (``reward.sandbox_fusion.url``); ``code``/``sandbox`` stay the local code reward.
 - ``manager``: ``RewardManager``, which scores ``ScoreRequest`` batches in worker processes
   (``worker.py``) so that failing, hanging or crashing reward code costs a sample, not the run.
 

@@ -229,7 +229,7 @@ def test_the_reward_manager_scores_verls_code_sources_there_and_counts_failures(
 
 def test_verls_url_key_selects_the_service_for_the_reward_role(service, tmp_path):
     from hybridflow.config import load_config, validate_config
-    from hybridflow.controller.setup import reward_setup
+    from hybridflow.controller.setup import reward_setup, sandbox_fusion_settings
     from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
     from hybridflow.types import Trajectory
     from hybridflow.workers.reward import RewardWorker
@@ -240,6 +240,8 @@ def test_verls_url_key_selects_the_service_for_the_reward_role(service, tmp_path
     validate_config(cfg)
     setup = reward_setup(cfg, str(write_tiny_model(tmp_path / "tiny")))
     assert setup.sandbox_fusion is not None and setup.sandbox_fusion.deadline_s == pytest.approx(18.0)
+    # Rollout replicas scoring on the refs data plane share the limit: 3 // 2 requests each.
+    assert sandbox_fusion_settings(cfg, scorers=2).max_concurrent == 1
     worker = RewardWorker(0, 1, setup)
     try:
         ids = build_tiny_tokenizer().encode(ECHO_DOUBLE)
