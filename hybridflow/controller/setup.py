@@ -54,7 +54,7 @@ from hybridflow.controller.run_folder import lock_run_folder
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model, prepare_builtin_vl_model
 from hybridflow.data import PromptRow, RLDataset
 from hybridflow.data.sampler import PromptSampler
-from hybridflow.data.sampler_plugin import SamplerError, build_prompt_sampler
+from hybridflow.data.sampler_plugin import SamplerError, build_prompt_sampler, named_sampler_class
 from hybridflow.data.dataset import DataError, check_chat_template_kwargs
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows, write_arithmetic_task
 from hybridflow.data.tasks.calculator import (
@@ -738,6 +738,10 @@ def resolve_plugins(cfg: Config, check_machine: bool = True) -> Plugins:
         check_chat_template_kwargs(cfg.data.apply_chat_template_kwargs)
     except ValueError as error:
         raise ConfigError(str(error), key="data.apply_chat_template_kwargs") from error
+    try:
+        named_sampler_class(cfg.data.sampler)  # imported now: a wrong path fails before any data loads
+    except SamplerError as error:
+        raise ConfigError(str(error), key=error.key) from error
     agent = agent_setup(cfg.rollout.multi_turn, cfg.data.apply_chat_template_kwargs)
     if agent is not None:
         check_agent_setup(agent, cfg.data)
@@ -948,7 +952,7 @@ def build_run(cfg: Config) -> RunSetup:
     try:
         sampler = build_prompt_sampler(d, train_data, gen_batch, seed=d.seed if d.seed is not None else t.seed)
     except SamplerError as error:
-        raise ConfigError(str(error), key="data.sampler.class_name") from error
+        raise ConfigError(str(error), key=error.key) from error
     total_steps = planned_total_steps(sampler.steps_per_epoch, t.total_epochs, t.total_training_steps)
     assert total_steps is not None
     updates_per_batch = d.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs

@@ -66,7 +66,11 @@ VERL_TEST_RANDOM_SAMPLER = ("pkg://tests.utils.dataset.test_create_rl_sampler_on
 
 
 class SamplerError(ValueError):
-    """The sampler class cannot be loaded, built or used; the message names the config key."""
+    """The sampler class cannot be loaded, built or used; the message names the config key, ``key``."""
+
+    def __init__(self, message: str, key: str = "data.sampler.class_name") -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def is_verl_test_random_sampler(class_path: str | None, class_name: str | None) -> bool:
@@ -102,17 +106,19 @@ def _import_module(ref: str) -> Any:
         try:
             return importlib.import_module(module_name)
         except ImportError as error:
-            raise SamplerError(f"data.sampler.class_path={ref!r}: cannot import {module_name!r}: {error}") from error
+            raise SamplerError(f"data.sampler.class_path={ref!r}: cannot import {module_name!r}: {error}",
+                               key="data.sampler.class_path") from error
     file = Path(ref.removeprefix(FILE_PREFIX)).expanduser().resolve()
     if not file.is_file():
-        raise SamplerError(f"data.sampler.class_path={ref!r}: no such file ({file})")
+        raise SamplerError(f"data.sampler.class_path={ref!r}: no such file ({file})", key="data.sampler.class_path")
     # One module per file, unique by path, so two samplers both in sampler.py do not collide.
     module_name = f"hybridflow_sampler_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
-        raise SamplerError(f"data.sampler.class_path={ref!r}: {file} cannot be imported as a Python module")
+        raise SamplerError(f"data.sampler.class_path={ref!r}: {file} cannot be imported as a Python module",
+                           key="data.sampler.class_path")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
@@ -120,7 +126,7 @@ def _import_module(ref: str) -> Any:
     except BaseException as error:  # noqa: BLE001 - re-raised naming the file and the key
         sys.modules.pop(module_name, None)
         raise SamplerError(f"data.sampler.class_path={ref!r}: importing {file} raised "
-                           f"{type(error).__name__}: {error}") from error
+                           f"{type(error).__name__}: {error}", key="data.sampler.class_path") from error
     return module
 
 
@@ -290,20 +296,29 @@ class PluginSampler:
                 self._sampler.load_state_dict(state["state"])
 
 
-def build_prompt_sampler(data_config: Any, dataset: Sized, batch_size: int, seed: int) -> Any:
-    """The run's ``PromptSampler``: the class ``data.sampler`` names, or the built-in seeded
-    ``ResumableSampler`` (``data.shuffle``, ``seed``) when none is named or it is verl's test
-    RandomCurriculumSampler (noted once)."""
-    from hybridflow.data.sampler import ResumableSampler
-
-    s = data_config.sampler
-    if s.class_path is None and s.class_name is None:
-        return ResumableSampler(len(dataset), batch_size, shuffle=data_config.shuffle, seed=seed)
-    if is_verl_test_random_sampler(s.class_path, s.class_name):
+def named_sampler_class(sampler_config: Any) -> type | None:
+    """The class ``data.sampler`` names, imported; None for the built-in shuffle (nothing named,
+    or verl's test RandomCurriculumSampler, noted). ``config explain`` and start-up call it."""
+    class_path, class_name = sampler_config.class_path, sampler_config.class_name
+    if class_path is None and class_name is None:
+        return None
+    if is_verl_test_random_sampler(class_path, class_name):
         log.info("data.sampler: verl's test RandomCurriculumSampler shuffles and learns nothing: hybridflow's seeded "
                  "shuffle (data.shuffle=true) does the same")
-        return ResumableSampler(len(dataset), batch_size, shuffle=True, seed=seed)
-    if s.class_path is None:
-        raise SamplerError(f"data.sampler.class_name={s.class_name!r} needs data.sampler.class_path (the file or "
-                           f"pkg://module holding it)")
-    return PluginSampler(load_sampler_class(s.class_path, s.class_name), dataset, data_config, batch_size)
+        return None
+    if class_path is None:
+        raise SamplerError(f"data.sampler.class_name={class_name!r} needs data.sampler.class_path (the file or "
+                           f"pkg://module holding it)", key="data.sampler.class_path")
+    return load_sampler_class(class_path, class_name)
+
+
+def build_prompt_sampler(data_config: Any, dataset: Sized, batch_size: int, seed: int) -> Any:
+    """The run's ``PromptSampler``: the class ``data.sampler`` names, or the built-in seeded
+    ``ResumableSampler`` (``seed``; shuffled unless data.shuffle=false, always for verl's test sampler)."""
+    from hybridflow.data.sampler import ResumableSampler
+
+    cls = named_sampler_class(data_config.sampler)
+    if cls is not None:
+        return PluginSampler(cls, dataset, data_config, batch_size)
+    shuffle = data_config.shuffle or data_config.sampler.class_name is not None  # verl's test sampler shuffles
+    return ResumableSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed)

@@ -257,3 +257,25 @@ def test_verls_example_keys_load(sampler_file):
     path = textwrap.dedent(f"{sampler_file}")
     cfg = load_config(overrides=[f"data.sampler.class_path={path}", "data.sampler.class_name=HardestFirst"])
     assert (cfg.data.sampler.class_path, cfg.data.sampler.class_name) == (path, "HardestFirst")
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["data.sampler.class_path=pkg://no_such_module_here", "data.sampler.class_name=X"], "data.sampler.class_path"),
+    (["data.sampler.class_name=Reversed"], "data.sampler.class_path"),
+])
+def test_a_wrong_class_fails_when_plugins_resolve_before_any_data_loads(overrides, key):
+    from hybridflow.config import ConfigError
+    from hybridflow.controller.setup import resolve_plugins
+
+    with pytest.raises(ConfigError) as info:
+        resolve_plugins(load_config(overrides=overrides), check_machine=False)
+    assert info.value.key == key
+
+
+def test_plugins_resolve_a_good_class_and_verls_test_sampler(sampler_file):
+    from hybridflow.controller.setup import resolve_plugins
+
+    path, name = VERL_TEST_RANDOM_SAMPLER
+    for overrides in ([f"data.sampler.class_path={sampler_file}", "data.sampler.class_name=Reversed"],
+                      [f"data.sampler.class_path={path}", f"data.sampler.class_name={name}"]):
+        resolve_plugins(load_config(overrides=overrides), check_machine=False)
