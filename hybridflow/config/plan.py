@@ -446,7 +446,9 @@ def plan_memory(
     # Resident between phases.
     actor_p, actor_g, actor_o = _trainer_resident(n, layout, a.fsdp_config)
     ref_bytes = BYTES[cfg.model.dtype] if layout.shard <= 1 else 4
-    ref_p = (n // layout.shard) * ref_bytes if with_reference else 0
+    # The reference is offloaded with the actor's param_offload (its shards on the CPU between forwards).
+    ref_offloaded = _offloads_params(a.fsdp_config.param_offload, layout.device_type)
+    ref_p = (n // layout.shard) * ref_bytes if with_reference and not ref_offloaded else 0
     vshape = _value_shape(shape)
     critic_p, critic_g, critic_o = (
         _trainer_resident(vshape.num_parameters, layout, cfg.critic.fsdp_config) if with_critic else (0, 0, 0)

@@ -1034,7 +1034,7 @@ def build_run(cfg: Config) -> RunSetup:
                                    use_remove_padding=a.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
                                    max_token_len=cfg.ref.log_prob_max_token_len_per_gpu,
                                    longest_sample=d.max_prompt_length + d.max_response_length,
-                                   fsdp_size=a.fsdp_config.fsdp_size,
+                                   fsdp_size=a.fsdp_config.fsdp_size, offload_params=a.fsdp_config.param_offload,
                                    sequence_parallel_size=ref_sequence_parallel, use_torch_compile=a.use_torch_compile,
                                    **common)
         reference = build_worker_group(t.backend, "reference", lambda r, w: ReferenceWorker(r, w, ref_setup), dp,

@@ -49,14 +49,7 @@ from hybridflow.config.budget import (
     available_host_memory_bytes,
     packing_decision,
 )
-from hybridflow.config.schema import (
-    ActorConfig,
-    FSDPConfig,
-    LoraConfig,
-    OptimConfig,
-    PolicyLossConfig,
-    RolloutCorrectionConfig,
-)
+from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
 from hybridflow.models.vision import freeze_vision_tower
@@ -216,18 +209,19 @@ def model_precision(
     return weights, None
 
 
-def shards_model(role: str, world_size: int, fsdp: FSDPConfig, device: torch.device) -> bool:
-    """Whether a training role's engine shards its model with FSDP2: with several ranks, and with
-    ``param_offload`` on one GPU rank, because FSDP2 offloads sharded parameters only (its
-    CPUOffloadPolicy), so one rank shards over a process group of itself, as verl does. Joins that
-    one-rank group when this process has no group yet (a one-rank role starts without one)."""
+def shards_model(world_size: int, param_offload: bool, device: torch.device, key: str) -> bool:
+    """Whether a role's engine shards its model with FSDP2: with several ranks, and with
+    ``param_offload`` (the config ``key`` that sets it) on one GPU rank, because FSDP2 offloads
+    sharded parameters only (its CPUOffloadPolicy), so one rank shards over a process group of
+    itself, as verl does. Joins that one-rank group when this process has no group yet (a
+    one-rank role starts without one)."""
     if world_size > 1:
         return True
-    if not fsdp.param_offload:
+    if not param_offload:
         return False
     if device.type != "cuda":
-        raise ValueError(f"{role}.fsdp_config.param_offload=true moves parameters from the GPU to the CPU, but "
-                         f"this {role} computes on {device.type}")
+        raise ValueError(f"{key}=true moves parameters from the GPU to the CPU, but this role computes on "
+                         f"{device.type}")
     distributed.join_one_rank_group(device)
     return True
 
@@ -383,7 +377,8 @@ class ActorWorker:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code, setup.chat_template)
-        data_parallel = shards_model("actor", world_size, cfg.fsdp_config, setup.device)
+        data_parallel = shards_model(world_size, cfg.fsdp_config.param_offload, setup.device,
+                                     "actor.fsdp_config.param_offload")
         weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel,
                                                        master_dtype=cfg.fsdp_config.model_dtype)
         if cfg.lora.rank > 0:

@@ -70,7 +70,7 @@ class CriticWorker:
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
         fsdp = cfg.fsdp_config
-        data_parallel = shards_model("critic", world_size, fsdp, setup.device)
+        data_parallel = shards_model(world_size, fsdp.param_offload, setup.device, "critic.fsdp_config.param_offload")
         weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel,
                                                        master_dtype=fsdp.model_dtype)
         model = load_value_model(

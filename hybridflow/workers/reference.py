@@ -12,7 +12,7 @@ from hybridflow.models.loading import load_causal_lm
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
-from hybridflow.workers.actor import check_rank_group, model_precision, plan_micro_batches
+from hybridflow.workers.actor import check_rank_group, model_precision, plan_micro_batches, shards_model
 
 
 @dataclass
@@ -28,6 +28,9 @@ class ReferenceSetup:
     max_token_len: int | None = None  # their budget; None: derived like the actor's logprob budget
     longest_sample: int = 0  # max prompt + max response: the floor of a derived budget
     fsdp_size: int | None = None  # shard group size with several ranks (actor.fsdp_config.fsdp_size)
+    # actor.fsdp_config.param_offload: the frozen model's shards live on the CPU between forwards (GPU runs;
+    # one rank shards over itself to offload, as the actor).
+    offload_params: bool = False
     sequence_parallel_size: int = 1  # Ulysses group size (ref.ulysses_sequence_parallel_size)
     use_torch_compile: bool = False  # actor.use_torch_compile: the reference's forward is the actor's model's
     override_config: dict[str, Any] = field(default_factory=dict)  # model.override_config, as the actor's
@@ -40,7 +43,7 @@ class ReferenceWorker:
     def __init__(self, rank: int, world_size: int, setup: ReferenceSetup) -> None:
         check_rank_group("reference", rank, world_size)
         self.setup = setup
-        data_parallel = world_size > 1
+        data_parallel = shards_model(world_size, setup.offload_params, setup.device, "actor.fsdp_config.param_offload")
         weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=False, data_parallel=data_parallel)
         model = load_causal_lm(
             setup.model_path,
@@ -51,7 +54,8 @@ class ReferenceWorker:
         )
         self.engine = TrainEngine(
             model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
-            fsdp_size=setup.fsdp_size, sequence_parallel_size=setup.sequence_parallel_size,
+            fsdp_size=setup.fsdp_size, offload_params=setup.offload_params,
+            sequence_parallel_size=setup.sequence_parallel_size,
             compile_layers=setup.use_torch_compile,
         )
         self.plan = plan_micro_batches(

@@ -99,3 +99,12 @@ def test_the_memory_plan_counts_one_rank_offload_and_pure_bf16():
     mixed, _ = _resident("model.dtype=bfloat16")
     assert mixed == params  # fp32 master weights under bf16 compute
     assert _resident("model.dtype=bfloat16", "actor.fsdp_config.model_dtype=bfloat16")[0] == params // 2
+
+
+def test_the_memory_plan_offloads_the_reference_with_the_actor():
+    def reference_params(*overrides: str) -> int:
+        plan = plan_memory(load_config(overrides=["trainer.device=cuda", "actor.use_kl_loss=true", *overrides]), SHAPE)
+        return next(p for p in plan.phases if p.role == "reference").params
+
+    resident = reference_params()
+    assert 0 < reference_params("actor.fsdp_config.param_offload=true") < resident / 2

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybridflow.config.schema import ActorConfig, FSDPConfig
+from hybridflow.config.schema import ActorConfig
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, write_tiny_model
 from hybridflow.training import distributed
 from hybridflow.types import Trajectory, collate_trajectories
 from hybridflow.workers.actor import ActorSetup, ActorWorker, model_precision, shards_model
+from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -122,11 +123,11 @@ def test_reduce_dtype_sets_the_dtype_gradients_are_reduced_in(one_rank_gloo, red
 
 
 def test_shards_model_only_with_ranks_or_param_offload_on_a_gpu() -> None:
-    cpu, joined = torch.device("cpu"), distributed.is_initialized()
-    assert not shards_model("actor", 1, FSDPConfig(), cpu)
+    cpu, joined, key = torch.device("cpu"), distributed.is_initialized(), "critic.fsdp_config.param_offload"
+    assert not shards_model(1, False, cpu, key)
     assert distributed.is_initialized() == joined  # one plain rank joins no group
-    with pytest.raises(ValueError, match="actor.fsdp_config.param_offload=true .* computes on cpu"):
-        shards_model("actor", 1, FSDPConfig(param_offload=True), cpu)
+    with pytest.raises(ValueError, match="critic.fsdp_config.param_offload=true .* computes on cpu"):
+        shards_model(1, True, cpu, key)
 
 
 def test_a_one_rank_sharded_lora_actor_trains_and_syncs_like_the_plain_one(model_dir, monkeypatch) -> None:
@@ -144,7 +145,7 @@ def test_a_one_rank_sharded_lora_actor_trains_and_syncs_like_the_plain_one(model
     plain.update_actor(_batch())
     expected = dict(plain.weights_for_sync())
 
-    def one_rank_group(role, world_size, fsdp, device):  # shards_model's GPU answer, on the CPU
+    def one_rank_group(world_size, param_offload, device, key):  # shards_model's GPU answer, on the CPU
         distributed.join_one_rank_group(device)
         return True
 
@@ -185,3 +186,30 @@ def test_param_offload_on_one_gpu_shards_over_a_one_rank_group_on_the_cpu(model_
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _reference(model_dir: str, device: str, offload: bool) -> ReferenceWorker:
+    return ReferenceWorker(0, 1, ReferenceSetup(model_path=model_dir, dtype="float32", device=torch.device(device),
+                                                temperature=1.0, micro_batch_size=8, offload_params=offload))
+
+
+def test_the_reference_follows_the_actors_param_offload_and_refuses_it_on_a_cpu(model_dir) -> None:
+    assert not _reference(model_dir, "cpu", offload=False).engine.data_parallel
+    with pytest.raises(ValueError, match="actor.fsdp_config.param_offload=true"):
+        _reference(model_dir, "cpu", offload=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_offloaded_reference_on_one_gpu_scores_like_the_resident_one(model_dir) -> None:
+    batch = _batch()
+    expected = _reference(model_dir, "cuda", offload=False).compute_ref_logprobs(batch)
+    try:
+        ref = _reference(model_dir, "cuda", offload=True)
+        assert ref.engine.data_parallel
+        assert {p.to_local().device.type for p in ref.engine.model.parameters()} == {"cpu"}
+        got = ref.compute_ref_logprobs(batch)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=1e-4, atol=1e-4)
