@@ -65,7 +65,13 @@ from hybridflow.data.tasks.calculator import (
     write_calculator_task,
 )
 from hybridflow.data.tasks.colour_square import write_colour_square_task
-from hybridflow.models.loading import VL_MODEL_TYPES, check_model_dir, check_sequence_classifier, load_tokenizer
+from hybridflow.models.loading import (
+    VL_MODEL_TYPES,
+    check_model_dir,
+    check_sequence_classifier,
+    load_model_config,
+    load_tokenizer,
+)
 from hybridflow.models.vision import is_vision_language, load_vision_processor
 from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
@@ -337,12 +343,15 @@ def check_model_path(path: str) -> Path | None:
         raise ConfigError(str(error), key="model.path") from error
 
 
-def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1) -> None:
+def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1,
+                        override_config: Mapping[str, Any] | None = None, trust_remote_code: bool = False) -> None:
     """Whether ``rollout.name=engine`` runs the architecture of ``model.path`` (on replicas of
     ``rollout.tensor_model_parallel_size`` ranks), from its
     config.json's ``model_type`` (no weight loads): an unsupported one fails now, naming the type,
     the supported ones and the engines to use instead, not after the models loaded. The built-in
-    model is a supported qwen2; a missing directory is ``check_model_path``'s to report."""
+    model is a supported qwen2; a missing directory is ``check_model_path``'s to report.
+    ``override_config`` (model.override_config) is applied first, as every role applies it, so a
+    name the model's config class lacks fails here too (config explain reports it)."""
     if path.startswith("builtin:"):
         return
     config_file = Path(path).expanduser() / "config.json"
@@ -352,6 +361,12 @@ def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1) -
         model_config = json.loads(config_file.read_text())
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.path={path!r}: cannot read config.json ({error})", key="model.path") from error
+    if override_config:
+        try:
+            model_config = load_model_config(path, override_config=override_config,
+                                             trust_remote_code=trust_remote_code).to_dict()
+        except ValueError as error:
+            raise ConfigError(str(error), key="model.override_config") from error
     if model_config.get("model_type") in VL_MODEL_TYPES and engine != VL_ROLLOUT_ENGINE:
         # The native engine is text-only, and vLLM/SGLang would be handed token ids without the
         # images behind them (a silently blind policy): only the HF-forward engine takes images.
@@ -732,7 +747,8 @@ def resolve_plugins(cfg: Config, check_machine: bool = True) -> Plugins:
                           key="rollout.name")
     if check_machine:
         raise_all(machine_problems(cfg))
-    check_rollout_model(cfg.model.path, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
+    check_rollout_model(cfg.model.path, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size,
+                        cfg.model.override_config, cfg.model.trust_remote_code)
     check_vision_language_run(cfg)
     try:
         check_chat_template_kwargs(cfg.data.apply_chat_template_kwargs)
@@ -908,7 +924,8 @@ def build_run(cfg: Config) -> RunSetup:
     local_model = fetch_model(cfg, storage)
     check_model_path(local_model)
     if local_model != cfg.model.path:  # resolve_plugins could not read a remote config.json
-        check_rollout_model(local_model, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size)
+        check_rollout_model(local_model, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size,
+                            cfg.model.override_config, cfg.model.trust_remote_code)
     output_dir = resolve_output_dir(cfg)
     threads = configure_threads(t.num_threads)
     seed_everything(t.seed)

@@ -105,3 +105,26 @@ def _broken(root: Path) -> Path:
     folder = _adapter(root / "broken")
     (folder / "adapter_config.json").write_text("{not json")
     return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from hybridflow.models.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("overrides") / "model"))
+
+
+def test_config_explain_judges_the_overridden_config(model_dir, tmp_path, capsys) -> None:
+    """A name the config class lacks fails at start-up (config explain too), not when the actor loads;
+    and the rollout engine's check sees the config as overridden (a length-dependent RoPE the native
+    engine cannot run)."""
+    from hybridflow.cli import main
+
+    common = ["config", "explain", f"model.path={model_dir}", f"trainer.output_dir={tmp_path / 'run'}"]
+    assert main([*common, "+actor_rollout_ref.model.override_config.max_position_embeddings=32768"]) == 0
+    capsys.readouterr()
+    assert main([*common, "actor_rollout_ref.model.override_config.max_position_embedding=32768"]) == 2
+    assert "model.override_config.max_position_embedding: Qwen2Config has no attribute 'max_position_embedding'" \
+        in capsys.readouterr().out
+    assert main([*common, "model.override_config.rope_scaling={rope_type: dynamic, factor: 2.0}"]) == 2
+    assert "the native rollout engine does not support rope_type 'dynamic'" in capsys.readouterr().out
