@@ -102,7 +102,8 @@ class DataConfig:
     )
     apply_chat_template_kwargs: dict[str, Any] = f(
         {}, "Extra keyword arguments of every tokenizer.apply_chat_template call that renders the policy's chat: "
-        "training and validation prompts and the agent loops' turns (verl's key), e.g. {reasoning_effort: medium} "
+        "training and validation prompts, the agent loops' turns and hybridflow sft's examples (verl's key), e.g. "
+        "{reasoning_effort: medium} "
         "for gpt-oss or {enable_thinking: false} for Qwen3; the chat template reads them as variables.",
     )
     builtin_task: str = f(

@@ -109,12 +109,15 @@ def run_sft_job(cfg: Config) -> SFTResult:
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, policy_chat_template(cfg.data))
     columns = SFTColumns(cfg.sft.messages_key, cfg.data.prompt_key, cfg.sft.response_key)
     length = max_length(cfg)
+    template_kwargs = cfg.data.apply_chat_template_kwargs
     train, stats = load_sft_examples(cfg.data.train_files, tokenizer, columns, max_length=length,
-                                     truncation=cfg.sft.truncation, on_bad_row=cfg.data.on_bad_row)
+                                     truncation=cfg.sft.truncation, on_bad_row=cfg.data.on_bad_row,
+                                     template_kwargs=template_kwargs)
     val: list[Trajectory] = []
     if cfg.data.val_files:
         val, _ = load_sft_examples(cfg.data.val_files, tokenizer, columns, max_length=length,
-                                   truncation=cfg.sft.truncation, on_bad_row=cfg.data.on_bad_row)
+                                   truncation=cfg.sft.truncation, on_bad_row=cfg.data.on_bad_row,
+                                   template_kwargs=template_kwargs)
     log.info("sft: %s", stats.describe())
     if cfg.data.train_batch_size > len(train):
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {len(train)} training "

@@ -25,11 +25,11 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.data.dataset import VALID_ROLES, DataError, _read_records
+from hybridflow.data.dataset import VALID_ROLES, DataError, _read_records, check_chat_template_kwargs
 from hybridflow.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -111,10 +111,12 @@ def _check_turns(value: Any, key: str, where: str) -> list[dict[str, str]]:
     return turns
 
 
-def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool,
+            template_kwargs: Mapping[str, Any] | None = None) -> str:
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **(template_kwargs or {}))
 
 
 def _tail(longer: str, prefix: str, what: str) -> str:
@@ -126,9 +128,11 @@ def _tail(longer: str, prefix: str, what: str) -> str:
     return longer[len(prefix):]
 
 
-def assistant_masked_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def assistant_masked_tokens(tokenizer, messages: list[dict[str, str]],
+                            template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of a conversation: 1 on each assistant turn's content and end-of-turn
-    text, 0 on system, user and tool turns and on the assistant's role header."""
+    text, 0 on system, user and tool turns and on the assistant's role header. ``template_kwargs``
+    (data.apply_chat_template_kwargs) are the template's variables on every rendering."""
     ids: list[int] = []
     mask: list[int] = []
 
@@ -140,9 +144,10 @@ def assistant_masked_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[
 
     before = ""
     for i, message in enumerate(messages):
-        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False, template_kwargs=template_kwargs)
         if message["role"] == "assistant":
-            header = _render(tokenizer, messages[:i], generation_prompt=True) if i else _generation_header(tokenizer)
+            header = (_render(tokenizer, messages[:i], generation_prompt=True, template_kwargs=template_kwargs) if i
+                      else _generation_header(tokenizer, template_kwargs))
             add(_tail(header, before, f"turn {i}'s generation prompt"), 0)
             add(_tail(upto, header, f"assistant turn {i}"), 1)
         else:
@@ -151,19 +156,20 @@ def assistant_masked_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[
     return ids, mask
 
 
-def _generation_header(tokenizer) -> str:
+def _generation_header(tokenizer, template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The assistant header of a conversation that opens with the assistant (no turn before it):
     what the template puts before an assistant turn's content."""
     probe = [{"role": "assistant", "content": "\x00"}]
-    text = _render(tokenizer, probe, generation_prompt=False)
+    text = _render(tokenizer, probe, generation_prompt=False, template_kwargs=template_kwargs)
     return text[: text.index("\x00")] if "\x00" in text else ""
 
 
 def sft_example(tokenizer, messages: list[dict[str, str]], max_length: int | None,
-                truncation: str = "right") -> tuple[Trajectory | None, bool]:
+                truncation: str = "right", template_kwargs: Mapping[str, Any] | None = None,
+                ) -> tuple[Trajectory | None, bool]:
     """One conversation as a trajectory (prompt: the tokens before the first assistant token),
     and whether it was truncated. None when no assistant token is left within ``max_length``."""
-    ids, mask = assistant_masked_tokens(tokenizer, messages)
+    ids, mask = assistant_masked_tokens(tokenizer, messages, template_kwargs)
     truncated = max_length is not None and len(ids) > max_length
     if truncated:
         if truncation == "error":
@@ -179,13 +185,14 @@ def sft_example(tokenizer, messages: list[dict[str, str]], max_length: int | Non
 
 def load_sft_examples(
     paths: Sequence[str | os.PathLike[str]], tokenizer, columns: SFTColumns, *, max_length: int | None,
-    truncation: str = "right", on_bad_row: str = "error",
+    truncation: str = "right", on_bad_row: str = "error", template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Trajectory], SFTDataStats]:
     """Every row of ``paths`` (parquet or JSON lines) as a training example. A malformed row is a
     ``DataError`` naming file, row and column, or with ``on_bad_row="skip"`` (``data.on_bad_row``)
     dropped, counted and logged with that same line; an example left with no assistant token after
     truncation to ``max_length`` is skipped, counted and warned about (a long prompt should not
-    stop a run over a whole dataset)."""
+    stop a run over a whole dataset). ``template_kwargs``: data.apply_chat_template_kwargs."""
+    template_kwargs = check_chat_template_kwargs(template_kwargs or {})
     stats = SFTDataStats()
     examples: list[Trajectory] = []
     for path in paths:
@@ -197,7 +204,7 @@ def load_sft_examples(
                     raise DataError(f"{where}: {record.parse_error}")
                 messages = row_messages(record.value, columns, where)
                 try:
-                    traj, truncated = sft_example(tokenizer, messages, max_length, truncation)
+                    traj, truncated = sft_example(tokenizer, messages, max_length, truncation, template_kwargs)
                 except DataError as exc:
                     raise DataError(f"{where}: {exc}") from exc
             except DataError as exc:

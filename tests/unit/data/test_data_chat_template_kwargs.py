@@ -65,3 +65,20 @@ def test_the_run_refuses_a_reserved_key_at_start_up():
     with pytest.raises(ConfigError, match="add_generation_prompt") as info:
         resolve_plugins(cfg)
     assert info.value.key == "data.apply_chat_template_kwargs"
+
+
+def test_sft_examples_are_rendered_with_the_variables_and_the_loss_stays_on_the_assistant(tokenizer, tmp_path):
+    """hybridflow sft reads data.apply_chat_template_kwargs too (verl's SFT datasets do)."""
+    from hybridflow.data.sft import SFTColumns, load_sft_examples
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1?"},
+                                             {"role": "assistant", "content": "2"}]}) + "\n")
+    (example,), _ = load_sft_examples([path], tokenizer, SFTColumns(), max_length=None,
+                                      template_kwargs={"reasoning_effort": "low"})
+    assert tokenizer.decode(example.prompt_ids, skip_special_tokens=False).startswith(
+        "<|im_start|>system\nReasoning: low<|im_end|>")
+    trained = [t for t, m in zip(example.response_ids, example.loss_mask, strict=True) if m]
+    assert tokenizer.decode(trained, skip_special_tokens=False) == "2<|im_end|>\n"
+    with pytest.raises(ValueError, match="apply_chat_template_kwargs.tokenize"):
+        load_sft_examples([path], tokenizer, SFTColumns(), max_length=None, template_kwargs={"tokenize": True})
