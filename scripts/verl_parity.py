@@ -877,12 +877,11 @@ def _policy_loss_rows(spec: PolicyLoss) -> list[Row]:
     return rows
 
 
-# bypass_mode: (loss_type, rollout_is, rollout_rs level or None); the rejection band is the
-# symmetric (1/1.25, 1.25), which means the same in both parameterisations (see the
-# rollout-correction rows).
+# bypass_mode: (loss_type, rollout_is, rollout_rs level or None); both sides read verl's
+# rejection spec '0.8_1.25' (hybridflow's parse_rollout_rs, verl's own parser).
 BYPASS_CASES = (("ppo_clip", None, None), ("ppo_clip", "token", "token"), ("reinforce", None, None),
                 ("reinforce", "token", None), ("reinforce", "sequence", "sequence"))
-_BYPASS_BAND, _VERL_BYPASS_BAND = (0.8, 1.25), "0.8_1.25"
+_VERL_BYPASS_BAND = "0.8_1.25"
 
 
 def _bypass_sides(loss_type: str, level: str | None, rs: str | None, mode: str) -> tuple[Side, Side]:
@@ -890,8 +889,8 @@ def _bypass_sides(loss_type: str, level: str | None, rs: str | None, mode: str) 
     params = hf.build_policy_loss_params(
         ours_fn, shared=dict(clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C,
                              loss_agg_mode=mode),
-        specific=dict(bypass_loss_type=loss_type, rollout_is=level, rollout_is_threshold=2.0, rollout_rs=rs,
-                      rollout_rs_band=_BYPASS_BAND if rs else None))
+        specific=dict(bypass_loss_type=loss_type, rollout_is=level, rollout_is_threshold=2.0,
+                      rollout_rs_criteria=hf.parse_rollout_rs(rs, _VERL_BYPASS_BAND) if rs else ()))
 
     def ours(b: Batch) -> list[torch.Tensor]:
         inputs = hf.LossInputs(old_logprobs=b.old_logprobs, logprobs=b.logprobs, advantages=b.advantages,

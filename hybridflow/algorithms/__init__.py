@@ -13,7 +13,8 @@ milliseconds and is tested with hand-worked numbers. Registries:
 
 Plain functions: ``place_outcome_rewards`` and ``apply_kl_penalty`` (score to token rewards),
 ``select_varied_groups`` (DAPO's dynamic sampling), ``compute_value_loss`` (critic), ``compute_rollout_correction`` (importance
-weights and rejection between rollout-engine and trainer logprobs).
+weights and rejection between rollout-engine and trainer logprobs), ``compute_rollout_rejection`` (verl's
+``rollout_rs`` criteria).
 """
 
 from hybridflow.algorithms.advantages import (
@@ -82,9 +83,14 @@ from hybridflow.algorithms.policy_loss import (
 )
 from hybridflow.algorithms.rollout_correction import (
     ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_RS_CRITERIA,
+    RejectionCriterion,
+    Rejection,
     RolloutCorrection,
     compute_rollout_correction,
     compute_rollout_is_weights,
+    compute_rollout_rejection,
+    parse_rollout_rs,
 )
 from hybridflow.algorithms.token_baseline import (
     compute_optimal_token_baseline_advantages,
@@ -102,6 +108,7 @@ __all__ = [
     "OPTIONAL_ESTIMATOR_INPUTS",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_RS_CRITERIA",
     "AdaptiveKLController",
     "AdvantageEstimatorFn",
     "AdvantageInputs",
@@ -111,6 +118,8 @@ __all__ = [
     "KLPenalised",
     "LossInputs",
     "PolicyLossFn",
+    "RejectionCriterion",
+    "Rejection",
     "RolloutCorrection",
     "UnknownNameError",
     "agg_loss",
@@ -142,6 +151,7 @@ __all__ = [
     "compute_rloo_advantages",
     "compute_rollout_correction",
     "compute_rollout_is_weights",
+    "compute_rollout_rejection",
     "compute_sapo_loss",
     "compute_tir_optimal_token_baseline_advantages",
     "compute_value_loss",
@@ -158,6 +168,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "parse_rollout_rs",
     "place_outcome_rewards",
     "register_adv_estimator",
     "register_policy_loss",

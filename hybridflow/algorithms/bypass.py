@@ -8,10 +8,11 @@ happens inside the loss, per micro-batch, against the current policy:
 - ``loss_type=ppo_clip``: the PPO clipped surrogate (``vanilla``) with ratio π_θ / π_rollout and
   no extra importance weights (the clip already bounds that ratio; weights would count it twice);
 - ``loss_type=reinforce``: L = −w·logπ_θ·A with w = min(π_θ/π_rollout, threshold) (token or
-  sequence level, ``rollout_is``; detached), or plain REINFORCE without ``rollout_is``.
+  sequence level, ``rollout_is``; detached; divided by their mean over the micro-batch with
+  ``rollout_is_batch_normalize``), or plain REINFORCE without ``rollout_is``.
 
-With ``rollout_rs`` the tokens (or responses) whose ratio π_θ/π_rollout lies outside the band are
-dropped from the loss (not from the token-mean normaliser, which the actor counted before the
+With ``rollout_rs`` criteria (``compute_rollout_rejection``, judged on π_θ against π_rollout) the
+rejected tokens (or responses) are dropped from the loss (not from the token-mean normaliser, which the actor counted before the
 loss ran; verl does the same). The ``rollout_corr/*`` metrics describe π_θ against π_rollout.
 """
 
@@ -32,7 +33,11 @@ from hybridflow.algorithms.policy_loss import (
     compute_ppo_clip_loss,
     register_policy_loss,
 )
-from hybridflow.algorithms.rollout_correction import compute_rollout_correction
+from hybridflow.algorithms.rollout_correction import (
+    RejectionCriterion,
+    compute_rollout_correction,
+    compute_rollout_rejection,
+)
 
 BYPASS_LOSS_TYPES: tuple[str, ...] = ("ppo_clip", "reinforce")
 
@@ -40,13 +45,14 @@ BYPASS_LOSS_TYPES: tuple[str, ...] = ("ppo_clip", "reinforce")
 @dataclass(frozen=True)
 class BypassParams(PPOClipParams):
     """bypass_mode: PPO's clip settings plus ``algorithm.rollout_correction``'s (keys renamed:
-    ``loss_type`` is ``bypass_loss_type``, the band is resolved to (low, high))."""
+    ``loss_type`` is ``bypass_loss_type``; ``rollout_rs`` with its thresholds is parsed into
+    ``rollout_rs_criteria``, empty for no rejection)."""
 
     bypass_loss_type: str = "ppo_clip"
     rollout_is: str | None = None
     rollout_is_threshold: float = 2.0
-    rollout_rs: str | None = None
-    rollout_rs_band: tuple[float, float] | None = None
+    rollout_is_batch_normalize: bool = False
+    rollout_rs_criteria: tuple[RejectionCriterion, ...] = ()
 
 
 def _reinforce(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -68,11 +74,11 @@ def _reinforce(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantage
 
 @register_policy_loss("bypass_mode", params=BypassParams)
 def compute_bypass_mode_loss(inputs: LossInputs, params: BypassParams) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass mode's loss (see the module docstring). ``rollout_rs_band`` bounds π_θ/π_rollout;
-    ``inputs.old_logprobs`` is unused: the rollout's logprobs are π_old here."""
+    """Bypass mode's loss (see the module docstring). The rejection criteria judge π_θ against
+    π_rollout; ``inputs.old_logprobs`` is unused: the rollout's logprobs are π_old here."""
     old_logprobs, logprobs, advantages = inputs.old_logprobs, inputs.logprobs, inputs.advantages
     response_mask, rollout_logprobs = inputs.response_mask, inputs.rollout_logprobs
-    bypass_loss_type, rollout_is, rollout_rs = params.bypass_loss_type, params.rollout_is, params.rollout_rs
+    bypass_loss_type, rollout_is = params.bypass_loss_type, params.rollout_is
     check_same_shape(old_logprobs=old_logprobs, logprobs=logprobs, advantages=advantages, response_mask=response_mask)
     if bypass_loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(f"bypass_loss_type must be one of {BYPASS_LOSS_TYPES}, got {bypass_loss_type!r}")
@@ -84,13 +90,16 @@ def compute_bypass_mode_loss(inputs: LossInputs, params: BypassParams) -> tuple[
         correction = compute_rollout_correction(
             old_logprobs=current, rollout_logprobs=rollout_logprobs, response_mask=response_mask,
             level=rollout_is or "token", threshold=params.rollout_is_threshold,
+            # verl normalises inside its loss too: over this micro-batch (and the ranks' micro-batches
+            # at the same position, which hybridflow does not reduce over).
+            batch_normalize=params.rollout_is_batch_normalize and rollout_is is not None,
         )
-        mask = response_mask
-        if rollout_rs is not None:
-            mask = compute_rollout_correction(
+        mask, rejection_metrics = response_mask, {}
+        if params.rollout_rs_criteria:
+            mask, rejection_metrics = compute_rollout_rejection(
                 old_logprobs=current, rollout_logprobs=rollout_logprobs, response_mask=response_mask,
-                level=rollout_rs, threshold=params.rollout_is_threshold, rejection_band=params.rollout_rs_band,
-            ).keep_mask
+                criteria=params.rollout_rs_criteria,
+            )
     agg = dict(loss_agg_mode=params.loss_agg_mode, **_normaliser(inputs))
     if bypass_loss_type == "ppo_clip":
         # No rollout IS weights: the clip already bounds π_θ/π_rollout (weights would count it twice).
@@ -101,5 +110,4 @@ def compute_bypass_mode_loss(inputs: LossInputs, params: BypassParams) -> tuple[
     else:
         weights = correction.weights if rollout_is is not None else None
         loss, metrics = _reinforce(logprobs, rollout_logprobs, advantages, mask, weights, agg)
-    rejected = float(masked_mean((response_mask != 0).float() - (mask != 0).float(), (response_mask != 0).float()))
-    return loss, metrics | correction.metrics | {"rollout_corr/rollout_rs_masked_fraction": rejected}
+    return loss, metrics | correction.metrics | rejection_metrics

@@ -296,7 +296,8 @@ def coerce_value(
     """Check ``value`` against the annotation ``tp`` and return it in canonical form.
 
     Supported: ``int``, ``float`` (ints and decimal strings like ``"1e-5"`` accepted), ``bool``
-    (real booleans or the strings true/false only), ``str``, ``X | None``, ``list[X]``.
+    (real booleans or the strings true/false only), ``str``, ``X | None``, ``list[X]``, and unions
+    of scalars such as ``float | str`` (the first member that takes the value).
     ``choices`` (from the field's metadata) restricts the allowed values; ``single_as_list``
     (likewise) reads a lone string as a one-element list (verl's ``data.train_files=a.parquet``).
     Raises ``ConfigError`` naming ``key``, the value and the expected type.
@@ -306,9 +307,18 @@ def coerce_value(
         if value is None and type(None) in members:
             return None
         others = [m for m in members if m is not type(None)]
-        if len(others) != 1:
-            raise ConfigError(f"config key '{key}' has an unsupported schema type {_type_name(tp)}", key=key)
         if value is None:
+            raise _type_error(key, value, tp, source)
+        if len(others) > 1:
+            # ``float | str`` (a number or a spec text, verl's rollout_rs_threshold): the first scalar
+            # type that takes the value, in the order written.
+            if not all(m in (int, float, bool, str) for m in others):
+                raise ConfigError(f"config key '{key}' has an unsupported schema type {_type_name(tp)}", key=key)
+            for member in others:
+                try:
+                    return coerce_value(value, member, key, source=source, choices=choices)
+                except ConfigError:
+                    continue
             raise _type_error(key, value, tp, source)
         return coerce_value(value, others[0], key, source=source, choices=choices)
     if value is None:

@@ -810,15 +810,28 @@ class RolloutCorrectionConfig:
         choices=("token", "sequence"),
     )
     rollout_is_threshold: float = f(2.0, "Upper truncation of the importance weights (TIS).")
+    rollout_is_batch_normalize: bool = f(
+        False, "Divide the truncated importance weights by their mean over the batch, so they average 1 "
+        "(self-normalised IS): over valid tokens (rollout_is=token) or over responses (sequence); the "
+        "rollout_corr/rollout_is_batch_norm_factor metric is that mean. In bypass mode over each micro-batch, "
+        "as verl's loss does.",
+    )
     rollout_rs: str | None = f(
         None,
-        "Rejection: drop tokens (token) or whole responses (sequence, product over tokens) whose ratio "
-        "pi_rollout/pi_old lies outside [rollout_rs_threshold_lower, rollout_rs_threshold] (verl's k1 "
-        "convention): null (off) | token | sequence.",
-        choices=("token", "sequence"),
+        "Rejection (verl's): a comma-separated list of criteria, all of which a token (token_*) or a whole "
+        "response (seq_*) must pass. Each bounds a KL estimator between pi_rollout and pi_old per token, "
+        "k1 = log(pi_rollout/pi_old), k2 = (k1)^2 / 2, k3 = pi_old/pi_rollout - 1 + k1 (log-ratio clamped to "
+        "+-20): token_k1|k2|k3, seq_sum_k1|k2|k3 (sum over the response), seq_mean_k1|k2|k3 (mean), "
+        "seq_max_k2|k3 (largest token). null: off. token and sequence are short for token_k1 and seq_sum_k1.",
     )
-    rollout_rs_threshold: float = f(2.0, "Upper bound of the accepted ratio.")
-    rollout_rs_threshold_lower: float | None = f(None, "Lower bound of the accepted ratio. None: 1 / upper.")
+    rollout_rs_threshold: float | str = f(
+        2.0, "Bounds of the rollout_rs criteria: one shared entry or one per criterion, comma-separated "
+        "('0.6_1.6,2.5'). A k1 entry bounds the ratio pi_rollout/pi_old: 'lower_upper', or upper alone (lower "
+        "is rollout_rs_threshold_lower, else 1/upper); a k2/k3 entry is the divergence's upper bound.",
+    )
+    rollout_rs_threshold_lower: float | None = f(
+        None, "Lower bound of the k1 criteria's ratio where rollout_rs_threshold gives the upper one alone. "
+        "None: 1 / upper.")
     bypass_mode: bool = f(
         False, "Use the rollout engine's logprobs as pi_old instead of recomputing them (verl's bypass mode: two "
         "policies, no old-logprob forward). The policy loss becomes bypass_mode: loss_type's loss on pi_theta / "

@@ -735,12 +735,18 @@ def _check_dapo_and_correction(cfg: Config, report: _Report) -> None:
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is_threshold <= 0:
         report.error(f"algorithm.rollout_correction.rollout_is_threshold={rc.rollout_is_threshold} must be > 0")
-    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1 / max(rc.rollout_rs_threshold, 1e-12)
-    if rc.rollout_rs is not None and not 0 < lower <= rc.rollout_rs_threshold:
-        report.error(
-            f"algorithm.rollout_correction: need 0 < rollout_rs_threshold_lower ({lower:g}) <= "
-            f"rollout_rs_threshold ({rc.rollout_rs_threshold:g})"
-        )
+    # A threshold text ('0.6_1.6,2.5') is checked against the criteria by set-up (parse_rollout_rs).
+    upper = rc.rollout_rs_threshold
+    if rc.rollout_rs is not None and isinstance(upper, float):
+        lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1 / max(upper, 1e-12)
+        if not 0 < lower <= upper:
+            report.error(
+                f"algorithm.rollout_correction: need 0 < rollout_rs_threshold_lower ({lower:g}) <= "
+                f"rollout_rs_threshold ({upper:g})"
+            )
+    if rc.rollout_is_batch_normalize and rc.rollout_is is None:
+        report.warn("algorithm.rollout_correction.rollout_is_batch_normalize=true has no effect without "
+                    "algorithm.rollout_correction.rollout_is (no importance weights to normalise)")
 
 
 BUILTIN_TOOLS_PREFIX = "builtin:"

@@ -479,9 +479,6 @@ def _rules() -> dict[str, Rule]:
         # algorithm
         "algorithm.use_pf_ppo": refuse("hybridflow has no PF-PPO sample reweighting", unless=(False,)),
         "algorithm.pf_ppo.*": ignore("only read with algorithm.use_pf_ppo, which hybridflow refuses"),
-        "algorithm.rollout_correction.rollout_is_batch_normalize": refuse(
-            "hybridflow's importance weights are truncated (rollout_is_threshold), not normalised per batch",
-            unless=(False,)),
         # reward
         "reward_model.enable_resource_pool": ignore("the reward model runs in its own worker group; placement "
                                                     "changes no result"),

@@ -379,7 +379,8 @@ def rollout_correction_weights(run: RunSetup, samples: StepSamples, timer: Phase
     assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs rollout IS weights"
     weights = compute_rollout_is_weights(
         old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
-        rollout_is=rc.rollout_is, threshold=rc.rollout_is_threshold, bypass_mode=rc.bypass_mode)
+        rollout_is=rc.rollout_is, threshold=rc.rollout_is_threshold, bypass_mode=rc.bypass_mode,
+        batch_normalize=rc.rollout_is_batch_normalize)
     return weights, {}
 
 

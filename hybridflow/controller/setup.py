@@ -88,7 +88,7 @@ from hybridflow.utils.device import configure_threads, resolve_device
 from hybridflow.utils.seed import seed_everything
 from hybridflow.utils.storage import Storage, StorageError, is_remote
 from hybridflow.utils.threads import stop_following
-from hybridflow.workers.actor import ActorSetup, ActorWorker, build_actor_policy_loss
+from hybridflow.workers.actor import ActorSetup, ActorWorker, build_actor_policy_loss, rollout_rs_criteria
 from hybridflow.workers.critic import CriticSetup, CriticWorker
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
@@ -740,6 +740,8 @@ def resolve_plugins(cfg: Config, check_machine: bool = True) -> Plugins:
             )
     adv_params = _resolved("algorithm", lambda: build_estimator_params(adv_estimator, vars(alg)))
     _resolved("actor.policy_loss.loss_mode", lambda: get_policy_loss(cfg.actor.policy_loss.loss_mode))
+    # The rejection criteria and their thresholds, read as verl reads them (the actor parses them again).
+    _resolved("algorithm.rollout_correction.rollout_rs", lambda: rollout_rs_criteria(alg.rollout_correction))
     # The loss's typed params: a policy_loss key that does not apply to the chosen loss fails here.
     _resolved("actor.policy_loss", lambda: build_actor_policy_loss(cfg.actor, alg.rollout_correction))
     if cfg.rollout.name not in ROLLOUT_ENGINES:
@@ -981,8 +983,10 @@ def build_run(cfg: Config) -> RunSetup:
     rc = cfg.algorithm.rollout_correction
     # Importance weights alone need no extra forward when a batch makes one optimizer step: the
     # update's own detached logprobs are π_old (the actor weights its loss with them). Rejection
-    # changes the loss's normaliser before the update, so it needs them up front.
-    corrects_old = not rc.bypass_mode and bool(rc.rollout_rs or (rc.rollout_is and updates_per_batch > 1))
+    # changes the loss's normaliser before the update, and batch-normalised weights divide by the
+    # whole batch's mean, so those need them up front.
+    corrects_old = not rc.bypass_mode and bool(
+        rc.rollout_rs or (rc.rollout_is and (updates_per_batch > 1 or rc.rollout_is_batch_normalize)))
     needs_old = (updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward or corrects_old \
         or needs_old_logprobs_for(needs)
 

@@ -35,12 +35,15 @@ import torch
 from hybridflow.algorithms import (
     LossInputs,
     PolicyLossFn,
+    RejectionCriterion,
     agg_loss,
     batch_counts,
     build_policy_loss_params,
     compute_rollout_correction,
+    compute_rollout_rejection,
     get_policy_loss,
     kl_penalty,
+    parse_rollout_rs,
 )
 from hybridflow.config.budget import (
     BYTES,
@@ -538,15 +541,19 @@ class ActorWorker:
             return batch, {}
         common = dict(old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
                       response_mask=batch.response_mask)
-        weights = compute_rollout_correction(**common, level=rc.rollout_is or "token", threshold=rc.rollout_is_threshold)
+        # Normalised over the whole batch, as verl's driver does: every rank holds a shard, so the
+        # mean's sum and count are summed over the ranks (Ulysses groups count each shard sp times
+        # in both, which leaves the mean as it is).
+        weights = compute_rollout_correction(
+            **common, level=rc.rollout_is or "token", threshold=rc.rollout_is_threshold,
+            batch_normalize=rc.rollout_is_batch_normalize and rc.rollout_is is not None,
+            sum_over_ranks=distributed.all_reduce_sum)
         metrics = dict(weights.metrics)
         if rc.rollout_is is not None:
             batch = dataclasses.replace(batch, rollout_is_weights=weights.weights)
         if rc.rollout_rs is not None:
-            rejection = compute_rollout_correction(
-                **common, level=rc.rollout_rs, threshold=rc.rollout_is_threshold, rejection_band=_rejection_band(rc)
-            )
-            metrics |= {k: v for k, v in rejection.metrics.items() if "rs_" in k or "band" in k}
+            rejection = compute_rollout_rejection(**common, criteria=rollout_rs_criteria(rc))
+            metrics |= rejection.metrics
             # Rejected tokens leave the loss and its normaliser; advantages are unchanged.
             batch = dataclasses.replace(batch, response_mask=rejection.keep_mask)
         return batch, metrics
@@ -579,6 +586,9 @@ class ActorWorker:
             if mb.old_logprobs is None and rc.rollout_is is not None and not rc.bypass_mode:
                 # On-policy with importance weights: this forward is π_old, so the weights come
                 # from it (set-up skipped the old-logprob forward); per sample, so per micro-batch.
+                if rc.rollout_is_batch_normalize:
+                    raise RuntimeError("algorithm.rollout_correction.rollout_is_batch_normalize needs the whole "
+                                       "batch's weights before the update: set-up must run the old-logprob forward")
                 correction = compute_rollout_correction(
                     old_logprobs=old, rollout_logprobs=mb.rollout_logprobs, response_mask=mask,
                     level=rc.rollout_is, threshold=rc.rollout_is_threshold)
@@ -726,7 +736,7 @@ def build_actor_policy_loss(cfg: ActorConfig, rc: RolloutCorrectionConfig) -> tu
         clip_ratio_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
         clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
         bypass_loss_type=rc.loss_type, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_rs=rc.rollout_rs, rollout_rs_band=_rejection_band(rc),
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs_criteria=rollout_rs_criteria(rc),
     )
     mode_keys = {f.name: getattr(cfg.policy_loss, f.name) for f in dataclasses.fields(cfg.policy_loss)
                  if f.name != "loss_mode"}
@@ -735,9 +745,10 @@ def build_actor_policy_loss(cfg: ActorConfig, rc: RolloutCorrectionConfig) -> tu
     return fn, build_policy_loss_params(fn, shared={**shared, **mode_keys}, specific=changed, name=mode)
 
 
-def _rejection_band(rc: RolloutCorrectionConfig) -> tuple[float, float]:
-    """The band ``compute_rollout_correction`` accepts the ratio pi_old / pi_rollout in. verl's
-    thresholds bound pi_rollout / pi_old (exp of its k1 statistic), hence (1/upper, 1/lower)."""
-    upper = rc.rollout_rs_threshold
-    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
-    return 1.0 / upper, 1.0 / lower
+def rollout_rs_criteria(rc: RolloutCorrectionConfig) -> tuple[RejectionCriterion, ...]:
+    """The configured rejection criteria (``algorithm.rollout_correction.rollout_rs`` with its
+    thresholds, as verl reads them); () without rejection. ValueError on a bad spec (set-up reports
+    it as a config error on the key)."""
+    if rc.rollout_rs is None:
+        return ()
+    return parse_rollout_rs(rc.rollout_rs, rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower)

@@ -9,6 +9,8 @@ import torch
 
 from _algorithm_calls import policy_loss
 
+from hybridflow.algorithms import parse_rollout_rs
+
 torch.set_num_threads(1)
 HALF = math.log(0.5)
 
@@ -95,11 +97,31 @@ def test_bypass_reinforce_weights_logp_by_the_truncated_ratio_to_the_rollout():
 
 def test_bypass_rejection_drops_tokens_whose_ratio_to_the_rollout_leaves_the_band():
     rollout = torch.tensor([[0.5, 0.5]]).log()
+    criteria = parse_rollout_rs("token_k1", "0.5_1.5")  # bounds π_rollout/π_θ, as verl's k1
     loss, grad, metrics = loss_and_grad("bypass_mode", [0.6, 0.2], [1.0, -1.0], rollout_logprobs=rollout,
-                                        bypass_loss_type="reinforce", rollout_rs="token", rollout_rs_band=(0.5, 1.5))
-    assert grad == pytest.approx([-1.0, 0.0], abs=1e-6)  # ratio 0.4 is outside (0.5, 1.5): token 1 is gone
+                                        bypass_loss_type="reinforce", rollout_rs_criteria=criteria)
+    # π_rollout/π_θ = 0.5/0.6 is inside [0.5, 1.5], 0.5/0.2 = 2.5 is not: token 1 is gone
+    assert grad == pytest.approx([-1.0, 0.0], abs=1e-6)
     assert loss == pytest.approx(-math.log(0.6), abs=1e-6)
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.5
+
+
+def test_bypass_reinforce_with_batch_normalized_sequence_weights():
+    """verl's run_with_rollout_corr.sh (bypass, reinforce, rollout_is=sequence, batch normalised):
+    the truncated sequence weights are divided by their mean over the micro-batch's responses."""
+    # Two responses of one token: π_θ/π_rollout = 0.6/0.5 = 1.2 and 0.2/0.5 = 0.4; mean 0.8, so
+    # the weights become 1.5 and 0.5. L = mean(−A·w·logp) over 2 tokens; d/dlogp = −A·w/2.
+    rollout = torch.tensor([[0.5], [0.5]]).log()
+    logp = torch.tensor([[0.6], [0.2]]).log().requires_grad_(True)
+    loss, metrics = policy_loss("bypass_mode", old_logprobs=rollout, logprobs=logp, advantages=torch.tensor([[1.0], [-1.0]]),
+                                response_mask=torch.ones(2, 1), rollout_logprobs=rollout, clip_ratio_low=0.2,
+                                clip_ratio_high=0.2, bypass_loss_type="reinforce", rollout_is="sequence",
+                                rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    loss.backward()
+    assert logp.grad is not None
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.75, 0.25], abs=1e-6)
+    assert loss.item() == pytest.approx((-1.5 * math.log(0.6) + 0.5 * math.log(0.2)) / 2, abs=1e-6)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(0.8, abs=1e-6)
 
 
 def test_bypass_needs_the_rollout_logprobs_and_a_known_loss_type():

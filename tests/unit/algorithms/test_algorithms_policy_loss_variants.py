@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybridflow.algorithms.policy_loss import POLICY_LOSSES
+from hybridflow.algorithms.rollout_correction import parse_rollout_rs
 from _algorithm_calls import policy_loss
 
 torch.set_num_threads(1)
@@ -269,8 +270,7 @@ ALL_INPUTS = dict(
     dro_beta=0.1,
     bypass_loss_type="ppo_clip",
     rollout_is="token",
-    rollout_rs="token",
-    rollout_rs_band=(0.5, 2.0),
+    rollout_rs_criteria=parse_rollout_rs("token", 2.0),
     an_input_no_loss_knows=object(),
 )
 

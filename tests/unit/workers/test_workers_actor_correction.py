@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.models.tiny import write_tiny_model
+from hybridflow.training import distributed
 from hybridflow.types import Trajectory, collate_trajectories
 from hybridflow.workers.actor import ActorSetup, ActorWorker
 
@@ -102,3 +103,56 @@ def test_without_old_logprobs_the_updates_own_forward_gives_the_same_is_weights(
     assert got["actor/pg_loss"] == pytest.approx(expected["actor/pg_loss"], abs=1e-5) == pytest.approx(-1.25, abs=1e-5)
     assert got["rollout_corr/rollout_is_mean"] == pytest.approx(1.25, abs=1e-5)
     assert got["rollout_corr/truncated_fraction"] == pytest.approx(0.5)
+
+
+def test_batch_normalized_weights_average_one_over_the_batch(model_dir) -> None:
+    """verl's rollout_is_batch_normalize: the truncated weights (0.5 on rows 0-1, 2 on rows 2-3,
+    mean 1.25) are divided by their batch mean, so on-policy with A = 1 the token-mean loss is
+    exactly -1 while the unnormalised one is -1.25."""
+    actor = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0,
+                                                      rollout_is_batch_normalize=True))
+    shift = [math.log(0.5), math.log(0.5), math.log(4.0), math.log(4.0)]
+    batch = _batch(actor, shift)
+    corrected, metrics = actor._rollout_correction(batch)
+    assert corrected.rollout_is_weights is not None
+    assert corrected.rollout_is_weights[:, 0].tolist() == pytest.approx([0.4, 0.4, 1.6, 1.6], abs=1e-5)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.25, abs=1e-5)
+    assert actor.update_actor(batch)["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_chained_rejection_criteria_all_apply(model_dir) -> None:
+    """rollout_rs=token_k1,seq_max_k2 with '0.8_1.25,0.1': token_k1 drops a token whose ratio leaves
+    [0.8, 1.25]; seq_max_k2 drops a response whose largest ½(log ρ)² exceeds 0.1."""
+    actor = _actor(model_dir, RolloutCorrectionConfig(rollout_rs="token_k1,seq_max_k2",
+                                                      rollout_rs_threshold="0.8_1.25,0.1"))
+    batch = _batch(actor, [0.0] * 4)
+    # log ρ per token: row 1's middle token 0.3 (ratio e^-0.3 = 0.74 < 0.8; k2 0.045), row 2's 0.5
+    # (k2 0.125 > 0.1), row 3's 0.1 everywhere (inside both)
+    log_rho = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.3, 0.0], [0.0, 0.5, 0.0], [0.1, 0.1, 0.1]])
+    batch.rollout_logprobs = batch.old_logprobs - log_rho
+    corrected, metrics = actor._rollout_correction(batch)
+    assert corrected.response_mask.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    assert metrics["rollout_corr/rollout_rs_token_k1_masked_fraction"] == pytest.approx(2 / 12)
+    assert metrics["rollout_corr/rollout_rs_seq_max_k2_masked_fraction"] == pytest.approx(3 / 12)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(4 / 12)
+
+
+
+def test_batch_normalization_sums_the_mean_over_the_ranks(model_dir, monkeypatch) -> None:
+    """With several data-parallel ranks each holds part of the batch; the mean must be the whole
+    batch's, as verl's driver normalises. Here a stand-in for the all-reduce adds another rank
+    holding 6 tokens of weight 2: the mean is (6·0.5 + 6·2)/12 = 1.25, not this rank's 0.5."""
+    seen = []
+
+    def all_reduce_sum(values):  # type: ignore[no-untyped-def]
+        seen.append(list(values))
+        return [values[0] + 12.0, values[1] + 6.0]
+
+    monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
+    actor = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_batch_normalize=True))
+    batch = _batch(actor, [math.log(0.5)] * 4).select(torch.arange(2))
+    corrected, metrics = actor._rollout_correction(batch)
+    assert seen == [pytest.approx([3.0, 6.0])]
+    assert corrected.rollout_is_weights is not None
+    assert corrected.rollout_is_weights.flatten().tolist() == pytest.approx([0.4] * 6, abs=1e-5)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.25, abs=1e-5)
