@@ -72,6 +72,21 @@ def test_the_first_forward_is_the_saved_adapters(model_dir, adapter):
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
 
 
+def test_the_reference_is_the_base_model_with_the_saved_adapter_off(model_dir, adapter):
+    from hybridflow.types import Trajectory, collate_trajectories
+
+    folder, _ = adapter
+    actor = _actor(model_dir, folder)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 256, (12,), generator=g).tolist() for _ in range(4)]
+    batch = collate_trajectories([Trajectory(i[:4], i[4:], [1] * 8, [-1.0] * 8, "stop", group_id=0) for i in ids],
+                                 pad_token_id=256)
+    plain = ActorWorker(0, 1, load_config(overrides=["actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=4"]
+                                          ).actor, actor.setup)
+    assert torch.allclose(actor.compute_ref_logprobs(batch), plain.compute_logprobs(batch), atol=1e-6)
+    assert not torch.allclose(actor.compute_logprobs(batch), plain.compute_logprobs(batch), atol=1e-3)
+
+
 def test_the_first_sync_carries_the_merged_weights(model_dir, adapter):
     folder, _ = adapter
     actor = _actor(model_dir, folder)
