@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch
 
-from hybridflow.cluster.worker_group import PendingCall, WorkerError, meeting_host, refuse_collective
+from hybridflow.cluster.worker_group import PendingCall, RankNode, WorkerError, meeting_host, refuse_collective
 from hybridflow.models.loading import disable_hf_progress_bars
 from hybridflow.training import distributed
 from hybridflow.types import TrainBatch
@@ -189,6 +189,11 @@ class RankHost:
 
         return ray.util.get_node_ip_address()
 
+    def node(self) -> RankNode:
+        import ray
+
+        return RankNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+
     def start(
         self, factory: Callable[[int, int], Any], master_addr: str, master_port: int, device: torch.device
     ) -> None:
@@ -235,7 +240,11 @@ class RayWorkerGroup(Generic[W]):
         except BaseException:
             self.close()  # nobody else holds these processes: a failed start must not leak them
             raise
-        log.info("%s: %d Ray rank(s) up in %.1fs", role, world_size, time.perf_counter() - start)
+        # Where each rank landed (placement.json in the run folder; a multi-node run's first question).
+        self._nodes: list[RankNode] = RayPendingCall(
+            self, [(rank, handle.node.remote()) for rank, handle in enumerate(self._ranks)], "node").wait()
+        log.info("%s: %d Ray rank(s) up in %.1fs on %d node(s)", role, world_size, time.perf_counter() - start,
+                 len({node.node_id for node in self._nodes}))
 
     def _start(self, factory: Callable[[int, int], W], device: torch.device) -> None:
         """Rank 0 picks the rendezvous (loopback when every rank is on its node), then all ranks
@@ -283,6 +292,9 @@ class RayWorkerGroup(Generic[W]):
     def node_addresses(self) -> list[str]:
         refs = [(rank, handle.node_address.remote()) for rank, handle in enumerate(self._ranks)]
         return RayPendingCall(self, refs, "node_address").wait()
+
+    def nodes(self) -> list[RankNode]:
+        return list(self._nodes)
 
     def rendezvous(self, rank: int) -> tuple[str, int]:
         self._check_rank(rank)

@@ -29,7 +29,9 @@ directly), on Ray they run concurrently and a failure on either side is reported
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from hybridflow.training.distributed import free_port, is_collective
@@ -41,6 +43,15 @@ R = TypeVar("R")
 P = ParamSpec("P")
 
 LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RankNode:
+    """Where one rank runs: its node (Ray's node id; ``controller`` for an in-process rank) and the
+    node's address."""
+
+    node_id: str
+    address: str
 
 
 class PendingCall(Protocol[R]):
@@ -94,6 +105,10 @@ class WorkerGroup(Protocol[W]):
     def rendezvous(self, rank: int) -> tuple[str, int]:
         """(node address, a TCP port free there a moment ago) of ``rank``: where a group that
         rank leads (e.g. weight sync) can listen."""
+        ...
+
+    def nodes(self) -> list[RankNode]:
+        """Where each rank runs, in rank order (recorded in the run folder's placement.json)."""
         ...
 
     def close(self) -> None:
@@ -217,6 +232,9 @@ class LocalWorkerGroup(Generic[W]):
 
     def rendezvous(self, rank: int) -> tuple[str, int]:
         return LOOPBACK, free_port()
+
+    def nodes(self) -> list[RankNode]:
+        return [RankNode("controller", socket.gethostname())] * self.world_size
 
     def close(self) -> None:
         """Nothing to release: the workers live and die with the controller's process."""

@@ -32,7 +32,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError
 from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE
@@ -51,7 +53,11 @@ LEFTOVER = re.compile(r"^\.(?:.+\.tmp-|write-test-)\d+$")
 """A record being replaced (``.<name>.tmp-<pid>``: rollout_dtype.json, the checkpoint manager's files)
 or set-up's write test (``.write-test-<pid>``): what a run killed at the wrong moment leaves."""
 
-SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE, LOCK_FILE})
+PLACEMENT_FILE = "placement.json"
+"""Where each rank of each role runs (``write_placement``): node id and address, per rank."""
+
+SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE, LOCK_FILE,
+                         PLACEMENT_FILE})
 """Files set-up writes before the first step; the metrics file counts only while it holds no step.
 The timeline (trainer.timeline) never counts: closing the run writes it, whatever the run reached;
 the steps it shows are in metrics.jsonl too."""
@@ -193,3 +199,16 @@ def _remove_if_empty(folder: Path) -> None:
         folder.rmdir()
     except OSError:
         pass  # not empty (another run's folder appeared) or already gone
+
+
+def write_placement(output_dir: Path, groups: list[tuple[str, WorkerGroup[Any]]]) -> Path:
+    """Record where every rank of every role runs (``PLACEMENT_FILE``), replacing the file whole:
+    on a Ray cluster of several nodes, which node holds which rank is the first thing to know when
+    one of them fails. A resumed run writes its own (its ranks may land elsewhere)."""
+    record = {role: [{"rank": rank, "node_id": node.node_id, "address": node.address}
+                     for rank, node in enumerate(group.nodes())] for role, group in groups}
+    path = output_dir / PLACEMENT_FILE
+    partial = output_dir / f".{PLACEMENT_FILE}.tmp-{os.getpid()}"
+    partial.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(partial, path)
+    return path

@@ -50,7 +50,7 @@ from hybridflow.config.validate import TOOL_TASKS, data_parallel_size, rollout_r
 from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, planned_total_steps, warm_start_decision
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
-from hybridflow.controller.run_folder import lock_run_folder
+from hybridflow.controller.run_folder import lock_run_folder, write_placement
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model, prepare_builtin_vl_model
 from hybridflow.data import PromptRow, RLDataset
 from hybridflow.data.sampler import PromptSampler
@@ -1069,7 +1069,7 @@ def build_run(cfg: Config) -> RunSetup:
     timeline = Timeline(output_dir / TIMELINE_FILENAME, enabled=t.timeline)
     timeline.observe_worker_calls()  # until RunSetup.close
     rollout.timeline = timeline
-    return RunSetup(
+    run = RunSetup(
         cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,
         pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
         total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=plugins.adv_estimator,
@@ -1082,4 +1082,6 @@ def build_run(cfg: Config) -> RunSetup:
         rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,
         storage=storage,
     )
+    write_placement(output_dir, run.named_groups())  # where each rank of each role landed
+    return run
 
