@@ -65,6 +65,9 @@ FILE_PREFIX = "file://"
 VERL_TEST_RANDOM_SAMPLER = ("pkg://tests.utils.dataset.test_create_rl_sampler_on_cpu", "RandomCurriculumSampler")
 
 
+_noted: list[bool] = []  # the verl test sampler's note was logged
+
+
 class SamplerError(ValueError):
     """The sampler class cannot be loaded, built or used; the message names the config key, ``key``."""
 
@@ -303,8 +306,10 @@ def named_sampler_class(sampler_config: Any) -> type | None:
     if class_path is None and class_name is None:
         return None
     if is_verl_test_random_sampler(class_path, class_name):
-        log.info("data.sampler: verl's test RandomCurriculumSampler shuffles and learns nothing: hybridflow's seeded "
-                 "shuffle (data.shuffle=true) does the same")
+        if not _noted:  # once per process: start-up resolves the plug-ins, then builds the sampler
+            _noted.append(True)
+            log.info("data.sampler: verl's test RandomCurriculumSampler shuffles and learns nothing: hybridflow's "
+                     "seeded shuffle (data.shuffle=true) does the same")
         return None
     if class_path is None:
         raise SamplerError(f"data.sampler.class_name={class_name!r} needs data.sampler.class_path (the file or "
