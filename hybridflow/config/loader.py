@@ -894,6 +894,8 @@ def verl_defaults(cfg: Config, assigned: set[str], verl: bool) -> str | None:
       quickstart trains PPO with a critic, not the schema's GRPO.
     - ``trainer.n_gpus_per_node > 1`` or ``trainer.nnodes > 1`` means ranks in processes of their
       own: the Ray backend, unless ``trainer.backend`` was set (verl always runs on Ray).
+    - ``actor.fsdp_config.model_dtype=bfloat16`` (pure bf16 weights) computes in bf16: model.dtype
+      follows it unless it was set (verl's compute dtype is bf16 by default too).
     """
     named = None
     if verl and "algorithm.adv_estimator" not in assigned:
@@ -906,6 +908,10 @@ def verl_defaults(cfg: Config, assigned: set[str], verl: bool) -> str | None:
         t.backend = "ray"
         log.info("config: trainer.n_gpus_per_node=%d x trainer.nnodes=%d ranks run on trainer.backend=ray (each "
                  "rank a process; set trainer.backend to choose)", t.n_gpus_per_node, t.nnodes)
+    if cfg.actor.fsdp_config.model_dtype == "bfloat16" and "model.dtype" not in assigned:
+        cfg.model.dtype = "bfloat16"
+        log.info("config: actor.fsdp_config.model_dtype=bfloat16 stores the weights in bf16, so model.dtype (not "
+                 "set) is bfloat16: the model computes in bf16")
     return named
 
 

@@ -264,9 +264,10 @@ class FSDPConfig:
         "float32",
         "dtype the trained weights, their gradients and the optimizer state are stored in: float32 (master "
         "weights; model.dtype=bfloat16 computes in bf16 over them) | bfloat16 (pure bf16 training: no float32 "
-        "copy, half the memory of weights, gradients and Adam's moments; needs model.dtype=bfloat16). Accuracy "
-        "cost of bfloat16: an update smaller than about 1/256 of a weight (bf16's 8-bit mantissa) rounds away, so "
-        "tiny learning rates can leave weights unchanged, and Adam's moments are rounded too. verl's key; "
+        "copy, half the memory of weights, gradients and Adam's moments; computes in bf16, so it needs "
+        "model.dtype=bfloat16, which the actor's sets when model.dtype is not given). Accuracy cost of bfloat16: an "
+        "update smaller than about 1/256 of a weight (bf16's 8-bit mantissa) rounds away, so tiny learning rates "
+        "can leave weights unchanged, and Adam's moments are rounded too. verl's key; "
         "bf16/fp32 spellings accepted.",
         choices=("float32", "bfloat16"), spellings=DTYPE_SPELLINGS,
     )

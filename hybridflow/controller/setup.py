@@ -690,6 +690,12 @@ def machine_problems(cfg: Config) -> list[MachineProblem]:
             lack(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} asks for {wanted} GPUs, "
                  f"this machine has {have}; join a Ray cluster that has them (trainer.ray_address) or ask for "
                  f"fewer", "trainer.n_gpus_per_node")
+    offloaded = [f"{role}.fsdp_config.param_offload" for role in ("actor", "critic")
+                 if getattr(cfg, role).fsdp_config.param_offload]
+    if offloaded and t.device == "auto" and not cuda:
+        # validate refuses it for trainer.device=cpu; auto is the CPU only on a machine without CUDA.
+        lack(f"{offloaded[0]}=true moves parameters from the GPU to the CPU, but trainer.device=auto is the CPU "
+             "here (no GPU); it runs on a GPU machine", offloaded[0])
     if t.backend == "ray" and importlib.util.find_spec("ray") is None:
         lack("trainer.backend=ray needs the ray package: pip install 'hybridflow[ray]' (or pip install ray)",
              "trainer.backend")

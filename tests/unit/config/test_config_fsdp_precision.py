@@ -6,12 +6,14 @@ GPU rank is accepted (the workers shard over a one-rank group) while a CPU run r
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridflow.config.budget import ModelShape
 from hybridflow.config.errors import ConfigError
 from hybridflow.config.loader import load_config
 from hybridflow.config.plan import plan_memory
 from hybridflow.config.validate import validate_config
+from hybridflow.controller.setup import machine_problems
 
 ACTOR = "actor_rollout_ref.actor.fsdp_config"
 
@@ -66,7 +68,9 @@ def test_param_offload_on_one_gpu_rank_is_accepted_and_refused_on_a_cpu():
 
 
 def test_pure_bf16_needs_bf16_compute_and_no_lora():
-    assert "set model.dtype=bfloat16 too" in _errors("actor.fsdp_config.model_dtype=bfloat16")
+    # The actor's pure bf16 makes an unset model.dtype bf16 (verl's run_gptoss_20b.sh sets only model_dtype).
+    assert load_config(overrides=[f"+{ACTOR}.model_dtype=bfloat16"]).model.dtype == "bfloat16"
+    assert "set model.dtype=bfloat16 too" in _errors("actor.fsdp_config.model_dtype=bfloat16", "model.dtype=float32")
     assert "critic.fsdp_config.model_dtype=bfloat16" in _errors("critic.fsdp_config.model_dtype=bfloat16")
     assert _errors("actor.fsdp_config.model_dtype=bfloat16", "model.dtype=bfloat16") == ""
     assert "actor.lora.base_dtype=bfloat16 instead" in _errors(
@@ -108,3 +112,12 @@ def test_the_memory_plan_offloads_the_reference_with_the_actor():
 
     resident = reference_params()
     assert 0 < reference_params("actor.fsdp_config.param_offload=true") < resident / 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_param_offload_with_device_auto_is_a_machine_problem_without_a_gpu():
+    """trainer.device=auto is the CPU here, where there is nothing to offload: config explain lists it as
+    what this machine lacks (the same line is right on a GPU machine), instead of the actor failing later."""
+    problems = [str(p) for p in machine_problems(load_config(overrides=["actor.fsdp_config.param_offload=true"]))]
+    assert any("actor.fsdp_config.param_offload=true moves parameters" in p and "no GPU" in p for p in problems)
+    assert not any("param_offload" in str(p) for p in machine_problems(load_config()))
