@@ -38,6 +38,7 @@ from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError
 from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE
+from hybridflow.controller.token_budgets import TOKEN_BUDGETS_FILE
 from hybridflow.tracking.loggers import METRICS_FILENAME, STEP_KEY, TENSORBOARD_DIRNAME
 from hybridflow.tracking.timeline import TIMELINE_FILENAME
 
@@ -57,7 +58,7 @@ PLACEMENT_FILE = "placement.json"
 """Where each rank of each role runs (``write_placement``): node id and address, per rank."""
 
 SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE, LOCK_FILE,
-                         PLACEMENT_FILE})
+                         PLACEMENT_FILE, TOKEN_BUDGETS_FILE})
 """Files set-up writes before the first step; the metrics file counts only while it holds no step.
 The timeline (trainer.timeline) never counts: closing the run writes it, whatever the run reached;
 the steps it shows are in metrics.jsonl too."""

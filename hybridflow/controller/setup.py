@@ -51,6 +51,7 @@ from hybridflow.config.explain import BUILTIN_TINY, needs_reference_model, plann
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
 from hybridflow.controller.run_folder import lock_run_folder, write_placement
+from hybridflow.controller.token_budgets import apply_recorded_budgets, automatic_budget_keys, record_budgets
 from hybridflow.controller.sft import SFTPair, SFTSpec, SFTStage, prepare_builtin_model, prepare_builtin_vl_model
 from hybridflow.data import PromptRow, RLDataset
 from hybridflow.data.sampler import PromptSampler
@@ -915,6 +916,16 @@ def apply_async_defaults(cfg: Config) -> None:
                  cfg.trainer.mode)
 
 
+def _budget_groups(run: RunSetup) -> dict[str, tuple[WorkerGroup[Any], Any]]:
+    """The training roles whose token budgets the run folder records, with each one's method."""
+    groups: dict[str, tuple[WorkerGroup[Any], Any]] = {"actor": (run.actor, ActorWorker.token_budgets)}
+    if run.critic is not None:
+        groups["critic"] = (run.critic, CriticWorker.token_budgets)
+    if run.reference is not None and run.reference is not run.actor:  # with LoRA the actor is its own reference
+        groups["reference"] = (run.reference, ReferenceWorker.token_budgets)
+    return groups
+
+
 def build_run(cfg: Config) -> RunSetup:
     # 1. Config and names: everything that can be wrong in the config fails here.
     apply_async_defaults(cfg)
@@ -935,6 +946,8 @@ def build_run(cfg: Config) -> RunSetup:
         check_rollout_model(local_model, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size,
                             cfg.model.override_config, cfg.model.trust_remote_code)
     output_dir = resolve_output_dir(cfg)
+    apply_recorded_budgets(cfg, output_dir)  # a resume cuts its batches as the run it continues did
+    automatic_budgets = automatic_budget_keys(cfg)
     threads = configure_threads(t.num_threads)
     seed_everything(t.seed)
     (output_dir / "config.yaml").write_text(config_to_yaml(cfg))
@@ -1089,5 +1102,6 @@ def build_run(cfg: Config) -> RunSetup:
         storage=storage,
     )
     write_placement(output_dir, run.named_groups())  # where each rank of each role landed
+    record_budgets(output_dir, automatic_budgets, _budget_groups(run))
     return run
 

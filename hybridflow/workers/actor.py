@@ -238,6 +238,13 @@ class MicroBatchPlan:
     log_prob_max_token_len: int | None
     notes: tuple[str, ...]
 
+    def per_rank_budgets(self, sequence_parallel_size: int = 1) -> tuple[int | None, int | None]:
+        """(update budget, forward budget) as the ``*_max_token_len_per_gpu`` keys count them: one
+        rank's tokens (a Ulysses group's budgets, above, are sp times that)."""
+        sp = sequence_parallel_size
+        return (None if self.ppo_max_token_len is None else self.ppo_max_token_len // sp,
+                None if self.log_prob_max_token_len is None else self.log_prob_max_token_len // sp)
+
 
 def plan_micro_batches(
     engine: TrainEngine,
@@ -451,6 +458,10 @@ class ActorWorker:
         self.policy_loss, self.policy_loss_params = build_actor_policy_loss(cfg, setup.rollout_correction)
         self.consecutive_skips = 0
         self.weight_sync: WeightSyncGroup | None = None  # rank 0, once joined (rollout.weight_sync=broadcast)
+
+    def token_budgets(self) -> tuple[int | None, int | None]:
+        """This rank's (update, logprob) token budgets per rank: the run folder records derived ones."""
+        return self.plan.per_rank_budgets(self.cfg.ulysses_sequence_parallel_size)
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of the response tokens under the current weights (old_logprobs).  # (B, R)"""

@@ -103,6 +103,10 @@ class CriticWorker:
             for note in self.plan.notes:
                 log.info("critic: %s", note)
 
+    def token_budgets(self) -> tuple[int | None, int | None]:
+        """This rank's (update, forward) token budgets per rank: the run folder records derived ones."""
+        return self.plan.per_rank_budgets(self.cfg.ulysses_sequence_parallel_size)
+
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """V(s_t) of every response token under the current weights (the rollout's values).  # (B, R)"""
         batch, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)  # as the actor's logprob pass

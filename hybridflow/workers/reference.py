@@ -64,6 +64,10 @@ class ReferenceWorker:
             sequence_parallel_size=setup.sequence_parallel_size,
         )
 
+    def token_budgets(self) -> tuple[int | None, int | None]:
+        """(None, this rank's logprob token budget per rank): the run folder records a derived one."""
+        return self.plan.per_rank_budgets(self.setup.sequence_parallel_size)
+
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
         s = self.setup
         batch, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)  # as the actor's logprob pass

@@ -1,0 +1,103 @@
+"""Token budgets decided once per run, recorded in the run folder and kept for its resumes.
+
+With ``use_dynamic_bsz`` and no ``*_max_token_len_per_gpu`` set, each training role cuts its batches
+by a token budget it derives from the model's shape and the memory free on its device when it
+starts (``hybridflow.config.budget.auto_token_budget``). Free memory is not a fact of the run: other
+processes hold some of it, and a resumed run may start beside a different load, or on another
+machine. The budget decides which samples share a micro-batch, and so the order in which gradients
+are summed: a different budget gives a resumed run different float rounding from the run it
+continues. So the first start records every budget it derived (``TOKEN_BUDGETS_FILE``, with the
+config keys that reproduce it), and a later start in the same folder sets those keys from the record
+before any role starts: a resume cuts its batches as the run it continues did. A budget the user
+sets is kept, and never recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from hybridflow.cluster.worker_group import WorkerGroup
+from hybridflow.config import Config
+from hybridflow.config.loader import apply_override
+
+log = logging.getLogger(__name__)
+
+TOKEN_BUDGETS_FILE = "token_budgets.json"
+
+ROLE_KEYS: dict[str, tuple[str | None, str]] = {
+    "actor": ("actor.ppo_max_token_len_per_gpu", "actor.log_prob_max_token_len_per_gpu"),
+    "critic": ("critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu"),
+    "reference": (None, "ref.log_prob_max_token_len_per_gpu"),
+}
+"""Each training role's budget keys: (its update's, its forward passes'); the reference only runs forwards."""
+
+
+def _value(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def read_budgets(output_dir: Path) -> dict[str, int]:
+    """The recorded budgets by config key (empty when the folder has no record). A record that
+    cannot be read is an error naming the file: guessing would break the resume it exists for."""
+    record = output_dir / TOKEN_BUDGETS_FILE
+    if not record.is_file():
+        return {}
+    try:
+        budgets = json.loads(record.read_text(encoding="utf-8"))["budgets"]
+        if not all(isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in budgets.items()):
+            raise ValueError("budgets must map config keys to positive integers")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{record} is damaged ({error}): it records the token budgets this run started with; "
+                         "delete it to derive them again, or set the *_max_token_len_per_gpu keys") from None
+    return budgets
+
+
+def apply_recorded_budgets(cfg: Config, output_dir: Path) -> list[str]:
+    """Set each budget key the config leaves automatic (None) to the value this folder's record
+    holds; returns the keys set. Call before any role starts."""
+    applied = []
+    for key, value in read_budgets(output_dir).items():
+        if _value(cfg, key) is None:
+            apply_override(cfg, f"{key}={value}")
+            applied.append(f"{key}={value}")
+    if applied:
+        log.info("token budgets as this run folder recorded when the run started (%s): %s",
+                 output_dir / TOKEN_BUDGETS_FILE, " ".join(applied))
+    return applied
+
+
+def automatic_budget_keys(cfg: Config) -> set[str]:
+    """The budget keys each role will derive itself at start-up (dynamic micro-batches, key unset)."""
+    dynamic = {"actor": cfg.actor.use_dynamic_bsz, "critic": cfg.critic.use_dynamic_bsz,
+               "reference": cfg.actor.use_dynamic_bsz}
+    return {key for role, keys in ROLE_KEYS.items() if dynamic[role] for key in keys
+            if key is not None and _value(cfg, key) is None}
+
+
+def record_budgets(output_dir: Path, automatic: set[str], groups: dict[str, tuple[WorkerGroup[Any], Any]]) -> None:
+    """Record the budgets the roles derived for the keys in ``automatic``. ``groups``: role ->
+    (its group, its worker class's ``token_budgets`` method), each returning one rank's
+    (update budget, forward budget); every rank holds the same (the smallest rank's)."""
+    derived: dict[str, int] = {}
+    for role, (group, token_budgets) in groups.items():
+        budgets = group.call_all(token_budgets)[0]
+        for key, value in zip(ROLE_KEYS[role], budgets, strict=True):
+            if key in automatic and value is not None:
+                derived[key] = int(value)
+    if not derived:
+        return
+    budgets = {**read_budgets(output_dir), **derived}
+    record = output_dir / TOKEN_BUDGETS_FILE
+    fields = {"budgets": budgets, "reuse": " ".join(f"{k}={v}" for k, v in sorted(budgets.items())),
+              "why": "derived from the free memory at the run's first start; a resume reads them back"}
+    partial = record.with_name(f".{record.name}.tmp-{os.getpid()}")
+    partial.write_text(json.dumps(fields, indent=1) + "\n", encoding="utf-8")
+    os.replace(partial, record)
+    log.info("token budgets recorded in %s: %s", record, fields["reuse"])
