@@ -141,6 +141,7 @@ def test_a_one_rank_sharded_lora_actor_trains_and_syncs_like_the_plain_one(model
                            rollout_n=4, total_optimizer_steps=10, max_response_length=16, max_prompt_length=8)
         return ActorWorker(0, 1, cfg, setup)
 
+    base = dict(lora_actor().weights_for_sync())
     plain = lora_actor()
     plain.update_actor(_batch())
     expected = dict(plain.weights_for_sync())
@@ -157,10 +158,10 @@ def test_a_one_rank_sharded_lora_actor_trains_and_syncs_like_the_plain_one(model
         got = dict(sharded.weights_for_sync())
     finally:
         dist.destroy_process_group()
+        monkeypatch.undo()
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    base = dict(lora_actor().weights_for_sync())
     assert any(not torch.equal(base[n], expected[n]) for n in expected)  # the update moved the merged weights
 
 
