@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -85,14 +86,23 @@ def init_ray(address: str | None, *, dashboard: bool, num_cpus: int | None = Non
     if ray_constants.ENABLE_RAY_CLUSTER:
         log.warning("ray was imported before hybridflow started it: the local cluster listens on the node's address, "
                     "not only on 127.0.0.1 (import hybridflow's Ray backend first, or set %s=0)", LOOPBACK_ONLY_ENV)
-    ray.init(
-        address="local",  # never attach to a cluster found in RAY_ADDRESS or /tmp/ray by accident
-        num_cpus=num_cpus,
-        include_dashboard=dashboard,
-        dashboard_host="127.0.0.1",
-        runtime_env=runtime_env,
-        log_to_driver=True,
-    )
+    # The local cluster's processes (GCS, raylet, and the rank processes the raylet starts, which
+    # inherit its signal mask) start with SIGTERM blocked, as Ray starts them with SIGINT blocked: a
+    # scheduler's SIGTERM to the whole job reaches them too, and they must outlive it so that the
+    # controller can finish the step and save (hybridflow.controller.preemption). They still end
+    # with the driver (Ray's fate sharing) and by SIGKILL.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        ray.init(
+            address="local",  # never attach to a cluster found in RAY_ADDRESS or /tmp/ray by accident
+            num_cpus=num_cpus,
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
+            runtime_env=runtime_env,
+            log_to_driver=True,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class ResourcePool:

@@ -144,3 +144,32 @@ def test_a_reward_function_that_signals_its_trainer_gets_the_graceful_stop_not_a
     assert (tmp_path / "signalling.sent").is_file()
     assert lines[-1].startswith("stopped: SIGTERM after step 1 of 4; saved checkpoint ")
     verify_checkpoint(out / "checkpoints" / "global_step_1")
+
+
+def test_a_job_wide_sigterm_on_ray_reaches_every_process_and_the_run_still_saves(user_files, tmp_path):
+    """A scheduler signals the whole job (its process group): the Ray cluster the run started (GCS,
+    raylet, the rank processes) gets SIGTERM too. They must outlive it, so that the controller
+    finishes the step with its ranks and saves; before, the GCS died with the signal and the run
+    ended after a minute with exit 1 and no checkpoint."""
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "hybridflow.cli", "train", *user_files, *RUN, f"trainer.output_dir={out}",
+         "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_training_steps=8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)  # a job of its own
+    while not ((out / "metrics.jsonl").is_file() and '"step": 1' in (out / "metrics.jsonl").read_text()):
+        assert run.poll() is None, finish(run)[1][-30:]
+        time.sleep(0.1)
+    group = os.getpgid(run.pid)
+    assert len(subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True).stdout.split()) > 3
+    os.killpg(group, signal.SIGTERM)
+    code, lines = finish(run)
+    assert code == 143, lines[-30:]
+    stopped = max(per_step(out))
+    ckpt = out / "checkpoints" / f"global_step_{stopped}"
+    assert lines[-1].startswith(f"stopped: SIGTERM after step {stopped} of 8; saved checkpoint {ckpt}:"), lines[-30:]
+    verify_checkpoint(ckpt)
+    deadline = time.monotonic() + 60  # and the cluster still ends with its driver
+    while subprocess.run(["pgrep", "-g", str(group)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the run's Ray processes outlived it"
+        time.sleep(1)
