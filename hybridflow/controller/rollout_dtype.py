@@ -32,7 +32,8 @@ import torch
 from hybridflow.config import Config
 from hybridflow.config.budget import read_model_shape
 from hybridflow.models.loading import load_causal_lm
-from hybridflow.rollout.base import ROLLOUT_DTYPE_RULES, ROLLOUT_ENGINES, choose_rollout_dtype
+from hybridflow.rollout.base import ROLLOUT_DTYPE_RULES, choose_rollout_dtype
+from hybridflow.rollout.factory import ROLLOUT_ENGINES
 from hybridflow.rollout.compact import resolve_weight_layout
 from hybridflow.rollout.precision import DtypeChoice
 from hybridflow.utils.device import cpu_features, parse_dtype

@@ -76,7 +76,7 @@ from hybridflow.models.loading import (
 from hybridflow.models.vision import is_vision_language, load_vision_processor
 from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.registry import known_data_sources
-from hybridflow.rollout.base import ROLLOUT_ENGINES, VL_ROLLOUT_ENGINE, engine_model_problem, engine_unavailable
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, VL_ROLLOUT_ENGINE, engine_model_problem, engine_unavailable
 from hybridflow.rewards.manager import scoring_processes
 from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
 from hybridflow.rewards.sandbox_fusion import build_settings as build_sandbox_fusion_settings

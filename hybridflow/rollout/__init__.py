@@ -4,6 +4,8 @@ Only the protocol and the factory are re-exported here; engines import their bac
 transformers) when built, so importing this package stays cheap.
 """
 
-from hybridflow.rollout.base import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine
+from hybridflow.rollout.base import RolloutEngine
+
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, build_rollout_engine
 
 __all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "build_rollout_engine"]

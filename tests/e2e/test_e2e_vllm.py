@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow import api
-from hybridflow.rollout.base import engine_unavailable
+from hybridflow.rollout.factory import engine_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

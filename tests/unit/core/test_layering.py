@@ -131,8 +131,6 @@ def _is_package_init(target: str, importer: str) -> bool:
 # a new cycle fails, and so does one of these once it is gone (delete its line then).
 KNOWN_CYCLES = [
     ["hybridflow.config.aliases", "hybridflow.config.loader", "hybridflow.config.verl_keys"],
-    ["hybridflow.rollout.base", "hybridflow.rollout.native", "hybridflow.rollout.sglang_engine",
-     "hybridflow.rollout.vllm_engine"],
 ]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from hybridflow.models.loading import apply_config_overrides, load_causal_lm, meta_causal_lm
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
-from hybridflow.rollout.base import ROLLOUT_ENGINES, _model_override_arg
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, _model_override_arg
 from hybridflow.rollout.sglang_engine import launch_args
 from hybridflow.rollout.vllm_engine import engine_kwargs
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker

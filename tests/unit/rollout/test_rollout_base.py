@@ -8,14 +8,8 @@ import pytest
 import torch
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.rollout.base import (
-    ROLLOUT_ENGINES,
-    EngineSpec,
-    RolloutEngine,
-    build_rollout_engine,
-    engine_unavailable,
-    resolve_rollout_dtype,
-)
+from hybridflow.rollout.base import RolloutEngine, resolve_rollout_dtype
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, EngineSpec, build_rollout_engine, engine_unavailable
 from hybridflow.types import GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)

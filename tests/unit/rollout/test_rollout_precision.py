@@ -11,7 +11,8 @@ import torch
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.rollout import base, precision
-from hybridflow.rollout.base import build_rollout_engine, choose_rollout_dtype, resolve_rollout_dtype
+from hybridflow.rollout.base import choose_rollout_dtype, resolve_rollout_dtype
+from hybridflow.rollout.factory import build_rollout_engine
 from hybridflow.rollout.precision import (
     BF16_MIN_PARAMETERS,
     PrecisionProbe,

