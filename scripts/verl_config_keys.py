@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.table is not None:
         sys.path.insert(0, str(ROOT))
-        from hybridflow.config.verl_keys import verl_keys_markdown
+        from hybridflow.config.verl_table import verl_keys_markdown
 
         args.table.write_text(verl_keys_markdown(read_tsv(args.out)), encoding="utf-8")
         print(f"wrote {args.table}")

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from hybridflow.config.errors import ConfigError
 from hybridflow.config.verl_keys import GLOBAL_MICRO_BATCH, NULL_IS_UNSET, Rule, normalise, rule_for
 
 log = logging.getLogger(__name__)
@@ -148,8 +149,6 @@ def _global_micro_batch(key: str, value: Any) -> None:
     """verl's null global micro-batch (its default) leaves the per-rank key alone; a number needs
     the run's rank count, which only the whole config has: the loader converts it
     (``verl_keys.per_rank_micro_batch``) and never passes it here."""
-    from hybridflow.config.loader import ConfigError  # loader imports this module
-
     per_gpu = GLOBAL_MICRO_BATCH[key].per_gpu
     if value is not _NO_VALUE and normalise(value) is None:
         _note_once(key, f"config: {key}=null keeps hybridflow's {per_gpu}")
@@ -159,8 +158,6 @@ def _global_micro_batch(key: str, value: Any) -> None:
 
 
 def _refusal(key: str, value: Any, rule: Rule) -> Exception:
-    from hybridflow.config.loader import ConfigError  # loader imports this module
-
     if rule.always_refused:
         return ConfigError(f"verl's {key} is not supported here: {rule.reason}", key=key)
     shown = "" if value is _NO_VALUE else f"={str(value).strip()}"

@@ -16,19 +16,20 @@ A key there is one of:
 ``RULES`` holds the last two, by exact key or by a glob over a whole subtree when every key in it
 gets the same truthful answer (``*.megatron.*``, ``*.profiler.*``). tests/unit/config/
 test_config_verl_keys.py walks verl's whole key list and fails on a key that none of these covers;
-docs/verl_keys.md is the table ``verl_keys_markdown`` makes of it.
+docs/verl_keys.md is the table ``verl_table.verl_keys_markdown`` makes of it.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
+from hybridflow.config.errors import ConfigError
 
 ANY = None
 """``Rule.accepts`` for a key ignored at every value."""
@@ -617,8 +618,6 @@ def per_rank_micro_batch(cfg: Any, key: str, value: Any) -> int:
     so the rank count is final). ``ConfigError`` naming ``key`` when the value is not a positive
     integer, or does not divide evenly over the data-parallel ranks (verl would floor it, to 0 below
     one sample per rank, which verl itself refuses: a silent change of the global micro-batch)."""
-    from hybridflow.config.loader import ConfigError  # loader imports this module
-
     spec = GLOBAL_MICRO_BATCH[key]
     value = normalise(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -656,140 +655,3 @@ def rule_for(key: str) -> tuple[str, Rule] | None:
         if fnmatch.fnmatchcase(key, pattern):
             return pattern, rule
     return None
-
-
-# ----------------------------------------------------------------------------------------------
-# Classification and the docs table
-
-
-@dataclass(frozen=True)
-class Classification:
-    key: str
-    status: str  # honoured | alias | ignored | refused | conditional | unclassified
-    target: str | None = None
-    note: str = ""
-    pattern: str | None = None
-
-
-def _schema_leaves() -> set[str]:
-    from hybridflow.config.loader import schema_keys
-
-    return set(schema_keys())
-
-
-def classify(key: str, leaves: Iterable[str] | None = None) -> Classification:
-    """What ``translate_key`` does with verl's ``key`` (without applying it)."""
-    from hybridflow.config.aliases import IGNORED, KEYS, PREFIXES
-
-    known = set(leaves) if leaves is not None else _schema_leaves()
-    if key in KEYS:
-        return Classification(key, "alias", KEYS[key])
-    if key in GLOBAL_MICRO_BATCH:
-        spec = GLOBAL_MICRO_BATCH[key]
-        return Classification(key, "alias", spec.per_gpu, note=_global_micro_note(spec))
-    if key in IGNORED:
-        return Classification(key, "ignored", note=IGNORED[key], pattern=key)
-    found = rule_for(key)
-    if found is not None:
-        pattern, rule = found
-        if rule.always_ignored:
-            return Classification(key, "ignored", note=rule.reason, pattern=pattern)
-        if rule.always_refused:
-            return Classification(key, "refused", note=rule.reason, pattern=pattern)
-        if rule.forward is not None:
-            return Classification(key, "alias", rule.forward, note=f"at {rule.accepted_text()} ignored: {rule.reason}",
-                                  pattern=pattern)
-        return Classification(key, "conditional", note=f"accepted at {rule.accepted_text()}; otherwise refused: "
-                                                        f"{rule.reason}", pattern=pattern)
-    ours = key
-    for theirs, mine in PREFIXES:
-        if key.startswith(theirs):
-            ours = mine + key[len(theirs):]
-            break
-    if ours in known or any(ours.startswith(f"{leaf}.") and _is_mapping_leaf(leaf) for leaf in known):
-        return Classification(key, "honoured", ours)
-    return Classification(key, "unclassified", ours)
-
-
-def _is_mapping_leaf(leaf: str) -> bool:
-    """A schema leaf that holds a mapping (reward.reward_kwargs): a verl key below it lands in it."""
-    from hybridflow.config.schema import Config
-
-    cls: Any = Config
-    parts = leaf.split(".")
-    for part in parts[:-1]:
-        cls = typing.get_type_hints(cls)[part]
-    tp = typing.get_type_hints(cls).get(parts[-1])
-    return tp is dict or typing.get_origin(tp) is dict
-
-
-_SOURCE_TEXT = {
-    "fsdp,megatron": "",
-    "fsdp": "(FSDP tree)",
-    "megatron": "(Megatron tree)",
-    "legacy_data": "(legacy data config)",
-    "examples": "(set by verl's examples)",
-}
-
-_STATUS_TEXT = {
-    "honoured": "honoured",
-    "alias": "alias",
-    "ignored": "ignored",
-    "refused": "refused",
-    "conditional": "only as shown",
-    "unclassified": "**unclassified** (its hybridflow key is still to come)",
-}
-
-
-def verl_keys_markdown(rows: Sequence[tuple[str, str, str, str]]) -> str:
-    """docs/verl_keys.md: one row per verl key (a glob rule's keys share one row)."""
-    leaves = _schema_leaves()
-    counts: dict[str, int] = {}
-    lines = [
-        "# verl's config keys in hybridflow",
-        "",
-        "<!-- Generated by `python scripts/verl_config_keys.py --table docs/verl_keys.md` from",
-        "     tests/data/verl_config_keys.tsv and hybridflow/config/verl_keys.py; do not edit by hand.",
-        "     tests/unit/config/test_config_verl_keys.py fails when this file is out of date. -->",
-        "",
-        "Every leaf key of verl's trainer configs (`_generated_ppo_trainer.yaml`, "
-        "`_generated_ppo_megatron_trainer.yaml`, the legacy data config) and every key its PPO example scripts "
-        "set, with what a verl command line or YAML file gets here:",
-        "",
-        "- **honoured**: the same key here (verl's `actor_rollout_ref.<role>.` prefix dropped);",
-        "- **alias**: a hybridflow key of the same meaning under another name (a one-line note when used);",
-        "- **ignored**: accepted and dropped, with the reason (no value of it changes what is trained);",
-        "- **verl's default only**: accepted at the value(s) shown, which leave the run as verl would run it; "
-        "another value is refused with the note;",
-        "- **refused**: a config error that says what hybridflow does instead.",
-        "",
-    ]
-    classified = [(row, classify(row[0], leaves)) for row in rows]
-    for _, c in classified:
-        counts[c.status] = counts.get(c.status, 0) + 1
-    lines.append(" · ".join(f"{_STATUS_TEXT[s]}: {n}" for s, n in sorted(counts.items())) + " (rows below: keys; a "
-                 "key whose default differs between the FSDP and Megatron trees counts twice)")
-    section = None
-    seen_patterns: set[tuple[str, str]] = set()
-    for (key, default, source, _expr), c in classified:
-        top = key.split(".")[0] if not key.startswith("actor_rollout_ref.") else ".".join(key.split(".")[:2])
-        if top != section:
-            section = top
-            lines += ["", f"## `{section}`", "", "| verl key | verl default | hybridflow | status | note |",
-                      "|---|---|---|---|---|"]
-        if c.pattern is not None and "*" in c.pattern:
-            if (section, c.pattern) in seen_patterns:
-                continue
-            seen_patterns.add((section, c.pattern))
-            shown, default_text = f"`{c.pattern}`", ""
-        else:
-            shown = f"`{key}`"
-            default_text = " ".join(filter(None, [f"`{_cell(default)}`" if default else "", _SOURCE_TEXT[source]]))
-        target = f"`{c.target}`" if c.target and c.status in ("honoured", "alias") else ""
-        lines.append(f"| {shown} | {default_text} | {target} | {_STATUS_TEXT[c.status]} | {_cell(c.note)} |")
-    return "\n".join(lines) + "\n"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import ConfigError, load_config, validate_config
-from hybridflow.config.verl_keys import classify
+from hybridflow.config.verl_table import classify
 from hybridflow.controller.setup import resolve_plugins
 
 RC = "algorithm.rollout_correction"

@@ -15,7 +15,8 @@ import yaml
 from hybridflow.config import ConfigError, load_config, schema_keys
 from hybridflow.config import aliases
 from hybridflow.config.aliases import IGNORED, KEYS, translate_key, translate_mapping
-from hybridflow.config.verl_keys import NULL_IS_UNSET, RULES, _is_mapping_leaf, classify, rule_for, verl_keys_markdown
+from hybridflow.config.verl_keys import NULL_IS_UNSET, RULES, rule_for
+from hybridflow.config.verl_table import _is_mapping_leaf, classify, verl_keys_markdown
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
