@@ -148,7 +148,6 @@ class ModelConfig:
     )
 
 
-
 @dataclass
 class WarmStartConfig:
     enable: str = f(

@@ -222,6 +222,7 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
     # loops another step's update runs meanwhile).
     return Collected(kept, metrics | run.rollout.take_metrics(), run.sampler.epoch, kept_indices)
 
+
 def feed_sampler(run: RunSetup, step: int, collected: Collected) -> None:
     """Tell the prompt sampler what the step trained on (after its update): one entry per sample,
     its prompt's dataset index and its reward. The built-in sampler ignores it; a curriculum
