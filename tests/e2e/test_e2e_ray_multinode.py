@@ -27,6 +27,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from hybridflow.cluster.ray_group import LOOPBACK_ONLY_ENV  # noqa: E402
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
 from hybridflow.training.distributed import free_port  # noqa: E402
@@ -49,7 +50,10 @@ def _cluster_env(home: Path) -> dict[str, str]:
     """Every process of the cluster and its driver: token authentication, as a shared cluster runs
     (every node and every driver holds the cluster's token; here in the environment), a HOME of the
     test's own (nothing read from or left in the user's ~/.ray), no usage statistics."""
-    return {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    # Without the loopback-only switch another test module of this process may have set for the
+    # clusters hybridflow starts itself (tests/e2e/test_e2e_ray.py): with it, Ray refuses a second node.
+    inherited = {k: v for k, v in os.environ.items() if k != LOOPBACK_ONLY_ENV}
+    return {**inherited, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
             "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
 
