@@ -16,8 +16,16 @@ the run ends. Fault kinds:
 - ``fault_point``: ``HYBRIDFLOW_FAULT=<point>@<step>[:TERM]`` (``hybridflow/utils/faults.py``): the
   signal arrives exactly at the most damaging places, mid checkpoint write, mid prune, after a step.
 - ``reward_worker_kill``: SIGKILL of a scoring worker (a child of the trainer, found in /proc): the
-  trainer replaces it and goes on; killed while it loads (the trainer's start-up), it ends the
-  trainer with exit 1 and the restart carries on.
+  trainer replaces it and goes on (killed while it loads, the trainer starts another).
+
+With ``--backend ray`` the run has two Ray ranks (``trainer.backend=ray trainer.n_workers=2``), each
+with a rollout replica beside it, and two more kinds strike:
+
+- ``rank_kill``: SIGKILL of an actor rank's process (a lost GPU or node): the trainer stops within a
+  bounded time naming the role and rank (exit 1), and the restart resumes from the newest checkpoint.
+- ``replica_kill``: SIGKILL of a rollout replica's process, the same way.
+
+Both find their process in the run folder's ``placement.json`` (each rank's pid).
 
 A fault is *survived* when the run then goes on to complete and nothing beyond the newest complete
 checkpoint at the moment of the fault is lost: each restart must resume from that checkpoint (or a
@@ -28,6 +36,7 @@ and ``reward/worker_restarts``, which counts the reward workers this soak killed
 uninterrupted run's bitwise.
 
     python bench/chaos_soak.py --faults 24 --seed 0
+    python bench/chaos_soak.py --backend ray --faults 12 --seed 0 --steps 16
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from pathlib import Path
 VOLATILE = ("timing_s/", "perf/")  # wall-clock figures differ between any two runs
 FAULT_COUNTERS = ("reward/worker_restarts",)  # counts the faults injected, not the run's numbers
 KINDS = ("controller_kill", "controller_term", "fault_point", "reward_worker_kill")
+RAY_KINDS = KINDS + ("rank_kill", "replica_kill")
 # Where HYBRIDFLOW_FAULT can strike in an RL run, with the signal: mid checkpoint write (SIGKILL, or
 # SIGTERM which completes the save), mid prune of old checkpoints, right after a step.
 FAULT_POINTS = ("checkpoint_write", "checkpoint_write:TERM", "checkpoint_delete", "after_step", "after_step:TERM")
@@ -56,8 +66,9 @@ RESUMED = re.compile(r"resumed from \S*global_step_(\d+)")
 RESTART_LIMIT = 200  # a run that needs more restarts than this is stuck, not unlucky
 
 
-def run_args(steps: int) -> list[str]:
-    return [
+def run_args(steps: int, backend: str = "local") -> list[str]:
+    ray = ["trainer.backend=ray", "trainer.n_workers=2"] if backend == "ray" else []
+    return [*ray,
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=2", "data.max_response_length=4",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=100", "trainer.test_freq=3", "trainer.save_freq=1",
         "trainer.max_actor_ckpt_to_keep=2", "trainer.num_threads=1", "trainer.progress_bar=false",
@@ -74,13 +85,13 @@ def write_inputs(root: Path) -> list[str]:
     return [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
 
 
-def start(out: Path, files: list[str], steps: int, fault: str = "") -> subprocess.Popen:
+def start(out: Path, files: list[str], steps: int, fault: str = "", backend: str = "local") -> subprocess.Popen:
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault, "OMP_NUM_THREADS": "1"}
     log = open(out.parent / f"{out.name}.log", "a")  # noqa: SIM115 -- the child owns it until it exits
     log.write(f"--- start (HYBRIDFLOW_FAULT={fault!r})\n")
     log.flush()
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.cli", "train", *files, *run_args(steps), f"trainer.output_dir={out}"],
+        [sys.executable, "-m", "hybridflow.cli", "train", *files, *run_args(steps, backend), f"trainer.output_dir={out}"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
 
@@ -140,6 +151,20 @@ def reward_workers(pid: int) -> list[int]:
     return workers
 
 
+def rank_pids(out: Path, started_at: float, roles: str) -> list[int]:
+    """The live processes of the roles ``roles`` picks ("actor": the actor's ranks; "rollout": the
+    replicas'), from the placement.json this start wrote (not an older start's)."""
+    path = out / "placement.json"
+    try:
+        if path.stat().st_mtime < started_at:
+            return []
+        placement = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    pids = [rank["pid"] for role, ranks in placement.items() if role.startswith(roles) for rank in ranks]
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
 @dataclass
 class Soak:
     injected: Counter = field(default_factory=Counter)
@@ -155,7 +180,7 @@ class Soak:
     equal: bool = False
 
     def report(self) -> str:
-        kinds = ", ".join(f"{kind} {self.injected[kind]}" for kind in KINDS if self.injected[kind])
+        kinds = ", ".join(f"{kind} {self.injected[kind]}" for kind in RAY_KINDS if self.injected[kind])
         codes = ", ".join(f"{code}: {n}" for code, n in sorted(self.exit_codes.items()))
         lines = [
             f"faults injected: {sum(self.injected.values())} ({kinds})",
@@ -234,7 +259,8 @@ class Timing:
         return False
 
 
-def chaos(out: Path, files: list[str], steps: int, faults: int, rng: random.Random, timing: Timing) -> Soak:
+def chaos(out: Path, files: list[str], steps: int, faults: int, rng: random.Random, timing: Timing,
+          backend: str = "local", only: tuple[str, ...] | None = None) -> Soak:
     """Run to completion while injecting up to ``faults`` faults at random moments (``timing``);
     every restart is checked against the newest checkpoint that existed when the
     previous trainer died."""
@@ -251,7 +277,8 @@ def chaos(out: Path, files: list[str], steps: int, faults: int, rng: random.Rand
             choices = [i for i, kind in enumerate(queue) if not (in_run and kind == "fault_point")]
             if choices:
                 return queue.pop(choices[-1])
-            queue[:0] = rng.sample(KINDS, len(KINDS))
+            kinds = only or (RAY_KINDS if backend == "ray" else KINDS)
+            queue[:0] = rng.sample(kinds, len(kinds))
         return None
 
     floor: int | None = None  # the checkpoint a restart must resume from (at least)
@@ -269,7 +296,8 @@ def chaos(out: Path, files: list[str], steps: int, faults: int, rng: random.Rand
             queue.append(kind)  # a fault for this start's lifetime, taken below
         offset = log.stat().st_size if log.exists() else 0
         records_before = len(records(out))
-        run = start(out, files, steps, armed)
+        started_at = time.time()
+        run = start(out, files, steps, armed, backend)
         started = time.monotonic()
         logged_at_death = None
         last = "fault_point" if armed else None  # the fault that struck last in this start
@@ -291,6 +319,19 @@ def chaos(out: Path, files: list[str], steps: int, faults: int, rng: random.Rand
                 else:
                     queue.append(kind)
                 continue
+            if kind in ("rank_kill", "replica_kill"):
+                # A rank's process, once this start has placed its ranks (before that: at the next moment).
+                pids = rank_pids(out, started_at, "actor" if kind == "rank_kill" else "rollout replica")
+                if not pids:
+                    queue.append(kind)
+                    continue
+                logged_at_death = max(per_step(out), default=0)
+                if last == "reward_worker_kill":
+                    soak.outcomes["reward_worker_kill: replaced, the run went on"] += 1
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                soak.injected[kind] += 1
+                last = kind
+                break
             logged_at_death = max(per_step(out), default=0)
             if last == "reward_worker_kill":
                 soak.outcomes["reward_worker_kill: replaced, the run went on"] += 1
@@ -336,19 +377,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=32, help="RL steps of the run")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs and their logs here")
+    parser.add_argument("--backend", choices=("local", "ray"), default="local",
+                        help="ray: two Ray ranks, and their actor and rollout processes are killed too")
+    parser.add_argument("--only", nargs="+", choices=RAY_KINDS, default=None, help="inject only these kinds")
     args = parser.parse_args(argv)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="chaos_soak_"))
     root.mkdir(parents=True, exist_ok=True)
-    soak = soak_run(root, args.faults, args.seed, args.steps)
+    soak = soak_run(root, args.faults, args.seed, args.steps, args.backend, tuple(args.only) if args.only else None)
     print(soak.report())
     print(f"runs and logs: {root}")
     return 0 if soak.equal and not soak.problems and soak.survived == sum(soak.injected.values()) else 1
 
 
-def reference_run(out: Path, files: list[str], steps: int) -> Timing:
+def reference_run(out: Path, files: list[str], steps: int, backend: str = "local") -> Timing:
     """The uninterrupted run, timed: launch to its first logged step, and seconds per step after it."""
     t0 = time.monotonic()
-    run = start(out, files, steps)
+    run = start(out, files, steps, backend=backend)
     first = last = None
     while run.poll() is None:
         logged = max(per_step(out), default=-1)
@@ -364,12 +408,14 @@ def reference_run(out: Path, files: list[str], steps: int) -> Timing:
     return Timing(startup_s=first, step_s=max(((last or total) - first) / steps, 0.05))
 
 
-def soak_run(root: Path, faults: int, seed: int, steps: int) -> Soak:
+def soak_run(root: Path, faults: int, seed: int, steps: int, backend: str = "local",
+             only: tuple[str, ...] | None = None) -> Soak:
+    """The uninterrupted run, then the run under ``faults`` faults of every kind (or of ``only``)."""
     files = write_inputs(root / "inputs")
     t0 = time.monotonic()
-    timing = reference_run(root / "reference", files, steps)
+    timing = reference_run(root / "reference", files, steps, backend)
     reference_s = time.monotonic() - t0
-    soak = chaos(root / "chaos", files, steps, faults, random.Random(seed), timing)
+    soak = chaos(root / "chaos", files, steps, faults, random.Random(seed), timing, backend, only)
     soak.reference_s = reference_s
     expected, got = per_step(root / "reference"), per_step(root / "chaos")
     soak.equal = expected == got and sorted(got) == list(range(steps + 1))

@@ -30,6 +30,9 @@ LONGEST_S = {
     "tests/e2e/test_e2e_ray.py::test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one": 200,
     "tests/e2e/test_e2e_agent.py::test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss": 70,
     "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 60,
+    # Four two-rank Ray starts (the uninterrupted run, then one per killed rank or replica): 205 s idle.
+    "tests/e2e/test_e2e_chaos_soak.py::test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics": 205,
+    "tests/e2e/test_e2e_preemption.py::test_a_job_wide_sigterm_on_ray_reaches_every_process_and_the_run_still_saves": 55,
     # Measured alone with 4 other test workers on the 2 cores (about 30 s of CPU each).
     "tests/e2e/test_e2e_sft.py::test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains": 95,
     "tests/e2e/test_e2e_sft.py::test_two_ranks_train_like_one": 95,

@@ -202,7 +202,7 @@ class RankHost:
     def node(self) -> RankNode:
         import ray
 
-        return RankNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        return RankNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
     def start(
         self, factory: Callable[[int, int], Any], master_addr: str, master_port: int, device: torch.device

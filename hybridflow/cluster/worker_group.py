@@ -29,6 +29,7 @@ directly), on Ray they run concurrently and a failure on either side is reported
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -47,11 +48,12 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass(frozen=True)
 class RankNode:
-    """Where one rank runs: its node (Ray's node id; ``controller`` for an in-process rank) and the
-    node's address."""
+    """Where one rank runs: its node (Ray's node id; ``controller`` for an in-process rank), the
+    node's address and the rank's process id there (to profile it, or to find it in ``ps``)."""
 
     node_id: str
     address: str
+    pid: int
 
 
 class PendingCall(Protocol[R]):
@@ -234,7 +236,7 @@ class LocalWorkerGroup(Generic[W]):
         return LOOPBACK, free_port()
 
     def nodes(self) -> list[RankNode]:
-        return [RankNode("controller", socket.gethostname())] * self.world_size
+        return [RankNode("controller", socket.gethostname(), os.getpid())] * self.world_size
 
     def close(self) -> None:
         """Nothing to release: the workers live and die with the controller's process."""

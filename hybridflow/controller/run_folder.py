@@ -55,7 +55,7 @@ LEFTOVER = re.compile(r"^\.(?:.+\.tmp-|write-test-)\d+$")
 or set-up's write test (``.write-test-<pid>``): what a run killed at the wrong moment leaves."""
 
 PLACEMENT_FILE = "placement.json"
-"""Where each rank of each role runs (``write_placement``): node id and address, per rank."""
+"""Where each rank of each role runs (``write_placement``): node id, address and process id, per rank."""
 
 SETUP_FILES = frozenset({"config.yaml", METRICS_FILENAME, TIMELINE_FILENAME, ROLLOUT_DTYPE_FILE, LOCK_FILE,
                          PLACEMENT_FILE, TOKEN_BUDGETS_FILE})
@@ -206,7 +206,7 @@ def write_placement(output_dir: Path, groups: list[tuple[str, WorkerGroup[Any]]]
     """Record where every rank of every role runs (``PLACEMENT_FILE``), replacing the file whole:
     on a Ray cluster of several nodes, which node holds which rank is the first thing to know when
     one of them fails. A resumed run writes its own (its ranks may land elsewhere)."""
-    record = {role: [{"rank": rank, "node_id": node.node_id, "address": node.address}
+    record = {role: [{"rank": rank, "node_id": node.node_id, "address": node.address, "pid": node.pid}
                      for rank, node in enumerate(group.nodes())] for role, group in groups}
     path = output_dir / PLACEMENT_FILE
     partial = output_dir / f".{PLACEMENT_FILE}.tmp-{os.getpid()}"

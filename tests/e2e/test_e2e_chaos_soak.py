@@ -1,10 +1,12 @@
 """A short chaos soak (bench/chaos_soak.py): the trainer SIGKILLed and SIGTERMed at random moments and
-at the fault points, its reward worker SIGKILLed, each time resumed, and the run still ends with
-the uninterrupted run's metrics, losing no step beyond the newest checkpoint."""
+at the fault points, its reward worker SIGKILLed, and on Ray an actor rank's and a rollout replica's
+process SIGKILLed, each time resumed, and the run still ends with the uninterrupted run's metrics,
+losing no step beyond the newest checkpoint."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -50,3 +52,21 @@ def test_a_kill_while_a_save_prunes_keeps_the_steps_metrics_record(tmp_path):
     assert chaos.newest_checkpoint(out) == 3
     assert chaos.finish(chaos.start(out, files, 4)) == 0
     assert sorted(chaos.per_step(out)) == [0, 1, 2, 3, 4]
+
+
+def test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics(tmp_path):
+    """Two Ray ranks, each with a rollout replica: an actor rank's process and a replica's are
+    SIGKILLed at random moments; each time the trainer stops naming the dead rank (exit 1), the
+    restart resumes from the newest checkpoint, and the run ends as the uninterrupted one did."""
+    pytest.importorskip("ray")
+    chaos = load_bench()
+    soak = chaos.soak_run(tmp_path, faults=2, seed=1, steps=5, backend="ray", only=("rank_kill", "replica_kill"))
+    report = soak.report()
+    assert soak.injected == {"rank_kill": 1, "replica_kill": 1}, report
+    assert soak.exit_codes == {1: 2} and soak.restarts == 2, report
+    log = (tmp_path / "chaos.log").read_text()
+    # Each death was named: the role, the rank, and that its process exited.
+    assert re.search(r"actor rank \d died in \S+ \(its process exited\)", log), report
+    assert re.search(r"rollout replica \d rank 0 died in \S+ \(its process exited\)", log), report
+    assert soak.steps_lost == 0 and soak.problems == [], report
+    assert soak.survived == 2 and soak.equal, report
