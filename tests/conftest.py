@@ -69,7 +69,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if reporter is not None:
         reporter.write_line(
             "hybridflow: the longest end-to-end runs start first, one per worker, so the first results take a few "
-            "minutes; the whole suite takes about 25 minutes on 2 cores (-n 0: one process, file order)."
+            "minutes; the whole suite takes about 30 minutes on 2 cores (-n 0: one process, file order)."
         )
 
 
