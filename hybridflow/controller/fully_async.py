@@ -239,6 +239,12 @@ class FullyAsyncTrainer(Trainer):
                 if stream.in_flight:
                     return  # no new requests until the old weights' ones are done
                 self._refresh_weights()
+                with self._state:
+                    # The trainer bumps its version in the update and stages the weights a moment
+                    # later: a round admitted in between would generate with the old weights, and
+                    # with a staleness bound of 0 be dropped (other samples than the sync loop's).
+                    if self.rollout_version < self.actor_version:
+                        return  # wait for the staged weights (the trainer notifies)
             self._admit_round(stream)
 
     def _admit_round(self, stream: ReplicaStream) -> None:
