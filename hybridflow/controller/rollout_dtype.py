@@ -62,7 +62,7 @@ def resolve_run_rollout_dtype(cfg: Config, device: torch.device, model_path: str
                    "batch": choice.probe.batch}
     fields |= layout(device, choice.dtype)
     fields["reuse"] = f"rollout.dtype={choice.dtype}"
-    _write_record(record, fields)
+    write_record(record, fields)
     if r.dtype == "tune":
         log.info("rollout.dtype=tune measured %s (%s); recorded in %s: pass rollout.dtype=%s to sample the same "
                  "way in other runs", choice.dtype, choice.reason, record, choice.dtype)
@@ -117,9 +117,10 @@ def read_record(record: Path) -> dict[str, Any] | None:
     return fields
 
 
-def _write_record(record: Path, fields: dict[str, object]) -> None:
-    """Write ``record`` atomically: a kill mid-write leaves the old state, never half a file. The
-    temporary name carries the writer's pid (``run_folder.clean_leftovers`` knows it)."""
+def write_record(record: Path, fields: dict[str, object]) -> None:
+    """Write the JSON ``record`` atomically: a kill mid-write leaves the old state, never half a file.
+    The temporary name carries the writer's pid (``run_folder.clean_leftovers`` knows it). Every
+    record set-up keeps in the run folder is written so (rollout dtype, token budgets, placement)."""
     partial = record.with_name(f".{record.name}.tmp-{os.getpid()}")
     partial.write_text(json.dumps(fields, indent=1) + "\n", encoding="utf-8")
     os.replace(partial, record)

@@ -37,7 +37,7 @@ from typing import Any
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError
 from hybridflow.controller.checkpoint import CheckpointManager
-from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE
+from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE, write_record
 from hybridflow.controller.token_budgets import TOKEN_BUDGETS_FILE
 from hybridflow.tracking.loggers import METRICS_FILENAME, STEP_KEY, TENSORBOARD_DIRNAME
 from hybridflow.tracking.timeline import TIMELINE_FILENAME
@@ -209,7 +209,5 @@ def write_placement(output_dir: Path, groups: list[tuple[str, WorkerGroup[Any]]]
     record = {role: [{"rank": rank, "node_id": node.node_id, "address": node.address, "pid": node.pid}
                      for rank, node in enumerate(group.nodes())] for role, group in groups}
     path = output_dir / PLACEMENT_FILE
-    partial = output_dir / f".{PLACEMENT_FILE}.tmp-{os.getpid()}"
-    partial.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    os.replace(partial, path)
+    write_record(path, record)
     return path

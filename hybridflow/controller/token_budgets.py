@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config
 from hybridflow.config.loader import apply_override
+from hybridflow.controller.rollout_dtype import write_record
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,5 @@ def record_budgets(output_dir: Path, automatic: set[str], groups: dict[str, tupl
     record = output_dir / TOKEN_BUDGETS_FILE
     fields = {"budgets": budgets, "reuse": " ".join(f"{k}={v}" for k, v in sorted(budgets.items())),
               "why": "derived from the free memory at the run's first start; a resume reads them back"}
-    partial = record.with_name(f".{record.name}.tmp-{os.getpid()}")
-    partial.write_text(json.dumps(fields, indent=1) + "\n", encoding="utf-8")
-    os.replace(partial, record)
+    write_record(record, fields)
     log.info("token budgets recorded in %s: %s", record, fields["reuse"])
