@@ -1,0 +1,86 @@
+"""Record, or check, what three short fixed-thread runs log, so that a refactor can show it changed
+no number: the default command, the PPO preset and a fully-async run (issue 34's "behaviour
+unchanged: a fixed-seed default run, a PPO run and a fully-async run log bitwise the same metrics
+before and after").
+
+    python scripts/behaviour_fingerprint.py --write before.json     # on the old commit
+    python scripts/behaviour_fingerprint.py --check before.json     # on the new one: exit 1 on a difference
+
+Wall-clock figures (``timing_s/``, ``perf/``) are left out; every other metric of every step must be
+equal to the bit. The runs share a warm-start cache (``--cache``) so the built-in model's supervised
+warm start is made once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VOLATILE = ("timing_s/", "perf/")
+COMMON = ["trainer.total_training_steps=3", "trainer.num_threads=1", "trainer.progress_bar=false",
+          "trainer.logger=[jsonl]", "trainer.val_before_train=true"]
+RUNS: dict[str, list[str]] = {
+    "default": [],
+    "ppo": ["--preset", "ppo"],
+    "fully_async": ["trainer.mode=fully_async", "async_training.staleness_threshold=1"],
+}
+
+
+def run_one(name: str, out: Path, cache: Path) -> dict[str, dict]:
+    command = [sys.executable, "-m", "hybridflow.cli", "train", *RUNS[name], *COMMON,
+               f"warm_start.cache_dir={cache}", f"trainer.output_dir={out}"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HYBRIDFLOW_FAULT": ""})
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    steps: dict[str, dict] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        kept = {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+        steps.setdefault(str(record["step"]), {}).update(kept)
+    return steps
+
+
+def differences(before: dict, after: dict) -> list[str]:
+    found = []
+    for run in before:
+        for step, metrics in before[run].items():
+            new = after.get(run, {}).get(step)
+            if new is None:
+                found.append(f"{run} step {step}: missing")
+                continue
+            for key in sorted(set(metrics) | set(new)):
+                if metrics.get(key) != new.get(key):
+                    found.append(f"{run} step {step} {key}: {metrics.get(key)!r} -> {new.get(key)!r}")
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", type=Path, help="record the fingerprint to this file")
+    mode.add_argument("--check", type=Path, help="compare against a recorded fingerprint")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hybridflow-fingerprint-cache")
+    parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="run these only")
+    args = parser.parse_args()
+    names = args.only or list(RUNS)
+    with tempfile.TemporaryDirectory() as scratch:
+        found = {name: run_one(name, Path(scratch) / name, args.cache) for name in names}
+    if args.write:
+        args.write.write_text(json.dumps(found, indent=1, sort_keys=True))
+        print(f"wrote {args.write}: " + ", ".join(f"{n} {len(s)} steps" for n, s in found.items()))
+        return
+    recorded = json.loads(args.check.read_text())
+    diffs = differences({n: recorded[n] for n in names}, found)
+    for line in diffs[:40]:
+        print(line)
+    print(f"{len(diffs)} differences in {', '.join(names)}")
+    raise SystemExit(1 if diffs else 0)
+
+
+if __name__ == "__main__":
+    main()
