@@ -6,7 +6,7 @@ before and after").
     python scripts/behaviour_fingerprint.py --write before.json     # on the old commit
     python scripts/behaviour_fingerprint.py --check before.json     # on the new one: exit 1 on a difference
 
-Wall-clock figures (``timing_s/``, ``perf/``) are left out; every other metric of every step must be
+Wall-clock figures (``timing_s/``, ``perf/``, the async idle ratios) are left out; every other metric of every step must be
 equal to the bit. The runs share a warm-start cache (``--cache``) so the built-in model's supervised
 warm start is made once.
 """
@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 VOLATILE = ("timing_s/", "perf/")
+WALL_CLOCK_RATIOS = ("async/rollout_idle_ratio", "async/trainer_idle_ratio")  # shares of wall time
 COMMON = ["trainer.total_training_steps=3", "trainer.num_threads=1", "trainer.progress_bar=false",
           "trainer.logger=[jsonl]", "trainer.val_before_train=true"]
 RUNS: dict[str, list[str]] = {
@@ -40,7 +41,7 @@ def run_one(name: str, out: Path, cache: Path) -> dict[str, dict]:
     steps: dict[str, dict] = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        kept = {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+        kept = {k: v for k, v in record.items() if not k.startswith(VOLATILE) and k not in WALL_CLOCK_RATIOS}
         steps.setdefault(str(record["step"]), {}).update(kept)
     return steps
 
