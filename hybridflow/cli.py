@@ -255,7 +255,7 @@ def _serve_model_dir(args: argparse.Namespace, device: str) -> str:
         return args.model_dir
     import torch
 
-    from hybridflow.controller.setup import resolve_builtin
+    from hybridflow.controller.builtin import resolve_builtin
 
     # The same model `hybridflow train` starts from with these overrides (warm-started unless
     # warm_start.enable=false; cached in warm_start.cache_dir after the first time).
@@ -419,7 +419,7 @@ def _explain(args: argparse.Namespace) -> int:
     once (exit 2); machine problems listed as "cannot run here" with the explanation (exit 0)."""
     from hybridflow.config.errors import ConfigErrors, flatten
     from hybridflow.config.loader import load_config_collecting
-    from hybridflow.controller.setup import machine_problems, needs_critic, resolve_plugins
+    from hybridflow.controller.preflight import machine_problems, needs_critic, resolve_plugins
 
     cfg, errors = load_config_collecting(args.preset, args.config_file, args.overrides, config_path=args.config_path,
                                          config_name=args.config_name)
@@ -482,7 +482,7 @@ def _run(args: argparse.Namespace) -> int:
                       config_name=args.config_name)
     if args.command == "plan":
         from hybridflow.config.plan import memory_plan_lines
-        from hybridflow.controller.setup import config_needs_critic
+        from hybridflow.controller.preflight import config_needs_critic
 
         validate_config(cfg)
         # Only the estimator is resolved (does it need a critic?): a GPU run is planned on any machine.

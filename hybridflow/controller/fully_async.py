@@ -52,7 +52,8 @@ from hybridflow.algorithms import select_varied_groups
 from hybridflow.controller import phases
 from hybridflow.controller.overlap import merge_model_metrics, round_requests, score_part
 from hybridflow.controller.replicas import ReplicaStream
-from hybridflow.controller.setup import BROADCAST, RunSetup
+from hybridflow.controller.roles import BROADCAST
+from hybridflow.controller.setup import RunSetup
 from hybridflow.controller.trainer import Trainer
 from hybridflow.data import PromptRow
 from hybridflow.rewards.tally import RewardTally

@@ -35,7 +35,8 @@ from hybridflow.algorithms import (
 from hybridflow.cluster.worker_group import wait_all
 from hybridflow.config import ValKwargsConfig
 from hybridflow.controller.overlap import generate_and_score, model_scores, round_requests
-from hybridflow.controller.setup import BROADCAST, RunSetup
+from hybridflow.controller.roles import BROADCAST
+from hybridflow.controller.setup import RunSetup
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
 from hybridflow.data.plane import fetch_trajectories

@@ -34,7 +34,9 @@ from hybridflow.config import Config, ConfigError, config_to_yaml
 from hybridflow.config.validate import data_parallel_size
 from hybridflow.controller.checkpoint import CheckpointError, CheckpointManager
 from hybridflow.controller.export import export_checkpoint
-from hybridflow.controller.setup import config_device, policy_chat_template, resolve_builtin, resolve_output_dir
+from hybridflow.controller.builtin import resolve_builtin
+from hybridflow.controller.preflight import config_device, policy_chat_template
+from hybridflow.controller.setup import resolve_output_dir
 from hybridflow.controller.sft import sft_loop
 from hybridflow.data import ResumableSampler
 from hybridflow.data.sft import SFTColumns, SFTDataStats, load_sft_examples

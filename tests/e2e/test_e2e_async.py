@@ -110,7 +110,7 @@ def test_one_step_off_kill_and_resume_loses_no_prompt_and_trains_none_twice(user
 def test_an_estimator_that_generates_during_the_update_is_refused_in_the_async_loops():
     from hybridflow.config import load_config
     from hybridflow.config.loader import ConfigError
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     with pytest.raises(ConfigError, match="trainer.mode=one_step_off generates the next step"):
         resolve_plugins(load_config(overrides=["algorithm.adv_estimator=remax", "trainer.mode=one_step_off"]))

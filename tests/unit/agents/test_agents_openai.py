@@ -305,7 +305,7 @@ def test_config_errors_name_the_key(tmp_path):
     base = ["rollout.multi_turn.enable=true", "rollout.multi_turn.default_agent_loop=openai"]
     with pytest.raises(ConfigError, match="rollout.multi_turn.openai_agent"):
         validate_config(load_config("tool_agent", overrides=base))
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     cfg = load_config("tool_agent", overrides=[*base, "rollout.multi_turn.openai_agent=no_such_module_xyz:run"])
     validate_config(cfg)

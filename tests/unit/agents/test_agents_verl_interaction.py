@@ -13,7 +13,7 @@ from hybridflow.agents.base import AgentRow
 from hybridflow.agents.interactions import Gsm8kInteraction, load_interaction_config
 from hybridflow.agents.tokens import render_ids
 from hybridflow.config import ConfigError, load_config
-from hybridflow.controller.setup import agent_setup, check_agent_setup
+from hybridflow.controller.preflight import agent_setup, check_agent_setup
 from hybridflow.types import SamplingParams
 from hybridflow.workers.rollout import build_agent_runner
 

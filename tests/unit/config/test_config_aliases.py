@@ -150,7 +150,7 @@ def test_a_chat_template_replaces_the_tokenizers(files, tmp_path):
     (tmp_path / "t.jinja").write_text(template)
     tok = load_tokenizer(model, chat_template=template)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<<hi>>"
-    from hybridflow.controller.setup import policy_chat_template
+    from hybridflow.controller.preflight import policy_chat_template
 
     cfg = load_config(overrides=[f"model.path={model}", f"data.train_files={train}",
                                  f"data.chat_template_path={tmp_path / 't.jinja'}"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import ConfigError, load_config, validate_config
-from hybridflow.controller.setup import needs_critic, resolve_plugins
+from hybridflow.controller.preflight import needs_critic, resolve_plugins
 
 
 def test_the_ppo_preset_trains_a_critic_with_gae() -> None:

@@ -13,7 +13,7 @@ from hybridflow.config.errors import ConfigError
 from hybridflow.config.loader import load_config
 from hybridflow.config.plan import plan_memory
 from hybridflow.config.validate import validate_config
-from hybridflow.controller.setup import machine_problems
+from hybridflow.controller.preflight import machine_problems
 
 ACTOR = "actor_rollout_ref.actor.fsdp_config"
 

@@ -312,7 +312,7 @@ def test_train_refuses_what_this_machine_lacks(capsys, tmp_path) -> None:
 
 
 def test_machine_problems_are_their_own_kind() -> None:
-    from hybridflow.controller.setup import machine_problems
+    from hybridflow.controller.preflight import machine_problems
 
     cfg = load_config(overrides=["trainer.device=cuda", "rollout.name=sglang"])
     problems = machine_problems(cfg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import ConfigError, explain_config, load_config, validate_config
-from hybridflow.controller.setup import agent_name_warning, agent_setup, check_agent_setup
+from hybridflow.controller.preflight import agent_name_warning, agent_setup, check_agent_setup
 from hybridflow.data import PromptRow
 
 

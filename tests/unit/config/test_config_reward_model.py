@@ -9,7 +9,7 @@ import pytest
 
 from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config.explain import explain_config
-from hybridflow.controller.setup import check_reward_model
+from hybridflow.controller.preflight import check_reward_model
 from hybridflow.models.tiny import write_tiny_reward_model
 
 JUDGE = ["reward_model.enable=true", "reward_model.style=generative", "reward_model.judge.base_url=http://127.0.0.1:1/v1"]

@@ -7,7 +7,7 @@ import pytest
 
 from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config.verl_table import classify
-from hybridflow.controller.setup import resolve_plugins
+from hybridflow.controller.preflight import resolve_plugins
 
 RC = "algorithm.rollout_correction"
 

@@ -447,7 +447,7 @@ def test_the_by_reference_data_plane_refuses_what_reads_tokens_in_the_controller
 
 
 def test_the_by_reference_data_plane_refuses_an_estimator_input_made_from_tokens() -> None:
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     with pytest.raises(ConfigError, match="rollout_is_weights, made in the controller from the samples' tokens") as error:
         resolve_plugins(load_config(overrides=["algorithm.adv_estimator=optimal_token_baseline", "trainer.mode=fully_async",

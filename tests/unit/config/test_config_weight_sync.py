@@ -8,7 +8,8 @@ import pytest
 
 from hybridflow.config import ConfigError, load_config
 from hybridflow.config.schema import RolloutConfig
-from hybridflow.controller.setup import build_run, resolve_weight_sync
+from hybridflow.controller.roles import resolve_weight_sync
+from hybridflow.controller.setup import build_run
 
 
 def test_the_key_defaults_to_auto_and_accepts_its_choices() -> None:

@@ -11,13 +11,8 @@ import torch
 from hybridflow.algorithms import OPTIONAL_ESTIMATOR_INPUTS, AdvantageInputs
 from hybridflow.config import load_config
 from hybridflow.controller.phases import INPUT_PROVIDERS, reward_components
-from hybridflow.controller.setup import (
-    ESTIMATOR_INPUT_SOURCES,
-    needs_critic,
-    needs_old_logprobs_for,
-    needs_sum_pi_squared_for,
-    resolve_plugins,
-)
+from hybridflow.controller.preflight import needs_critic, needs_old_logprobs_for, needs_sum_pi_squared_for, resolve_plugins
+from hybridflow.controller.preflight import ESTIMATOR_INPUT_SOURCES
 from hybridflow.types import Trajectory
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from hybridflow.config import ConfigError, load_config
 from hybridflow.controller.checkpoint import MANIFEST_FILE, CheckpointManager, RemoteCheckpoints
-from hybridflow.controller.setup import check_storage, remote_paths
+from hybridflow.controller.preflight import check_storage, remote_paths
 from hybridflow.utils.storage import Storage, join
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hybridflow.config import ConfigError, load_config
-from hybridflow.controller.setup import agent_setup, resolve_plugins
+from hybridflow.controller.preflight import agent_setup, resolve_plugins
 from hybridflow.data.dataset import RLDataset, check_chat_template_kwargs
 from hybridflow.models.tiny import build_tiny_tokenizer
 

@@ -44,7 +44,7 @@ def test_exact_match_reward():
 def test_the_visual_task_needs_a_vision_language_model(tmp_path):
     from hybridflow.api import make_config
     from hybridflow.config import ConfigError
-    from hybridflow.controller.setup import check_vision_language_run
+    from hybridflow.controller.preflight import check_vision_language_run
     from hybridflow.models.tiny import write_tiny_model
 
     # The built-in model of a visual task is the tiny Qwen2-VL: the preset runs it as it is, and

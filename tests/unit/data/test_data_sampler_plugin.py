@@ -265,7 +265,7 @@ def test_verls_example_keys_load(sampler_file):
 ])
 def test_a_wrong_class_fails_when_plugins_resolve_before_any_data_loads(overrides, key):
     from hybridflow.config import ConfigError
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     with pytest.raises(ConfigError) as info:
         resolve_plugins(load_config(overrides=overrides), check_machine=False)
@@ -273,7 +273,7 @@ def test_a_wrong_class_fails_when_plugins_resolve_before_any_data_loads(override
 
 
 def test_plugins_resolve_a_good_class_and_verls_test_sampler(sampler_file):
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     path, name = VERL_TEST_RANDOM_SAMPLER
     for overrides in ([f"data.sampler.class_path={sampler_file}", "data.sampler.class_name=Reversed"],

@@ -32,7 +32,7 @@ def answer(text: str, group_id: int = 0) -> Trajectory:
 
 
 def score_lengths(cfg, model_dir: str, lengths: list[int]) -> list[float]:
-    from hybridflow.controller.setup import reward_setup
+    from hybridflow.controller.roles import reward_setup
     from hybridflow.workers.reward import RewardWorker
 
     worker = RewardWorker(0, 1, reward_setup(cfg, model_dir))
@@ -65,7 +65,7 @@ def test_validation_scores_carry_the_penalty_and_keep_acc(model_dir, monkeypatch
     """verl validates with the same DAPO manager: the ``reward`` (and hybridflow's val/score) is
     shaped, ``acc`` (val-core) is the scorer's own score."""
     from hybridflow.controller import phases
-    from hybridflow.controller.setup import reward_setup
+    from hybridflow.controller.roles import reward_setup
     from hybridflow.workers.reward import RewardWorker
 
     cfg = load_config(overrides=[*DAPO, "+reward_model.reward_kwargs.max_resp_len=12"])

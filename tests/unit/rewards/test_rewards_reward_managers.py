@@ -106,7 +106,7 @@ def test_prime_scores_in_a_pool_of_one_process_per_core(reward_file, tmp_path):
 
 def test_the_config_builds_the_reward_role_of_each_manager(reward_file):
     from hybridflow.api import make_config
-    from hybridflow.controller.setup import reward_setup
+    from hybridflow.controller.roles import reward_setup
 
     custom = [f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=per_list"]
     setup = reward_setup(make_config(overrides=[*custom, "reward_model.reward_manager=batch",

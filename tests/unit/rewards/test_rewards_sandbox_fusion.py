@@ -229,7 +229,7 @@ def test_the_reward_manager_scores_verls_code_sources_there_and_counts_failures(
 
 def test_verls_url_key_selects_the_service_for_the_reward_role(service, tmp_path):
     from hybridflow.config import load_config, validate_config
-    from hybridflow.controller.setup import reward_setup, sandbox_fusion_settings
+    from hybridflow.controller.roles import reward_setup, sandbox_fusion_settings
     from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
     from hybridflow.types import Trajectory
     from hybridflow.workers.reward import RewardWorker

@@ -65,7 +65,7 @@ def test_engine_availability_is_checked_without_importing_the_backend(monkeypatc
 def test_an_unavailable_engine_is_a_config_error_on_rollout_name_before_anything_loads(monkeypatch):
     from hybridflow.api import make_config
     from hybridflow.config import ConfigError
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     monkeypatch.setitem(ROLLOUT_ENGINES, "absent", EngineSpec(build=_build, package="hybridflow_no_such_pkg",
                                                                 extra="absent"))
@@ -105,7 +105,7 @@ def test_a_model_the_native_engine_cannot_run_fails_at_set_up_from_its_config_js
 
     from hybridflow.api import make_config
     from hybridflow.config import ConfigError
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     (tmp_path / "config.json").write_text(json.dumps(model_config))
     with pytest.raises(ConfigError, match=re.escape(expected)) as caught:
@@ -119,7 +119,7 @@ def test_a_mixture_of_experts_model_with_tensor_parallelism_fails_at_set_up(tmp_
 
     from hybridflow.api import make_config
     from hybridflow.config import ConfigError
-    from hybridflow.controller.setup import check_rollout_model, resolve_plugins
+    from hybridflow.controller.preflight import check_rollout_model, resolve_plugins
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_act": "silu"}))
     check_rollout_model(str(tmp_path), "native", 1)
@@ -136,7 +136,7 @@ def test_a_supported_model_type_passes_the_set_up_check(tmp_path):
     import json
 
     from hybridflow.api import make_config
-    from hybridflow.controller.setup import resolve_plugins
+    from hybridflow.controller.preflight import resolve_plugins
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_act": "silu",
                                                       "sliding_window": 4096}))
@@ -148,7 +148,7 @@ def test_a_vision_language_model_needs_the_hf_vision_engine_and_it_needs_one(tmp
     import json
 
     from hybridflow.config import ConfigError
-    from hybridflow.controller.setup import check_rollout_model
+    from hybridflow.controller.preflight import check_rollout_model
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     with pytest.raises(ConfigError, match=f"qwen2_vl vision-language model, which rollout.name={engine} cannot "
@@ -169,7 +169,7 @@ def test_what_a_vision_language_run_cannot_do_yet_is_refused_by_key(tmp_path, ov
 
     from hybridflow.api import make_config
     from hybridflow.config import ConfigError
-    from hybridflow.controller.setup import check_vision_language_run
+    from hybridflow.controller.preflight import check_vision_language_run
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     check_vision_language_run(make_config(overrides=[f"model.path={tmp_path}", "rollout.name=hf_vision"]))

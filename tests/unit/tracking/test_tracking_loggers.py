@@ -251,7 +251,7 @@ def test_a_logger_whose_package_is_missing_is_a_machine_problem_found_with_the_c
 
     from hybridflow.cli import main
     from hybridflow.config import load_config
-    from hybridflow.controller.setup import machine_problems
+    from hybridflow.controller.preflight import machine_problems
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
