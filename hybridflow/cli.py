@@ -146,7 +146,7 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 def _measured_shape(run: Path) -> dict[str, int]:
     """Replicas, actor ranks, engine slots and tensor parallelism of the run that made ``run``,
     from its config.yaml; empty when it has none that loads (the flags' defaults apply)."""
-    from hybridflow.config.validate import data_parallel_size, rollout_replicas
+    from hybridflow.config.layout import data_parallel_size, rollout_replicas
 
     if not (run / "config.yaml").is_file():
         return {}

@@ -46,7 +46,8 @@ from hybridflow.config.schema import (
     ValKwargsConfig,
     WarmStartConfig,
 )
-from hybridflow.config.validate import BatchPlan, batch_plan, compute_batch_plan, validate_config
+from hybridflow.config.layout import BatchPlan, batch_plan, compute_batch_plan
+from hybridflow.config.validate import validate_config
 
 __all__ = [
     "BUILTIN_TINY",

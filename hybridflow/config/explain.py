@@ -20,10 +20,11 @@ from hybridflow.config.budget import (
     read_model_shape,
     training_bytes_per_token,
 )
+from hybridflow.config.layout import batch_plan, dp_source, rollout_replicas
 from hybridflow.config.loader import config_to_yaml
 from hybridflow.config.plan import memory_plan_lines
 from hybridflow.config.schema import Config
-from hybridflow.config.validate import batch_plan, dp_source, rollout_replicas, validate_config
+from hybridflow.config.validate import validate_config
 
 BUILTIN_TINY = "builtin:tiny"
 """``model.path`` of the built-in tiny model, the only one ``warm_start.enable=auto`` warm-starts."""

@@ -81,7 +81,7 @@ from hybridflow.config.budget import (
     training_bytes_per_token,
 )
 from hybridflow.config.schema import Config, FSDPConfig
-from hybridflow.config.validate import batch_plan, data_parallel_size, rollout_replicas
+from hybridflow.config.layout import batch_plan, data_parallel_size, rollout_replicas
 
 GIB = 2**30
 

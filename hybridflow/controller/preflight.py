@@ -32,7 +32,8 @@ from hybridflow.config import Config, ConfigError
 from hybridflow.config.errors import MachineProblem, raise_all
 from hybridflow.config.explain import BUILTIN_TINY
 from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig
-from hybridflow.config.validate import TOOL_TASKS, data_parallel_size
+from hybridflow.config.checks.run import TOOL_TASKS
+from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.builtin import builtin_visual_task
 from hybridflow.data import PromptRow, RLDataset
 from hybridflow.data.dataset import DataError, check_chat_template_kwargs

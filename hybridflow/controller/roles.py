@@ -20,7 +20,7 @@ from hybridflow.cluster.worker_group import (
     wait_all,
 )
 from hybridflow.config import Config, ConfigError
-from hybridflow.config.validate import data_parallel_size, rollout_replicas
+from hybridflow.config.layout import data_parallel_size, rollout_replicas
 from hybridflow.controller.preflight import judge_api_key
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.rewards.judge import JudgeSettings

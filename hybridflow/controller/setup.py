@@ -30,7 +30,7 @@ from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.explain import needs_reference_model, planned_total_steps
-from hybridflow.config.validate import data_parallel_size, rollout_replicas, sequence_parallel_sizes
+from hybridflow.config.layout import data_parallel_size, rollout_replicas, sequence_parallel_sizes
 from hybridflow.controller.builtin import resolve_builtin
 from hybridflow.controller.preflight import (
     agent_name_warning,

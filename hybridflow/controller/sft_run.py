@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.config import Config, ConfigError, config_to_yaml
-from hybridflow.config.validate import data_parallel_size
+from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.checkpoint import CheckpointError, CheckpointManager
 from hybridflow.controller.export import export_checkpoint
 from hybridflow.controller.builtin import resolve_builtin

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import ConfigError, batch_plan, load_config, validate_config
-from hybridflow.config.validate import data_parallel_size
+from hybridflow.config.layout import data_parallel_size
 
 
 def _errors(*overrides: str) -> str:

@@ -1,0 +1,1 @@
+"""The schema's sections, one module per area; ``hybridflow.config.schema`` assembles them into ``Config``."""

@@ -1,0 +1,109 @@
+"""The ``algorithm`` section: advantages, in-reward KL, DAPO filtering, rollout correction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.config.fields import f, sub
+
+
+@dataclass
+class KLControlConfig:
+    type: str = f("fixed", "fixed | adaptive.", choices=("fixed", "adaptive"))
+    kl_coef: float = f(0.001, "Initial in-reward KL coefficient.")
+    horizon: int = f(10000, "Adaptive controller horizon.")
+    target_kl: float = f(0.1, "Adaptive controller target KL.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = f(
+        False,
+        "DAPO dynamic sampling: drop groups whose samples all got the same metric (no learning signal) "
+        "and generate more until data.train_batch_size prompts remain.",
+    )
+    metric: str = f(
+        "acc",
+        "What must vary inside a group: acc (the scorer's reward) | score (after reward shaping).",
+        choices=("acc", "score"),
+    )
+    max_num_gen_batches: int = f(
+        10,
+        "Most generation rounds per step (0: unlimited). When reached, the step trains on the groups kept "
+        "so far and reports filter/exhausted=1.",
+    )
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = f(
+        None,
+        "Importance weights pi_old/pi_rollout multiplied into the policy loss: null (off) | token | sequence.",
+        choices=("token", "sequence"),
+    )
+    rollout_is_threshold: float = f(2.0, "Upper truncation of the importance weights (TIS).")
+    rollout_is_batch_normalize: bool = f(
+        False, "Divide the truncated importance weights by their mean over the batch, so they average 1 "
+        "(self-normalised IS): over valid tokens (rollout_is=token) or over responses (sequence); the "
+        "rollout_corr/rollout_is_batch_norm_factor metric is that mean. In bypass mode over each micro-batch, "
+        "as verl's loss does.",
+    )
+    rollout_rs: str | None = f(
+        None,
+        "Rejection (verl's): a comma-separated list of criteria, all of which a token (token_*) or a whole "
+        "response (seq_*) must pass. Each bounds a KL estimator between pi_rollout and pi_old per token, "
+        "k1 = log(pi_rollout/pi_old), k2 = (k1)^2 / 2, k3 = pi_old/pi_rollout - 1 + k1 (log-ratio clamped to "
+        "+-20): token_k1|k2|k3, seq_sum_k1|k2|k3 (sum over the response), seq_mean_k1|k2|k3 (mean), "
+        "seq_max_k2|k3 (largest token). null: off. token and sequence are short for token_k1 and seq_sum_k1.",
+    )
+    rollout_rs_threshold: float | str = f(
+        2.0, "Bounds of the rollout_rs criteria: one shared entry or one per criterion, comma-separated "
+        "('0.6_1.6,2.5'). A k1 entry bounds the ratio pi_rollout/pi_old: 'lower_upper', or upper alone (lower "
+        "is rollout_rs_threshold_lower, else 1/upper); a k2/k3 entry is the divergence's upper bound.",
+    )
+    rollout_rs_threshold_lower: float | None = f(
+        None, "Lower bound of the k1 criteria's ratio where rollout_rs_threshold gives the upper one alone. "
+        "None: 1 / upper.")
+    bypass_mode: bool = f(
+        False, "Use the rollout engine's logprobs as pi_old instead of recomputing them (verl's bypass mode: two "
+        "policies, no old-logprob forward). The policy loss becomes bypass_mode: loss_type's loss on pi_theta / "
+        "pi_rollout, with rollout_is weights and rollout_rs rejection computed against the current policy.",
+    )
+    loss_type: str = f(
+        "ppo_clip", "Bypass mode's loss: ppo_clip (PPO clip on pi_theta / pi_rollout, no extra weights) | reinforce "
+        "(-w * log pi * A with the rollout_is weights, or plain REINFORCE without rollout_is).",
+        choices=("ppo_clip", "reinforce"),
+    )
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = f(
+        "grpo",
+        "Advantage estimator: grpo | gdpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
+        "grpo_passk | opo | gpg | gae (trains a critic: the critic.* keys) | optimal_token_baseline | "
+        "tir_optimal_token_baseline (these two always run the old-logprob forward, which then also computes each "
+        "response token's sum_pi_squared, sum_v pi(v)^2, as verl's actor.calculate_sum_pi_squared; with "
+        "algorithm.rollout_correction.rollout_is set, each token's weight is scaled by its squared importance weight), "
+        "or package.module:function.",
+    )
+    gdpo_reward_keys: list[str] = f(
+        [], "gdpo: the reward components, numbers the reward function returns in its dict beside 'score' (acc is "
+        "always there: the raw score); each is normalised within its group on its own, as verl.",
+    )
+    gdpo_reward_weights: list[float] | None = f(
+        None, "gdpo: one weight per gdpo_reward_keys entry for the weighted sum of the normalised components. "
+        "null: all 1.",
+    )
+    norm_adv_by_std_in_grpo: bool = f(True, "Divide GRPO advantages by the group std (false: Dr.GRPO).")
+    gamma: float = f(1.0, "Discount factor.")
+    lam: float = f(1.0, "GAE lambda.")
+    use_kl_in_reward: bool = f(False, "Subtract a KL penalty from token rewards (loads a reference model).")
+    kl_penalty: str = f("kl", "KL estimator for the in-reward penalty.")
+    kl_ctrl: KLControlConfig = sub(KLControlConfig, "In-reward KL coefficient controller.")
+    filter_groups: FilterGroupsConfig = sub(FilterGroupsConfig, "DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = sub(
+        RolloutCorrectionConfig,
+        "Correct for the rollout engine's probabilities differing from the trainer's (metrics are logged "
+        "whenever old logprobs are computed).",
+    )
