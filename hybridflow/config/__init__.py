@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridflow.config.apply import apply_override, config_from_dict
+from hybridflow.config.coerce import schema_keys
+from hybridflow.config.errors import ConfigError
 from hybridflow.config.explain import (
     BUILTIN_TINY,
     explain_config,
@@ -18,17 +21,8 @@ from hybridflow.config.explain import (
     steps_per_epoch,
     warm_start_decision,
 )
-from hybridflow.config.loader import (
-    ConfigError,
-    apply_override,
-    config_from_dict,
-    config_to_dict,
-    config_to_yaml,
-    list_presets,
-    load_config,
-    preset_path,
-    schema_keys,
-)
+from hybridflow.config.layout import BatchPlan, batch_plan, compute_batch_plan
+from hybridflow.config.loader import list_presets, load_config, preset_path
 from hybridflow.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -46,8 +40,8 @@ from hybridflow.config.schema import (
     ValKwargsConfig,
     WarmStartConfig,
 )
-from hybridflow.config.layout import BatchPlan, batch_plan, compute_batch_plan
 from hybridflow.config.validate import validate_config
+from hybridflow.config.yaml_io import config_to_dict, config_to_yaml
 
 __all__ = [
     "BUILTIN_TINY",

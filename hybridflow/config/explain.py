@@ -21,9 +21,9 @@ from hybridflow.config.budget import (
     training_bytes_per_token,
 )
 from hybridflow.config.layout import batch_plan, dp_source, rollout_replicas
-from hybridflow.config.loader import config_to_yaml
 from hybridflow.config.plan import memory_plan_lines
 from hybridflow.config.schema import Config
+from hybridflow.config.yaml_io import config_to_yaml
 from hybridflow.config.validate import validate_config
 
 BUILTIN_TINY = "builtin:tiny"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.config.aliases import IGNORED, KEYS, PREFIXES
-from hybridflow.config.loader import schema_keys
+from hybridflow.config.coerce import schema_keys
 from hybridflow.config.schema import Config
 from hybridflow.config.verl_keys import GLOBAL_MICRO_BATCH, _global_micro_note, rule_for
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config
-from hybridflow.config.loader import apply_override
+from hybridflow.config.apply import apply_override
 from hybridflow.controller.rollout_dtype import write_record
 
 log = logging.getLogger(__name__)

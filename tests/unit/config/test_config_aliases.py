@@ -15,7 +15,7 @@ import pytest
 from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config import aliases
 from hybridflow.config.aliases import IGNORED, KEYS, PREFIXES, translate_key
-from hybridflow.config.loader import schema_keys
+from hybridflow.config.coerce import schema_keys
 from hybridflow.data.gsm8k import gsm8k_row
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model

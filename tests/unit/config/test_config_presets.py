@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import Config, list_presets, load_config, preset_path, validate_config
-from hybridflow.config.loader import read_yaml_mapping
+from hybridflow.config.yaml_io import read_yaml_mapping
 
 EXPECTED_PRESETS = {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "remax", "cispo", "sapo", "gpg", "ppo"}
 

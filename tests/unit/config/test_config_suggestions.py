@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import ConfigError, load_config
-from hybridflow.config.loader import _similar_name
+from hybridflow.config.coerce import _similar_name
 
 
 @pytest.mark.parametrize(
