@@ -4,14 +4,8 @@ The built-in task lives in ``hybridflow.data.tasks.arithmetic`` and the GSM8K co
 ``hybridflow.data.gsm8k``; they are not imported here because they pull in pyarrow.
 """
 
-from hybridflow.data.dataset import (
-    BadRowReason,
-    DataError,
-    DatasetStats,
-    PromptRow,
-    RLDataset,
-    load_rows,
-)
+from hybridflow.data.dataset import DatasetStats, PromptRow, RLDataset
+from hybridflow.data.row_files import BadRowReason, DataError, load_rows
 from hybridflow.data.sampler import ResumableSampler
 
 __all__ = [

@@ -30,43 +30,32 @@ JSON lets a file say things no row should: values nested thousands deep (Python'
 up with ``RecursionError``) and lone UTF-16 surrogates (``"\\ud800"``, a str no tokenizer or
 UTF-8 writer accepts). The reader turns both into a record's problem, like invalid JSON, so they
 name the file and row and ``on_bad_row="skip"`` skips them.
+
+Files are read by ``row_files.py`` (``load_rows``) and each row checked against the schema by
+``row_schema.py``; this module turns valid rows into ``PromptRow``s.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import math
 import os
-import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Protocol, overload
-
-from hybridflow.utils.files import special_file_kind
-from hybridflow.utils.storage import Storage, StorageError, is_remote
+from pathlib import Path
+from typing import Any, Protocol, overload
 
 from hybridflow.data.images import IMAGE_PLACEHOLDER, ImageProblem, decode_image, image_bytes, split_placeholders
+from hybridflow.data.row_files import BadRowReason, DataError, read_records, value_type_name
+from hybridflow.data.row_schema import RowProblem, check_prompt_column, validate_row
 from hybridflow.types import MultiModalInputs
+from hybridflow.utils.storage import Storage
+
 
 logger = logging.getLogger(__name__)
 
-VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
 TRUNCATION_MODES = ("error", "left", "right")
 ON_BAD_ROW_MODES = ("error", "skip")
-PARQUET_SUFFIXES = (".parquet",)
-JSON_SUFFIXES = (".jsonl", ".json")
-# Containers (objects, lists) a JSON row may nest. verl's schema needs three (row, prompt list,
-# message) and tool schemas in extra_info a dozen or so; near 1000, Python's json and pickle hit
-# the recursion limit, so a deeper row that parsed here could still fail minutes later when a
-# rank pickles it or a logger writes it, from deeper in the stack.
-MAX_ROW_DEPTH = 100
-# A lone surrogate reaches a JSON line only as an escape (strict UTF-8 decoding refuses an encoded
-# one), so a line without one (or with only pairs, which then pass) holds none.
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 # apply_chat_template arguments hybridflow sets itself or that change what it returns: data.
@@ -84,40 +73,6 @@ def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
                          f"when it renders a chat; the keyword arguments are for the template's own variables "
                          f"(reasoning_effort, enable_thinking, ...)")
     return dict(kwargs)
-
-
-class DataError(ValueError):
-    """A dataset file or row is unusable. The message names the file, the row and the problem."""
-
-
-class BadRowReason:
-    """Reason codes for malformed rows: the keys of ``DatasetStats.bad_rows``.
-
-    Stable short strings (not an Enum) so that counts print and serialise as plain text.
-    """
-
-    INVALID_JSON = "invalid_json"
-    NESTED_TOO_DEEP = "nested_too_deep"  # more than MAX_ROW_DEPTH containers inside each other
-    TEXT_INVALID = "text_invalid"  # a string that is not Unicode text (a lone surrogate)
-    NOT_AN_OBJECT = "not_an_object"
-    PROMPT_MISSING = "prompt_missing"
-    PROMPT_INVALID = "prompt_invalid"
-    MESSAGE_INVALID = "message_invalid"
-    ROLE_INVALID = "role_invalid"
-    DATA_SOURCE_MISSING = "data_source_missing"
-    DATA_SOURCE_INVALID = "data_source_invalid"
-    DATA_SOURCE_UNKNOWN = "data_source_unknown"
-    ABILITY_INVALID = "ability_invalid"
-    REWARD_MODEL_MISSING = "reward_model_missing"
-    REWARD_MODEL_INVALID = "reward_model_invalid"
-    GROUND_TRUTH_MISSING = "ground_truth_missing"
-    GROUND_TRUTH_INVALID = "ground_truth_invalid"
-    EXTRA_INFO_INVALID = "extra_info_invalid"
-    AGENT_NAME_INVALID = "agent_name_invalid"
-    CHAT_TEMPLATE_FAILED = "chat_template_failed"
-    IMAGES_INVALID = "images_invalid"  # not a list, or a count that differs from the <image> placeholders
-    IMAGE_UNREADABLE = "image_unreadable"  # a missing file, or bytes that do not decode
-    IMAGES_UNSUPPORTED = "images_unsupported"  # images for a text-only model
 
 
 class ChatTokenizer(Protocol):
@@ -194,371 +149,6 @@ class DatasetStats:
         return self.num_rows - self.num_filtered_overlong - self.num_bad_rows
 
 
-# --------------------------------------------------------------------------------------------
-# Reading files
-
-
-@dataclass(frozen=True)
-class _Record:
-    """One record of a file before validation."""
-
-    row: int  # 0-based position among the file's records
-    where: str  # "row 17", or "row 17 (line 18)" for JSON lines
-    value: Any  # the parsed object (None when parse_error is set)
-    parse_error: str | None = None
-    parse_reason: str = BadRowReason.INVALID_JSON  # the BadRowReason of parse_error
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _read_parquet(path: Path | str, storage: Storage | None = None) -> list[_Record]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        if is_remote(path):
-            # pyarrow reads through the fsspec filesystem: row groups are fetched by range, no local copy.
-            assert storage is not None
-            fs, inner = storage.filesystem(str(path))
-            table = pq.read_table(inner, filesystem=fs)
-        else:
-            table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
-    except StorageError as exc:
-        raise DataError(str(exc)) from exc
-    return [_Record(row=i, where=f"row {i}", value=v) for i, v in enumerate(table.to_pylist())]
-
-
-def _read_json_lines(fh: BinaryIO) -> list[_Record]:
-    records: list[_Record] = []
-    for line_number, raw in enumerate(fh, start=1):
-        row = len(records)
-        where = f"row {row} (line {line_number})"
-        try:
-            # utf-8-sig on the first line tolerates a byte-order mark from Windows editors.
-            text = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
-        except UnicodeDecodeError as exc:
-            records.append(_Record(row, where, None, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"))
-            continue
-        if not text.strip():
-            continue  # blank lines (a trailing newline, spacing) are not records
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            records.append(_Record(row, where, None, f"invalid JSON: {exc.msg} at column {exc.colno}"))
-            continue
-        except RecursionError:
-            records.append(_Record(row, where, None, _TOO_DEEP, BadRowReason.NESTED_TOO_DEEP))
-            continue
-        records.append(_json_record(row, where, value, text))
-    return records
-
-
-def _read_json_array(path: Path | str, data: bytes) -> list[_Record]:
-    try:
-        values = json.loads(data.decode("utf-8-sig"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        where = f"line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "decoding"
-        raise DataError(f"{path}: invalid JSON array ({where}: {exc})") from exc
-    except RecursionError:  # the whole file is one value: no row to blame
-        raise DataError(f"{path}: {_TOO_DEEP}") from None
-    return [_json_record(i, f"row {i}", v) for i, v in enumerate(values)]
-
-
-_TOO_DEEP = (
-    f"nested more than {MAX_ROW_DEPTH} levels deep (objects and lists inside each other); "
-    "a row in verl's schema needs a few levels: flatten or drop the deep value"
-)
-
-
-def _json_record(row: int, where: str, value: Any, text: str | None = None) -> _Record:
-    """A parsed JSON record, or its problem when JSON allowed what a row must not hold."""
-    if text is None or _may_hold_a_problem(text):
-        if (problem := _value_problem(value)) is not None:
-            reason, message = problem
-            return _Record(row, where, None, message, reason)
-    return _Record(row, where, value)
-
-
-def _may_hold_a_problem(text: str) -> bool:
-    """False when a record's JSON text can neither nest past ``MAX_ROW_DEPTH`` (it has no more
-    brackets than that) nor hold a lone surrogate (it has no surrogate escape): nearly every row,
-    which then skips the walk over its values (walking every row doubled the CPU time of reading
-    a JSON lines file; this test adds a tenth)."""
-    return text.count("[") + text.count("{") > MAX_ROW_DEPTH or SURROGATE_ESCAPE.search(text) is not None
-
-
-def _value_problem(value: Any) -> tuple[str, str] | None:
-    """(BadRowReason, message) for the first value nested past ``MAX_ROW_DEPTH`` or string that is
-    not Unicode text, in file order; None when there is none. Iterative: a recursive walk would
-    overflow on the very depth it guards against."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]  # (value, its dotted path, containers above it)
-    while stack:
-        node, path, depth = stack.pop()
-        if isinstance(node, str):
-            if (problem := _text_problem(node)) is not None:
-                return BadRowReason.TEXT_INVALID, f"{repr(path) if path else 'the row'} {problem}"
-            continue
-        if not isinstance(node, (dict, list)):
-            continue
-        if depth >= MAX_ROW_DEPTH:
-            return BadRowReason.NESTED_TOO_DEEP, _TOO_DEEP
-        if isinstance(node, list):
-            children = [(item, f"{path}[{i}]") for i, item in enumerate(node)]
-        else:
-            children = []
-            for key, item in node.items():
-                if (problem := _text_problem(key)) is not None:
-                    return BadRowReason.TEXT_INVALID, f"the key {ascii(key)}{f' of {path!r}' if path else ''} {problem}"
-                children.append((item, f"{path}.{key}" if path else key))
-        stack.extend((item, child, depth + 1) for item, child in reversed(children))
-    return None
-
-
-def _text_problem(text: str) -> str | None:
-    """Why ``text`` is not Unicode text (a lone UTF-16 surrogate), or None. The message shows the
-    surrogate escaped: the character itself cannot be printed or written as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return (
-            f"has a lone surrogate (\\u{ord(text[exc.start]):04x}) at character {exc.start}: not "
-            "Unicode text, so no tokenizer can encode it; fix the text in the file (a character beyond U+FFFF "
-            "is escaped as a pair, like \\ud83d\\ude00)"
-        )
-    return None
-
-
-def _starts_with_bracket(data: bytes) -> bool:
-    return data[:4096].lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-
-
-def _read_records(path: str | os.PathLike[str], storage: Storage | None = None) -> list[_Record]:
-    """Parse a file (a local path, or a URL read through ``storage``) into records; a record
-    that does not parse carries its error instead."""
-    remote = is_remote(path)
-    p: Path | str = str(path) if remote else Path(path).expanduser()
-    suffix = PurePosixPath(str(p)).suffix.lower()
-    if suffix not in PARQUET_SUFFIXES + JSON_SUFFIXES:
-        raise DataError(
-            f"{path}: unsupported file type {suffix or '(no extension)'!r}; "
-            "expected .parquet, .jsonl or .json (JSON lines, or one JSON array)"
-        )
-    if remote:
-        storage = storage or Storage()
-        try:
-            storage.check(str(p), "file")
-        except StorageError as exc:
-            raise DataError(str(exc)) from exc
-    else:
-        assert isinstance(p, Path)
-        if (kind := special_file_kind(p)) is not None:  # refused unopened: a FIFO would block the run
-            raise DataError(f"{path}: {kind}, not a regular file; give a .parquet, .jsonl or .json file")
-        if not p.is_file():
-            raise DataError(f"{path}: no such file")
-    if suffix in PARQUET_SUFFIXES:
-        return _read_parquet(p, storage)
-    try:
-        # JSON files are read whole: they are small next to the parquet a large dataset comes in.
-        with (storage.open(str(p)) if remote and storage else open(p, "rb")) as fh:
-            data = fh.read()
-    except StorageError as exc:
-        raise DataError(str(exc)) from exc
-    except OSError as exc:  # permissions, a file removed or unreadable since the check above
-        raise DataError(f"{path}: cannot read it ({exc.strerror or exc}); check the path and its permissions") from exc
-    # A .json file is read as JSON lines unless it is one top-level array: both are common
-    # exports, and telling them apart by the first character is unambiguous.
-    if suffix == ".json" and _starts_with_bracket(data):
-        return _read_json_array(p, data)
-    return _read_json_lines(io.BytesIO(data))
-
-
-def load_rows(path: str | os.PathLike[str], storage: Storage | None = None) -> list[dict[str, Any]]:
-    """All rows of a .parquet, .jsonl or .json file as dicts, in file order.
-
-    Raises ``DataError`` naming the file and the row (and line, for JSON lines) on the first
-    record that is not valid JSON or not an object, on a missing file and on an unknown
-    extension. Row contents are not validated here; ``RLDataset.from_files`` does that.
-    """
-    rows: list[dict[str, Any]] = []
-    for record in _read_records(path, storage):
-        if record.parse_error is not None:
-            raise DataError(f"{path} {record.where}: {record.parse_error}")
-        if not isinstance(record.value, dict):
-            raise DataError(f"{path} {record.where}: expected an object, got {_type_name(record.value)}")
-        rows.append(record.value)
-    return rows
-
-
-# --------------------------------------------------------------------------------------------
-# Validating rows
-
-
-class _RowProblem(Exception):
-    """Internal: a row is malformed. Carries the reason code and a message without location."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
-@dataclass(frozen=True)
-class _ValidRow:
-    messages: list[dict[str, Any]]
-    data_source: str
-    ground_truth: str
-    ability: str
-    extra_info: dict[str, Any]
-    agent_name: str | None
-
-
-def _check_messages(value: Any, prompt_key: str) -> list[dict[str, Any]]:
-    if value is None:
-        raise _RowProblem(BadRowReason.PROMPT_MISSING, f"{prompt_key!r} is missing")
-    if isinstance(value, str):
-        raise _RowProblem(
-            BadRowReason.PROMPT_INVALID,
-            f"{prompt_key!r} must be a list of chat messages, got a plain string "
-            f'(wrap it as [{{"role": "user", "content": ...}}])',
-        )
-    if not isinstance(value, list):
-        raise _RowProblem(
-            BadRowReason.PROMPT_INVALID, f"{prompt_key!r} must be a list of chat messages, got {_type_name(value)}"
-        )
-    if not value:
-        raise _RowProblem(BadRowReason.PROMPT_INVALID, f"{prompt_key!r} is an empty list of messages")
-    messages: list[dict[str, Any]] = []
-    for i, message in enumerate(value):
-        label = f"{prompt_key!r} message {i}"
-        if not isinstance(message, dict):
-            raise _RowProblem(BadRowReason.MESSAGE_INVALID, f"{label} is not a dict (got {_type_name(message)})")
-        for key in ("role", "content"):
-            if message.get(key) is None:
-                raise _RowProblem(BadRowReason.MESSAGE_INVALID, f"{label} has no {key!r}")
-            if not isinstance(message[key], str):
-                raise _RowProblem(
-                    BadRowReason.MESSAGE_INVALID,
-                    f"{label} {key!r} must be a string, got {_type_name(message[key])}",
-                )
-        if message["role"] not in VALID_ROLES:
-            raise _RowProblem(
-                BadRowReason.ROLE_INVALID,
-                f"{label} has role {message['role']!r}; expected one of {', '.join(sorted(VALID_ROLES))}",
-            )
-        messages.append(dict(message))
-    return messages
-
-
-def _ground_truth_text(value: Any) -> str:
-    """The ground truth as text: scalars as written, a list or a mapping as its JSON text (verl's
-    search-R1 rows hold ``{"target": [golden answers]}``; the scorer reads the JSON back).
-
-    An integral float becomes an integer string ("72", not "72.0"): parquet writers promote an
-    integer column with a missing value to float64, and "72.0" would fail exact-match scorers.
-    """
-    label = "'reward_model.ground_truth'"
-    if isinstance(value, bool):  # bool is an int subclass; True is never a meant answer
-        raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID,
-                          f"{label} must be a string, number, list or mapping, got bool")
-    if isinstance(value, str):
-        if not value.strip():
-            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is an empty string")
-        return value
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is {value} (a missing value?)")
-        return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, (list, dict)):
-        kind = "list" if isinstance(value, list) else "mapping"
-        if not value:
-            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} is an empty {kind}")
-        try:
-            return json.dumps(value, ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
-            raise _RowProblem(BadRowReason.GROUND_TRUTH_INVALID, f"{label} {kind} is not JSON-serialisable: {exc}")
-    raise _RowProblem(
-        BadRowReason.GROUND_TRUTH_INVALID,
-        f"{label} must be a string, number, list or mapping, got {_type_name(value)}",
-    )
-
-
-def _validate_row(value: Any, prompt_key: str) -> _ValidRow:
-    """Check one row against the schema; raise ``_RowProblem`` for the first problem found.
-
-    A null optional field (``ability``, ``extra_info``, ``agent_name``) counts as absent:
-    parquet stores a field that some rows lack as null in the others.
-    """
-    if not isinstance(value, dict):
-        raise _RowProblem(BadRowReason.NOT_AN_OBJECT, f"expected an object, got {_type_name(value)}")
-    messages = _check_messages(value.get(prompt_key), prompt_key)
-
-    data_source = value.get("data_source")
-    if data_source is None:
-        raise _RowProblem(BadRowReason.DATA_SOURCE_MISSING, "'data_source' is missing")
-    if not isinstance(data_source, str) or not data_source:
-        raise _RowProblem(
-            BadRowReason.DATA_SOURCE_INVALID,
-            f"'data_source' must be a non-empty string, got {_type_name(data_source)} {data_source!r}",
-        )
-
-    ability = value.get("ability")
-    if ability is None:
-        ability = ""
-    elif not isinstance(ability, str):
-        raise _RowProblem(BadRowReason.ABILITY_INVALID, f"'ability' must be a string, got {_type_name(ability)}")
-
-    reward_model = value.get("reward_model")
-    if reward_model is None:
-        raise _RowProblem(BadRowReason.REWARD_MODEL_MISSING, "'reward_model' is missing")
-    if not isinstance(reward_model, dict):
-        raise _RowProblem(
-            BadRowReason.REWARD_MODEL_INVALID,
-            f"'reward_model' must be a dict like {{'style': 'rule', 'ground_truth': ...}}, "
-            f"got {_type_name(reward_model)}",
-        )
-    if reward_model.get("ground_truth") is None:
-        raise _RowProblem(BadRowReason.GROUND_TRUTH_MISSING, "'reward_model' has no 'ground_truth'")
-    ground_truth = _ground_truth_text(reward_model["ground_truth"])
-
-    extra_info = value.get("extra_info")
-    if extra_info is None:
-        extra_info = {}
-    elif not isinstance(extra_info, dict):
-        raise _RowProblem(
-            BadRowReason.EXTRA_INFO_INVALID, f"'extra_info' must be a dict, got {_type_name(extra_info)}"
-        )
-    agent_name = value.get("agent_name")
-    if agent_name is not None and (not isinstance(agent_name, str) or not agent_name.strip()):
-        raise _RowProblem(
-            BadRowReason.AGENT_NAME_INVALID,
-            f"'agent_name' must name an agent loop (e.g. 'tool_agent'), got {_type_name(agent_name)} {agent_name!r}",
-        )
-    return _ValidRow(messages, data_source, ground_truth, ability, dict(extra_info), agent_name)
-
-
-def _check_prompt_column(path: str, records: list[_Record], prompt_key: str) -> None:
-    """Fail fast when no row of a file has the prompt column: a wrong ``prompt_key`` (or the
-    wrong file), not thousands of individually bad rows, and never something to skip."""
-    objects = [r.value for r in records if isinstance(r.value, dict)]
-    if not objects or any(prompt_key in obj for obj in objects):
-        return
-    columns = sorted({key for obj in objects[:100] for key in obj})
-    raise DataError(
-        f"{path}: no row has the prompt column {prompt_key!r} (columns: {', '.join(columns)}); "
-        "is prompt_key right, and is this a file in verl's row schema?"
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The dataset
-
-
 class RLDataset(Sequence[PromptRow]):
     """Validated, chat-templated prompts (a ``Sequence[PromptRow]``) and the loading stats."""
 
@@ -630,7 +220,7 @@ class RLDataset(Sequence[PromptRow]):
         first_problem: dict[str, str] = {}  # reason -> first full message, for the warning
         rows: list[PromptRow] = []
 
-        def reject(location: str, problem: _RowProblem) -> None:
+        def reject(location: str, problem: RowProblem) -> None:
             message = f"{location}: {problem.message}"
             if on_bad_row == "error":
                 raise DataError(message) from problem
@@ -638,33 +228,33 @@ class RLDataset(Sequence[PromptRow]):
             first_problem.setdefault(problem.reason, message)
 
         for path in map(str, file_list):
-            records = _read_records(path, storage)
+            records = read_records(path, storage)
             if not records:
                 logger.warning("dataset file %s has no rows", path)
-            _check_prompt_column(path, records, prompt_key)
+            check_prompt_column(path, records, prompt_key)
             stats.num_rows += len(records)
             for record in records:
                 location = f"{path} {record.where}"
                 if record.parse_error is not None:
-                    reject(location, _RowProblem(record.parse_reason, record.parse_error))
+                    reject(location, RowProblem(record.parse_reason, record.parse_error))
                     continue
                 try:
-                    valid = _validate_row(record.value, prompt_key)
+                    valid = validate_row(record.value, prompt_key)
                     if data_sources is not None and valid.data_source not in data_sources:
-                        raise _RowProblem(
+                        raise RowProblem(
                             BadRowReason.DATA_SOURCE_UNKNOWN,
                             f"no reward function scores data_source {valid.data_source!r} (known: "
                             f"{', '.join(sorted(data_sources))}); fix the row's data_source, or set "
                             "reward.custom_reward_function.path to a function that scores it",
                         )
-                except _RowProblem as problem:
+                except RowProblem as problem:
                     reject(location, problem)
                     continue
                 try:
                     images, template_messages = _row_images(
                         record.value.get(image_key), valid.messages, vision, image_key, Path(path).parent
                     )
-                except _RowProblem as problem:
+                except RowProblem as problem:
                     reject(location, problem)
                     continue
                 try:
@@ -673,7 +263,7 @@ class RLDataset(Sequence[PromptRow]):
                     )
                     prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
                 except Exception as exc:  # templates raise arbitrary errors (jinja raise_exception)
-                    problem = _RowProblem(
+                    problem = RowProblem(
                         BadRowReason.CHAT_TEMPLATE_FAILED, f"the chat template failed: {type(exc).__name__}: {exc}"
                     )
                     problem.__cause__ = exc
@@ -686,7 +276,7 @@ class RLDataset(Sequence[PromptRow]):
                         grid_thw = vision.process([image for _, image in images])["image_grid_thw"]
                         prompt_ids = vision.expand_image_tokens(prompt_ids, grid_thw)
                     except Exception as exc:  # the processor's errors are arbitrary (sizes, modes)
-                        problem = _RowProblem(
+                        problem = RowProblem(
                             BadRowReason.IMAGE_UNREADABLE,
                             f"the image processor failed on {image_key!r}: {type(exc).__name__}: {exc}",
                         )
@@ -801,25 +391,25 @@ def _row_images(
     base_dir: Path,
 ) -> tuple[list[tuple[bytes, Any]], list[dict[str, Any]]]:
     """A row's images as (encoded bytes, decoded image) pairs, and the messages to render: with
-    images, each ``<image>`` placeholder turned into an image part. Raises ``_RowProblem``."""
+    images, each ``<image>`` placeholder turned into an image part. Raises ``RowProblem``."""
     if value is None or (isinstance(value, list) and not value):
         if vision is not None and any(IMAGE_PLACEHOLDER in m["content"] for m in messages):
             count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
-            raise _RowProblem(
+            raise RowProblem(
                 BadRowReason.IMAGES_INVALID, f"the prompt has {count} {IMAGE_PLACEHOLDER} placeholders but no {image_key!r}"
             )
         return [], messages
     if not isinstance(value, list):
-        raise _RowProblem(BadRowReason.IMAGES_INVALID, f"{image_key!r} must be a list of images, got {_type_name(value)}")
+        raise RowProblem(BadRowReason.IMAGES_INVALID, f"{image_key!r} must be a list of images, got {value_type_name(value)}")
     if vision is None:
-        raise _RowProblem(
+        raise RowProblem(
             BadRowReason.IMAGES_UNSUPPORTED,
             f"the row has {len(value)} images in {image_key!r} but model.path is a text-only model "
             "(no image processor); use a vision-language model (qwen2_vl, qwen2_5_vl)",
         )
     count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
     if count != len(value):
-        raise _RowProblem(
+        raise RowProblem(
             BadRowReason.IMAGES_INVALID,
             f"{image_key!r} has {len(value)} images but the prompt has {count} {IMAGE_PLACEHOLDER} "
             "placeholders; put one placeholder where each image goes",
@@ -830,7 +420,7 @@ def _row_images(
             data, label = image_bytes(entry, index, base_dir)
             images.append((data, decode_image(data, label)))
         except ImageProblem as problem:
-            raise _RowProblem(BadRowReason.IMAGE_UNREADABLE, f"{image_key!r} {problem}") from problem
+            raise RowProblem(BadRowReason.IMAGE_UNREADABLE, f"{image_key!r} {problem}") from problem
     rendered = [
         {**m, "content": split_placeholders(m["content"])} if IMAGE_PLACEHOLDER in m["content"] else m
         for m in messages

@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from hybridflow.data.dataset import DataError, load_rows
+from hybridflow.data.row_files import DataError, load_rows
 from hybridflow.data.writing import write_parquet_atomic
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"

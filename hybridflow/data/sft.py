@@ -29,7 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.data.dataset import VALID_ROLES, DataError, _read_records, check_chat_template_kwargs
+from hybridflow.data.dataset import check_chat_template_kwargs
+from hybridflow.data.row_files import DataError, read_records
+from hybridflow.data.row_schema import VALID_ROLES
 from hybridflow.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -196,7 +198,7 @@ def load_sft_examples(
     stats = SFTDataStats()
     examples: list[Trajectory] = []
     for path in paths:
-        for record in _read_records(path):
+        for record in read_records(path):
             stats.rows += 1
             where = f"{path} {record.where}"
             try:

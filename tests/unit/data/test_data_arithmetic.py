@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from hybridflow.data.dataset import RLDataset, load_rows
+from hybridflow.data.dataset import RLDataset
+from hybridflow.data.row_files import load_rows
 from hybridflow.data.tasks.arithmetic import (
     ARITHMETIC_DATA_SOURCE,
     NUM_PROBLEMS,

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridflow.data.dataset import MAX_ROW_DEPTH, BadRowReason, DataError, RLDataset, load_rows
+from hybridflow.data.dataset import RLDataset
+from hybridflow.data.row_files import MAX_ROW_DEPTH, BadRowReason, DataError, load_rows
 from hybridflow.models.tiny import build_tiny_tokenizer
 
 

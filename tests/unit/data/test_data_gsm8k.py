@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridflow.data.dataset import DataError, RLDataset, load_rows
+from hybridflow.data.dataset import RLDataset
+from hybridflow.data.row_files import DataError, load_rows
 from hybridflow.data.gsm8k import GSM8K_DATA_SOURCE, convert_gsm8k, extract_gsm8k_answer
 from hybridflow.models.tiny import build_tiny_tokenizer
 

@@ -14,15 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hybridflow.rewards.code import (
-    CodeTests,
-    _Planner,
-    compute_score,
-    decode_value,
-    encode_value,
-    run_tests,
-    shared_sandbox,
-)
+from hybridflow.rewards.code import CodeTests, compute_score, run_tests, shared_sandbox
+from hybridflow.rewards.code_harness import decode_value, encode_value
+from hybridflow.rewards.code_plan import Planner
 from hybridflow.rewards.sandbox import run_coroutine_sync, sandbox_unavailable_reason
 
 needs_sandbox = pytest.mark.skipif(
@@ -136,7 +130,7 @@ def test_malformed_or_oversized_claims_are_rejected(data: object) -> None:
     ],
 )
 def test_expected_values_never_enter_the_sandbox(test: str) -> None:
-    steps = _Planner().plan_test(test, 0).steps
+    steps = Planner().plan_test(test, 0).steps
     assert steps and "31337" not in json.dumps(steps) and "31338" not in json.dumps(steps)
 
 
@@ -154,7 +148,7 @@ def test_expected_values_never_enter_the_sandbox(test: str) -> None:
 )
 def test_tests_the_reward_cannot_decide_outside_the_sandbox_are_data_errors(test: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        _Planner().plan_test(test, 0)
+        Planner().plan_test(test, 0)
 
 
 # ---------------------------------------------------------------------------------------------
