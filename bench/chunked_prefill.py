@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from rollout_long_tail import EOS_TOKEN_ID, PAD_TOKEN_ID, build_model  # the ~20M shape, one definition
 
-from hybridflow.rollout.native import NativeEngine, TokenEvent
+from hybridflow.inference.native import NativeEngine, TokenEvent
 from hybridflow.types import GenerationRequest, SamplingParams
 
 

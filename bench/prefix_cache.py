@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from rollout_long_tail import EOS_TOKEN_ID, PAD_TOKEN_ID, build_model  # the ~20M shape, one definition
 
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.native import NativeEngine
 from hybridflow.types import GenerationRequest, SamplingParams
 
 VOCAB_LOW, VOCAB_HIGH = 300, 4000  # ordinary token ids of the 4096-token model, clear of specials

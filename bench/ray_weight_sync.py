@@ -3,7 +3,7 @@
 ``object_store``: actor rank 0 returns the full weights to the controller through Ray's object
 store, and the controller sends them on to the rollout process the same way (two pickled copies
 of the model through the controller per step). ``broadcast``: actor rank 0 streams them straight
-to the rollout process in 32 MB buckets over a gloo group (``hybridflow.rollout.weight_transfer``).
+to the rollout process in 32 MB buckets over a gloo group (``hybridflow.transfer.weight_transfer``).
 
 Workload: a one-rank GRPO job (actor and rollout each a Ray actor process) on a random-init model,
 ``--model tiny`` (the built-in ~0.9M-parameter Qwen2) or ``--model 20m`` (a ~18M-parameter Qwen2

@@ -31,11 +31,11 @@ measured copy bandwidth (weights streaming assumed perfectly overlapped with com
 The bf16 engine (``--dtypes float32 bfloat16``) is compared with the bf16 matmul rate; HF runs in
 fp32 only (the reference figure of the issue). fp32 engines run once per ``--weight-layouts``
 entry (``dense``: F.linear on the fused weights; ``onednn``: a packed copy, see
-``hybridflow.rollout.compact``), bf16 ones dense.
+``hybridflow.inference.compact``), bf16 ones dense.
 
 The header names the CPU (vendor, torch's dispatch level, avx512_bf16/amx_bf16) and what the
 ``auto`` settings resolve to on it: the weight layout, and ``rollout.dtype=auto`` with its reason,
-next to the figures of a bf16-vs-fp32 decode probe of this model (``rollout.precision``; printed on
+next to the figures of a bf16-vs-fp32 decode probe of this model (``inference.precision``; printed on
 every CPU, although ``auto`` measures only on CPUs with bf16 hardware).
 
     python bench/rollout_compute_bound.py --threads 2
@@ -62,9 +62,9 @@ from rollout_long_tail import (  # the ~20M shape, one definition
 )
 
 from hybridflow.rollout.base import choose_rollout_dtype
-from hybridflow.rollout.compact import WEIGHT_LAYOUTS, onednn_packing_available, resolve_weight_layout
-from hybridflow.rollout.native import NativeEngine, resolve_dtype
-from hybridflow.rollout.precision import probe_decode_precision
+from hybridflow.inference.compact import WEIGHT_LAYOUTS, onednn_packing_available, resolve_weight_layout
+from hybridflow.inference.native import NativeEngine, resolve_dtype
+from hybridflow.inference.precision import probe_decode_precision
 from hybridflow.types import GenerationRequest, SamplingParams
 from hybridflow.utils.device import cpu_features
 

@@ -32,7 +32,7 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hybridflow.rollout.native import NativeEngine, resolve_dtype
+from hybridflow.inference.native import NativeEngine, resolve_dtype
 from hybridflow.types import GenerationRequest, SamplingParams
 
 EOS_TOKEN_ID = 151645  # Qwen2.5's <|im_end|>; ignore_eos keeps every sequence running anyway

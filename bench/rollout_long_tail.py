@@ -32,7 +32,7 @@ from transformers import LogitsProcessor as HFLogitsProcessor
 from transformers import LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
-from hybridflow.rollout.native import LogitsRows, NativeEngine
+from hybridflow.inference.native import LogitsRows, NativeEngine
 from hybridflow.types import GenerationRequest, SamplingParams
 
 EOS_TOKEN_ID = 258  # <|im_end|> of the built-in tokenizer

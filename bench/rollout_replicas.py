@@ -46,7 +46,7 @@ CONFIGS = {"1 replica x 1 thread": (1, 1), "1 replica x 2 threads": (1, 2), "2 r
 
 def replica_main(connection: Connection, args: argparse.Namespace, threads: int) -> None:
     """One replica: build and warm the engine, then serve rounds of (prompt indices) until None."""
-    from hybridflow.rollout.native import NativeEngine
+    from hybridflow.inference.native import NativeEngine
 
     torch.set_num_threads(threads)
     prompts = build_prompts(args.prompts)

@@ -58,8 +58,8 @@ import torch
 import torch.multiprocessing as mp
 from rollout_long_tail import EOS_TOKEN_ID, PAD_TOKEN_ID, build_model  # the ~20M shape, one definition
 
-from hybridflow.rollout.native import NativeEngine
-from hybridflow.rollout.weight_transfer import WeightSyncGroup, receive_weights, send_weights
+from hybridflow.inference.native import NativeEngine
+from hybridflow.transfer.weight_transfer import WeightSyncGroup, receive_weights, send_weights
 from hybridflow.training import distributed
 from hybridflow.training.distributed import free_port
 

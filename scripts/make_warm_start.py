@@ -21,7 +21,7 @@ from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmet
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.rewards.arithmetic import compute_score
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.native import NativeEngine
 from hybridflow.types import GenerationRequest, SamplingParams
 
 

@@ -31,7 +31,7 @@ from bench.gpu.common import (
     EOS_TOKEN_ID, PAD_TOKEN_ID, QWEN25_05B, QWEN25_15B, Results, Shape, build_qwen2, copy_bandwidth, median_time,
     num_parameters, pick_device, step_arguments,
 )
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.native import NativeEngine
 from hybridflow.training.engine import TrainEngine
 from hybridflow.types import GenerationRequest, SamplingParams, collate_trajectories
 

@@ -30,7 +30,7 @@ from bench.gpu.update import full_batch, grpo_loss
 from hybridflow.config.budget import ModelShape
 from hybridflow.config.loader import load_config
 from hybridflow.config.plan import plan_memory
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.native import NativeEngine
 from hybridflow.training import distributed
 from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
 from hybridflow.types import GenerationRequest, SamplingParams

@@ -105,15 +105,15 @@ FORWARD_HIDDEN_VALUES, FORWARD_MLP_VALUES = 4, 3
 # The per-layer backward of a training micro-batch, on top of what the layer saved: the gradients of
 # the MLP's intermediates and of the hidden state, in compute-dtype values per token.
 BACKWARD_HIDDEN_VALUES, BACKWARD_MLP_VALUES = 2, 3
-# hybridflow.rollout.native.KV_CACHE_MEMORY_FRACTION, DEFAULT_MAX_PREFILL_PROMPTS,
-# DEFAULT_MAX_PREFILL_TOKENS and hybridflow.rollout.kv_cache.CAPACITY_ALIGN (a test keeps them equal).
+# hybridflow.inference.native.KV_CACHE_MEMORY_FRACTION, DEFAULT_MAX_PREFILL_PROMPTS,
+# DEFAULT_MAX_PREFILL_TOKENS and hybridflow.inference.kv_cache.CAPACITY_ALIGN (a test keeps them equal).
 KV_CACHE_MEMORY_FRACTION = {"cuda": 0.4, "cpu": 0.25}
 KV_PROMPT_ROWS = 64
 PREFILL_TOKENS = 2048
 KV_CAPACITY_ALIGN = 64
-# hybridflow.rollout.prefix_cache.DEFAULT_BLOCK_SIZE: the prefix cache keeps whole blocks of positions.
+# hybridflow.inference.prefix_cache.DEFAULT_BLOCK_SIZE: the prefix cache keeps whole blocks of positions.
 PREFIX_BLOCK_TOKENS = 16
-# hybridflow.rollout.compact.ONEDNN_FASTER_VENDORS: on these CPUs the native engine keeps a second,
+# hybridflow.inference.compact.ONEDNN_FASTER_VENDORS: on these CPUs the native engine keeps a second,
 # oneDNN-packed copy of its fp32 matmul weights.
 ONEDNN_PACKED_VENDORS = ("AuthenticAMD",)
 # Decode: float32 logits of every row, their softmax and the sampling temporary.

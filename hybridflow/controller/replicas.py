@@ -35,7 +35,7 @@ import torch
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest, Ticket
 from hybridflow.rollout.stream import Finished
-from hybridflow.rollout.weight_transfer import SENDER_RANK, TransferStats
+from hybridflow.transfer.weight_transfer import SENDER_RANK, TransferStats
 from hybridflow.tracking.timeline import Timeline
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.workers.rollout import RecordBatch, ReplicaOutput, RolloutWorker, ScoredGroup, StreamBatch

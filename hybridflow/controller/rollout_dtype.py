@@ -1,6 +1,6 @@
 """``rollout.dtype`` decided once per run, by set-up, recorded in the run folder and kept for its resumes.
 
-An explicit dtype is kept. ``auto`` is a rule (``hybridflow.rollout.precision``): bfloat16 on a GPU;
+An explicit dtype is kept. ``auto`` is a rule (``hybridflow.inference.precision``): bfloat16 on a GPU;
 on a CPU bfloat16 only with bf16 hardware and a model of at least ``BF16_MIN_PARAMETERS``
 parameters that the native engine decodes in one process, else float32. A rule, not a timing: the
 sampling precision changes every sampled token, and a timing taken while other processes run
@@ -13,7 +13,7 @@ started again in that folder takes the recorded answer, so a resume samples as t
 continues did even where a new measurement (``tune``) would read otherwise, or where the rule was
 changed since. The record's ``reuse`` is the override that makes another run sample the same way.
 
-The record also holds the native engine's weight layout (``rollout.compact.resolve_weight_layout``,
+The record also holds the native engine's weight layout (``inference.compact.resolve_weight_layout``,
 a rule of the CPU's vendor and the dtype; the layouts round differently): a resume on hardware
 where the rule gives another layout says that its rollouts will not be bitwise the ones the
 uninterrupted run would have drawn.
@@ -34,8 +34,8 @@ from hybridflow.config.budget import read_model_shape
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.rollout.base import ROLLOUT_DTYPE_RULES, choose_rollout_dtype
 from hybridflow.rollout.factory import ROLLOUT_ENGINES
-from hybridflow.rollout.compact import resolve_weight_layout
-from hybridflow.rollout.precision import DtypeChoice
+from hybridflow.inference.compact import resolve_weight_layout
+from hybridflow.inference.precision import DtypeChoice
 from hybridflow.utils.device import cpu_features, parse_dtype
 
 log = logging.getLogger(__name__)

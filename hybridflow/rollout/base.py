@@ -1,21 +1,20 @@
-"""The rollout engine protocol, and what the engines share (batch serving, the rollout dtype rule).
+"""The rollout engine protocol and the rollout dtype rule.
 
 A rollout engine is request-level: one ``GenerationRequest`` (a prompt and ``params.n``) in, its
 ``n`` trajectories out. Callers never see batches; engines batch concurrent requests themselves,
 which is what lets agent loops, validation and training rollouts share one engine.
 
-The engines import this module; ``factory`` (``build_rollout_engine``, ``ROLLOUT_ENGINES``) imports
-the engines, so no two modules import each other.
+``factory`` (``build_rollout_engine``, ``ROLLOUT_ENGINES``) imports the engines. What the engines
+share lies below them all: batch serving from synchronous code in ``hybridflow.utils.aio``, the
+request checks (``refuse_images``, ``check_sampling_params``) in ``hybridflow.inference.sampling``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -23,11 +22,9 @@ from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
 if TYPE_CHECKING:
-    from hybridflow.rollout.precision import DtypeChoice
+    from hybridflow.inference.precision import DtypeChoice
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -119,7 +116,7 @@ def choose_rollout_dtype(
     bf16 decode faster and its logprobs within ``max_logprob_mismatch`` (default: the health check's
     threshold) of fp32; see ``precision``. Without a model to probe it stays float32.
     """
-    from hybridflow.rollout import precision
+    from hybridflow.inference import precision
 
     if dtype not in ROLLOUT_DTYPE_RULES:
         return precision.DtypeChoice(dtype, "set explicitly")
@@ -138,7 +135,7 @@ def choose_rollout_dtype(
 
 def _tune(cpu: CpuFeatures, model: torch.nn.Module | None, batch: int, max_logprob_mismatch: float | None) -> DtypeChoice:
     """``rollout.dtype=tune`` on a CPU: measured on ``model`` (``precision.tune_cpu_rollout_dtype``)."""
-    from hybridflow.rollout import precision
+    from hybridflow.inference import precision
 
     threshold = precision.DEFAULT_MAX_LOGPROB_MISMATCH if max_logprob_mismatch is None else max_logprob_mismatch
 
@@ -155,48 +152,3 @@ def _tune(cpu: CpuFeatures, model: torch.nn.Module | None, batch: int, max_logpr
 
 class _NoModel(Exception):
     """Raised inside a probe that has no model to measure."""
-
-
-def refuse_images(request: GenerationRequest, engine: str) -> None:
-    """A text-only engine's check: a request with images would otherwise be generated from its
-    image tokens alone, a silently blind sample."""
-    if request.multi_modal is not None:
-        label = repr(request.request_id) if request.request_id else "(no request_id)"
-        raise ValueError(f"request {label} has images, and the {engine} rollout engine generates from text only "
-                         "(hybridflow.rollout.hf_vision.HFVisionEngine runs a vision-language model)")
-
-
-def serve_batch(
-    generate: Callable[[GenerationRequest], Awaitable[list[Trajectory]]],
-    requests: list[GenerationRequest],
-    check: Callable[[GenerationRequest], None] | None = None,
-) -> list[list[Trajectory]]:
-    """``generate`` for every request concurrently, from synchronous code: each engine's
-    ``generate_batch``. ``check`` refuses a bad request before any runs (the error names its
-    position). Runs a private event loop that is closed before returning; called from inside a
-    running loop (a notebook, an async caller of sync helpers), it runs that private loop in a
-    short-lived thread, since the caller's loop is blocked for the call anyway."""
-    for position, request in enumerate(requests):
-        try:
-            if check is not None:
-                check(request)
-        except ValueError as exc:
-            raise ValueError(f"generate_batch: requests[{position}]: {exc}") from None
-    if not requests:
-        return []
-
-    async def serve() -> list[list[Trajectory]]:
-        return list(await asyncio.gather(*(generate(r) for r in requests)))
-
-    return run_sync(serve())
-
-
-def run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
-    """``asyncio.run(coroutine)``, or, when this thread already runs a loop, the same in a fresh
-    thread joined before returning (``asyncio.run`` refuses to nest)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-sync") as pool:
-        return pool.submit(asyncio.run, coroutine).result()

@@ -19,7 +19,7 @@ import torch
 
 from hybridflow.models.loading import ATTN_IMPLEMENTATION, VL_MODEL_TYPES
 from hybridflow.rollout.base import RolloutEngine, resolve_rollout_dtype
-from hybridflow.rollout.families import config_problem
+from hybridflow.inference.families import config_problem
 
 
 def _build_native(
@@ -38,7 +38,7 @@ def _build_native(
     max_num_batched_tokens: int | None = None,  # None: the engine's default
     enable_chunked_prefill: bool = True,
 ) -> RolloutEngine:
-    from hybridflow.rollout.native import DEFAULT_MAX_PREFILL_TOKENS, NativeEngine
+    from hybridflow.inference.native import DEFAULT_MAX_PREFILL_TOKENS, NativeEngine
 
     return NativeEngine(
         model=model,
@@ -137,7 +137,7 @@ class EngineSpec:
     is not the whole story (default: that command). ``model_problem``: the config-time check of
     the checkpoint's config.json (as a dict) and the replica's tensor-parallel size: why the engine
     cannot run that architecture, or None (default: any architecture). ``probes_cpu_precision``:
-    the engine decodes through ``CompactCausalLM``, the decoder ``rollout.precision``'s figures and
+    the engine decodes through ``CompactCausalLM``, the decoder ``inference.precision``'s figures and
     probe describe, so ``rollout.dtype=auto|tune`` on a CPU with bf16 hardware may pick bf16 for it;
     any other engine stays float32 there (its decode is not what was measured).
     """
@@ -171,7 +171,7 @@ def _build_hf_vision(
     **_settings: Any,  # batching, CUDA graphs, prefix caching, prefill budget: none apply to one request at a time
 ) -> RolloutEngine:
     from hybridflow.rollout.hf_vision import HFVisionEngine
-    from hybridflow.rollout.native import resolve_dtype
+    from hybridflow.inference.native import resolve_dtype
 
     return HFVisionEngine(model.to(resolve_dtype(dtype)), eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                           device=device, seed=seed)
@@ -264,7 +264,7 @@ def build_rollout_engine(
 
     ``tensor_parallel_size`` > 1 (``rollout.tensor_model_parallel_size``) is for an engine that
     splits the model over devices itself (``EngineSpec.own_tensor_parallel``); the native engine's
-    tensor parallelism spans processes instead (``hybridflow.rollout.tensor_parallel``).
+    tensor parallelism spans processes instead (``hybridflow.inference.tensor_parallel``).
 
     The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
     ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.

@@ -1,6 +1,6 @@
 """Generation for vision-language models through the Hugging Face model's own forward.
 
-The native engine's compact forward is text-only (``hybridflow/rollout/families.py``): it has no
+The native engine's compact forward is text-only (``hybridflow/inference/families.py``): it has no
 vision tower and no M-RoPE. This engine is the documented fallback for Qwen2-VL / Qwen2.5-VL: the
 HF model runs the vision tower and the prefill, and then decodes with its own KV cache (a
 ``DynamicCache``), one request at a time, its ``n`` samples side by side as rows of one batch.
@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 
 from hybridflow.models.vision import mrope_position_ids
-from hybridflow.rollout.sampling import SamplingTensors, derive_sample_seed, sample_tokens
+from hybridflow.inference.sampling import SamplingTensors, derive_sample_seed, sample_tokens
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
 

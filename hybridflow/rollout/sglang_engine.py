@@ -67,7 +67,7 @@ Partial rollout (not built here): ``Trajectory.token_versions`` is None, and the
 to ``update_weights``/``weight_update`` is accepted and ignored. Requests wait while an update is
 pushed, but one already running on the server continues on its KV cache of the old weights, and
 nothing records which tokens came from which weights (SGLang's replies carry no weight version);
-the native engine does both (``hybridflow.rollout.native``, "partial rollout").
+the native engine does both (``hybridflow.inference.native``, "partial rollout").
 """
 
 from __future__ import annotations
@@ -94,10 +94,10 @@ from typing import Any, Protocol
 import httpx
 import torch
 
-from hybridflow.rollout.base import refuse_images, serve_batch
-from hybridflow.rollout.sampling import derive_sample_seed, is_greedy
-from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, NamedTensor, check_bucket, iter_buckets
+from hybridflow.inference.sampling import derive_sample_seed, is_greedy, refuse_images
+from hybridflow.transfer.weights import DEFAULT_BUCKET_BYTES, NamedTensor, check_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.utils.aio import serve_batch
 
 logger = logging.getLogger(__name__)
 

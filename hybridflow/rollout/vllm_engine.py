@@ -47,7 +47,7 @@ Logprobs
 --------
 hybridflow records ``log_softmax(logits / temperature)[token]`` over the full vocabulary, before
 penalties and filters (temperature 1 on greedy rows), and the trainer recomputes exactly that
-(``hybridflow.rollout.sampling``). vLLM is built with ``logprobs_mode="processed_logprobs"``: the
+(``hybridflow.inference.sampling``). vLLM is built with ``logprobs_mode="processed_logprobs"``: the
 logprobs of the distribution the token was drawn from, after temperature (greedy rows: 1). With no
 filter or penalty on (``top_p=1``, ``top_k=-1``, ``min_p=0``, ``repetition_penalty=1``, the RL
 default) that is the same quantity. With one on, vLLM's logprob is renormalised over the tokens the
@@ -75,7 +75,7 @@ full weight update restores).
 Partial rollout (not built here): ``Trajectory.token_versions`` is None, and the ``version`` given
 to ``update_weights``/``weight_update`` is accepted and ignored. A request in flight while weights
 load continues on vLLM's KV cache of the old weights (nothing recomputes it), and nothing records
-which tokens came from which weights; the native engine does both (``hybridflow.rollout.native``,
+which tokens came from which weights; the native engine does both (``hybridflow.inference.native``,
 "partial rollout"). Update while the engine is idle (the synchronous trainer does) for one policy
 per trajectory.
 """
@@ -95,9 +95,8 @@ from typing import Any
 
 import torch
 
-from hybridflow.rollout.base import refuse_images
-from hybridflow.rollout.sampling import check_sampling_params, derive_sample_seed
-from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, check_bucket, iter_buckets
+from hybridflow.inference.sampling import check_sampling_params, derive_sample_seed, refuse_images
+from hybridflow.transfer.weights import DEFAULT_BUCKET_BYTES, check_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 from hybridflow.utils.seed import capture_rng_state, restore_rng_state
 

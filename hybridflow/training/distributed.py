@@ -398,7 +398,7 @@ def _shard_rows(total: int, shards: int) -> int:
 # ------------------------------------------------------------------ lockstep bucket gathers
 RowRange = tuple[int, int]
 # A planned bucket entry: the tensor ``name`` as this rank holds it, whole (rows None) or the
-# rows [start, stop) of its dim 0 (``hybridflow.rollout.weights.WeightSlice`` is one).
+# rows [start, stop) of its dim 0 (``hybridflow.transfer.weights.WeightSlice`` is one).
 PlannedTensor = tuple[str, torch.Tensor, RowRange | None]
 P = TypeVar("P", bound=PlannedTensor)
 # Rank 0 broadcasts None before each bucket (one small collective), and once at the end this

@@ -65,8 +65,8 @@ from hybridflow.models.lora import (
     load_adapter,
     write_lora_manifest,
 )
-from hybridflow.rollout import weight_transfer
-from hybridflow.rollout.weight_transfer import (
+from hybridflow.transfer import weight_transfer
+from hybridflow.transfer.weight_transfer import (
     DEFAULT_TRANSFER_BUCKET_BYTES,
     SENDER_RANK,
     TransferStats,
@@ -75,7 +75,7 @@ from hybridflow.rollout.weight_transfer import (
     gpu_uuid,
     sync_device,
 )
-from hybridflow.rollout.weights import plan_buckets
+from hybridflow.transfer.weights import plan_buckets
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import (

@@ -41,10 +41,11 @@ from hybridflow.data.plane import put_group, records_of
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
 from hybridflow.models.lora import AdapterMerger, is_adapter_payload
 from hybridflow.rewards.tally import RewardTally
-from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine, weight_transfer
+from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine
 from hybridflow.rollout.base import resolve_rollout_dtype
 from hybridflow.rollout.stream import Finished, Job, RequestStream
-from hybridflow.rollout.weight_transfer import (
+from hybridflow.transfer import weight_transfer
+from hybridflow.transfer.weight_transfer import (
     SENDER_RANK,
     TransferStats,
     WeightSyncGroup,
@@ -232,8 +233,8 @@ class RolloutWorker:
     def _serve_over_http(self, tokenizer: Any, setup: RolloutSetup) -> None:
         """``rollout.mode=server``: the engine behind hybridflow's HTTP server on 127.0.0.1 in a
         thread of this process, and a client through which every request of this replica goes."""
-        from hybridflow.rollout.http_client import HttpEngineClient
-        from hybridflow.rollout.server import ServerLimits, ServerThread, create_app
+        from hybridflow.serving.http_client import HttpEngineClient
+        from hybridflow.serving.server import ServerLimits, ServerThread, create_app
 
         name = f"rollout replica {self.rank}"
         # The trainer's own requests: as many samples as rollout.n asks for; the context is the model's.
@@ -246,7 +247,7 @@ class RolloutWorker:
         """This rank's part of a tensor-parallel native engine over the group's ``size`` ranks: the
         engine on rank 0; on the others None, and a thread that executes rank 0's commands until
         it stops (so this worker's construction returns while rank 0's still sends them)."""
-        from hybridflow.rollout.tensor_parallel import TensorParallelFollower, build_tp_engine, new_tp_group
+        from hybridflow.inference.tensor_parallel import TensorParallelFollower, build_tp_engine, new_tp_group
 
         spec = ROLLOUT_ENGINES.get(setup.engine)
         if spec is not None and spec.own_tensor_parallel:

@@ -37,7 +37,7 @@ SMALL = [
     "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
     "trainer.save_final=false", "actor.optim.lr=1e-4",
     # These runs check fp32 rollout against the fp32 trainer (1e-4): on a CPU with bf16 hardware
-    # rollout.dtype=auto may measure its way to bf16 (hybridflow.rollout.precision).
+    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision).
     "rollout.dtype=float32",
 ]
 

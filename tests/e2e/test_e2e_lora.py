@@ -21,7 +21,7 @@ SMALL = [
     "data.max_response_length=4", "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.num_threads=1",
     "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
     # These runs check fp32 rollout against the fp32 trainer (1e-4): on a CPU with bf16 hardware
-    # rollout.dtype=auto may measure its way to bf16 (hybridflow.rollout.precision).
+    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision).
     "rollout.dtype=float32",
 ]
 

@@ -29,7 +29,7 @@ SMALL = [
     "trainer.num_threads=1",
     "trainer.progress_bar=false",
     # These runs check fp32 rollout against the fp32 trainer (1e-4): on a CPU with bf16 hardware
-    # rollout.dtype=auto may measure its way to bf16 (hybridflow.rollout.precision).
+    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision).
     "rollout.dtype=float32",
 ]
 

@@ -20,7 +20,7 @@ from hybridflow.cluster.worker_group import (
     meeting_host,
     wait_all,
 )
-from hybridflow.rollout.weight_transfer import WeightSyncGroup
+from hybridflow.transfer.weight_transfer import WeightSyncGroup
 
 # Ray decides at import whether a local head binds 127.0.0.1 only; ask before importing it.
 os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")

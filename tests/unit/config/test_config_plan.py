@@ -56,7 +56,7 @@ def test_parameter_count_is_the_models():
 
 
 def test_constants_are_the_engines():
-    from hybridflow.rollout import compact, kv_cache, native, prefix_cache
+    from hybridflow.inference import compact, kv_cache, native, prefix_cache
     from hybridflow.training import lm_head
 
     assert (LM_HEAD_CHUNK_LOGIT_BYTES, LM_HEAD_MIN_CHUNK_ROWS, LM_HEAD_MAX_CHUNK_ROWS) == (

@@ -13,8 +13,8 @@ from hybridflow.controller import rollout_dtype
 from hybridflow.config.budget import read_model_shape
 from hybridflow.controller.rollout_dtype import ROLLOUT_DTYPE_FILE, resolve_run_rollout_dtype
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
-from hybridflow.rollout import precision
-from hybridflow.rollout.precision import PrecisionProbe
+from hybridflow.inference import precision
+from hybridflow.inference.precision import PrecisionProbe
 from hybridflow.utils.device import CpuFeatures
 
 AVX2 = CpuFeatures(vendor="AuthenticAMD", model_name="AMD EPYC", flags=frozenset({"avx2"}), capability="AVX2")

@@ -8,15 +8,18 @@ import hybridflow
 LAYER = {
     "types": 0, "utils": 0,
     "config": 1, "tracking": 1,
-    "algorithms": 2, "rewards": 2, "data": 2, "models": 2,
-    "rollout": 3, "agents": 3, "training": 3,
-    "workers": 4, "cluster": 4,
+    "algorithms": 2, "rewards": 2, "data": 2, "models": 2, "transfer": 2,
+    "inference": 3, "rollout": 3, "agents": 3, "training": 3,
+    "workers": 4, "cluster": 4, "serving": 4,
     "controller": 5, "api": 6, "cli": 7,
 }
 # Same-layer imports that are part of the design: the engine computes logprobs with the
-# algorithm library's chunked kernels; data and models are siblings with no cycle.
-ALLOWED_SAME_LAYER = {("models", "algorithms"), ("rollout", "models"), ("training", "models")}
-FORBIDDEN = {("training", "rollout"), ("training", "agents"), ("agents", "training")}
+# algorithm library's chunked kernels; data and models are siblings with no cycle; the rollout
+# factory builds the native runtime's engine and the adapters share its sampling helpers (the
+# runtime never imports rollout/); the rollout worker serves its engine over HTTP.
+ALLOWED_SAME_LAYER = {("models", "algorithms"), ("rollout", "models"), ("training", "models"),
+                      ("rollout", "inference"), ("workers", "serving")}
+FORBIDDEN = {("training", "rollout"), ("training", "agents"), ("agents", "training"), ("inference", "rollout")}
 
 
 def area(module: str) -> str | None:

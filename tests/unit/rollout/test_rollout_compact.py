@@ -28,8 +28,8 @@ from transformers import (
 )
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.rollout.compact import CompactCausalLM, onednn_packing_available, resolve_weight_layout
-from hybridflow.rollout.kv_cache import SlotKVCache
+from hybridflow.inference.compact import CompactCausalLM, onednn_packing_available, resolve_weight_layout
+from hybridflow.inference.kv_cache import SlotKVCache
 from hybridflow.utils.device import CpuFeatures
 
 torch.set_num_threads(1)

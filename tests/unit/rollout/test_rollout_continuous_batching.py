@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hybridflow.models.tiny import build_tiny_tokenizer
-from hybridflow.rollout.native import LogitsRows, NativeEngine
-from hybridflow.rollout.weights import iter_buckets
+from hybridflow.inference.native import LogitsRows, NativeEngine
+from hybridflow.transfer.weights import iter_buckets
 from hybridflow.training.engine import TrainEngine
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory, collate_trajectories
 

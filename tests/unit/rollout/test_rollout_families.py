@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from hybridflow.models.loading import load_causal_lm
-from hybridflow.rollout.families import SUPPORTED_MODEL_TYPES
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.families import SUPPORTED_MODEL_TYPES
+from hybridflow.inference.native import NativeEngine
 from hybridflow.types import GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)

@@ -107,7 +107,7 @@ def test_unsupported_settings_and_weight_updates_are_checked():
 
 def test_the_native_engine_refuses_a_request_with_images():
     from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-    from hybridflow.rollout.native import NativeEngine
+    from hybridflow.inference.native import NativeEngine
 
     spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     engine = NativeEngine(model=build_tiny_model(spec), eos_token_ids=[258], pad_token_id=256, max_batch_size=4)

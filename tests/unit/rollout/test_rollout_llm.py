@@ -7,7 +7,7 @@ import torch
 
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.models.tiny import write_tiny_model
-from hybridflow.rollout.llm import LLM
+from hybridflow.serving.llm import LLM
 from hybridflow.types import SamplingParams
 
 from test_rollout_continuous_batching import ForceText

@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.rollout.compact import onednn_packing_available
-from hybridflow.rollout.native import NativeEngine, resolve_dtype
+from hybridflow.inference.compact import onednn_packing_available
+from hybridflow.inference.native import NativeEngine, resolve_dtype
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
 torch.set_num_threads(1)

@@ -18,7 +18,7 @@ import torch
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hybridflow.rollout.native import NativeEngine, TokenEvent
+from hybridflow.inference.native import NativeEngine, TokenEvent
 from hybridflow.types import UNVERSIONED_TOKEN, GenerationRequest, SamplingParams, Trajectory
 
 torch.set_num_threads(1)

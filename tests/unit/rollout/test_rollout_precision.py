@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.rollout import base, precision
+from hybridflow.inference import precision
+from hybridflow.rollout import base
 from hybridflow.rollout.base import choose_rollout_dtype, resolve_rollout_dtype
 from hybridflow.rollout.factory import build_rollout_engine
-from hybridflow.rollout.precision import (
+from hybridflow.inference.precision import (
     BF16_MIN_PARAMETERS,
     PrecisionProbe,
     probe_decode_precision,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridflow.rollout.factory import build_rollout_engine
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.native import NativeEngine
 from hybridflow.rollout.sglang_engine import launch_args
 from hybridflow.rollout.vllm_engine import scheduler_args
 from hybridflow.types import Trajectory

@@ -14,8 +14,8 @@ import torch
 
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.rollout.factory import build_rollout_engine
-from hybridflow.rollout.native import NativeEngine
-from hybridflow.rollout.prefix_cache import CachedBlock, PrefixCache, block_digests
+from hybridflow.inference.native import NativeEngine
+from hybridflow.inference.prefix_cache import CachedBlock, PrefixCache, block_digests
 from hybridflow.types import Trajectory
 
 from hybridflow.workers.rollout import RolloutSetup

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybridflow.rollout.sampling import (
+from hybridflow.inference.sampling import (
     SamplingTensors,
     _mul32,
     apply_repetition_penalty,

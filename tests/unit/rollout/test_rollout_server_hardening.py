@@ -31,8 +31,8 @@ import uvicorn
 
 from hybridflow.cli import main
 from hybridflow.models.tiny import write_tiny_model
-from hybridflow.rollout.native import NativeEngine
-from hybridflow.rollout.server import (
+from hybridflow.inference.native import NativeEngine
+from hybridflow.serving.server import (
     HostCheck,
     ServerLimits,
     build_server_engine,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, write_tiny_model
-from hybridflow.rollout.precision import DEFAULT_MAX_LOGPROB_MISMATCH
+from hybridflow.inference.precision import DEFAULT_MAX_LOGPROB_MISMATCH
 from hybridflow.rollout.sglang_engine import build_sglang_engine
 from hybridflow.training.engine import TrainEngine
 from hybridflow.types import GenerationRequest, SamplingParams, collate_trajectories

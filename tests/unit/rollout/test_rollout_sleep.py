@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hybridflow.models.loading import load_causal_lm
-from hybridflow.rollout.compact import onednn_packing_available
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.compact import onednn_packing_available
+from hybridflow.inference.native import NativeEngine
 
 from test_rollout_native_engine import PROMPTS, make_engine, make_model, request
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_rollout_native_engine import PAD, PROMPTS, make_engine, make_model, request
 
-from hybridflow.rollout import graphs
-from hybridflow.rollout.compact import CompactCausalLM
-from hybridflow.rollout.graphs import StaticDecoder, batch_bucket, key_bucket
-from hybridflow.rollout.kv_cache import SlotKVCache
+from hybridflow.inference import graphs
+from hybridflow.inference.compact import CompactCausalLM
+from hybridflow.inference.graphs import StaticDecoder, batch_bucket, key_bucket
+from hybridflow.inference.kv_cache import SlotKVCache
 
 torch.set_num_threads(1)
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.rollout.tensor_parallel import check_tensor_parallel_shape, tp_rank_layout
+from hybridflow.inference.tensor_parallel import check_tensor_parallel_shape, tp_rank_layout
 from hybridflow.types import GenerationRequest, SamplingParams
 
 EOS, PAD, VOCAB = 258, 256, 272
@@ -144,7 +144,7 @@ def partial_run(engine: Any, family: str) -> dict[str, Any]:
 
 
 def plain_engine(family: str, seed: int, device: str) -> Any:
-    from hybridflow.rollout.native import NativeEngine
+    from hybridflow.inference.native import NativeEngine
 
     return NativeEngine(model=make_model(family, seed), **engine_kwargs(device))
 
@@ -152,14 +152,14 @@ def plain_engine(family: str, seed: int, device: str) -> Any:
 def wire_format(family: str) -> None:
     """Llama's replica sends every header in two parts and every tensor apart from its header
     (the paths large prefill chunks take); Qwen2's the usual way. Both ranks must agree."""
-    from hybridflow.rollout import tensor_parallel
+    from hybridflow.inference import tensor_parallel
 
     tensor_parallel.HEADER_BYTES = 64 if family == "llama" else 16384
     tensor_parallel.INLINE_PAYLOAD_BYTES = 0 if family == "llama" else 12288
 
 
 def leader_scenarios(group: Any, solo: Any, device: str) -> dict[str, Any]:
-    from hybridflow.rollout.tensor_parallel import build_tp_engine
+    from hybridflow.inference.tensor_parallel import build_tp_engine
 
     report: dict[str, Any] = {}
     for family in FAMILIES:
@@ -189,7 +189,7 @@ def leader_scenarios(group: Any, solo: Any, device: str) -> dict[str, Any]:
 
 
 def follower_scenarios(group: Any, device: str) -> dict[str, Any]:
-    from hybridflow.rollout.tensor_parallel import build_tp_engine
+    from hybridflow.inference.tensor_parallel import build_tp_engine
 
     report: dict[str, Any] = {}
     for family in FAMILIES:
@@ -203,7 +203,7 @@ def follower_scenarios(group: Any, device: str) -> dict[str, Any]:
 
 
 def leader_killed_follower(group: Any, device: str) -> dict[str, Any]:
-    from hybridflow.rollout.tensor_parallel import build_tp_engine
+    from hybridflow.inference.tensor_parallel import build_tp_engine
 
     leader = build_tp_engine(make_model("qwen2", 0), group, timeout_s=KILL_TIMEOUT_S, **engine_kwargs(device))
     requests = [GenerationRequest(prompt_ids=p, params=SamplingParams(temperature=0.0, max_tokens=40,
@@ -229,7 +229,7 @@ def leader_killed_follower(group: Any, device: str) -> dict[str, Any]:
 
 
 def follower_killed(group: Any, device: str) -> None:
-    from hybridflow.rollout.tensor_parallel import build_tp_engine
+    from hybridflow.inference.tensor_parallel import build_tp_engine
 
     follower = build_tp_engine(make_model("qwen2", 0), group, timeout_s=KILL_TIMEOUT_S, **engine_kwargs(device))
     forward = follower.compact.forward
@@ -247,14 +247,14 @@ def follower_killed(group: Any, device: str) -> None:
 
 def leader_goes_silent(group: Any, device: str) -> None:
     """A leader that stops sending without a word (as if its process hung or died)."""
-    from hybridflow.rollout.tensor_parallel import build_tp_engine
+    from hybridflow.inference.tensor_parallel import build_tp_engine
 
     leader = build_tp_engine(make_model("qwen2", 0), group, timeout_s=GONE_TIMEOUT_S, **engine_kwargs(device))
     leader._sender._closed.set()  # stops the keep-alive; nothing else is ever sent on this group
 
 
 def follower_loses_leader(group: Any, device: str) -> dict[str, Any]:
-    from hybridflow.rollout.tensor_parallel import build_tp_engine
+    from hybridflow.inference.tensor_parallel import build_tp_engine
 
     follower = build_tp_engine(make_model("qwen2", 0), group, timeout_s=GONE_TIMEOUT_S, **engine_kwargs(device))
     start = time.monotonic()
@@ -268,7 +268,7 @@ def follower_loses_leader(group: Any, device: str) -> dict[str, Any]:
 
 def mismatched_build(group: Any, device: str, rank: int) -> str:
     """Ranks that disagree on the context length: every rank refuses, none hangs."""
-    from hybridflow.rollout.tensor_parallel import build_tp_engine
+    from hybridflow.inference.tensor_parallel import build_tp_engine
 
     try:
         build_tp_engine(make_model("qwen2", 0), group, **{**engine_kwargs(device), "max_model_len": 128 - 64 * rank})
@@ -280,7 +280,7 @@ def mismatched_build(group: Any, device: str, rank: int) -> str:
 def worker(rank: int, port: int, out_dir: str, device_type: str) -> None:
     import torch.distributed as dist
 
-    from hybridflow.rollout.tensor_parallel import new_tp_group
+    from hybridflow.inference.tensor_parallel import new_tp_group
 
     torch.set_num_threads(1)
     device = "cpu" if device_type == "cpu" else f"cuda:{rank}"

@@ -29,7 +29,7 @@ def test_sglang_launch_args_carry_the_tp_size() -> None:
 
 def test_only_engines_that_split_a_model_themselves_take_the_size() -> None:
     assert ROLLOUT_ENGINES["vllm"].own_tensor_parallel and ROLLOUT_ENGINES["sglang"].own_tensor_parallel
-    assert not ROLLOUT_ENGINES["native"].own_tensor_parallel  # its TP spans processes (rollout/tensor_parallel.py)
+    assert not ROLLOUT_ENGINES["native"].own_tensor_parallel  # its TP spans processes (inference/tensor_parallel.py)
     assert _tensor_parallel_arg(ROLLOUT_ENGINES["vllm"], "vllm", 4) == {"tensor_parallel_size": 4}
     assert _tensor_parallel_arg(ROLLOUT_ENGINES["native"], "native", 1) == {}
     with pytest.raises(ValueError, match="does not split a model over devices itself"):

@@ -37,7 +37,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.rollout import base, factory
 from hybridflow.rollout.factory import engine_unavailable
-from hybridflow.rollout.precision import DEFAULT_MAX_LOGPROB_MISMATCH
+from hybridflow.inference.precision import DEFAULT_MAX_LOGPROB_MISMATCH
 from hybridflow.types import Trajectory
 
 # Why these cannot run here: no CUDA, and/or no GPU build of vLLM (missing, or its CPU build).
@@ -305,7 +305,7 @@ def test_decode_throughput_native_against_vllm_at_batch_256(tmp_path):
     """A figure, not a bound: prints decode tokens/s of both engines in bf16 and their ratio. Both
     run as hybridflow drives them: every sample seeded (vLLM samples seeded rows with per-request
     generators), prefix caching off (the prompts repeat across timed runs), CUDA graphs on."""
-    from hybridflow.rollout.native import NativeEngine
+    from hybridflow.inference.native import NativeEngine
 
     require_free_pool()
 

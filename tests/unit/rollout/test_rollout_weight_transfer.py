@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hybridflow.rollout.native import NativeEngine
-from hybridflow.rollout.weight_transfer import (
+from hybridflow.inference.native import NativeEngine
+from hybridflow.transfer.weight_transfer import (
     TensorSpec,
     WeightSyncError,
     WeightSyncGroup,
@@ -34,7 +34,7 @@ from hybridflow.rollout.weight_transfer import (
     send_buckets,
     send_weights,
 )
-from hybridflow.rollout.weights import NamedTensor, WeightSlice, plan_buckets
+from hybridflow.transfer.weights import NamedTensor, WeightSlice, plan_buckets
 from hybridflow.training.distributed import free_port
 from hybridflow.types import GenerationRequest, SamplingParams
 
@@ -273,7 +273,7 @@ def test_plan_cuts_tensors_larger_than_a_bucket_into_row_slices_at_the_given_cut
 
 
 def test_receivers_refuse_slices_outside_dim_0_or_out_of_order_before_data_moves():
-    from hybridflow.rollout.weight_transfer import _Assembly
+    from hybridflow.transfer.weight_transfer import _Assembly
 
     slices = _Assembly(torch.device("cpu"))
     with pytest.raises(ValueError, match=r"rows \[8, 11\) of 'e' is outside dim 0 of its shape \(10, 4\)"):

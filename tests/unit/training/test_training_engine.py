@@ -7,7 +7,7 @@ import torch
 
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.native import NativeEngine
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.types import GenerationRequest, SamplingParams, collate_trajectories
 

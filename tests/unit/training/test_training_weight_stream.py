@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.rollout.weights import WeightSlice, iter_buckets, plan_buckets
+from hybridflow.transfer.weights import WeightSlice, iter_buckets, plan_buckets
 from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine
 
@@ -104,7 +104,7 @@ class GatherCounter:
 
 
 def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, Any]:
-    from hybridflow.rollout.weight_transfer import WeightSyncGroup
+    from hybridflow.transfer.weight_transfer import WeightSyncGroup
     from hybridflow.workers.actor import stream_weights
 
     group = None
@@ -168,7 +168,7 @@ def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, An
 
 
 def run_receiver(sync_port: int, out: Path) -> dict[str, Any]:
-    from hybridflow.rollout.weight_transfer import WeightSyncGroup, receive_weights
+    from hybridflow.transfer.weight_transfer import WeightSyncGroup, receive_weights
 
     group = WeightSyncGroup.connect(rank=1, world_size=2, host="127.0.0.1", port=sync_port, timeout_s=GROUP_TIMEOUT_S)
     model = make_model(seed=0)

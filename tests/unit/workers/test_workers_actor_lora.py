@@ -94,7 +94,7 @@ def test_merged_weights_for_the_rollout_equal_peft_merge_and_unload(model_dir):
 def test_streamed_merged_weights_equal_the_in_process_ones(model_dir):
     """The broadcast path: buckets planned from the base weights, the adapters merged into each
     tensor or row slice as it is sent (a small bucket forces slices)."""
-    from hybridflow.rollout.weights import plan_buckets
+    from hybridflow.transfer.weights import plan_buckets
     from hybridflow.workers.actor import _merged
 
     actor = _actor(model_dir)
@@ -159,7 +159,7 @@ def test_sharded_format_holds_only_the_adapter_too(model_dir, tmp_path):
 
 
 def _two_rank_actor(rank: int, world: int, port: int, model_dir: str, root: str, out) -> None:
-    from hybridflow.rollout import weight_transfer
+    from hybridflow.transfer import weight_transfer
     from hybridflow.training import distributed
     from hybridflow.workers import actor as actor_module
 
@@ -344,7 +344,7 @@ def test_bf16_base_syncs_merged_weights_that_rollouts_of_either_dtype_take(model
     """Merged weights come out in the base's bf16, W + B @ A * scaling added in fp32 and rounded
     once (what a bf16 rollout makes of an fp32 merge); an fp32 native rollout casts them and holds
     exactly those values. Streamed buckets carry the same tensors as the in-process sync."""
-    from hybridflow.rollout.weights import plan_buckets
+    from hybridflow.transfer.weights import plan_buckets
     from hybridflow.workers.actor import _merged
     from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
 

@@ -15,7 +15,7 @@ import uvicorn
 
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
 from hybridflow.rewards.judge import JudgeSettings
-from hybridflow.rollout.server import build_server_engine, create_app
+from hybridflow.serving.server import build_server_engine, create_app
 from hybridflow.types import Trajectory
 from hybridflow.workers.reward_model import JudgeSetup, JudgeWorker
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridflow.rollout.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, Numerics, config_problem
+from hybridflow.inference.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, Numerics, config_problem
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
 

@@ -1,6 +1,6 @@
 """Offline generation with the API vLLM users know: ``LLM(path).generate(prompts, SamplingParams(...))``.
 
-    from hybridflow.rollout.llm import LLM
+    from hybridflow.serving.llm import LLM
     from hybridflow.types import SamplingParams
 
     llm = LLM("/models/Qwen2.5-0.5B-Instruct", dtype="bfloat16")
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from hybridflow.models.loading import check_model_dir, eos_token_ids, load_causal_lm
-from hybridflow.rollout.native import NativeEngine, resolve_dtype
-from hybridflow.rollout.stopping import cut_at_stop
+from hybridflow.inference.native import NativeEngine, resolve_dtype
+from hybridflow.inference.stopping import cut_at_stop
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.rollout.compact import KVAccess
+from hybridflow.inference.compact import KVAccess
 
 CAPACITY_ALIGN = 64  # positions; growing in steps avoids a reallocation per slightly longer request
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.types import SamplingParams
+from hybridflow.types import GenerationRequest, SamplingParams
 
 # The uniform's resolution: 24 bits, exactly representable in float32 (its mantissa).
 UNIFORM_BITS = 24
@@ -114,6 +114,15 @@ def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def refuse_images(request: GenerationRequest, engine: str) -> None:
+    """A text-only engine's check: a request with images would otherwise be generated from its
+    image tokens alone, a silently blind sample."""
+    if request.multi_modal is not None:
+        label = repr(request.request_id) if request.request_id else "(no request_id)"
+        raise ValueError(f"request {label} has images, and the {engine} rollout engine generates from text only "
+                         "(hybridflow.rollout.hf_vision.HFVisionEngine runs a vision-language model)")
 
 
 def is_greedy(params: SamplingParams) -> bool:

@@ -68,9 +68,9 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from hybridflow.models.loading import eos_token_ids, load_causal_lm
-from hybridflow.rollout.native import NativeEngine, TokenEvent, resolve_dtype
-from hybridflow.rollout.sampling import check_sampling_params, is_greedy
-from hybridflow.rollout.stopping import cut_at_stop
+from hybridflow.inference.native import NativeEngine, TokenEvent, resolve_dtype
+from hybridflow.inference.sampling import check_sampling_params, is_greedy
+from hybridflow.inference.stopping import cut_at_stop
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
 try:
@@ -1317,7 +1317,7 @@ def build_server_engine(
         logger.debug("model load failed", exc_info=True)
         raise ServeError(
             f"cannot load the model from {path}: {_one_line(exc)}; the directory needs config.json and "
-            "*.safetensors weights of a causal LM the native engine supports (hybridflow/rollout/families.py)"
+            "*.safetensors weights of a causal LM the native engine supports (hybridflow/inference/families.py)"
         ) from exc
     pad = tokenizer.pad_token_id
     max_model_len = max_model_len or int(model.config.max_position_embeddings)

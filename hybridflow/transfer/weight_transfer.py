@@ -56,7 +56,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from hybridflow.rollout.weights import NamedTensor, RowRange, WeightSlice, check_bucket, copy_bucket, plan_buckets
+from hybridflow.transfer.weights import NamedTensor, RowRange, WeightSlice, check_bucket, copy_bucket, plan_buckets
 
 SENDER_RANK = 0
 # Every tensor starts at a multiple of this many bytes in a flat bucket: any dtype can then view

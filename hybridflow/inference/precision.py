@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.rollout.compact import CompactCausalLM
-from hybridflow.rollout.kv_cache import SlotKVCache
-from hybridflow.rollout.sampling import counter_uniforms, sample_from_probs
+from hybridflow.inference.compact import CompactCausalLM
+from hybridflow.inference.kv_cache import SlotKVCache
+from hybridflow.inference.sampling import counter_uniforms, sample_from_probs
 from hybridflow.tracking.health import HealthThresholds
 from hybridflow.utils.device import CpuFeatures
 

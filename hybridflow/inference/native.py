@@ -87,25 +87,26 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridflow.rollout.base import refuse_images, serve_batch
-from hybridflow.rollout.compact import CompactCausalLM
-from hybridflow.rollout.graphs import GraphCaptureError, StaticDecoder
-from hybridflow.rollout.kv_cache import SlotKVCache
-from hybridflow.rollout.prefix_cache import CachedBlock, PrefixCache, block_digests
-from hybridflow.rollout.sampling import (
+from hybridflow.inference.compact import CompactCausalLM
+from hybridflow.inference.graphs import GraphCaptureError, StaticDecoder
+from hybridflow.inference.kv_cache import SlotKVCache
+from hybridflow.inference.prefix_cache import CachedBlock, PrefixCache, block_digests
+from hybridflow.inference.sampling import (
     RowProfile,
     SamplingTensors,
     check_sampling_params,
     compute_top_logprobs,
     derive_sample_seed,
+    refuse_images,
     row_profile,
     row_values,
     sample_tokens,
     split_key,
 )
-from hybridflow.rollout.stopping import StopStrings
-from hybridflow.rollout.weights import DEFAULT_BUCKET_BYTES, check_bucket, copy_bucket, iter_buckets
+from hybridflow.inference.stopping import StopStrings
+from hybridflow.transfer.weights import DEFAULT_BUCKET_BYTES, check_bucket, copy_bucket, iter_buckets
 from hybridflow.types import GenerationRequest, Trajectory
+from hybridflow.utils.aio import serve_batch
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.rollout.compact import CompactCausalLM
-from hybridflow.rollout.kv_cache import SlotKVCache
+from hybridflow.inference.compact import CompactCausalLM
+from hybridflow.inference.kv_cache import SlotKVCache
 
 # Key positions are read in multiples of this: few enough graphs (capacity / KEY_BUCKET per batch
 # bucket), little wasted traffic (under KEY_BUCKET positions per row and step).

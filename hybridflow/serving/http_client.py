@@ -1,7 +1,7 @@
 """A rollout engine's ``generate`` over HTTP: the client side of ``rollout.mode=server``.
 
 In server mode (verl's name for it) every rollout replica serves its engine behind hybridflow's
-HTTP server (``rollout/server.py``: ``POST /generate``, token ids in; response ids, sampled-token
+HTTP server (``serving/server.py``: ``POST /generate``, token ids in; response ids, sampled-token
 logprobs and finish reasons out) and the replica's requests and agent loops reach the engine
 through this client instead of a method call. Outputs are the engine's, byte for byte: the
 request carries the same ``SamplingParams`` (its per-request seed included) and nothing is
@@ -20,8 +20,8 @@ import dataclasses
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from hybridflow.rollout.base import run_sync
 from hybridflow.types import GenerationRequest, Trajectory
+from hybridflow.utils.aio import run_sync
 
 try:
     import httpx

@@ -75,10 +75,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.rollout.compact import CompactCausalLM, KVAccess, LayerWeights
-from hybridflow.rollout.families import FAMILIES, config_problem
-from hybridflow.rollout.kv_cache import SlotKVCache
-from hybridflow.rollout.native import NativeEngine, default_kv_cache_bytes, resolve_dtype
+from hybridflow.inference.compact import CompactCausalLM, KVAccess, LayerWeights
+from hybridflow.inference.families import FAMILIES, config_problem
+from hybridflow.inference.kv_cache import SlotKVCache
+from hybridflow.inference.native import NativeEngine, default_kv_cache_bytes, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def _layer_fields() -> list[str]:
     if unknown:
         raise NotImplementedError(
             f"LayerWeights fields {sorted(unknown)} are not classified for tensor parallelism: add them to "
-            "the split or replicated lists in hybridflow/rollout/tensor_parallel.py"
+            "the split or replicated lists in hybridflow/inference/tensor_parallel.py"
         )
     return fields
 
@@ -212,7 +212,7 @@ def _check_classified(cls: type, *groups: tuple[str, ...]) -> None:
     if unknown:
         raise NotImplementedError(
             f"{cls.__name__} methods {unknown} are not classified for tensor parallelism (mirrored to the "
-            "followers or read-only): classify them in hybridflow/rollout/tensor_parallel.py"
+            "followers or read-only): classify them in hybridflow/inference/tensor_parallel.py"
         )
 
 

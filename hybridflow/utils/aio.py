@@ -1,0 +1,52 @@
+"""Running coroutines from synchronous code: every engine's ``generate_batch`` and the HTTP
+client's blocking calls.
+
+The engines (the native runtime in ``inference/``, the adapters in ``rollout/``) and the HTTP
+client (``serving/``) all share these, so they live below all three.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def serve_batch(
+    generate: Callable[[_R], Awaitable[_T]],
+    requests: list[_R],
+    check: Callable[[_R], None] | None = None,
+) -> list[_T]:
+    """``generate`` for every request concurrently, from synchronous code: each engine's
+    ``generate_batch``. ``check`` refuses a bad request before any runs (the error names its
+    position). Runs a private event loop that is closed before returning; called from inside a
+    running loop (a notebook, an async caller of sync helpers), it runs that private loop in a
+    short-lived thread, since the caller's loop is blocked for the call anyway."""
+    for position, request in enumerate(requests):
+        try:
+            if check is not None:
+                check(request)
+        except ValueError as exc:
+            raise ValueError(f"generate_batch: requests[{position}]: {exc}") from None
+    if not requests:
+        return []
+
+    async def serve() -> list[_T]:
+        return list(await asyncio.gather(*(generate(r) for r in requests)))
+
+    return run_sync(serve())
+
+
+def run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    """``asyncio.run(coroutine)``, or, when this thread already runs a loop, the same in a fresh
+    thread joined before returning (``asyncio.run`` refuses to nest)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-sync") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
