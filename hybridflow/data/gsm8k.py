@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from hybridflow.data.row_files import DataError, load_rows
-from hybridflow.data.writing import write_parquet_atomic
+from hybridflow.data.writing import verl_row_schema, write_parquet_atomic
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -33,19 +33,8 @@ _ANSWER_MARK = "####"
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _EXTENSIONS = ("parquet", "jsonl", "json")
 
-_SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())]
-            ),
-        ),
-    ]
+_SCHEMA = verl_row_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())]
 )
 
 

@@ -42,3 +42,38 @@ def write_parquet_atomic(rows: list[dict[str, Any]], schema: pa.Schema, path: st
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return dest
+
+
+def verl_row_schema(
+    extra_info: list[tuple[str, pa.DataType]], *, agent_name: bool = False, images: bool = False
+) -> pa.Schema:
+    """The parquet schema of a generated dataset in verl's row layout: ``data_source``, the
+    ``prompt`` messages, ``ability``, ``reward_model`` (style, ground truth as text) and the task's
+    ``extra_info`` fields in the order given; ``agent_name`` (after the data source) and ``images``
+    (last, verl's bytes-and-path structs) when the task has them. One definition, so every
+    generated file types its shared columns the same way."""
+    columns: list[tuple[str, pa.DataType]] = [("data_source", pa.string())]
+    if agent_name:
+        columns.append(("agent_name", pa.string()))
+    columns += [
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct(extra_info)),
+    ]
+    if images:
+        columns.append(("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))))
+    return pa.schema(columns)
+
+
+def write_train_test(
+    out_dir: str | os.PathLike[str],
+    schema: pa.Schema,
+    train_rows: list[dict[str, Any]],
+    test_rows: list[dict[str, Any]],
+) -> tuple[Path, Path]:
+    """A built-in task's two splits, ``train.parquet`` and ``test.parquet`` under ``out_dir``, each
+    written atomically; returns their paths."""
+    out = Path(out_dir).expanduser()
+    return (write_parquet_atomic(train_rows, schema, out / "train.parquet"),
+            write_parquet_atomic(test_rows, schema, out / "test.parquet"))

@@ -208,6 +208,53 @@ class _Round:
     remaining: int
     restarts: int = 0
 
+    def record(
+        self, index: int, status: int, score: float, extra: dict[str, float | str], message: str, warned: set[int]
+    ) -> None:
+        """Sample ``index``'s result; a failure is logged, with a warning once per kind (``warned``: the
+        kinds the manager has warned about)."""
+        self.statuses[index] = status
+        self.scores[index] = score if status == protocol.STATUS_OK else 0.0
+        self.extra[index] = extra if status == protocol.STATUS_OK else {}
+        self.remaining -= 1
+        if status == protocol.STATUS_OK:
+            return
+        what, metric = _FAILURE_KINDS[status]
+        data_source = self.payload[index][0]
+        logger.debug("reward sample %d (data_source %r) %s: %s", index, data_source, what, message)
+        if status not in warned:
+            warned.add(status)
+            logger.warning(
+                "reward function %s on a sample with data_source %r: %s. Such samples score 0.0 and are "
+                "counted in %s; this is logged once per kind of failure.",
+                what,
+                data_source,
+                message,
+                metric,
+            )
+
+    def tally(self) -> RewardTally:
+        """The round's metrics as per-sample values (``RewardTally``): failure rates, restarts,
+        and the mean of every numeric extra over the samples that returned it."""
+        tally = RewardTally()
+
+        def flags(*statuses: int) -> list[float]:
+            return [1.0 if status in statuses else 0.0 for status in self.statuses]
+
+        tally.add(METRIC_ERROR_RATE, "mean", flags(protocol.STATUS_ERROR, STATUS_CRASH))
+        tally.add(METRIC_TIMEOUT_RATE, "mean", flags(STATUS_TIMEOUT))
+        tally.add(METRIC_NONFINITE_RATE, "mean", flags(protocol.STATUS_NONFINITE))
+        tally.add(METRIC_WORKER_RESTARTS, "sum", [float(self.restarts)])
+        per_key: dict[str, list[float]] = {}
+        for extra in self.extra:
+            for key, value in extra.items():
+                if isinstance(value, str):  # the answer text: not a number to average
+                    continue
+                per_key.setdefault(key, []).append(value)
+        for key in sorted(per_key):
+            tally.add(METRIC_EXTRA_MEAN.format(key=key), "mean", per_key[key])
+        return tally
+
 
 def _chunks(n: int, num_workers: int) -> deque[list[int]]:
     size = max(1, min(_MAX_CHUNK_SIZE, math.ceil(n / (num_workers * _CHUNKS_PER_WORKER))))
@@ -266,6 +313,37 @@ def _terminate_all(workers: list[_WorkerHandle | None]) -> None:
             workers[slot] = None
 
 
+def _check_arguments(
+    custom_path: str | None,
+    custom_name: str,
+    timeout_s: float,
+    num_workers: int,
+    memory_limit_mb: int | None,
+    startup_timeout_s: float,
+    batch: bool,
+    reward_kwargs: dict[str, Any] | None,
+) -> None:
+    """``RewardManager``'s arguments, each error naming the one that is wrong."""
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(
+            f"RewardManager timeout_s must be a positive number of seconds, got {timeout_s!r}"
+        )
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"RewardManager num_workers must be an integer >= 1, got {num_workers!r}")
+    if memory_limit_mb is not None and memory_limit_mb < 64:
+        raise ValueError(
+            f"RewardManager memory_limit_mb must be >= 64 (a Python worker needs that), "
+            f"got {memory_limit_mb}"
+        )
+    if not (math.isfinite(startup_timeout_s) and startup_timeout_s > 0):
+        raise ValueError(f"RewardManager startup_timeout_s must be positive, got {startup_timeout_s!r}")
+    if custom_path is not None and not custom_name:
+        raise ValueError("RewardManager custom_name must name the function in the custom reward file")
+    if custom_path is None and (batch or reward_kwargs):
+        raise ValueError("RewardManager: batch scoring and reward_kwargs need a custom reward function (the "
+                         "built-in scorers score one sample and take no extra arguments)")
+
+
 class RewardManager:
     """Scores ``ScoreRequest`` batches in persistent, supervised worker processes.
 
@@ -304,24 +382,8 @@ class RewardManager:
         reward_kwargs: dict[str, Any] | None = None,
         sandbox_fusion: SandboxFusionSettings | None = None,
     ) -> None:
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(
-                f"RewardManager timeout_s must be a positive number of seconds, got {timeout_s!r}"
-            )
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"RewardManager num_workers must be an integer >= 1, got {num_workers!r}")
-        if memory_limit_mb is not None and memory_limit_mb < 64:
-            raise ValueError(
-                f"RewardManager memory_limit_mb must be >= 64 (a Python worker needs that), "
-                f"got {memory_limit_mb}"
-            )
-        if not (math.isfinite(startup_timeout_s) and startup_timeout_s > 0):
-            raise ValueError(f"RewardManager startup_timeout_s must be positive, got {startup_timeout_s!r}")
-        if custom_path is not None and not custom_name:
-            raise ValueError("RewardManager custom_name must name the function in the custom reward file")
-        if custom_path is None and (batch or reward_kwargs):
-            raise ValueError("RewardManager: batch scoring and reward_kwargs need a custom reward function (the "
-                             "built-in scorers score one sample and take no extra arguments)")
+        _check_arguments(custom_path, custom_name, timeout_s, num_workers, memory_limit_mb, startup_timeout_s, batch,
+                         reward_kwargs)
         # Absolute now: a worker restarted later must find the file even if the trainer chdir'd.
         self._custom_path = None if custom_path is None else os.path.abspath(os.path.expanduser(custom_path))
         self._custom_name = custom_name
@@ -406,7 +468,7 @@ class RewardManager:
             # Workers still busy with this round would answer the next one with stale results.
             self._abort_round()
             raise
-        tally = self._tally(round_)
+        tally = round_.tally()
         return RewardOutput(scores=round_.scores, extra=round_.extra, metrics=_rates_of_empty(tally.metrics()),
                             tally=tally)
 
@@ -588,7 +650,7 @@ class RewardManager:
     ) -> None:
         if round_ is None or worker.state is not _State.BUSY:
             raise RuntimeError("reward worker sent a result it was not asked for (internal error)")
-        self._record(round_, worker.assigned[worker.position], status, score, extra, message)
+        round_.record(worker.assigned[worker.position], status, score, extra, message, self._warned)
         worker.position += 1
         worker.deadline = time.monotonic() + self._timeout_s
         if worker.position == len(worker.assigned):
@@ -654,61 +716,14 @@ class RewardManager:
         """Charge the running sample with ``status``, requeue the rest of the chunk, replace the worker.
         In batch mode the rest was in the same failed call: it is charged too, not run again."""
         assert round_ is not None and worker.state is _State.BUSY
-        self._record(round_, worker.assigned[worker.position], status, 0.0, {}, message)
+        round_.record(worker.assigned[worker.position], status, 0.0, {}, message, self._warned)
         rest = worker.assigned[worker.position + 1 :]
         if rest and self._batch:
             for index in rest:
-                self._record(round_, index, status, 0.0, {}, message)
+                round_.record(index, status, 0.0, {}, message, self._warned)
         elif rest:
             round_.pending.appendleft(rest)
         self._replace(worker, round_)
-
-    # -- bookkeeping --------------------------------------------------------------------------
-
-    def _record(
-        self, round_: _Round, index: int, status: int, score: float, extra: dict[str, float | str], message: str
-    ) -> None:
-        round_.statuses[index] = status
-        round_.scores[index] = score if status == protocol.STATUS_OK else 0.0
-        round_.extra[index] = extra if status == protocol.STATUS_OK else {}
-        round_.remaining -= 1
-        if status == protocol.STATUS_OK:
-            return
-        what, metric = _FAILURE_KINDS[status]
-        data_source = round_.payload[index][0]
-        logger.debug("reward sample %d (data_source %r) %s: %s", index, data_source, what, message)
-        if status not in self._warned:
-            self._warned.add(status)
-            logger.warning(
-                "reward function %s on a sample with data_source %r: %s. Such samples score 0.0 and are "
-                "counted in %s; this is logged once per kind of failure.",
-                what,
-                data_source,
-                message,
-                metric,
-            )
-
-    def _tally(self, round_: _Round) -> RewardTally:
-        """The round's metrics as per-sample values (``RewardTally``): failure rates, restarts,
-        and the mean of every numeric extra over the samples that returned it."""
-        tally = RewardTally()
-
-        def flags(*statuses: int) -> list[float]:
-            return [1.0 if status in statuses else 0.0 for status in round_.statuses]
-
-        tally.add(METRIC_ERROR_RATE, "mean", flags(protocol.STATUS_ERROR, STATUS_CRASH))
-        tally.add(METRIC_TIMEOUT_RATE, "mean", flags(STATUS_TIMEOUT))
-        tally.add(METRIC_NONFINITE_RATE, "mean", flags(protocol.STATUS_NONFINITE))
-        tally.add(METRIC_WORKER_RESTARTS, "sum", [float(round_.restarts)])
-        per_key: dict[str, list[float]] = {}
-        for extra in round_.extra:
-            for key, value in extra.items():
-                if isinstance(value, str):  # the answer text: not a number to average
-                    continue
-                per_key.setdefault(key, []).append(value)
-        for key in sorted(per_key):
-            tally.add(METRIC_EXTRA_MEAN.format(key=key), "mean", per_key[key])
-        return tally
 
 
 def _rates_of_empty(metrics: dict[str, float]) -> dict[str, float]:

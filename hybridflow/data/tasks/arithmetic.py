@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from hybridflow.data.writing import write_parquet_atomic
+from hybridflow.data.writing import verl_row_schema, write_train_test
 
 ARITHMETIC_DATA_SOURCE = "hybridflow/arithmetic"
 ARITHMETIC_ABILITY = "arithmetic"
@@ -38,19 +38,8 @@ SPLITS = ("train", "test")
 TEST_POOL_SIZE = 1024
 NUM_PROBLEMS = 6050  # 3,025 carry-free sums + 3,025 borrow-free differences
 
-_SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [("split", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("answer", pa.int64())]
-            ),
-        ),
-    ]
+_SCHEMA = verl_row_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("answer", pa.int64())]
 )
 
 Problem = tuple[int, str, int]  # (a, op, b)
@@ -145,12 +134,8 @@ def write_arithmetic_task(
     Idempotent (same arguments, same bytes) and atomic (each file appears complete or not at
     all), so concurrent processes may call it on the same directory.
     """
-    out = Path(out_dir).expanduser()
-    train_rows = make_arithmetic_rows(train_size, seed, "train")
-    test_rows = make_arithmetic_rows(val_size, seed, "test")
-    train_path = write_parquet_atomic(train_rows, _SCHEMA, out / "train.parquet")
-    test_path = write_parquet_atomic(test_rows, _SCHEMA, out / "test.parquet")
-    return train_path, test_path
+    return write_train_test(out_dir, _SCHEMA, make_arithmetic_rows(train_size, seed, "train"),
+                            make_arithmetic_rows(val_size, seed, "test"))
 
 
 def teacher_slips(question: str, slip_rate: float) -> bool:

@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from hybridflow.data.writing import write_parquet_atomic
+from hybridflow.data.writing import verl_row_schema, write_train_test
 
 CALCULATOR_DATA_SOURCE = "hybridflow/calculator"
 CALCULATOR_ABILITY = "arithmetic"
@@ -61,20 +61,8 @@ MIN_PRODUCT = 1000
 TOOL_ONLY_SHARE = 0.8
 MIXED_STAGE_LR_SCALE = 0.5
 
-_SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("agent_name", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [("split", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("answer", pa.int64())]
-            ),
-        ),
-    ]
+_SCHEMA = verl_row_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("answer", pa.int64())], agent_name=True
 )
 
 Problem = tuple[int, str, int]  # (a, op, b)
@@ -141,10 +129,8 @@ def write_calculator_task(
     out_dir: str | os.PathLike[str], train_size: int = 4096, val_size: int = 256, seed: int = 0
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``test.parquet`` under ``out_dir`` (idempotent, atomic)."""
-    out = Path(out_dir).expanduser()
-    train_path = write_parquet_atomic(make_calculator_rows(train_size, seed, "train"), _SCHEMA, out / "train.parquet")
-    test_path = write_parquet_atomic(make_calculator_rows(val_size, seed, "test"), _SCHEMA, out / "test.parquet")
-    return train_path, test_path
+    return write_train_test(out_dir, _SCHEMA, make_calculator_rows(train_size, seed, "train"),
+                            make_calculator_rows(val_size, seed, "test"))
 
 
 def tool_call_text(expression: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 from hybridflow.data.images import IMAGE_PLACEHOLDER
-from hybridflow.data.writing import write_parquet_atomic
+from hybridflow.data.writing import verl_row_schema, write_train_test
 
 COLOUR_SQUARE_DATA_SOURCE = "hybridflow/colour_square"
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 70, 220), "yellow": (240, 220, 40)}
@@ -32,14 +32,7 @@ MIN_SIDE = 16  # the square covers at least (16/56)^2 = 8% of the image
 QUESTION = f"{IMAGE_PLACEHOLDER}Which colour is the square? Answer with one word."
 SPLIT_STREAMS = {"train": 0, "test": 1}
 
-_SCHEMA = pa.schema([
-    ("data_source", pa.string()),
-    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("ability", pa.string()),
-    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
-    ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
-])
+_SCHEMA = verl_row_schema([("split", pa.string()), ("index", pa.int64())], images=True)
 
 
 def draw_square_image(rng: random.Random) -> tuple[bytes, str]:
@@ -79,7 +72,5 @@ def write_colour_square_task(
     out_dir: str | os.PathLike[str], train_size: int = 512, val_size: int = 64, seed: int = 0
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``test.parquet`` under ``out_dir`` (atomic, idempotent)."""
-    out = Path(out_dir).expanduser()
-    train = write_parquet_atomic(make_colour_square_rows(train_size, seed, "train"), _SCHEMA, out / "train.parquet")
-    test = write_parquet_atomic(make_colour_square_rows(val_size, seed, "test"), _SCHEMA, out / "test.parquet")
-    return train, test
+    return write_train_test(out_dir, _SCHEMA, make_colour_square_rows(train_size, seed, "train"),
+                            make_colour_square_rows(val_size, seed, "test"))
