@@ -57,6 +57,34 @@ class SamplerFeedback:
         return {index: sum(values) / len(values) for index, values in sums.items()}
 
 
+@dataclass
+class EpochCursor:
+    """Where a prompt sampler stands: ``epoch``, the epoch the next batch comes from, and
+    ``position``, the batches of it already taken. Taking an epoch's last batch moves straight to
+    ``(epoch + 1, 0)``, so at an epoch boundary ``epoch`` counts the completed epochs."""
+
+    epoch: int = 0
+    position: int = 0
+
+    def took_batch(self, steps_per_epoch: int) -> bool:
+        """Count one batch taken; True when it was the epoch's last (the cursor then stands at the
+        next epoch's start)."""
+        self.position += 1
+        if self.position == steps_per_epoch:
+            self.next_epoch()
+            return True
+        return False
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.position = 0
+
+
+def cursor_property(name: str) -> Any:
+    """A read-only property of a sampler that reads its ``_cursor`` (``EpochCursor``) field ``name``."""
+    return property(lambda sampler: getattr(sampler._cursor, name), doc=f"``EpochCursor.{name}``.")
+
+
 class PromptSampler(Protocol):
     """What a training loop asks of its prompt sampler (``ResumableSampler``, or
     ``sampler_plugin.PluginSampler`` around a user's class). ``state_dict`` is JSON-able and
@@ -80,10 +108,11 @@ class PromptSampler(Protocol):
 class ResumableSampler:
     """Endless batches of indices into ``range(num_items)``, epoch after epoch.
 
-    State: ``epoch`` is the epoch the next batch comes from and ``position`` the number of its
-    batches already taken. Taking the last batch of an epoch moves straight to
-    ``(epoch + 1, 0)``, so at an epoch boundary ``epoch`` counts the completed epochs.
+    State: ``epoch`` and ``position``, an ``EpochCursor``.
     """
+
+    epoch = cursor_property("epoch")
+    position = cursor_property("position")
 
     def __init__(
         self,
@@ -104,17 +133,8 @@ class ResumableSampler:
                 f"ResumableSampler: batch_size {batch_size} is larger than the dataset ({num_items} items), "
                 "so with drop_last every batch would be dropped; use a smaller batch size or more data"
             )
-        self._epoch = 0
-        self._position = 0
+        self._cursor = EpochCursor()
         self._order: list[int] | None = None  # the current epoch's order, built on first use
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def position(self) -> int:
-        return self._position
 
     @property
     def steps_per_epoch(self) -> int:
@@ -135,13 +155,10 @@ class ResumableSampler:
     def next_batch(self) -> list[int]:
         """The next batch of indices, rolling into a freshly shuffled epoch when one ends."""
         if self._order is None:
-            self._order = self.epoch_order(self._epoch)
-        start = self._position * self.batch_size
+            self._order = self.epoch_order(self._cursor.epoch)
+        start = self._cursor.position * self.batch_size
         batch = self._order[start : start + self.batch_size]
-        self._position += 1
-        if self._position == self.steps_per_epoch:
-            self._epoch += 1
-            self._position = 0
+        if self._cursor.took_batch(self.steps_per_epoch):
             self._order = None
         return batch
 
@@ -151,8 +168,8 @@ class ResumableSampler:
     def state_dict(self) -> dict[str, int | bool]:
         """Plain JSON-able state. The settings are included so a mismatch on load is caught."""
         return {
-            "epoch": self._epoch,
-            "position": self._position,
+            "epoch": self._cursor.epoch,
+            "position": self._cursor.position,
             "num_items": self.num_items,
             "batch_size": self.batch_size,
             "seed": self.seed,
@@ -185,6 +202,5 @@ class ResumableSampler:
                 f"ResumableSampler.load_state_dict: position {position} is out of range for "
                 f"{self.steps_per_epoch} batches per epoch"
             )
-        self._epoch = epoch
-        self._position = position
+        self._cursor = EpochCursor(epoch, position)
         self._order = None

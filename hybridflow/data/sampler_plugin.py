@@ -52,7 +52,7 @@ from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
 
-from hybridflow.data.sampler import SamplerFeedback
+from hybridflow.data.sampler import EpochCursor, SamplerFeedback, cursor_property
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,9 @@ class PluginSampler:
     """A ``PromptSampler`` around a user's sampler class: batches from its epochs, its ``update``
     fed after each step, its state in checkpoints (module docstring)."""
 
+    epoch = cursor_property("epoch")
+    position = cursor_property("position")
+
     def __init__(self, cls: type, dataset: Sized, data_config: Any, batch_size: int) -> None:
         self._cls, self._dataset, self._data_config = cls, dataset, data_config_view(data_config)
         self.batch_size = batch_size
@@ -165,8 +168,7 @@ class PluginSampler:
         if self.steps_per_epoch < 1:
             raise SamplerError(f"data.sampler.class_name: {self.class_ref} yields {per_epoch} indices per epoch, fewer "
                                f"than one batch of {batch_size} prompts")
-        self._epoch = 0
-        self._position = 0
+        self._cursor = EpochCursor()
         self._iterator: Iterator[Any] | None = None
         self._epoch_start_state: Any = None
         if self.resumes_by_state:
@@ -184,14 +186,6 @@ class PluginSampler:
         """The user's sampler object itself."""
         return self._sampler
 
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def position(self) -> int:
-        return self._position
-
     # ------------------------------------------------------------------ drawing
     def next_batch(self) -> list[int]:
         with self._lock:
@@ -201,9 +195,8 @@ class PluginSampler:
                 assert self._iterator is not None
                 batch = self._take(self._iterator)
                 if batch is not None:
-                    self._position += 1
-                    if self._position == self.steps_per_epoch:
-                        self._end_epoch()
+                    if self._cursor.took_batch(self.steps_per_epoch):
+                        self._iterator = None
                     return batch
                 self._end_epoch()  # ran out early: the short batch is dropped, as a drop_last loader does
 
@@ -213,8 +206,7 @@ class PluginSampler:
         self._iterator = iter(self._sampler)
 
     def _end_epoch(self) -> None:
-        self._epoch += 1
-        self._position = 0
+        self._cursor.next_epoch()
         self._iterator = None
 
     def _take(self, iterator: Iterator[Any]) -> list[int] | None:
@@ -261,7 +253,8 @@ class PluginSampler:
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
-            state: dict[str, Any] = {"sampler_class": self.class_ref, "epoch": self._epoch, "position": self._position,
+            state: dict[str, Any] = {"sampler_class": self.class_ref, "epoch": self._cursor.epoch,
+                                     "position": self._cursor.position,
                                      "batch_size": self.batch_size}
             if self.resumes_by_state:
                 # Between epochs the next iter() starts from the state now.
@@ -284,7 +277,7 @@ class PluginSampler:
             # A fresh instance each time: a load that fails part-way leaves nothing half-replayed.
             self._sampler = self._construct()
             self._update = getattr(self._sampler, "update", None)
-            self._epoch, self._position, self._iterator = epoch, 0, None
+            self._cursor, self._iterator = EpochCursor(epoch, 0), None
             if self.resumes_by_state:
                 self._sampler.load_state_dict(state["epoch_start_state"])
             else:
@@ -294,7 +287,7 @@ class PluginSampler:
             assert self._iterator is not None
             if self._skip(self._iterator, position) < position:
                 raise ValueError(f"{self.class_ref} yields fewer batches in epoch {epoch} than the {position} taken")
-            self._position = position
+            self._cursor.position = position
             if self.resumes_by_state:
                 self._sampler.load_state_dict(state["state"])
 

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.rewards import worker as protocol
 from hybridflow.rewards.tally import RewardTally
+from hybridflow.utils.closing import ClosesOnExit
 
 if TYPE_CHECKING:
     from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
@@ -344,7 +345,7 @@ def _check_arguments(
                          "built-in scorers score one sample and take no extra arguments)")
 
 
-class RewardManager:
+class RewardManager(ClosesOnExit):
     """Scores ``ScoreRequest`` batches in persistent, supervised worker processes.
 
     Args:
@@ -485,12 +486,6 @@ class RewardManager:
                 self._workers[slot] = None
         if self._slots_dir is not None:
             self._slots_dir.cleanup()
-
-    def __enter__(self) -> RewardManager:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     @property
     def worker_pids(self) -> list[int]:

@@ -38,13 +38,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Protocol, TextIO
 
 import torch
 from tqdm import tqdm
 
 from hybridflow.tracking import metrics as m
+from hybridflow.utils.closing import ClosesOnExit
 
 logger = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ def _check_backend_names(names: Sequence[str]) -> None:
         seen.add(name)
 
 
-class Tracker:
+class Tracker(ClosesOnExit):
     """Sends each step's metrics to every chosen backend.
 
     Use as a context manager (or call ``close``) so files are closed and remote runs finished
@@ -494,16 +494,6 @@ class Tracker:
         if first_error is not None:
             raise first_error
 
-    def __enter__(self) -> Tracker:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class _BarSafeHandler(logging.StreamHandler):
@@ -573,7 +563,7 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
-class ProgressBar:
+class ProgressBar(ClosesOnExit):
     """A tqdm bar over training steps; ``update(step, summary)`` moves it and shows the summary.
 
     ``enabled=False`` makes every method a no-op, so the loop calls it unconditionally.
@@ -631,16 +621,6 @@ class ProgressBar:
             logger_.handlers = handlers
         self._saved_handlers = []
 
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 @dataclass
