@@ -39,7 +39,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from hybridflow.algorithms.core import F, build_params, check_same_shape, check_typed_call, masked_whiten, register_into, resolve
+from hybridflow.algorithms.core import (
+    F,
+    build_params,
+    check_same_shape,
+    masked_whiten,
+    register_into,
+    resolve_typed,
+)
 
 # What each optional input is, for the error an estimator raises when it is missing.
 _INPUT_DOCS: dict[str, str] = {
@@ -207,17 +214,14 @@ def build_estimator_params(fn: Callable[..., Any], settings: Mapping[str, Any]) 
 
 
 def get_adv_estimator(name: str) -> AdvantageEstimatorFn:
-    """The estimator registered as ``name``, or a ``module:function`` path to import.
+    """The estimator registered as ``name``, or a ``module:function`` path to import, its
+    declared needs and params checked (``resolve_typed``)."""
 
-    Raises ``UnknownNameError`` (a ValueError and a KeyError) listing the registered names and
-    the closest one.
-    """
-    fn = resolve(ADV_ESTIMATORS, name, "advantage estimator")
-    if name not in ADV_ESTIMATORS:  # a user's module:function: check it now, not at step 1
-        check_typed_call(fn, "advantage estimator", name, ESTIMATOR_SIGNATURE)
+    def check_declarations(fn: AdvantageEstimatorFn) -> None:
         estimator_needs(fn)
         estimator_params_type(fn)
-    return fn
+
+    return resolve_typed(ADV_ESTIMATORS, name, "advantage estimator", ESTIMATOR_SIGNATURE, check_declarations)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,6 +261,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """The inputs checked (``_check_inputs``), and each response's outcome score (its token
+    rewards summed, (B,)) in the compute dtype, which comes along."""
+    _check_inputs(token_level_rewards, response_mask)
+    dtype = _compute_dtype(token_level_rewards.dtype)
+    return token_level_rewards.to(dtype).sum(dim=-1), dtype
+
+
+def _per_sample_input(inputs: AdvantageInputs, key: str, estimator: str, dims: int, expected: str) -> torch.Tensor:
+    """The extra input ``key`` that ``estimator`` needs: ``dims``-dimensional with one row per
+    sample (else a ValueError saying it must be ``expected``), and finite."""
+    value = inputs.require(key, estimator)
+    if value.dim() != dims or value.shape[0] != inputs.token_level_rewards.shape[0]:
+        raise ValueError(f"{key} must be {expected}, got {tuple(value.shape)}")
+    _check_finite_where(key, value, torch.ones_like(value, dtype=torch.bool))
+    return value
+
+
 def _group_stats(
     scores: torch.Tensor, inverse: torch.Tensor, num_groups: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,9 +315,7 @@ def compute_grpo_advantages(inputs: AdvantageInputs, params: GroupNormParams) ->
     token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     group_ids = inputs.group_ids
     norm_adv_by_std_in_grpo, epsilon = params.norm_adv_by_std_in_grpo, params.epsilon
-    _check_inputs(token_level_rewards, response_mask)
-    dtype = _compute_dtype(token_level_rewards.dtype)
-    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    scores, dtype = _outcome_scores(token_level_rewards, response_mask)  # (B,)
     advantage = _grpo_normalise(scores, group_ids, norm_adv_by_std_in_grpo, epsilon)
     advantages = (advantage.unsqueeze(-1) * response_mask.to(dtype)).to(token_level_rewards.dtype)  # (B, R)
     return AdvantageOutputs(advantages, advantages.clone())
@@ -322,9 +342,7 @@ def compute_rloo_advantages(inputs: AdvantageInputs, params: NoParams) -> Advant
     """
     token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     group_ids = inputs.group_ids
-    _check_inputs(token_level_rewards, response_mask)
-    dtype = _compute_dtype(token_level_rewards.dtype)
-    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    scores, dtype = _outcome_scores(token_level_rewards, response_mask)  # (B,)
     inverse, num_groups = _group_index(group_ids, scores.shape[0])
     counts, mean, _ = _group_stats(scores, inverse, num_groups)
     leave_one_out = counts / (counts - 1).clamp(min=1) * (scores - mean)
@@ -469,13 +487,8 @@ def compute_remax_advantages(inputs: AdvantageInputs, params: NoParams) -> Advan
     """
     token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     _check_inputs(token_level_rewards, response_mask)
-    baselines = inputs.require("reward_baselines", "remax")
-    if baselines.dim() != 1 or baselines.shape[0] != token_level_rewards.shape[0]:
-        raise ValueError(
-            f"reward_baselines must be ({token_level_rewards.shape[0]},) to match token_level_rewards, "
-            f"got {tuple(baselines.shape)}"
-        )
-    _check_finite_where("reward_baselines", baselines, torch.ones_like(baselines, dtype=torch.bool))
+    baselines = _per_sample_input(inputs, "reward_baselines", "remax", 1,
+                                  f"({token_level_rewards.shape[0]},) to match token_level_rewards")
     dtype = _compute_dtype(token_level_rewards.dtype)
     mask = response_mask != 0
     zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
@@ -504,9 +517,7 @@ def compute_grpo_passk_advantages(inputs: AdvantageInputs, params: GroupNormPara
     token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     group_ids = inputs.group_ids
     norm_adv_by_std_in_grpo, epsilon = params.norm_adv_by_std_in_grpo, params.epsilon
-    _check_inputs(token_level_rewards, response_mask)
-    dtype = _compute_dtype(token_level_rewards.dtype)
-    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    scores, dtype = _outcome_scores(token_level_rewards, response_mask)  # (B,)
     inverse, num_groups = _group_index(group_ids, scores.shape[0])
     counts, _, std = _group_stats(scores, inverse, num_groups)
     if bool((counts < 2).any()):
@@ -543,9 +554,7 @@ def compute_reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, par
     """
     token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     group_ids = inputs.group_ids
-    _check_inputs(token_level_rewards, response_mask)
-    dtype = _compute_dtype(token_level_rewards.dtype)
-    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    scores, dtype = _outcome_scores(token_level_rewards, response_mask)  # (B,)
     _, mean = _group_mean_or_zero(scores, group_ids)
     mask = response_mask != 0
     centred = _broadcast(scores - mean, response_mask, dtype)  # (B, R)
@@ -566,9 +575,7 @@ def compute_opo_advantages(inputs: AdvantageInputs, params: NoParams) -> Advanta
     """
     token_level_rewards, response_mask = inputs.token_level_rewards, inputs.response_mask
     group_ids = inputs.group_ids
-    _check_inputs(token_level_rewards, response_mask)
-    dtype = _compute_dtype(token_level_rewards.dtype)
-    scores = token_level_rewards.to(dtype).sum(dim=-1)  # (B,)
+    scores, dtype = _outcome_scores(token_level_rewards, response_mask)  # (B,)
     lengths = (response_mask != 0).sum(dim=-1).to(dtype)  # (B,)
     inverse, num_groups = _group_index(group_ids, scores.shape[0])
     counts = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
@@ -623,12 +630,7 @@ def compute_gdpo_advantages(inputs: AdvantageInputs, params: GDPOParams) -> Adva
     group_ids = inputs.group_ids
     norm_adv_by_std_in_grpo, epsilon = params.norm_adv_by_std_in_grpo, params.epsilon
     _check_inputs(token_level_rewards, response_mask)
-    components = inputs.require("reward_components", "gdpo")
-    if components.dim() != 2 or components.shape[0] != token_level_rewards.shape[0]:
-        raise ValueError(
-            f"reward_components must be ({token_level_rewards.shape[0]}, K), got {tuple(components.shape)}"
-        )
-    _check_finite_where("reward_components", components, torch.ones_like(components, dtype=torch.bool))
+    components = _per_sample_input(inputs, "reward_components", "gdpo", 2, f"({token_level_rewards.shape[0]}, K)")
     dtype = _compute_dtype(token_level_rewards.dtype)
     weights = (torch.ones(components.shape[1], dtype=dtype) if params.gdpo_reward_weights is None
                else torch.tensor(params.gdpo_reward_weights, dtype=torch.float32).to(dtype))

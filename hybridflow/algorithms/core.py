@@ -194,6 +194,22 @@ def check_typed_call(fn: Callable[..., Any], what: str, name: str, signature_doc
         ) from None
 
 
+def resolve_typed(
+    registry: MutableMapping[str, F], name: str, what: str, signature_doc: str, check: Callable[[F], object]
+) -> F:
+    """``resolve``, with a user's ``module:function`` checked now, not at step 1: callable as
+    ``fn(inputs, params)`` (``check_typed_call``) and then by ``check`` (what it declares).
+
+    Raises ``UnknownNameError`` (a ValueError and a KeyError) listing the registered names and
+    the closest one.
+    """
+    fn = resolve(registry, name, what)
+    if name not in registry:
+        check_typed_call(fn, what, name, signature_doc)
+        check(fn)
+    return fn
+
+
 P = TypeVar("P")
 
 

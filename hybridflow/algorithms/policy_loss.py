@@ -43,11 +43,10 @@ from hybridflow.algorithms.core import (
     F,
     build_params,
     check_same_shape,
-    check_typed_call,
     masked_mean,
     masked_sum,
     register_into,
-    resolve,
+    resolve_typed,
 )
 
 # exp(20) ≈ 4.9e8 is finite in fp32/bf16; a larger log-ratio means the sample is hopelessly
@@ -200,16 +199,9 @@ def build_policy_loss_params(
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered as ``name``, or a ``module:function`` path to import.
-
-    Raises ``UnknownNameError`` (a ValueError and a KeyError) listing the registered names and
-    the closest one.
-    """
-    fn = resolve(POLICY_LOSSES, name, "policy loss")
-    if name not in POLICY_LOSSES:  # a user's module:function: check it now, not at step 1
-        check_typed_call(fn, "policy loss", name, POLICY_LOSS_SIGNATURE)
-        policy_loss_params_type(fn)
-    return fn
+    """The policy loss registered as ``name``, or a ``module:function`` path to import, its
+    declared params checked (``resolve_typed``)."""
+    return resolve_typed(POLICY_LOSSES, name, "policy loss", POLICY_LOSS_SIGNATURE, policy_loss_params_type)
 
 
 @register_policy_loss("vanilla", params=PPOClipParams)
