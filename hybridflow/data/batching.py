@@ -334,6 +334,21 @@ def _check_budget(lengths: Sequence[int], max_token_len: int) -> None:
         )
 
 
+
+def _micro_batch_count(needed: int, num_micro_batches: int | None, samples: int, max_token_len: int) -> int:
+    """How many micro-batches to cut: this rank's own need (``needed`` fit ``max_token_len``), or the
+    count agreed over ranks, which must be at least that and at most one per sample."""
+    count = needed if num_micro_batches is None else num_micro_batches
+    if count < needed:
+        raise ValueError(
+            f"num_micro_batches={count} is fewer than the {needed} this rank needs to fit "
+            f"max_token_len={max_token_len}; agree on the count with agree_num_micro_batches"
+        )
+    if count > samples:
+        raise ValueError(f"cannot form {count} non-empty micro-batches from {samples} samples")
+    return count
+
+
 def _fits(lengths: Sequence[int], partitions: list[list[int]], max_token_len: int) -> bool:
     return max(partition_sums(lengths, partitions)) <= max_token_len
 
@@ -390,14 +405,7 @@ def token_budget_partitions(
     """
     _check_budget(lengths, max_token_len)
     feasible = _feasible_partitions(lengths, max_token_len)
-    count = len(feasible) if num_micro_batches is None else num_micro_batches
-    if count < len(feasible):
-        raise ValueError(
-            f"num_micro_batches={count} is fewer than the {len(feasible)} this rank needs to fit "
-            f"max_token_len={max_token_len}; agree on the count with agree_num_micro_batches"
-        )
-    if count > len(lengths):
-        raise ValueError(f"cannot form {count} non-empty micro-batches from {len(lengths)} samples")
+    count = _micro_batch_count(len(feasible), num_micro_batches, len(lengths), max_token_len)
     parts = feasible
     if count > len(feasible):
         parts = balanced_kk(lengths, count)
@@ -447,14 +455,7 @@ def padded_budget_partitions(
             parts[-1].append(i)
         else:
             parts.append([i])
-    count = len(parts) if num_micro_batches is None else num_micro_batches
-    if count < len(parts):
-        raise ValueError(
-            f"num_micro_batches={count} is fewer than the {len(parts)} this rank needs to fit "
-            f"max_token_len={max_token_len}; agree on the count with agree_num_micro_batches"
-        )
-    if count > len(order):
-        raise ValueError(f"cannot form {count} non-empty micro-batches from {len(order)} samples")
+    count = _micro_batch_count(len(parts), num_micro_batches, len(order), max_token_len)
     while len(parts) < count:
         widest = max(range(len(parts)), key=lambda k: (len(parts[k]), -k))
         part = parts.pop(widest)

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from hybridflow.data.row_files import DataError, load_rows
-from hybridflow.data.writing import verl_row_schema, write_parquet_atomic
+from hybridflow.data.writing import verl_row, verl_row_schema, write_parquet_atomic
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -56,13 +56,8 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> dict[str, A
     if ground_truth is None:
         tail = answer[-60:].replace("\n", "\\n")
         raise ValueError(f"'answer' does not end in '#### <number>' (ends with {tail!r})")
-    return {
-        "data_source": GSM8K_DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": ground_truth},
-        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
-    }
+    return verl_row(GSM8K_DATA_SOURCE, f"{question} {GSM8K_INSTRUCTION}", "math", ground_truth,
+                    {"split": split, "index": index, "answer": answer, "question": question})
 
 
 def find_split_files(input_dir: str | os.PathLike[str], split: str) -> list[Path]:

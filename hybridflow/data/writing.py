@@ -66,6 +66,32 @@ def verl_row_schema(
     return pa.schema(columns)
 
 
+def verl_row(
+    data_source: str,
+    question: str,
+    ability: str,
+    ground_truth: str,
+    extra_info: dict[str, Any],
+    *,
+    agent_name: str | None = None,
+    images: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One generated row in verl's layout (``verl_row_schema``): the question as the one user
+    message, scored by a rule against ``ground_truth``."""
+    row: dict[str, Any] = {"data_source": data_source}
+    if agent_name is not None:
+        row["agent_name"] = agent_name
+    row |= {
+        "prompt": [{"role": "user", "content": question}],
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": extra_info,
+    }
+    if images is not None:
+        row["images"] = images
+    return row
+
+
 def write_train_test(
     out_dir: str | os.PathLike[str],
     schema: pa.Schema,

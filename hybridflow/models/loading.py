@@ -155,16 +155,17 @@ def load_causal_lm(
     # Without overrides transformers reads config.json itself, exactly as before they existed.
     config = {"config": load_model_config(p, override_config=override_config, trust_remote_code=trust_remote_code)
               } if override_config else {}
+    return _weights_from_dir(auto, p, dtype, trust_remote_code, **config).to(device)
+
+
+def _weights_from_dir(auto_class: Any, model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
+                      **options: Any) -> Any:
+    """``auto_class.from_pretrained`` on a local model directory, as every loader here reads one: no
+    download, safetensors only (no pickle), no progress bars; ``options`` (a config, loading info)
+    passed on."""
     with hf_progress_bars_off():
-        model = auto.from_pretrained(
-            p,
-            **config,
-            dtype=dtype,
-            local_files_only=True,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=True,
-        )
-    return model.to(device)
+        return auto_class.from_pretrained(model_dir, **options, dtype=dtype, local_files_only=True,
+                                          trust_remote_code=trust_remote_code, use_safetensors=True)
 
 
 def meta_causal_lm(path: str | os.PathLike, *, trust_remote_code: bool = False,
@@ -270,16 +271,9 @@ def load_value_model(
     config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
     config.num_labels = 1
     config.classifier_dropout = 0.0
-    with hf_progress_bars_off(), _transformers_quiet():
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            p,
-            config=config,
-            dtype=dtype,
-            local_files_only=True,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=True,
-            output_loading_info=True,
-        )
+    with _transformers_quiet():
+        model, info = _weights_from_dir(AutoModelForTokenClassification, p, dtype, trust_remote_code, config=config,
+                                        output_loading_info=True)
     head = value_head(model)
     missing = set(info["missing_keys"])
     if any(key.split(".")[0] in VALUE_HEAD_NAMES for key in missing):
@@ -317,11 +311,7 @@ def load_sequence_classifier(
     from transformers import AutoModelForSequenceClassification
 
     check_sequence_classifier(path, trust_remote_code=trust_remote_code)
-    with hf_progress_bars_off():
-        model = AutoModelForSequenceClassification.from_pretrained(
-            Path(path).expanduser(), dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-            use_safetensors=True,
-        )
+    model = _weights_from_dir(AutoModelForSequenceClassification, Path(path).expanduser(), dtype, trust_remote_code)
     model.requires_grad_(False)
     return model.eval().to(device)
 

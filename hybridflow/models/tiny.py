@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -86,6 +87,17 @@ class TinyModelSpec:
         )
 
 
+DECODER_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "max_position_embeddings")
+"""The decoder's shape: fields of both specs (``TinyModelSpec``, ``TinyVLSpec``) and keys of the
+transformers config (a VL model's ``text_config``) they become."""
+
+
+def decoder_shape(spec: Any) -> dict[str, int]:
+    """The spec's decoder shape as transformers config keyword arguments (``DECODER_SHAPE_KEYS``)."""
+    return {key: getattr(spec, key) for key in DECODER_SHAPE_KEYS}
+
+
 def tiny_config(spec: TinyModelSpec = TinyModelSpec()):
     """The built-in model's ``Qwen2Config`` of the given shape."""
     from transformers import Qwen2Config
@@ -94,13 +106,7 @@ def tiny_config(spec: TinyModelSpec = TinyModelSpec()):
     if spec.vocab_size < tokenizer_vocab:
         raise ValueError(f"vocab_size {spec.vocab_size} < tokenizer vocabulary {tokenizer_vocab}")
     return Qwen2Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
+        **decoder_shape(spec),
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=258,  # <|im_end|>
@@ -210,13 +216,7 @@ def tiny_vl_config(spec: TinyVLSpec = TinyVLSpec()):
         raise ValueError(f"vocab_size {spec.vocab_size} < tokenizer vocabulary {256 + len(VL_TOKEN_IDS)}")
     return Qwen2VLConfig(
         text_config=dict(
-            vocab_size=spec.vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            max_position_embeddings=spec.max_position_embeddings,
+            **decoder_shape(spec),
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(spec.mrope_section)},
             bos_token_id=None,
             eos_token_id=VL_TOKEN_IDS["<|im_end|>"],

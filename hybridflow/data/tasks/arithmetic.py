@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from hybridflow.data.writing import verl_row_schema, write_train_test
+from hybridflow.data.writing import verl_row, verl_row_schema, write_train_test
 
 ARITHMETIC_DATA_SOURCE = "hybridflow/arithmetic"
 ARITHMETIC_ABILITY = "arithmetic"
@@ -111,15 +111,8 @@ def make_arithmetic_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
     for index, (a, op, b) in enumerate(pool[:n]):
         question = format_arithmetic_question(a, op, b)
         answer = _answer(a, op, b)
-        rows.append(
-            {
-                "data_source": ARITHMETIC_DATA_SOURCE,
-                "prompt": [{"role": "user", "content": question}],
-                "ability": ARITHMETIC_ABILITY,
-                "reward_model": {"style": "rule", "ground_truth": str(answer)},
-                "extra_info": {"split": split, "index": index, "question": question, "answer": answer},
-            }
-        )
+        rows.append(verl_row(ARITHMETIC_DATA_SOURCE, question, ARITHMETIC_ABILITY, str(answer),
+                             {"split": split, "index": index, "question": question, "answer": answer}))
     return rows
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from hybridflow.data.writing import verl_row_schema, write_train_test
+from hybridflow.data.writing import verl_row, verl_row_schema, write_train_test
 
 CALCULATOR_DATA_SOURCE = "hybridflow/calculator"
 CALCULATOR_ABILITY = "arithmetic"
@@ -112,16 +112,9 @@ def make_calculator_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
     rows = []
     for index, (a, op, b) in zip(range(n), _problems(seed, split)):
         question, answer = question_text(a, op, b), a * b
-        rows.append(
-            {
-                "data_source": CALCULATOR_DATA_SOURCE,
-                "agent_name": CALCULATOR_AGENT,
-                "prompt": [{"role": "user", "content": question}],
-                "ability": CALCULATOR_ABILITY,
-                "reward_model": {"style": "rule", "ground_truth": str(answer)},
-                "extra_info": {"split": split, "index": index, "question": question, "answer": answer},
-            }
-        )
+        rows.append(verl_row(CALCULATOR_DATA_SOURCE, question, CALCULATOR_ABILITY, str(answer),
+                             {"split": split, "index": index, "question": question, "answer": answer},
+                             agent_name=CALCULATOR_AGENT))
     return rows
 
 

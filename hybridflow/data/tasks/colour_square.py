@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 from hybridflow.data.images import IMAGE_PLACEHOLDER
-from hybridflow.data.writing import verl_row_schema, write_train_test
+from hybridflow.data.writing import verl_row, verl_row_schema, write_train_test
 
 COLOUR_SQUARE_DATA_SOURCE = "hybridflow/colour_square"
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 70, 220), "yellow": (240, 220, 40)}
@@ -57,14 +57,8 @@ def make_colour_square_rows(n: int, seed: int, split: str) -> list[dict[str, Any
     rows = []
     for index in range(n):
         data, name = draw_square_image(rng)
-        rows.append({
-            "data_source": COLOUR_SQUARE_DATA_SOURCE,
-            "prompt": [{"role": "user", "content": QUESTION}],
-            "ability": "vision",
-            "reward_model": {"style": "rule", "ground_truth": name},
-            "extra_info": {"split": split, "index": index},
-            "images": [{"bytes": data, "path": f"{split}-{index}.png"}],
-        })
+        rows.append(verl_row(COLOUR_SQUARE_DATA_SOURCE, QUESTION, "vision", name, {"split": split, "index": index},
+                             images=[{"bytes": data, "path": f"{split}-{index}.png"}]))
     return rows
 
 
