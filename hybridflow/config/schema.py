@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.config.sections.dpo import DPOConfig
 from hybridflow.config.fields import sub
 
 # The section classes are re-exported: ``from hybridflow.config.schema import ActorConfig`` stays the
@@ -76,6 +77,7 @@ class Config:
     model: ModelConfig = sub(ModelConfig, "The policy model.")
     warm_start: WarmStartConfig = sub(WarmStartConfig, "Supervised warm start for the built-in model.")
     sft: SFTConfig = sub(SFTConfig, "Supervised fine-tuning (hybridflow sft).")
+    dpo: DPOConfig = sub(DPOConfig, "Direct preference optimisation (hybridflow dpo).")
     actor: ActorConfig = sub(ActorConfig, "Policy optimisation.")
     ref: RefConfig = sub(RefConfig, "Reference model (for KL).")
     critic: CriticConfig = sub(CriticConfig, "Value model (built when algorithm.adv_estimator needs values: gae).")

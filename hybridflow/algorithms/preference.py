@@ -1,0 +1,91 @@
+"""Preference losses on (chosen, rejected) pairs: DPO and the variants TRL's ``DPOTrainer`` documents.
+
+Inputs are sequence log-probabilities: the sum over a response's loss-masked tokens of the policy's
+(``chosen_logps``, ``rejected_logps``) and the frozen reference's (``ref_*``) log-probabilities, one
+per pair. With h = (log π(y_w|x) - log π_ref(y_w|x)) - (log π(y_l|x) - log π_ref(y_l|x)), the margin of
+the implicit reward r(x, y) = β log π(y|x)/π_ref(y|x) divided by β:
+
+- ``sigmoid`` (DPO, Rafailov et al. 2023): -log σ(βh); with ``label_smoothing`` ε > 0 the conservative
+  cDPO (Mitchell 2023): -(1-ε) log σ(βh) - ε log σ(-βh), the loss of labels flipped with probability ε.
+- ``ipo`` (Azar et al. 2023): (h' - 1/(2β))², h' the margin of the per-token means (each log-ratio divided
+  by its response's token count, as TRL normalises it).
+- ``robust`` (rDPO, Chowdhury et al. 2024): (-(1-ε) log σ(βh) + ε log σ(-βh)) / (1-2ε), unbiased under
+  label noise ε.
+
+Reference-free DPO passes ``ref_* = None``: the reference log-probabilities are taken as 0.
+``preference_loss`` returns per-pair losses, so the caller normalises by the whole step's pair count
+(gradient accumulation, data-parallel ranks); its metrics are per-pair values under TRL's names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "robust")
+
+# The metrics, TRL's names: implicit rewards β·log-ratio, their accuracy and margin, the policy's logps.
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                      "logps/chosen", "logps/rejected")
+
+
+def check_preference_loss(loss_type: str, beta: float, label_smoothing: float) -> None:
+    """Refuse settings the losses are undefined for, naming the setting."""
+    if loss_type not in PREFERENCE_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: expected one of {', '.join(PREFERENCE_LOSS_TYPES)}")
+    if not beta > 0:
+        raise ValueError(f"beta={beta}: must be > 0 (the losses divide by it or scale by it)")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing={label_smoothing}: must be in [0, 0.5) (a flip rate of 0.5 or more "
+                         f"makes the labels carry no preference)")
+
+
+def preference_loss(
+    chosen_logps: torch.Tensor,  # (B,)
+    rejected_logps: torch.Tensor,  # (B,)
+    ref_chosen_logps: torch.Tensor | None,  # (B,) None: reference-free
+    ref_rejected_logps: torch.Tensor | None,  # (B,)
+    *,
+    loss_type: str = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,  # (B,) loss-masked tokens; ipo needs them
+    rejected_lengths: torch.Tensor | None = None,  # (B,)
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(per-pair loss (B,), per-pair metrics (B,) each, detached) of ``loss_type``; see the module docstring."""
+    check_preference_loss(loss_type, beta, label_smoothing)
+    chosen_ratio = chosen_logps if ref_chosen_logps is None else chosen_logps - ref_chosen_logps  # (B,)
+    rejected_ratio = rejected_logps if ref_rejected_logps is None else rejected_logps - ref_rejected_logps  # (B,)
+    margin = chosen_ratio - rejected_ratio  # (B,) h
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        loss = -(1 - eps) * F.logsigmoid(beta * margin)
+        if eps > 0:  # kept out of the ε = 0 graph, so plain DPO is exactly -log σ(βh)
+            loss = loss - eps * F.logsigmoid(-beta * margin)
+    elif loss_type == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError("loss_type='ipo' needs chosen_lengths and rejected_lengths (response token counts)")
+        per_token = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+        loss = (per_token - 1 / (2 * beta)) ** 2
+    else:  # robust
+        loss = (-(1 - eps) * F.logsigmoid(beta * margin) + eps * F.logsigmoid(-beta * margin)) / (1 - 2 * eps)
+    chosen_rewards = beta * chosen_ratio.detach()
+    rejected_rewards = beta * rejected_ratio.detach()
+    metrics = {
+        "rewards/chosen": chosen_rewards,
+        "rewards/rejected": rejected_rewards,
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype),
+        "rewards/margins": chosen_rewards - rejected_rewards,
+        "logps/chosen": chosen_logps.detach(),
+        "logps/rejected": rejected_logps.detach(),
+    }
+    return loss, metrics
+
+
+def sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability over its loss-masked response tokens.  # (B, R) -> (B,)"""
+    return (logprobs * response_mask.to(logprobs.dtype)).sum(dim=-1)
+
+
+__all__ = ["PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "check_preference_loss", "preference_loss",
+           "sequence_logps"]
