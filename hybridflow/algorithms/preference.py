@@ -82,10 +82,18 @@ def preference_loss(
     return loss, metrics
 
 
+def chosen_nll(chosen_logprobs: torch.Tensor, chosen_mask: torch.Tensor) -> torch.Tensor:
+    """Each chosen response's summed negative log-likelihood over its loss-masked tokens: the SFT term
+    that RPO (Pang et al. 2024; TRL's loss_type "sft" beside "sigmoid") adds, weighted, to the DPO loss
+    as a token mean over the step's chosen tokens, so pushing the rejected side down does not drag the
+    chosen side's likelihood with it.  # (B, R) -> (B,)"""
+    return -sequence_logps(chosen_logprobs, chosen_mask)
+
+
 def sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Each row's summed log-probability over its loss-masked response tokens.  # (B, R) -> (B,)"""
     return (logprobs * response_mask.to(logprobs.dtype)).sum(dim=-1)
 
 
-__all__ = ["PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "check_preference_loss", "preference_loss",
+__all__ = ["PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "check_preference_loss", "chosen_nll", "preference_loss",
            "sequence_logps"]

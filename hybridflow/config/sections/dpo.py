@@ -35,6 +35,11 @@ class DPOConfig:
         False, "No reference model: its log-probabilities are taken as 0, so the loss compares the policy's own "
         "chosen and rejected log-probabilities (TRL's reference_free).",
     )
+    sft_weight: float = f(
+        0.0, "α ≥ 0: adds α x the token-mean negative log-likelihood of the chosen responses to the loss (RPO; TRL's "
+        "loss_type=[sigmoid, sft] with loss_weights=[1, α]), which keeps the chosen answers likely while the "
+        "rejected ones are pushed down.",
+    )
     chosen_key: str = f("chosen", "Column holding the preferred response: a string, or a list of chat messages "
                                   "(assistant turns, or the whole conversation when the row has no prompt column).")
     rejected_key: str = f("rejected", "Column holding the dispreferred response, in the chosen column's form.")

@@ -16,7 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridflow.algorithms.preference import PREFERENCE_METRICS, preference_loss, sequence_logps
+from hybridflow.algorithms.preference import (
+    PREFERENCE_METRICS,
+    chosen_nll,
+    preference_loss,
+    sequence_logps,
+)
 
 
 def _logsig(x: float) -> float:
@@ -111,7 +116,8 @@ class Gatherer:
     gather_for_metrics = gather
 
 
-def trl_dpo(model: ToyLM, inputs: dict, *, loss_type: str, beta: float, label_smoothing: float):
+def trl_dpo(model: ToyLM, inputs: dict, *, loss_type: str, beta: float, label_smoothing: float,
+            sft_weight: float = 0.0):
     """TRL's ``DPOTrainer._compute_loss`` on a bare instance: (loss, TRL's logged metrics)."""
     import trl  # the test extra installs it, so CI runs this test (a missing TRL fails it, not skips it)
 
@@ -119,7 +125,8 @@ def trl_dpo(model: ToyLM, inputs: dict, *, loss_type: str, beta: float, label_sm
     wrapped = FusedHeadOutputs(model)
     trainer.__dict__.update(
         model=wrapped, accelerator=Gatherer(), aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
-        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
+        f_divergence_type="reverse_kl", loss_types=[loss_type] + ["sft"] * (sft_weight > 0),
+        loss_weights=[1.0] + [sft_weight] * (sft_weight > 0), beta=beta,
         label_smoothing=label_smoothing, use_weighting=False, _metrics={"train": defaultdict(list)},
         _total_train_tokens=0, _tp_size=1, args=SimpleNamespace(),
     )
@@ -151,24 +158,28 @@ def ours(model: ToyLM, pairs, ref_chosen, ref_rejected, **kwargs):
     prompts, chosen, rejected = (list(side) for side in zip(*pairs))
 
     def logps(responses):
-        out, lengths = [], []
+        out, nll, lengths = [], [], []
         for prompt, response in zip(prompts, responses):
             per_token = token_logps(model, torch.tensor([prompt + response]))[:, len(prompt) - 1:]  # (1, R)
             out.append(sequence_logps(per_token, torch.ones_like(per_token))[0])
+            nll.append(chosen_nll(per_token, torch.ones_like(per_token))[0])
             lengths.append(float(len(response)))
-        return torch.stack(out), torch.tensor(lengths)
+        return torch.stack(out), torch.stack(nll), torch.tensor(lengths)
 
-    (chosen, chosen_len), (rejected, rejected_len) = logps(chosen), logps(rejected)
+    (chosen, chosen_nll_sums, chosen_len), (rejected, _, rejected_len) = logps(chosen), logps(rejected)
     free = kwargs.pop("reference_free", False)
+    sft_weight = kwargs.pop("sft_weight", 0.0)
     loss, metrics = preference_loss(chosen, rejected, None if free else ref_chosen, None if free else ref_rejected,
                                     chosen_lengths=chosen_len, rejected_lengths=rejected_len, **kwargs)
-    return loss.mean(), {k: v.mean().item() for k, v in metrics.items()}
+    total = loss.mean() + sft_weight * chosen_nll_sums.sum() / chosen_len.sum()  # the step's chosen-token mean
+    return total, {k: v.mean().item() for k, v in metrics.items()}
 
 
-@pytest.mark.parametrize("loss_type, label_smoothing", [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1),
-                                                         ("robust", 0.0)])
+@pytest.mark.parametrize("loss_type, label_smoothing, sft_weight", [
+    ("sigmoid", 0.0, 0.0), ("ipo", 0.0, 0.0), ("robust", 0.1, 0.0), ("robust", 0.0, 0.0), ("sigmoid", 0.0, 0.7),
+])
 @pytest.mark.parametrize("reference_free", [False, True])
-def test_loss_gradients_and_metrics_equal_trl(loss_type, label_smoothing, reference_free):
+def test_loss_gradients_and_metrics_equal_trl(loss_type, label_smoothing, sft_weight, reference_free):
     torch.manual_seed(0)
     model = ToyLM()
     ref_chosen, ref_rejected = torch.tensor([-7.0, -5.5, -9.0]), torch.tensor([-6.0, -10.0, -2.5])
@@ -176,10 +187,10 @@ def test_loss_gradients_and_metrics_equal_trl(loss_type, label_smoothing, refere
         ref_chosen, ref_rejected = torch.zeros(3), torch.zeros(3)
     beta = 0.3
     trl_loss, trl_metrics = trl_dpo(model, trl_inputs(PAIRS, ref_chosen, ref_rejected), loss_type=loss_type, beta=beta,
-                                    label_smoothing=label_smoothing)
+                                    label_smoothing=label_smoothing, sft_weight=sft_weight)
     trl_grads = torch.autograd.grad(trl_loss, list(model.parameters()))
     our_loss, our_metrics = ours(model, PAIRS, ref_chosen, ref_rejected, loss_type=loss_type, beta=beta,
-                                 label_smoothing=label_smoothing, reference_free=reference_free)
+                                 label_smoothing=label_smoothing, reference_free=reference_free, sft_weight=sft_weight)
     our_grads = torch.autograd.grad(our_loss, list(model.parameters()))
     assert our_loss.item() == pytest.approx(trl_loss.item(), abs=1e-6)
     for ours_g, theirs in zip(our_grads, trl_grads, strict=True):
