@@ -104,6 +104,9 @@ class DPOWorker:
                 costs = [int(valid[i] + valid[num_pairs + i]) for i in range(num_pairs)]
             else:  # padded: two rows of the batch's width
                 costs = [2 * int(batch.input_ids.shape[1])] * num_pairs
+            if max(costs) > budget:
+                raise ValueError(f"a preference pair has {max(costs)} tokens (its two sides), more than the micro-batch "
+                                 f"budget actor.ppo_max_token_len_per_gpu={budget}; raise it, or lower dpo.max_length")
             own = len(token_budget_partitions(costs, budget))
             count = self.engine.agree_num_micro_batches(own)
             groups = token_budget_partitions(costs, budget, num_micro_batches=count)
