@@ -22,7 +22,7 @@ from typing import Any
 from hybridflow.data.tasks.arithmetic import make_arithmetic_rows
 from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.rewards.arithmetic import compute_score
-from hybridflow.rollout.native import NativeEngine
+from hybridflow.inference.native import NativeEngine
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)

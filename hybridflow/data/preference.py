@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.data.dataset import DataError, _read_records, check_chat_template_kwargs
+from hybridflow.data.dataset import check_chat_template_kwargs
+from hybridflow.data.row_files import DataError, read_records
 from hybridflow.data.sft import SFTDataStats, _check_turns, assistant_masked_tokens
 from hybridflow.types import Trajectory
 
@@ -138,7 +139,7 @@ def load_preference_pairs(
     stats = SFTDataStats()
     pairs: list[PreferencePair] = []
     for path in paths:
-        for record in _read_records(path):
+        for record in read_records(path):
             stats.rows += 1
             where = f"{path} {record.where}"
             try:

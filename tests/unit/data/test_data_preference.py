@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridflow.data.dataset import DataError
+from hybridflow.data.row_files import DataError
 from hybridflow.data.preference import PreferenceColumns, load_preference_pairs
 from hybridflow.models.tiny import build_tiny_tokenizer
 
