@@ -61,6 +61,11 @@ class FakeRetrieval:
             status = self.statuses.pop(0) if self.statuses else 200
         try:
             time.sleep(self.delay_s)
+            # The search counts as finished once the answer is ready, before it is sent: a client
+            # that has its answer frees its slot and may send the next search before this thread
+            # runs again, so counting down after the write would see one search too many in flight.
+            with self._lock:
+                self.in_flight -= 1
             if status != 200:
                 body = b"retriever overloaded"
             elif self.body is not None:
@@ -77,9 +82,6 @@ class FakeRetrieval:
             handler.close_connection = self.cut
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up waiting: what a slow server's client does
-        finally:
-            with self._lock:
-                self.in_flight -= 1
 
     def close(self) -> None:
         self.server.shutdown()
