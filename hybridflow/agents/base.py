@@ -38,9 +38,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from hybridflow.agents.interactions import Interaction
 from hybridflow.agents.registry import resolve_object
@@ -48,9 +48,9 @@ from hybridflow.agents.tokens import ChatTokenizer
 from hybridflow.agents.tools import ToolRegistry
 from hybridflow.rewards.sandbox import run_coroutine_sync
 from hybridflow.types import GenerationRequest, Sample, SamplingParams, Trajectory
+from hybridflow.utils.aio import all_or_nothing
 from hybridflow.utils.seed import derive_seed
 
-_T = TypeVar("_T")
 
 # Metric names (``area/name``), the one spelling for trackers and dashboards.
 METRIC_NUM_TURNS_MEAN = "num_turns/mean"
@@ -303,7 +303,7 @@ class AgentRunner:
             for index, (row, row_params) in enumerate(zip(rows, per_row))
             for sample in range(row_params.n)
         ]
-        return await _all_or_nothing(episodes)
+        return await all_or_nothing(episodes)
 
     async def generate_row(
         self, row: AgentRow, index: int, params: SamplingParams, engine: GenerateEngine
@@ -312,7 +312,7 @@ class AgentRunner:
         ``index`` (the same seeds): what a streaming caller awaits per prompt group.
         ``max_concurrent_episodes`` bounds this row's episodes, not the other rows'."""
         limit = asyncio.Semaphore(self.max_concurrent_episodes or max(1, params.n))
-        return await _all_or_nothing([self._episode(row, index, sample, params, engine, limit)
+        return await all_or_nothing([self._episode(row, index, sample, params, engine, limit)
                                       for sample in range(params.n)])
 
     def generate_sync(
@@ -343,19 +343,3 @@ class AgentRunner:
         return trajectory
 
 
-async def _all_or_nothing(coroutines: Sequence[Awaitable[_T]]) -> list[_T]:
-    """Every result in order, or the first error after cancelling the rest (``gather`` would
-    leave them running)."""
-    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
-    if not tasks:
-        return []
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -39,7 +39,6 @@ through that disk, and multi-node runs need it shared.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -52,7 +51,7 @@ from typing import Any, TypeVar
 from hybridflow.utils.errors import CheckpointError, causes, find_cause, one_line
 from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.files import give_default_modes
-from hybridflow.utils.storage import Storage, StorageError, join
+from hybridflow.utils.storage import Storage, StorageError, join, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +89,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:
@@ -140,7 +131,7 @@ def _pid_alive(pid: int) -> bool:
 
 def write_manifest(ckpt: Path) -> dict[str, Any]:
     files = {
-        p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(ckpt.rglob("*"))
         if p.is_file() and p.name != MANIFEST_FILE
     }
@@ -191,7 +182,7 @@ def verify_checkpoint(ckpt: Path) -> None:
         size = path.stat().st_size
         if size != expected_size:
             raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, the manifest says {expected_size}")
-        if _sha256(path) != sha:
+        if sha256_file(path) != sha:
             raise CheckpointError(f"checkpoint file {path} is altered: its SHA-256 differs from the manifest")
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hybridflow.types import Trajectory
+from hybridflow.utils.aio import all_or_nothing
 
 _T = TypeVar("_T")
 
@@ -110,7 +111,7 @@ class RequestStream:
         error cancels the others and is raised."""
         if not jobs:
             return []
-        return self.run(lambda: _all_or_nothing([job() for job in jobs]))
+        return self.run(lambda: all_or_nothing([job() for job in jobs]))
 
     # ------------------------------------------------------------------ streaming
     def start(self, jobs: Sequence[Job]) -> None:
@@ -201,17 +202,4 @@ async def _call(job: Job) -> list[Trajectory]:
     return await job.run()
 
 
-async def _all_or_nothing(coroutines: Sequence[Awaitable[_T]]) -> list[_T]:
-    """Every result in order, or the first error after cancelling the rest."""
-    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 

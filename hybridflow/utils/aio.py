@@ -2,14 +2,15 @@
 client's blocking calls.
 
 The engines (the native runtime in ``inference/``, the adapters in ``rollout/``) and the HTTP
-client (``serving/``) all share these, so they live below all three.
+client (``serving/``) all share these, so they live below all three; ``all_or_nothing`` gathers
+the agent loop's episodes and the rollout stream's jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -50,3 +51,21 @@ def run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run(coroutine)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-sync") as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+async def all_or_nothing(coroutines: Sequence[Awaitable[_T]]) -> list[_T]:
+    """Every result in order, or the first error after cancelling the rest (``gather`` would
+    leave them running)."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

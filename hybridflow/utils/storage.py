@@ -63,7 +63,8 @@ def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 hex digest of a local file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -279,7 +280,7 @@ class Storage:
             try:
                 tmp.mkdir()
                 listed = self.download(url, tmp / TREE_FILES)
-                manifest = {rel: {"size": size, "version": tag, "sha256": _sha256(tmp / TREE_FILES / rel)}
+                manifest = {rel: {"size": size, "version": tag, "sha256": sha256_file(tmp / TREE_FILES / rel)}
                             for rel, (size, tag) in listed.items()}
                 (tmp / TREE_MANIFEST).write_text(json.dumps({"url": url, TREE_FILES: manifest}, indent=1))
                 if final.exists():
@@ -310,6 +311,6 @@ def _cached_copy_problem(folder: Path, listed: dict[str, tuple[int, str]]) -> st
         path = files / rel
         # Hashing the whole copy costs a read of it (about a second per GB), the price of never
         # loading a model from a file that was altered or cut short on this disk.
-        if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
+        if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
             return f"has a damaged file ({rel})"
     return None
