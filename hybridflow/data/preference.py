@@ -16,18 +16,16 @@ training engine runs unchanged (packing, token budgets).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.data.dataset import check_chat_template_kwargs
-from hybridflow.data.row_files import DataError, read_records
-from hybridflow.data.sft import SFTDataStats, _check_turns, assistant_masked_tokens
+from hybridflow.data.row_files import DataError
+from hybridflow.data.sft import SFTDataStats, _check_turns, assistant_masked_tokens, tokenise_rows
 from hybridflow.types import Trajectory
 
-log = logging.getLogger(__name__)
 
 Message = dict[str, str]
 
@@ -136,38 +134,16 @@ def load_preference_pairs(
     or with ``on_bad_row="skip"`` (``data.on_bad_row``) dropped, counted and logged with that same line;
     a pair left with no response token on a side after ``max_length`` is skipped and counted."""
     template_kwargs = check_chat_template_kwargs(template_kwargs or {})
-    stats = SFTDataStats()
-    pairs: list[PreferencePair] = []
-    for path in paths:
-        for record in read_records(path):
-            stats.rows += 1
-            where = f"{path} {record.where}"
-            try:
-                if record.parse_error is not None:
-                    raise DataError(f"{where}: {record.parse_error}")
-                prompt, chosen, rejected = row_conversations(record.value, columns, where)
-                try:
-                    pair, truncated = preference_pair(tokenizer, prompt, chosen, rejected, max_length,
-                                                      template_kwargs)
-                except DataError as exc:
-                    raise DataError(f"{where}: {exc}") from exc
-            except DataError as exc:
-                if on_bad_row != "skip":
-                    raise
-                stats.skipped["malformed (data.on_bad_row=skip)"] += 1
-                log.warning("skipped: %s", exc)
-                continue
-            if pair is None:
-                stats.skipped["with no response token within the max length"] += 1
-                continue
-            stats.kept += 1
-            stats.truncated += int(truncated)
-            pairs.append(pair)
-    if stats.skipped:
-        log.warning("preference data %s: %s", ", ".join(map(str, paths)), stats.describe())
-    if not pairs:
-        raise DataError(f"{', '.join(map(str, paths))}: no usable preference pair ({stats.describe()})")
-    return pairs, stats
+
+    def pair(row: Any, where: str) -> tuple[PreferencePair | None, bool]:
+        prompt, chosen, rejected = row_conversations(row, columns, where)
+        try:
+            return preference_pair(tokenizer, prompt, chosen, rejected, max_length, template_kwargs)
+        except DataError as exc:
+            raise DataError(f"{where}: {exc}") from exc
+
+    return tokenise_rows(paths, pair, on_bad_row=on_bad_row, what="preference", item="preference pair",
+                         empty="with no response token within the max length")
 
 
 __all__ = ["PreferenceColumns", "PreferencePair", "load_preference_pairs", "preference_pair", "row_conversations"]

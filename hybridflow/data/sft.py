@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hybridflow.data.dataset import check_chat_template_kwargs
 from hybridflow.data.row_files import DataError, read_records
@@ -195,8 +195,32 @@ def load_sft_examples(
     truncation to ``max_length`` is skipped, counted and warned about (a long prompt should not
     stop a run over a whole dataset). ``template_kwargs``: data.apply_chat_template_kwargs."""
     template_kwargs = check_chat_template_kwargs(template_kwargs or {})
+
+    def example(row: Any, where: str) -> tuple[Trajectory | None, bool]:
+        messages = row_messages(row, columns, where)
+        try:
+            return sft_example(tokenizer, messages, max_length, truncation, template_kwargs)
+        except DataError as exc:
+            raise DataError(f"{where}: {exc}") from exc
+
+    return tokenise_rows(paths, example, on_bad_row=on_bad_row, what="SFT", item="SFT example",
+                         empty="with no assistant token within the max length")
+
+
+_Item = TypeVar("_Item")
+
+
+def tokenise_rows(
+    paths: Sequence[str | os.PathLike[str]], make: Callable[[Any, str], tuple[_Item | None, bool]], *,
+    on_bad_row: str, what: str, item: str, empty: str,
+) -> tuple[list[_Item], SFTDataStats]:
+    """Every row of ``paths`` (parquet or JSON lines) made into an ``item`` by ``make(row, where)``:
+    the item, or None when nothing trainable is left (counted as ``empty``), and whether it was
+    truncated. A ``DataError`` (a malformed row, naming file, row and column) stops the load, or with
+    ``on_bad_row="skip"`` drops the row, counted and logged with that same line. Raises
+    ``DataError`` when no row gave an item."""
     stats = SFTDataStats()
-    examples: list[Trajectory] = []
+    items: list[_Item] = []
     for path in paths:
         for record in read_records(path):
             stats.rows += 1
@@ -204,25 +228,21 @@ def load_sft_examples(
             try:
                 if record.parse_error is not None:
                     raise DataError(f"{where}: {record.parse_error}")
-                messages = row_messages(record.value, columns, where)
-                try:
-                    traj, truncated = sft_example(tokenizer, messages, max_length, truncation, template_kwargs)
-                except DataError as exc:
-                    raise DataError(f"{where}: {exc}") from exc
+                made, truncated = make(record.value, where)
             except DataError as exc:
                 if on_bad_row != "skip":
                     raise
                 stats.skipped["malformed (data.on_bad_row=skip)"] += 1
                 log.warning("skipped: %s", exc)
                 continue
-            if traj is None:
-                stats.skipped["with no assistant token within the max length"] += 1
+            if made is None:
+                stats.skipped[empty] += 1
                 continue
             stats.kept += 1
             stats.truncated += int(truncated)
-            examples.append(traj)
+            items.append(made)
     if stats.skipped:
-        log.warning("SFT data %s: %s", ", ".join(map(str, paths)), stats.describe())
-    if not examples:
-        raise DataError(f"{', '.join(map(str, paths))}: no usable SFT example ({stats.describe()})")
-    return examples, stats
+        log.warning("%s data %s: %s", what, ", ".join(map(str, paths)), stats.describe())
+    if not items:
+        raise DataError(f"{', '.join(map(str, paths))}: no usable {item} ({stats.describe()})")
+    return items, stats
