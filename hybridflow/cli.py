@@ -247,7 +247,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _serve_model_dir(args: argparse.Namespace, device: str) -> str:
     """``args.model_dir``, with builtin:tiny resolved to its directory as ``hybridflow train`` does."""
     from hybridflow.config.explain import BUILTIN_TINY
-    from hybridflow.serving.server import ServeError
+    from hybridflow.serving.launch import ServeError
 
     if args.model_dir != BUILTIN_TINY:
         if args.overrides:
@@ -270,7 +270,9 @@ def _serve_model_dir(args: argparse.Namespace, device: str) -> str:
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
-    from hybridflow.serving.server import ServeError, ServerLimits, serve  # FastAPI, uvicorn: only when serving
+    # FastAPI, uvicorn: only when serving
+    from hybridflow.serving.launch import ServeError, serve
+    from hybridflow.serving.schema import ServerLimits
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     defaults = ServerLimits()

@@ -234,7 +234,9 @@ class RolloutWorker:
         """``rollout.mode=server``: the engine behind hybridflow's HTTP server on 127.0.0.1 in a
         thread of this process, and a client through which every request of this replica goes."""
         from hybridflow.serving.http_client import HttpEngineClient
-        from hybridflow.serving.server import ServerLimits, ServerThread, create_app
+        from hybridflow.serving.launch import ServerThread
+        from hybridflow.serving.schema import ServerLimits
+        from hybridflow.serving.server import create_app
 
         name = f"rollout replica {self.rank}"
         # The trainer's own requests: as many samples as rollout.n asks for; the context is the model's.

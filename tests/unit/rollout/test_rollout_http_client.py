@@ -11,7 +11,8 @@ import torch
 
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.serving.http_client import HttpEngineClient, ReplicaHttpError
-from hybridflow.serving.server import ServeError, ServerThread, build_server_engine, create_app
+from hybridflow.serving.launch import ServeError, ServerThread, build_server_engine
+from hybridflow.serving.server import create_app
 from hybridflow.types import GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)

@@ -28,13 +28,9 @@ from hybridflow.cli import build_parser, main
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.serving.llm import LLM
 from hybridflow.inference.native import NativeEngine
-from hybridflow.serving.server import (
-    IncrementalDetokenizer,
-    ServeError,
-    build_server_engine,
-    create_app,
-    warn_if_exposed,
-)
+from hybridflow.serving.formats import IncrementalDetokenizer
+from hybridflow.serving.launch import ServeError, build_server_engine, warn_if_exposed
+from hybridflow.serving.server import create_app
 from hybridflow.types import GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)
@@ -306,7 +302,7 @@ def test_cli_parses_serve_and_warns_on_exposed_hosts(caplog: pytest.LogCaptureFi
     args = build_parser().parse_args(["serve", "/m", "--port", "9001", "--max-batch-size", "8", "--dtype", "bfloat16"])
     assert (args.command, args.model_dir, args.host, args.port) == ("serve", "/m", "127.0.0.1", 9001)
     assert (args.max_batch_size, args.dtype, args.served_model_name) == (8, "bfloat16", None)
-    with caplog.at_level(logging.WARNING, logger="hybridflow.serving.server"):
+    with caplog.at_level(logging.WARNING, logger="hybridflow.serving.launch"):
         assert not warn_if_exposed("127.0.0.1") and not warn_if_exposed("localhost") and not warn_if_exposed("::1")
         assert not caplog.records
         assert warn_if_exposed("0.0.0.0")

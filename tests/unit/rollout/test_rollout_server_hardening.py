@@ -32,14 +32,10 @@ import uvicorn
 from hybridflow.cli import main
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.inference.native import NativeEngine
-from hybridflow.serving.server import (
-    HostCheck,
-    ServerLimits,
-    build_server_engine,
-    create_app,
-    host_check_for,
-    host_name,
-)
+from hybridflow.serving.guards import HostCheck, host_check_for, host_name
+from hybridflow.serving.launch import build_server_engine
+from hybridflow.serving.schema import ServerLimits
+from hybridflow.serving.server import create_app
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,8 @@ import uvicorn
 
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
 from hybridflow.rewards.judge import JudgeSettings
-from hybridflow.serving.server import build_server_engine, create_app
+from hybridflow.serving.launch import build_server_engine
+from hybridflow.serving.server import create_app
 from hybridflow.types import Trajectory
 from hybridflow.workers.reward_model import JudgeSetup, JudgeWorker
 
