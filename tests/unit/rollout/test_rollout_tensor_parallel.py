@@ -152,10 +152,10 @@ def plain_engine(family: str, seed: int, device: str) -> Any:
 def wire_format(family: str) -> None:
     """Llama's replica sends every header in two parts and every tensor apart from its header
     (the paths large prefill chunks take); Qwen2's the usual way. Both ranks must agree."""
-    from hybridflow.inference import tensor_parallel
+    from hybridflow.inference import tp_wire
 
-    tensor_parallel.HEADER_BYTES = 64 if family == "llama" else 16384
-    tensor_parallel.INLINE_PAYLOAD_BYTES = 0 if family == "llama" else 12288
+    tp_wire.HEADER_BYTES = 64 if family == "llama" else 16384
+    tp_wire.INLINE_PAYLOAD_BYTES = 0 if family == "llama" else 12288
 
 
 def leader_scenarios(group: Any, solo: Any, device: str) -> dict[str, Any]:
