@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.agents.parsers import ToolCall, ToolParser
-from hybridflow.agents.tokens import ChatTokenizer, Message, TurnTemplate, render_ids
+from hybridflow.agents.tokens import ChatTokenizer, Message, TurnTemplate, append_model_tokens, render_ids
 from hybridflow.types import UNVERSIONED_TOKEN
 
 # A normalised message: (role, text, ((tool name, canonical JSON arguments), ...)).
@@ -191,13 +191,7 @@ class EpisodeRecord:
         ``stop_token``: the last token is an EOS / end-of-turn token the engine stopped on;
         ``parse_tools``: the request offered tools, so tool calls in the text are returned as such;
         ``versions``: the engine's policy version of each token (None: not recorded)."""
-        self.response_ids.extend(token_ids)
-        self.loss_mask.extend([1] * len(token_ids))
-        self.rollout_logprobs.extend(logprobs)
-        if self.token_versions is not None and versions is not None:
-            self.token_versions.extend(versions)
-        else:
-            self.token_versions = None
+        append_model_tokens(self, token_ids, logprobs, versions)
         self.completions += 1
         self._ended_turn = stop_token and token_ids[-1:] == [self._turn_end_id]
         content_ids = token_ids[:-1] if stop_token else token_ids

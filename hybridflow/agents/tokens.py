@@ -95,6 +95,30 @@ class TurnTemplate:
         return full[len(self._prefix) :]
 
 
+class ResponseTokens(Protocol):
+    """An episode's response as it grows: its ids, loss mask, rollout logprobs and each token's
+    policy version (None once a part came without versions)."""
+
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    token_versions: list[int] | None
+
+
+def append_model_tokens(
+    response: ResponseTokens, ids: list[int], logprobs: list[float], versions: list[int] | None
+) -> None:
+    """Append tokens the policy sampled: loss mask 1, their logprobs and versions. Versions are kept
+    only while every completion reports them (one without them drops the record for good)."""
+    response.response_ids.extend(ids)
+    response.loss_mask.extend([1] * len(ids))
+    response.rollout_logprobs.extend(logprobs)
+    if response.token_versions is not None and versions is not None:
+        response.token_versions.extend(versions)
+    else:
+        response.token_versions = None
+
+
 def assistant_spans(
     tokenizer: ChatTokenizer, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None,
     template_kwargs: Mapping[str, Any] | None = None,

@@ -32,7 +32,7 @@ from hybridflow.agents.base import (
     episode_metrics,
 )
 from hybridflow.agents.parsers import MalformedCall, ParsedTurn, ToolCall, build_tool_parser
-from hybridflow.agents.tokens import Message, TurnTemplate
+from hybridflow.agents.tokens import Message, TurnTemplate, append_model_tokens
 from hybridflow.agents.tools import ToolRegistry, ToolResult
 from hybridflow.types import UNVERSIONED_TOKEN, GenerationRequest, SamplingParams, Trajectory
 from hybridflow.utils.seed import derive_seed
@@ -66,13 +66,7 @@ class _Episode:
         return self.budget - len(self.response_ids)
 
     def add_model_tokens(self, ids: list[int], logprobs: list[float], versions: list[int] | None) -> None:
-        self.response_ids.extend(ids)
-        self.loss_mask.extend([1] * len(ids))
-        self.rollout_logprobs.extend(logprobs)
-        if self.token_versions is not None and versions is not None:
-            self.token_versions.extend(versions)
-        else:
-            self.token_versions = None
+        append_model_tokens(self, ids, logprobs, versions)
 
     def insert(self, ids: list[int]) -> bool:
         """Append tokens the policy did not produce, cut at the budget; ``False`` if cut."""

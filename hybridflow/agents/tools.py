@@ -473,18 +473,24 @@ async def _calc_gsm8k_reward(answer: str, call_context: ToolCallContext) -> str:
     return f"Current parsed {answer=} {reward=}"
 
 
-def gsm8k_reward_tool(timeout_s: float | None = None) -> Tool:
-    """``calc_gsm8k_reward``: the model submits its answer and reads back its GSM8K reward."""
+def _answer_reward_tool(name: str, task: str, fn: Callable[..., Any], timeout_s: float | None) -> Tool:
+    """One of verl's reward tools: the model submits its ``answer`` and ``fn`` replies with its
+    ``task`` reward, graded against the row's ground truth (the call's context)."""
     return Tool(
-        name=GSM8K_TOOL_NAME,
-        description="A tool for calculating the reward of gsm8k",
+        name=name,
+        description=f"A tool for calculating the reward of {task}",
         parameters={"type": "object", "properties": {"answer": {"type": "string",
                                                                 "description": "The answer to the question"}},
                     "required": ["answer"]},
-        fn=_calc_gsm8k_reward,
+        fn=fn,
         timeout_s=DEFAULT_TOOL_TIMEOUT_S if timeout_s is None else timeout_s,
         takes_context=True,
     )
+
+
+def gsm8k_reward_tool(timeout_s: float | None = None) -> Tool:
+    """``calc_gsm8k_reward``: the model submits its answer and reads back its GSM8K reward."""
+    return _answer_reward_tool(GSM8K_TOOL_NAME, "gsm8k", _calc_gsm8k_reward, timeout_s)
 
 
 GEO3K_TOOL_NAME = "calc_geo3k_reward"
@@ -502,16 +508,7 @@ def _calc_geo3k_reward(answer: str, call_context: ToolCallContext) -> str:
 
 def geo3k_reward_tool(timeout_s: float | None = None) -> Tool:
     """``calc_geo3k_reward``: the model submits its answer and reads back its Geometry3K reward."""
-    return Tool(
-        name=GEO3K_TOOL_NAME,
-        description="A tool for calculating the reward of geo3k",
-        parameters={"type": "object", "properties": {"answer": {"type": "string",
-                                                                "description": "The answer to the question"}},
-                    "required": ["answer"]},
-        fn=_calc_geo3k_reward,
-        timeout_s=DEFAULT_TOOL_TIMEOUT_S if timeout_s is None else timeout_s,
-        takes_context=True,
-    )
+    return _answer_reward_tool(GEO3K_TOOL_NAME, "geo3k", _calc_geo3k_reward, timeout_s)
 
 
 SEARCH_TOOL_NAME = "search"

@@ -31,13 +31,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
@@ -338,28 +338,31 @@ def _required(query: dict[str, str], key: str) -> str:
     return query[key]
 
 
-def _int(query: dict[str, str], key: str) -> int | None:
+_N = TypeVar("_N", int, float)
+
+
+def _parsed(query: dict[str, str], key: str, parse: Callable[[str], _N], kind: str) -> tuple[str, _N | None]:
+    """The parameter's text and its value by ``parse`` (None when absent or empty); a BadRequest
+    saying it is not ``kind`` when it does not parse."""
     text = query.get(key, "").strip()
     if not text:
-        return None
+        return text, None
     try:
-        value = int(text)
+        return text, parse(text)
     except ValueError:
-        raise BadRequest(f"{key}={text!r} is not an integer") from None
-    if value < 0:
+        raise BadRequest(f"{key}={text!r} is not {kind}") from None
+
+
+def _int(query: dict[str, str], key: str) -> int | None:
+    _, value = _parsed(query, key, int, "an integer")
+    if value is not None and value < 0:
         raise BadRequest(f"{key}={value} is negative")
     return value
 
 
 def _float(query: dict[str, str], key: str) -> float | None:
-    text = query.get(key, "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise BadRequest(f"{key}={text!r} is not a number") from None
-    if not math.isfinite(value):
+    text, value = _parsed(query, key, float, "a number")
+    if value is not None and not math.isfinite(value):
         raise BadRequest(f"{key}={text!r} is not finite")
     return value
 
