@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,15 @@ def verl_row(
 def write_train_test(
     out_dir: str | os.PathLike[str],
     schema: pa.Schema,
-    train_rows: list[dict[str, Any]],
-    test_rows: list[dict[str, Any]],
+    make_rows: Callable[[int, int, str], list[dict[str, Any]]],
+    train_size: int,
+    val_size: int,
+    seed: int,
 ) -> tuple[Path, Path]:
-    """A built-in task's two splits, ``train.parquet`` and ``test.parquet`` under ``out_dir``, each
-    written atomically; returns their paths."""
+    """A built-in task's two splits, ``make_rows(n, seed, split)``, as ``train.parquet`` and
+    ``test.parquet`` under ``out_dir``, each written atomically (the same bytes for the same
+    arguments); returns their paths."""
     out = Path(out_dir).expanduser()
+    train_rows, test_rows = make_rows(train_size, seed, "train"), make_rows(val_size, seed, "test")
     return (write_parquet_atomic(train_rows, schema, out / "train.parquet"),
             write_parquet_atomic(test_rows, schema, out / "test.parquet"))

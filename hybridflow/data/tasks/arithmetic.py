@@ -127,8 +127,7 @@ def write_arithmetic_task(
     Idempotent (same arguments, same bytes) and atomic (each file appears complete or not at
     all), so concurrent processes may call it on the same directory.
     """
-    return write_train_test(out_dir, _SCHEMA, make_arithmetic_rows(train_size, seed, "train"),
-                            make_arithmetic_rows(val_size, seed, "test"))
+    return write_train_test(out_dir, _SCHEMA, make_arithmetic_rows, train_size, val_size, seed)
 
 
 def teacher_slips(question: str, slip_rate: float) -> bool:

@@ -122,8 +122,7 @@ def write_calculator_task(
     out_dir: str | os.PathLike[str], train_size: int = 4096, val_size: int = 256, seed: int = 0
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``test.parquet`` under ``out_dir`` (idempotent, atomic)."""
-    return write_train_test(out_dir, _SCHEMA, make_calculator_rows(train_size, seed, "train"),
-                            make_calculator_rows(val_size, seed, "test"))
+    return write_train_test(out_dir, _SCHEMA, make_calculator_rows, train_size, val_size, seed)
 
 
 def tool_call_text(expression: str) -> str:

@@ -66,5 +66,4 @@ def write_colour_square_task(
     out_dir: str | os.PathLike[str], train_size: int = 512, val_size: int = 64, seed: int = 0
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``test.parquet`` under ``out_dir`` (atomic, idempotent)."""
-    return write_train_test(out_dir, _SCHEMA, make_colour_square_rows(train_size, seed, "train"),
-                            make_colour_square_rows(val_size, seed, "test"))
+    return write_train_test(out_dir, _SCHEMA, make_colour_square_rows, train_size, val_size, seed)
