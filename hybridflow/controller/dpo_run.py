@@ -28,7 +28,7 @@ from typing import Any
 from hybridflow.algorithms.preference import PREFERENCE_METRICS, check_preference_loss
 from hybridflow.config import Config, ConfigError, config_to_yaml
 from hybridflow.config.explain import BUILTIN_TINY
-from hybridflow.config.validate import data_parallel_size
+from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.dpo_builtin import builtin_pairs, greedy_accuracy
 from hybridflow.controller.export import export_checkpoint
