@@ -104,7 +104,7 @@ def run_loop(spec: dict) -> dict:
     run.val_data = None
     try:
         for group in run.rollout.groups:
-            group._workers[0].engine._logits_processors = (oracle,)
+            group._workers[0].engine._runner.logits_processors = (oracle,)
         make_trainer(run).fit()
     finally:
         run.close()

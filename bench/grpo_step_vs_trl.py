@@ -258,7 +258,7 @@ def run_hybridflow(spec: dict) -> dict:
     cfg = api.make_config("grpo", overrides=overrides)
     run = build_run(cfg)
     try:
-        run.rollout.groups[0]._workers[0].engine._logits_processors = (oracle,)
+        run.rollout.groups[0]._workers[0].engine._runner.logits_processors = (oracle,)
         trainer = RLTrainer(run)
         steps = []
         for _ in range(spec["warmup"] + spec["steps"]):

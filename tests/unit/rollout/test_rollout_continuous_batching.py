@@ -133,12 +133,12 @@ def test_rows_grow_mid_flight_without_disturbing_running_sequences(reference_mod
         short = asyncio.ensure_future(engine.generate(request(PROMPTS[0], temperature=0.0, max_tokens=40)))
         while engine.stats.steps < 3:
             await asyncio.sleep(0.001)
-        capacity_before = engine._cache.capacity
+        capacity_before = engine._runner.cache.capacity
         long = await engine.generate(request(PROMPTS[1], temperature=0.0, max_tokens=100))
         return await short, long, capacity_before
 
     short, long, capacity_before = asyncio.run(main())
-    assert capacity_before == 64 and engine._cache.capacity == 128
+    assert capacity_before == 64 and engine._runner.cache.capacity == 128
     assert short[0].response_ids == reference_greedy(reference_model, PROMPTS[0], 40, {EOS})
     assert long[0].response_ids == reference_greedy(reference_model, PROMPTS[1], 100, {EOS})
 

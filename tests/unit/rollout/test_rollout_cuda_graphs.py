@@ -29,7 +29,7 @@ def test_cuda_graph_decode_generates_what_eager_decode_does():
     graphed = make_engine(make_model(), device="cuda", decode_mode="cuda_graph")
     assert graphed.decode_mode == "cuda_graph"
     assert_same(generate(graphed), generate(eager))
-    decoder = graphed._static_decoder
+    decoder = graphed._runner.static_decoder
     assert decoder is not None and decoder.captures >= 2  # several batch buckets as rows finished
     captures = decoder.captures
     generate(graphed)  # the same shapes again: replays, no new captures
@@ -45,6 +45,6 @@ def test_captured_graphs_see_weight_updates_and_survive_sleep():
     eager.update_weights(new_weights)
     assert_same(generate(graphed), generate(eager))
     graphed.sleep()
-    assert graphed._static_decoder is not None and graphed._static_decoder.num_graphs == 0
+    assert graphed._runner.static_decoder is not None and graphed._runner.static_decoder.num_graphs == 0
     graphed.wake_up()
     assert_same(generate(graphed), generate(eager))

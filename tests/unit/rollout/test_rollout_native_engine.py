@@ -296,7 +296,7 @@ def test_after_bucketed_updates_the_fused_engine_matches_one_loaded_with_the_new
     outputs(engine)  # the old weights have served
     # Buckets of one tensor each: q, k and v (and gate and up) of a layer arrive separately.
     engine.update_weights(donor.state_dict().items(), max_bucket_bytes=4096)
-    fused = engine._compact.layers[1]  # the fused tensors the compact forward reads
+    fused = engine._runner.compact.layers[1]  # the fused tensors the compact forward reads
     attention, mlp = donor.model.layers[1].self_attn, donor.model.layers[1].mlp
     assert torch.equal(fused.qkv_weight, torch.cat([attention.q_proj.weight, attention.k_proj.weight,
                                                     attention.v_proj.weight]))

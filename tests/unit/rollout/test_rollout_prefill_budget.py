@@ -26,7 +26,7 @@ ELEVEN = [[(7 * i + 13 * k + 1) % 250 for i in range(11)] for k in range(3)]
 def record_chunks(engine: NativeEngine) -> list[list[tuple[int, int, int]]]:
     """Each step's prefill chunks as (start, end, tokens the prompt prefills), in step order."""
     steps: list[list[tuple[int, int, int]]] = []
-    plan = engine._plan
+    plan = engine._scheduler.plan
 
     def recording():
         result = plan()
@@ -34,7 +34,7 @@ def record_chunks(engine: NativeEngine) -> list[list[tuple[int, int, int]]]:
             steps.append([(c.start, c.end, c.request.prefix_length) for c in result.chunks])
         return result
 
-    engine._plan = recording  # type: ignore[method-assign]
+    engine._scheduler.plan = recording  # type: ignore[method-assign]
     return steps
 
 
@@ -191,6 +191,6 @@ def test_a_run_built_from_the_config_gives_its_rollout_engine_the_budget(tmp_pat
     run = build_run(cfg)
     try:
         engine = run.rollout.groups[0]._workers[0].engine
-        assert (engine._max_prefill_tokens, engine._chunked_prefill) == (96, False)
+        assert (engine._scheduler.max_prefill_tokens, engine._scheduler.chunked_prefill) == (96, False)
     finally:
         run.close()

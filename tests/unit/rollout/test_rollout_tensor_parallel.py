@@ -181,7 +181,7 @@ def leader_scenarios(group: Any, solo: Any, device: str) -> dict[str, Any]:
         alone = build_tp_engine(make_model(family, 0), solo, **engine_kwargs(device))
         report[family] = {
             "alone": run(alone.engine), "reference": reference, "tp": tp, "updated_reference": updated_reference, "updated": updated,
-            "woken": woken, "asleep_bytes": asleep_bytes, "leader_kv_heads": engine._cache.num_kv_heads,
+            "woken": woken, "asleep_bytes": asleep_bytes, "leader_kv_heads": engine._runner.cache.num_kv_heads,
             "partial": partial, "partial_reference": partial_reference,
         }
         leader.close()
