@@ -103,7 +103,8 @@ KEYS: dict[str, str] = {
 
 IGNORED: dict[str, str] = {
     "actor_rollout_ref.rollout.gpu_memory_utilization":
-        "the native engine's KV cache is sized by rollout.max_batch_size and the response length, not a memory fraction",
+        "the native engine's KV cache is sized in bytes by rollout.kv_cache_memory_bytes (null: a share of the free "
+        "memory at the run's first start, recorded for its resumes), not a memory fraction",
     "actor_rollout_ref.rollout.mode": "rollout.mode here picks in-process (engine) or HTTP server (server) generation; "
                                       "verl's sync/async has no counterpart",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "the reference is offloaded with the actor's fsdp_config",

@@ -40,9 +40,9 @@ response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
   micro-batch the head's backward runs while every layer's saved activations are alive (they add
   up) but before any layer's backward (the larger of the two working sets counts: ``overlap``); in
   a forward without backward the layers' working set is gone when the head runs.
-- KV cache (native engine): the engine takes ``KV_CACHE_MEMORY_FRACTION`` of the memory free when
-  it starts (after the actor's parameters and its own weights are loaded, before any optimizer
-  state exists) as its budget, and allocates slot rows of ``align(prompt + response)`` positions,
+- KV cache (native engine): the engine takes ``rollout.kv_cache_memory_bytes``, or unset
+  ``KV_CACHE_MEMORY_FRACTION`` of the memory free when it starts (after the actor's parameters and
+  its own weights are loaded, before any optimizer state exists), as its budget, and allocates slot rows of ``align(prompt + response)`` positions,
   ``KV_PROMPT_ROWS`` prompt rows plus as many decode rows as ``rollout.max_batch_size`` asks and
   the budget holds; the prefix cache (``rollout.enable_prefix_caching``) keeps whole blocks of a
   step's finished sequences in what the budget leaves. A budget that holds no sequence beside the
@@ -462,7 +462,10 @@ def plan_memory(
 
     # KV cache: the engine sizes its budget when it starts, after the actor's parameters and its weights.
     longest = data.max_prompt_length + data.max_response_length
-    if device_bytes is not None:
+    source = f"{KV_CACHE_MEMORY_FRACTION[layout.device_type]:g} of the memory free when it starts"
+    if r.kv_cache_memory_bytes is not None:
+        budget, source = r.kv_cache_memory_bytes, "rollout.kv_cache_memory_bytes"
+    elif device_bytes is not None:
         free_at_start = max(0, device_bytes - (actor_p if layout.colocated else 0) - rollout_w)
         budget = int(free_at_start * KV_CACHE_MEMORY_FRACTION[layout.device_type])
     elif layout.device_type == "cpu":
@@ -479,8 +482,7 @@ def plan_memory(
         if rows == 0:
             capacity = -(-longest // KV_CAPACITY_ALIGN) * KV_CAPACITY_ALIGN
             row = capacity * kv_bytes_per_position(shape, rollout_dtype, layout.tp)
-            blocked = (f"its KV cache budget ({budget / GIB:.2f} GiB: {KV_CACHE_MEMORY_FRACTION[layout.device_type]:g} "
-                       f"of the memory free when it starts) holds no sequence of {longest} tokens beside the "
+            blocked = (f"its KV cache budget ({budget / GIB:.2f} GiB: {source}) holds no sequence of {longest} tokens beside the "
                        f"{KV_PROMPT_ROWS} prompt rows the native engine reserves ({(KV_PROMPT_ROWS + 1) * row / GIB:.2f} "
                        f"GiB with one decode row): it would refuse every request")
         elif rows < r.max_batch_size:

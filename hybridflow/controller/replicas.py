@@ -215,6 +215,12 @@ class RolloutReplicas:
         items = list(weights)
         self._each(RolloutWorker.update_weights, items, version)
 
+    def kv_cache_budget(self) -> int | None:
+        """The smallest KV cache budget in bytes the replicas' engines sized their caches by (None:
+        engines that size their own)."""
+        budgets = [b for b in self._each(RolloutWorker.kv_cache_budget) if b is not None]
+        return min(budgets, default=None)
+
     def device_uuids(self) -> list[str | None]:
         """Each replica's GPU (None on CPU), for the choice of weight-sync transport."""
         return self._each(RolloutWorker.device_uuid)

@@ -335,6 +335,7 @@ def build_run(cfg: Config) -> RunSetup:
                                  enforce_eager=cfg.rollout.enforce_eager,
                                  enable_prefix_caching=cfg.rollout.enable_prefix_caching, mode=cfg.rollout.mode,
                                  max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
+                                 kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes,
                                  enable_chunked_prefill=cfg.rollout.enable_chunked_prefill,
                                  max_logprob_mismatch=t.health.logprob_mismatch,
                                  lora_adapter_rank=cfg.actor.lora.rank if adapter_sync else 0,
@@ -388,6 +389,6 @@ def build_run(cfg: Config) -> RunSetup:
         storage=storage,
     )
     write_placement(output_dir, run.named_groups())  # where each rank of each role landed
-    record_budgets(output_dir, automatic_budgets, _budget_groups(run))
+    record_budgets(output_dir, automatic_budgets, _budget_groups(run), rollout.kv_cache_budget())
     return run
 

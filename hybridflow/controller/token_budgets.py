@@ -10,6 +10,11 @@ continues. So the first start records every budget it derived (``TOKEN_BUDGETS_F
 config keys that reproduce it), and a later start in the same folder sets those keys from the record
 before any role starts: a resume cuts its batches as the run it continues did. A budget the user
 sets is kept, and never recorded.
+
+The native rollout engine's KV cache budget (``rollout.kv_cache_memory_bytes``) is the same kind of
+value: unset, each engine takes a share of the memory free when it starts, and the budget bounds
+how many sequences decode together (so which rows share a forward, and what the prefix cache keeps).
+It is recorded with the token budgets (the smallest any replica derived) and read back the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ ROLE_KEYS: dict[str, tuple[str | None, str]] = {
 }
 """Each training role's budget keys: (its update's, its forward passes'); the reference only runs forwards."""
 
+KV_CACHE_KEY = "rollout.kv_cache_memory_bytes"
+"""The rollout engines' KV cache budget in bytes (derived by the engines when unset)."""
+
 
 def _value(cfg: Config, key: str) -> Any:
     node: Any = cfg
@@ -55,7 +63,8 @@ def read_budgets(output_dir: Path) -> dict[str, int]:
             raise ValueError("budgets must map config keys to positive integers")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{record} is damaged ({error}): it records the token budgets this run started with; "
-                         "delete it to derive them again, or set the *_max_token_len_per_gpu keys") from None
+                         "delete it to derive them again, or set the *_max_token_len_per_gpu keys and "
+                         f"{KV_CACHE_KEY}") from None
     return budgets
 
 
@@ -77,15 +86,20 @@ def automatic_budget_keys(cfg: Config) -> set[str]:
     """The budget keys each role will derive itself at start-up (dynamic micro-batches, key unset)."""
     dynamic = {"actor": cfg.actor.use_dynamic_bsz, "critic": cfg.critic.use_dynamic_bsz,
                "reference": cfg.actor.use_dynamic_bsz}
-    return {key for role, keys in ROLE_KEYS.items() if dynamic[role] for key in keys
+    keys = {key for role, keys in ROLE_KEYS.items() if dynamic[role] for key in keys
             if key is not None and _value(cfg, key) is None}
+    return keys | ({KV_CACHE_KEY} if cfg.rollout.kv_cache_memory_bytes is None else set())
 
 
-def record_budgets(output_dir: Path, automatic: set[str], groups: dict[str, tuple[WorkerGroup[Any], Any]]) -> None:
+def record_budgets(output_dir: Path, automatic: set[str], groups: dict[str, tuple[WorkerGroup[Any], Any]],
+                   kv_cache_bytes: int | None = None) -> None:
     """Record the budgets the roles derived for the keys in ``automatic``. ``groups``: role ->
     (its group, its worker class's ``token_budgets`` method), each returning one rank's
-    (update budget, forward budget); every rank holds the same (the smallest rank's)."""
+    (update budget, forward budget); every rank holds the same (the smallest rank's).
+    ``kv_cache_bytes``: the rollout engines' KV cache budget (None: an engine that sizes its own)."""
     derived: dict[str, int] = {}
+    if KV_CACHE_KEY in automatic and kv_cache_bytes is not None:
+        derived[KV_CACHE_KEY] = int(kv_cache_bytes)
     for role, (group, token_budgets) in groups.items():
         budgets = group.call_all(token_budgets)[0]
         for key, value in zip(ROLE_KEYS[role], budgets, strict=True):

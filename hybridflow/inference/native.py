@@ -296,6 +296,12 @@ class NativeEngine:
         self._token_listeners.pop(request_id, None)
 
     @property
+    def kv_cache_memory_bytes(self) -> int:
+        """The KV cache budget: ``kv_cache_memory_bytes``, or what the engine derived from the memory
+        free when it was built (a run records it, ``controller.token_budgets``)."""
+        return self._runner.cache.memory_budget_bytes
+
+    @property
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache holds now (0 while asleep or before the first request)."""
         return self._runner.cache.nbytes

@@ -37,6 +37,7 @@ def _build_native(
     model_path: str | None = None,  # the checkpoint's directory; the native engine serves ``model``
     max_num_batched_tokens: int | None = None,  # None: the engine's default
     enable_chunked_prefill: bool = True,
+    kv_cache_memory_bytes: int | None = None,  # None: a share of the memory free now
 ) -> RolloutEngine:
     from hybridflow.inference.native import DEFAULT_MAX_PREFILL_TOKENS, NativeEngine
 
@@ -53,6 +54,7 @@ def _build_native(
         enable_prefix_caching=enable_prefix_caching,
         max_prefill_tokens=max_num_batched_tokens or DEFAULT_MAX_PREFILL_TOKENS,
         enable_chunked_prefill=enable_chunked_prefill,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
     )
 
 
@@ -154,6 +156,9 @@ class EngineSpec:
     # own (vLLM's tensor_parallel_size, SGLang's --tp-size): a replica's first rank builds it with
     # that size, the replica's other ranks hold their devices for it.
     own_tensor_parallel: bool = False
+    # The engine sizes its KV cache by a byte budget it is given (rollout.kv_cache_memory_bytes), or
+    # derives one from the memory free when it starts; the others size their own.
+    kv_cache_budget: bool = False
 
 
 # The engine that generates from images (vision-language models): the HF model's own forward.
@@ -202,7 +207,8 @@ def _needs_gpu(device: torch.device) -> str | None:
 
 # Config ``rollout.name`` → its spec.
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
-    "native": EngineSpec(build=_build_native, model_problem=config_problem, probes_cpu_precision=True),
+    "native": EngineSpec(build=_build_native, model_problem=config_problem, probes_cpu_precision=True,
+                         kv_cache_budget=True),
     VL_ROLLOUT_ENGINE: EngineSpec(build=_build_hf_vision, model_problem=_vision_language_only),
     "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
                          loads_own_weights=True, own_tensor_parallel=True),
@@ -259,6 +265,7 @@ def build_rollout_engine(
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,
     model_override_config: Mapping[str, Any] | None = None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> RolloutEngine:
     """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
 
@@ -278,6 +285,8 @@ def build_rollout_engine(
     ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
     ``model_override_config`` (``model.override_config``) is what ``model``'s config was built with on top of
     the checkpoint's config.json: an engine that reads the checkpoint itself gets it to apply too.
+    ``kv_cache_memory_bytes`` (``rollout.kv_cache_memory_bytes``) is the KV cache budget of an engine
+    that takes one (``EngineSpec.kv_cache_budget``); None lets it derive one from the memory free now.
     """
     try:
         spec = ROLLOUT_ENGINES[name]
@@ -303,7 +312,17 @@ def build_rollout_engine(
         enable_chunked_prefill=enable_chunked_prefill,
         **_tensor_parallel_arg(spec, name, tensor_parallel_size),
         **_model_override_arg(spec, model_override_config),
+        **_kv_cache_arg(spec, name, kv_cache_memory_bytes),
     )
+
+
+def _kv_cache_arg(spec: EngineSpec, name: str, budget: int | None) -> dict[str, int]:
+    if budget is None:
+        return {}
+    if not spec.kv_cache_budget:
+        raise ValueError(f"rollout engine {name!r} sizes its KV cache itself; rollout.kv_cache_memory_bytes is the "
+                         "native engine's budget (leave it null)")
+    return {"kv_cache_memory_bytes": budget}
 
 
 def _model_override_arg(spec: EngineSpec, overrides: Mapping[str, Any] | None) -> dict[str, Any]:

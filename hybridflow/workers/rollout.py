@@ -95,6 +95,8 @@ class RolloutSetup:
     tp_timeout_s: float = 60.0
     enable_prefix_caching: bool = True  # rollout.enable_prefix_caching
     max_num_batched_tokens: int | None = None  # rollout.max_num_batched_tokens (None: the engine's default)
+    # rollout.kv_cache_memory_bytes (None: the engine derives it from the memory free when it starts).
+    kv_cache_memory_bytes: int | None = None
     enable_chunked_prefill: bool = True  # rollout.enable_chunked_prefill
     # rollout.mode: "engine" (method calls) or "server" (the engine behind an HTTP server in this
     # process, requests and agent loops through HTTP).
@@ -225,6 +227,7 @@ class RolloutWorker:
             max_num_batched_tokens=setup.max_num_batched_tokens,
             enable_chunked_prefill=setup.enable_chunked_prefill,
             model_override_config=setup.override_config,
+            kv_cache_memory_bytes=setup.kv_cache_memory_bytes,
         )
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
         if setup.mode == "server":
@@ -274,7 +277,7 @@ class RolloutWorker:
             model, group, timeout_s=setup.tp_timeout_s, eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
             pad_token_id=int(tokenizer.pad_token_id), max_batch_size=setup.max_batch_size, device=setup.device,
             dtype=resolve_rollout_dtype(setup.dtype, setup.device), seed=setup.seed, tokenizer=tokenizer,
-            enable_chunked_prefill=setup.enable_chunked_prefill,
+            enable_chunked_prefill=setup.enable_chunked_prefill, kv_cache_memory_bytes=setup.kv_cache_memory_bytes,
             **({} if setup.max_num_batched_tokens is None else {"max_prefill_tokens": setup.max_num_batched_tokens}),
         )
         if isinstance(role, TensorParallelFollower):
@@ -403,6 +406,11 @@ class RolloutWorker:
 
     def wake_up(self) -> None:
         self.engine.wake_up()
+
+    def kv_cache_budget(self) -> int | None:
+        """The bytes this rank's engine sized its KV cache by (None: an engine that sizes its own, or a
+        tensor-parallel follower), for the run folder's record (``controller.token_budgets``)."""
+        return getattr(self.engine, "kv_cache_memory_bytes", None)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Copy new weights into the engine; tokens generated from now on record policy

@@ -78,6 +78,7 @@ _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("critic.ppo_epochs", 1),
     ("critic.ppo_mini_batch_size", 1),
     ("rollout.multi_turn.max_user_turns", 0),  # verl's 0 is no bound, as null
+    ("rollout.kv_cache_memory_bytes", 1),
 )
 """Like ``_POSITIVE_INTS`` but None is allowed (it means "no limit" / "default")."""
 

@@ -93,6 +93,13 @@ class RolloutConfig:
     top_p: float = f(1.0, "Nucleus sampling threshold.")
     top_k: int = f(-1, "Top-k filter (-1: off).")
     max_batch_size: int = f(256, "Most sequences decoded together by the engine.")
+    kv_cache_memory_bytes: int | None = f(
+        None, "Bytes the native engine's KV cache, its prefix cache included, may hold per replica (vLLM's key). "
+        "It bounds, with max_batch_size, how many sequences decode together, so it changes how a step is batched. "
+        "null: derived at the run's first start from the memory free then (0.4 of a GPU's free memory, 0.25 of a "
+        "CPU's available memory), recorded in <output_dir>/token_budgets.json and reused when the run resumes in "
+        "that folder, so a resume beside another load decodes as the run it continues did. Native engine only.",
+    )
     tensor_model_parallel_size: int = f(
         1, "Ranks one rollout engine replica spans (tensor parallelism: attention heads, MLP and KV cache split "
         "over them; must divide num_attention_heads, num_key_value_heads and intermediate_size, checked when the "

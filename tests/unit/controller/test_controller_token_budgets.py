@@ -12,7 +12,12 @@ import yaml
 
 from hybridflow.config import load_config
 from hybridflow.controller.setup import build_run
-from hybridflow.controller.token_budgets import TOKEN_BUDGETS_FILE, apply_recorded_budgets, automatic_budget_keys
+from hybridflow.controller.token_budgets import (
+    KV_CACHE_KEY,
+    TOKEN_BUDGETS_FILE,
+    apply_recorded_budgets,
+    automatic_budget_keys,
+)
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.workers.actor import ActorWorker
@@ -49,12 +54,14 @@ def test_a_later_start_in_the_folder_cuts_batches_by_the_recorded_budgets(files,
     run = build_run(config(files, out))
     try:
         first = budgets_of(run)
+        kv_cache = run.rollout.kv_cache_budget()
     finally:
         run.close()
     record = json.loads((out / TOKEN_BUDGETS_FILE).read_text())
     assert record["budgets"] == {"actor.ppo_max_token_len_per_gpu": first["actor"][0],
                                  "actor.log_prob_max_token_len_per_gpu": first["actor"][1],
-                                 "ref.log_prob_max_token_len_per_gpu": first["reference"][1]}
+                                 "ref.log_prob_max_token_len_per_gpu": first["reference"][1],
+                                 KV_CACHE_KEY: kv_cache}
     # Another start in the folder, where free memory would now give other budgets: the record's
     # are the ones used. (Edited here to stand for that difference; nothing else sets them.)
     record["budgets"] = {key: value // 2 for key, value in record["budgets"].items()}
@@ -88,3 +95,45 @@ def test_a_damaged_record_is_an_error_naming_the_file(files, tmp_path):
     (out / TOKEN_BUDGETS_FILE).write_text('{"budgets": {"actor.ppo_max_token_len_per_gpu": "lots"}}')
     with pytest.raises(ValueError, match=rf"{TOKEN_BUDGETS_FILE} is damaged .*delete it to derive them again"):
         apply_recorded_budgets(config(files, out), out)
+
+
+def test_a_resume_on_a_machine_with_less_free_memory_decodes_with_the_recorded_kv_cache_budget(
+        files, tmp_path, monkeypatch):
+    from hybridflow.inference import native
+
+    def engine(run):
+        return run.rollout.groups[0]._workers[0].engine
+
+    first_budget = 64 << 20  # 64 MiB: 128 rows of 256 positions (2 KiB each for this model), 64 of them prompt rows
+    out = tmp_path / "run"
+    monkeypatch.setattr(native, "default_kv_cache_bytes", lambda device: first_budget)
+    run = build_run(config(files, out))
+    try:
+        rows = engine(run)._runner.cache.rows_that_fit(256)
+        assert engine(run).kv_cache_memory_bytes == first_budget
+    finally:
+        run.close()
+    assert json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"][KV_CACHE_KEY] == first_budget
+    # The resume's machine has a quarter less memory free: derived again, the budget would hold 32
+    # decode rows of 256 positions instead of 64.
+    monkeypatch.setattr(native, "default_kv_cache_bytes", lambda device: first_budget * 3 // 4)
+    run = build_run(config(files, out))
+    try:
+        assert engine(run).kv_cache_memory_bytes == first_budget
+        assert engine(run)._runner.cache.rows_that_fit(256) == rows == 64
+    finally:
+        run.close()
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["rollout"]["kv_cache_memory_bytes"] == first_budget
+
+
+def test_a_kv_cache_budget_the_user_sets_is_used_and_never_recorded(files, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(files, out, "rollout.kv_cache_memory_bytes=33554432")
+    assert KV_CACHE_KEY not in automatic_budget_keys(cfg)
+    run = build_run(cfg)
+    try:
+        assert run.rollout.groups[0]._workers[0].engine.kv_cache_memory_bytes == 33554432
+    finally:
+        run.close()
+    assert KV_CACHE_KEY not in json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"]
