@@ -46,7 +46,7 @@ def measure(variant: str, rows: int, batch: int) -> dict[str, float]:
     data = collate_trajectories(trajectories, pad_token_id=0)
     start = _rss_kib()
     if variant == "body only":
-        hidden = engine._hidden_states(input_ids=data.input_ids, attention_mask=data.attention_mask,
+        hidden = engine.forward_pass._hidden_states(input_ids=data.input_ids, attention_mask=data.attention_mask,
                                        position_ids=data.position_ids, use_cache=False)
         hidden.float().square().mean().backward()
     else:

@@ -41,7 +41,8 @@ from hybridflow.config.loader import load_config
 from hybridflow.config.plan import kv_cache_bytes, plan_memory, prefix_cache_tokens
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.inference.native import NativeEngine
-from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.micro_batches import token_budget_micro_batches
 from hybridflow.types import GenerationRequest, SamplingParams, TrainBatch
 from hybridflow.utils.memory import live_bytes, peak_allocated_bytes
 

@@ -50,7 +50,8 @@ from hybridflow.data.batching import (
     num_micro_batches_for_budget,
 )
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.micro_batches import token_budget_micro_batches
 from hybridflow.training.packing import sequence_lengths
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
 

@@ -22,7 +22,7 @@ into a plain model's ``state_dict``, no rollout engine). Two sender paths, alter
 
 - ``old``: ``engine.named_weights()`` gathers the whole model onto rank 0 (``get_model_state_dict``),
   then ``send_weights`` streams that list;
-- ``new``: ``hybridflow.workers.actor.stream_weights``: buckets planned from the shards' full
+- ``new``: ``hybridflow.workers.weight_stream.stream_weights``: buckets planned from the shards' full
   shapes, every sharded tensor as row slices cut at the shard boundaries (and at most a bucket:
   the embedding is larger), each sent to rank 0 by the rank whose shard holds it only when the
   sender asks for it.
@@ -216,7 +216,7 @@ def sharded_worker(index: int, ports: tuple[int, int], receivers: int, args: arg
 
 def sharded_trainer(rank: int, ports: tuple[int, int], world: int, args: argparse.Namespace, results: Any) -> None:
     from hybridflow.training.engine import TrainEngine
-    from hybridflow.workers.actor import stream_weights
+    from hybridflow.workers.weight_stream import stream_weights
 
     distributed.init_process_group(rank=rank, world_size=SHARDED_TRAINER_RANKS, master_addr="127.0.0.1",
                                    master_port=ports[0], device=torch.device("cpu"))

@@ -32,7 +32,8 @@ from hybridflow.config.loader import load_config
 from hybridflow.config.plan import plan_memory
 from hybridflow.inference.native import NativeEngine
 from hybridflow.training import distributed
-from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.micro_batches import token_budget_micro_batches
 from hybridflow.types import GenerationRequest, SamplingParams
 from hybridflow.utils.memory import live_bytes, peak_allocated_bytes
 

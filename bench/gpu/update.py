@@ -30,7 +30,8 @@ from bench.gpu.common import (
 from hybridflow.algorithms import batch_counts
 from hybridflow.algorithms.policy_loss import LossInputs, PPOClipParams, get_policy_loss
 from hybridflow.training import distributed
-from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.micro_batches import token_budget_micro_batches
 from hybridflow.types import TrainBatch
 
 DATASHEET_BF16_FLOPS = 989e12

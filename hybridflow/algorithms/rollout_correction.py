@@ -446,31 +446,57 @@ def compute_rollout_rejection(
     return Rejection(keep.to(response_mask.dtype), metrics)
 
 
+class RolloutCorrectionSettings(NamedTuple):
+    """``algorithm.rollout_correction`` as ``correct_rollout`` takes it (the actor's set-up builds it)."""
+
+    rollout_is: str | None  # importance-weight level, or None: the mismatch is measured, not weighted
+    threshold: float  # rollout_is_threshold: weights are truncated at it
+    batch_normalize: bool = False  # rollout_is_batch_normalize
+    bypass_mode: bool = False  # the loss corrects against the current policy itself: nothing here
+    criteria: tuple[RejectionCriterion, ...] = ()  # rollout_rs: () without rejection
+
+
+class CorrectedRollout(NamedTuple):
+    """What ``correct_rollout`` returns: each part None where the settings do not ask for it."""
+
+    weights: torch.Tensor | None  # (B, R) the importance weights the policy loss multiplies in
+    keep_mask: torch.Tensor | None  # (B, R) response_mask without the rejected tokens
+    metrics: dict[str, float]
+
+
 @torch.no_grad()
-def compute_rollout_is_weights(
+def correct_rollout(
+    settings: RolloutCorrectionSettings,
     *,
     old_logprobs: torch.Tensor,  # (B, R)
     rollout_logprobs: torch.Tensor,  # (B, R)
     response_mask: torch.Tensor,  # (B, R)
-    rollout_is: str | None,
-    threshold: float,
-    bypass_mode: bool = False,
-    batch_normalize: bool = False,
-) -> torch.Tensor | None:
-    """The truncated importance weights of the configured correction, for an advantage estimator
-    (``AdvantageInputs.rollout_is_weights``, the optimal-token-baseline ones), or None.  # (B, R)
+    sum_over_ranks: SumOverRanks | None = None,
+    weights_only: bool = False,
+) -> CorrectedRollout:
+    """The configured rollout correction, the one place it is computed: the truncated importance
+    weights (``compute_rollout_correction`` at the ``rollout_is`` level, divided by their batch
+    mean with ``batch_normalize``, over every rank with ``sum_over_ranks``), the rejection's keep
+    mask (``compute_rollout_rejection``) and the mismatch metrics.
 
-    The same weights the actor's policy loss multiplies in (``compute_rollout_correction``'s
-    ``weights`` at ``rollout_is`` level, truncated at ``threshold``, divided by their batch mean with
-    ``batch_normalize``; this is the whole batch), computed before advantages
-    from the same old logprobs, as verl's trainer does when ``algorithm.rollout_correction`` is on.
-    None, so the estimator leaves every token unscaled (verl's behaviour), when importance weights
-    are off (``rollout_is`` None) or in bypass mode: there the rollout's logprobs *are* π_old (ρ = 1
-    before the update) and the loss weights against the current policy inside its own computation.
-    Rejection (``rollout_rs``) does not change these weights: it removes tokens from the loss only.
-    """
-    if rollout_is is None or bypass_mode:
-        return None
-    return compute_rollout_correction(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
-                                      response_mask=response_mask, level=rollout_is, threshold=threshold,
-                                      batch_normalize=batch_normalize).weights
+    Without importance weights (``rollout_is`` None) the metrics are still measured, at token
+    level, so a drifting engine is visible before correction is turned on. Bypass mode returns
+    nothing: there the rollout's logprobs *are* π_old (ρ = 1 before the update) and the loss
+    weights against the current policy inside its own computation.
+
+    ``weights_only``: only the weights (and their metrics): nothing, not even metrics, without
+    importance weights; no rejection. For an advantage estimator (``AdvantageInputs.rollout_is_weights``,
+    the optimal-token-baseline ones: None leaves every token unscaled, verl's behaviour), and for
+    the on-policy loss, whose weights come from its own forward."""
+    if settings.bypass_mode or (weights_only and settings.rollout_is is None):
+        return CorrectedRollout(None, None, {})
+    common = dict(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    correction = compute_rollout_correction(
+        **common, level=settings.rollout_is or "token", threshold=settings.threshold,
+        batch_normalize=settings.batch_normalize and settings.rollout_is is not None, sum_over_ranks=sum_over_ranks)
+    weights = correction.weights if settings.rollout_is is not None else None
+    metrics = dict(correction.metrics)
+    if weights_only or not settings.criteria:
+        return CorrectedRollout(weights, None, metrics)
+    rejection = compute_rollout_rejection(**common, criteria=settings.criteria)
+    return CorrectedRollout(weights, rejection.keep_mask, metrics | rejection.metrics)

@@ -43,7 +43,7 @@ from hybridflow.controller.checkpoint import (
 from hybridflow.models.loading import hf_progress_bars_off, load_causal_lm
 from hybridflow.models.lora import LORA_MANIFEST, merge_adapter_into_base, read_lora_manifest
 from hybridflow.training import sharded_checkpoint
-from hybridflow.training.engine import TRAINABLE_FILE
+from hybridflow.training.checkpoint import TRAINABLE_FILE
 from hybridflow.utils.files import give_default_modes
 from hybridflow.utils.storage import Storage, is_remote
 

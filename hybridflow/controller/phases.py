@@ -27,7 +27,7 @@ from hybridflow.agents import answer_view, compute_agent_metrics
 from hybridflow.algorithms import (
     AdvantageInputs,
     apply_kl_penalty,
-    compute_rollout_is_weights,
+    correct_rollout,
     masked_mean,
     place_outcome_rewards,
     select_varied_groups,
@@ -65,6 +65,7 @@ from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import activity
 from hybridflow.workers.actor import ActorWorker, gather_old_logprobs
 from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.policy_loss import rollout_correction_settings
 from hybridflow.workers.reward import RewardWorker
 
 log = logging.getLogger(__name__)
@@ -377,13 +378,12 @@ def actor_sum_pi_squared(run: RunSetup, samples: StepSamples, timer: PhaseTimer)
 def rollout_correction_weights(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The rollout correction's importance weights from the old-logprob forward (set-up runs it for
     such an estimator), the ones the actor's loss multiplies in; None when the config has none."""
-    batch, rc = samples.batch, run.cfg.algorithm.rollout_correction
+    batch = samples.batch
     assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs rollout IS weights"
-    weights = compute_rollout_is_weights(
-        old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
-        rollout_is=rc.rollout_is, threshold=rc.rollout_is_threshold, bypass_mode=rc.bypass_mode,
-        batch_normalize=rc.rollout_is_batch_normalize)
-    return weights, {}
+    correction = correct_rollout(rollout_correction_settings(run.cfg.algorithm.rollout_correction),
+                                 old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                                 response_mask=batch.response_mask, weights_only=True)
+    return correction.weights, {}
 
 
 def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:

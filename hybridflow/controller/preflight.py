@@ -54,7 +54,7 @@ from hybridflow.rollout.factory import (
 from hybridflow.tracking.loggers import missing_logger_packages
 from hybridflow.utils.device import resolve_device
 from hybridflow.utils.storage import Storage, StorageError, is_remote
-from hybridflow.workers.actor import build_actor_policy_loss, rollout_rs_criteria
+from hybridflow.workers.policy_loss import build_actor_policy_loss, rollout_rs_criteria
 from hybridflow.workers.rollout import AgentSetup
 
 log = logging.getLogger(__name__)

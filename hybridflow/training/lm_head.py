@@ -4,7 +4,7 @@ The logits are the largest activation of a training step: (tokens, V) in float32
 tens of thousands for real vocabularies. Asking the model for them (``model(...).logits``) makes
 autograd keep them alive until backward, next to their float32 gradient and the softmax
 temporaries of the logprob and entropy, several vocab-sized rows per token. Here the model runs
-without its head (``model.base_model``), and ``lm_head_logprobs`` projects ``chunk_size`` hidden
+without its head (``model.base_model``), and ``lm_head_token_stats`` projects ``chunk_size`` hidden
 rows at a time through the head, keeping only per-row results (the sampled token's logprob, the
 log-normaliser, the entropy). Backward recomputes each chunk's logits: one more (rows, H) x (H, V)
 matmul, in exchange for never holding more than ``chunk_size`` rows of logits.
@@ -202,18 +202,3 @@ def lm_head_token_stats(
     )
     return TokenStats(logprobs, entropy if with_entropy else None, sum_pi_squared if with_sum_pi_squared else None)
 
-
-def lm_head_logprobs(
-    hidden: torch.Tensor,
-    head: torch.nn.Linear,
-    labels: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    chunk_rows: int | None = None,
-    compute_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``lm_head_token_stats`` without Σπ²: (logprobs, entropy | None).  # (N,), (N,)|None"""
-    stats = lm_head_token_stats(hidden, head, labels, temperature=temperature, with_entropy=with_entropy,
-                                chunk_rows=chunk_rows, compute_dtype=compute_dtype)
-    return stats.logprobs, stats.entropy

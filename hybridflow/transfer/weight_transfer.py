@@ -37,7 +37,7 @@ being assembled); on the sender, one bucket plus the one tensor or slice its ite
 materialises at a time, each copied into the buffer and dropped before the next is asked for
 (nothing for a ``state_dict()``: slices are views of its rows; one received slice for a sharded
 trainer, which plans its buckets from the shards' full shapes and fetches each slice from its
-owner only when ``send_buckets`` asks for it: ``hybridflow.workers.actor.stream_weights``). Each
+owner only when ``send_buckets`` asks for it: ``hybridflow.workers.weight_stream.stream_weights``). Each
 bucket is applied as it arrives, with one ``apply`` call per bucket: the engine's lock is held per
 bucket, not across the sync, so sync while the engine is idle (as the RL loop does) when no step
 may see a mix of old and new weights.

@@ -32,63 +32,39 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms import (
-    LossInputs,
-    PolicyLossFn,
-    RejectionCriterion,
-    agg_loss,
-    batch_counts,
-    build_policy_loss_params,
-    compute_rollout_correction,
-    compute_rollout_rejection,
-    get_policy_loss,
-    kl_penalty,
-    parse_rollout_rs,
-)
-from hybridflow.config.budget import (
-    BYTES,
-    ModelShape,
-    auto_token_budget,
-    available_host_memory_bytes,
-    packing_decision,
-)
-from hybridflow.config.schema import ActorConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from hybridflow.algorithms import LossInputs, agg_loss, batch_counts, correct_rollout, kl_penalty
+from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
-from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.models.lora import (
     LoraLayout,
-    LoraSpec,
     adapter_payload,
     apply_lora,
     keep_adapters_in,
     load_adapter,
     write_lora_manifest,
 )
+from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.transfer import weight_transfer
 from hybridflow.transfer.weight_transfer import (
     DEFAULT_TRANSFER_BUCKET_BYTES,
     SENDER_RANK,
     TransferStats,
-    WeightSyncError,
     WeightSyncGroup,
     gpu_uuid,
     sync_device,
 )
-from hybridflow.transfer.weights import plan_buckets
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
-from hybridflow.training.engine import (
-    OptimSpec,
-    TrainEngine,
-    num_token_budget_micro_batches,
-    token_budget_micro_batches,
-)
 from hybridflow.training.lm_head import TokenStats
+from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
-from hybridflow.utils.errors import CheckpointError
+from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
+from hybridflow.workers.engine_setup import check_rank_group, lora_spec, model_precision, shards_model, trained_engine
+from hybridflow.workers.policy_loss import build_actor_policy_loss, rollout_correction_settings
+from hybridflow.workers.weight_stream import stream_weights
 
 log = logging.getLogger(__name__)
 
@@ -132,253 +108,6 @@ def gather_old_logprobs(shards: list[OldLogprobs]) -> tuple[torch.Tensor, torch.
     if any(s.sum_pi_squared is None for s in shards):
         return logprobs, None
     return logprobs, torch.cat([s.sum_pi_squared for s in shards])
-
-
-def stream_weights(
-    engine: TrainEngine, rank: int, group: WeightSyncGroup | None,
-    max_bucket_bytes: int = DEFAULT_TRANSFER_BUCKET_BYTES, lora: LoraLayout | None = None,
-) -> TransferStats | None:
-    """One weight sync from a (possibly sharded) training engine, without gathering the model.
-
-    Every rank plans the same buckets from its shards' names and full shapes (no collective),
-    each sharded tensor as row slices cut at the shard boundaries and at most a bucket long; then
-    rank 0 sends them with ``weight_transfer.send_buckets`` while fetching each slice only when
-    the sender asks for it: the rank whose shard holds it sends it to rank 0, in lockstep with
-    the others. So rank 0's extra memory is the flat buffer plus one slice (about one bucket),
-    not the model, nor its largest tensor; the other ranks send views of their shards. One rank:
-    the model's own tensors and views of their rows are sent, nothing gathered or copied.
-
-    Returns rank 0's stats, None on the others. When the sync fails (a receiver refused a bucket,
-    naming the parameter) rank 0 raises ``WeightSyncError`` and tells the other ranks, which
-    raise it too instead of waiting in a gather that will not come. A collective over the
-    engine's ranks; rank 0 passes its weight-sync ``group``.
-
-    ``lora``: the engine's model carries LoRA adapters; what travels is the base model's weights
-    under their own names with each adapter merged (``LoraLayout.merge_rows``): the buckets are
-    planned from the base weights, and each tensor or row slice is merged on rank 0 as it is
-    gathered, from full copies of the adapters (gathered first: r x (in + out) per layer)."""
-    named = engine.named_weight_shards()
-    adapters: dict[str, torch.Tensor] = {}
-    if lora is not None:
-        adapters = {n: distributed.gather_weight(t) for n, t in lora.adapters(named).items()}
-        named = lora.base_weights(named)
-    plan = plan_buckets(named, max_bucket_bytes, distributed.shard_row_cuts)
-    if rank != SENDER_RANK:
-        error = distributed.follow_bucket_gathers(plan)
-        if error is not None:
-            raise WeightSyncError(f"actor rank {rank}: the weight sync failed on rank {SENDER_RANK}: {error}")
-        return None
-    with distributed.lead_bucket_gathers(plan) as buckets:
-        if group is None:
-            raise RuntimeError("actor rank 0 has not joined a weight-sync group: call join_weight_sync first")
-        if lora is not None:
-            buckets = ((bucket, _merged(lora, bucket, data, adapters)) for bucket, data in buckets)
-        return weight_transfer.send_buckets(group, buckets)
-
-
-def _merged(lora: LoraLayout, bucket, data, adapters: dict[str, torch.Tensor]):
-    """A bucket's gathered bytes with each LoRA adapter merged into its base weight's rows."""
-    for entry, rows in zip(bucket, data, strict=True):
-        yield lora.merge_rows(entry.name, rows, adapters, entry.rows)
-
-
-def check_rank_group(role: str, rank: int, world_size: int) -> None:
-    """A rank of a multi-rank role must sit in a process group of exactly that many ranks."""
-    if world_size > 1 and distributed.world_size() != world_size:
-        raise RuntimeError(
-            f"{role} rank {rank} of {world_size}: no torch.distributed process group of {world_size} ranks is "
-            f"initialised (found {distributed.world_size()}); several ranks need trainer.backend=ray"
-        )
-
-
-def model_precision(
-    dtype: str, *, trainable: bool, data_parallel: bool, master_dtype: str = "float32"
-) -> tuple[torch.dtype, torch.dtype | None]:
-    """(dtype the weights load in, mixed-precision compute dtype or None).
-
-    A trained model in bf16 is mixed precision: fp32 master weights, optimizer and gradient
-    reduction, bf16 compute (FSDP2's policy when sharded, autocast on one rank), because Adam
-    updates of ~1e-6 relative vanish in bf16's 8-bit mantissa. A frozen model (the reference)
-    on one rank simply loads in bf16: half the memory, the same bf16 compute.
-
-    ``master_dtype`` (``fsdp_config.model_dtype``) bf16 is verl's pure bf16 training, chosen
-    knowing that rounding: the trained weights load in bf16 and compute in it, with no fp32
-    copy and no autocast (the optimizer's state takes the weights' dtype)."""
-    weights = parse_dtype(dtype)
-    if trainable and parse_dtype(master_dtype) != torch.float32:
-        return parse_dtype(master_dtype), None
-    if weights != torch.float32 and (trainable or data_parallel):
-        return torch.float32, weights
-    return weights, None
-
-
-def shards_model(world_size: int, param_offload: bool, device: torch.device, key: str) -> bool:
-    """Whether a role's engine shards its model with FSDP2: with several ranks, and with
-    ``param_offload`` (the config ``key`` that sets it) on one GPU rank, because FSDP2 offloads
-    sharded parameters only (its CPUOffloadPolicy), so one rank shards over a process group of
-    itself, as verl does. Joins that one-rank group when this process has no group yet (a
-    one-rank role starts without one)."""
-    if world_size > 1:
-        return True
-    if not param_offload:
-        return False
-    if device.type != "cuda":
-        raise ValueError(f"{key}=true moves parameters from the GPU to the CPU, but this role computes on "
-                         f"{device.type}")
-    distributed.join_one_rank_group(device)
-    return True
-
-
-@dataclass(frozen=True)
-class MicroBatchPlan:
-    """How a role cuts its batches into forwards (``config explain`` prints the same decisions)."""
-
-    use_remove_padding: bool
-    ppo_max_token_len: int | None  # None: fixed-size micro-batches (use_dynamic_bsz=false)
-    log_prob_max_token_len: int | None
-    notes: tuple[str, ...]
-
-    def per_rank_budgets(self, sequence_parallel_size: int = 1) -> tuple[int | None, int | None]:
-        """(update budget, forward budget) as the ``*_max_token_len_per_gpu`` keys count them: one
-        rank's tokens (a Ulysses group's budgets, above, are sp times that)."""
-        sp = sequence_parallel_size
-        return (None if self.ppo_max_token_len is None else self.ppo_max_token_len // sp,
-                None if self.log_prob_max_token_len is None else self.log_prob_max_token_len // sp)
-
-
-def plan_micro_batches(
-    engine: TrainEngine,
-    *,
-    use_remove_padding: bool,
-    use_dynamic_bsz: bool,
-    ppo_max_token_len: int | None,
-    log_prob_max_token_len: int | None,
-    longest_sample: int,
-    gradient_checkpointing: bool = False,
-    remove_padding_key: str = "actor.use_remove_padding",
-    sequence_parallel_size: int = 1,
-) -> MicroBatchPlan:
-    """Packed or padded (``hybridflow.config.budget.packing_decision`` on the loaded model), and
-    the token budgets: the configured ones, or ``auto_token_budget`` from the model's shape and
-    the free memory of the engine's device. With several ranks every rank takes the smallest
-    rank's budget (a collective), so all cut their batches alike. With Ulysses groups of
-    ``sequence_parallel_size`` ranks each rank holds 1/sp of a micro-batch's tokens, so the
-    budgets (per rank) are multiplied by sp to count the group's micro-batch, as verl does."""
-    plan = _plan_micro_batches(engine, use_remove_padding=use_remove_padding, use_dynamic_bsz=use_dynamic_bsz,
-                               ppo_max_token_len=ppo_max_token_len, log_prob_max_token_len=log_prob_max_token_len,
-                               longest_sample=longest_sample, gradient_checkpointing=gradient_checkpointing,
-                               remove_padding_key=remove_padding_key)
-    sp = sequence_parallel_size
-    if sp == 1:
-        return plan
-    if not plan.use_remove_padding:
-        raise ValueError(f"ulysses_sequence_parallel_size={sp} splits packed sequences, but this role runs padded "
-                         f"micro-batches ({plan.notes[0]})")
-    note = f"Ulysses sequence parallel over {sp} ranks: the token budgets count a group's micro-batch (x{sp})"
-    return MicroBatchPlan(
-        plan.use_remove_padding,
-        None if plan.ppo_max_token_len is None else plan.ppo_max_token_len * sp,
-        None if plan.log_prob_max_token_len is None else plan.log_prob_max_token_len * sp,
-        (*plan.notes, note),
-    )
-
-
-def _plan_micro_batches(
-    engine: TrainEngine,
-    *,
-    use_remove_padding: bool,
-    use_dynamic_bsz: bool,
-    ppo_max_token_len: int | None,
-    log_prob_max_token_len: int | None,
-    longest_sample: int,
-    gradient_checkpointing: bool,
-    remove_padding_key: str,
-) -> MicroBatchPlan:
-    """``plan_micro_batches`` for one rank's share of the tokens."""
-    model = engine.model
-    # config.auto_map names modeling code shipped with the checkpoint (trust_remote_code).
-    shape = ModelShape.from_config(model.config.to_dict())
-    packed, why = packing_decision(use_remove_padding, shape.model_type, custom_code=shape.custom_code,
-                                   key=remove_padding_key)
-    notes = [f"{'packed' if packed else 'padded'} micro-batches: {why}"]
-    if not use_dynamic_bsz:
-        return MicroBatchPlan(packed, None, None, tuple(notes))
-    if ppo_max_token_len is None or log_prob_max_token_len is None:
-        if engine.device.type == "cuda":
-            free, label = torch.cuda.mem_get_info(engine.device)[0], "free GPU memory"
-        else:
-            free, label = available_host_memory_bytes(), "available host memory"
-        dtype = engine.autocast_dtype or next(model.parameters()).dtype
-        auto = auto_token_budget(
-            shape, free, longest_sample, compute_bytes=BYTES.get(str(dtype).removeprefix("torch."), 4),
-            gradient_checkpointing=gradient_checkpointing, full_logits=not engine.fused_lm_head, memory_label=label,
-            device_type=engine.device.type,
-        )
-        ppo = ppo_max_token_len if ppo_max_token_len is not None else auto.ppo
-        log_prob = log_prob_max_token_len if log_prob_max_token_len is not None else auto.log_prob
-        if engine.data_parallel:
-            ppo, log_prob = -distributed.all_reduce_max(-ppo), -distributed.all_reduce_max(-log_prob)
-        notes.append(f"token budget: {ppo} tokens per training micro-batch, {log_prob} per logprob micro-batch "
-                     f"({auto.reason})")
-        return MicroBatchPlan(packed, ppo, log_prob, tuple(notes))
-    notes.append(f"token budget: {ppo_max_token_len} tokens per training micro-batch, {log_prob_max_token_len} per "
-                 f"logprob micro-batch (configured)")
-    return MicroBatchPlan(packed, ppo_max_token_len, log_prob_max_token_len, tuple(notes))
-
-
-def warmup_steps(o: OptimConfig, total_steps: int) -> int:
-    """``lr_warmup_steps``, or, when it is -1 or null, ``lr_warmup_steps_ratio`` x ``total_steps`` (verl's rule,
-    rounded down as verl does)."""
-    if o.lr_warmup_steps is not None and o.lr_warmup_steps >= 0:
-        return o.lr_warmup_steps
-    return int(o.lr_warmup_steps_ratio * total_steps)
-
-
-def optim_spec(o: OptimConfig, *, total_steps: int, grad_clip: float) -> OptimSpec:
-    """An ``actor.optim`` / ``critic.optim`` section as the engine's optimizer and schedule (``total_steps``: the
-    run's optimizer steps, which the schedule counts)."""
-    return OptimSpec(
-        lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
-        warmup_steps=warmup_steps(o, total_steps),
-        scheduler=o.lr_scheduler_type, min_lr_ratio=o.min_lr_ratio, total_steps=total_steps, grad_clip=grad_clip,
-    )
-
-
-def train_micro_batches(engine: TrainEngine, plan: MicroBatchPlan, mini: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
-    """A mini-batch's training micro-batches: ``micro_batch_size`` samples each, or, with a token
-    budget (``plan.ppo_max_token_len``), as many as every rank agrees on. Actor and critic alike."""
-    budget, padded = plan.ppo_max_token_len, not plan.use_remove_padding
-    if budget is None:
-        return mini.split(micro_batch_size)
-    count = engine.agree_num_micro_batches(num_token_budget_micro_batches(mini, budget, padded=padded))
-    return token_budget_micro_batches(mini, budget, num_micro_batches=count, padded=padded)[0]
-
-
-def sharded_checkpoints(checkpoint_format: str, world_size: int) -> bool:
-    """Whether a role saves sharded checkpoints (``trainer.checkpoint_format``): ``auto`` shards
-    with more than one rank, where gathering the whole model on rank 0 is what a save would cost."""
-    if checkpoint_format not in ("auto", "sharded", "full"):
-        raise ValueError(f"trainer.checkpoint_format={checkpoint_format!r}: expected auto, sharded or full")
-    return checkpoint_format == "sharded" or (checkpoint_format == "auto" and world_size > 1)
-
-
-def load_engine_checkpoint(engine: TrainEngine, ckpt_dir: Path, role: str) -> str | None:
-    """Load what ``engine.save`` wrote in ``ckpt_dir``: None when it is in place, else why it was
-    refused (one line naming the file), with nothing changed.
-
-    The refusal is returned, not raised: a raising rank makes a multi-rank Ray group tear itself
-    down, and the controller must be able to try an older checkpoint on the same workers. Every
-    rank checks the same files, then the ranks agree before the collective that applies them:
-    one rank refusing alone would leave the others waiting in it."""
-    try:
-        loaded, refusal = engine.read_checkpoint(ckpt_dir), None
-    except CheckpointError as exc:
-        loaded, refusal = None, str(exc)
-    if distributed.all_reduce_max(int(refusal is not None)):
-        return refusal or f"{ckpt_dir}: another {role} rank refused this checkpoint"
-    assert loaded is not None
-    engine.apply_checkpoint(loaded)
-    return None
 
 
 class ActorWorker:
@@ -429,19 +158,11 @@ class ActorWorker:
                 # reentrant checkpointing (older transformers' default) their adapters would get no
                 # gradient. transformers v5 checkpoints non-reentrantly, where this changes nothing.
                 model.enable_input_require_grads()
-        self.engine = TrainEngine(
-            model,
-            optim_spec(cfg.optim, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip),
-            setup.device,
-            data_parallel=data_parallel,
-            mixed_precision=compute_dtype,
-            reduce_dtype=parse_dtype(cfg.fsdp_config.reduce_dtype),
-            fsdp_size=cfg.fsdp_config.fsdp_size,
-            offload_params=cfg.fsdp_config.param_offload,
-            offload_optimizer=cfg.fsdp_config.optimizer_offload,
-            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
-            checkpoint_trainable_only=self.lora is not None,
-            compile_layers=cfg.use_torch_compile,
+        self.engine = trained_engine(
+            model, cfg.optim, cfg.fsdp_config, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
+            device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size, metrics_prefix="actor",
+            checkpoint_trainable_only=self.lora is not None, compile_layers=cfg.use_torch_compile,
         )
         # Ulysses groups of sp ranks pool their shards: world / sp data-parallel ranks.
         self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size
@@ -456,6 +177,7 @@ class ActorWorker:
             for note in self.plan.notes:
                 log.info("actor: %s", note)
         self.policy_loss, self.policy_loss_params = build_actor_policy_loss(cfg, setup.rollout_correction)
+        self.correction = rollout_correction_settings(setup.rollout_correction)
         self.consecutive_skips = 0
         self.weight_sync: WeightSyncGroup | None = None  # rank 0, once joined (rollout.weight_sync=broadcast)
 
@@ -541,33 +263,25 @@ class ActorWorker:
             )
 
     def _rollout_correction(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
-        """Importance weights and rejection between the rollout engine and the trainer.
+        """Importance weights and rejection between the rollout engine and the trainer
+        (``correct_rollout``), once per update, from the trainer's ``old_logprobs``; without them
+        (fully on-policy) the loss computes the weights from its own forward.
 
-        Needs the trainer's ``old_logprobs``; without them (fully on-policy, no correction
-        configured) there is nothing to compare. With them the mismatch metrics are always
-        logged, so a drifting engine is visible before correction is turned on.
-        """
-        rc = self.setup.rollout_correction
-        if batch.old_logprobs is None or rc.bypass_mode:  # bypass mode corrects inside its loss
+        With old logprobs the mismatch metrics are always logged, so a drifting engine is visible
+        before correction is turned on. Normalised over the whole batch, as verl's driver does:
+        every rank holds a shard, so the mean's sum and count are summed over the ranks (Ulysses
+        groups count each shard sp times in both, which leaves the mean as it is)."""
+        if batch.old_logprobs is None:
             return batch, {}
-        common = dict(old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
-                      response_mask=batch.response_mask)
-        # Normalised over the whole batch, as verl's driver does: every rank holds a shard, so the
-        # mean's sum and count are summed over the ranks (Ulysses groups count each shard sp times
-        # in both, which leaves the mean as it is).
-        weights = compute_rollout_correction(
-            **common, level=rc.rollout_is or "token", threshold=rc.rollout_is_threshold,
-            batch_normalize=rc.rollout_is_batch_normalize and rc.rollout_is is not None,
-            sum_over_ranks=distributed.all_reduce_sum)
-        metrics = dict(weights.metrics)
-        if rc.rollout_is is not None:
-            batch = dataclasses.replace(batch, rollout_is_weights=weights.weights)
-        if rc.rollout_rs is not None:
-            rejection = compute_rollout_rejection(**common, criteria=rollout_rs_criteria(rc))
-            metrics |= rejection.metrics
+        corrected = correct_rollout(self.correction, old_logprobs=batch.old_logprobs,
+                                    rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
+                                    sum_over_ranks=distributed.all_reduce_sum)
+        if corrected.weights is not None:
+            batch = dataclasses.replace(batch, rollout_is_weights=corrected.weights)
+        if corrected.keep_mask is not None:
             # Rejected tokens leave the loss and its normaliser; advantages are unchanged.
-            batch = dataclasses.replace(batch, response_mask=rejection.keep_mask)
-        return batch, metrics
+            batch = dataclasses.replace(batch, response_mask=corrected.keep_mask)
+        return batch, corrected.metrics
 
     def _loss_fn(self, num_tokens: int, num_seqs: int, num_micro: int, generator: torch.Generator):
         cfg, rc = self.cfg, self.setup.rollout_correction
@@ -600,9 +314,8 @@ class ActorWorker:
                 if rc.rollout_is_batch_normalize:
                     raise RuntimeError("algorithm.rollout_correction.rollout_is_batch_normalize needs the whole "
                                        "batch's weights before the update: set-up must run the old-logprob forward")
-                correction = compute_rollout_correction(
-                    old_logprobs=old, rollout_logprobs=mb.rollout_logprobs, response_mask=mask,
-                    level=rc.rollout_is, threshold=rc.rollout_is_threshold)
+                correction = correct_rollout(self.correction, old_logprobs=old, rollout_logprobs=mb.rollout_logprobs,
+                                             response_mask=mask, weights_only=True)
                 is_weights = correction.weights
                 # Means over this micro-batch, which the engine averages over micro-batches (the
                 # maxima and the mismatch, logged below, would not average).
@@ -722,44 +435,3 @@ class ActorWorker:
     def load_checkpoint(self, ckpt_dir: str) -> str | None:
         """Load the checkpoint the actor saved in ``ckpt_dir`` (``load_engine_checkpoint``)."""
         return load_engine_checkpoint(self.engine, Path(ckpt_dir), "actor")
-
-
-def lora_spec(cfg: LoraConfig) -> LoraSpec:
-    """``actor.lora`` (rank > 0) as the spec ``apply_lora`` takes."""
-    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, target_modules=tuple(cfg.target_modules), dropout=cfg.dropout,
-                    exclude_modules=cfg.exclude_modules)
-
-
-def build_actor_policy_loss(cfg: ActorConfig, rc: RolloutCorrectionConfig) -> tuple[PolicyLossFn, Any]:
-    """The configured policy loss and its typed params: the one place where the flat config keys
-    become a loss's parameters.
-
-    Bypass mode replaces the loss (config validation allows it only over vanilla), as in verl.
-    The actor's shared keys (clip ratios, aggregation, rollout correction) fill whichever fields
-    the loss has. ``actor.policy_loss.*`` keys belong to one loss each: every one of them fills
-    its field, and one set away from its default under a loss without that field raises a
-    ValueError naming it (``tau_pos`` with loss_mode=vanilla is a mistake, not a no-op).
-    """
-    mode = "bypass_mode" if rc.bypass_mode else cfg.policy_loss.loss_mode
-    fn = get_policy_loss(mode)
-    shared = dict(
-        clip_ratio_low=cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
-        clip_ratio_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
-        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-        bypass_loss_type=rc.loss_type, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs_criteria=rollout_rs_criteria(rc),
-    )
-    mode_keys = {f.name: getattr(cfg.policy_loss, f.name) for f in dataclasses.fields(cfg.policy_loss)
-                 if f.name != "loss_mode"}
-    defaults = PolicyLossConfig()
-    changed = {k: v for k, v in mode_keys.items() if v != getattr(defaults, k)}
-    return fn, build_policy_loss_params(fn, shared={**shared, **mode_keys}, specific=changed, name=mode)
-
-
-def rollout_rs_criteria(rc: RolloutCorrectionConfig) -> tuple[RejectionCriterion, ...]:
-    """The configured rejection criteria (``algorithm.rollout_correction.rollout_rs`` with its
-    thresholds, as verl reads them); () without rejection. ValueError on a bad spec (set-up reports
-    it as a config error on the key)."""
-    if rc.rollout_rs is None:
-        return ()
-    return parse_rollout_rs(rc.rollout_rs, rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower)

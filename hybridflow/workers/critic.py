@@ -27,20 +27,12 @@ from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_tokenizer, load_value_model
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
-from hybridflow.training.engine import LossFn, TrainEngine
+from hybridflow.training.engine import LossFn
+from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
-from hybridflow.utils.device import parse_dtype
-from hybridflow.workers.actor import (
-    check_rank_group,
-    load_engine_checkpoint,
-    model_precision,
-    optim_spec,
-    plan_micro_batches,
-    sharded_checkpoints,
-    shards_model,
-    train_micro_batches,
-)
+from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
+from hybridflow.workers.engine_setup import check_rank_group, model_precision, shards_model, trained_engine
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +70,10 @@ class CriticWorker:
         )
         if setup.gradient_checkpointing:
             enable_activation_checkpointing(model)
-        self.engine = TrainEngine(
-            model,
-            optim_spec(cfg.optim, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip),
-            setup.device,
-            data_parallel=data_parallel,
-            mixed_precision=compute_dtype,
-            reduce_dtype=parse_dtype(fsdp.reduce_dtype),
-            fsdp_size=fsdp.fsdp_size,
-            offload_params=fsdp.param_offload,
-            offload_optimizer=fsdp.optimizer_offload,
-            metrics_prefix="critic",
-            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
+        self.engine = trained_engine(
+            model, cfg.optim, fsdp, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
+            device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size, metrics_prefix="critic",
         )
         self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size  # as the actor's
         self.plan = plan_micro_batches(

@@ -10,9 +10,10 @@ import torch
 from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.training.engine import TrainEngine
+from hybridflow.training.micro_batches import plan_micro_batches
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
-from hybridflow.workers.actor import check_rank_group, model_precision, plan_micro_batches, shards_model
+from hybridflow.workers.engine_setup import check_rank_group, model_precision, shards_model
 
 
 @dataclass
@@ -45,13 +46,8 @@ class ReferenceWorker:
         self.setup = setup
         data_parallel = shards_model(world_size, setup.offload_params, setup.device, "actor.fsdp_config.param_offload")
         weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=False, data_parallel=data_parallel)
-        model = load_causal_lm(
-            setup.model_path,
-            dtype=weights_dtype,
-            device=setup.device,
-            trust_remote_code=setup.trust_remote_code,
-            override_config=setup.override_config,
-        )
+        model = load_causal_lm(setup.model_path, dtype=weights_dtype, device=setup.device,
+                               trust_remote_code=setup.trust_remote_code, override_config=setup.override_config)
         self.engine = TrainEngine(
             model, optim=None, device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
             fsdp_size=setup.fsdp_size, offload_params=setup.offload_params,

@@ -25,7 +25,7 @@ import torch
 from hybridflow.models.loading import load_sequence_classifier, load_tokenizer, value_head
 from hybridflow.rewards.judge import Judge, JudgeRequest, JudgeSettings
 from hybridflow.types import Trajectory
-from hybridflow.workers.actor import model_precision
+from hybridflow.workers.engine_setup import model_precision
 
 METRIC_TRUNCATED = "reward_model/truncated_fraction"
 

@@ -21,18 +21,12 @@ from hybridflow.models.loading import enable_activation_checkpointing, load_caus
 from hybridflow.models.lora import apply_lora, write_lora_manifest
 from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine
+from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
 from hybridflow.utils.device import resolve_device
 from hybridflow.utils.threads import adjust_threads
-from hybridflow.workers.actor import (
-    load_engine_checkpoint,
-    lora_spec,
-    model_precision,
-    optim_spec,
-    plan_micro_batches,
-    sharded_checkpoints,
-    train_micro_batches,
-)
+from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
+from hybridflow.workers.engine_setup import lora_spec, model_precision, optim_spec
 
 log = logging.getLogger(__name__)
 

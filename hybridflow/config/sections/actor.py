@@ -31,7 +31,7 @@ class OptimConfig:
 class PolicyLossConfig:
     """The loss and its own settings. Each key below belongs to one loss_mode (named first in its
     description) and fills that loss's typed params; one set away from its default under another
-    loss_mode is a config error at start-up (build_actor_policy_loss in hybridflow/workers/actor.py)."""
+    loss_mode is a config error at start-up (build_actor_policy_loss in hybridflow/workers/policy_loss.py)."""
 
     loss_mode: str = f(
         "vanilla",

@@ -11,9 +11,10 @@ from hybridflow.algorithms.core import UnknownNameError
 from hybridflow.algorithms.rollout_correction import (
     ROLLOUT_RS_CRITERIA,
     RejectionCriterion,
+    RolloutCorrectionSettings,
     compute_rollout_correction,
-    compute_rollout_is_weights,
     compute_rollout_rejection,
+    correct_rollout,
     parse_rollout_rs,
 )
 
@@ -141,10 +142,11 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_estimator_is_weights_are_the_losss_truncated_weights_or_none() -> None:
-    """compute_rollout_is_weights (the token baselines' ρ) by hand: the loss's truncated weights of
+    """correct_rollout's weights (the token baselines' ρ) by hand: the loss's truncated weights of
     the configured level, or None (unscaled) without importance weights or in bypass mode."""
     def weights(**kwargs: object):  # type: ignore[no-untyped-def]
-        return compute_rollout_is_weights(old_logprobs=OLD, rollout_logprobs=ROLLOUT, response_mask=MASK, **kwargs)
+        return correct_rollout(RolloutCorrectionSettings(**kwargs), old_logprobs=OLD, rollout_logprobs=ROLLOUT,
+                               response_mask=MASK, weights_only=True).weights
 
     # Token level: min(ρ, 2) = (2, 1, 0.5 | 1, 0, 0); threshold 3 keeps ρ = 4 at 3.
     assert torch.allclose(weights(rollout_is="token", threshold=2.0), torch.tensor([[2.0, 1.0, 0.5], [1.0, 0.0, 0.0]]))
@@ -201,8 +203,8 @@ def test_batch_normalize_sums_over_ranks_and_skips_a_zero_mean() -> None:
 
 
 def test_estimator_is_weights_follow_batch_normalize() -> None:
-    weights = compute_rollout_is_weights(old_logprobs=OLD, rollout_logprobs=ROLLOUT, response_mask=MASK,
-                                         rollout_is="token", threshold=2.0, batch_normalize=True)
+    weights = correct_rollout(RolloutCorrectionSettings(rollout_is="token", threshold=2.0, batch_normalize=True),
+                              old_logprobs=OLD, rollout_logprobs=ROLLOUT, response_mask=MASK, weights_only=True).weights
     assert weights is not None
     torch.testing.assert_close(weights, torch.tensor([[2.0, 1.0, 0.5], [1.0, 0.0, 0.0]]) / 1.125)
 

@@ -10,7 +10,7 @@ import torch
 from hybridflow.cluster.backends import build_worker_group, reserve_placements
 from hybridflow.cluster.worker_group import LocalWorkerGroup
 from hybridflow.training.distributed import collective, is_collective
-from hybridflow.workers.actor import check_rank_group, model_precision
+from hybridflow.workers.engine_setup import check_rank_group, model_precision
 
 
 class Counter:

@@ -8,7 +8,8 @@ import torch
 from hybridflow.controller.sft import sft_loop
 from hybridflow.data import ResumableSampler
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.micro_batches import token_budget_micro_batches
 from hybridflow.types import Trajectory
 
 SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1)

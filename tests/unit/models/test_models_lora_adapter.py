@@ -16,7 +16,8 @@ from hybridflow.config import load_config
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.models.lora import ADAPTER_WEIGHTS, load_adapter
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
-from hybridflow.workers.actor import ActorSetup, ActorWorker, lora_spec
+from hybridflow.workers.actor import ActorSetup, ActorWorker
+from hybridflow.workers.engine_setup import lora_spec
 
 torch.set_num_threads(1)
 

@@ -96,7 +96,7 @@ def without_last_slice(weights: dict[str, torch.Tensor]) -> Iterator[tuple[list[
 
 def run_sender(group: WeightSyncGroup) -> dict[str, Any]:
     from hybridflow.training.engine import TrainEngine
-    from hybridflow.workers.actor import stream_weights
+    from hybridflow.workers.weight_stream import stream_weights
 
     donor, original = make_model(seed=1).state_dict(), make_model(seed=0).state_dict()
     trainer = TrainEngine(make_model(seed=2), None, torch.device("cpu"))

@@ -223,7 +223,7 @@ def test_metadata_that_does_not_fit_is_refused_naming_the_file(tmp_path) -> None
 
 
 def test_auto_shards_with_more_than_one_rank() -> None:
-    from hybridflow.workers.actor import sharded_checkpoints
+    from hybridflow.workers.checkpoints import sharded_checkpoints
 
     assert [sharded_checkpoints("auto", n) for n in (1, 2)] == [False, True]
     assert sharded_checkpoints("sharded", 1) and not sharded_checkpoints("full", 4)

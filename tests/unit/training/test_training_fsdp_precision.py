@@ -17,7 +17,8 @@ from hybridflow.config.schema import ActorConfig
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, write_tiny_model
 from hybridflow.training import distributed
 from hybridflow.types import Trajectory, collate_trajectories
-from hybridflow.workers.actor import ActorSetup, ActorWorker, model_precision, shards_model
+from hybridflow.workers.actor import ActorSetup, ActorWorker
+from hybridflow.workers.engine_setup import model_precision, shards_model
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 
 torch.set_num_threads(1)

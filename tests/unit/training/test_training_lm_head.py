@@ -10,7 +10,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 from hybridflow.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.training.engine import TrainEngine
-from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_logprobs, lm_head_token_stats
+from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_token_stats
 from hybridflow.training.packing import pad_responses, trim_padding
 from hybridflow.types import Trajectory, collate_trajectories
 
@@ -25,8 +25,8 @@ def test_values_and_gradients_match_the_logits_path(bias, temperature, chunk_row
     labels = torch.randint(0, 50, (37,))
     weights_lp, weights_ent = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
 
-    logprobs, entropy = lm_head_logprobs(hidden, head, labels, temperature=temperature, with_entropy=True,
-                                         chunk_rows=chunk_rows)
+    logprobs, entropy, _ = lm_head_token_stats(hidden, head, labels, temperature=temperature, with_entropy=True,
+                                               chunk_rows=chunk_rows)
     (logprobs * weights_lp + entropy * weights_ent).sum().backward()
     fused = [hidden.grad.clone()] + [p.grad.clone() for p in head.parameters()]
     hidden.grad = None
@@ -47,13 +47,13 @@ def test_an_unused_entropy_costs_no_gradient_and_changes_nothing():
     head = torch.nn.Linear(8, 30, bias=False)
     hidden = torch.randn(10, 8, requires_grad=True)
     labels = torch.randint(0, 30, (10,))
-    logprobs, entropy = lm_head_logprobs(hidden, head, labels, with_entropy=True)
+    logprobs, entropy, _ = lm_head_token_stats(hidden, head, labels, with_entropy=True)
     logprobs.sum().backward()
     with_entropy = hidden.grad.clone()
     hidden.grad = None
-    lm_head_logprobs(hidden, head, labels)[0].sum().backward()
+    lm_head_token_stats(hidden, head, labels).logprobs.sum().backward()
     assert torch.equal(with_entropy, hidden.grad)
-    assert lm_head_logprobs(hidden, head, labels)[1] is None
+    assert lm_head_token_stats(hidden, head, labels).entropy is None
 
 
 def test_supported_heads():
@@ -125,6 +125,6 @@ def test_sum_pi_squared_matches_the_softmax_of_the_logits_across_chunk_boundarie
     stats.logprobs.sum().backward()
     with_spi = hidden.grad.clone()
     hidden.grad = None
-    logprobs, _ = lm_head_logprobs(hidden, head, labels, temperature=temperature, chunk_rows=chunk_rows)
+    logprobs = lm_head_token_stats(hidden, head, labels, temperature=temperature, chunk_rows=chunk_rows).logprobs
     logprobs.sum().backward()
     assert torch.equal(logprobs, stats.logprobs) and torch.equal(with_spi, hidden.grad)

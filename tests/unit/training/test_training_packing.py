@@ -12,12 +12,8 @@ import torch
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
-from hybridflow.training.engine import (
-    OptimSpec,
-    TrainEngine,
-    num_token_budget_micro_batches,
-    token_budget_micro_batches,
-)
+from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.micro_batches import num_token_budget_micro_batches, token_budget_micro_batches
 from hybridflow.training.packing import (
     VARLEN_ATTENTION,
     cu_seqlens_from_position_ids,

@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, tiny_config
 from hybridflow.training import distributed
-from hybridflow.training.engine import OptimSpec, TrainEngine, token_budget_micro_batches
+from hybridflow.training.engine import OptimSpec, TrainEngine
+from hybridflow.training.micro_batches import token_budget_micro_batches
 from hybridflow.training.sequence_parallel import check_heads
 from hybridflow.types import TrainBatch
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.training.engine import TrainEngine, num_token_budget_micro_batches, token_budget_micro_batches
+from hybridflow.training.engine import TrainEngine
+from hybridflow.training.micro_batches import num_token_budget_micro_batches, token_budget_micro_batches
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
 
 PAD = 256

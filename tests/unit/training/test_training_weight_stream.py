@@ -3,7 +3,7 @@
 The sender never gathers the whole model, nor a tensor larger than a bucket: every trainer rank
 walks the same buckets in lockstep, and every sharded tensor travels as row slices that each come
 from one rank's shard, the embedding (larger than ``BUCKET_BYTES``) in slices of at most a bucket
-(``hybridflow.workers.actor.stream_weights``). One spawned trio runs every scenario in order,
+(``hybridflow.workers.weight_stream.stream_weights``). One spawned trio runs every scenario in order,
 because starting processes costs seconds:
 
 1. a sync, after which the receiver's weights equal the trainer's full state bitwise;
@@ -105,7 +105,7 @@ class GatherCounter:
 
 def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, Any]:
     from hybridflow.transfer.weight_transfer import WeightSyncGroup
-    from hybridflow.workers.actor import stream_weights
+    from hybridflow.workers.weight_stream import stream_weights
 
     group = None
     if rank == 0:  # first, so the receiver is not kept waiting while the model is built

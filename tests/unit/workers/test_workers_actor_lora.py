@@ -13,7 +13,7 @@ import torch
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
-from hybridflow.training import engine as engine_module
+from hybridflow.training.checkpoint import TRAINABLE_FILE
 from hybridflow.types import Trajectory, collate_trajectories
 from hybridflow.models.lora import LORA_MANIFEST
 from hybridflow.workers.actor import ActorSetup, ActorWorker
@@ -95,7 +95,7 @@ def test_streamed_merged_weights_equal_the_in_process_ones(model_dir):
     """The broadcast path: buckets planned from the base weights, the adapters merged into each
     tensor or row slice as it is sent (a small bucket forces slices)."""
     from hybridflow.transfer.weights import plan_buckets
-    from hybridflow.workers.actor import _merged
+    from hybridflow.workers.weight_stream import _merged
 
     actor = _actor(model_dir)
     actor.update_actor(_batch())
@@ -119,11 +119,11 @@ def test_checkpoint_holds_only_the_adapter_and_resumes_bitwise(model_dir, tmp_pa
     actor.update_actor(_batch(0))
     actor.save_checkpoint(str(tmp_path / "ckpt"))
     model_files = {p.name for p in (tmp_path / "ckpt" / "model").iterdir()}
-    assert engine_module.TRAINABLE_FILE in model_files and LORA_MANIFEST in model_files
+    assert TRAINABLE_FILE in model_files and LORA_MANIFEST in model_files
     assert not any(name.startswith("model") and name.endswith(".safetensors") for name in model_files)
     from safetensors.torch import load_file
 
-    saved = load_file(tmp_path / "ckpt" / "model" / engine_module.TRAINABLE_FILE)
+    saved = load_file(tmp_path / "ckpt" / "model" / TRAINABLE_FILE)
     assert saved and all(".lora_" in k for k in saved)
     manifest = json.loads((tmp_path / "ckpt" / "model" / LORA_MANIFEST).read_text())
     assert manifest["rank"] == 8
@@ -161,7 +161,7 @@ def test_sharded_format_holds_only_the_adapter_too(model_dir, tmp_path):
 def _two_rank_actor(rank: int, world: int, port: int, model_dir: str, root: str, out) -> None:
     from hybridflow.transfer import weight_transfer
     from hybridflow.training import distributed
-    from hybridflow.workers import actor as actor_module
+    from hybridflow.workers import weight_stream
 
     torch.set_num_threads(1)
     distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
@@ -179,7 +179,7 @@ def _two_rank_actor(rank: int, world: int, port: int, model_dir: str, root: str,
                     streamed.setdefault(entry.name, []).append(rows.clone())
 
         weight_transfer.send_buckets = collect
-        actor_module.stream_weights(actor.engine, rank, object(), max_bucket_bytes=4096, lora=actor.lora)
+        weight_stream.stream_weights(actor.engine, rank, object(), max_bucket_bytes=4096, lora=actor.lora)
         actor.save_checkpoint(str(Path(root) / "ckpt"))
         actor.engine.save(Path(root) / "full", sharded=False)  # the full format, gathered to rank 0
         # Both formats load back on two ranks: the merged weights come back the same.
@@ -275,7 +275,7 @@ def test_export_of_either_format_is_the_merged_policy(model_dir, tmp_path, check
     actor.update_actor(_batch())
     actor.save_checkpoint(str(tmp_path / "actor"))
     export._write_export(tmp_path / "actor", tmp_path / "exported", export.EXPORT_SHARD_BYTES)
-    assert not {engine_module.TRAINABLE_FILE, LORA_MANIFEST} & {p.name for p in (tmp_path / "exported").iterdir()}
+    assert not {TRAINABLE_FILE, LORA_MANIFEST} & {p.name for p in (tmp_path / "exported").iterdir()}
     exported = load_causal_lm(str(tmp_path / "exported")).state_dict()
     merged = dict(actor.weights_for_sync())
     assert set(exported) == set(merged)
@@ -345,7 +345,7 @@ def test_bf16_base_syncs_merged_weights_that_rollouts_of_either_dtype_take(model
     once (what a bf16 rollout makes of an fp32 merge); an fp32 native rollout casts them and holds
     exactly those values. Streamed buckets carry the same tensors as the in-process sync."""
     from hybridflow.transfer.weights import plan_buckets
-    from hybridflow.workers.actor import _merged
+    from hybridflow.workers.weight_stream import _merged
     from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
 
     actor = _actor(model_dir, base_dtype="bfloat16")
@@ -385,7 +385,7 @@ def test_bf16_base_checkpoints_only_the_fp32_adapter_and_resumes_bitwise(model_d
     actor = _actor(model_dir, base_dtype="bfloat16")
     actor.update_actor(_batch(0))
     actor.save_checkpoint(str(tmp_path / "ckpt"))
-    saved = load_file(tmp_path / "ckpt" / "model" / engine_module.TRAINABLE_FILE)
+    saved = load_file(tmp_path / "ckpt" / "model" / TRAINABLE_FILE)
     assert saved and all(".lora_" in k for k in saved) and {t.dtype for t in saved.values()} == {torch.float32}
     actor.update_actor(_batch(1))
     uninterrupted = _state(actor)

@@ -12,7 +12,8 @@ from hybridflow.algorithms.aggregation import LOSS_AGG_MODES
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.types import Trajectory, collate_trajectories
-from hybridflow.workers.actor import ActorSetup, ActorWorker, train_micro_batches
+from hybridflow.training.micro_batches import train_micro_batches
+from hybridflow.workers.actor import ActorSetup, ActorWorker
 
 torch.set_num_threads(1)
 

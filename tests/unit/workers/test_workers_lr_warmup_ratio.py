@@ -9,7 +9,7 @@ import torch
 from hybridflow.config.schema import OptimConfig
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.training.engine import TrainEngine
-from hybridflow.workers.actor import optim_spec, warmup_steps
+from hybridflow.workers.engine_setup import optim_spec, warmup_steps
 
 
 def test_the_ratio_applies_only_when_lr_warmup_steps_is_unset():
