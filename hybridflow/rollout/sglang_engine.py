@@ -711,9 +711,9 @@ def build_sglang_engine(
     enable_chunked_prefill: bool = True,
     tensor_parallel_size: int = 1,
     model_override_config: Mapping[str, Any] | None = None,  # model.override_config
-    **_: Any,  # eos ids, pad id and tokenizer: the server reads its own from the checkpoint
 ) -> SGLangEngine:
-    """Launch a server for ``model_path`` and an engine over it (``rollout.name=sglang``).
+    """Launch a server for ``model_path`` and an engine over it (``rollout.name=sglang``). It takes
+    no eos ids, pad id or tokenizer: the server reads its own from the checkpoint.
 
     ``model`` only lends the parameter names and shapes that weight updates are checked against;
     its memory is given back (moved to the meta device): the server holds the weights.

@@ -25,6 +25,7 @@ applies each bucket as it arrives (``receive_weights``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -37,11 +38,12 @@ import torch
 
 from hybridflow.agents import AgentContext, AgentRow, AgentRunner, load_tools
 from hybridflow.agents.interactions import load_interaction_config
+from hybridflow.config.engines import engines_with
 from hybridflow.data.plane import put_group, records_of
 from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, meta_causal_lm
 from hybridflow.models.lora import AdapterMerger, is_adapter_payload
 from hybridflow.rewards.tally import RewardTally
-from hybridflow.rollout import ROLLOUT_ENGINES, build_rollout_engine
+from hybridflow.rollout import ROLLOUT_ENGINES, EngineArgs, build_rollout_engine
 from hybridflow.rollout.base import resolve_rollout_dtype
 from hybridflow.rollout.stream import Finished, Job, RequestStream
 from hybridflow.transfer import weight_transfer
@@ -210,25 +212,7 @@ class RolloutWorker:
             if rank == 0 and setup.agent is not None:
                 self.agents = build_agent_runner(tokenizer, setup.agent)
             return
-        self.engine = build_rollout_engine(
-            setup.engine,
-            model=model,
-            eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
-            pad_token_id=int(tokenizer.pad_token_id),
-            max_batch_size=setup.max_batch_size,
-            device=setup.device,
-            dtype=setup.dtype,
-            seed=setup.seed + rank,
-            tokenizer=tokenizer,
-            enforce_eager=setup.enforce_eager,
-            max_logprob_mismatch=setup.max_logprob_mismatch,
-            enable_prefix_caching=setup.enable_prefix_caching,
-            model_path=setup.model_path,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            enable_chunked_prefill=setup.enable_chunked_prefill,
-            model_override_config=setup.override_config,
-            kv_cache_memory_bytes=setup.kv_cache_memory_bytes,
-        )
+        self.engine = build_rollout_engine(setup.engine, _engine_args(setup, model, tokenizer, seed=setup.seed + rank))
         self.agents = None if setup.agent is None else build_agent_runner(tokenizer, setup.agent)
         if setup.mode == "server":
             self._serve_over_http(tokenizer, setup)
@@ -260,17 +244,12 @@ class RolloutWorker:
             # rank 0 builds the engine over all ``size`` of them; the other ranks only hold theirs.
             if self.rank != 0:
                 return None
-            return build_rollout_engine(
-                setup.engine, model=model, eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
-                pad_token_id=int(tokenizer.pad_token_id), max_batch_size=setup.max_batch_size, device=setup.device,
-                dtype=setup.dtype, seed=setup.seed, tokenizer=tokenizer, enforce_eager=setup.enforce_eager,
-                enable_prefix_caching=setup.enable_prefix_caching, model_path=setup.model_path,
-                max_num_batched_tokens=setup.max_num_batched_tokens,
-                enable_chunked_prefill=setup.enable_chunked_prefill, tensor_parallel_size=size,
-                model_override_config=setup.override_config)
-        if setup.engine != "native":
-            raise ValueError(f"rollout.tensor_model_parallel_size={size} needs rollout.name=native, vllm or sglang, "
-                             f"not {setup.engine!r}")
+            args = _engine_args(setup, model, tokenizer, seed=setup.seed)
+            return build_rollout_engine(setup.engine, dataclasses.replace(
+                args, tensor_parallel_size=size, max_logprob_mismatch=None, kv_cache_memory_bytes=None))
+        if spec is None or not spec.capabilities.tensor_parallel:
+            raise ValueError(f"rollout.tensor_model_parallel_size={size} needs rollout.name="
+                             f"{engines_with('tensor_parallel')}, not {setup.engine!r}")
         group = new_tp_group(size, setup.tp_timeout_s)
         # Every rank must agree on the dtype: an explicit one, or what ``auto`` gives without a probe.
         role = build_tp_engine(
@@ -476,6 +455,28 @@ class RolloutWorker:
         if self._scorer is not None:
             self._scorer.close()
             self._scorer = None
+
+
+def _engine_args(setup: RolloutSetup, model: torch.nn.Module, tokenizer: Any, *, seed: int) -> EngineArgs:
+    """The engine's arguments from the worker's set-up (one replica's engine, seeded ``seed``)."""
+    return EngineArgs(
+        model=model,
+        eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
+        pad_token_id=int(tokenizer.pad_token_id),
+        max_batch_size=setup.max_batch_size,
+        device=setup.device,
+        dtype=setup.dtype,
+        seed=seed,
+        tokenizer=tokenizer,
+        enforce_eager=setup.enforce_eager,
+        max_logprob_mismatch=setup.max_logprob_mismatch,
+        enable_prefix_caching=setup.enable_prefix_caching,
+        model_path=setup.model_path,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        enable_chunked_prefill=setup.enable_chunked_prefill,
+        model_override_config=setup.override_config,
+        kv_cache_memory_bytes=setup.kv_cache_memory_bytes,
+    )
 
 
 def _engine_counts(engine: Any) -> dict[str, float]:

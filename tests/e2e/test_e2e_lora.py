@@ -39,7 +39,7 @@ def test_lora_run_trains_adapters_exports_merged_and_generates_like_hf(model_and
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
-    from hybridflow.rollout import build_rollout_engine
+    from hybridflow.rollout import EngineArgs, build_rollout_engine
     from hybridflow.types import GenerationRequest, SamplingParams
 
     model_dir, train, val = model_and_data
@@ -83,8 +83,9 @@ def test_lora_run_trains_adapters_exports_merged_and_generates_like_hf(model_and
         for q in ("12+34=", "70-21=", "5+5=")
     ]
     eos = eos_token_ids(str(export_dir), tokenizer)
-    engine = build_rollout_engine("native", model=merged, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id,
-                                  max_batch_size=8, device="cpu", dtype="float32")
+    engine = build_rollout_engine("native", EngineArgs(model=merged, eos_token_ids=eos,
+                                                       pad_token_id=tokenizer.pad_token_id, max_batch_size=8,
+                                                       device="cpu", dtype="float32"))
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
     ours = [s[0].response_ids for s in engine.generate_batch([GenerationRequest(prompt_ids=p, params=greedy) for p in prompts])]
     hf_tok = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)

@@ -238,7 +238,7 @@ def test_export_writes_a_hugging_face_model_that_generates_like_the_checkpoint(u
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
-    from hybridflow.rollout import build_rollout_engine
+    from hybridflow.rollout import EngineArgs, build_rollout_engine
     from hybridflow.types import GenerationRequest, SamplingParams
 
     out = tmp_path / "run"
@@ -261,8 +261,9 @@ def test_export_writes_a_hugging_face_model_that_generates_like_the_checkpoint(u
                                                        add_generation_prompt=True), add_special_tokens=False)
         for q in ("12+34=", "70-21=", "5+5=")
     ]
-    engine = build_rollout_engine("native", model=load_causal_lm(str(ckpt_model)), eos_token_ids=eos_token_ids(str(ckpt_model), tokenizer),
-                                  pad_token_id=tokenizer.pad_token_id, max_batch_size=8, device="cpu", dtype="float32")
+    engine = build_rollout_engine("native", EngineArgs(
+        model=load_causal_lm(str(ckpt_model)), eos_token_ids=eos_token_ids(str(ckpt_model), tokenizer),
+        pad_token_id=tokenizer.pad_token_id, max_batch_size=8, device="cpu", dtype="float32"))
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
     ours = [s[0].response_ids for s in engine.generate_batch([GenerationRequest(prompt_ids=p, params=greedy) for p in prompts])]
 

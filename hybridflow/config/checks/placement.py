@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hybridflow.config.budget import read_model_shape
 from hybridflow.config.checks.report import Report, divisors_near, or_list
+from hybridflow.config.engines import capabilities, engines_with
 from hybridflow.config.layout import data_parallel_size, dp_source, rollout_replicas, sequence_parallel_sizes
 from hybridflow.config.schema import Config
 
@@ -64,7 +65,7 @@ def check_lora(cfg: Config, report: Report) -> None:
                      f"trains every weight (kept in float32 master weights); set actor.lora.rank > 0, or "
                      f"model.dtype=bfloat16 for bf16 compute without LoRA")
     if lora.sync == "adapter":
-        if cfg.rollout.name != "native":
+        if not capabilities(cfg.rollout.name).adapter_merging:
             report.error(f"actor.lora.sync=adapter: the rollout merges the adapter itself, which only the native "
                          f"engine's worker does; rollout.name={cfg.rollout.name} takes actor.lora.sync=merged")
         if cfg.trainer.mode == "fully_async":
@@ -110,18 +111,20 @@ def check_backend(cfg: Config, report: Report) -> None:
     if tp > 1 and cfg.rollout.sleep_level == 2 and cfg.rollout.free_cache_engine:
         report.error(f"rollout.sleep_level=2 (drop the weights between steps) is not built for tensor-parallel replicas "
                      f"(rollout.tensor_model_parallel_size={tp}); use rollout.sleep_level=1")
-    if cfg.rollout.mode == "server" and (cfg.rollout.name != "native" or tp > 1):
+    engine = capabilities(cfg.rollout.name)
+    if cfg.rollout.mode == "server" and (not engine.http_serving or tp > 1):
         report.error(f"rollout.mode=server serves the native engine of one-rank replicas over HTTP, not rollout.name="
                      f"{cfg.rollout.name} with rollout.tensor_model_parallel_size={tp}; use rollout.mode=engine")
-    if tp > 1 and cfg.rollout.name not in ("native", "vllm", "sglang"):
+    if tp > 1 and not engine.tensor_parallel:
         # vLLM and SGLang split a replica's model over its tp devices themselves (tensor_parallel_size, --tp-size).
-        report.error(f"rollout.tensor_model_parallel_size={tp} is built for rollout.name=native, vllm or sglang, not "
-                     f"{cfg.rollout.name!r}")
+        report.error(f"rollout.tensor_model_parallel_size={tp} is built for "
+                     f"rollout.name={engines_with('tensor_parallel')}, not {cfg.rollout.name!r}")
     if cfg.rollout.name == "vllm":
         _check_vllm(cfg, report)
-    if t.mode == "fully_async" and cfg.async_training.partial_rollout and cfg.rollout.name != "native":
+    if t.mode == "fully_async" and cfg.async_training.partial_rollout and not engine.partial_rollout:
         report.error(f"async_training.partial_rollout=true (new weights pushed into the generation in flight) is built "
-                     f"for rollout.name=native, not {cfg.rollout.name}; set async_training.partial_rollout=false")
+                     f"for rollout.name={engines_with('partial_rollout')}, not {cfg.rollout.name}; set "
+                     f"async_training.partial_rollout=false")
     if t.data_plane == "refs":
         _check_refs_data_plane(cfg, report)
     if t.backend == "local" and cfg.rollout.weight_sync == "broadcast":

@@ -14,7 +14,7 @@ from hybridflow.agents.parsers import ParsedTurn, ToolCall
 from hybridflow.agents.tokens import check_token_consistency, render_ids
 from hybridflow.agents.tools import ToolRegistry, calculator
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
-from hybridflow.rollout import build_rollout_engine
+from hybridflow.rollout import EngineArgs, build_rollout_engine
 from hybridflow.types import UNVERSIONED_TOKEN, SamplingParams
 
 torch.set_num_threads(1)
@@ -55,8 +55,8 @@ def test_tool_agent_on_the_native_engine() -> None:
     spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     tokenizer = build_tiny_tokenizer()
     engine = build_rollout_engine(
-        "native", model=steered_model(spec), eos_token_ids=[IM_END], pad_token_id=PAD,
-        max_batch_size=8, device="cpu", dtype="float32", seed=0,
+        "native", EngineArgs(model=steered_model(spec), eos_token_ids=[IM_END], pad_token_id=PAD,
+                             max_batch_size=8, device="cpu", dtype="float32", seed=0),
     )
     context = AgentContext(
         tokenizer, tools=ToolRegistry([calculator]), tool_parser=f"{__name__}:AlwaysCalculate", max_assistant_turns=TURNS

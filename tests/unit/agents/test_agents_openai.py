@@ -21,7 +21,7 @@ from hybridflow.agents.tokens import render_ids
 from hybridflow.agents.tools import ToolRegistry, calculator
 from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
-from hybridflow.rollout import build_rollout_engine
+from hybridflow.rollout import EngineArgs, build_rollout_engine
 from hybridflow.training.engine import TrainEngine
 from hybridflow.types import UNVERSIONED_TOKEN, SamplingParams, collate_trajectories
 
@@ -75,8 +75,9 @@ def model():
 
 @pytest.fixture
 def engine(model):
-    native = build_rollout_engine("native", model=copy.deepcopy(model), eos_token_ids=[IM_END], pad_token_id=PAD,
-                                  max_batch_size=8, device="cpu", dtype="float32", seed=0)
+    native = build_rollout_engine("native", EngineArgs(model=copy.deepcopy(model), eos_token_ids=[IM_END],
+                                                       pad_token_id=PAD, max_batch_size=8, device="cpu",
+                                                       dtype="float32", seed=0))
     return RecordingEngine(native)
 
 

@@ -9,7 +9,13 @@ import torch
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.rollout.base import RolloutEngine, resolve_rollout_dtype
-from hybridflow.rollout.factory import ROLLOUT_ENGINES, EngineSpec, build_rollout_engine, engine_unavailable
+from hybridflow.rollout.factory import (
+    ROLLOUT_ENGINES,
+    EngineArgs,
+    EngineSpec,
+    build_rollout_engine,
+    engine_unavailable,
+)
 from hybridflow.types import GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)
@@ -18,13 +24,15 @@ torch.set_num_threads(1)
 def _build(name: str) -> RolloutEngine:
     return build_rollout_engine(
         name,
-        model=build_tiny_model(TinyModelSpec(num_hidden_layers=1)),
-        eos_token_ids=[258],
-        pad_token_id=256,
-        max_batch_size=8,
-        device="cpu",
-        dtype="float32",
-        seed=3,
+        EngineArgs(
+            model=build_tiny_model(TinyModelSpec(num_hidden_layers=1)),
+            eos_token_ids=[258],
+            pad_token_id=256,
+            max_batch_size=8,
+            device="cpu",
+            dtype="float32",
+            seed=3,
+        ),
     )
 
 
@@ -82,8 +90,8 @@ def test_auto_rollout_dtype_is_bfloat16_on_a_gpu_and_float32_on_a_cpu():
 
 def test_the_factory_resolves_auto_and_passes_enforce_eager():
     model = build_tiny_model(TinyModelSpec(num_hidden_layers=1))
-    engine = build_rollout_engine("native", model=model, eos_token_ids=[258], pad_token_id=256, max_batch_size=4,
-                                  device="cpu", dtype="auto", enforce_eager=True)
+    engine = build_rollout_engine("native", EngineArgs(model=model, eos_token_ids=[258], pad_token_id=256,
+                                                       max_batch_size=4, device="cpu", dtype="auto", enforce_eager=True))
     assert engine.decode_mode == "eager"
     assert next(model.parameters()).dtype == torch.float32
 

@@ -13,7 +13,7 @@ from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.inference import precision
 from hybridflow.rollout import base
 from hybridflow.rollout.base import choose_rollout_dtype, resolve_rollout_dtype
-from hybridflow.rollout.factory import build_rollout_engine
+from hybridflow.rollout.factory import EngineArgs, build_rollout_engine
 from hybridflow.inference.precision import (
     BF16_MIN_PARAMETERS,
     PrecisionProbe,
@@ -97,9 +97,9 @@ def test_the_factory_sizes_the_served_model_for_auto_and_never_times_it(monkeypa
         monkeypatch.setattr(precision, "BF16_MIN_PARAMETERS", threshold)
         with mock.patch.object(base, "cpu_features", return_value=AMX), \
                 mock.patch.object(precision, "probe_decode_precision", never):
-            engine = build_rollout_engine("native", model=build_tiny_model(TinyModelSpec(num_hidden_layers=1)),
-                                          eos_token_ids=[258], pad_token_id=256, max_batch_size=8, device="cpu",
-                                          dtype="auto")
+            engine = build_rollout_engine("native", EngineArgs(
+                model=build_tiny_model(TinyModelSpec(num_hidden_layers=1)), eos_token_ids=[258], pad_token_id=256,
+                max_batch_size=8, device="cpu", dtype="auto"))
         assert next(engine.model.parameters()).dtype == expected
 
 
@@ -113,8 +113,9 @@ def test_the_factory_probes_the_served_model_for_tune_on_bf16_hardware():
 
     with mock.patch.object(base, "cpu_features", return_value=AMX), \
             mock.patch.object(precision, "probe_decode_precision", fake_probe):
-        engine = build_rollout_engine("native", model=model, eos_token_ids=[258], pad_token_id=256,
-                                      max_batch_size=8, device="cpu", dtype="tune", max_logprob_mismatch=0.01)
+        engine = build_rollout_engine("native", EngineArgs(model=model, eos_token_ids=[258], pad_token_id=256,
+                                                           max_batch_size=8, device="cpu", dtype="tune",
+                                                           max_logprob_mismatch=0.01))
     assert seen == {"model": model, "batch": 8}
     assert next(engine.model.parameters()).dtype == torch.bfloat16
 

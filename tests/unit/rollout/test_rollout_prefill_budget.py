@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from hybridflow.rollout.factory import build_rollout_engine
+from hybridflow.rollout.factory import EngineArgs, build_rollout_engine
 from hybridflow.inference.native import NativeEngine
 from hybridflow.rollout.sglang_engine import launch_args
 from hybridflow.rollout.vllm_engine import scheduler_args
@@ -119,8 +119,8 @@ def test_without_chunking_a_prompt_longer_than_the_budget_is_prefilled_whole_in_
 
 def test_the_rollout_factory_gives_the_native_engine_the_budget(model):
     engine = build_rollout_engine(
-        "native", model=make_model(), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=4, device="cpu",
-        dtype="float32", max_num_batched_tokens=12, enable_chunked_prefill=False,
+        "native", EngineArgs(model=make_model(), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=4,
+                             device="cpu", dtype="float32", max_num_batched_tokens=12, enable_chunked_prefill=False),
     )
     steps = record_chunks(engine)
     generate(engine, ELEVEN[:2], max_tokens=2)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridflow.config.schema import RolloutConfig
-from hybridflow.rollout.factory import build_rollout_engine
+from hybridflow.rollout.factory import EngineArgs, build_rollout_engine
 from hybridflow.inference.native import NativeEngine
 from hybridflow.inference.prefix_cache import CachedBlock, PrefixCache, block_digests
 from hybridflow.types import Trajectory
@@ -266,8 +266,8 @@ def test_requests_fully_covered_by_the_cache_start_without_a_prefill():
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_factory_passes_enable_prefix_caching_through(enabled):
     engine = build_rollout_engine(
-        "native", model=make_model(), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=4, device="cpu",
-        dtype="float32", enable_prefix_caching=enabled,
+        "native", EngineArgs(model=make_model(), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=4,
+                             device="cpu", dtype="float32", enable_prefix_caching=enabled),
     )
     engine.generate_batch([request(SYSTEM, temperature=0.0, max_tokens=2)] * 2)
     assert (engine.stats.prefix_cache_queries > 0) is enabled

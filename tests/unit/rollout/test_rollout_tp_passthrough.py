@@ -49,16 +49,16 @@ def test_a_replicas_first_rank_builds_the_engine_over_all_its_devices(monkeypatc
     """An engine that splits the model itself (vLLM, SGLang; a recording stand-in here) is built once per
     replica, by rank 0, with the replica's size; its other ranks build none (they hold their devices)."""
     from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
-    from hybridflow.rollout.factory import EngineSpec
+    from hybridflow.rollout.factory import EngineArgs, EngineSpec
     from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
 
     model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=32, intermediate_size=64,
                                                                num_hidden_layers=1, num_attention_heads=2,
                                                                num_key_value_heads=1))
-    builds: list[dict[str, object]] = []
+    builds: list[EngineArgs] = []
 
-    def build(**kwargs: object) -> object:
-        builds.append(kwargs)
+    def build(args: EngineArgs) -> object:
+        builds.append(args)
         return object()
 
     monkeypatch.setitem(ROLLOUT_ENGINES, "own_tp", EngineSpec(build=build, loads_own_weights=True,
@@ -66,5 +66,5 @@ def test_a_replicas_first_rank_builds_the_engine_over_all_its_devices(monkeypatc
     setup = RolloutSetup(model_path=str(model_dir), engine="own_tp", dtype="float32", device=torch.device("cpu"),
                          max_batch_size=4, seed=0)
     leader, other = RolloutWorker(0, 2, setup), RolloutWorker(1, 2, setup)
-    assert len(builds) == 1 and builds[0]["tensor_parallel_size"] == 2
+    assert len(builds) == 1 and builds[0].tensor_parallel_size == 2
     assert leader.engine is not None and other.engine is None

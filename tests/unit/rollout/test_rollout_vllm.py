@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.models.tiny import build_tiny_tokenizer
 from hybridflow.rollout import base, factory
-from hybridflow.rollout.factory import ROLLOUT_ENGINES, EngineSpec, engine_unavailable
+from hybridflow.rollout.factory import ROLLOUT_ENGINES, EngineArgs, EngineSpec, engine_unavailable
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 
 EOS, PAD, VOCAB = 258, 256, 272
@@ -88,8 +88,8 @@ def engine(model_dir):
     from hybridflow.models.loading import meta_causal_lm
 
     built = factory.build_rollout_engine(
-        "vllm", model=meta_causal_lm(model_dir), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=16,
-        device="cpu", dtype="float32", seed=0, enforce_eager=True, model_path=str(model_dir),
+        "vllm", EngineArgs(model=meta_causal_lm(model_dir), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=16,
+                           device="cpu", dtype="float32", seed=0, enforce_eager=True, model_path=str(model_dir)),
     )
     yield built
     built.close()
@@ -300,8 +300,8 @@ def test_the_rollout_worker_builds_a_meta_model_for_an_engine_that_loads_its_own
 
     seen: dict[str, object] = {}
 
-    def build(**kwargs: object) -> object:
-        seen.update(kwargs)
+    def build(args: EngineArgs) -> object:
+        seen.update(vars(args))
         return object()
 
     monkeypatch.setitem(ROLLOUT_ENGINES, "own", EngineSpec(build=build, loads_own_weights=True))

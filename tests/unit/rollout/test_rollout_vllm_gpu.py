@@ -36,7 +36,7 @@ from test_rollout_vllm import EOS, PAD, PROMPTS, make_model, reference_greedy, r
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridflow.rollout import base, factory
-from hybridflow.rollout.factory import engine_unavailable
+from hybridflow.rollout.factory import EngineArgs, engine_unavailable
 from hybridflow.inference.precision import DEFAULT_MAX_LOGPROB_MISMATCH
 from hybridflow.types import Trajectory
 
@@ -65,8 +65,9 @@ def build_engine(model_dir: Path, *, dtype: str, max_batch_size: int = 16, **kwa
 
     require_free_pool()
     return factory.build_rollout_engine(
-        "vllm", model=meta_causal_lm(model_dir), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=max_batch_size,
-        device="cuda", dtype=dtype, seed=0, model_path=str(model_dir), **kwargs,
+        "vllm", EngineArgs(model=meta_causal_lm(model_dir), eos_token_ids=[EOS], pad_token_id=PAD,
+                           max_batch_size=max_batch_size, device="cuda", dtype=dtype, seed=0, model_path=str(model_dir),
+                           **kwargs),
     )
 
 
