@@ -34,6 +34,7 @@ The run folders stay (printed): ``hybridflow simulate <a sync run> --devices 2 -
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -101,9 +102,9 @@ def run_loop(spec: dict) -> dict:
     ]
     run = build_run(api.make_config("grpo", overrides=overrides))
     # The validation at the last step is not timed (timing_s/step covers the step only); keep it short.
-    run.val_data = None
+    run.prompts = dataclasses.replace(run.prompts, val=None)
     try:
-        for group in run.rollout.groups:
+        for group in run.roles.rollout.groups:
             group._workers[0].engine._runner.logits_processors = (oracle,)
         make_trainer(run).fit()
     finally:

@@ -227,7 +227,7 @@ class ChildRSS:
 def run_hybridflow(spec: dict) -> dict:
     from hybridflow import api
     from hybridflow.controller.setup import build_run
-    from hybridflow.controller.sync import RLTrainer
+    from hybridflow.controller.loops import make_trainer
 
     targets = spec["targets"]
 
@@ -258,15 +258,15 @@ def run_hybridflow(spec: dict) -> dict:
     cfg = api.make_config("grpo", overrides=overrides)
     run = build_run(cfg)
     try:
-        run.rollout.groups[0]._workers[0].engine._runner.logits_processors = (oracle,)
-        trainer = RLTrainer(run)
+        run.roles.rollout.groups[0]._workers[0].engine._runner.logits_processors = (oracle,)
+        trainer = make_trainer(run)
         steps = []
         for _ in range(spec["warmup"] + spec["steps"]):
             trainer.step += 1
-            metrics = trainer.train_step()
+            metrics = trainer.loop.train_step(trainer.step)
             steps.append({"step": metrics["timing_s/step"], "gen": metrics["timing_s/gen"]})
         # (getattr: the bench also runs against older source trees, PYTHONPATH=<tree>, for before/after figures)
-        plan = getattr(run.actor._workers[0], "plan", None)
+        plan = getattr(run.roles.actor._workers[0], "plan", None)
         notes = list(plan.notes) if plan is not None else ["(a source tree without micro-batch plans)"]
     finally:
         run.close()

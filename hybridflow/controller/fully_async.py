@@ -54,7 +54,7 @@ from hybridflow.controller.overlap import merge_model_metrics, round_requests, s
 from hybridflow.controller.replicas import ReplicaStream
 from hybridflow.controller.roles import BROADCAST
 from hybridflow.controller.setup import RunSetup
-from hybridflow.controller.trainer import Trainer
+from hybridflow.controller.trainer import WeightVersions
 from hybridflow.data import PromptRow
 from hybridflow.rewards.tally import RewardTally
 from hybridflow.types import Sample, Trajectory
@@ -63,15 +63,17 @@ from hybridflow.utils.timer import PhaseTimer
 Key = tuple[int, int]  # (generation round, the group's position in the round)
 
 
-class FullyAsyncTrainer(Trainer):
-    def __init__(self, run: RunSetup) -> None:
-        super().__init__(run)
+class FullyAsyncLoop:
+    def __init__(self, run: RunSetup, versions: WeightVersions) -> None:
+        self.roles, self.plan, self.prompts, self.versions = run.roles, run.plan, run.prompts, versions
+        self.kl_controller, self.dumps, self.timeline = run.kl_controller, run.dumps, run.timeline
         settings = run.cfg.async_training
         self.staleness, self.partial_rollout = settings.staleness_threshold, settings.partial_rollout
         self.in_draw_order = settings.consume_order == "draw"
         # trainer.data_plane=refs: replicas score groups and keep their tokens; the queue holds records.
-        self.by_reference = run.cfg.trainer.data_plane == "refs"
-        self.batch_groups = run.cfg.data.train_batch_size
+        self.by_reference = run.plan.by_reference
+        self.batch_groups = run.plan.groups_per_step
+        self._step = 0  # the trainer's step in progress (0: none yet)
         self._queue: queue.Queue[_Group] = queue.Queue()  # bounded by admission (module docstring)
         self._taken: dict[Key, _Group] = {}  # off the queue, waiting for their turn (draw order)
         self._actor_lock = threading.Lock()  # the actor: the trainer's updates vs the rollout's weight syncs
@@ -90,38 +92,39 @@ class FullyAsyncTrainer(Trainer):
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
 
-    def train_step(self) -> dict[str, float]:
-        run, timer = self.run, PhaseTimer(self.run.timeline)
+    def train_step(self, step: int) -> dict[str, float]:
+        roles, plan, timer = self.roles, self.plan, PhaseTimer(self.timeline)
+        self._step = step
         self._start()
         with timer.phase("step"):
             with timer.phase("wait_rollout"):
                 groups, dropped = self._take_batch()
             with self._actor_lock:
                 collected = self._collected(groups)
-                samples, batch_metrics = phases.prepare_batch(run, collected.groups, self.step, timer)
-                update_metrics = self.update(samples.batch, timer)
-                phases.feed_sampler(run, self.step, collected)
+                samples, batch_metrics = phases.prepare_batch(roles, plan, collected.groups, step, timer,
+                                                              self.kl_controller, self.dumps)
+                update_metrics = self.versions.update(samples.batch, step, timer)
+                phases.feed_sampler(self.prompts.sampler, step, collected)
                 if self.partial_rollout:
                     with timer.phase("update_weights"):  # into the generation in flight (module docstring)
-                        self.push_weights()
+                        self.versions.push()
                     staged = None
                 else:
                     with timer.phase("stage_weights"):
-                        staged = None if self.run.weight_sync == BROADCAST else phases.weights_snapshot(run)
+                        staged = None if roles.weight_sync == BROADCAST else phases.weights_snapshot(roles)
             with self._state:
-                self._staged = _Staged(self.actor_version, staged) if staged is not None else None
+                self._staged = _Staged(self.versions.actor, staged) if staged is not None else None
                 counts, self._counts = self._counts, _Counts()
                 self._state.notify_all()
         started = {id(t): g.version for g in groups for t in g.trajectories}
         overlap = {
-            **phases.staleness_metrics(samples.trajectories, self.step - 1, [started[id(t)] for t in samples.trajectories]),
             "async/dropped_samples": float(dropped),
             "async/queue_size": float(self._queue.qsize() + len(self._taken)),
-            "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
-            "async/rollout_idle_ratio": counts.idle_s / max(counts.idle_s + counts.busy_s, 1e-9),
-            "timing_s/rollout_busy": counts.busy_s,
+            **phases.async_metrics(samples.trajectories, step - 1, [started[id(t)] for t in samples.trajectories],
+                                   timer, counts.idle_s, counts.busy_s),
         }
-        return collected.metrics | batch_metrics | update_metrics | phases.step_metrics(run, self.step, collected, samples, timer) | overlap
+        return (collected.metrics | batch_metrics | update_metrics
+                | phases.step_metrics(roles, plan, step, collected, samples, timer) | overlap)
 
     # ------------------------------------------------------------------ the trainer's side of the queue
     def _take_batch(self) -> tuple[list[_Group], int]:
@@ -132,7 +135,7 @@ class FullyAsyncTrainer(Trainer):
             with self._state:
                 self._rounds[group.key[0]].pending.discard(group.key[1])
                 self._forget_finished_rounds()
-                if self.step - 1 - min(phases.oldest_version(t, group.version) for t in group.trajectories) > self.staleness:
+                if self._step - 1 - min(phases.oldest_version(t, group.version) for t in group.trajectories) > self.staleness:
                     dropped += len(group.trajectories)
                     self._live -= 1  # its place goes to a group not yet admitted
                     self._state.notify_all()
@@ -176,26 +179,25 @@ class FullyAsyncTrainer(Trainer):
         trajectories = [t for g in groups for t in g.trajectories]
         with self._state:
             generated, constant, filtered = self._counts.generated, self._counts.constant, self._counts.filtered
-        metrics = tally.metrics() | merge_model_metrics(model_parts) | phases.agent_metrics(self.run, trajectories)
-        metrics["health/zero_variance_group_fraction"] = constant / max(1, generated)
-        if self.run.cfg.algorithm.filter_groups.enable:
-            metrics["filter/varied_group_fraction"] = (generated - constant) / max(1, generated)
+        metrics = (tally.metrics() | merge_model_metrics(model_parts)
+                   | phases.collection_metrics(self.plan, trajectories, generated, constant))
+        if self.plan.group_filter.enable:
             metrics["filter/dropped_groups"] = float(filtered)
-        epoch = max(self._epochs.get(g.key[0], self.run.sampler.epoch) for g in groups)
-        return phases.Collected([g.trajectories for g in groups], metrics | self.run.rollout.take_metrics(), epoch,
+        epoch = max(self._epochs.get(g.key[0], self.prompts.sampler.epoch) for g in groups)
+        return phases.Collected([g.trajectories for g in groups], metrics | self.roles.rollout.take_metrics(), epoch,
                                 [g.index for g in groups])
 
     # ------------------------------------------------------------------ the rollout thread
     def _start(self) -> None:
         """Start the rollout thread at the first step of this process (after any resume)."""
         if self._thread is None:
-            self._live = (self.step - 1) * self.batch_groups  # trained before this process
+            self._live = (self._step - 1) * self.batch_groups  # trained before this process
             self._thread = threading.Thread(target=self._produce, name="fully-async rollout", daemon=True)
             self._thread.start()
 
     def _produce(self) -> None:
         try:
-            with contextlib.closing(self.run.rollout.open_stream()) as stream:
+            with contextlib.closing(self.roles.rollout.open_stream()) as stream:
                 delivered, round_start = 0, time.perf_counter()
                 while not self._stop.is_set():
                     started = time.perf_counter()
@@ -211,7 +213,7 @@ class FullyAsyncTrainer(Trainer):
                             # A batch's worth of generation is one round of rollout metrics, ended
                             # before its last groups reach the trainer, which reports them.
                             stream.end_round()
-                            PhaseTimer(self.run.timeline, track="rollout").add(
+                            PhaseTimer(self.timeline, track="rollout").add(
                                 "gen", time.perf_counter() - round_start, start=round_start)
                             delivered, round_start = delivered - self.batch_groups, time.perf_counter()
                     for group in ready:
@@ -233,9 +235,9 @@ class FullyAsyncTrainer(Trainer):
         change only between generations, first let the stream drain and take the newest weights."""
         while not self._stop.is_set():
             with self._state:
-                if self._live + self.batch_groups > (self.actor_version + 1 + self.staleness) * self.batch_groups:
+                if self._live + self.batch_groups > (self.versions.actor + 1 + self.staleness) * self.batch_groups:
                     return
-                behind = not self.partial_rollout and self.rollout_version < self.actor_version
+                behind = not self.partial_rollout and self.versions.rollout < self.versions.actor
             if behind:
                 if stream.in_flight:
                     return  # no new requests until the old weights' ones are done
@@ -244,26 +246,26 @@ class FullyAsyncTrainer(Trainer):
                     # The trainer bumps its version in the update and stages the weights a moment
                     # later: a round admitted in between would generate with the old weights, and
                     # with a staleness bound of 0 be dropped (other samples than the sync loop's).
-                    if self.rollout_version < self.actor_version:
+                    if self.versions.rollout < self.versions.actor:
                         return  # wait for the staged weights (the trainer notifies)
             self._admit_round(stream)
 
     def _admit_round(self, stream: ReplicaStream) -> None:
-        run, b = self.run, self._next_round
-        sampler_before = run.sampler.state_dict()
-        drawn = run.sampler.next_batch()
-        rows: list[PromptRow] = [run.train_data[i] for i in drawn]
+        plan, sampler, b = self.plan, self.prompts.sampler, self._next_round
+        sampler_before = sampler.state_dict()
+        drawn = sampler.next_batch()
+        rows: list[PromptRow] = [self.prompts.train[i] for i in drawn]
         keep = [i for i in range(len(rows)) if i not in self._resumed.pop(b, set())]
         # Seeds from (round, 1, position): the sync loop's for step b's first generation round.
-        requests = round_requests(rows, phases.train_sampling(run), run.cfg.trainer.seed, (b, 1), run.vision)
+        requests = round_requests(rows, plan.train_sampling, plan.seed, (b, 1), self.prompts.vision)
         metadata = [row.metadata() for row in rows]
         with self._state:
-            self._rounds[b] = _Round(sampler_before, rows, drawn, set(keep), self.rollout_version)
-            self._epochs[b] = run.sampler.epoch
+            self._rounds[b] = _Round(sampler_before, rows, drawn, set(keep), self.versions.rollout)
+            self._epochs[b] = sampler.epoch
             self._live += len(keep)
             self._next_round += 1
         # Agent loops read the row's fields; a replica that scores (by reference) needs them too.
-        sent = [metadata[i] for i in keep] if run.cfg.rollout.multi_turn.enable or self.by_reference else None
+        sent = [metadata[i] for i in keep] if plan.agents or self.by_reference else None
         stream.add([requests[i] for i in keep], sent, keys=[(b, i) for i in keep])
 
     def _poll(self, stream: ReplicaStream) -> list[tuple[Key, list[Sample], RewardTally | None]]:
@@ -277,7 +279,7 @@ class FullyAsyncTrainer(Trainer):
         """A finished prompt group with its row's fields and its scores, for the queue (scored here
         unless its replica did, ``tally``); None when dynamic sampling drops it (rewards that do
         not vary)."""
-        run, (b, i) = self.run, key
+        b, i = key
         record = self._rounds[b]
         for t in samples:
             t.group_id = i
@@ -287,8 +289,8 @@ class FullyAsyncTrainer(Trainer):
             for t in trajectories:
                 t.metadata = {**record.rows[i].metadata(), **t.metadata}
             tally = RewardTally()
-            score_part(run, trajectories, tally, model_parts)
-        fg = run.cfg.algorithm.filter_groups
+            score_part(self.roles, trajectories, tally, model_parts)
+        fg = self.plan.group_filter
         varied = bool(select_varied_groups([phases.filter_value(t, fg.metric) for t in samples], [i] * len(samples)))
         with self._state:
             self._counts.generated += 1
@@ -305,27 +307,21 @@ class FullyAsyncTrainer(Trainer):
         """The newest weights to the rollout while nothing is in flight (without partial rollout)."""
         with self._state:
             staged = self._staged
-        if staged is not None and staged.version > self.rollout_version:
-            self.run.rollout.update_weights(staged.weights)
-            self.rollout_version = staged.version
+        if staged is not None and staged.version > self.versions.rollout:
+            self.roles.rollout.update_weights(staged.weights)
+            self.versions.rollout = staged.version
         elif staged is None:
             with self._actor_lock:  # broadcast: actor rank 0 sends, between two updates
-                self.push_weights()
+                self.versions.push()
 
     # ------------------------------------------------------------------ the run around it
-    def quiesce(self) -> None:
-        """Hold the rollout thread between polls and put the newest weights on the rollout (the
-        caller is validation or a checkpoint: both run from the trainer's thread)."""
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The rollout thread held between polls and the newest weights on the rollout (the caller
+        is validation, from the trainer's thread)."""
         with self._paused_rollout():
-            self.push_weights()
-
-    def validate(self) -> dict[str, float]:
-        if self.run.val_data is None:
-            return {}
-        with self._paused_rollout():
-            self.push_weights()
-            with self.run.timeline.span("trainer", "testing"):
-                return phases.validate(self.run, self.step)
+            self.versions.push()
+            yield
 
     @contextlib.contextmanager
     def _paused_rollout(self) -> Iterator[None]:
@@ -348,7 +344,7 @@ class FullyAsyncTrainer(Trainer):
         # position before the first of them; what they trained already is not generated again.
         with self._rollout_lock, self._state:
             if not self._rounds:
-                sampler = self.run.sampler.state_dict()
+                sampler = self.prompts.sampler.state_dict()
                 return {"sampler": sampler, "epoch": sampler["epoch"], "first_round": self._next_round, "done": {}}
             first, done = min(self._rounds), {}
             for b in range(first, self._next_round):  # a round no longer recorded was all trained
@@ -358,7 +354,7 @@ class FullyAsyncTrainer(Trainer):
             return {"sampler": sampler, "epoch": sampler["epoch"], "first_round": first, "done": done}
 
     def load_loop_state(self, state: dict[str, Any]) -> None:
-        self._next_round = int(state.get("first_round", self.step + 1))
+        self._next_round = int(state.get("first_round", self._step + 1))
         self._resumed = {int(b): set(done) for b, done in state.get("done", {}).items()}
 
     def close(self) -> None:

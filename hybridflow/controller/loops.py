@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from hybridflow.controller.fully_async import FullyAsyncTrainer
-from hybridflow.controller.one_step_off import OneStepOffTrainer
+from hybridflow.controller.fully_async import FullyAsyncLoop
+from hybridflow.controller.one_step_off import OneStepOffLoop
 from hybridflow.controller.setup import RunSetup
-from hybridflow.controller.sync import SyncTrainer
-from hybridflow.controller.trainer import Trainer
+from hybridflow.controller.sync import SyncLoop
+from hybridflow.controller.trainer import LoopFactory, Trainer
 
-LOOPS: dict[str, type[Trainer]] = {
-    "sync": SyncTrainer,
-    "one_step_off": OneStepOffTrainer,
-    "fully_async": FullyAsyncTrainer,
+LOOPS: dict[str, LoopFactory] = {
+    "sync": SyncLoop,
+    "one_step_off": OneStepOffLoop,
+    "fully_async": FullyAsyncLoop,
 }
 
 
 def make_trainer(run: RunSetup) -> Trainer:
-    """The loop ``trainer.mode`` names, around ``run``."""
-    return LOOPS[run.cfg.trainer.mode](run)
+    """The run around the loop ``trainer.mode`` names."""
+    return Trainer(run, LOOPS[run.cfg.trainer.mode])

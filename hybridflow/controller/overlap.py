@@ -34,7 +34,8 @@ from hybridflow.utils.watchdog import activity
 from hybridflow.workers.reward import RewardWorker
 
 if TYPE_CHECKING:
-    from hybridflow.controller.setup import RunSetup
+    from hybridflow.controller.roles import RewardModelGroup, Roles
+    from hybridflow.controller.step_plan import StepPlan
 
 METRIC_REWARD_OVERLAPPED = "perf/reward_overlapped_s"
 
@@ -53,18 +54,19 @@ def round_requests(rows: list[PromptRow], params: SamplingParams, seed: int,
 
 
 def generate_and_score(
-    run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...], timer: PhaseTimer
+    roles: Roles, plan: StepPlan, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...],
+    timer: PhaseTimer, vision: ImageInputs | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
     """``phases.generate`` then ``phases.score_answers`` of the round, overlapped (module docstring):
     the round's trajectories grouped by prompt (``group_id`` = row index), scored, and the reward
     metrics. With ``trainer.data_plane=refs`` each replica scores its groups and keeps their
     tokens: the round's ``SampleRecord``s, and no scoring left to wait for here."""
-    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope, run.vision)
+    requests = round_requests(rows, params, plan.seed, seed_scope, vision)
     metadata = [row.metadata() for row in rows]
-    by_reference = run.cfg.trainer.data_plane == "refs"
+    by_reference = plan.by_reference
     # Agent loops read the row fields, and so does a replica that scores (by reference); else a
     # single-turn run sends the requests alone.
-    sent = metadata if run.cfg.rollout.multi_turn.enable or by_reference else None
+    sent = metadata if plan.agents or by_reference else None
     groups: list[list[Sample]] = [[] for _ in rows]
     tally, model_parts = RewardTally(), []
     overlapped = reward_s = model_s = 0.0
@@ -73,7 +75,7 @@ def generate_and_score(
     generated_at = start
     # One profiler range for the round (its timing_s/gen and reward parts are split below).
     with activity("phase", "gen"), profiler_range("phase/gen"), \
-            contextlib.closing(run.rollout.stream_batches(requests, sent, by_reference)) as batches:
+            contextlib.closing(roles.rollout.stream_batches(requests, sent, by_reference)) as batches:
         for batch in batches:
             remaining -= len(batch)
             if not remaining:
@@ -93,32 +95,32 @@ def generate_and_score(
                     t.metadata = {**metadata[group_id], **t.metadata}
                 groups[group_id] = samples
                 part.extend(samples)
-            seconds = score_part(run, part, tally, model_parts)
+            seconds = score_part(roles, part, tally, model_parts)
             if remaining:
                 overlapped += sum(seconds)
             else:
                 model_s, reward_s = seconds
     # The timeline's spans: the round's generation, then the scoring left after its last trajectory.
     timer.add("gen", generated_at - start, start=start)
-    if run.reward_model is not None:
+    if roles.reward_model is not None:
         timer.add("reward_model", model_s, start=generated_at)
     timer.add("reward", reward_s, start=generated_at + model_s)
     metrics = tally.metrics() | merge_model_metrics(model_parts) | {METRIC_REWARD_OVERLAPPED: overlapped}
     return [t for group in groups for t in group], metrics
 
 
-def score_part(run: RunSetup, part: list[Trajectory], tally: RewardTally,
+def score_part(roles: Roles, part: list[Trajectory], tally: RewardTally,
                 model_parts: list[tuple[int, dict[str, float]]]) -> tuple[float, float]:
     """Score ``part`` as ``phases.score_answers`` scores a round (final answers, the whole
     response's length for shaping, the reward model's scores combined), adding its metrics to
     ``tally`` and ``model_parts``; returns the seconds spent in the reward model and the reward role."""
     start = time.perf_counter()
-    scores_of_model, model_metrics = model_scores(run, part)
+    scores_of_model, model_metrics = model_scores(roles.reward_model, part)
     model_parts.append((len(part), model_metrics))
     scored = time.perf_counter()
     views = [answer_view(t) for t in part]
     lengths = [len(t.response_ids) for t in part]
-    _, part_tally = run.reward.call_one(0, RewardWorker.score_part, views, shaping=True,
+    _, part_tally = roles.reward.call_one(0, RewardWorker.score_part, views, shaping=True,
                                         response_lengths=lengths, model_scores=scores_of_model)
     tally.merge(part_tally)
     for t, view in zip(part, views, strict=True):
@@ -127,11 +129,10 @@ def score_part(run: RunSetup, part: list[Trajectory], tally: RewardTally,
 
 
 def model_scores(
-    run: RunSetup, trajectories: list[Trajectory], timer: PhaseTimer | None = None
+    rm: RewardModelGroup | None, trajectories: list[Trajectory], timer: PhaseTimer | None = None
 ) -> tuple[list[float] | None, dict[str, float]]:
     """The reward model's score of each final answer (``timing_s/reward_model``), its ranks
     taking contiguous shares; None without a reward model."""
-    rm = run.reward_model
     if rm is None:
         return None, {}
     views = [answer_view(t) for t in trajectories]

@@ -1,4 +1,4 @@
-"""The phases every training loop is made of, as plain functions of the run.
+"""The phases every training loop is made of, as plain functions of the roles and the step plan.
 
 The loops (``sync.py``, ``one_step_off.py``) differ only in *when* these run and on which
 weights; what each phase does is written once, here:
@@ -11,7 +11,8 @@ weights; what each phase does is written once, here:
 
 No phase branches on an algorithm: algorithms come from registries chosen by config names, and
 an estimator's optional inputs come from the providers in ``INPUT_PROVIDERS``. Work happens in
-worker groups whose fan-out is visible at each call site.
+worker groups (``Roles``) whose fan-out is visible at each call site; what a phase decides comes
+from the frozen ``StepPlan`` set-up built, never from the config.
 """
 
 from __future__ import annotations
@@ -26,29 +27,30 @@ import torch
 from hybridflow.agents import answer_view, compute_agent_metrics
 from hybridflow.algorithms import (
     AdvantageInputs,
+    KLController,
     apply_kl_penalty,
     correct_rollout,
-    masked_mean,
     place_outcome_rewards,
     select_varied_groups,
 )
 from hybridflow.cluster.worker_group import wait_all
-from hybridflow.config import ValKwargsConfig
+from hybridflow.controller.dumps import GenerationDumps
 from hybridflow.controller.overlap import generate_and_score, model_scores, round_requests
-from hybridflow.controller.roles import BROADCAST
-from hybridflow.controller.setup import RunSetup
+from hybridflow.controller.roles import BROADCAST, Roles
+from hybridflow.controller.step_plan import Prompts, StepPlan
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
-from hybridflow.data.plane import fetch_trajectories
-from hybridflow.data.sampler import SamplerFeedback
+from hybridflow.data.dataset import ImageInputs
+from hybridflow.data.sampler import PromptSampler, SamplerFeedback
 from hybridflow.tracking import (
-    compute_batch_metrics, compute_critic_metrics, compute_throughput_metrics, compute_val_core_metrics,
-    compute_validation_metrics, reduce_metrics, reward_variables,
+    compute_batch_metrics,
+    compute_critic_metrics,
+    compute_throughput_metrics,
+    compute_val_core_metrics,
+    compute_validation_metrics,
+    reduce_metrics,
+    reward_variables,
 )
-from hybridflow.tracking.generations import (
-    DUMP_MAX_LOGPROBS, clip_text, pick_val_generations, rollout_rows, validation_rows, write_jsonl,
-)
-from hybridflow.tracking.loggers import Generation
 from hybridflow.types import (
     GenerationRequest,
     RefBatch,
@@ -90,25 +92,12 @@ class StepSamples(NamedTuple):
 
 
 # ---------------------------------------------------------------------- generation
-def train_sampling(run: RunSetup) -> SamplingParams:
-    r = run.cfg.rollout
-    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_tokens=run.cfg.data.max_response_length)
-
-
-def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
-    """``rollout.val_kwargs`` as sampling parameters: greedy unless ``do_sample`` (verl's rule), then
-    its temperature, top_p and top_k; ``n`` samples per prompt either way."""
-    if not v.do_sample:
-        return SamplingParams(n=v.n, temperature=0.0, max_tokens=max_tokens)
-    return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, max_tokens=max_tokens)
-
-
-def generate(run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...]) -> list[Trajectory]:
+def generate(roles: Roles, plan: StepPlan, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...],
+             vision: ImageInputs | None = None) -> list[Trajectory]:
     """n trajectories per prompt, grouped by prompt (``group_id`` = row index)."""
-    requests = round_requests(rows, params, run.cfg.trainer.seed, seed_scope, run.vision)
+    requests = round_requests(rows, params, plan.seed, seed_scope, vision)
     metadata = [row.metadata() for row in rows]
-    outputs = generate_requests(run, requests, metadata)
+    outputs = generate_requests(roles, plan, requests, metadata)
     trajectories = []
     for group_id, (meta, samples) in enumerate(zip(metadata, outputs, strict=True)):
         for t in samples:
@@ -120,17 +109,17 @@ def generate(run: RunSetup, rows: list[PromptRow], params: SamplingParams, seed_
 
 
 def generate_requests(
-    run: RunSetup, requests: list[GenerationRequest], metadata: list[dict[str, Any]]
+    roles: Roles, plan: StepPlan, requests: list[GenerationRequest], metadata: list[dict[str, Any]]
 ) -> list[list[Trajectory]]:
     """Requests placed on the rollout replicas by the router, each with its row's fields (the
     agent loops read them); results in request order."""
     # Only agent loops read the row fields: a single-turn run sends the requests alone.
-    return run.rollout.generate(requests, metadata if run.cfg.rollout.multi_turn.enable else None)
+    return roles.rollout.generate(requests, metadata if plan.agents else None)
 
 
 # ---------------------------------------------------------------------- rewards
 def score_answers(
-    run: RunSetup, trajectories: list[Trajectory], shaping: bool = True, scores_of_model: list[float] | None = None
+    roles: Roles, trajectories: list[Trajectory], shaping: bool = True, scores_of_model: list[float] | None = None
 ) -> tuple[list[float], dict[str, float]]:
     """Score each trajectory's final answer (``answer_view``: its last assistant turn, not the
     tool replies before it) and set its ``reward`` and ``reward_extra``. A single-turn
@@ -139,10 +128,10 @@ def score_answers(
     unless given) are combined with the rule scores by the reward role."""
     metrics: dict[str, float] = {}
     if scores_of_model is None:
-        scores_of_model, metrics = model_scores(run, trajectories)
+        scores_of_model, metrics = model_scores(roles.reward_model, trajectories)
     views = [answer_view(t) for t in trajectories]
     lengths = [len(t.response_ids) for t in trajectories]
-    scores, reward_metrics = run.reward.call_one(0, RewardWorker.score, views, shaping=shaping,
+    scores, reward_metrics = roles.reward.call_one(0, RewardWorker.score, views, shaping=shaping,
                                                  response_lengths=lengths, model_scores=scores_of_model)
     metrics |= reward_metrics
     for t, view in zip(trajectories, views, strict=True):
@@ -150,14 +139,14 @@ def score_answers(
     return scores, metrics
 
 
-def agent_metrics(run: RunSetup, trajectories: Sequence[Sample]) -> dict[str, float]:
+def agent_metrics(plan: StepPlan, trajectories: Sequence[Sample]) -> dict[str, float]:
     """``num_turns/*``, ``tool_calls/*`` and the masked-token share, for agent runs only (a
     single-turn run's would be constants)."""
-    return compute_agent_metrics(trajectories) if run.cfg.rollout.multi_turn.enable else {}
+    return compute_agent_metrics(trajectories) if plan.agents else {}
 
 
 # ---------------------------------------------------------------------- collect
-def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
+def collect(roles: Roles, plan: StepPlan, prompts: Prompts, step: int, timer: PhaseTimer) -> Collected:
     """Generate and score rounds of prompts until ``data.train_batch_size`` groups are kept.
 
     Without ``algorithm.filter_groups`` one round keeps every group. With it (DAPO's dynamic
@@ -167,20 +156,21 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
     Prompts come from the run's sampler; seeds from (step, round), so the samples of a step do
     not depend on when, or on which weights' replica, the step's collection ran.
     """
-    fg, want = run.cfg.algorithm.filter_groups, run.cfg.data.train_batch_size
+    fg, want = plan.group_filter, plan.groups_per_step
     kept: list[list[Sample]] = []
     kept_indices: list[int] = []  # the dataset index of each kept group's prompt
     reward_metrics: list[dict[str, float]] = []
     episodes: list[Sample] = []  # every round's samples, for the agent metrics
-    rounds = generated = varied = constant = 0
+    rounds = generated = constant = 0
     while True:
         rounds += 1
-        drawn = run.sampler.next_batch()
-        rows = [run.train_data[i] for i in drawn]
+        drawn = prompts.sampler.next_batch()
+        rows = [prompts.train[i] for i in drawn]
         # Each prompt group is scored as soon as its samples are done, while the rest of the
         # round is generated. The round is part of the seed scope: each round draws fresh
         # samples, and a resumed run draws the same ones.
-        trajectories, round_metrics = generate_and_score(run, rows, train_sampling(run), (step, rounds), timer)
+        trajectories, round_metrics = generate_and_score(roles, plan, rows, plan.train_sampling, (step, rounds), timer,
+                                                         prompts.vision)
         reward_metrics.append(round_metrics)
         episodes.extend(trajectories)
         groups = _by_group(trajectories)
@@ -190,7 +180,6 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
         constant += len(groups) - len(varied_ids)
         if fg.enable:
             groups = [g for g in groups if g[0].group_id in varied_ids]
-        varied += len(groups)
         kept.extend(groups)
         kept_indices.extend(drawn[g[0].group_id] for g in groups)
         out_of_rounds = 0 < fg.max_num_gen_batches <= rounds
@@ -212,25 +201,20 @@ def collect(run: RunSetup, step: int, timer: PhaseTimer) -> Collected:
     for group_id, group in enumerate(kept):
         for t in group:
             t.group_id = group_id
-    metrics = reduce_metrics(reward_metrics) | agent_metrics(run, episodes)
-    metrics["health/zero_variance_group_fraction"] = constant / max(1, generated)
+    metrics = reduce_metrics(reward_metrics) | collection_metrics(plan, episodes, generated, constant)
     if fg.enable:
-        metrics |= {
-            "filter/gen_rounds": float(rounds),
-            "filter/varied_group_fraction": varied / max(1, generated),
-            "filter/exhausted": float(exhausted),
-        }
+        metrics |= {"filter/gen_rounds": float(rounds), "filter/exhausted": float(exhausted)}
     # The rollout's counters belong to the generation that made these samples (in the async
     # loops another step's update runs meanwhile).
-    return Collected(kept, metrics | run.rollout.take_metrics(), run.sampler.epoch, kept_indices)
+    return Collected(kept, metrics | roles.rollout.take_metrics(), prompts.sampler.epoch, kept_indices)
 
 
-def feed_sampler(run: RunSetup, step: int, collected: Collected) -> None:
+def feed_sampler(sampler: PromptSampler, step: int, collected: Collected) -> None:
     """Tell the prompt sampler what the step trained on (after its update): one entry per sample,
     its prompt's dataset index and its reward. The built-in sampler ignores it; a curriculum
     sampler class (data.sampler) reorders what it draws next."""
     rows = [(index, t) for index, group in zip(collected.indices, collected.groups, strict=True) for t in group]
-    run.sampler.after_step(SamplerFeedback(
+    sampler.after_step(SamplerFeedback(
         step=step, indices=[index for index, _ in rows], scores=[float(t.reward or 0.0) for _, t in rows],
         group_ids=[t.group_id for _, t in rows]))
 
@@ -250,33 +234,37 @@ def filter_value(t: Sample, metric: str) -> float:
 
 
 # ---------------------------------------------------------------------- the batch
-def prepare_batch(run: RunSetup, groups: Sequence[Sequence[Sample]], step: int, timer: PhaseTimer) -> tuple[StepSamples, dict[str, float]]:
+def prepare_batch(
+    roles: Roles, plan: StepPlan, groups: Sequence[Sequence[Sample]], step: int, timer: PhaseTimer,
+    kl_controller: KLController | None, dumps: GenerationDumps,
+) -> tuple[StepSamples, dict[str, float]]:
     """The step's training batch from its groups: collated, balanced over the actor's ranks, with
-    old/ref logprobs where needed, the estimator's inputs, advantages and returns."""
+    old/ref logprobs where needed, the estimator's inputs, advantages and returns (the in-reward
+    KL penalty's ``kl_controller`` updated), dumped when ``dumps`` has a rollout folder."""
     trajectories = [t for group in groups for t in group]
-    batch = collate(trajectories, run.pad_token_id)
+    batch = collate(trajectories, plan.pad_token_id)
     metrics: dict[str, float] = {}
-    if run.cfg.trainer.balance_batch:
-        order, balance_metrics = balance(run, trajectories)
+    if plan.balance_batch:
+        order, balance_metrics = balance(roles.actor.world_size, trajectories)
         batch, trajectories = batch.select(order), [trajectories[i] for i in order]
         metrics |= balance_metrics
-    if run.needs_old_logprobs:
+    if plan.needs_old_logprobs:
         with timer.phase("old_log_prob"):
             batch.old_logprobs, batch.sum_pi_squared = gather_old_logprobs(
-                run.actor.split_gather(ActorWorker.compute_old_logprobs, batch))
-    if run.reference is not None:
+                roles.actor.split_gather(ActorWorker.compute_old_logprobs, batch))
+    if roles.reference is not None:
         with timer.phase("ref"):
-            batch.ref_logprobs = torch.cat(run.reference.split_gather(run.reference_logprobs, batch))
+            batch.ref_logprobs = torch.cat(roles.reference.split_gather(roles.reference_logprobs, batch))
     samples = StepSamples(batch, trajectories, groups)
-    extra_inputs, input_metrics = estimator_inputs(run, samples, timer)
+    extra_inputs, input_metrics = estimator_inputs(roles, plan, samples, timer)
     metrics |= input_metrics
     with timer.phase("adv"):
-        metrics |= compute_advantages(run, batch, extra_inputs)
+        metrics |= compute_advantages(plan, batch, extra_inputs, kl_controller)
     if fault_requested("nan_advantages", step):  # tests: a NaN that must not reach the weights
         batch.advantages = torch.full_like(batch.advantages, float("nan"))
-    if run.rollout_data_dir is not None:
+    if dumps.rollout_dir is not None:
         with timer.phase("dump_rollout"):
-            dump_rollouts(run, step, batch, trajectories)
+            dumps.rollouts(step, batch, trajectories)
     return samples, metrics
 
 
@@ -288,99 +276,99 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch | RefBat
     return collate_trajectories(cast(list[Trajectory], list(samples)), pad_token_id)
 
 
-def balance(run: RunSetup, samples: Sequence[Sample]) -> tuple[list[int], dict[str, float]]:
+def balance(ranks: int, samples: Sequence[Sample]) -> tuple[list[int], dict[str, float]]:
     """A sample order under which ``split_gather``'s even split hands each actor rank a similar
     workload. Advantages are computed over the whole batch here, so groups may be split."""
     # What a packed forward pays for each sample: its valid (prompt + response) tokens.
     lengths = [t.prompt_length + t.response_length for t in samples]
-    parts = balanced_partitions(lengths, run.actor.world_size)
+    parts = balanced_partitions(lengths, ranks)
     return flatten_partitions(parts), global_seqlen_metrics(lengths, parts)
 
 
-def compute_advantages(run: RunSetup, batch: TrainBatch, extra_inputs: dict[str, torch.Tensor | None]) -> dict[str, float]:
+def compute_advantages(plan: StepPlan, batch: TrainBatch, extra_inputs: dict[str, torch.Tensor | None],
+                       kl_controller: KLController | None) -> dict[str, float]:
     """Token-level rewards (score on the last response token, minus in-reward KL), then the
     configured estimator on one typed record. No estimator-specific branch: the optional
     inputs it declared it needs arrive in ``extra_inputs``, named as AdvantageInputs' fields."""
-    alg = run.cfg.algorithm
     token_rewards = place_outcome_rewards(batch.rewards, batch.response_attention_mask)
     metrics: dict[str, float] = {}
-    if alg.use_kl_in_reward:
-        assert batch.old_logprobs is not None and batch.ref_logprobs is not None
-        beta = run.kl_controller.value
+    if plan.kl_in_reward is not None:
+        assert batch.old_logprobs is not None and batch.ref_logprobs is not None and kl_controller is not None
+        beta = kl_controller.value
         penalised = apply_kl_penalty(token_rewards, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
-                                     kind=alg.kl_penalty, beta=beta)
+                                     kind=plan.kl_in_reward, beta=beta)
         token_rewards = penalised.token_level_rewards
-        run.kl_controller.update(penalised.mean_kl, n_steps=batch.batch_size)
+        kl_controller.update(penalised.mean_kl, n_steps=batch.batch_size)
         metrics |= {"actor/reward_kl_penalty": penalised.mean_kl, "actor/reward_kl_penalty_coeff": beta}
     batch.token_level_rewards = token_rewards
     inputs = AdvantageInputs(token_level_rewards=token_rewards, response_mask=batch.response_mask,
                              group_ids=batch.group_ids, **extra_inputs)
-    batch.advantages, batch.returns = run.adv_estimator(inputs, run.adv_params)
+    batch.advantages, batch.returns = plan.estimator.fn(inputs, plan.estimator.params)
     return metrics
 
 
 # ---------------------------------------------------------------------- estimator inputs
-def estimator_inputs(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor | None], dict[str, float]]:
+def estimator_inputs(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor | None], dict[str, float]]:
     """The optional inputs the estimator declared it needs, each from its provider, with the
     metrics the providers report. Nothing is produced that the estimator did not ask for."""
     inputs: dict[str, torch.Tensor | None] = {}
     metrics: dict[str, float] = {}
-    for need in sorted(run.estimator_needs):
-        inputs[need], produced_metrics = INPUT_PROVIDERS[need](run, samples, timer)
+    for need in sorted(plan.estimator.needs):
+        inputs[need], produced_metrics = INPUT_PROVIDERS[need](roles, plan, samples, timer)
         metrics |= produced_metrics
     return inputs, metrics
 
 
-def critic_values(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+def critic_values(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
     """The critic's values of the response tokens, kept on the batch for the critic update."""
-    assert run.critic is not None, "set-up builds a critic for an estimator that needs values"
+    assert roles.critic is not None, "set-up builds a critic for an estimator that needs values"
     with timer.phase("values"):
-        samples.batch.values = torch.cat(run.critic.split_gather(CriticWorker.compute_values, samples.batch))
+        samples.batch.values = torch.cat(roles.critic.split_gather(CriticWorker.compute_values, samples.batch))
     return samples.batch.values, {}
 
 
-def greedy_baselines(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+def greedy_baselines(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
     """Score of one greedy response per prompt, for each of its samples in batch order (ReMax).  # (B,)"""
     with timer.phase("gen_baseline"):
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=run.cfg.data.max_response_length)
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=plan.max_response_length)
         groups = samples.groups
         requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params, multi_modal=g[0].multi_modal)
                     for g in groups]
         metadata = [g[0].metadata for g in groups]
-        greedy = [outputs[0] for outputs in generate_requests(run, requests, metadata)]
+        greedy = [outputs[0] for outputs in generate_requests(roles, plan, requests, metadata)]
         for meta, t in zip(metadata, greedy, strict=True):
             t.metadata = {**meta, **t.metadata}
-        scores, _ = score_answers(run, greedy)
-        run.rollout.take_metrics()  # the step's rollout counters are of its sampled generation
+        scores, _ = score_answers(roles, greedy)
+        roles.rollout.take_metrics()  # the step's rollout counters are of its sampled generation
     # By group id, not group order: balancing may have reordered the batch.
     by_group = {g[0].group_id: score for g, score in zip(groups, scores, strict=True)}
     baselines = torch.tensor([by_group[t.group_id] for t in samples.trajectories], dtype=torch.float32)
     return baselines, {"critic/reward_baseline/mean": sum(scores) / len(scores)}
 
 
-def named_reward_components(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+def named_reward_components(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
     """The reward's numbers named in ``algorithm.gdpo_reward_keys``, (B, K)."""
-    return reward_components(samples.trajectories, run.cfg.algorithm.gdpo_reward_keys), {}
+    return reward_components(samples.trajectories, list(plan.gdpo_reward_keys)), {}
 
 
-def actor_old_logprobs(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+def actor_old_logprobs(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
     """The actor's logprobs before the update; set-up turns that forward on for such an estimator."""
     assert samples.batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs them"
     return samples.batch.old_logprobs, {}
 
 
-def actor_sum_pi_squared(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+def actor_sum_pi_squared(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
     """Σ_v π(v)² per response token, from the old-logprob forward (set-up asks the actor for it)."""
     assert samples.batch.sum_pi_squared is not None, "set-up has the actor compute sum_pi_squared for such an estimator"
     return samples.batch.sum_pi_squared, {}
 
 
-def rollout_correction_weights(run: RunSetup, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor | None, dict[str, float]]:
+def rollout_correction_weights(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The rollout correction's importance weights from the old-logprob forward (set-up runs it for
     such an estimator), the ones the actor's loss multiplies in; None when the config has none."""
     batch = samples.batch
     assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs rollout IS weights"
-    correction = correct_rollout(rollout_correction_settings(run.cfg.algorithm.rollout_correction),
+    correction = correct_rollout(rollout_correction_settings(plan.rollout_correction),
                                  old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
                                  response_mask=batch.response_mask, weights_only=True)
     return correction.weights, {}
@@ -401,7 +389,7 @@ def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.
 
 # Produces one optional estimator input (and metrics) from the step's samples; None where the
 # config makes the input not apply (rollout IS weights without a correction).
-InputProvider = Callable[[RunSetup, StepSamples, PhaseTimer], tuple[torch.Tensor | None, dict[str, float]]]
+InputProvider = Callable[[Roles, StepPlan, StepSamples, PhaseTimer], tuple[torch.Tensor | None, dict[str, float]]]
 
 # How each optional estimator input is produced: one entry per name in OPTIONAL_ESTIMATOR_INPUTS
 # (a unit test keeps them equal), so an estimator that needs a new input brings a new provider
@@ -417,50 +405,50 @@ INPUT_PROVIDERS: dict[str, InputProvider] = {
 
 
 # ---------------------------------------------------------------------- updates
-def update(run: RunSetup, batch: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
+def update(roles: Roles, plan: StepPlan, batch: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
     """The critic's update, then the actor's (see ``update_actor`` for the warm-up)."""
-    return update_critic(run, batch, timer) | update_actor(run, batch, step, timer)
+    return update_critic(roles, batch, timer) | update_actor(roles, plan, batch, step, timer)
 
 
-def update_critic(run: RunSetup, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
+def update_critic(roles: Roles, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
     """Regress the critic onto the estimator's returns; with it, how well the values the step
     used predicted them. Nothing without a critic."""
-    if run.critic is None:
+    if roles.critic is None:
         return {}
     assert batch.values is not None and batch.returns is not None
     with timer.phase("update_critic"):
-        metrics = reduce_metrics(run.critic.split_gather(CriticWorker.update_critic, batch))
+        metrics = reduce_metrics(roles.critic.split_gather(CriticWorker.update_critic, batch))
     return metrics | compute_critic_metrics(values=batch.values, returns=batch.returns,
                                             response_mask=batch.response_mask)
 
 
-def update_actor(run: RunSetup, batch: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
+def update_actor(roles: Roles, plan: StepPlan, batch: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
     """The policy update; skipped in the first ``trainer.critic_warmup`` steps of a run with a
     critic, which train only the critic so that the actor's first advantages come from a
     fitted value model (without a critic there is nothing to warm up: the key is ignored)."""
-    if run.critic is not None and step <= run.cfg.trainer.critic_warmup:
+    if roles.critic is not None and step <= plan.critic_warmup:
         return {}
     with timer.phase("update_actor"):
-        return reduce_metrics(run.actor.split_gather(ActorWorker.update_actor, batch))
+        return reduce_metrics(roles.actor.split_gather(ActorWorker.update_actor, batch))
 
 
-def sync_weights(run: RunSetup, version: int) -> None:
+def sync_weights(roles: Roles, version: int) -> None:
     """Push the actor's weights (after ``version`` updates: what the rollout's tokens record) to
     every rollout rank: streamed from actor rank 0 by broadcast (``rollout.weight_sync``), else
     through this process (in-process: tensor copies)."""
-    if run.weight_sync == BROADCAST:
+    if roles.weight_sync == BROADCAST:
         # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
         # that the rollout applies as they arrive.
-        wait_all(run.actor.submit_all(ActorWorker.send_weights), *run.rollout.submit_receive(version))
+        wait_all(roles.actor.submit_all(ActorWorker.send_weights), *roles.rollout.submit_receive(version))
         return
     # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
-    weights = dict(run.actor.call_all(run.actor_weights)[0])
-    run.rollout.update_weights(weights.items(), version)
+    weights = dict(roles.actor.call_all(roles.actor_weights)[0])
+    roles.rollout.update_weights(weights.items(), version)
 
 
-def weights_snapshot(run: RunSetup) -> list[tuple[str, torch.Tensor]]:
+def weights_snapshot(roles: Roles) -> list[tuple[str, torch.Tensor]]:
     """A copy of the actor's full weights (rank 0's gather) that later updates leave alone."""
-    return run.actor.call_all(ActorWorker.weights_snapshot)[0]
+    return roles.actor.call_all(ActorWorker.weights_snapshot)[0]
 
 
 # ---------------------------------------------------------------------- metrics
@@ -476,12 +464,38 @@ def staleness_metrics(trajectories: Sequence[Sample], actor_version: int, starte
             "async/partial_rollout_fraction": mixed / max(1, len(trajectories))}
 
 
+def async_metrics(trajectories: Sequence[Sample], actor_version: int, started_versions: list[int], timer: PhaseTimer,
+                  rollout_idle_s: float, rollout_busy_s: float) -> dict[str, float]:
+    """What a loop that generates beside training reports: the samples' staleness, and how long
+    each side waited for the other (the trainer in ``timer``'s ``wait_rollout`` phase of its step;
+    the rollout idle ``rollout_idle_s`` and busy ``rollout_busy_s`` since the last step)."""
+    return {
+        **staleness_metrics(trajectories, actor_version, started_versions),
+        "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
+        "async/rollout_idle_ratio": rollout_idle_s / max(rollout_idle_s + rollout_busy_s, 1e-9),
+        "timing_s/rollout_busy": rollout_busy_s,
+    }
+
+
+def collection_metrics(plan: StepPlan, episodes: Sequence[Sample], generated: int, constant: int) -> dict[str, float]:
+    """What a step's collection reports besides rewards: the agent metrics of its ``episodes``, and
+    of the ``generated`` prompt groups the share whose rewards did not vary (``constant``), which
+    dynamic sampling drops."""
+    metrics = agent_metrics(plan, episodes)
+    metrics["health/zero_variance_group_fraction"] = constant / max(1, generated)
+    if plan.group_filter.enable:
+        metrics["filter/varied_group_fraction"] = (generated - constant) / max(1, generated)
+    return metrics
+
+
 def oldest_version(t: Sample, started_version: int) -> int:
     """The oldest weight version among ``t``'s tokens (``started_version`` where none is recorded)."""
     return t.versions[0] if t.versions else started_version
 
 
-def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSamples, timer: PhaseTimer) -> dict[str, float]:
+def step_metrics(
+    roles: Roles, plan: StepPlan, step: int, collected: Collected, samples: StepSamples, timer: PhaseTimer
+) -> dict[str, float]:
     """What every step reports whatever the loop: counters, the batch's numbers, phase timings
     and throughput."""
     batch, trajectories = samples.batch, samples.trajectories
@@ -492,111 +506,49 @@ def step_metrics(run: RunSetup, step: int, collected: Collected, samples: StepSa
             scores=batch.rewards,
             response_lengths=torch.tensor([t.response_length for t in trajectories]),
             prompt_lengths=torch.tensor([t.prompt_length for t in trajectories]),
-            max_response_length=run.cfg.data.max_response_length,
+            max_response_length=plan.max_response_length,
             advantages=batch.advantages,
             response_mask=batch.response_mask,
         ),
         **timer.metrics(),
-        **compute_throughput_metrics(batch.num_tokens, timer.seconds("step"), run.actor.world_size),
+        **compute_throughput_metrics(batch.num_tokens, timer.seconds("step"), roles.actor.world_size),
         "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads, or what others left free
     }
 
 
 # ---------------------------------------------------------------------- validation
-def validate(run: RunSetup, step: int) -> dict[str, float]:
+def validate(roles: Roles, plan: StepPlan, prompts: Prompts, dumps: GenerationDumps, step: int) -> dict[str, float]:
     """Held-out prompts with ``rollout.val_kwargs`` sampling (greedy by default). A run without
     validation data (``data.val_files`` empty, set up says so once) has nothing to measure."""
-    if run.val_data is None:
+    if prompts.val is None:
         return {}
     with activity("phase", "testing"):
-        return _validate(run, step)
+        return _validate(roles, plan, prompts, dumps, step)
 
 
-def _validate(run: RunSetup, step: int) -> dict[str, float]:
+def _validate(roles: Roles, plan: StepPlan, prompts: Prompts, dumps: GenerationDumps, step: int) -> dict[str, float]:
     start = time.perf_counter()
-    params = validation_sampling(run.cfg.rollout.val_kwargs, run.cfg.data.max_response_length)
-    assert run.val_data is not None
-    rows = list(run.val_data)
+    assert prompts.val is not None
+    rows = list(prompts.val)
     trajectories: list[Trajectory] = []
-    size = run.cfg.data.val_batch_size
+    size = plan.val_batch_size
     for start_i in range(0, len(rows), size):
         # A fixed seed scope (-1) keeps sampled validation comparable across steps.
-        chunk = generate(run, rows[start_i : start_i + size], params, seed_scope=(-1,))
+        chunk = generate(roles, plan, rows[start_i : start_i + size], plan.val_sampling, seed_scope=(-1,),
+                         vision=prompts.vision)
         for t in chunk:
             t.group_id += start_i
         trajectories.extend(chunk)
     # Scored as training scores, overlong penalty included: verl validates with the same DAPO manager.
-    scores, _ = score_answers(run, trajectories, shaping=True)
+    scores, _ = score_answers(roles, trajectories, shaping=True)
     sources, group_ids = [t.metadata["data_source"] for t in trajectories], [t.group_id for t in trajectories]
     metrics = compute_validation_metrics(sources, scores, group_ids)
     variables, preds = reward_variables(scores, [t.reward_info for t in trajectories])
     metrics |= compute_val_core_metrics(sources, group_ids, variables, preds)
-    if run.validation_data_dir is not None:
-        dump_validation(run, step, trajectories, scores)
-    if run.cfg.trainer.log_val_generations > 0:
-        log_val_generations(run, step, trajectories, scores)
-    metrics |= {f"val/{key}": value for key, value in agent_metrics(run, trajectories).items()}
+    dumps.validation(step, trajectories, scores)
+    metrics |= {f"val/{key}": value for key, value in agent_metrics(plan, trajectories).items()}
     metrics["timing_s/testing"] = time.perf_counter() - start
-    run.rollout.take_metrics()  # the step's rollout metrics are of training generation only
-    run.rollout.sleep()
+    roles.rollout.take_metrics()  # the step's rollout metrics are of training generation only
+    roles.rollout.sleep()
     log.info("validation at step %d: val/score/mean %.3f", step, metrics["val/score/mean"])
     return metrics
-
-
-# ---------------------------------------------------------------------- dumps
-def dump_validation(run: RunSetup, step: int, trajectories: list[Trajectory], scores: list[float]) -> None:
-    """This validation's samples to ``trainer.validation_data_dir`` (bounded; see tracking.generations)."""
-    t = run.cfg.trainer
-    assert run.validation_data_dir is not None
-    kept = trajectories[: t.dump_max_samples]  # decode no more than is written
-    rows = validation_rows(
-        step=step, inputs=_decode(run, [x.prompt_ids for x in kept]),
-        outputs=_decode(run, [x.response_ids for x in kept]),
-        ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=scores[: len(kept)],
-        reward_infos=[x.reward_info for x in kept], data_sources=[x.metadata["data_source"] for x in kept],
-        max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
-    )
-    write_jsonl(run.validation_data_dir, step, rows)
-
-
-def log_val_generations(run: RunSetup, step: int, trajectories: list[Trajectory], scores: list[float]) -> None:
-    """``trainer.log_val_generations`` of this validation's samples to the loggers, picked as verl
-    picks them (the same prompts every validation), texts cut to ``trainer.dump_max_chars``."""
-    t = run.cfg.trainer
-    inputs = _decode(run, [x.prompt_ids for x in trajectories])
-    chosen = pick_val_generations(inputs, t.log_val_generations)
-    outputs = _decode(run, [trajectories[i].response_ids for i in chosen])
-    samples = [Generation(clip_text(inputs[i], t.dump_max_chars), clip_text(output, t.dump_max_chars), float(scores[i]))
-               for i, output in zip(chosen, outputs, strict=True)]
-    run.tracker.log_generations(samples, step)
-
-
-def dump_rollouts(run: RunSetup, step: int, batch: TrainBatch | RefBatch, trajectories: Sequence[Sample]) -> None:
-    """This step's samples to ``trainer.rollout_data_dir``: each with its sequence advantage, the
-    mean over its loss tokens (the advantage itself for outcome estimators). On the by-reference
-    data plane the dumped ones' tokens (at most ``trainer.dump_max_samples``) are fetched here."""
-    t = run.cfg.trainer
-    assert run.rollout_data_dir is not None and batch.advantages is not None and batch.response_mask is not None
-    kept = fetch_trajectories(trajectories[: t.dump_max_samples])
-    advantages = masked_mean(batch.advantages[: len(kept)], batch.response_mask[: len(kept)], dim=-1)
-    rows = rollout_rows(
-        step=step, prompts=_decode(run, [x.prompt_ids for x in kept]),
-        responses=_decode(run, [x.response_ids for x in kept]),
-        ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=[float(x.reward or 0.0) for x in kept],
-        advantages=advantages.tolist(), logprobs=[x.rollout_logprobs for x in kept],
-        token_texts=[_token_texts(run, x.response_ids[:DUMP_MAX_LOGPROBS]) for x in kept],
-        reward_infos=[x.reward_info for x in kept], group_ids=[x.group_id for x in kept],
-        max_samples=t.dump_max_samples, max_chars=t.dump_max_chars,
-    )
-    write_jsonl(run.rollout_data_dir, step, rows)
-
-
-def _token_texts(run: RunSetup, token_ids: list[int]) -> list[str]:
-    """Each token decoded on its own, special tokens kept: one text per logprob (an EOS has a
-    logprob too); a token holding part of a multi-byte character reads as U+FFFD."""
-    return list(run.tokenizer.batch_decode([[t] for t in token_ids])) if token_ids else []
-
-
-def _decode(run: RunSetup, token_ids: list[list[int]]) -> list[str]:
-    # batch_decode([]) is not an empty list in every tokenizer
-    return list(run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)) if token_ids else []

@@ -22,6 +22,8 @@ from hybridflow.agents.base import agent_loop_class, agent_name_of
 from hybridflow.agents.interactions import load_interaction_config
 from hybridflow.agents.openai_agent import load_agent_function
 from hybridflow.algorithms import (
+    AdvantageEstimatorFn,
+    KLController,
     build_estimator_params,
     estimator_needs,
     get_adv_estimator,
@@ -285,10 +287,10 @@ def agent_name_warning(rows: Iterable[PromptRow], multi_turn: MultiTurnConfig) -
 class Plugins:
     """What the config's pluggable names resolved to."""
 
-    adv_estimator: Any
-    adv_params: Any
+    adv_estimator: AdvantageEstimatorFn
+    adv_params: object  # the estimator's params dataclass
     estimator_needs: frozenset[str]
-    kl_controller: Any
+    kl_controller: KLController | None  # algorithm.use_kl_in_reward
     agent: AgentSetup | None
 
 

@@ -33,7 +33,7 @@ def profiled_step(run: RunSetup, step: int) -> Iterator[None]:
     out = step_dir(run.output_dir, step)
     settings = ProfileSettings(record_shapes=p.record_shapes, with_stack=p.with_stack, profile_memory=p.profile_memory)
     # Ray ranks are processes of their own; in-process roles are recorded by the controller's profiler.
-    remote = [(role, group) for role, group in run.named_groups() if isinstance(group, RayWorkerGroup)]
+    remote = [(role, group) for role, group in run.roles.named_groups() if isinstance(group, RayWorkerGroup)]
     start_profile(out / f"controller{TRACE_SUFFIX}", settings)
     try:
         for role, group in remote:

@@ -30,8 +30,10 @@ from hybridflow.rewards.sandbox_fusion import (
     build_settings as build_sandbox_fusion_settings,
 )
 from hybridflow.rewards.shaping import overlong_buffer_end, resolve_overlong_buffer
+from hybridflow.types import TrainBatch
 from hybridflow.workers.actor import ActorWorker
 from hybridflow.workers.critic import CriticSetup, CriticWorker
+from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
 from hybridflow.workers.reward_model import (
     JudgeSetup,
@@ -100,6 +102,52 @@ class RewardModelGroup:
     group: WorkerGroup[Any]
     score: Callable[..., tuple[list[float], dict[str, float]]]
     close: Callable[..., None] | None = None  # a role's own clean-up before the group closes
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The run's worker groups by role, and the two methods set-up chose for them. The phases call
+    these and nothing else of the run."""
+
+    actor: WorkerGroup[ActorWorker]
+    rollout: RolloutReplicas
+    reward: WorkerGroup[RewardWorker]
+    # The reference logprobs' group: reference ranks, or with LoRA the actor itself (both have
+    # compute_ref_logprobs); None without a KL term.
+    reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None = None
+    critic: WorkerGroup[CriticWorker] | None = None  # the estimator needs values (gae)
+    reward_model: RewardModelGroup | None = None  # reward_model.enable
+    # The actor's method whose rank-0 result an object-store sync hands the rollout: its weights, or
+    # only its LoRA adapter (actor.lora.sync=adapter), which the rollout workers merge themselves.
+    actor_weights: Callable[[ActorWorker], list[tuple[str, torch.Tensor]]] = ActorWorker.weights_for_sync
+    # The reference group's method that returns one rank's reference logprobs  # (B, R)
+    reference_logprobs: Callable[[ReferenceWorker | ActorWorker, TrainBatch], torch.Tensor] = (
+        ReferenceWorker.compute_ref_logprobs)
+    weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
+
+    def named_groups(self) -> list[tuple[str, WorkerGroup[Any]]]:
+        """Every worker group of the run, by role (each rollout replica its own)."""
+        rm = self.reward_model
+        named = [("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
+                 ("reward", self.reward), ("reward_model", rm.group if rm is not None else None)]
+        named += [(replica_role(k), group) for k, group in enumerate(self.rollout.groups)]
+        return [(name, group) for name, group in named if group is not None]
+
+    def close(self) -> None:
+        """Every role's clean-up, then its processes: the weight-sync group first, the actor that
+        serves as its own reference (LoRA) once."""
+        self.reward.call_all(RewardWorker.close)
+        if self.weight_sync == BROADCAST:
+            close_weight_sync(self.actor, self.rollout)
+        self.rollout.close()
+        rm = self.reward_model
+        if rm is not None and rm.close is not None:
+            rm.group.call_all(rm.close)
+        reference = self.reference if self.reference is not self.actor else None
+        groups = [self.actor, self.critic, reference, self.reward, rm.group if rm is not None else None]
+        for group in groups:
+            if group is not None:
+                group.close()
 
 
 def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None) -> RolloutReplicas:

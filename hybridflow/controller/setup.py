@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.algorithms import KLController
 from hybridflow.cluster.backends import build_worker_group, reserve_placements
 from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import WorkerGroup
@@ -32,6 +33,7 @@ from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yam
 from hybridflow.config.explain import needs_reference_model, planned_total_steps
 from hybridflow.config.layout import data_parallel_size, rollout_replicas, sequence_parallel_sizes
 from hybridflow.controller.builtin import resolve_builtin
+from hybridflow.controller.dumps import GenerationDumps
 from hybridflow.controller.preflight import (
     agent_name_warning,
     check_model_path,
@@ -46,25 +48,22 @@ from hybridflow.controller.preflight import (
     policy_chat_template,
     resolve_plugins,
 )
-from hybridflow.controller.replicas import RolloutReplicas, replica_role
 from hybridflow.controller.roles import (
     BROADCAST,
-    OBJECT_STORE,
-    RewardModelGroup,
+    Roles,
     build_critic_group,
     build_reward_group,
     build_reward_model_group,
     build_rollout_replicas,
-    close_weight_sync,
     connect_weight_sync,
     resolve_weight_sync,
     reward_setup,
 )
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
 from hybridflow.controller.run_folder import lock_run_folder, write_placement
+from hybridflow.controller.step_plan import Estimator, Prompts, StepPlan, build_step_plan
 from hybridflow.controller.token_budgets import apply_recorded_budgets, automatic_budget_keys, record_budgets
 from hybridflow.data import RLDataset
-from hybridflow.data.sampler import PromptSampler
 from hybridflow.data.sampler_plugin import SamplerError, build_prompt_sampler
 from hybridflow.models.loading import (
     load_tokenizer,
@@ -81,7 +80,6 @@ from hybridflow.utils.threads import stop_following
 from hybridflow.workers.actor import ActorSetup, ActorWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
-from hybridflow.workers.reward import RewardWorker
 from hybridflow.workers.rollout import RolloutSetup
 
 log = logging.getLogger(__name__)
@@ -89,72 +87,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunSetup:
+    """A built run: its roles, its frozen step plan, its prompts, and what it writes. The loops
+    hand the phases the parts each one reads, never this whole record."""
+
     cfg: Config
     output_dir: Path
     device: torch.device
     model_path: str
-    pad_token_id: int
-    train_data: RLDataset
-    val_data: RLDataset | None
-    sampler: PromptSampler  # the built-in seeded shuffle, or data.sampler's class
-    total_steps: int
-    needs_old_logprobs: bool
-    adv_estimator: Any  # fn(AdvantageInputs, params) -> AdvantageOutputs
-    adv_params: Any  # its frozen params, built from the algorithm section
-    estimator_needs: frozenset[str]
-    kl_controller: Any
-    actor: WorkerGroup[ActorWorker]
-    rollout: RolloutReplicas
-    # The reference logprobs' group: reference ranks, or with LoRA the actor itself (both have
-    # compute_ref_logprobs); None without a KL term.
-    reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None
-    reward: WorkerGroup[RewardWorker]
-    critic: WorkerGroup[CriticWorker] | None
+    roles: Roles
+    plan: StepPlan
+    prompts: Prompts
+    kl_controller: KLController | None  # algorithm.use_kl_in_reward: its state is checkpointed
     tracker: Tracker
     progress: ProgressBar
-    tokenizer: Any  # decodes prompts and responses for the generation dumps
-    # A vision-language model's processor (hybridflow.models.vision.VisionProcessor): turns a
-    # row's images into its request's pixels. None for a text-only model.
-    vision: Any = None
+    dumps: GenerationDumps
     warnings: list[str] = field(default_factory=list)
-    validation_data_dir: Path | None = None  # trainer.validation_data_dir resolved (None: no dumps)
-    rollout_data_dir: Path | None = None  # trainer.rollout_data_dir resolved
     pools: list[ResourcePool] = field(default_factory=list)  # Ray resources reserved (trainer, split rollout)
-    weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
-    reward_model: RewardModelGroup | None = None  # reward_model.enable
     timeline: Timeline = field(default_factory=Timeline.disabled)  # trainer.timeline: <output_dir>/timeline.json
     storage: Storage = field(default_factory=Storage)  # how to reach s3:// and other URLs (storage.*)
-    # The actor's method whose rank-0 result an object-store sync hands the rollout: its weights, or
-    # only its LoRA adapter (actor.lora.sync=adapter), which the rollout workers merge themselves.
-    actor_weights: Callable[[ActorWorker], list[tuple[str, torch.Tensor]]] = ActorWorker.weights_for_sync
-    # The reference group's method that returns one rank's reference logprobs  # (B, R)
-    reference_logprobs: Callable[[Any, TrainBatch], torch.Tensor] = ReferenceWorker.compute_ref_logprobs
-
-    def named_groups(self) -> list[tuple[str, WorkerGroup[Any]]]:
-        """Every worker group of the run, by role (each rollout replica its own)."""
-        rm = self.reward_model
-        named = [("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
-                 ("reward", self.reward), ("reward_model", rm.group if rm is not None else None)]
-        named += [(replica_role(k), group) for k, group in enumerate(self.rollout.groups)]
-        return [(name, group) for name, group in named if group is not None]
 
     def close(self) -> None:
         stop_following()  # the thread governor lives as long as the run (configure_threads)
         self.timeline.close()  # the spans after the last step (validation, the final checkpoint)
         self.progress.close()
         self.tracker.close()
-        self.reward.call_all(RewardWorker.close)
-        if self.weight_sync == BROADCAST:
-            close_weight_sync(self.actor, self.rollout)
-        self.rollout.close()
-        rm = self.reward_model
-        if rm is not None and rm.close is not None:
-            rm.group.call_all(rm.close)
-        reference = self.reference if self.reference is not self.actor else None
-        groups = [self.actor, self.critic, reference, self.reward, rm.group if rm is not None else None]
-        for group in groups:
-            if group is not None:
-                group.close()
+        self.roles.close()
         for pool in self.pools:
             pool.close()
 
@@ -202,13 +159,13 @@ def apply_async_defaults(cfg: Config) -> None:
                  cfg.trainer.mode)
 
 
-def _budget_groups(run: RunSetup) -> dict[str, tuple[WorkerGroup[Any], Any]]:
+def _budget_groups(roles: Roles) -> dict[str, tuple[WorkerGroup[Any], Any]]:
     """The training roles whose token budgets the run folder records, with each one's method."""
-    groups: dict[str, tuple[WorkerGroup[Any], Any]] = {"actor": (run.actor, ActorWorker.token_budgets)}
-    if run.critic is not None:
-        groups["critic"] = (run.critic, CriticWorker.token_budgets)
-    if run.reference is not None and run.reference is not run.actor:  # with LoRA the actor is its own reference
-        groups["reference"] = (run.reference, ReferenceWorker.token_budgets)
+    groups: dict[str, tuple[WorkerGroup[Any], Any]] = {"actor": (roles.actor, ActorWorker.token_budgets)}
+    if roles.critic is not None:
+        groups["critic"] = (roles.critic, CriticWorker.token_budgets)
+    if roles.reference is not None and roles.reference is not roles.actor:  # with LoRA the actor is its own reference
+        groups["reference"] = (roles.reference, ReferenceWorker.token_budgets)
     return groups
 
 
@@ -375,20 +332,22 @@ def build_run(cfg: Config) -> RunSetup:
     timeline = Timeline(output_dir / TIMELINE_FILENAME, enabled=t.timeline)
     timeline.observe_worker_calls()  # until RunSetup.close
     rollout.timeline = timeline
+    roles = Roles(actor=actor, rollout=rollout, reward=reward, reference=reference, critic=critic,
+                  reward_model=reward_model, reference_logprobs=reference_logprobs,
+                  actor_weights=ActorWorker.adapter_for_sync if adapter_sync else ActorWorker.weights_for_sync,
+                  weight_sync=weight_sync)
+    plan = build_step_plan(cfg, total_steps=total_steps, pad_token_id=int(tokenizer.pad_token_id),
+                           estimator=Estimator(plugins.adv_estimator, plugins.adv_params, needs),
+                           needs_old_logprobs=needs_old, weight_sync=weight_sync)
+    dumps = GenerationDumps(tokenizer, tracker, rollout_dir=dump_dir(t.rollout_data_dir, output_dir),
+                            validation_dir=dump_dir(t.validation_data_dir, output_dir), max_samples=t.dump_max_samples,
+                            max_chars=t.dump_max_chars, val_generations=t.log_val_generations)
     run = RunSetup(
-        cfg=cfg, output_dir=output_dir, device=device, model_path=model_path,
-        pad_token_id=int(tokenizer.pad_token_id), train_data=train_data, val_data=val_data, sampler=sampler,
-        total_steps=total_steps, needs_old_logprobs=needs_old, adv_estimator=plugins.adv_estimator,
-        adv_params=plugins.adv_params, estimator_needs=needs,
-        kl_controller=kl_controller, actor=actor, rollout=rollout, reference=reference, reward=reward,
-        reference_logprobs=reference_logprobs,
-        actor_weights=ActorWorker.adapter_for_sync if adapter_sync else ActorWorker.weights_for_sync, critic=critic,
-        tracker=tracker, progress=progress, tokenizer=tokenizer, vision=vision, warnings=warnings, pools=pools,
-        weight_sync=weight_sync, validation_data_dir=dump_dir(t.validation_data_dir, output_dir),
-        rollout_data_dir=dump_dir(t.rollout_data_dir, output_dir), reward_model=reward_model, timeline=timeline,
-        storage=storage,
+        cfg=cfg, output_dir=output_dir, device=device, model_path=model_path, roles=roles, plan=plan,
+        prompts=Prompts(train_data, sampler, val_data, vision), kl_controller=kl_controller, tracker=tracker,
+        progress=progress, dumps=dumps, warnings=warnings, pools=pools, timeline=timeline, storage=storage,
     )
-    write_placement(output_dir, run.named_groups())  # where each rank of each role landed
-    record_budgets(output_dir, automatic_budgets, _budget_groups(run), rollout.kv_cache_budget())
+    write_placement(output_dir, roles.named_groups())  # where each rank of each role landed
+    record_budgets(output_dir, automatic_budgets, _budget_groups(roles), rollout.kv_cache_budget())
     return run
 

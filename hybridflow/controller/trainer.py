@@ -1,27 +1,34 @@
 """What every training loop does around its steps: resume, validation, checkpoints, preemption.
 
-A loop (``sync.py``, ``one_step_off.py``) subclasses ``Trainer`` and writes ``train_step``: how
-one step's samples are made and trained on. Everything else about a run is here, once:
+A loop (``sync.py``, ``one_step_off.py``, ``fully_async.py``) is a ``Loop``: how one step's
+samples are made and trained on, from the shared phase functions. ``Trainer`` holds one loop and
+runs everything else about a run, once:
 
-    resume -> [validate] -> step 1 .. N: train_step, health, validate, save, log -> done
+    resume -> [validate] -> step 1 .. N: loop.train_step, health, validate, save, log -> done
 
-A loop that generates in the background says how to bring generation to rest (``quiesce``:
-before validation and checkpoints, so both see the actor's newest weights on the rollout) and
-what of its in-flight state a checkpoint must hold (``loop_state`` / ``load_loop_state``).
+A loop says how to bring its generation to rest (``paused``: validation runs inside it and sees
+the actor's newest weights on the rollout) and what of its in-flight state a checkpoint must hold
+(``loop_state`` / ``load_loop_state``). The weight versions both sides read are one
+``WeightVersions`` the trainer hands the loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hybridflow.config import config_to_yaml
 from hybridflow.controller import phases
-from hybridflow.controller.profiling import profiled_step
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, RemoteCheckpoints
 from hybridflow.controller.preemption import Preemption, TrainingInterrupted
+from hybridflow.controller.profiling import profiled_step
+from hybridflow.controller.roles import Roles
 from hybridflow.controller.setup import RunSetup
+from hybridflow.controller.step_plan import StepPlan
 from hybridflow.tracking.health import HealthMonitor, HealthThresholds
 from hybridflow.types import TrainBatch
 from hybridflow.utils.faults import maybe_fault
@@ -40,10 +47,67 @@ STARTS_ELSEWHERE = -1  # Trainer.rollout_version when the actor's first weights 
 PROGRESS_KEYS = {"score": "critic/score/mean", "val": "val/score/mean", "s/step": "timing_s/step"}
 
 
-class Trainer:
-    """The run around a loop's steps. Subclasses implement ``train_step``."""
+class WeightVersions:
+    """The number of updates behind the actor's weights and behind the ones on the rollout
+    replicas. A loop that generates ahead trains on samples from older weights than the actor's."""
 
-    def __init__(self, run: RunSetup) -> None:
+    def __init__(self, roles: Roles, plan: StepPlan, rollout: int = 0) -> None:
+        self.roles, self.plan = roles, plan
+        self.actor = 0
+        self.rollout = rollout
+
+    def update(self, batch: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
+        """This step's critic and actor update; the actor's weights become version ``step``."""
+        metrics = phases.update(self.roles, self.plan, batch, step, timer)
+        self.actor = step
+        return metrics
+
+    def push(self) -> None:
+        """The actor's weights to the rollout, unless the rollout has them already."""
+        if self.rollout != self.actor:
+            phases.sync_weights(self.roles, self.actor)
+            self.rollout = self.actor
+
+
+class Loop(Protocol):
+    """What a training loop brings to the run: its step, and how to hold it still."""
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step (counted from 1): samples in, weights updated; its metrics."""
+        ...
+
+    def paused(self) -> AbstractContextManager[None]:
+        """Generation at rest and the actor's weights on the rollout, for as long as it is held."""
+        ...
+
+    def loop_state(self) -> dict[str, Any]:
+        """What of the loop's own state a checkpoint holds besides the common state."""
+        ...
+
+    def load_loop_state(self, state: dict[str, Any]) -> None:
+        """Put back ``loop_state``'s part of a checkpoint (before anything is generated)."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the loop started (background threads); the run's workers are the run's."""
+        ...
+
+
+# Builds a loop around a run, sharing the trainer's weight versions.
+LoopFactory = Callable[[RunSetup, WeightVersions], Loop]
+
+
+@contextlib.contextmanager
+def pushed(versions: WeightVersions) -> Iterator[None]:
+    """``Loop.paused`` of a loop with nothing in flight between steps: the newest weights pushed."""
+    versions.push()
+    yield
+
+
+class Trainer:
+    """The run around a loop's steps."""
+
+    def __init__(self, run: RunSetup, loop: LoopFactory) -> None:
         self.run = run
         self.cfg = run.cfg
         t = self.cfg.trainer
@@ -55,13 +119,11 @@ class Trainer:
         self.remote = RemoteCheckpoints(t.checkpoint_dir, run.storage, t.max_ckpt_to_keep) \
             if is_remote(t.checkpoint_dir) else None
         self.step = 0
-        # Weight versions: the number of updates behind the actor's weights and behind the ones
-        # on the rollout replicas. A loop that generates ahead trains on samples from older
-        # weights than the actor's.
-        self.actor_version = 0
         # The rollout loads model.path; an actor that starts from a saved LoRA adapter
         # (actor.lora.adapter_path) holds other weights, pushed before anything is generated (_fit).
-        self.rollout_version = STARTS_ELSEWHERE if self.cfg.actor.lora.adapter_path is not None else 0
+        self.versions = WeightVersions(run.roles, run.plan,
+                                       STARTS_ELSEWHERE if self.cfg.actor.lora.adapter_path is not None else 0)
+        self.loop = loop(run, self.versions)
         h = self.cfg.trainer.health
         self.health = HealthMonitor(
             HealthThresholds(
@@ -72,44 +134,13 @@ class Trainer:
             repeat_every=h.repeat_every,
         )
 
-    # ------------------------------------------------------------------ the loop's part
-    def train_step(self) -> dict[str, float]:
-        """One step (``self.step``, already counted): samples in, weights updated; its metrics."""
-        raise NotImplementedError
-
-    def quiesce(self) -> None:
-        """Bring background generation to rest and put the actor's weights on the rollout."""
-        self.push_weights()
-
-    def loop_state(self) -> dict[str, Any]:
-        """What of the loop's own state a checkpoint holds besides the common state."""
-        return {}
-
-    def load_loop_state(self, state: dict[str, Any]) -> None:
-        """Put back ``loop_state``'s part of a checkpoint (before anything is generated)."""
-
-    def close(self) -> None:
-        """Stop what the loop started (background threads); the run's workers are the run's."""
-
-    # ------------------------------------------------------------------ shared
-    def update(self, batch: TrainBatch, timer: PhaseTimer) -> dict[str, float]:
-        """This step's critic and actor update; the actor's weights become version ``step``."""
-        metrics = phases.update(self.run, batch, self.step, timer)
-        self.actor_version = self.step
-        return metrics
-
-    def push_weights(self) -> None:
-        """The actor's weights to the rollout, unless the rollout has them already."""
-        if self.rollout_version != self.actor_version:
-            phases.sync_weights(self.run, self.actor_version)
-            self.rollout_version = self.actor_version
-
     def validate(self) -> dict[str, float]:
-        if self.run.val_data is None:
+        run = self.run
+        if run.prompts.val is None:
             return {}
-        self.quiesce()  # validation measures the actor's newest weights
-        with self.run.timeline.span("trainer", "testing"):
-            return phases.validate(self.run, self.step)
+        # Validation measures the actor's newest weights.
+        with self.loop.paused(), run.timeline.span("trainer", "testing"):
+            return phases.validate(run.roles, run.plan, run.prompts, run.dumps, self.step)
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, float]:
@@ -123,25 +154,25 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            self.close()
+            self.loop.close()
 
     def _fit(self) -> dict[str, float]:
-        run, trainer_cfg = self.run, self.cfg.trainer
+        run, trainer_cfg, total_steps = self.run, self.cfg.trainer, self.run.plan.total_steps
         self.resume()
-        self.push_weights()  # a no-op unless the actor starts from weights the rollout did not load
-        if self.step >= run.total_steps:
-            log.info("run already finished: step %d of %d; nothing to do", self.step, run.total_steps)
+        self.versions.push()  # a no-op unless the actor starts from weights the rollout did not load
+        if self.step >= total_steps:
+            log.info("run already finished: step %d of %d; nothing to do", self.step, total_steps)
             return {}
         metrics: dict[str, float] = {}
         with self.watchdog(), Preemption(trainer_cfg.preempt_grace_s, self.newest_checkpoint) as interrupt:
-            if trainer_cfg.val_before_train and self.step == 0 and run.val_data is not None:
+            if trainer_cfg.val_before_train and self.step == 0 and run.prompts.val is not None:
                 run.tracker.log(self.validate(), step=0)
-            while self.step < run.total_steps:
+            while self.step < total_steps:
                 self.step += 1
                 with profiled_step(run, self.step):
-                    metrics = self.train_step()
+                    metrics = self.loop.train_step(self.step)
                 metrics |= self.health(metrics, self.step)
-                last = self.step == run.total_steps
+                last = self.step == total_steps
                 if last or (trainer_cfg.test_freq > 0 and self.step % trainer_cfg.test_freq == 0):
                     metrics.update(self.validate())
                 save = (trainer_cfg.save_freq > 0 and self.step % trainer_cfg.save_freq == 0) or (last and trainer_cfg.save_final)
@@ -153,7 +184,7 @@ class Trainer:
                 run.progress.update(self.step, {k: metrics[m] for k, m in PROGRESS_KEYS.items() if m in metrics})
                 maybe_fault("after_step", self.step)
                 if interrupt.requested and not last:
-                    raise interrupt.stopped(self.step, run.total_steps, saved or None)
+                    raise interrupt.stopped(self.step, total_steps, saved or None)
         return metrics
 
     def watchdog(self) -> Watchdog:
@@ -177,18 +208,18 @@ class Trainer:
 
     def _save_checkpoint(self) -> Path:
         run = self.run
+        sampler, actor, critic = run.prompts.sampler, run.roles.actor, run.roles.critic
         state = {
             "step": self.step,
-            "epoch": run.sampler.epoch,
-            "sampler": run.sampler.state_dict(),
+            "epoch": sampler.epoch,
+            "sampler": sampler.state_dict(),
             "kl_controller": run.kl_controller.state_dict() if run.kl_controller else None,
             "rng": capture_rng_state(),
         }
-        state |= self.loop_state()
-        critic = run.critic
+        state |= self.loop.loop_state()
         roles = {"critic": lambda d: critic.call_all(CriticWorker.save_checkpoint, str(d))} if critic else {}
         saved = self.checkpoints.save(
-            self.step, state, write_actor=lambda d: run.actor.call_all(ActorWorker.save_checkpoint, str(d)),
+            self.step, state, write_actor=lambda d: actor.call_all(ActorWorker.save_checkpoint, str(d)),
             extra_files={"config.yaml": config_to_yaml(self.cfg)}, write_roles=roles,
         )
         if self.remote is not None:
@@ -222,8 +253,8 @@ class Trainer:
             return
         ckpt, state = found
         assert state is not None
-        self.step = self.actor_version = int(state["step"])
-        self.push_weights()
+        self.step = self.versions.actor = int(state["step"])
+        self.versions.push()
         log.info("resumed from %s at step %d", ckpt, self.step)
 
     def _load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
@@ -233,25 +264,25 @@ class Trainer:
         Any part may refuse; the manager then loads an older checkpoint over all of it, so each
         part is checked before it changes anything (the actor, critic, sampler and KL controller
         check first; the RNGs are put back as they were)."""
-        run = self.run
+        run, roles = self.run, self.run.roles
         state = self.checkpoints.load_state(ckpt)
-        refusals = [r for r in run.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor")) if r]
-        if run.critic is not None and not refusals:
-            refusals = [r for r in run.critic.call_all(CriticWorker.load_checkpoint, str(ckpt / "critic")) if r]
+        refusals = [r for r in roles.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor")) if r]
+        if roles.critic is not None and not refusals:
+            refusals = [r for r in roles.critic.call_all(CriticWorker.load_checkpoint, str(ckpt / "critic")) if r]
         if refusals:
             raise CheckpointError(refusals[0])
         rng = capture_rng_state()
         try:
-            run.sampler.load_state_dict(state["sampler"])
+            run.prompts.sampler.load_state_dict(state["sampler"])
             if run.kl_controller is not None and state.get("kl_controller"):
                 run.kl_controller.load_state_dict(state["kl_controller"])
             if state.get("rng"):
                 restore_rng_state(state["rng"])
-            self.load_loop_state(state)
+            self.loop.load_loop_state(state)
         except (ValueError, TypeError, KeyError) as exc:
             restore_rng_state(rng)
             raise CheckpointError(f"checkpoint state {ckpt / STATE_FILE} does not fit this run: {exc}") from exc
         return state
 
 
-__all__ = ["Trainer", "TrainingInterrupted"]
+__all__ = ["Loop", "Trainer", "TrainingInterrupted", "WeightVersions"]

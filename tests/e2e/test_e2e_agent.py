@@ -39,7 +39,7 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
         f"warm_start.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / 'run'}", *QUICK])
     run = build_run(cfg)
     try:
-        groups = phases.collect(run, 1, PhaseTimer()).groups
+        groups = phases.collect(run.roles, run.plan, run.prompts, 1, PhaseTimer()).groups
         trajectories = [t for group in groups for t in group]
         tool_episodes = [t for t in trajectories if t.metadata["agent_metrics"]["tool_calls"] > 0]
         assert tool_episodes, "the warm-started model should call the calculator in some episodes"
@@ -49,7 +49,7 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
             own = tokenizer.decode([i for i, m in zip(t.response_ids, t.loss_mask) if m])
             # (an episode may end on its response budget inside an inserted tool turn: its header then lacks the newline)
             assert "<|im_start|>tool" in inserted and "<|im_start|>tool" not in own
-        batch = collate_trajectories(trajectories, run.pad_token_id)
+        batch = collate_trajectories(trajectories, run.plan.pad_token_id)
         for row, t in enumerate(trajectories):  # the mask the actor's loss uses
             assert batch.response_mask[row, : len(t.loss_mask)].tolist() == [float(m) for m in t.loss_mask]
         metrics = make_trainer(run).fit()

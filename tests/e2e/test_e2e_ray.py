@@ -27,7 +27,7 @@ from hybridflow.cluster.ray_group import Placement, RayWorkerGroup, ResourcePool
 from hybridflow.cluster.worker_group import WorkerError  # noqa: E402
 from hybridflow.controller.export import export_checkpoint  # noqa: E402
 from hybridflow.controller.setup import build_run  # noqa: E402
-from hybridflow.controller.sync import RLTrainer  # noqa: E402
+from hybridflow.controller.loops import make_trainer  # noqa: E402
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
 from hybridflow.models.loading import load_causal_lm  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
@@ -221,13 +221,13 @@ def test_broadcast_weight_sync_gives_the_rollout_the_actors_weights(
     initial = load_causal_lm(str(model_dir)).state_dict()
     run = build_run(cfg)
     try:
-        assert run.weight_sync == "broadcast"
-        RLTrainer(run).fit()
+        assert run.roles.weight_sync == "broadcast"
+        make_trainer(run).fit()
         # Collective: every actor rank joins the gather, rank 0 holds the full weights.
-        actor = dict(run.actor.call_all(ActorWorker.weights_for_sync)[0])
+        actor = dict(run.roles.actor.call_all(ActorWorker.weights_for_sync)[0])
         # Every replica (one per rank) serves them.
-        assert run.rollout.num_replicas == n_workers
-        served_by = [group.call_one(0, _engine_weights) for group in run.rollout.groups]
+        assert run.roles.rollout.num_replicas == n_workers
+        served_by = [group.call_one(0, _engine_weights) for group in run.roles.rollout.groups]
         served = served_by[0]
         for other in served_by[1:]:
             assert other.keys() == served.keys() and all(torch.equal(other[k], served[k]) for k in served)

@@ -65,8 +65,8 @@ def trained(request, tmp_path_factory):
 
 
 def test_update_follows_each_steps_draw_with_its_trained_rows(trained):
-    assert isinstance(trained.sampler, PluginSampler)
-    events = trained.sampler.instance.events
+    assert isinstance(trained.prompts.sampler, PluginSampler)
+    events = trained.prompts.sampler.instance.events
     updates = [payload for kind, payload in events if kind == "update"]
     assert len(updates) == STEPS  # once per step
     drawn = [payload for kind, payload in events if kind == "draw"]
@@ -142,7 +142,7 @@ def test_a_resumed_run_draws_what_the_uninterrupted_run_draws(tmp_path, monkeypa
             pass
         finally:
             run.close()
-        return run.sampler.instance.drawn
+        return run.prompts.sampler.instance.drawn
 
     whole = fit("whole")  # 7 rows, 3 per step: two steps an epoch
     monkeypatch.setenv(FAULT_ENV, "after_step@2:TERM")  # preempted after step 2, which is saved

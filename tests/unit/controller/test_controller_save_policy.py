@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from hybridflow.controller.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
-from hybridflow.controller.sync import RLTrainer
+from hybridflow.controller.trainer import Trainer
 from hybridflow.tracking.timeline import Timeline
 
 
@@ -26,7 +26,7 @@ def full_disk(d):
 
 
 def trainer(tmp_path, policy: str) -> SimpleNamespace:
-    """Just what RLTrainer.save_checkpoint reads: the policy, and a save that hits a full disk."""
+    """Just what Trainer.save_checkpoint reads: the policy, and a save that hits a full disk."""
     manager = CheckpointManager(tmp_path, max_to_keep=1)
     manager.save(1, {"step": 1}, write_actor)
     return SimpleNamespace(
@@ -38,7 +38,7 @@ def trainer(tmp_path, policy: str) -> SimpleNamespace:
 
 def test_stop_ends_the_run_with_one_line(tmp_path):
     with pytest.raises(CheckpointError) as info:
-        RLTrainer.save_checkpoint(trainer(tmp_path, "stop"))
+        Trainer.save_checkpoint(trainer(tmp_path, "stop"))
     assert str(info.value).startswith(f"could not save checkpoint global_step_2: no space left on {tmp_path};")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "latest"]
     verify_checkpoint(tmp_path / "global_step_1")
@@ -46,7 +46,7 @@ def test_stop_ends_the_run_with_one_line(tmp_path):
 
 def test_warn_logs_and_goes_on(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        assert RLTrainer.save_checkpoint(trainer(tmp_path, "warn")) is None  # fit() must not claim a save
+        assert Trainer.save_checkpoint(trainer(tmp_path, "warn")) is None  # fit() must not claim a save
     assert "no space left on" in caplog.text and "trainer.on_save_error=warn" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "latest"]
     verify_checkpoint(tmp_path / "global_step_1")

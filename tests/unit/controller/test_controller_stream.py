@@ -222,9 +222,8 @@ def test_groups_are_scored_before_the_last_one_finishes_with_the_rewards_of_scor
     rows = [PromptRow(prompt_ids=r.prompt_ids, messages=[], data_source="hybridflow/arithmetic", ground_truth=str(i), ability="", extra_info={},
                       source=r.request_id) for i, r in enumerate(requests())]
     two = replicas(model_dir, 2)
-    run = SimpleNamespace(rollout=two, reward=reward, reward_model=None, vision=None,
-                          cfg=SimpleNamespace(trainer=SimpleNamespace(seed=5, data_plane="controller"),
-                                              rollout=SimpleNamespace(multi_turn=SimpleNamespace(enable=False))))
+    roles = SimpleNamespace(rollout=two, reward=reward, reward_model=None)
+    plan = SimpleNamespace(seed=5, by_reference=False, agents=False)
     params = SamplingParams(n=2, max_tokens=40, ignore_eos=True)
     timer = PhaseTimer()
     try:
@@ -240,7 +239,7 @@ def test_groups_are_scored_before_the_last_one_finishes_with_the_rewards_of_scor
 
         overlap.round_requests = uneven
         try:
-            trajectories, metrics = generate_and_score(run, rows, params, (1, 1), timer)
+            trajectories, metrics = generate_and_score(roles, plan, rows, params, (1, 1), timer)
         finally:
             overlap.round_requests = built
         worker = reward.call_one(0, lambda w: w)

@@ -51,14 +51,14 @@ def run(tmp_path_factory):
 
 def test_a_step_scales_the_token_baselines_by_the_losss_importance_weights(run):
     timer = PhaseTimer()
-    groups = phases.collect(run, 1, timer).groups
+    groups = phases.collect(run.roles, run.plan, run.prompts, 1, timer).groups
     # On a CPU in fp32 the engine and the trainer agree (ρ = 1): make the engine disagree, as a
     # bf16 engine would, by shifting its logprobs token by token (ρ = e^0.4, e^-0.3, 1, ...).
     shifts = (-0.4, 0.3, 0.0, -1.0)
     for group in groups:
         for t in group:
             t.rollout_logprobs = [lp + shifts[k % len(shifts)] for k, lp in enumerate(t.rollout_logprobs)]
-    samples, _ = phases.prepare_batch(run, groups, 1, timer)
+    samples, _ = phases.prepare_batch(run.roles, run.plan, groups, 1, timer, run.kl_controller, run.dumps)
     batch = samples.batch
     assert batch.old_logprobs is not None and batch.sum_pi_squared is not None  # the forward ran
     mask = batch.response_mask
@@ -69,23 +69,20 @@ def test_a_step_scales_the_token_baselines_by_the_losss_importance_weights(run):
     inputs = AdvantageInputs(
         token_level_rewards=batch.token_level_rewards, response_mask=mask, group_ids=batch.group_ids,
         old_logprobs=batch.old_logprobs, sum_pi_squared=batch.sum_pi_squared, rollout_is_weights=rho)
-    expected = compute_tir_optimal_token_baseline_advantages(inputs, run.adv_params)
+    expected = compute_tir_optimal_token_baseline_advantages(inputs, run.plan.estimator.params)
     torch.testing.assert_close(batch.advantages, expected.advantages, rtol=1e-5, atol=1e-6)
     unscaled = compute_tir_optimal_token_baseline_advantages(
-        dataclasses.replace(inputs, rollout_is_weights=None), run.adv_params)
+        dataclasses.replace(inputs, rollout_is_weights=None), run.plan.estimator.params)
     assert not torch.allclose(batch.advantages, unscaled.advantages, atol=1e-4)  # the weights mattered
 
     # The actor's loss weighs the same tokens by the same ρ: its rollout_is_mean is ρ's token mean.
-    metrics = phases.update(run, batch, 1, timer)
+    metrics = phases.update(run.roles, run.plan, batch, 1, timer)
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(float(rho.sum() / mask.sum()), rel=1e-5)
 
     # Without importance weights (or in bypass mode) the estimator gets None: unscaled, as verl.
-    rc = run.cfg.algorithm.rollout_correction
+    rc = run.plan.rollout_correction
     for change in (dict(rollout_is=None), dict(bypass_mode=True)):
-        run.cfg.algorithm.rollout_correction = dataclasses.replace(rc, **change)
-        try:
-            inputs_off, _ = phases.estimator_inputs(run, samples, timer)
-        finally:
-            run.cfg.algorithm.rollout_correction = rc
+        plan = dataclasses.replace(run.plan, rollout_correction=dataclasses.replace(rc, **change))
+        inputs_off, _ = phases.estimator_inputs(run.roles, plan, samples, timer)
         assert inputs_off["rollout_is_weights"] is None
         assert inputs_off["sum_pi_squared"] is batch.sum_pi_squared

@@ -45,8 +45,8 @@ def config(files, out, *extra):
 
 
 def budgets_of(run) -> dict[str, tuple]:
-    return {"actor": run.actor.call_all(ActorWorker.token_budgets)[0],
-            "reference": run.reference.call_all(ReferenceWorker.token_budgets)[0]}
+    return {"actor": run.roles.actor.call_all(ActorWorker.token_budgets)[0],
+            "reference": run.roles.reference.call_all(ReferenceWorker.token_budgets)[0]}
 
 
 def test_a_later_start_in_the_folder_cuts_batches_by_the_recorded_budgets(files, tmp_path):
@@ -54,7 +54,7 @@ def test_a_later_start_in_the_folder_cuts_batches_by_the_recorded_budgets(files,
     run = build_run(config(files, out))
     try:
         first = budgets_of(run)
-        kv_cache = run.rollout.kv_cache_budget()
+        kv_cache = run.roles.rollout.kv_cache_budget()
     finally:
         run.close()
     record = json.loads((out / TOKEN_BUDGETS_FILE).read_text())
@@ -102,7 +102,7 @@ def test_a_resume_on_a_machine_with_less_free_memory_decodes_with_the_recorded_k
     from hybridflow.inference import native
 
     def engine(run):
-        return run.rollout.groups[0]._workers[0].engine
+        return run.roles.rollout.groups[0]._workers[0].engine
 
     first_budget = 64 << 20  # 64 MiB: 128 rows of 256 positions (2 KiB each for this model), 64 of them prompt rows
     out = tmp_path / "run"
@@ -133,7 +133,7 @@ def test_a_kv_cache_budget_the_user_sets_is_used_and_never_recorded(files, tmp_p
     assert KV_CACHE_KEY not in automatic_budget_keys(cfg)
     run = build_run(cfg)
     try:
-        assert run.rollout.groups[0]._workers[0].engine.kv_cache_memory_bytes == 33554432
+        assert run.roles.rollout.groups[0]._workers[0].engine.kv_cache_memory_bytes == 33554432
     finally:
         run.close()
     assert KV_CACHE_KEY not in json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"]

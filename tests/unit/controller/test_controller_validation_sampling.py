@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridflow.config import ValKwargsConfig
 from hybridflow.controller.setup import dump_dir
-from hybridflow.controller.phases import validation_sampling
+from hybridflow.controller.step_plan import validation_sampling
 
 
 def test_default_validation_is_one_greedy_sample():

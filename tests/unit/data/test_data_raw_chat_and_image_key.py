@@ -73,7 +73,7 @@ def build(run_files, *overrides: str):
 def test_a_run_reads_the_configured_columns(run_files):
     run = build(run_files, "data.return_raw_chat=false")  # 'pictures' is not the image column: ignored
     try:
-        assert all("prompt_messages" not in row.metadata() for row in run.train_data)
+        assert all("prompt_messages" not in row.metadata() for row in run.prompts.train)
     finally:
         run.close()
     with pytest.raises(DataError, match="images in 'pictures' but model.path is a text-only model"):

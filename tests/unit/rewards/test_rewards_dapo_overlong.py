@@ -65,23 +65,27 @@ def test_validation_scores_carry_the_penalty_and_keep_acc(model_dir, monkeypatch
     """verl validates with the same DAPO manager: the ``reward`` (and hybridflow's val/score) is
     shaped, ``acc`` (val-core) is the scorer's own score."""
     from hybridflow.controller import phases
+    from hybridflow.controller.dumps import GenerationDumps
     from hybridflow.controller.roles import reward_setup
+    from hybridflow.controller.step_plan import validation_sampling
     from hybridflow.workers.reward import RewardWorker
 
     cfg = load_config(overrides=[*DAPO, "+reward_model.reward_kwargs.max_resp_len=12"])
     # Two prompts: a right 1-token answer, and a right answer padded into the buffer (the tiny
     # tokenizer spells characters, so "7" + 9 spaces is 10 tokens: penalty -0.5 -> 0.5).
     answers = {0: "7", 1: "7" + " " * 9}
-    monkeypatch.setattr(phases, "generate", lambda run, rows, params, seed_scope: [
+    monkeypatch.setattr(phases, "generate", lambda roles, plan, rows, params, seed_scope, vision=None: [
         answer(answers[row], group_id=index) for index, row in enumerate(rows)])  # one sample per prompt
     worker = RewardWorker(0, 1, reward_setup(cfg, model_dir))
     reward = SimpleNamespace(call_one=lambda rank, method, *args, **kwargs: method(worker, *args, **kwargs))
     rollout = SimpleNamespace(take_metrics=lambda: {}, sleep=lambda: None)
-    run = SimpleNamespace(cfg=cfg, val_data=[0, 1], reward=reward, reward_model=None, rollout=rollout,
-                          validation_data_dir=None)
+    roles = SimpleNamespace(reward=reward, reward_model=None, rollout=rollout)
+    plan = SimpleNamespace(val_batch_size=cfg.data.val_batch_size, agents=False,
+                           val_sampling=validation_sampling(cfg.rollout.val_kwargs, cfg.data.max_response_length))
+    prompts = SimpleNamespace(val=[0, 1], vision=None)
     try:
         assert len(build_tiny_tokenizer().encode(answers[1])) == 10
-        metrics = phases._validate(run, step=0)
+        metrics = phases._validate(roles, plan, prompts, GenerationDumps(None, None), step=0)
     finally:
         worker.close()
     assert metrics["val/score/mean"] == pytest.approx(0.75)  # (1 + 0.5) / 2

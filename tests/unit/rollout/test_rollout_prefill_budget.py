@@ -190,7 +190,7 @@ def test_a_run_built_from_the_config_gives_its_rollout_engine_the_budget(tmp_pat
     ])
     run = build_run(cfg)
     try:
-        engine = run.rollout.groups[0]._workers[0].engine
+        engine = run.roles.rollout.groups[0]._workers[0].engine
         assert (engine._scheduler.max_prefill_tokens, engine._scheduler.chunked_prefill) == (96, False)
     finally:
         run.close()

@@ -104,7 +104,7 @@ def test_the_config_turns_it_on_for_the_actor_and_the_reference(tmp_path):
     ])
     run = build_run(cfg)
     try:
-        actor, reference = run.actor._workers[0], run.reference._workers[0]
+        actor, reference = run.roles.actor._workers[0], run.roles.reference._workers[0]
         assert actor.engine.compiler is not None and reference.engine.compiler is not None
         assert len(actor.engine.compiler.layers) == SPEC.num_hidden_layers
     finally:
