@@ -73,3 +73,15 @@ def test_a_pair_over_the_token_budget_is_named(model_dir, pairs):
     w = worker(model_dir, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=60")
     with pytest.raises(ValueError, match="a preference pair has 8[0-9] tokens .* actor.ppo_max_token_len_per_gpu=60"):
         step(w, pairs)
+
+
+def test_lora_trains_the_adapters_against_the_base_model_as_reference(model_dir, pairs):
+    w = worker(model_dir, "actor.use_dynamic_bsz=false", "actor.lora.rank=4", "actor.lora.alpha=8", sft_weight=0.0)
+    ref = w.reference_logps(pairs).float()
+    first = w.train_step(pairs, ref, len(pairs))
+    assert first["dpo/rewards/margins_share"] == pytest.approx(0.0, abs=1e-6)  # zero adapters: policy = reference
+    assert first["train/grad_norm"] > 0
+    trained = [name for name, p in w.engine.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora" in name for name in trained)
+    second = w.train_step(pairs, ref, len(pairs))
+    assert second["dpo/loss_share"] < first["dpo/loss_share"]
