@@ -32,6 +32,7 @@ from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.dpo_builtin import builtin_pairs, greedy_accuracy
 from hybridflow.controller.export import export_checkpoint
+from hybridflow.controller.ranks import run_ranks
 from hybridflow.controller.setup import (
     config_device,
     policy_chat_template,
@@ -52,7 +53,7 @@ from hybridflow.training import distributed
 from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.threads import adjust_threads
 from hybridflow.workers.dpo import DPOLossSpec, DPOWorker
-from hybridflow.workers.sft import SFTWorker, rank_device
+from hybridflow.workers.sft import SFTWorker
 
 log = logging.getLogger(__name__)
 
@@ -152,19 +153,7 @@ def run_dpo_job(cfg: Config) -> DPOResult:
     (out / "config.yaml").write_text(config_to_yaml(cfg))
     before = greedy_accuracy(model_path, held_out) if held_out else None
     job = _Job(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
-    world = data_parallel_size(cfg.trainer)
-    if world == 1:
-        final_val = _run_rank(0, 1, 0, job)
-    else:
-        import torch.multiprocessing as mp
-
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        with context.Manager() as manager:
-            results = manager.dict()
-            mp.start_processes(_rank_main, args=(world, distributed.free_port(), job, results), nprocs=world,
-                               join=True, start_method="forkserver")
-            final_val = results.get("final_val")
+    final_val = run_ranks(data_parallel_size(cfg.trainer), _train, job, PRELOAD)
     export_dir = None
     if cfg.dpo.export:
         export_dir = export_checkpoint(out, out / EXPORT_DIR, overwrite=True)
@@ -175,24 +164,6 @@ def run_dpo_job(cfg: Config) -> DPOResult:
         (out / EVAL_FILE).write_text(json.dumps({"held_out_prompts": len(held_out), "greedy_accuracy_before":
                                                  accuracy[0], "greedy_accuracy_after": accuracy[1]}, indent=1) + "\n")
     return DPOResult(out, out / "metrics.jsonl", export_dir, final_val, accuracy)
-
-
-def _rank_main(rank: int, world: int, port: int, job: _Job, results) -> None:
-    final_val = _run_rank(rank, world, port, job)
-    if rank == 0:
-        results["final_val"] = final_val
-
-
-def _run_rank(rank: int, world: int, port: int, job: _Job) -> dict[str, float] | None:
-    device = rank_device(job.cfg.trainer.device, rank, world)
-    if world > 1:
-        distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
-                                       device=device)
-    try:
-        return _train(rank, world, job, device)
-    finally:
-        if world > 1:
-            distributed.dist.destroy_process_group()
 
 
 def _train(rank: int, world: int, job: _Job, device) -> dict[str, float] | None:

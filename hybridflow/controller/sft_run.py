@@ -34,6 +34,7 @@ from hybridflow.config import Config, ConfigError, config_to_yaml
 from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.checkpoint import CheckpointError, CheckpointManager
 from hybridflow.controller.export import export_checkpoint
+from hybridflow.controller.ranks import run_ranks
 from hybridflow.controller.builtin import resolve_builtin
 from hybridflow.controller.preflight import config_device, policy_chat_template
 from hybridflow.controller.setup import resolve_output_dir
@@ -45,7 +46,7 @@ from hybridflow.tracking.loggers import Tracker
 from hybridflow.training import distributed
 from hybridflow.types import Trajectory
 from hybridflow.utils.faults import maybe_fault
-from hybridflow.workers.sft import SFTWorker, rank_device
+from hybridflow.workers.sft import SFTWorker
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +131,7 @@ def run_sft_job(cfg: Config) -> SFTResult:
     (out / "config.yaml").write_text(config_to_yaml(cfg))
     _write_data_stats(out, stats)
     job = _Job(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
-    world = data_parallel_size(cfg.trainer)
-    if world == 1:
-        final_val = _run_rank(0, 1, 0, job)
-    else:
-        import torch.multiprocessing as mp
-
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        with context.Manager() as manager:
-            results = manager.dict()
-            mp.start_processes(_rank_main, args=(world, distributed.free_port(), job, results), nprocs=world,
-                               join=True, start_method="forkserver")
-            final_val = results.get("final_val")
+    final_val = run_ranks(data_parallel_size(cfg.trainer), _train, job, PRELOAD)
     export_dir = None
     if cfg.sft.export:
         export_dir = export_checkpoint(out, out / EXPORT_DIR, overwrite=True)
@@ -153,24 +142,6 @@ def run_sft_job(cfg: Config) -> SFTResult:
 def _write_data_stats(out: Path, stats: SFTDataStats) -> None:
     record = {"rows": stats.rows, "kept": stats.kept, "truncated": stats.truncated, "skipped": dict(stats.skipped)}
     (out / "sft_data.json").write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _rank_main(rank: int, world: int, port: int, job: _Job, results) -> None:
-    final_val = _run_rank(rank, world, port, job)
-    if rank == 0:
-        results["final_val"] = final_val
-
-
-def _run_rank(rank: int, world: int, port: int, job: _Job) -> float | None:
-    device = rank_device(job.cfg.trainer.device, rank, world)
-    if world > 1:
-        distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
-                                       device=device)
-    try:
-        return _train(rank, world, job, device)
-    finally:
-        if world > 1:
-            distributed.dist.destroy_process_group()
 
 
 def _train(rank: int, world: int, job: _Job, device) -> float | None:
