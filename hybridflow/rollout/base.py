@@ -82,21 +82,6 @@ ROLLOUT_DTYPE_RULES = ("auto", "tune")
 hardware and the model (``precision.rule_cpu_rollout_dtype``), ``tune`` by measuring."""
 
 
-def resolve_rollout_dtype(
-    dtype: str,
-    device: torch.device | str,
-    *,
-    model: torch.nn.Module | None = None,
-    batch: int = 1,
-    max_logprob_mismatch: float | None = None,
-    cpu: CpuFeatures | None = None,
-) -> str:
-    """``rollout.dtype``: an explicit dtype is kept; ``auto`` is bfloat16 on a GPU (the usual
-    rollout precision there) and, on a CPU, whatever ``choose_rollout_dtype`` decides."""
-    return choose_rollout_dtype(dtype, device, model=model, batch=batch, max_logprob_mismatch=max_logprob_mismatch,
-                                cpu=cpu).dtype
-
-
 def choose_rollout_dtype(
     dtype: str,
     device: torch.device | str,
@@ -107,7 +92,8 @@ def choose_rollout_dtype(
     cpu: CpuFeatures | None = None,
     num_parameters: int | None = None,
 ) -> DtypeChoice:
-    """``resolve_rollout_dtype`` with its reason (and figures, when it measured).
+    """``rollout.dtype`` and why (with the figures, when it measured): an explicit dtype is kept;
+    ``auto`` and ``tune`` are bfloat16 on a GPU (the usual rollout precision there).
 
     On a CPU ``auto`` follows ``precision.rule_cpu_rollout_dtype``: bfloat16 only with bf16
     hardware (avx512_bf16/AMX, ``cpu`` or this machine's) and a model of at least

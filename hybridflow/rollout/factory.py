@@ -22,7 +22,7 @@ import torch
 from hybridflow.config.engines import ENGINE_CAPABILITIES, EngineCapabilities
 from hybridflow.inference.families import config_problem
 from hybridflow.models.loading import ATTN_IMPLEMENTATION, VL_MODEL_TYPES
-from hybridflow.rollout.base import RolloutEngine, resolve_rollout_dtype
+from hybridflow.rollout.base import RolloutEngine, choose_rollout_dtype
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class EngineArgs:
     for engines that load their own weights (``EngineSpec.loads_own_weights``). ``max_num_batched_tokens`` and
     ``enable_chunked_prefill`` are a step's prefill budget and whether a prompt may be split over steps
     (``rollout.max_num_batched_tokens``, ``rollout.enable_chunked_prefill``; None: the engine's default budget).
-    ``dtype`` may be ``auto`` (``resolve_rollout_dtype``;
+    ``dtype`` may be ``auto`` (``choose_rollout_dtype``;
     ``max_logprob_mismatch`` is the ceiling a CPU's bf16 must stay within, ``trainer.health.logprob_mismatch``).
     ``tensor_parallel_size`` > 1 (``rollout.tensor_model_parallel_size``) is for an engine that
     splits the model over devices itself (``EngineSpec.own_tensor_parallel``); the native engine's
@@ -141,9 +141,10 @@ class EngineSpec:
 
     ``build`` takes an ``EngineArgs`` (its dtype resolved, the arguments the engine does not take
     left at their defaults) and returns a RolloutEngine; it imports its backend lazily. ``package``
-    is the import name whose absence makes the engine unavailable, ``extra`` the pip extra that installs it. ``available`` is the
-    config-time check (``engine_unavailable``): it runs before any model loads and must be
-    cheap (no importing a heavy backend), returning why the engine cannot run here or None.
+    is the import name whose absence makes the engine unavailable, ``extra`` the pip extra that
+    installs it. ``available`` is the config-time check (``engine_unavailable``): it runs before any
+    model loads and must be cheap (no importing a heavy backend), returning why the engine cannot
+    run here or None.
     ``loads_own_weights``: the engine reads the checkpoint itself from ``model_path`` (vLLM,
     SGLang), so the rollout worker does not materialise a second copy of the model for it: the
     ``model`` it gets is on the meta device (names and shapes, for the weight-sync manifest).
@@ -274,8 +275,8 @@ def build_rollout_engine(name: str, args: EngineArgs) -> RolloutEngine:
     dtype = args.dtype
     if isinstance(dtype, str):
         # Only an engine whose decode the figures describe is sized or probed (a meta-device model could not be).
-        dtype = resolve_rollout_dtype(dtype, args.device, model=args.model if spec.probes_cpu_precision else None,
-                                      batch=args.max_batch_size, max_logprob_mismatch=args.max_logprob_mismatch)
+        dtype = choose_rollout_dtype(dtype, args.device, model=args.model if spec.probes_cpu_precision else None,
+                                     batch=args.max_batch_size, max_logprob_mismatch=args.max_logprob_mismatch).dtype
     settled = {"tensor_parallel_size": 1, "model_override_config": None, "kv_cache_memory_bytes": None,
                **_tensor_parallel_arg(spec, name, args.tensor_parallel_size),
                **_model_override_arg(spec, args.model_override_config),

@@ -17,6 +17,7 @@ import torch
 from hybridflow.inference.native import NativeEngine, resolve_dtype
 from hybridflow.models.loading import eos_token_ids, load_causal_lm
 from hybridflow.serving.guards import host_check_for, is_loopback
+from hybridflow.serving.llm import serving_engine
 from hybridflow.serving.schema import ServerLimits
 from hybridflow.serving.server import create_app
 from hybridflow.serving.web import FastAPI
@@ -121,21 +122,10 @@ def build_server_engine(
             f"cannot load the model from {path}: {_one_line(exc)}; the directory needs config.json and "
             "*.safetensors weights of a causal LM the native engine supports (hybridflow/inference/families.py)"
         ) from exc
-    pad = tokenizer.pad_token_id
     max_model_len = max_model_len or int(model.config.max_position_embeddings)
     try:
-        engine = NativeEngine(
-            model=model,
-            eos_token_ids=eos,
-            pad_token_id=eos[0] if pad is None else int(pad),
-            max_batch_size=max_batch_size,
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            tokenizer=tokenizer,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-        )
+        engine = serving_engine(model, tokenizer, eos, max_batch_size=max_batch_size, device=device, dtype=dtype,
+                                seed=seed, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes)
     except (ValueError, NotImplementedError) as exc:  # unsupported architecture, bad sizes
         logger.debug("engine start failed", exc_info=True)
         raise ServeError(

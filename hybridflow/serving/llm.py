@@ -61,6 +61,38 @@ class RequestOutput:
     finished: bool = True
 
 
+def serving_engine(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    eos_token_ids: list[int],
+    *,
+    max_batch_size: int,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    seed: int,
+    max_model_len: int | None,
+    kv_cache_memory_bytes: int | None,
+    **engine_kwargs: Any,
+) -> NativeEngine:
+    """The native engine over a loaded HF model, as ``LLM`` and ``hybridflow serve`` run it: the
+    tokenizer's pad token, or the first eos token when it has none. ``engine_kwargs`` go to
+    ``NativeEngine`` (``LLM``'s extra settings)."""
+    pad = tokenizer.pad_token_id
+    return NativeEngine(
+        model=model,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=eos_token_ids[0] if pad is None else int(pad),
+        max_batch_size=max_batch_size,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        tokenizer=tokenizer,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        **engine_kwargs,
+    )
+
+
 class LLM:
     """Load an HF directory of a supported family (``families``) and generate offline (see the module docstring).
 
@@ -93,21 +125,10 @@ class LLM:
         hf_model = load_causal_lm(
             model_dir, dtype=resolve_dtype(dtype), device=device, trust_remote_code=trust_remote_code
         )
-        pad = self._tokenizer.pad_token_id
         eos = eos_token_ids(model_dir, self._tokenizer)
-        self._engine = NativeEngine(
-            model=hf_model,
-            eos_token_ids=eos,
-            pad_token_id=eos[0] if pad is None else int(pad),
-            max_batch_size=max_num_seqs,
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            tokenizer=self._tokenizer,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            **engine_kwargs,
-        )
+        self._engine = serving_engine(hf_model, self._tokenizer, eos, max_batch_size=max_num_seqs, device=device,
+                                      dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                      kv_cache_memory_bytes=kv_cache_memory_bytes, **engine_kwargs)
         self._next_request = 0
 
     @property

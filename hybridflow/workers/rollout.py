@@ -44,7 +44,7 @@ from hybridflow.models.loading import eos_token_ids, load_causal_lm, load_tokeni
 from hybridflow.models.lora import AdapterMerger, is_adapter_payload
 from hybridflow.rewards.tally import RewardTally
 from hybridflow.rollout import ROLLOUT_ENGINES, EngineArgs, build_rollout_engine
-from hybridflow.rollout.base import resolve_rollout_dtype
+from hybridflow.rollout.base import choose_rollout_dtype
 from hybridflow.rollout.stream import Finished, Job, RequestStream
 from hybridflow.transfer import weight_transfer
 from hybridflow.transfer.weight_transfer import (
@@ -255,7 +255,7 @@ class RolloutWorker:
         role = build_tp_engine(
             model, group, timeout_s=setup.tp_timeout_s, eos_token_ids=eos_token_ids(setup.model_path, tokenizer),
             pad_token_id=int(tokenizer.pad_token_id), max_batch_size=setup.max_batch_size, device=setup.device,
-            dtype=resolve_rollout_dtype(setup.dtype, setup.device), seed=setup.seed, tokenizer=tokenizer,
+            dtype=choose_rollout_dtype(setup.dtype, setup.device).dtype, seed=setup.seed, tokenizer=tokenizer,
             enable_chunked_prefill=setup.enable_chunked_prefill, kv_cache_memory_bytes=setup.kv_cache_memory_bytes,
             **({} if setup.max_num_batched_tokens is None else {"max_prefill_tokens": setup.max_num_batched_tokens}),
         )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.rollout.base import RolloutEngine, resolve_rollout_dtype
+from hybridflow.rollout.base import RolloutEngine, choose_rollout_dtype
 from hybridflow.rollout.factory import (
     ROLLOUT_ENGINES,
     EngineArgs,
@@ -83,9 +83,9 @@ def test_an_unavailable_engine_is_a_config_error_on_rollout_name_before_anything
 
 
 def test_auto_rollout_dtype_is_bfloat16_on_a_gpu_and_float32_on_a_cpu():
-    assert resolve_rollout_dtype("auto", "cuda") == "bfloat16"
-    assert resolve_rollout_dtype("auto", torch.device("cpu")) == "float32"
-    assert resolve_rollout_dtype("bfloat16", "cpu") == "bfloat16"  # an explicit choice is kept
+    assert choose_rollout_dtype("auto", "cuda").dtype == "bfloat16"
+    assert choose_rollout_dtype("auto", torch.device("cpu")).dtype == "float32"
+    assert choose_rollout_dtype("bfloat16", "cpu").dtype == "bfloat16"  # an explicit choice is kept
 
 
 def test_the_factory_resolves_auto_and_passes_enforce_eager():

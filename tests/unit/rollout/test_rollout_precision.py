@@ -12,7 +12,7 @@ import torch
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
 from hybridflow.inference import precision
 from hybridflow.rollout import base
-from hybridflow.rollout.base import choose_rollout_dtype, resolve_rollout_dtype
+from hybridflow.rollout.base import choose_rollout_dtype
 from hybridflow.rollout.factory import EngineArgs, build_rollout_engine
 from hybridflow.inference.precision import (
     BF16_MIN_PARAMETERS,
@@ -77,11 +77,11 @@ def test_auto_is_a_rule_of_the_hardware_and_the_model_size():
 
 
 def test_resolution_keeps_explicit_dtypes_and_needs_a_model_to_tune():
-    assert resolve_rollout_dtype("float32", "cpu", cpu=AMX) == "float32"
-    assert resolve_rollout_dtype("bfloat16", "cpu", cpu=AVX2) == "bfloat16"
-    assert resolve_rollout_dtype("auto", "cuda", cpu=AVX2) == "bfloat16"
-    assert resolve_rollout_dtype("tune", "cuda", cpu=AVX2) == "bfloat16"
-    assert resolve_rollout_dtype("auto", "cpu", cpu=AVX2) == "float32"
+    assert choose_rollout_dtype("float32", "cpu", cpu=AMX).dtype == "float32"
+    assert choose_rollout_dtype("bfloat16", "cpu", cpu=AVX2).dtype == "bfloat16"
+    assert choose_rollout_dtype("auto", "cuda", cpu=AVX2).dtype == "bfloat16"
+    assert choose_rollout_dtype("tune", "cuda", cpu=AVX2).dtype == "bfloat16"
+    assert choose_rollout_dtype("auto", "cpu", cpu=AVX2).dtype == "float32"
     choice = choose_rollout_dtype("tune", "cpu", cpu=AMX)  # bf16 hardware, nothing to measure on
     assert choice.dtype == "float32" and "no model" in choice.reason
 
