@@ -28,7 +28,8 @@ WALL_CLOCK_RATIOS = ("async/rollout_idle_ratio", "async/trainer_idle_ratio")  # 
 # when the work is done, which depends on how the two threads were scheduled (under load the same
 # tokens land one step earlier); what was trained on, and its losses, is compared to the bit.
 WHEN_DONE = {"fully_async": ("rollout/generated_tokens", "rollout/prefill_tokens", "rollout/prefix_cache_hit",
-                             "rollout/replica_load_imbalance", "async/queue_size")}
+                             "rollout/replica_load_imbalance", "async/queue_size",
+                             "health/zero_variance_group_fraction")}  # of the groups generated meanwhile
 COMMON = ["trainer.total_training_steps=3", "trainer.num_threads=1", "trainer.progress_bar=false",
           "trainer.logger=[jsonl]", "trainer.val_before_train=true"]
 RUNS: dict[str, list[str]] = {
