@@ -11,7 +11,8 @@ batch (8 by default) to the largest. The decode steps dominate: prefill is one s
 a row against ``--max-tokens`` decode steps.
 
     python bench/decode_batch_scaling.py --threads 1
-    python bench/decode_batch_scaling.py --threads 1 --profile 8   # cProfile of the batch-8 runs
+    python bench/decode_batch_scaling.py --threads 1 --weight-layouts dense onednn
+    python bench/decode_batch_scaling.py --threads 1 --profile 8   # cProfile of one batch-8 run
 """
 
 from __future__ import annotations
@@ -66,37 +67,42 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--weight-layout", default="auto", choices=WEIGHT_LAYOUTS)
+    parser.add_argument("--weight-layouts", nargs="+", default=["auto"], choices=WEIGHT_LAYOUTS,
+                        help="one engine each, interleaved with the others (fp32 only: bf16 runs dense)")
     parser.add_argument("--ratio", type=int, nargs=2, default=[8, 128], metavar=("SMALL", "LARGE"))
-    parser.add_argument("--profile", type=int, default=0, metavar="BATCH", help="cProfile one run at BATCH")
+    parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
+                        help="cProfile one run at BATCH (first layout) instead of measuring")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    engine = build_engine(args.dtype, max(args.batches), args.weight_layout)
+    dtype = resolve_dtype(args.dtype)
+    layouts = list(dict.fromkeys(resolve_weight_layout(w, "cpu", dtype) for w in args.weight_layouts))
     prompts = build_prompts(max(args.batches), args.prompt_tokens)
-    engine_run(engine, prompts, WARM_UP_TOKENS)  # KV cache sizing, first-call allocations
+    engines = {layout: build_engine(args.dtype, max(args.batches), layout) for layout in layouts}
+    for engine in engines.values():
+        engine_run(engine, prompts, WARM_UP_TOKENS)  # KV cache sizing, first-call allocations
     if args.profile:
-        profile_run(lambda: engine_run(engine, prompts[: args.profile], args.max_tokens))
+        profile_run(lambda: engine_run(engines[layouts[0]], prompts[: args.profile], args.max_tokens))
         return
-    per_cpu: dict[int, list[float]] = {b: [] for b in args.batches}
-    per_wall: dict[int, list[float]] = {b: [] for b in args.batches}
-    for _ in range(args.repeats):  # interleaved, so a burst of load hits every size alike
-        for batch in args.batches:
-            tokens, cpu, wall = timed(lambda: engine_run(engine, prompts[:batch], args.max_tokens))
-            per_cpu[batch].append(tokens / cpu)
-            per_wall[batch].append(tokens / wall)
-    layout = resolve_weight_layout(args.weight_layout, "cpu", resolve_dtype(args.dtype))
-    print(f"cpu: {cpu_features().describe()}")
-    print(f"qwen2-20m {args.dtype} ({layout} weights), {args.threads} thread(s), prompt {args.prompt_tokens}, "
+    per_cpu = {(w, b): [] for w in layouts for b in args.batches}
+    per_wall = {(w, b): [] for w in layouts for b in args.batches}
+    for _ in range(args.repeats):  # interleaved, so a burst of load hits every size and layout alike
+        for layout, engine in engines.items():
+            for batch in args.batches:
+                tokens, cpu, wall = timed(lambda: engine_run(engine, prompts[:batch], args.max_tokens))
+                per_cpu[layout, batch].append(tokens / cpu)
+                per_wall[layout, batch].append(tokens / wall)
+    print(f"cpu: {cpu_features().describe()}; weight_layout=auto -> {resolve_weight_layout('auto', 'cpu', dtype)}")
+    print(f"qwen2-20m {args.dtype}, {args.threads} thread(s), prompt {args.prompt_tokens}, "
           f"{args.max_tokens} tokens a row, median of {args.repeats}")
-    for batch in args.batches:
-        print(f"batch {batch:4d}: {statistics.median(per_cpu[batch]):9.1f} tokens/CPU-s "
-              f"{statistics.median(per_wall[batch]):9.1f} tokens/wall-s")
     small, large = args.ratio
-    if small in per_cpu and large in per_cpu:
-        ratio = statistics.median(per_cpu[small]) / statistics.median(per_cpu[large])
-        print(f"batch {small} / batch {large} tokens per CPU-second: {ratio:.2f}")
-
+    for layout in layouts:
+        for batch in args.batches:
+            print(f"{layout:6s} batch {batch:4d}: {statistics.median(per_cpu[layout, batch]):9.1f} tokens/CPU-s "
+                  f"{statistics.median(per_wall[layout, batch]):9.1f} tokens/wall-s")
+        if small in args.batches and large in args.batches:
+            ratio = statistics.median(per_cpu[layout, small]) / statistics.median(per_cpu[layout, large])
+            print(f"{layout:6s} batch {small} / batch {large} tokens per CPU-second: {ratio:.2f}")
 
 if __name__ == "__main__":
     main()
