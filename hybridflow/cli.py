@@ -3,6 +3,7 @@
     hybridflow train [--preset grpo] [--config my.yaml] [--config-path DIR --config-name NAME] [key=value ...]
     hybridflow sft [--config my.yaml] data.train_files=... [key=value ...]   (supervised fine-tuning)
     hybridflow dpo [--config my.yaml] [data.train_files=...] [key=value ...]   (preference pairs; none: built-in)
+    hybridflow rm [--config my.yaml] [data.train_files=...] [key=value ...]   (a reward model on preference pairs)
     hybridflow config explain [same as train]   (every config error at once, exit 2; what this machine
                                                  lacks as "cannot run here" lines, exit 0)
     hybridflow config presets
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(sft, presets=False)  # the RL presets (grpo, ppo, ...) set nothing SFT reads
     dpo = sub.add_parser("dpo", help="direct preference optimisation on (prompt, chosen, rejected) pairs")
     _add_config_args(dpo, presets=False)
+    rm = sub.add_parser("rm", help="train a reward model (Bradley-Terry) on (prompt, chosen, rejected) pairs")
+    _add_config_args(rm, presets=False)
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     explain = config_sub.add_parser("explain", help="print the resolved config and the derived plan")
@@ -502,6 +505,11 @@ def _run(args: argparse.Namespace) -> int:
         from hybridflow.controller.dpo_run import dpo_cli  # heavy imports only when training
 
         dpo_cli(cfg)
+        return 0
+    if args.command == "rm":
+        from hybridflow.controller.rm_run import rm_cli  # heavy imports only when training
+
+        rm_cli(cfg)
         return 0
     from hybridflow.api import train  # heavy imports (torch, transformers) only when training
 

@@ -82,6 +82,37 @@ def preference_loss(
     return loss, metrics
 
 
+# A reward model's metrics on pairs: how often it scores the chosen side higher, by how much, and its
+# scores of each side (means over pairs).
+REWARD_MODEL_METRICS = ("rm/accuracy", "rm/margin", "rm/chosen", "rm/rejected")
+
+
+def bradley_terry_loss(
+    chosen_scores: torch.Tensor,  # (B,)
+    rejected_scores: torch.Tensor,  # (B,)
+    *,
+    center_coefficient: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(per-pair loss (B,), per-pair metrics (B,) each, detached) of a reward model's scores r of the
+    chosen and rejected responses: the Bradley-Terry negative log-likelihood -log σ(r_c - r_r)
+    (Ouyang et al. 2022; TRL's RewardTrainer), plus ``center_coefficient`` x (r_c + r_r)², TRL's
+    ``center_rewards_coefficient`` (Eisenstein et al. 2023), which pins the scores' free offset near 0."""
+    if center_coefficient < 0:
+        raise ValueError(f"center_coefficient={center_coefficient}: must be >= 0")
+    margin = chosen_scores - rejected_scores  # (B,)
+    loss = -F.logsigmoid(margin)
+    if center_coefficient > 0:  # kept out of the plain loss's graph, so it is exactly -log σ(Δ)
+        loss = loss + center_coefficient * (chosen_scores + rejected_scores) ** 2
+    margin = margin.detach()
+    metrics = {
+        "rm/accuracy": (margin > 0).to(margin.dtype),
+        "rm/margin": margin,
+        "rm/chosen": chosen_scores.detach(),
+        "rm/rejected": rejected_scores.detach(),
+    }
+    return loss, metrics
+
+
 def chosen_nll(chosen_logprobs: torch.Tensor, chosen_mask: torch.Tensor) -> torch.Tensor:
     """Each chosen response's summed negative log-likelihood over its loss-masked tokens: the SFT term
     that RPO (Pang et al. 2024; TRL's loss_type "sft" beside "sigmoid") adds, weighted, to the DPO loss
@@ -95,5 +126,6 @@ def sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch
     return (logprobs * response_mask.to(logprobs.dtype)).sum(dim=-1)
 
 
-__all__ = ["PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "check_preference_loss", "chosen_nll", "preference_loss",
+__all__ = ["PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "REWARD_MODEL_METRICS", "bradley_terry_loss",
+           "check_preference_loss", "chosen_nll", "preference_loss",
            "sequence_logps"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from hybridflow.config.sections.dpo import DPOConfig
 from hybridflow.config.fields import sub
+from hybridflow.config.sections.rm import RMConfig
 
 # The section classes are re-exported: ``from hybridflow.config.schema import ActorConfig`` stays the
 # public path wherever a section is used.
@@ -78,6 +79,7 @@ class Config:
     warm_start: WarmStartConfig = sub(WarmStartConfig, "Supervised warm start for the built-in model.")
     sft: SFTConfig = sub(SFTConfig, "Supervised fine-tuning (hybridflow sft).")
     dpo: DPOConfig = sub(DPOConfig, "Direct preference optimisation (hybridflow dpo).")
+    rm: RMConfig = sub(RMConfig, "Reward-model training (hybridflow rm).")
     actor: ActorConfig = sub(ActorConfig, "Policy optimisation.")
     ref: RefConfig = sub(RefConfig, "Reference model (for KL).")
     critic: CriticConfig = sub(CriticConfig, "Value model (built when algorithm.adv_estimator needs values: gae).")

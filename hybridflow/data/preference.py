@@ -17,7 +17,7 @@ training engine runs unchanged (packing, token budgets).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,19 +126,27 @@ def preference_pair(tokenizer, prompt: list[Message], chosen: list[Message], rej
     return PreferencePair(a, b), cut_a or cut_b
 
 
+# How a checked row becomes a pair: (tokenizer, prompt, chosen, rejected, max_length, template kwargs) ->
+# (pair or None when a side has nothing left to train on, whether a side was cut).
+PairMaker = Callable[[Any, list[Message], list[Message], list[Message], "int | None", "Mapping[str, Any] | None"],
+                     "tuple[PreferencePair | None, bool]"]
+
+
 def load_preference_pairs(
     paths: Sequence[str | os.PathLike[str]], tokenizer, columns: PreferenceColumns, *, max_length: int | None,
     on_bad_row: str = "error", template_kwargs: Mapping[str, Any] | None = None,
+    make_pair: PairMaker = preference_pair,
 ) -> tuple[list[PreferencePair], SFTDataStats]:
     """Every row of ``paths`` as a pair. A malformed row is a ``DataError`` naming file, row and column,
     or with ``on_bad_row="skip"`` (``data.on_bad_row``) dropped, counted and logged with that same line;
-    a pair left with no response token on a side after ``max_length`` is skipped and counted."""
+    a pair left with no response token on a side after ``max_length`` is skipped and counted.
+    ``make_pair`` tokenises a row (default: a policy's pair; ``hybridflow rm`` renders a reward model's)."""
     template_kwargs = check_chat_template_kwargs(template_kwargs or {})
 
     def pair(row: Any, where: str) -> tuple[PreferencePair | None, bool]:
         prompt, chosen, rejected = row_conversations(row, columns, where)
         try:
-            return preference_pair(tokenizer, prompt, chosen, rejected, max_length, template_kwargs)
+            return make_pair(tokenizer, prompt, chosen, rejected, max_length, template_kwargs)
         except DataError as exc:
             raise DataError(f"{where}: {exc}") from exc
 
@@ -146,4 +154,4 @@ def load_preference_pairs(
                          empty="with no response token within the max length")
 
 
-__all__ = ["PreferenceColumns", "PreferencePair", "load_preference_pairs", "preference_pair", "row_conversations"]
+__all__ = ["PairMaker", "PreferenceColumns", "PreferencePair", "load_preference_pairs", "preference_pair", "row_conversations"]

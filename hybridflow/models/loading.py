@@ -265,14 +265,25 @@ def load_value_model(
     gets gradients from the second update on, once the head's weights have moved off zero.
     A head that ``path`` holds (a saved critic) is kept.
     """
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
+
+    return _one_label_model(AutoModelForTokenClassification, path, dtype, trust_remote_code,
+                            classifier_dropout=0.0).to(device)
+
+
+def _one_label_model(auto_class: Any, path: str | os.PathLike, dtype: torch.dtype, trust_remote_code: bool,
+                     **config_changes: Any) -> Any:
+    """``auto_class`` (a token or sequence classifier) with one label from the model at ``path``, the
+    config changed by ``config_changes``; a head that ``path`` does not hold is zero (see ``load_value_model``)."""
+    from transformers import AutoConfig
 
     p = check_model_dir(path)
     config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
     config.num_labels = 1
-    config.classifier_dropout = 0.0
+    for key, value in config_changes.items():
+        setattr(config, key, value)
     with _transformers_quiet():
-        model, info = _weights_from_dir(AutoModelForTokenClassification, p, dtype, trust_remote_code, config=config,
+        model, info = _weights_from_dir(auto_class, p, dtype, trust_remote_code, config=config,
                                         output_loading_info=True)
     head = value_head(model)
     missing = set(info["missing_keys"])
@@ -281,7 +292,7 @@ def load_value_model(
             head.weight.zero_()
             if head.bias is not None:
                 head.bias.zero_()
-    return model.to(device)
+    return model
 
 
 def check_sequence_classifier(path: str | os.PathLike, *, trust_remote_code: bool = False) -> None:
@@ -314,6 +325,34 @@ def load_sequence_classifier(
     model = _weights_from_dir(AutoModelForSequenceClassification, Path(path).expanduser(), dtype, trust_remote_code)
     model.requires_grad_(False)
     return model.eval().to(device)
+
+
+def load_reward_model_to_train(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+    pad_token_id: int = 0,
+):
+    """The model at ``path`` as a reward model to train (``hybridflow rm``): transformers'
+    ``AutoModelForSequenceClassification`` with one label. From a causal LM (the usual start) the
+    head is new and zero, as a value model's: every first score is 0 and the first loss log 2 on
+    every rank alike (no random draw to agree on), and the backbone gets gradients once the head
+    has moved. A reward model's own head is kept."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = _one_label_model(AutoModelForSequenceClassification, path, dtype, trust_remote_code)
+    allow_padded_batches(model, pad_token_id)
+    return model.to(device)
+
+
+def allow_padded_batches(model: torch.nn.Module, pad_token_id: int) -> None:
+    """Give a sequence classifier a ``pad_token_id`` when its config has none: transformers refuses
+    a batch of more than one row without one, for its own pooling, which ``models.scoring`` discards."""
+    config = model.config.get_text_config()
+    if config.pad_token_id is None:
+        config.pad_token_id = pad_token_id
 
 
 @contextmanager

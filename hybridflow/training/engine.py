@@ -201,6 +201,21 @@ class TrainEngine:
                            max_token_len=max_token_len, num_micro_batches=None).logprobs
 
     @torch.no_grad()
+    def compute_scores(
+        self,
+        batch: TrainBatch,
+        *,
+        micro_batch_size: int | None = None,
+        use_remove_padding: bool = False,
+        max_token_len: int | None = None,
+    ) -> torch.Tensor:
+        """A sequence classifier's score of every row (``ModelForward.forward_scores``), in the batch's
+        row order, micro-batched as ``compute_logprobs``.  # (B,)"""
+        return self._infer(batch, "scores", temperature=1.0, micro_batch_size=micro_batch_size,
+                           with_entropy=False, with_sum_pi_squared=False, use_remove_padding=use_remove_padding,
+                           max_token_len=max_token_len, num_micro_batches=None).logprobs
+
+    @torch.no_grad()
     def compute_logprobs(
         self,
         batch: TrainBatch,
@@ -298,7 +313,8 @@ class TrainEngine:
         counts), so the micro-batch losses are summed, not averaged, here. Micro-batches may
         have any sizes (``token_budget_micro_batches``); ``use_remove_padding`` runs each one
         packed and still hands ``loss_fn`` (b, R) logprobs and entropy. ``output="values"``
-        trains a value model: ``loss_fn`` gets its (b, R) values and no entropy.
+        trains a value model: ``loss_fn`` gets its (b, R) values and no entropy; ``output="scores"``
+        a sequence classifier: its (b,) scores.
         """
         if self.optimizer is None or self.scheduler is None or self.optim_spec is None:
             raise RuntimeError("this engine was built without an optimizer (a reference model)")

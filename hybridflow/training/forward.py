@@ -16,14 +16,16 @@ from typing import Literal
 import torch
 
 from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_from_logits, sum_pi_squared_from_logits
+from hybridflow.models.scoring import last_token_scores, per_token_scores
 from hybridflow.models.vision import mrope_position_ids
 from hybridflow.training.lm_head import TokenStats, lm_head_token_stats
 from hybridflow.training.packing import pack_batch, pad_responses, trim_padding, unpack_responses
 from hybridflow.training.sequence_parallel import shard_pack
 from hybridflow.types import TrainBatch
 
-# What a forward computes per response token: a causal LM's logprobs, or a value model's values.
-Output = Literal["logprobs", "values"]
+# What a forward computes: a causal LM's logprobs or a value model's values per response token, or a
+# sequence classifier's (a reward model's) score per row.
+Output = Literal["logprobs", "values", "scores"]
 
 
 class ModelForward:
@@ -195,6 +197,22 @@ class ModelForward:
                           position_ids=batch.position_ids, use_cache=False)
         return pad_responses(out.logits[:, p - 1 : -1, 0].float(), full_r)
 
+    def forward_scores(self, batch: TrainBatch, *, use_remove_padding: bool = False) -> torch.Tensor:
+        """A sequence classifier's score of each row, by ``hybridflow.models.scoring``'s rule (the head
+        on the row's last real token), the rule a reward model serves by.  # (B,)"""
+        if self.sp_group is not None:
+            raise ValueError("a sequence classifier under sequence parallelism is not built")
+        if batch.multi_modal is not None and any(m is not None for m in batch.multi_modal):
+            raise ValueError("a sequence classifier on rows with images is not built (a reward model reads text)")
+        if use_remove_padding:
+            packed = pack_batch(batch)
+            inputs = packed.model_inputs()
+            del inputs["logits_to_keep"]  # the classifier's head runs on every position
+            ends = packed.cu_seqlens[1:].long() - 1  # each sequence's last packed token
+            return per_token_scores(self.model, inputs, self._model)[0, ends].float()
+        batch = trim_padding(batch)
+        return last_token_scores(self.model, batch.input_ids, batch.attention_mask, batch.position_ids, self._model)
+
     def _refuse_padded_sequence_parallel(self) -> None:
         if self.sp_group is not None:
             raise ValueError("sequence parallelism splits packed rows: run with use_remove_padding=True")
@@ -203,8 +221,11 @@ class ModelForward:
         self, batch: TrainBatch, output: Output, temperature: float, with_entropy: bool, use_remove_padding: bool,
         with_sum_pi_squared: bool = False,
     ) -> TokenStats:
-        """``output`` per response token (and entropy, Σπ² for logprobs) in the ``logprobs`` slot.  # (B, R)"""
+        """``output`` per response token (and entropy, Σπ² for logprobs), or per row (scores), in the
+        ``logprobs`` slot.  # (B, R) or (B,)"""
         if output == "values":
             return TokenStats(self.forward_values(batch, use_remove_padding=use_remove_padding))
+        if output == "scores":
+            return TokenStats(self.forward_scores(batch, use_remove_padding=use_remove_padding))
         return self.forward_token_stats(batch, temperature, with_entropy, with_sum_pi_squared,
                                         use_remove_padding=use_remove_padding)

@@ -2,10 +2,8 @@
 packing, token budgets, checkpoints) trained on preference pairs with ``algorithms.preference``.
 
 A pair's loss needs both of its sides' log-probabilities, so micro-batches are cut by pairs, never
-between a pair's two rows: each holds its pairs' chosen rows, then their rejected rows (TRL's layout),
-up to ``actor.ppo_micro_batch_size_per_gpu`` pairs, or with a token budget as many pairs as fit (a
-pair costs its two rows' tokens, packed, or two rows of the batch's width, padded). Each row's
-``group_ids`` entry is its row in the step's batch, so the loss finds a micro-batch's reference
+between a pair's two rows (``hybridflow.workers.pair_batches``, shared with ``hybridflow rm``). Each
+row's ``group_ids`` entry is its row in the step's batch, so the loss finds a micro-batch's reference
 log-probabilities however the rows were grouped.
 
 The reference is frozen: its sequence log-probabilities are computed once, by this engine before it
@@ -14,9 +12,8 @@ takes a step (the starting weights are the reference), and kept for the run.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -26,12 +23,10 @@ from hybridflow.algorithms.preference import (
     preference_loss,
     sequence_logps,
 )
-from hybridflow.data.batching import token_budget_partitions
 from hybridflow.data.preference import PreferencePair
 from hybridflow.training import distributed
-from hybridflow.training.micro_batches import agree_num_micro_batches
-from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
-from hybridflow.utils.threads import adjust_threads
+from hybridflow.types import TrainBatch
+from hybridflow.workers.pair_batches import pair_micro_batches, pair_step_batch, pair_values, whole_pairs
 from hybridflow.workers.sft import SFTWorker
 
 
@@ -44,11 +39,6 @@ class DPOLossSpec:
     sft_weight: float = 0.0
 
 
-def pair_rows(pairs: Sequence[PreferencePair]) -> list[Trajectory]:
-    """The rows of a batch of pairs: every chosen side, then every rejected side, in pair order."""
-    return [p.chosen for p in pairs] + [p.rejected for p in pairs]
-
-
 class DPOWorker:
     def __init__(self, sft: SFTWorker, spec: DPOLossSpec, pad_token_id: int) -> None:
         self.sft, self.spec, self.pad_token_id = sft, spec, pad_token_id
@@ -57,32 +47,17 @@ class DPOWorker:
     # ------------------------------------------------------------------ sequence log-probabilities
     def sequence_logps(self, pairs: Sequence[PreferencePair]) -> torch.Tensor:
         """(chosen, rejected) summed log-probabilities of every pair under the current weights, over all
-        ranks (a collective: each rank scores an equal share, a short one padded with copies). # (N, 2)"""
-        world, rank = self.sft.world, self.sft.rank
-        share = math.ceil(len(pairs) / world)
-        own = list(pairs[rank * share:(rank + 1) * share])
-        real = len(own)
-        own += [pairs[0]] * (share - real)
-        values = torch.zeros(len(pairs), 2, dtype=torch.float64)
-        size = max(1, self.sft.cfg.data.val_batch_size // 2)
-        for start in range(0, share, size):
-            adjust_threads()
-            chunk = own[start:start + size]
-            batch = collate_trajectories(pair_rows(chunk), self.pad_token_id)
+        ranks (a collective, ``pair_values``).  # (N, 2)"""
+
+        def side_logps(batch: TrainBatch) -> torch.Tensor:
             logprobs, _ = self.engine.compute_logprobs(
                 batch, temperature=1.0, micro_batch_size=self.sft.cfg.actor.log_prob_micro_batch_size_per_gpu,
                 use_remove_padding=self.sft.plan.use_remove_padding,
                 max_token_len=self.sft.plan.log_prob_max_token_len,
             )
-            sums = sequence_logps(logprobs.double(), batch.response_mask)
-            k = len(chunk)
-            for i in range(k):
-                if start + i < real:
-                    values[rank * share + start + i] = torch.stack([sums[i], sums[k + i]])
-        if world > 1:
-            values = torch.tensor(distributed.all_reduce_sum(values.flatten().tolist()),
-                                  dtype=torch.float64).view(-1, 2)
-        return values
+            return sequence_logps(logprobs.double(), batch.response_mask)
+
+        return pair_values(self.sft, pairs, self.pad_token_id, side_logps)
 
     def reference_logps(self, pairs: Sequence[PreferencePair]) -> torch.Tensor:
         """The frozen reference's (chosen, rejected) log-probabilities: the current (starting) weights',
@@ -94,32 +69,14 @@ class DPOWorker:
     # ------------------------------------------------------------------ training
     def micro_batches(self, batch: TrainBatch, num_pairs: int) -> list[TrainBatch]:
         """This rank's step batch (``num_pairs`` chosen rows, then as many rejected) cut by pairs."""
-        plan = self.sft.plan
-        budget = plan.ppo_max_token_len
-        if budget is None:
-            size = max(1, self.sft.cfg.actor.ppo_micro_batch_size_per_gpu)
-            groups = [list(range(i, min(i + size, num_pairs))) for i in range(0, num_pairs, size)]
-        else:
-            if plan.use_remove_padding:  # packed: a pair costs its two rows' valid tokens
-                valid = batch.attention_mask.sum(dim=1).tolist()
-                costs = [int(valid[i] + valid[num_pairs + i]) for i in range(num_pairs)]
-            else:  # padded: two rows of the batch's width
-                costs = [2 * int(batch.input_ids.shape[1])] * num_pairs
-            if max(costs) > budget:
-                raise ValueError(f"a preference pair has {max(costs)} tokens (its two sides), more than the micro-batch "
-                                 f"budget actor.ppo_max_token_len_per_gpu={budget}; raise it, or lower dpo.max_length")
-            own = len(token_budget_partitions(costs, budget))
-            count = agree_num_micro_batches(own, self.engine.data_parallel)
-            groups = token_budget_partitions(costs, budget, num_micro_batches=count)
-        return [batch.select(group + [num_pairs + i for i in group]) for group in groups]
+        return pair_micro_batches(self.sft, batch, num_pairs, "dpo.max_length")
 
     def train_step(self, pairs: Sequence[PreferencePair], ref: torch.Tensor, total_pairs: int) -> dict[str, float]:
         """One optimizer step on this rank's ``pairs`` (``ref``: their reference log-probabilities, (n, 2));
         ``total_pairs``: the step's pairs over every rank. Metrics: ``dpo/<name>_share``, this rank's part of
         the step's mean of each (sum them over ranks), and the engine's ``train/grad_norm``, ``train/lr``."""
         n = len(pairs)
-        batch = collate_trajectories(pair_rows(pairs), self.pad_token_id)
-        batch = replace(batch, group_ids=torch.arange(2 * n))
+        batch = pair_step_batch(pairs, self.pad_token_id)
         parts = self.micro_batches(batch, n)
         # The SFT term's token mean is over the step's chosen tokens on every rank.
         chosen_tokens = distributed.all_reduce_sum([float(sum(sum(p.chosen.loss_mask) for p in pairs))])[0]
@@ -149,10 +106,8 @@ class DPOWorker:
 
     def _pair_losses(self, mb: TrainBatch, logprobs: torch.Tensor, ref: torch.Tensor, num_pairs: int):
         """Per-pair losses and metrics of a micro-batch holding k chosen rows, then their k rejected rows."""
-        k = mb.batch_size // 2
+        k = whole_pairs(mb, num_pairs)
         rows = mb.group_ids
-        assert bool((rows[:k] < num_pairs).all()) and bool((rows[k:] - num_pairs == rows[:k]).all()), \
-            "a micro-batch must hold whole pairs, chosen rows first"
         seq = sequence_logps(logprobs, mb.response_mask)  # (2k,)
         lengths = mb.response_mask.sum(dim=-1)
         pair_ref = ref[rows[:k]].to(seq.dtype)  # (k, 2)
@@ -180,4 +135,4 @@ class DPOWorker:
         return out
 
 
-__all__ = ["DPOLossSpec", "DPOWorker", "pair_rows"]
+__all__ = ["DPOLossSpec", "DPOWorker"]

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from hybridflow.models.loading import load_sequence_classifier, load_tokenizer, value_head
+from hybridflow.models.loading import allow_padded_batches, load_sequence_classifier, load_tokenizer
+from hybridflow.models.scoring import last_token_scores
 from hybridflow.rewards.judge import Judge, JudgeRequest, JudgeSettings
 from hybridflow.types import Trajectory
 from hybridflow.workers.engine_setup import model_precision
@@ -79,7 +80,7 @@ class RewardModelWorker:
         dtype, _ = model_precision(setup.dtype, trainable=False, data_parallel=False)
         self.model = load_sequence_classifier(setup.model_path, dtype=dtype, device=setup.device,
                                               trust_remote_code=setup.trust_remote_code)
-        self.head = value_head(self.model)
+        allow_padded_batches(self.model, int(self.tokenizer.pad_token_id or 0))
         self.max_length = setup.max_length or int(self.model.config.max_position_embeddings)
 
     def score(self, trajectories: list[Trajectory]) -> tuple[list[float], dict[str, float]]:
@@ -112,12 +113,8 @@ class RewardModelWorker:
         for row, ids in enumerate(sequences):
             input_ids[row, : len(ids)] = torch.tensor(ids, device=device)
             attention_mask[row, : len(ids)] = 1
-        # The pooling is ours, not the classifier's forward: transformers finds the last token by
-        # looking for pad_token_id, which misreads an answer that ends in the pad token (often EOS).
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        last = attention_mask.sum(dim=1) - 1  # (B,)
-        pooled = hidden[torch.arange(len(sequences), device=device), last]  # (B, H)
-        return [float(v) for v in self.head(pooled)[:, 0].float()]
+        # models.scoring's rule, the one `hybridflow rm` trains with: the head on the last real token.
+        return [float(v) for v in last_token_scores(self.model, input_ids, attention_mask)]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,7 +42,10 @@ def rank_device(name: str, rank: int, world: int) -> torch.device:
 
 class SFTWorker:
     def __init__(self, rank: int, world: int, cfg: Config, model_path: str, device: torch.device, *,
-                 total_steps: int, max_length: int, chat_template: str | None) -> None:
+                 total_steps: int, max_length: int, chat_template: str | None,
+                 load_model: Callable[..., torch.nn.Module] = load_causal_lm) -> None:
+        """``load_model(path, dtype=, device=, trust_remote_code=)`` builds the trained model (a causal LM;
+        ``hybridflow rm`` passes a sequence classifier's loader)."""
         self.rank, self.world, self.cfg, self.model_path = rank, world, cfg, model_path
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
@@ -49,7 +53,7 @@ class SFTWorker:
         a = cfg.actor
         data_parallel = world > 1
         weights_dtype, compute_dtype = model_precision(cfg.model.dtype, trainable=True, data_parallel=data_parallel)
-        model = load_causal_lm(model_path, dtype=weights_dtype, device=device, trust_remote_code=cfg.model.trust_remote_code)
+        model = load_model(model_path, dtype=weights_dtype, device=device, trust_remote_code=cfg.model.trust_remote_code)
         self.lora = a.lora.rank > 0
         if self.lora:
             with torch.random.fork_rng(devices=[]):

@@ -13,7 +13,8 @@ from hybridflow.data.preference import preference_pair
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.types import collate_trajectories
-from hybridflow.workers.dpo import DPOLossSpec, DPOWorker, pair_rows
+from hybridflow.workers.dpo import DPOLossSpec, DPOWorker
+from hybridflow.workers.pair_batches import pair_rows
 from hybridflow.workers.sft import SFTWorker
 
 ANSWERS = [("What is 2 + 3?", "5", "6"), ("What is 10 + 31?", "41", "42 or so"), ("What is 7 - 2?", "5", "555"),

@@ -1,0 +1,31 @@
+"""``hybridflow rm``'s own settings (the ``rm`` section): the reward model's loss and its length.
+
+Everything else it reads is a shared key: model.path (the model it starts from: a causal LM gets a new
+one-label head, a reward model keeps its own), data.train_files / val_files, data.prompt_key and the pair
+columns and built-in pairs of ``hybridflow dpo`` (dpo.chosen_key, dpo.rejected_key, dpo.builtin_*), data.
+train_batch_size (pairs per step), actor.optim, actor.fsdp_config, packing and micro-batching (counted in
+pairs), trainer.* (checkpoints, resume, test_freq).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.config.fields import f
+
+
+@dataclass
+class RMConfig:
+    """``hybridflow rm``: a reward model (a one-label sequence classifier) trained on preference pairs."""
+
+    center_rewards_coefficient: float = f(
+        0.0, "c >= 0: adds c x (r_chosen + r_rejected)² to the Bradley-Terry loss, which keeps the scores centred "
+        "on 0 (their offset is otherwise free). TRL's RewardConfig.center_rewards_coefficient.",
+    )
+    max_length: int | None = f(
+        None, "Most tokens of a rendered prompt + response; a longer one loses tokens from its start, as the "
+        "reward model role cuts it when it scores (reward_model.max_length: set both alike). None: the model's "
+        "max_position_embeddings, the role's default.",
+    )
+    export: bool = f(True, "Write the final reward model as a Hugging Face directory in <output_dir>/export, "
+                           "what reward_model.model.path loads.")

@@ -1,0 +1,132 @@
+"""The run of a method that trains on preference pairs offline: ``hybridflow dpo`` (``dpo_run``) and
+``hybridflow rm`` (``rm_run``). What differs between them is what a step computes (a rank's
+worker); what is the same lives here: the checks of the shared settings, the pair files (the
+user's or the built-in ones), and each rank's loop over steps: the sampler, resume from the newest
+checkpoint, validation every ``trainer.test_freq`` steps and at the end, checkpoints (SFT's
+format), rank 0's metrics, and the fault point the resume tests kill a run at. The ranks
+themselves are the offline trainers' (``controller.ranks``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config import Config, ConfigError
+from hybridflow.config.explain import BUILTIN_TINY
+from hybridflow.config.layout import data_parallel_size
+from hybridflow.controller.checkpoint import CheckpointManager
+from hybridflow.controller.dpo_builtin import builtin_pairs
+from hybridflow.controller.sft import rank_rows
+from hybridflow.controller.sft_run import _resume, _save
+from hybridflow.data import ResumableSampler
+from hybridflow.tracking.loggers import Tracker
+from hybridflow.training import distributed
+from hybridflow.utils.faults import maybe_fault
+from hybridflow.utils.threads import adjust_threads
+from hybridflow.workers.sft import SFTWorker
+
+
+def check_pair_run(cfg: Config, command: str, export: bool, export_key: str) -> None:
+    """The settings every pair run (``hybridflow <command>``) reads that can be wrong before anything
+    loads; ``export``: the value of its ``export_key``."""
+    if not cfg.data.train_files and cfg.model.path != BUILTIN_TINY:
+        raise ConfigError(f"hybridflow {command} needs data.train_files: parquet or JSONL files with "
+                          f"prompt/chosen/rejected columns (the built-in pairs need model.path=builtin:tiny)",
+                          key="data.train_files")
+    if not cfg.data.train_files and cfg.data.builtin_task != "arithmetic":
+        raise ConfigError(f"the built-in preference pairs are made for the arithmetic task, not "
+                          f"data.builtin_task={cfg.data.builtin_task}", key="data.builtin_task")
+    if cfg.trainer.backend != "local":
+        raise ConfigError(f"hybridflow {command} runs its ranks as local processes (there is no rollout to place on "
+                          f"a cluster); use trainer.backend=local", key="trainer.backend")
+    if export and not cfg.trainer.save_final:
+        raise ConfigError(f"{export_key}=true exports the final checkpoint, but trainer.save_final=false; set one of "
+                          f"them", key=export_key)
+    if cfg.actor.ulysses_sequence_parallel_size != 1:
+        raise ConfigError(f"hybridflow {command} does not use Ulysses sequence parallelism; set "
+                          f"actor.ulysses_sequence_parallel_size=1", key="actor.ulysses_sequence_parallel_size")
+    world = data_parallel_size(cfg.trainer)
+    if cfg.data.train_batch_size % world:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} pairs per step do not split over "
+                          f"{world} ranks", key="data.train_batch_size")
+    d = cfg.dpo
+    for key in ("builtin_prompts", "builtin_samples", "builtin_val_prompts"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"dpo.{key}={getattr(d, key)}: must be at least 1", key=f"dpo.{key}")
+
+
+def pair_files(cfg: Config, model_path: str) -> tuple[list[str], list[str], list[dict[str, Any]] | None]:
+    """(train files, val files, held-out rows of the built-in task or None): the user's, or without
+    ``data.train_files`` the built-in pairs (``controller.dpo_builtin``, settings ``dpo.builtin_*``)."""
+    if cfg.data.train_files:
+        return list(cfg.data.train_files), list(cfg.data.val_files), None
+    d = cfg.dpo
+    made = builtin_pairs(cfg.warm_start.cache_dir, model_path, prompts=d.builtin_prompts,
+                         val_prompts=d.builtin_val_prompts, samples=d.builtin_samples)
+    return [str(made.train_file)], list(cfg.data.val_files) or [str(made.val_file)], made.val_rows
+
+
+@dataclass(frozen=True)
+class PairSteps:
+    """What one rank's loop calls. ``step(rows)``: one optimizer step on this rank's pairs of the step
+    (indices into the training pairs), returning the step's record, already reduced over ranks (a
+    collective). ``validate()``: the ``val/*`` record (a collective), or None without validation pairs."""
+
+    step: Callable[[list[int]], dict[str, float]]
+    validate: Callable[[], dict[str, float]] | None
+
+
+def train_pair_steps(rank: int, world: int, cfg: Config, out: Path, sft: SFTWorker, num_pairs: int,
+                     total_steps: int, steps: PairSteps) -> dict[str, float] | None:
+    """Resume, then train until ``total_steps``; the last validation record (see the module docstring)."""
+    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+    sampler = ResumableSampler(num_pairs, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=seed)
+    manager = CheckpointManager(out / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+    start_step = _resume(manager, sft, sampler, cfg, rank)
+    tracker = None
+    if rank == 0:
+        tracker = Tracker(cfg.trainer.logger, output_dir=out, project=cfg.trainer.project_name,
+                          experiment=cfg.trainer.experiment_name, config={})
+    try:
+        final_val = None
+        if start_step == 0 and cfg.trainer.val_before_train and steps.validate is not None:
+            record = steps.validate()  # a collective: every rank evaluates
+            if tracker is not None:
+                tracker.log(record, step=0)
+        for step in range(start_step + 1, total_steps + 1):
+            adjust_threads()
+            clock = time.perf_counter()
+            record = steps.step(list(rank_rows(sampler.next_batch(), rank, world)))
+            record.update({"train/pairs_per_s": cfg.data.train_batch_size / max(time.perf_counter() - clock, 1e-9),
+                           "train/epoch": sampler.epoch})
+            last = step == total_steps
+            if steps.validate is not None and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+                final_val = steps.validate()
+                record.update(final_val)
+            if (last and cfg.trainer.save_final) or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+                _save(manager, sft, step, sampler, cfg, rank)
+            if tracker is not None:
+                tracker.log(record, step=step)
+            maybe_fault("after_step", step)  # tests kill the run here (SIGKILL) and resume it
+        if start_step >= total_steps and steps.validate is not None:
+            final_val = steps.validate()  # nothing left to train: the model as it stands
+        return final_val
+    finally:
+        if tracker is not None:
+            tracker.close()
+
+
+def reduce_shares(metrics: dict[str, float], names: list[str], prefix: str) -> dict[str, float]:
+    """The step's means of ``names`` over every rank and micro-batch, from each rank's ``<prefix><name>_share``
+    (a collective); ``loss`` is reported as ``train/loss``. Adds the engine's ``train/lr``, ``train/grad_norm``."""
+    means = distributed.all_reduce_sum([metrics[f"{prefix}{n}_share"] for n in names])
+    record = {("train/loss" if n == "loss" else n): v for n, v in zip(names, means, strict=True)}
+    record.update({"train/lr": metrics["train/lr"], "train/grad_norm": metrics["train/grad_norm"]})
+    return record
+
+
+__all__ = ["PairSteps", "check_pair_run", "pair_files", "reduce_shares", "train_pair_steps"]

@@ -1,0 +1,171 @@
+"""``hybridflow rm``: train a reward model (a one-label sequence classifier) on preference pairs with
+the Bradley-Terry loss, and export it as the folder ``reward_model.model.path`` loads.
+
+The pairs are ``hybridflow dpo``'s (``hybridflow.data.preference``: TRL's prompt/chosen/rejected rows,
+parquet or JSONL; without ``data.train_files`` and with the built-in model, the built-in arithmetic
+pairs of ``controller.dpo_builtin``, the right answer against the warm-started model's own wrong one),
+rendered as the reward-model role renders an answer (``workers.reward_trainer.reward_model_pair``).
+The model starts from ``model.path``: a causal LM gets a new, zero one-label head; a reward model
+keeps its own. The ranks are the offline trainers' (``controller.ranks``); checkpoints, resume and the loop are
+the pair runs' (``controller.pair_run``).
+
+Rank 0 logs ``train/loss`` (the Bradley-Terry loss), ``rm/accuracy`` (the share of pairs scored
+chosen above rejected), ``rm/margin`` (the mean score difference), ``rm/chosen``, ``rm/rejected``,
+``train/lr``, ``train/grad_norm``, and the same on the validation pairs as ``val/*`` every
+``trainer.test_freq`` steps and at the end. The export is checked by loading it as the role does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from hybridflow.algorithms.preference import REWARD_MODEL_METRICS
+from hybridflow.config import Config, ConfigError, config_to_yaml
+from hybridflow.config.layout import data_parallel_size
+from hybridflow.controller.builtin import resolve_builtin
+from hybridflow.controller.export import export_checkpoint
+from hybridflow.controller.pair_run import (
+    PairSteps,
+    check_pair_run,
+    pair_files,
+    reduce_shares,
+    train_pair_steps,
+)
+from hybridflow.controller.ranks import run_ranks
+from hybridflow.controller.preflight import config_device, policy_chat_template
+from hybridflow.controller.setup import resolve_output_dir
+from hybridflow.controller.sft_run import EXPORT_DIR
+from hybridflow.data.preference import PreferenceColumns, PreferencePair, load_preference_pairs
+from hybridflow.models.loading import (
+    load_model_config,
+    load_reward_model_to_train,
+    load_sequence_classifier,
+    load_tokenizer,
+)
+from hybridflow.workers.reward_trainer import RewardTrainerWorker, reward_model_pair
+from hybridflow.workers.sft import SFTWorker
+
+log = logging.getLogger(__name__)
+
+PRELOAD = ["torch", "transformers", "hybridflow.controller.rm_run"]
+EVAL_FILE = "rm_eval.json"
+
+
+@dataclass
+class RMResult:
+    output_dir: Path
+    metrics_path: Path
+    export_dir: Path | None
+    final_val: dict[str, float] | None
+
+
+@dataclass(frozen=True)
+class _Job:
+    cfg: Config
+    model_path: str
+    output_dir: str
+    train: list[PreferencePair]
+    val: list[PreferencePair]
+    total_steps: int
+    pad_token_id: int
+    longest: int  # the longest rendered side, for the micro-batch plan
+
+
+def check_rm_config(cfg: Config) -> None:
+    """The settings ``hybridflow rm`` reads that can be wrong before anything loads."""
+    r = cfg.rm
+    check_pair_run(cfg, "rm", r.export, "rm.export")
+    if cfg.actor.lora.rank > 0:
+        # An adapter would leave the new head untrained, and the export merges adapters into a causal LM.
+        raise ConfigError("hybridflow rm trains the whole classifier; LoRA is not built for it (set actor.lora.rank=0)",
+                          key="actor.lora.rank")
+    if r.max_length is not None and r.max_length < 2:
+        raise ConfigError(f"rm.max_length={r.max_length}: need at least 2 tokens", key="rm.max_length")
+    if r.center_rewards_coefficient < 0:
+        raise ConfigError(f"rm.center_rewards_coefficient={r.center_rewards_coefficient}: must be >= 0",
+                          key="rm.center_rewards_coefficient")
+
+
+def rm_max_length(cfg: Config, model_path: str) -> int:
+    """``rm.max_length``, or what the reward-model role cuts at by default: the model's max_position_embeddings."""
+    if cfg.rm.max_length is not None:
+        return cfg.rm.max_length
+    return int(load_model_config(model_path, trust_remote_code=cfg.model.trust_remote_code).max_position_embeddings)
+
+
+def run_rm_job(cfg: Config) -> RMResult:
+    """Train a reward model from ``model.path`` on preference pairs; see the module docstring."""
+    check_rm_config(cfg)
+    model_path, _, _ = resolve_builtin(cfg, config_device(cfg.trainer.device))
+    train_files, val_files, _ = pair_files(cfg, model_path)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, policy_chat_template(cfg.data))
+    columns = PreferenceColumns(cfg.data.prompt_key, cfg.dpo.chosen_key, cfg.dpo.rejected_key)
+    length = rm_max_length(cfg, model_path)
+
+    def load(files: list[str]) -> list[PreferencePair]:
+        pairs, stats = load_preference_pairs(files, tokenizer, columns, max_length=length,
+                                             on_bad_row=cfg.data.on_bad_row, make_pair=reward_model_pair)
+        log.info("rm: %s: %s", ", ".join(files), stats.describe())
+        return pairs
+
+    train = load(train_files)
+    val = load(val_files) if val_files else []
+    if cfg.data.train_batch_size > len(train):
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {len(train)} training "
+                          f"pairs", key="data.train_batch_size")
+    total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * (len(train) // cfg.data.train_batch_size)
+    out = resolve_output_dir(cfg)
+    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    longest = max(max(len(p.chosen.prompt_ids), len(p.rejected.prompt_ids)) for p in train + val)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    job = _Job(cfg, model_path, str(out), train, val, total, int(pad), longest)
+    final_val = run_ranks(data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
+    export_dir = None
+    if cfg.rm.export:
+        export_dir = Path(export_checkpoint(out, out / EXPORT_DIR, overwrite=True))
+        load_sequence_classifier(export_dir)  # what reward_model.model.path does with it
+        print(f"exported: {export_dir} (hybridflow train reward_model.enable=true reward_model.model.path={export_dir})")
+    if final_val is not None:
+        (out / EVAL_FILE).write_text(json.dumps({"val_pairs": len(val), **final_val}, indent=1) + "\n")
+    return RMResult(out, out / "metrics.jsonl", export_dir, final_val)
+
+
+def _train_rank(rank: int, world: int, job: _Job, device: torch.device) -> dict[str, float] | None:
+    cfg = job.cfg
+    sft = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps, max_length=job.longest,
+                    chat_template=policy_chat_template(cfg.data),
+                    load_model=partial(load_reward_model_to_train, pad_token_id=job.pad_token_id))
+    worker = RewardTrainerWorker(sft, cfg.rm.center_rewards_coefficient, job.pad_token_id)
+    names = ["loss", *REWARD_MODEL_METRICS]
+
+    def step(rows: list[int]) -> dict[str, float]:
+        metrics = worker.train_step([job.train[i] for i in rows], cfg.data.train_batch_size)
+        return reduce_shares(metrics, names, "")
+
+    def validate() -> dict[str, float]:
+        return {f"val/{k}": v for k, v in worker.evaluate(job.val).items()}
+
+    return train_pair_steps(rank, world, cfg, Path(job.output_dir), sft, len(job.train), job.total_steps,
+                            PairSteps(step, validate if job.val else None))
+
+
+def rm_cli(cfg: Config) -> RMResult:
+    """``hybridflow rm``: run, then say where the results are."""
+    from hybridflow.models.loading import hf_progress_bars_off
+
+    with hf_progress_bars_off():
+        result = run_rm_job(cfg)
+    if result.final_val is not None:
+        print(f"final val/loss {result.final_val['val/loss']:.4f}  val/rm/accuracy "
+              f"{result.final_val['val/rm/accuracy']:.3f}  val/rm/margin {result.final_val['val/rm/margin']:.3f}")
+    print(f"metrics: {result.metrics_path}")
+    return result
+
+
+__all__ = ["RMResult", "check_rm_config", "rm_cli", "rm_max_length", "run_rm_job"]
