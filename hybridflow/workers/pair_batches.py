@@ -21,6 +21,7 @@ import torch
 from hybridflow.data.batching import token_budget_partitions
 from hybridflow.data.preference import PreferencePair
 from hybridflow.training import distributed
+from hybridflow.training.micro_batches import agree_num_micro_batches
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
 from hybridflow.utils.threads import adjust_threads
 from hybridflow.workers.sft import SFTWorker
@@ -64,7 +65,7 @@ def pair_micro_batches(sft: SFTWorker, batch: TrainBatch, num_pairs: int, length
             raise ValueError(f"a preference pair has {max(costs)} tokens (its two sides), more than the micro-batch "
                              f"budget actor.ppo_max_token_len_per_gpu={budget}; raise it, or lower {length_key}")
         own = len(token_budget_partitions(costs, budget))
-        count = sft.engine.agree_num_micro_batches(own)
+        count = agree_num_micro_batches(own, sft.engine.data_parallel)
         groups = token_budget_partitions(costs, budget, num_micro_batches=count)
     return [batch.select(group + [num_pairs + i for i in group]) for group in groups]
 
