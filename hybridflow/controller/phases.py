@@ -440,6 +440,7 @@ def sync_weights(roles: Roles, version: int) -> None:
         # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
         # that the rollout applies as they arrive.
         wait_all(roles.actor.submit_all(ActorWorker.send_weights), *roles.rollout.submit_receive(version))
+        roles.rollout.verify_sync()
         return
     # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
     weights = dict(roles.actor.call_all(roles.actor_weights)[0])
@@ -511,6 +512,7 @@ def step_metrics(
             response_mask=batch.response_mask,
         ),
         **timer.metrics(),
+        **roles.rollout.take_sync_metrics(),  # weight_sync/verify_s of the syncs since the last step
         **compute_throughput_metrics(batch.num_tokens, timer.seconds("step"), roles.actor.world_size),
         "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads, or what others left free
     }

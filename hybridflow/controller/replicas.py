@@ -35,6 +35,7 @@ import torch
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest, Ticket
 from hybridflow.rollout.stream import Finished
+from hybridflow.transfer.verify import SentDigests, compare_digests
 from hybridflow.transfer.weight_transfer import SENDER_RANK, TransferStats
 from hybridflow.tracking.timeline import Timeline
 from hybridflow.types import GenerationRequest, Trajectory
@@ -61,13 +62,16 @@ class RolloutReplicas:
     """The rollout replicas (one worker group each) behind one router."""
 
     def __init__(self, groups: Sequence[WorkerGroup[RolloutWorker]], *, free_cache_engine: bool,
-                 sleep_level: int = 1) -> None:
+                 sleep_level: int = 1, verify_weight_sync: bool = False) -> None:
         if not groups:
             raise ValueError("RolloutReplicas needs at least one replica")
         self.groups = list(groups)
         self.router = ReplicaRouter(len(self.groups))
         self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
+        # rollout.verify_weight_sync: after each sync every replica's digest is checked (verify_sync).
+        self.verify_weight_sync = verify_weight_sync
+        self._verify_s: float | None = None  # seconds the checks took since take_metrics
         self._metrics: list[dict[str, float]] = []  # one per generation round since take_metrics
         self._streams = 0  # stream() calls so far: each tags its requests with its own number
         # Set-up's timeline (trainer.timeline): each replica's serving seconds of a round as a span.
@@ -214,6 +218,32 @@ class RolloutReplicas:
         version their tokens record from now on (default: each engine's last + 1)."""
         items = list(weights)
         self._each(RolloutWorker.update_weights, items, version)
+        self.verify_sync(dict(items))
+
+    def verify_sync(self, sent: dict[str, torch.Tensor] | None = None) -> None:
+        """Check that every replica holds what the last sync sent (``rollout.verify_weight_sync``;
+        ``hybridflow.transfer.verify``): against ``sent``, the weights this process handed them,
+        or (None: the broadcast, whose bytes never pass here) against the checksums each replica
+        took of the bytes it received. Raises ``WeightSyncMismatch`` naming the replica and tensors."""
+        if not self.verify_weight_sync:
+            return
+        start = time.perf_counter()
+        sender = SentDigests(sent) if sent is not None else None
+        for k, reported in enumerate(self._each(RolloutWorker.weights_digest)):
+            if reported is None:  # the replica said why, once
+                continue
+            held, received = reported
+            if sender is not None:
+                sender.check(replica_role(k), held)
+            elif received is not None:
+                compare_digests(replica_role(k), received, held)
+        self._verify_s = (self._verify_s or 0.0) + time.perf_counter() - start
+
+    def take_sync_metrics(self) -> dict[str, float]:
+        """``weight_sync/verify_s``: the seconds the checks of the syncs since the last call took
+        (nothing when none was checked)."""
+        verified, self._verify_s = self._verify_s, None
+        return {} if verified is None else {"weight_sync/verify_s": verified}
 
     def kv_cache_budget(self) -> int | None:
         """The smallest KV cache budget in bytes the replicas' engines sized their caches by (None:

@@ -169,7 +169,8 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
         raise
     # The asynchronous loops generate while the actor trains: there is no idle cache to free.
     free_cache_engine = cfg.rollout.free_cache_engine and cfg.trainer.mode == "sync"
-    return RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=cfg.rollout.sleep_level)
+    return RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=cfg.rollout.sleep_level,
+                           verify_weight_sync=cfg.rollout.verify_weight_sync)
 
 
 def build_reward_model_group(

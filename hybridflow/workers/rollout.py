@@ -47,6 +47,7 @@ from hybridflow.rollout import ROLLOUT_ENGINES, EngineArgs, build_rollout_engine
 from hybridflow.rollout.base import choose_rollout_dtype
 from hybridflow.rollout.stream import Finished, Job, RequestStream
 from hybridflow.transfer import weight_transfer
+from hybridflow.transfer.verify import Digest, held_digest, sent_checksum
 from hybridflow.transfer.weight_transfer import (
     SENDER_RANK,
     TransferStats,
@@ -55,6 +56,7 @@ from hybridflow.transfer.weight_transfer import (
     sync_device,
 )
 from hybridflow.types import GenerationRequest, SampleRecord, Trajectory
+from hybridflow.utils.faults import fault_requested
 from hybridflow.workers.reward import RewardSetup, RewardWorker, score_trajectories
 
 logger = logging.getLogger(__name__)
@@ -203,6 +205,10 @@ class RolloutWorker:
         self.client: Any = None  # ... and the client every request of this replica goes through
         self._stream: RequestStream | None = None  # the event loop requests run on, from first use
         self.name, self.scoring = setup.name, setup.scoring
+        # Why this replica cannot report what its engine holds (weights_digest), or None: said once.
+        self._unverifiable = unverifiable_reason(model, world_size)
+        self._synced: list[str] = []  # the names the last sync wrote, what weights_digest reports
+        self._received: Digest | None = None  # broadcast: checksums of the received bytes, as held
         self._scorer: RewardWorker | None = None  # built at the first take_records (its scoring processes)
         self._row_fields: dict[Any, dict[str, Any]] = {}  # tag -> its row's fields, for scoring here
         if world_size > 1:
@@ -396,9 +402,31 @@ class RolloutWorker:
         ``version`` (default: the engine's last + 1; see ``Trajectory.token_versions``).
         LoRA adapters (``actor.lora.sync=adapter``) are merged into the base weights first."""
         weights = list(weights)
-        if self.adapter_merger is not None and is_adapter_payload(n for n, _ in weights):
+        adapter = self.adapter_merger is not None and is_adapter_payload(n for n, _ in weights)
+        if adapter:
             weights = self.adapter_merger.merged(weights)
         self.engine.update_weights(weights, version=version)
+        # An adapter payload is not what the engine holds (it merged it): nothing sent to compare.
+        self._after_sync([] if adapter else [name for name, _ in weights], version, None)
+
+    def _after_sync(self, names: list[str], version: int | None, received: Digest | None) -> None:
+        self._synced, self._received = names, received
+        if names and fault_requested(f"corrupt_weight_sync/{self.name.replace(' ', '_')}", version or 0):
+            # Tests of the verifier (HYBRIDFLOW_FAULT): one byte of the first synced tensor flipped
+            # in the engine's copy, as a faulty copy or transfer would leave it.
+            with torch.no_grad():
+                self.model.state_dict()[names[0]].reshape(-1).view(torch.uint8)[0] ^= 0xFF
+
+    def weights_digest(self) -> tuple[Digest, Digest | None] | None:
+        """What the engine holds of the last sync's tensors (``hybridflow.transfer.verify``), read
+        from its parameters after the copy, and on the broadcast path the checksums of the bytes
+        received (as held); None when this replica cannot tell (logged once, with why)."""
+        if self._unverifiable is not None:
+            if self._unverifiable:
+                logger.info("%s: weight sync not verified: %s", self.name, self._unverifiable)
+                self._unverifiable = ""
+            return None
+        return held_digest(self.model.state_dict(), self._synced), self._received
 
     # ------------------------------------------------------------ weight sync (broadcast)
     def device_uuid(self) -> str | None:
@@ -424,7 +452,18 @@ class RolloutWorker:
                                f"first")
         with self.engine.weight_update(version) as apply:
             if self.adapter_merger is None:
-                return weight_transfer.receive_weights(self.weight_sync, self.model.state_dict(), apply)
+                targets, received = self.model.state_dict(), {}
+
+                def apply_and_note(bucket: list[tuple[str, torch.Tensor]]) -> None:
+                    # The received bytes' checksums, in the dtype the engine holds (its cast), before the
+                    # copy: the replica's digest after it must match them.
+                    received.update((n, (str(targets[n].dtype), sent_checksum(t, str(targets[n].dtype))))
+                                    for n, t in bucket if n in targets)
+                    apply(bucket)
+
+                stats = weight_transfer.receive_weights(self.weight_sync, targets, apply_and_note)
+                self._after_sync(list(received), version, received)
+                return stats
             # actor.lora.sync=adapter: A, B and the scaling arrive (checked against their shapes
             # from the base weights and the rank), then merge into the base, applied at once.
             received: dict[str, torch.Tensor] = {}
@@ -434,6 +473,7 @@ class RolloutWorker:
 
             stats = weight_transfer.receive_weights(self.weight_sync, self.adapter_merger.targets(), keep)
             apply(self.adapter_merger.merged(received.items()))
+            self._after_sync([], version, None)
             return stats
 
     def close_weight_sync(self) -> None:
@@ -493,3 +533,12 @@ def _follow(follower: Any, rank: int) -> None:
         follower.follow()
     except Exception:  # the leader is gone: its own error names the replica; this one is logged
         logger.exception("tensor-parallel rank %d stopped following", rank)
+
+
+def unverifiable_reason(model: torch.nn.Module, world_size: int) -> str | None:
+    """Why a replica cannot report the weights its engine holds (``weights_digest``), or None."""
+    if world_size > 1:
+        return "a tensor-parallel replica's engine holds shards, not the synced tensors"
+    if any(p.is_meta for p in model.parameters()):
+        return "its engine (vLLM, SGLang) loads and holds its own copy, out of reach of this process"
+    return None

@@ -241,6 +241,9 @@ def test_broadcast_weight_sync_gives_the_rollout_the_actors_weights(
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [s["training/global_step"] for s in steps] == [1.0, 2.0]
     assert all(s["timing_s/update_weights"] > 0 for s in steps)
+    # Every sync checked (rollout.verify_weight_sync, on by default): each replica's held bytes
+    # against the checksums it took of the bytes it received.
+    assert all(s["weight_sync/verify_s"] > 0 for s in steps)
 
 
 # ------------------------------------------------------------------------------ worker groups
