@@ -209,6 +209,7 @@ class RolloutWorker:
         self._unverifiable = unverifiable_reason(model, world_size)
         self._synced: list[str] = []  # the names the last sync wrote, what weights_digest reports
         self._received: Digest | None = None  # broadcast: checksums of the received bytes, as held
+        self._adapter_synced = False  # the last sync brought a LoRA adapter (merged here): not checked
         self._scorer: RewardWorker | None = None  # built at the first take_records (its scoring processes)
         self._row_fields: dict[Any, dict[str, Any]] = {}  # tag -> its row's fields, for scoring here
         if world_size > 1:
@@ -406,12 +407,13 @@ class RolloutWorker:
         if adapter:
             weights = self.adapter_merger.merged(weights)
         self.engine.update_weights(weights, version=version)
-        # An adapter payload is not what the engine holds (it merged it): nothing sent to compare.
-        self._after_sync([] if adapter else [name for name, _ in weights], version, None)
+        self._after_sync([name for name, _ in weights], version, None, adapter=adapter)
 
-    def _after_sync(self, names: list[str], version: int | None, received: Digest | None) -> None:
-        self._synced, self._received = names, received
-        if names and fault_requested(f"corrupt_weight_sync/{self.name.replace(' ', '_')}", version or 0):
+    def _after_sync(self, names: list[str], version: int | None, received: Digest | None,
+                    adapter: bool = False) -> None:
+        # An adapter payload is not what the engine holds (it merged it): nothing sent to compare.
+        self._synced, self._received, self._adapter_synced = names, received, adapter
+        if names and not adapter and fault_requested(f"corrupt_weight_sync/{self.name.replace(' ', '_')}", version or 0):
             # Tests of the verifier (HYBRIDFLOW_FAULT): one byte of the first synced tensor flipped
             # in the engine's copy, as a faulty copy or transfer would leave it.
             with torch.no_grad():
@@ -421,6 +423,9 @@ class RolloutWorker:
         """What the engine holds of the last sync's tensors (``hybridflow.transfer.verify``), read
         from its parameters after the copy, and on the broadcast path the checksums of the bytes
         received (as held); None when this replica cannot tell (logged once, with why)."""
+        if self._unverifiable is None and self._adapter_synced:
+            self._unverifiable = ("the LoRA adapter sync (actor.lora.sync=adapter) sends the adapter, which this "
+                                  "replica merges: the trainer holds no merged bytes to compare with")
         if self._unverifiable is not None:
             if self._unverifiable:
                 logger.info("%s: weight sync not verified: %s", self.name, self._unverifiable)
@@ -473,7 +478,7 @@ class RolloutWorker:
 
             stats = weight_transfer.receive_weights(self.weight_sync, self.adapter_merger.targets(), keep)
             apply(self.adapter_merger.merged(received.items()))
-            self._after_sync([], version, None)
+            self._after_sync(list(received), version, None, adapter=True)
             return stats
 
     def close_weight_sync(self) -> None:

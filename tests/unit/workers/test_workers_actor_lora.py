@@ -243,6 +243,8 @@ def test_adapter_sync_sends_only_the_adapter_and_the_rollout_merges_it_like_the_
         actor.update_actor(_batch(step))
         payload = actor.adapter_for_sync()
         rollout.update_weights(payload)
+    # rollout.verify_weight_sync has no sent bytes to compare an adapter's merge with: not checked.
+    assert rollout.weights_digest() is None
     merged = actor.weights_for_sync()
     state = rollout.model.state_dict()
     assert all(torch.equal(state[name], tensor) for name, tensor in merged)
