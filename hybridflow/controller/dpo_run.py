@@ -29,7 +29,6 @@ from hybridflow.algorithms.preference import PREFERENCE_METRICS, check_preferenc
 from hybridflow.config import Config, ConfigError, config_to_yaml
 from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.dpo_builtin import greedy_accuracy
-from hybridflow.controller.export import export_checkpoint
 from hybridflow.controller.pair_run import (  # the run's checks, pair files and loop, shared with hybridflow rm
     PairSteps,
     check_pair_run,
@@ -44,7 +43,7 @@ from hybridflow.controller.setup import (
     resolve_builtin,
     resolve_output_dir,
 )
-from hybridflow.controller.sft_run import EXPORT_DIR
+from hybridflow.controller.sft_run import export_final, total_steps
 from hybridflow.data.preference import (
     PreferenceColumns,
     PreferencePair,
@@ -113,19 +112,13 @@ def run_dpo_job(cfg: Config) -> DPOResult:
     train, stats = load(train_files)
     val = load(val_files)[0] if val_files else []
     log.info("dpo: %s", stats.describe())
-    if cfg.data.train_batch_size > len(train):
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {len(train)} training "
-                          f"pairs", key="data.train_batch_size")
-    total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * (len(train) // cfg.data.train_batch_size)
+    total = total_steps(cfg, len(train), "pairs")
     out = resolve_output_dir(cfg)
     (out / "config.yaml").write_text(config_to_yaml(cfg))
     before = greedy_accuracy(model_path, held_out) if held_out else None
     job = _Job(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
     final_val = run_ranks(data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
-    export_dir = None
-    if cfg.dpo.export:
-        export_dir = export_checkpoint(out, out / EXPORT_DIR, overwrite=True)
-        print(f"exported: {export_dir} (hybridflow train model.path={export_dir})")
+    export_dir = export_final(out) if cfg.dpo.export else None
     accuracy = None
     if held_out and before is not None and export_dir is not None:
         accuracy = (before, greedy_accuracy(export_dir, held_out))

@@ -17,13 +17,9 @@ from typing import Any
 
 from hybridflow.config import Config, ConfigError
 from hybridflow.config.explain import BUILTIN_TINY
-from hybridflow.config.layout import data_parallel_size
-from hybridflow.controller.checkpoint import CheckpointManager
 from hybridflow.controller.dpo_builtin import builtin_pairs
 from hybridflow.controller.sft import rank_rows
-from hybridflow.controller.sft_run import _resume, _save
-from hybridflow.data import ResumableSampler
-from hybridflow.tracking.loggers import Tracker
+from hybridflow.controller.sft_run import check_offline_run, open_run
 from hybridflow.training import distributed
 from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.threads import adjust_threads
@@ -40,19 +36,7 @@ def check_pair_run(cfg: Config, command: str, export: bool, export_key: str) -> 
     if not cfg.data.train_files and cfg.data.builtin_task != "arithmetic":
         raise ConfigError(f"the built-in preference pairs are made for the arithmetic task, not "
                           f"data.builtin_task={cfg.data.builtin_task}", key="data.builtin_task")
-    if cfg.trainer.backend != "local":
-        raise ConfigError(f"hybridflow {command} runs its ranks as local processes (there is no rollout to place on "
-                          f"a cluster); use trainer.backend=local", key="trainer.backend")
-    if export and not cfg.trainer.save_final:
-        raise ConfigError(f"{export_key}=true exports the final checkpoint, but trainer.save_final=false; set one of "
-                          f"them", key=export_key)
-    if cfg.actor.ulysses_sequence_parallel_size != 1:
-        raise ConfigError(f"hybridflow {command} does not use Ulysses sequence parallelism; set "
-                          f"actor.ulysses_sequence_parallel_size=1", key="actor.ulysses_sequence_parallel_size")
-    world = data_parallel_size(cfg.trainer)
-    if cfg.data.train_batch_size % world:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} pairs per step do not split over "
-                          f"{world} ranks", key="data.train_batch_size")
+    check_offline_run(cfg, command, "pairs", export, export_key)
     d = cfg.dpo
     for key in ("builtin_prompts", "builtin_samples", "builtin_val_prompts"):
         if getattr(d, key) < 1:
@@ -83,14 +67,8 @@ class PairSteps:
 def train_pair_steps(rank: int, world: int, cfg: Config, out: Path, sft: SFTWorker, num_pairs: int,
                      total_steps: int, steps: PairSteps) -> dict[str, float] | None:
     """Resume, then train until ``total_steps``; the last validation record (see the module docstring)."""
-    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
-    sampler = ResumableSampler(num_pairs, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=seed)
-    manager = CheckpointManager(out / "checkpoints", cfg.trainer.max_ckpt_to_keep)
-    start_step = _resume(manager, sft, sampler, cfg, rank)
-    tracker = None
-    if rank == 0:
-        tracker = Tracker(cfg.trainer.logger, output_dir=out, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name, config={})
+    run = open_run(cfg, out, num_pairs, sft, rank)
+    sampler, tracker, start_step = run.sampler, run.tracker, run.start_step
     try:
         final_val = None
         if start_step == 0 and cfg.trainer.val_before_train and steps.validate is not None:
@@ -103,12 +81,10 @@ def train_pair_steps(rank: int, world: int, cfg: Config, out: Path, sft: SFTWork
             record = steps.step(list(rank_rows(sampler.next_batch(), rank, world)))
             record.update({"train/pairs_per_s": cfg.data.train_batch_size / max(time.perf_counter() - clock, 1e-9),
                            "train/epoch": sampler.epoch})
-            last = step == total_steps
-            if steps.validate is not None and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+            if steps.validate is not None and run.validate_due(step, total_steps):
                 final_val = steps.validate()
                 record.update(final_val)
-            if (last and cfg.trainer.save_final) or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
-                _save(manager, sft, step, sampler, cfg, rank)
+            run.save_if_due(step, total_steps, sft)
             if tracker is not None:
                 tracker.log(record, step=step)
             maybe_fault("after_step", step)  # tests kill the run here (SIGKILL) and resume it

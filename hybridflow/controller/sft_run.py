@@ -83,21 +83,28 @@ def check_sft_config(cfg: Config) -> None:
     if not cfg.data.train_files:
         raise ConfigError("hybridflow sft needs data.train_files: parquet or JSONL files with a 'messages' column "
                           "(or prompt/response columns)", key="data.train_files")
-    if cfg.trainer.backend != "local":
-        raise ConfigError("hybridflow sft runs its ranks as local processes (there is no rollout to place on a "
-                          "cluster); use trainer.backend=local", key="trainer.backend")
-    if cfg.sft.export and not cfg.trainer.save_final:
-        raise ConfigError("sft.export=true exports the final checkpoint, but trainer.save_final=false; set one of them",
-                          key="sft.export")
-    if cfg.actor.ulysses_sequence_parallel_size != 1:
-        raise ConfigError("hybridflow sft does not use Ulysses sequence parallelism; set "
-                          "actor.ulysses_sequence_parallel_size=1", key="actor.ulysses_sequence_parallel_size")
-    world = data_parallel_size(cfg.trainer)
-    if cfg.data.train_batch_size % world:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} examples per step do not split over "
-                          f"{world} ranks", key="data.train_batch_size")
+    check_offline_run(cfg, "sft", "examples", cfg.sft.export, "sft.export")
     if cfg.sft.max_length is not None and cfg.sft.max_length < 2:
         raise ConfigError(f"sft.max_length={cfg.sft.max_length}: need at least 2 tokens", key="sft.max_length")
+
+
+def check_offline_run(cfg: Config, command: str, unit: str, export: bool, export_key: str) -> None:
+    """The settings every offline trainer (``hybridflow <command>``: sft, dpo, rm) reads the same way:
+    its ranks are local processes without Ulysses, each step's ``unit``s split evenly over them, and
+    an export (``export``, the value of ``export_key``) needs the final checkpoint it exports."""
+    if cfg.trainer.backend != "local":
+        raise ConfigError(f"hybridflow {command} runs its ranks as local processes (there is no rollout to place on "
+                          f"a cluster); use trainer.backend=local", key="trainer.backend")
+    if export and not cfg.trainer.save_final:
+        raise ConfigError(f"{export_key}=true exports the final checkpoint, but trainer.save_final=false; set one "
+                          f"of them", key=export_key)
+    if cfg.actor.ulysses_sequence_parallel_size != 1:
+        raise ConfigError(f"hybridflow {command} does not use Ulysses sequence parallelism; set "
+                          f"actor.ulysses_sequence_parallel_size=1", key="actor.ulysses_sequence_parallel_size")
+    world = data_parallel_size(cfg.trainer)
+    if cfg.data.train_batch_size % world:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} {unit} per step do not split over "
+                          f"{world} ranks", key="data.train_batch_size")
 
 
 def max_length(cfg: Config) -> int:
@@ -122,21 +129,31 @@ def run_sft_job(cfg: Config) -> SFTResult:
                                    truncation=cfg.sft.truncation, on_bad_row=cfg.data.on_bad_row,
                                    template_kwargs=template_kwargs)
     log.info("sft: %s", stats.describe())
-    if cfg.data.train_batch_size > len(train):
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {len(train)} training "
-                          f"examples", key="data.train_batch_size")
-    steps_per_epoch = len(train) // cfg.data.train_batch_size
-    total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * steps_per_epoch
+    total = total_steps(cfg, len(train), "examples")
     out = resolve_output_dir(cfg)
     (out / "config.yaml").write_text(config_to_yaml(cfg))
     _write_data_stats(out, stats)
     job = _Job(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
     final_val = run_ranks(data_parallel_size(cfg.trainer), _train, job, PRELOAD)
-    export_dir = None
-    if cfg.sft.export:
-        export_dir = export_checkpoint(out, out / EXPORT_DIR, overwrite=True)
-        print(f"exported: {export_dir} (hybridflow train model.path={export_dir})")
+    export_dir = export_final(out) if cfg.sft.export else None
     return SFTResult(out, out / "metrics.jsonl", export_dir, final_val)
+
+
+def total_steps(cfg: Config, rows: int, unit: str) -> int:
+    """An offline trainer's optimizer steps over ``rows`` training ``unit``s: ``trainer.total_training_steps``,
+    else ``trainer.total_epochs`` of whole batches (a partial last batch is dropped)."""
+    if cfg.data.train_batch_size > rows:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {rows} training "
+                          f"{unit}", key="data.train_batch_size")
+    return cfg.trainer.total_training_steps or cfg.trainer.total_epochs * (rows // cfg.data.train_batch_size)
+
+
+def export_final(out: Path) -> Path:
+    """The final checkpoint of the run in ``out`` exported to ``out/export``: a Hugging Face folder
+    ``hybridflow train`` starts from."""
+    export_dir = export_checkpoint(out, out / EXPORT_DIR, overwrite=True)
+    print(f"exported: {export_dir} (hybridflow train model.path={export_dir})")
+    return export_dir
 
 
 def _write_data_stats(out: Path, stats: SFTDataStats) -> None:
@@ -149,14 +166,8 @@ def _train(rank: int, world: int, job: _Job, device) -> float | None:
     out = Path(job.output_dir)
     worker = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps,
                        max_length=job.max_length, chat_template=policy_chat_template(cfg.data))
-    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
-    sampler = ResumableSampler(len(job.train), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=seed)
-    manager = CheckpointManager(out / "checkpoints", cfg.trainer.max_ckpt_to_keep)
-    start_step = _resume(manager, worker, sampler, cfg, rank)
-    tracker = None
-    if rank == 0:
-        tracker = Tracker(cfg.trainer.logger, output_dir=out, project=cfg.trainer.project_name,
-                          experiment=cfg.trainer.experiment_name, config={})
+    run = open_run(cfg, out, len(job.train), worker, rank)
+    sampler, tracker, start_step = run.sampler, run.tracker, run.start_step
     try:
         if start_step == 0 and cfg.trainer.val_before_train and job.val:
             loss = worker.val_loss(job.val, job.pad_token_id)
@@ -174,11 +185,9 @@ def _train(rank: int, world: int, job: _Job, device) -> float | None:
                       "train/grad_norm": metrics["train/grad_norm"], "train/tokens": metrics["sft/tokens"],
                       "train/tokens_per_s": metrics["sft/tokens"] / max(now - clock["t"], 1e-9),
                       "train/epoch": sampler.epoch}
-            last = step == job.total_steps
-            if job.val and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+            if job.val and run.validate_due(step, job.total_steps):
                 record["val/loss"] = final_val = worker.val_loss(job.val, job.pad_token_id)
-            if (last and cfg.trainer.save_final) or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
-                _save(manager, worker, step, sampler, cfg, rank)
+            run.save_if_due(step, job.total_steps, worker)
             if tracker is not None:
                 tracker.log(record, step=step)
             maybe_fault("after_step", step)  # tests kill the run here (SIGKILL) and resume it
@@ -193,6 +202,46 @@ def _train(rank: int, world: int, job: _Job, device) -> float | None:
     finally:
         if tracker is not None:
             tracker.close()
+
+
+@dataclass
+class OfflineRun:
+    """One rank's state of an offline trainer's run (``open_run``): the data order, the checkpoints,
+    the step it starts after, rank 0's tracker (None elsewhere), and when a step validates and saves."""
+
+    cfg: Config
+    rank: int
+    sampler: ResumableSampler
+    manager: CheckpointManager
+    start_step: int
+    tracker: Tracker | None
+
+    def validate_due(self, step: int, total_steps: int) -> bool:
+        """Every ``trainer.test_freq`` steps and at the last one."""
+        freq = self.cfg.trainer.test_freq
+        return step == total_steps or (freq > 0 and step % freq == 0)
+
+    def save_if_due(self, step: int, total_steps: int, worker: SFTWorker) -> None:
+        """Checkpoint every ``trainer.save_freq`` steps and, with ``trainer.save_final``, at the last one
+        (a collective: every rank calls it)."""
+        trainer = self.cfg.trainer
+        if (step == total_steps and trainer.save_final) or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
+            _save(self.manager, worker, step, self.sampler, self.cfg, self.rank)
+
+
+def open_run(cfg: Config, out: Path, rows: int, worker: SFTWorker, rank: int) -> OfflineRun:
+    """A rank's run over ``rows`` training rows written under ``out``: the sampler seeded by
+    ``data.seed`` (else ``trainer.seed``), resumed with ``worker`` from the newest checkpoint
+    (``trainer.resume_mode``), and on rank 0 the tracker (close it when the run ends)."""
+    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+    sampler = ResumableSampler(rows, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=seed)
+    manager = CheckpointManager(out / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+    start_step = _resume(manager, worker, sampler, cfg, rank)
+    tracker = None
+    if rank == 0:
+        tracker = Tracker(cfg.trainer.logger, output_dir=out, project=cfg.trainer.project_name,
+                          experiment=cfg.trainer.experiment_name, config={})
+    return OfflineRun(cfg, rank, sampler, manager, start_step, tracker)
 
 
 def _resume(manager: CheckpointManager, worker: SFTWorker, sampler: ResumableSampler, cfg: Config, rank: int) -> int:
@@ -252,4 +301,5 @@ def sft_cli(cfg: Config) -> SFTResult:
     return result
 
 
-__all__ = ["SFTResult", "check_sft_config", "run_sft_job", "sft_cli", "max_length", "EXPORT_DIR"]
+__all__ = ["SFTResult", "OfflineRun", "check_offline_run", "check_sft_config", "export_final", "open_run",
+           "total_steps", "run_sft_job", "sft_cli", "max_length", "EXPORT_DIR"]
