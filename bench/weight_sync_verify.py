@@ -5,7 +5,7 @@ the path a colocated run takes) receive a ~18M-parameter Qwen2-shaped model's fp
 ``RolloutReplicas.update_weights``, once with the verifier off and once on; medians over
 ``--repeats`` syncs after a warm-up, per rollout dtype (bfloat16 adds the sender-side cast the
 checksums are taken in). Printed: sync seconds without and with the check, the check's own
-seconds (``weight_sync/verify_s``) and its ratio to the unchecked sync.
+seconds (``timing_s/verify_weight_sync``) and its ratio to the unchecked sync.
 
     python bench/weight_sync_verify.py --threads 2
 """
@@ -50,7 +50,7 @@ def timed(replicas: RolloutReplicas, weights: dict[str, torch.Tensor], repeats: 
         start = time.perf_counter()
         replicas.update_weights(weights.items(), version=i + 1)
         elapsed = time.perf_counter() - start
-        check = replicas.take_sync_metrics().get("weight_sync/verify_s", 0.0)
+        check = replicas.take_sync_metrics().get("timing_s/verify_weight_sync", 0.0)
         if i:
             syncs.append(elapsed)
             checks.append(check)

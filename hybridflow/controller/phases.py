@@ -512,7 +512,7 @@ def step_metrics(
             response_mask=batch.response_mask,
         ),
         **timer.metrics(),
-        **roles.rollout.take_sync_metrics(),  # weight_sync/verify_s of the syncs since the last step
+        **roles.rollout.take_sync_metrics(),  # timing_s/verify_weight_sync of the syncs since the last step
         **compute_throughput_metrics(batch.num_tokens, timer.seconds("step"), roles.actor.world_size),
         "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads, or what others left free
     }

@@ -240,10 +240,10 @@ class RolloutReplicas:
         self._verify_s = (self._verify_s or 0.0) + time.perf_counter() - start
 
     def take_sync_metrics(self) -> dict[str, float]:
-        """``weight_sync/verify_s``: the seconds the checks of the syncs since the last call took
+        """``timing_s/verify_weight_sync``: the seconds the checks of the syncs since the last call took
         (nothing when none was checked)."""
         verified, self._verify_s = self._verify_s, None
-        return {} if verified is None else {"weight_sync/verify_s": verified}
+        return {} if verified is None else {"timing_s/verify_weight_sync": verified}
 
     def kv_cache_budget(self) -> int | None:
         """The smallest KV cache budget in bytes the replicas' engines sized their caches by (None:

@@ -243,7 +243,7 @@ def test_broadcast_weight_sync_gives_the_rollout_the_actors_weights(
     assert all(s["timing_s/update_weights"] > 0 for s in steps)
     # Every sync checked (rollout.verify_weight_sync, on by default): each replica's held bytes
     # against the checksums it took of the bytes it received.
-    assert all(s["weight_sync/verify_s"] > 0 for s in steps)
+    assert all(s["timing_s/verify_weight_sync"] > 0 for s in steps)
 
 
 # ------------------------------------------------------------------------------ worker groups

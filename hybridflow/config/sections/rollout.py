@@ -179,7 +179,7 @@ class RolloutConfig:
         "After each weight sync, check that every replica's engine holds the bytes the trainer sent: each replica "
         "reports a 64-bit checksum per tensor read from its parameters after the copy, compared with the sent "
         "tensors' (object_store) or the received bytes' (broadcast); a mismatch fails the step naming the replica "
-        "and tensors. Seconds spent: weight_sync/verify_s. Engines that hold their own copy (vLLM, SGLang), "
+        "and tensors. Seconds spent: timing_s/verify_weight_sync. Engines that hold their own copy (vLLM, SGLang), "
         "tensor-parallel replicas and LoRA adapter syncs are not checked (logged once).",
     )
     val_kwargs: ValKwargsConfig = sub(ValKwargsConfig, "Sampling for validation.")
