@@ -40,7 +40,7 @@ from hybridflow.controller.pair_run import (
 from hybridflow.controller.ranks import run_ranks
 from hybridflow.controller.preflight import config_device, policy_chat_template
 from hybridflow.controller.setup import resolve_output_dir
-from hybridflow.controller.sft_run import EXPORT_DIR
+from hybridflow.controller.sft_run import EXPORT_DIR, total_steps
 from hybridflow.data.preference import PreferenceColumns, PreferencePair, load_preference_pairs
 from hybridflow.models.loading import (
     load_model_config,
@@ -116,10 +116,7 @@ def run_rm_job(cfg: Config) -> RMResult:
 
     train = load(train_files)
     val = load(val_files) if val_files else []
-    if cfg.data.train_batch_size > len(train):
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {len(train)} training "
-                          f"pairs", key="data.train_batch_size")
-    total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * (len(train) // cfg.data.train_batch_size)
+    total = total_steps(cfg, len(train), "pairs")
     out = resolve_output_dir(cfg)
     (out / "config.yaml").write_text(config_to_yaml(cfg))
     longest = max(max(len(p.chosen.prompt_ids), len(p.rejected.prompt_ids)) for p in train + val)
