@@ -16,13 +16,13 @@ from hybridflow.models.tiny import write_tiny_model
 pytestmark = pytest.mark.slow
 
 
-def generate_then_score(run, rows, params, seed_scope, timer):
+def generate_then_score(roles, plan, rows, params, seed_scope, timer, vision=None):
     """The collect round before streaming: generate all, then score all."""
     with timer.phase("gen"):
-        trajectories = phases.generate(run.roles, run.plan, rows, params, seed_scope=seed_scope)
-    scores_of_model, model_metrics = overlap.model_scores(run.roles.reward_model, trajectories, timer)
+        trajectories = phases.generate(roles, plan, rows, params, seed_scope, vision)
+    scores_of_model, model_metrics = overlap.model_scores(roles.reward_model, trajectories, timer)
     with timer.phase("reward"):
-        _, metrics = phases.score_answers(run.roles, trajectories, scores_of_model=scores_of_model)
+        _, metrics = phases.score_answers(roles, trajectories, scores_of_model=scores_of_model)
         return trajectories, metrics | model_metrics
 
 

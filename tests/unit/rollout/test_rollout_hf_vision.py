@@ -81,7 +81,7 @@ def test_greedy_decoding_equals_argmax_of_the_full_forward_and_stops_at_eos():
     sample = engine.generate_batch([request])[0][0]
     batch = collate_trajectories([sample], pad_token_id=PAD)
     trainer = TrainEngine(copy.deepcopy(model), optim=None, device=torch.device("cpu"), fused_lm_head=False)
-    logits = trainer._response_logits(batch, 1.0)[0]  # (R, V) from one uncached forward with M-RoPE
+    logits = trainer.forward_pass._response_logits(batch, 1.0)[0]  # (R, V) from one uncached forward with M-RoPE
     assert sample.response_ids == logits.argmax(-1).tolist()[: len(sample.response_ids)]
     token = sample.response_ids[-1]
     first = sample.response_ids.index(token)  # a stop id ends the sample where it first appears
