@@ -167,9 +167,18 @@ def _tied_outputs(model_dir: Path) -> frozenset[str]:
 
 
 def _check_loads(model_dir: Path) -> None:
-    """Load the export with plain transformers (local files only), as a user would."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load the export with plain transformers (local files only), as a user would, by the Auto class
+    its architecture names: a reward model (``hybridflow rm``) or a critic loads as the classifier it
+    is, not as a causal LM that would report its head as an unexpected weight."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
 
     AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    architectures = AutoConfig.from_pretrained(model_dir, local_files_only=True).architectures or []
+    auto = transformers.AutoModelForCausalLM
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        auto = transformers.AutoModelForSequenceClassification
+    elif any(a.endswith("ForTokenClassification") for a in architectures):
+        auto = transformers.AutoModelForTokenClassification
     with hf_progress_bars_off():
-        AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+        auto.from_pretrained(model_dir, local_files_only=True)
