@@ -19,65 +19,40 @@ SFT's; the ranks and the loop over steps are the pair runs' (``controller.pair_r
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from hybridflow.algorithms.preference import PREFERENCE_METRICS, check_preference_loss
-from hybridflow.config import Config, ConfigError, config_to_yaml
+from hybridflow.config import Config, ConfigError
 from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.dpo_builtin import greedy_accuracy
 from hybridflow.controller.pair_run import (  # the run's checks, pair files and loop, shared with hybridflow rm
+    PairResult,
     PairSteps,
     check_pair_run,
+    load_pair_splits,
     pair_files,
     reduce_shares,
+    run_pair_cli,
     train_pair_steps,
 )
 from hybridflow.controller.ranks import run_ranks
-from hybridflow.controller.setup import (
-    config_device,
-    policy_chat_template,
-    resolve_builtin,
-    resolve_output_dir,
-)
-from hybridflow.controller.sft_run import export_final, total_steps
-from hybridflow.data.preference import (
-    PreferenceColumns,
-    PreferencePair,
-    load_preference_pairs,
-)
+from hybridflow.controller.builtin import resolve_builtin
+from hybridflow.controller.preflight import config_device, policy_chat_template
+from hybridflow.controller.sft_run import OfflineJob, export_final, open_output_dir, total_steps
+from hybridflow.data.preference import PreferencePair
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.workers.dpo import DPOLossSpec, DPOWorker
 from hybridflow.workers.sft import SFTWorker
-
-log = logging.getLogger(__name__)
 
 PRELOAD = ["torch", "transformers", "hybridflow.controller.dpo_run"]
 EVAL_FILE = "dpo_eval.json"
 
 
 @dataclass
-class DPOResult:
-    output_dir: Path
-    metrics_path: Path
-    export_dir: Path | None
-    final_val: dict[str, float] | None
-    greedy_accuracy: tuple[float, float] | None  # built-in pairs: (before, after) on held-out prompts
-
-
-@dataclass(frozen=True)
-class _Job:
-    cfg: Config
-    model_path: str
-    output_dir: str
-    train: list[PreferencePair]
-    val: list[PreferencePair]
-    total_steps: int
-    pad_token_id: int
-    max_length: int
+class DPOResult(PairResult):
+    greedy_accuracy: tuple[float, float] | None = None  # built-in pairs: (before, after) on held-out prompts
 
 
 def check_dpo_config(cfg: Config) -> None:
@@ -103,20 +78,13 @@ def run_dpo_job(cfg: Config) -> DPOResult:
     model_path, _, _ = resolve_builtin(cfg, device)
     train_files, val_files, held_out = pair_files(cfg, model_path)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, policy_chat_template(cfg.data))
-    columns = PreferenceColumns(cfg.data.prompt_key, cfg.dpo.chosen_key, cfg.dpo.rejected_key)
     length = cfg.dpo.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
-    def load(files: list[str]):
-        return load_preference_pairs(files, tokenizer, columns, max_length=length, on_bad_row=cfg.data.on_bad_row,
-                                     template_kwargs=cfg.data.apply_chat_template_kwargs)
-
-    train, stats = load(train_files)
-    val = load(val_files)[0] if val_files else []
-    log.info("dpo: %s", stats.describe())
+    train, val = load_pair_splits(cfg, "dpo", tokenizer, train_files, val_files, length,
+                                  template_kwargs=cfg.data.apply_chat_template_kwargs)
     total = total_steps(cfg, len(train), "pairs")
-    out = resolve_output_dir(cfg)
-    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    out = open_output_dir(cfg)
     before = greedy_accuracy(model_path, held_out) if held_out else None
-    job = _Job(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
+    job = OfflineJob(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
     final_val = run_ranks(data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
     export_dir = export_final(out) if cfg.dpo.export else None
     accuracy = None
@@ -127,7 +95,7 @@ def run_dpo_job(cfg: Config) -> DPOResult:
     return DPOResult(out, out / "metrics.jsonl", export_dir, final_val, accuracy)
 
 
-def _train_rank(rank: int, world: int, job: _Job, device: torch.device) -> dict[str, float] | None:
+def _train_rank(rank: int, world: int, job: OfflineJob[PreferencePair], device: torch.device) -> dict[str, float] | None:
     cfg, d = job.cfg, job.cfg.dpo
     sft = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps, max_length=job.max_length,
                     chat_template=policy_chat_template(cfg.data))
@@ -144,19 +112,12 @@ def _train_rank(rank: int, world: int, job: _Job, device: torch.device) -> dict[
         assert ref_val is not None
         return {f"val/{k}": v for k, v in worker.evaluate(job.val, ref_val).items()}
 
-    return train_pair_steps(rank, world, cfg, Path(job.output_dir), sft, len(job.train), job.total_steps,
-                            PairSteps(step, validate if job.val else None))
+    return train_pair_steps(rank, world, job, sft, PairSteps(step, validate))
 
 
 def dpo_cli(cfg: Config) -> DPOResult:
     """``hybridflow dpo``: run, then say where the results are."""
-    from hybridflow.models.loading import hf_progress_bars_off
-
-    with hf_progress_bars_off():
-        result = run_dpo_job(cfg)
-    if result.final_val is not None:
-        print(f"final val/loss {result.final_val['val/loss']:.4f}  val/rewards/accuracies "
-              f"{result.final_val['val/rewards/accuracies']:.3f}")
+    result = run_pair_cli(run_dpo_job, cfg, ("val/rewards/accuracies",))
     if result.greedy_accuracy is not None:
         before, after = result.greedy_accuracy
         print(f"held-out greedy accuracy {before:.3f} -> {after:.3f}")

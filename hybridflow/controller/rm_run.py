@@ -18,30 +18,30 @@ chosen above rejected), ``rm/margin`` (the mean score difference), ``rm/chosen``
 from __future__ import annotations
 
 import json
-import logging
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from hybridflow.algorithms.preference import REWARD_MODEL_METRICS
-from hybridflow.config import Config, ConfigError, config_to_yaml
+from hybridflow.config import Config, ConfigError
 from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.builtin import resolve_builtin
 from hybridflow.controller.export import export_checkpoint
 from hybridflow.controller.pair_run import (
+    PairResult,
     PairSteps,
     check_pair_run,
+    load_pair_splits,
     pair_files,
     reduce_shares,
+    run_pair_cli,
     train_pair_steps,
 )
 from hybridflow.controller.ranks import run_ranks
 from hybridflow.controller.preflight import config_device, policy_chat_template
-from hybridflow.controller.setup import resolve_output_dir
-from hybridflow.controller.sft_run import EXPORT_DIR, total_steps
-from hybridflow.data.preference import PreferenceColumns, PreferencePair, load_preference_pairs
+from hybridflow.controller.sft_run import EXPORT_DIR, OfflineJob, open_output_dir, total_steps
+from hybridflow.data.preference import PreferencePair
 from hybridflow.models.loading import (
     load_model_config,
     load_reward_model_to_train,
@@ -51,30 +51,11 @@ from hybridflow.models.loading import (
 from hybridflow.workers.reward_trainer import RewardTrainerWorker, reward_model_pair
 from hybridflow.workers.sft import SFTWorker
 
-log = logging.getLogger(__name__)
-
 PRELOAD = ["torch", "transformers", "hybridflow.controller.rm_run"]
 EVAL_FILE = "rm_eval.json"
 
 
-@dataclass
-class RMResult:
-    output_dir: Path
-    metrics_path: Path
-    export_dir: Path | None
-    final_val: dict[str, float] | None
-
-
-@dataclass(frozen=True)
-class _Job:
-    cfg: Config
-    model_path: str
-    output_dir: str
-    train: list[PreferencePair]
-    val: list[PreferencePair]
-    total_steps: int
-    pad_token_id: int
-    longest: int  # the longest rendered side, for the micro-batch plan
+RMResult = PairResult  # hybridflow rm reports what every pair run does
 
 
 def check_rm_config(cfg: Config) -> None:
@@ -105,23 +86,14 @@ def run_rm_job(cfg: Config) -> RMResult:
     model_path, _, _ = resolve_builtin(cfg, config_device(cfg.trainer.device))
     train_files, val_files, _ = pair_files(cfg, model_path)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, policy_chat_template(cfg.data))
-    columns = PreferenceColumns(cfg.data.prompt_key, cfg.dpo.chosen_key, cfg.dpo.rejected_key)
-    length = rm_max_length(cfg, model_path)
-
-    def load(files: list[str]) -> list[PreferencePair]:
-        pairs, stats = load_preference_pairs(files, tokenizer, columns, max_length=length,
-                                             on_bad_row=cfg.data.on_bad_row, make_pair=reward_model_pair)
-        log.info("rm: %s: %s", ", ".join(files), stats.describe())
-        return pairs
-
-    train = load(train_files)
-    val = load(val_files) if val_files else []
+    train, val = load_pair_splits(cfg, "rm", tokenizer, train_files, val_files, rm_max_length(cfg, model_path),
+                                  make_pair=reward_model_pair)
     total = total_steps(cfg, len(train), "pairs")
-    out = resolve_output_dir(cfg)
-    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    out = open_output_dir(cfg)
+    # The micro-batch plan cuts at the longest rendered side, not at rm.max_length.
     longest = max(max(len(p.chosen.prompt_ids), len(p.rejected.prompt_ids)) for p in train + val)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    job = _Job(cfg, model_path, str(out), train, val, total, int(pad), longest)
+    job = OfflineJob(cfg, model_path, str(out), train, val, total, int(pad), longest)
     final_val = run_ranks(data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
     export_dir = None
     if cfg.rm.export:
@@ -133,9 +105,9 @@ def run_rm_job(cfg: Config) -> RMResult:
     return RMResult(out, out / "metrics.jsonl", export_dir, final_val)
 
 
-def _train_rank(rank: int, world: int, job: _Job, device: torch.device) -> dict[str, float] | None:
+def _train_rank(rank: int, world: int, job: OfflineJob[PreferencePair], device: torch.device) -> dict[str, float] | None:
     cfg = job.cfg
-    sft = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps, max_length=job.longest,
+    sft = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps, max_length=job.max_length,
                     chat_template=policy_chat_template(cfg.data),
                     load_model=partial(load_reward_model_to_train, pad_token_id=job.pad_token_id))
     worker = RewardTrainerWorker(sft, cfg.rm.center_rewards_coefficient, job.pad_token_id)
@@ -148,19 +120,12 @@ def _train_rank(rank: int, world: int, job: _Job, device: torch.device) -> dict[
     def validate() -> dict[str, float]:
         return {f"val/{k}": v for k, v in worker.evaluate(job.val).items()}
 
-    return train_pair_steps(rank, world, cfg, Path(job.output_dir), sft, len(job.train), job.total_steps,
-                            PairSteps(step, validate if job.val else None))
+    return train_pair_steps(rank, world, job, sft, PairSteps(step, validate))
 
 
 def rm_cli(cfg: Config) -> RMResult:
     """``hybridflow rm``: run, then say where the results are."""
-    from hybridflow.models.loading import hf_progress_bars_off
-
-    with hf_progress_bars_off():
-        result = run_rm_job(cfg)
-    if result.final_val is not None:
-        print(f"final val/loss {result.final_val['val/loss']:.4f}  val/rm/accuracy "
-              f"{result.final_val['val/rm/accuracy']:.3f}  val/rm/margin {result.final_val['val/rm/margin']:.3f}")
+    result = run_pair_cli(run_rm_job, cfg, ("val/rm/accuracy", "val/rm/margin"))
     print(f"metrics: {result.metrics_path}")
     return result
 

@@ -29,6 +29,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from hybridflow.config import Config, ConfigError, config_to_yaml
 from hybridflow.config.layout import data_parallel_size
@@ -64,15 +65,20 @@ class SFTResult:
     final_val_loss: float | None
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class _Job:
-    """What every rank needs: the config, the resolved model and the tokenised data."""
+class OfflineJob(Generic[T]):
+    """What every rank of an offline trainer (sft, dpo, rm) needs: the config, the resolved model, the
+    tokenised data (examples or preference pairs), the step count, the pad id and the longest sequence
+    its micro-batch plan cuts at. Built once in the launching process and pickled to each rank."""
 
     cfg: Config
     model_path: str
     output_dir: str
-    train: list[Trajectory]
-    val: list[Trajectory]
+    train: list[T]
+    val: list[T]
     total_steps: int
     pad_token_id: int
     max_length: int
@@ -130,10 +136,9 @@ def run_sft_job(cfg: Config) -> SFTResult:
                                    template_kwargs=template_kwargs)
     log.info("sft: %s", stats.describe())
     total = total_steps(cfg, len(train), "examples")
-    out = resolve_output_dir(cfg)
-    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    out = open_output_dir(cfg)
     _write_data_stats(out, stats)
-    job = _Job(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
+    job = OfflineJob(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
     final_val = run_ranks(data_parallel_size(cfg.trainer), _train, job, PRELOAD)
     export_dir = export_final(out) if cfg.sft.export else None
     return SFTResult(out, out / "metrics.jsonl", export_dir, final_val)
@@ -146,6 +151,13 @@ def total_steps(cfg: Config, rows: int, unit: str) -> int:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {rows} training "
                           f"{unit}", key="data.train_batch_size")
     return cfg.trainer.total_training_steps or cfg.trainer.total_epochs * (rows // cfg.data.train_batch_size)
+
+
+def open_output_dir(cfg: Config) -> Path:
+    """An offline trainer's run folder (``resolve_output_dir``) with the run's ``config.yaml`` written in it."""
+    out = resolve_output_dir(cfg)
+    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    return out
 
 
 def export_final(out: Path) -> Path:
@@ -161,7 +173,7 @@ def _write_data_stats(out: Path, stats: SFTDataStats) -> None:
     (out / "sft_data.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _train(rank: int, world: int, job: _Job, device) -> float | None:
+def _train(rank: int, world: int, job: OfflineJob[Trajectory], device) -> float | None:
     cfg = job.cfg
     out = Path(job.output_dir)
     worker = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps,
@@ -301,5 +313,5 @@ def sft_cli(cfg: Config) -> SFTResult:
     return result
 
 
-__all__ = ["SFTResult", "OfflineRun", "check_offline_run", "check_sft_config", "export_final", "open_run",
-           "total_steps", "run_sft_job", "sft_cli", "max_length", "EXPORT_DIR"]
+__all__ = ["SFTResult", "OfflineJob", "OfflineRun", "check_offline_run", "check_sft_config", "export_final",
+           "open_output_dir", "open_run", "total_steps", "run_sft_job", "sft_cli", "max_length", "EXPORT_DIR"]
