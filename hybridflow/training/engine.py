@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -186,32 +186,19 @@ class TrainEngine:
         return self.forward_pass.forward_values(batch, use_remove_padding=use_remove_padding)
 
     @torch.no_grad()
-    def compute_values(
+    def compute_head_outputs(
         self,
         batch: TrainBatch,
+        output: Literal["values", "scores"],
         *,
         micro_batch_size: int | None = None,
         use_remove_padding: bool = False,
         max_token_len: int | None = None,
     ) -> torch.Tensor:
-        """A value model's values of every response token, in the batch's row order, micro-batched
-        as ``compute_logprobs``.  # (B, R)"""
-        return self._infer(batch, "values", temperature=1.0, micro_batch_size=micro_batch_size,
-                           with_entropy=False, with_sum_pi_squared=False, use_remove_padding=use_remove_padding,
-                           max_token_len=max_token_len, num_micro_batches=None).logprobs
-
-    @torch.no_grad()
-    def compute_scores(
-        self,
-        batch: TrainBatch,
-        *,
-        micro_batch_size: int | None = None,
-        use_remove_padding: bool = False,
-        max_token_len: int | None = None,
-    ) -> torch.Tensor:
-        """A sequence classifier's score of every row (``ModelForward.forward_scores``), in the batch's
-        row order, micro-batched as ``compute_logprobs``.  # (B,)"""
-        return self._infer(batch, "scores", temperature=1.0, micro_batch_size=micro_batch_size,
+        """What a model with a one-label head predicts, in the batch's row order, micro-batched as
+        ``compute_logprobs``: ``"values"``, a value model's value of every response token  # (B, R);
+        ``"scores"``, a sequence classifier's score of every row (``ModelForward.forward_scores``)  # (B,)"""
+        return self._infer(batch, output, temperature=1.0, micro_batch_size=micro_batch_size,
                            with_entropy=False, with_sum_pi_squared=False, use_remove_padding=use_remove_padding,
                            max_token_len=max_token_len, num_micro_batches=None).logprobs
 

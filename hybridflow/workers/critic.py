@@ -94,8 +94,8 @@ class CriticWorker:
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """V(s_t) of every response token under the current weights (the rollout's values).  # (B, R)"""
         batch, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)  # as the actor's logprob pass
-        return self.engine.compute_values(
-            batch, micro_batch_size=self.cfg.forward_micro_batch_size_per_gpu,
+        return self.engine.compute_head_outputs(
+            batch, "values", micro_batch_size=self.cfg.forward_micro_batch_size_per_gpu,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
         )[own]
 

@@ -57,8 +57,8 @@ class RewardTrainerWorker:
         """(chosen, rejected) scores of every pair under the current weights, over all ranks (a collective).  # (N, 2)"""
 
         def side_scores(batch: TrainBatch) -> torch.Tensor:
-            return self.engine.compute_scores(
-                batch, micro_batch_size=self.sft.cfg.actor.log_prob_micro_batch_size_per_gpu,
+            return self.engine.compute_head_outputs(
+                batch, "scores", micro_batch_size=self.sft.cfg.actor.log_prob_micro_batch_size_per_gpu,
                 use_remove_padding=self.sft.plan.use_remove_padding, max_token_len=self.sft.plan.log_prob_max_token_len,
             )
 

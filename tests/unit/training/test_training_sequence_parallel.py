@@ -129,8 +129,8 @@ def test_two_sequence_parallel_ranks_train_like_one_process() -> None:
         results = dict(out)
     mask = long_packed_batch().response_mask.bool()
     assert torch.equal(results["rank1_logprobs"], results["gqa"]["logprobs"])  # every rank gets every token
-    values = TrainEngine(value_model(), None, torch.device("cpu")).compute_values(
-        long_packed_batch(), use_remove_padding=True, max_token_len=TOKEN_BUDGET)
+    values = TrainEngine(value_model(), None, torch.device("cpu")).compute_head_outputs(
+        long_packed_batch(), "values", use_remove_padding=True, max_token_len=TOKEN_BUDGET)
     assert torch.allclose(results["values"][mask], values[mask], atol=TOLERANCE, rtol=0)
     for name in SPECS:
         expected, got = reference(name), results[name]
