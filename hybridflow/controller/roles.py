@@ -23,7 +23,6 @@ from hybridflow.config import Config, ConfigError
 from hybridflow.config.layout import data_parallel_size, rollout_replicas
 from hybridflow.controller.preflight import judge_api_key
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
-from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.rewards.manager import scoring_processes
 from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
 from hybridflow.rewards.sandbox_fusion import (
@@ -184,15 +183,7 @@ def build_reward_model_group(
     if not rm.enable:
         return None
     if rm.style == "generative":
-        j = rm.judge
-        assert j.base_url is not None, "validate_config requires it"
-        settings = JudgeSettings(
-            base_url=j.base_url, model=j.model, prompt_template=j.prompt_template, api_key=judge_api_key(cfg),
-            score_pattern=j.score_pattern, max_concurrency=j.max_concurrency, timeout_s=j.timeout_s,
-            max_retries=j.max_retries, backoff_s=j.backoff_s, failure_score=j.failure_score,
-            max_tokens=j.max_tokens, temperature=j.temperature,
-        )
-        judge_setup = JudgeSetup(settings=settings, **common)
+        judge_setup = JudgeSetup(settings=rm.judge, api_key=judge_api_key(cfg), **common)
         group = build_worker_group("local", "reward_model", lambda r, w: JudgeWorker(r, w, judge_setup), 1)
         return RewardModelGroup(group, JudgeWorker.score, JudgeWorker.close)
     assert rm.model.path is not None

@@ -1,6 +1,6 @@
 """A generative reward model: an LLM judge behind an OpenAI-compatible chat endpoint.
 
-Each answer becomes one chat completion request (``JudgeSettings.prompt_template`` filled with the
+Each answer becomes one chat completion request (``JudgeConfig.prompt_template`` filled with the
 prompt, the response and the ground truth); the judge's reply is parsed for a score
 (``parse_score``). Requests run on ``max_concurrency`` threads over one pooled HTTP client.
 
@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from hybridflow.config.schema import JudgeConfig
 
 METRIC_FAILURES = "reward_model/judge/failures"
 METRIC_FAILURE_RATE = "reward_model/judge/failure_rate"
@@ -68,22 +70,6 @@ def _finite(text: str | None) -> float | None:
 
 
 @dataclass(frozen=True)
-class JudgeSettings:
-    base_url: str  # up to /v1: requests go to {base_url}/chat/completions
-    model: str
-    prompt_template: str  # with {prompt}, {response}, {ground_truth}
-    api_key: str | None = None
-    score_pattern: str | None = None
-    max_concurrency: int = 8
-    timeout_s: float = 60.0
-    max_retries: int = 2
-    backoff_s: float = 0.5
-    failure_score: float = 0.0
-    max_tokens: int = 256
-    temperature: float = 0.0
-
-
-@dataclass(frozen=True)
 class JudgeRequest:
     prompt: str
     response: str
@@ -106,11 +92,16 @@ class Judgement:
 
 
 class Judge:
-    def __init__(self, settings: JudgeSettings) -> None:
+    """The client of the judge that ``settings`` (the ``reward_model.judge`` section, the one home of the
+    judge's settings and their defaults) describes; ``api_key`` is sent as a Bearer token (None: none)."""
+
+    def __init__(self, settings: JudgeConfig, api_key: str | None = None) -> None:
         import httpx  # the judge extra: only runs with a generative reward model need it
 
+        if settings.base_url is None:
+            raise ValueError("reward_model.judge.base_url is not set: the judge's endpoint, up to /v1")
         self.settings = settings
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             base_url=settings.base_url.rstrip("/"), headers=headers, timeout=settings.timeout_s,
             limits=httpx.Limits(max_connections=settings.max_concurrency),

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.schema import JudgeConfig
 from hybridflow.models.loading import allow_padded_batches, load_sequence_classifier, load_tokenizer
 from hybridflow.models.scoring import last_token_scores
-from hybridflow.rewards.judge import Judge, JudgeRequest, JudgeSettings
+from hybridflow.rewards.judge import Judge, JudgeRequest
 from hybridflow.types import Trajectory
 from hybridflow.workers.engine_setup import model_precision
 
@@ -119,7 +120,8 @@ class RewardModelWorker:
 
 @dataclass
 class JudgeSetup:
-    settings: JudgeSettings
+    settings: JudgeConfig  # reward_model.judge
+    api_key: str | None  # read from the variable settings.api_key_env names (None: no key)
     policy_tokenizer_path: str
     policy_trust_remote_code: bool = False
 
@@ -127,7 +129,7 @@ class JudgeSetup:
 class JudgeWorker:
     def __init__(self, rank: int, world_size: int, setup: JudgeSetup) -> None:
         self.policy_tokenizer = load_tokenizer(setup.policy_tokenizer_path, setup.policy_trust_remote_code)
-        self.judge = Judge(setup.settings)
+        self.judge = Judge(setup.settings, setup.api_key)
 
     def score(self, trajectories: list[Trajectory]) -> tuple[list[float], dict[str, float]]:
         """The judge's score of each answer (``failure_score`` where it failed) and its counters."""

@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
-from hybridflow.rewards.judge import Judge, JudgeRequest, JudgeSettings, Outcome, parse_score
+from hybridflow.config.schema import JudgeConfig
+from hybridflow.rewards.judge import Judge, JudgeRequest, Outcome, parse_score
 
 TEMPLATE = "Q: {prompt}\nA: {response}\nRef: {ground_truth}"
 
@@ -81,6 +83,9 @@ class Script(BaseHTTPRequestHandler):
             return 400, b"unknown model"
         if case == "malformed":
             return 200, b"<html>not json</html>"
+        if case == "key":  # scores 1 only when the request carried the key as a Bearer token
+            body["messages"][0]["content"] = f"Score: {int(self.headers.get('Authorization') == 'Bearer s3cret')}"
+            case = "echo"
         text = {"garbage": "I like turtles", "echo": body["messages"][0]["content"]}.get(case, "Score: 0.75")
         return 200, json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
 
@@ -116,7 +121,7 @@ def server() -> Iterator[tuple[str, type[Script]]]:
 def _judge(url: str, **overrides) -> Judge:
     settings = dict(base_url=url, model="judge", prompt_template=TEMPLATE, timeout_s=0.2, max_retries=2,
                     backoff_s=0.01, failure_score=-1.0, max_concurrency=8)
-    return Judge(JudgeSettings(**(settings | overrides)))
+    return Judge(JudgeConfig(**(settings | overrides)))
 
 
 def request(case: str) -> JudgeRequest:
@@ -157,3 +162,30 @@ def test_an_unreachable_judge_fails_every_sample_without_raising():
     judge.close()
     assert judgements[0].score == -1.0 and judgements[0].outcome is Outcome.ERROR
     assert metrics["reward_model/judge/failures"] == 1.0 and metrics["reward_model/judge/retries"] == 1.0
+
+
+def test_the_runs_judge_is_its_config_section_with_the_key_from_its_variable(server, monkeypatch, tmp_path):
+    from hybridflow.api import make_config
+    from hybridflow.controller.roles import build_reward_model_group
+    from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
+    from hybridflow.types import Trajectory
+    from hybridflow.workers.reward_model import JudgeWorker
+
+    url, script = server
+    monkeypatch.setenv("HF_TEST_JUDGE_KEY", "s3cret")
+    cfg = make_config(overrides=["reward_model.enable=true", "reward_model.style=generative",
+                                 f"reward_model.judge.base_url={url}", "reward_model.judge.api_key_env=HF_TEST_JUDGE_KEY",
+                                 "reward_model.judge.failure_score=-1.0"])
+    cfg.reward_model.judge.prompt_template = TEMPLATE
+    role = build_reward_model_group(cfg, str(write_tiny_model(tmp_path / "tiny")), torch.device("cpu"), None)
+    assert role is not None
+    ids = build_tiny_tokenizer().encode("key")
+    answer = Trajectory(prompt_ids=[1], response_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[0.0] * len(ids),
+                        finish_reason="stop", metadata={"ground_truth": "7",
+                                                        "prompt_messages": [{"role": "user", "content": "3 + 4?"}]})
+    try:
+        scores, metrics = role.group.call_one(0, JudgeWorker.score, [answer])
+    finally:
+        role.group.call_all(JudgeWorker.close)
+    assert scores == [1.0] and metrics["reward_model/judge/failures"] == 0.0
+    assert script.attempts["key"] == 1

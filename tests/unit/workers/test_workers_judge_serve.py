@@ -13,8 +13,8 @@ import pytest
 import torch
 import uvicorn
 
+from hybridflow.config.schema import JudgeConfig
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
-from hybridflow.rewards.judge import JudgeSettings
 from hybridflow.serving.launch import build_server_engine
 from hybridflow.serving.server import create_app
 from hybridflow.types import Trajectory
@@ -55,9 +55,9 @@ def answer(text: str) -> Trajectory:
 
 
 def test_judge_against_hybridflow_serve_counts_unparseable_replies(model_dir, served):
-    settings = JudgeSettings(base_url=served, model="tiny-judge", prompt_template="Grade {response} for {prompt}.",
+    settings = JudgeConfig(base_url=served, model="tiny-judge", prompt_template="Grade {response} for {prompt}.",
                              max_tokens=8, temperature=1.0, failure_score=-1.0, timeout_s=30, max_concurrency=4)
-    worker = JudgeWorker(0, 1, JudgeSetup(settings=settings, policy_tokenizer_path=model_dir))
+    worker = JudgeWorker(0, 1, JudgeSetup(settings=settings, api_key=None, policy_tokenizer_path=model_dir))
     try:
         scores, metrics = worker.score([answer(t) for t in ["7", "8", "seven", "The answer is 7", "12", "0"]])
     finally:
