@@ -115,7 +115,7 @@ def _rank(rank: int, world: int, port: int, out: dict) -> None:
         with pytest.raises(ValueError, match="use_remove_padding"):
             engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=6)
         critic = TrainEngine(value_model(), None, torch.device("cpu"), data_parallel=True, sequence_parallel_size=SP)
-        values = critic.compute_values(batch, use_remove_padding=True, max_token_len=TOKEN_BUDGET)
+        values = critic.compute_head_outputs(batch, "values", use_remove_padding=True, max_token_len=TOKEN_BUDGET)
         if rank == 0:
             out["values"] = values
     finally:
