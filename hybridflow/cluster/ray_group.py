@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -356,6 +356,10 @@ class RayPendingCall(Generic[R]):
     def wait_together(*calls: PendingCall[Any]) -> list[list[Any]]:
         return wait_ray_calls(*calls)
 
+    @staticmethod
+    def wait_each(*calls: PendingCall[Any]) -> Iterator[tuple[int, list[Any] | WorkerError]]:
+        return wait_ray_calls_each(*calls)
+
 
 @dataclass(frozen=True)
 class _Failure:
@@ -388,6 +392,39 @@ def wait_ray_calls(*calls: PendingCall[Any]) -> list[list[Any]]:
                 stuck = {ray_calls[c].group for c, _ in pending.values()}
                 raise _fail(failures, stuck)
     return results
+
+
+def wait_ray_calls_each(*calls: PendingCall[Any]) -> Iterator[tuple[int, list[Any] | WorkerError]]:
+    """Each call's results or ``WorkerError`` as it completes (``worker_group.wait_each``): calls
+    fail alone. A failed call's other ranks get the grace of ``wait_ray_calls`` for their own
+    errors; a multi-rank group with a failed rank is torn down, as is one still blocked after it."""
+    import ray
+
+    ray_calls = [_as_ray_call(call) for call in calls]
+    pending = {ref: (c, i) for c, call in enumerate(ray_calls) for i, (_, ref) in enumerate(call.refs)}
+    results: list[list[Any]] = [[None] * len(call.refs) for call in ray_calls]
+    left = [len(call.refs) for call in ray_calls]
+    with activity("call", "; ".join(call.label for call in ray_calls)):
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            done = [pending[ref][0] for ref in ready]
+            failures = _collect(ready, pending, ray_calls, results)
+            for c in done:
+                left[c] -= 1
+            for c in sorted({f.order for f in failures}):
+                own = [f for f in failures if f.order == c]
+                peers = [ref for ref, (cc, _) in pending.items() if cc == c]
+                if peers:
+                    late, _ = ray.wait(peers, num_returns=len(peers), timeout=FAILURE_GRACE_S)
+                    own += _collect(late, pending, ray_calls, results)
+                stuck = {ref for ref, (cc, _) in pending.items() if cc == c}
+                for ref in stuck:  # blocked on the failed rank: the group is torn down below
+                    del pending[ref]
+                left[c] = -1
+                yield c, _fail(own, {ray_calls[c].group} if stuck else set())
+            for c in sorted(set(done)):
+                if left[c] == 0:
+                    yield c, results[c]
 
 
 def _as_ray_call(call: PendingCall[Any]) -> RayPendingCall[Any]:
@@ -433,7 +470,7 @@ def _fail(failures: list[_Failure], stuck: set[RayWorkerGroup[Any]]) -> WorkerEr
             # Still running after the grace: blocked in a collective with the failed side.
             group._tear_down(f"it was left waiting on {first.call.group.role} rank {first.rank}, which failed "
                              f"earlier in {first.call.name}")
-    error = WorkerError(message)
+    error = WorkerError(message, process_died=isinstance(first.error, ray.exceptions.RayActorError))
     error.__cause__ = first.error
     return error
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
@@ -64,6 +64,9 @@ class PendingCall(Protocol[R]):
 
     @staticmethod
     def wait_together(*calls: PendingCall[Any]) -> list[list[Any]]: ...
+
+    @staticmethod
+    def wait_each(*calls: PendingCall[Any]) -> Iterator[tuple[int, list[Any] | WorkerError]]: ...
 
 
 class WorkerGroup(Protocol[W]):
@@ -140,6 +143,21 @@ def wait_all(*calls: PendingCall[Any]) -> list[list[Any]]:
     return type(backend_call).wait_together(*calls)
 
 
+def wait_each(*calls: PendingCall[Any]) -> Iterator[tuple[int, list[Any] | WorkerError]]:
+    """Each call's outcome as it completes: ``(position in calls, its results or its WorkerError)``.
+
+    Unlike ``wait_all`` the calls are independent (the rollout replicas' rounds): one call's
+    failure neither ends the wait nor tears down another call's group, so the caller can keep
+    what the others return and recover from the failed one. A multi-rank group with a failed
+    rank is still torn down (its peers may be blocked in a collective of their own).
+    """
+    if all(isinstance(call, CompletedCall) for call in calls):
+        yield from CompletedCall.wait_each(*calls)
+        return
+    backend_call = next(call for call in calls if not isinstance(call, CompletedCall))
+    yield from type(backend_call).wait_each(*calls)
+
+
 def refuse_collective(role: str, method: Callable[..., Any]) -> None:
     """``call_one`` of a ``@collective`` method would leave that rank waiting on peers that never
     enter the collective: a hang, so it is an error at the call site instead."""
@@ -149,7 +167,13 @@ def refuse_collective(role: str, method: Callable[..., Any]) -> None:
 
 
 class WorkerError(RuntimeError):
-    """A worker raised; the message names the role, the rank and the method."""
+    """A worker raised; the message names the role, the rank and the method. ``process_died``:
+    the rank's process exited (killed, out of memory, its node lost), so a new process could
+    take over its work; False when the worker's own code raised (it would raise again)."""
+
+    def __init__(self, message: str, *, process_died: bool = False) -> None:
+        super().__init__(message)
+        self.process_died = process_died
 
 
 class CompletedCall(Generic[R]):
@@ -172,6 +196,14 @@ class CompletedCall(Generic[R]):
     @staticmethod
     def wait_together(*calls: PendingCall[Any]) -> list[list[Any]]:
         return [call.wait() for call in calls]
+
+    @staticmethod
+    def wait_each(*calls: PendingCall[Any]) -> Iterator[tuple[int, list[Any] | WorkerError]]:
+        for i, call in enumerate(calls):
+            try:
+                yield i, call.wait()
+            except WorkerError as error:
+                yield i, error
 
 
 class LocalWorkerGroup(Generic[W]):

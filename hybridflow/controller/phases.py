@@ -36,7 +36,7 @@ from hybridflow.algorithms import (
 from hybridflow.cluster.worker_group import wait_all
 from hybridflow.controller.dumps import GenerationDumps
 from hybridflow.controller.overlap import generate_and_score, model_scores, round_requests
-from hybridflow.controller.roles import BROADCAST, Roles
+from hybridflow.controller.roles import BROADCAST, Roles, reconnect_weight_sync
 from hybridflow.controller.step_plan import Prompts, StepPlan
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
@@ -435,8 +435,12 @@ def update_actor(roles: Roles, plan: StepPlan, batch: TrainBatch, step: int, tim
 def sync_weights(roles: Roles, version: int) -> None:
     """Push the actor's weights (after ``version`` updates: what the rollout's tokens record) to
     every rollout rank: streamed from actor rank 0 by broadcast (``rollout.weight_sync``), else
-    through this process (in-process: tensor copies)."""
+    through this process (in-process: tensor copies). Replicas whose process died since the last
+    sync are restarted first and get these weights with the others (a new broadcast group formed)."""
     if roles.weight_sync == BROADCAST:
+        roles.rollout.prepare_sync()  # (update_weights does it on the other path)
+        if roles.rollout.rejoin_weight_sync:
+            reconnect_weight_sync(roles.actor, roles.rollout)
         # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
         # that the rollout applies as they arrive.
         wait_all(roles.actor.submit_all(ActorWorker.send_weights), *roles.rollout.submit_receive(version))

@@ -17,9 +17,18 @@ caches are freed while the actor computes logprobs and updates, and the next gen
 them (``RolloutWorker.start`` / ``take``), so the controller scores a prompt group while the rest
 of the round is still being generated (``hybridflow.controller.overlap``).
 
-A replica whose process dies, or that raises, fails the call with a ``WorkerError`` naming it
-(``rollout replica k``, from the worker group's failure handling); the router marks it dead, so
-nothing is placed on it again.
+A replica whose process dies mid-round (killed, out of memory, its node lost) is *down*: the
+router places nothing on it, and the requests it had in flight are placed again on the others
+with the same seeds, so the round's samples are those it would have had. It is restarted (a new
+process in its placement bundle, on its node or, if Ray moved the bundle, another with room) at
+the next weight sync, which then gives it the current weights by the normal path (the broadcast
+group formed again with it; ``rollout.verify_weight_sync`` checks it like the others); with no
+other replica alive it is restarted at once and the trainer's ``restore_weights`` brings it the
+rollout's weights. ``rollout.max_replica_restarts`` bounds the restarts of each replica: one more
+death fails the call with a ``WorkerError`` naming the replica and its node. Replicas built
+without a way to restart them (in-process ones die with the controller), and a replica whose own
+code raises (it would again), fail the call with the replica's own error. Either way the router
+marks the replica dead. ``rollout/replica_restarts`` counts the restarts.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all
+from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all, wait_each
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest, Ticket
 from hybridflow.rollout.stream import Finished
 from hybridflow.transfer.verify import SentDigests, compare_digests
@@ -62,11 +71,22 @@ class RolloutReplicas:
     """The rollout replicas (one worker group each) behind one router."""
 
     def __init__(self, groups: Sequence[WorkerGroup[RolloutWorker]], *, free_cache_engine: bool,
-                 sleep_level: int = 1, verify_weight_sync: bool = False) -> None:
+                 sleep_level: int = 1, verify_weight_sync: bool = False,
+                 rebuild: Callable[[int], WorkerGroup[RolloutWorker]] | None = None, max_restarts: int = 0) -> None:
         if not groups:
             raise ValueError("RolloutReplicas needs at least one replica")
         self.groups = list(groups)
         self.router = ReplicaRouter(len(self.groups))
+        # rollout.max_replica_restarts, and how replica k's group is built again (None: a backend
+        # whose replicas live in this process, where a replica's death is the controller's).
+        self._rebuild, self.max_restarts = rebuild, max_restarts if rebuild is not None else 0
+        self.restarts = [0] * len(self.groups)  # per replica, over the run
+        self._down: dict[int, str] = {}  # replica -> why: died, restarted at the next sync (restart_down)
+        # Restarted replicas are not in the broadcast group yet: the next broadcast sync forms it again.
+        self.rejoin_weight_sync = False
+        # Brings the replicas restarted mid-round (none other alive) the rollout's current weights;
+        # set by the trainer, which knows them. None: such a restart fails the call.
+        self.restore_weights: Callable[[list[int]], None] | None = None
         self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
         # rollout.verify_weight_sync: after each sync every replica's digest is checked (verify_sync).
@@ -86,35 +106,57 @@ class RolloutReplicas:
         self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
     ) -> list[list[Trajectory]]:
         """Each request's ``n`` trajectories, in request order. ``metadata`` (the rows' fields)
-        goes with each request when agent loops need it."""
+        goes with each request when agent loops need it. A replica that dies meanwhile is down
+        and its requests go to the others (module docstring)."""
         self.wake_up()
-        tickets = self.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
-                                     for r in requests])
-        placed = [[i for i, t in enumerate(tickets) if t.replica == r] for r in range(self.num_replicas)]
-        calls, submitted = [], []  # submitted: when each replica got its call (the in-process backend runs it then)
-        for group, idx in zip(self.groups, placed, strict=True):
-            submitted.append(time.perf_counter())
-            calls.append(group.submit_one(0, RolloutWorker.serve, [requests[i] for i in idx],
-                                          None if metadata is None else [metadata[i] for i in idx]))
-        try:
-            outputs: list[ReplicaOutput] = [results[0] for results in wait_all(*calls)]
-        except WorkerError as error:
-            for ticket in tickets:  # the whole round failed: none of its requests is in flight
-                self.router.abandon(ticket)
-            self._mark_failed(str(error))
-            raise
         results: list[list[Trajectory]] = [[] for _ in requests]
-        for r, (idx, output) in enumerate(zip(placed, outputs, strict=True)):
-            for i, samples in zip(idx, output.trajectories, strict=True):
-                results[i] = samples
-                self.router.finish(tickets[i], sum(len(t.response_ids) for t in samples))
-            self.router.loads[r].busy_seconds += output.seconds
-            # The replica's engine time, drawn from its submission (its start is not sent back):
-            # the rest of the round, up to the slowest replica, it waited.
-            self.timeline.add(replica_role(r), "serve", submitted[r], submitted[r] + output.seconds,
-                              requests=len(idx), tokens=int(output.engine_counts.get("generated_tokens", 0)))
+        outputs = [ReplicaOutput([], 0.0, {}) for _ in self.groups]  # each replica's round, summed over passes
+        todo = list(range(len(requests)))
+        while todo:
+            todo = self._serve_pass(requests, metadata, todo, results, outputs)
         self._metrics.append(self._round_metrics(outputs))
         return results
+
+    def _serve_pass(self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None,
+                    todo: list[int], results: list[list[Trajectory]], outputs: list[ReplicaOutput]) -> list[int]:
+        """Place the requests ``todo`` on the live replicas and serve them; what a replica that died
+        had is returned, to place again."""
+        self.ensure_live()
+        tickets = dict(zip(todo, self.router.place([RouteRequest(len(requests[i].prompt_ids), requests[i].params.n,
+                                                                 requests[i].params.max_tokens) for i in todo]),
+                           strict=True))
+        live = [r for r in range(self.num_replicas) if self.router.loads[r].alive]
+        placed = {r: [i for i in todo if tickets[i].replica == r] for r in live}
+        calls, submitted = [], []  # submitted: when each replica got its call (the in-process backend runs it then)
+        for r in live:
+            submitted.append(time.perf_counter())
+            calls.append(self.groups[r].submit_one(0, RolloutWorker.serve, [requests[i] for i in placed[r]],
+                                                   None if metadata is None else [metadata[i] for i in placed[r]]))
+        again: list[int] = []
+        try:
+            for c, outcome in wait_each(*calls):
+                r = live[c]
+                if isinstance(outcome, WorkerError):
+                    for i in placed[r]:  # not in flight any more: placed again below, or the round failed
+                        self.router.abandon(tickets.pop(i))
+                    self._lost(r, outcome)
+                    again += placed[r]
+                    continue
+                output: ReplicaOutput = outcome[0]
+                for i, samples in zip(placed[r], output.trajectories, strict=True):
+                    results[i] = samples
+                    self.router.finish(tickets.pop(i), sum(len(t.response_ids) for t in samples))
+                self.router.loads[r].busy_seconds += output.seconds
+                # The replica's engine time, drawn from its submission (its start is not sent back):
+                # the rest of the round, up to the slowest replica, it waited.
+                self.timeline.add(replica_role(r), "serve", submitted[c], submitted[c] + output.seconds,
+                                  requests=len(placed[r]), tokens=int(output.engine_counts.get("generated_tokens", 0)))
+                outputs[r] = _summed(outputs[r], output)
+        except BaseException:
+            for ticket in tickets.values():  # the round failed: none of its requests is in flight
+                self.router.abandon(ticket)
+            raise
+        return sorted(again)
 
     def stream(
         self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
@@ -161,6 +203,71 @@ class RolloutReplicas:
             except WorkerError as error:  # it failed too: the next call to it says so
                 logger.warning("could not abort the requests of %s: %s", replica_role(r), str(error).splitlines()[0])
 
+    # ------------------------------------------------------------------ recovery
+    def _lost(self, replica: int, error: WorkerError) -> None:
+        """``replica``'s call failed with ``error``: down until its restart when its process died
+        and a restart is left; else the error, naming the replica and its node, fails the call."""
+        restarts = self.restarts[replica]
+        if not error.process_died or restarts >= self.max_restarts:
+            self._mark_failed(str(error))
+            self.router.mark_dead(replica, str(error).splitlines()[0])
+            if not error.process_died or self._rebuild is None:
+                raise error  # its own code failed (it would again), or nothing here can restart it
+            raise WorkerError(f"{replica_role(replica)} on {self.node_of(replica)} died and was not restarted: "
+                              f"rollout.max_replica_restarts={self.max_restarts} restarts of it were used up\n{error}",
+                              process_died=True) from error
+        self.restarts[replica] += 1
+        self._down[replica] = str(error).splitlines()[0]
+        self.router.mark_dead(replica, self._down[replica])
+        logger.warning("%s on %s died (restart %d of rollout.max_replica_restarts=%d at the next weight sync; "
+                       "its requests go to the other replicas): %s", replica_role(replica), self.node_of(replica),
+                       self.restarts[replica], self.max_restarts, self._down[replica])
+
+    def node_of(self, replica: int) -> str:
+        """Where ``replica``'s ranks ran, for errors: node address (and Ray node id)."""
+        nodes = dict.fromkeys(f"node {n.address} (id {n.node_id})" if n.node_id != "controller" else f"node {n.address}"
+                              for n in self.groups[replica].nodes())
+        return ", ".join(nodes)
+
+    @property
+    def down(self) -> list[int]:
+        """The replicas that died and wait for their restart (``restart_down``)."""
+        return sorted(self._down)
+
+    def restart_down(self) -> list[int]:
+        """Start every down replica again (a new process in its placement bundle: the same node,
+        or another with room where Ray moved the bundle); returns them. They hold the weights of
+        ``model.path``: the caller syncs them (the next weight sync, or ``restore_weights``)."""
+        restarted = self.down
+        for k in restarted:
+            assert self._rebuild is not None, "only replicas that can be restarted go down"
+            self.groups[k].close()  # what is left of the dead replica (its other ranks, its bundle share)
+            self.groups[k] = self._rebuild(k)
+            del self._down[k]
+            self.router.revive(k)
+            self.rejoin_weight_sync = True
+            logger.warning("%s restarted on %s", replica_role(k), self.node_of(k))
+        return restarted
+
+    def prepare_sync(self) -> None:
+        """Before a weight sync: find the replicas that died while idle (the actor trained), which
+        the sync would fail on, and restart every replica down, so that the sync gives them the
+        weights (no-op where replicas are not restarted). A broadcast sync forms its group again
+        after (``rejoin_weight_sync``)."""
+        if self.max_restarts > 0:
+            self._each(RolloutWorker.ping, recover=True)
+        self.restart_down()
+
+    def ensure_live(self) -> None:
+        """With every replica down, restart them now and have the trainer bring them the rollout's
+        weights (``restore_weights``): nobody else is left to serve. A no-op while one is alive."""
+        if any(load.alive for load in self.router.loads) or not self._down:
+            return
+        if self.restore_weights is None:
+            raise WorkerError(f"every rollout replica is down ({'; '.join(self._down.values())}), and nothing can "
+                              f"give a restarted one the rollout's weights mid-round", process_died=True)
+        self.restore_weights(self.restart_down())
+
     def _mark_failed(self, message: str) -> None:
         """The replicas the error names are dead to the router (the error's first line names the
         replica that failed first; later lines may name others)."""
@@ -186,11 +293,14 @@ class RolloutReplicas:
 
     def take_metrics(self) -> dict[str, float]:
         """Rollout metrics since the last call: token counts summed over generation rounds, the
-        load figures of the last round (a step's main generation)."""
+        load figures of the last round (a step's main generation), and where replicas can be
+        restarted the restarts so far (``rollout/replica_restarts``)."""
         rounds, self._metrics = self._metrics, []
         if not rounds:
             return {}
         merged = dict(rounds[-1])
+        if self.max_restarts > 0:
+            merged["rollout/replica_restarts"] = float(sum(self.restarts))
         for name in _SUMMED_COUNTS:
             merged[f"rollout/{name}"] = sum(m[f"rollout/{name}"] for m in rounds)
         looked_up = merged.pop("rollout/prefix_cache_query_tokens")
@@ -202,14 +312,15 @@ class RolloutReplicas:
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Free the replicas' KV caches (and weights, ``rollout.sleep_level=2``; the next weight
-        sync restores them) until the next ``generate`` (no-op unless ``rollout.free_cache_engine``)."""
+        sync restores them) until the next ``generate`` (no-op unless ``rollout.free_cache_engine``).
+        A replica found dead here is down, as in a round."""
         if self.free_cache_engine and not self._asleep:
-            self._each(RolloutWorker.sleep, self.sleep_level)
+            self._each(RolloutWorker.sleep, self.sleep_level, recover=True)
             self._asleep = True
 
     def wake_up(self) -> None:
         if self._asleep:
-            self._each(RolloutWorker.wake_up)
+            self._each(RolloutWorker.wake_up, recover=True)
             self._asleep = False
 
     # ------------------------------------------------------------------ weights
@@ -217,6 +328,7 @@ class RolloutReplicas:
         """Copy new weights into every replica (the object-store path); ``version`` is the policy
         version their tokens record from now on (default: each engine's last + 1)."""
         items = list(weights)
+        self.prepare_sync()
         self._each(RolloutWorker.update_weights, items, version)
         self.verify_sync(dict(items))
 
@@ -279,9 +391,31 @@ class RolloutReplicas:
                 logger.debug("closing %s", group, exc_info=True)
             group.close()
 
-    def _each(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        """``method`` on every replica at once; results in replica order."""
-        return [results[0] for results in wait_all(*(group.submit_one(0, method, *args) for group in self.groups))]
+    def _each(self, method: Callable[..., Any], *args: Any, recover: bool = False) -> list[Any]:
+        """``method`` on every replica at once, but those down; results in replica order (None for
+        a replica down). ``recover``: a replica that died meanwhile goes down (``_lost``), else its
+        error fails the call."""
+        up = [k for k in range(self.num_replicas) if k not in self._down]
+        results: list[Any] = [None] * self.num_replicas
+        calls = [self.groups[k].submit_one(0, method, *args) for k in up]
+        if not recover:
+            for k, done in zip(up, wait_all(*calls), strict=True):
+                results[k] = done[0]
+            return results
+        for c, outcome in wait_each(*calls):
+            if isinstance(outcome, WorkerError):
+                self._lost(up[c], outcome)
+            else:
+                results[up[c]] = outcome[0]
+        return results
+
+
+def _summed(a: ReplicaOutput, b: ReplicaOutput) -> ReplicaOutput:
+    """Two passes of one replica over a round (before and after a peer's requests came to it)."""
+    counts = dict(a.engine_counts)
+    for name, value in b.engine_counts.items():
+        counts[name] = counts.get(name, 0.0) + value
+    return ReplicaOutput(a.trajectories + b.trajectories, a.seconds + b.seconds, counts)
 
 
 class ReplicaStream:
@@ -290,9 +424,11 @@ class ReplicaStream:
     ``(key, trajectories)``. One owner thread at a time.
 
     Tags carry the stream's number, so a late result of an earlier, failed stream is never taken
-    for this one's. A dead or failing replica raises ``WorkerError`` naming it within one poll
-    (``STREAM_POLL_S``) and is marked dead in the router. ``close`` abandons in the router, and
-    aborts on the replicas still alive, every request not finished (a failure, or an early stop).
+    for this one's. A replica that dies is found within one poll (``STREAM_POLL_S``): down, its
+    unfinished requests started again on the others with their seeds (``RolloutReplicas``); one
+    that cannot be restarted, or that raises, raises ``WorkerError`` naming it and is marked dead
+    in the router. ``close`` abandons in the router, and aborts on the replicas still alive,
+    every request not finished (a failure, or an early stop).
 
     A *round* is the stream's work between two ``end_round`` calls: its replicas' busy seconds
     (start to last finish), engine counters and timeline spans go to the rollout metrics
@@ -302,11 +438,15 @@ class ReplicaStream:
         self._replicas, self._number = replicas, number
         n = replicas.num_replicas
         self._waiting: list[dict[tuple[int, Any], Ticket]] = [{} for _ in range(n)]  # per replica: tag -> ticket
+        # tag -> (request, its row's fields): what a replica that died had is started again from here.
+        self._sent: dict[tuple[int, Any], tuple[GenerationRequest, dict[str, Any] | None]] = {}
         self._round_start = time.perf_counter()
         self._seconds = [0.0] * n  # per replica: the round's latest finish, from its requests' start
         self._requests = [0] * n  # requests placed in this round
         self._before: list[dict[str, float]] = [{} for _ in range(n)]  # engine counters at the round's start
         self._after: list[dict[str, float]] = [{} for _ in range(n)]  # ... at the latest call
+        # Counters of a replica's process that died in this round, up to its last answer (its new one counts from 0).
+        self._carried: list[dict[str, float]] = [{} for _ in range(n)]
 
     @property
     def in_flight(self) -> int:
@@ -315,26 +455,55 @@ class ReplicaStream:
     def add(self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None,
             keys: Iterable[Any]) -> None:
         """Place ``requests`` and start them, each under its key (what ``poll`` returns it with)."""
+        tags = [(self._number, key) for key in keys]
+        metas: list[dict[str, Any] | None] = [None] * len(requests) if metadata is None else list(metadata)
+        self._start([(tag, request, meta) for tag, request, meta in zip(tags, requests, metas, strict=True)],
+                    with_metadata=metadata is not None)
+
+    def _start(self, items: list[tuple[tuple[int, Any], GenerationRequest, dict[str, Any] | None]],
+               with_metadata: bool) -> None:
+        """Place and start ``(tag, request, row fields)``; a replica that dies taking them is down and
+        its share is placed again on the others."""
         replicas = self._replicas
-        keys = list(keys)
+        replicas.ensure_live()
         tickets = replicas.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
-                                         for r in requests])
+                                         for _, r, _ in items])
         placed: dict[int, list[int]] = {}
-        for i, ticket in enumerate(tickets):
+        for i, ((tag, request, meta), ticket) in enumerate(zip(items, tickets, strict=True)):
             placed.setdefault(ticket.replica, []).append(i)
-            self._waiting[ticket.replica][(self._number, keys[i])] = ticket  # in flight from here: close abandons it
-        try:
-            starts = [replicas.groups[r].submit_one(0, RolloutWorker.start, [requests[i] for i in idx],
-                                                    None if metadata is None else [metadata[i] for i in idx],
-                                                    [(self._number, keys[i]) for i in idx])
-                      for r, idx in placed.items()]
-            for (r, idx), counts in zip(placed.items(), wait_all(*starts), strict=True):
-                self._before[r] = self._before[r] or counts[0]
-                self._after[r] = self._after[r] or counts[0]
-                self._requests[r] += len(idx)
-        except WorkerError as error:
-            replicas._mark_failed(str(error))
-            raise
+            self._waiting[ticket.replica][tag] = ticket  # in flight from here: close abandons it
+            self._sent[tag] = (request, meta)
+        order = list(placed)
+        starts = [replicas.groups[r].submit_one(0, RolloutWorker.start, [items[i][1] for i in placed[r]],
+                                                [items[i][2] for i in placed[r]] if with_metadata else None,
+                                                [items[i][0] for i in placed[r]])
+                  for r in order]
+        again = []
+        for c, outcome in wait_each(*starts):
+            r = order[c]
+            if isinstance(outcome, WorkerError):
+                again += self._replica_lost(r, outcome)
+                continue
+            counts = outcome[0]
+            self._before[r] = self._before[r] or counts
+            self._after[r] = self._after[r] or counts
+            self._requests[r] += len(placed[r])
+        if again:
+            self._start(again, with_metadata)
+
+    def _replica_lost(self, r: int, error: WorkerError) -> list[tuple[tuple[int, Any], GenerationRequest, Any]]:
+        """Replica ``r`` failed: its unfinished requests leave it (returned, to start again on the
+        others), its counters so far stay with the round; then ``RolloutReplicas._lost`` (which
+        raises when it cannot be restarted)."""
+        replicas = self._replicas
+        lost = [(tag, *self._sent[tag]) for tag in self._waiting[r]]
+        for ticket in self._waiting[r].values():
+            replicas.router.abandon(ticket)
+        self._waiting[r].clear()
+        self._carried[r] = _delta(self._after[r], self._before[r], self._carried[r])
+        self._before[r], self._after[r] = {}, {}  # the new process's engine counts from 0
+        replicas._lost(r, error)
+        return lost
 
     def poll(self) -> list[tuple[Any, list[Trajectory]]]:
         """The requests finished since the last poll (waiting at most ``STREAM_POLL_S`` for one)."""
@@ -348,36 +517,39 @@ class ReplicaStream:
     def _poll(self, take: Callable[..., Any]) -> list[Any]:
         replicas = self._replicas
         polled = [r for r, waiting in enumerate(self._waiting) if waiting]
-        try:
-            batches: list[StreamBatch | RecordBatch] = [results[0] for results in wait_all(
-                *(replicas.groups[r].submit_one(0, take, STREAM_POLL_S) for r in polled))]
-        except WorkerError as error:
-            replicas._mark_failed(str(error))
-            raise
-        done = []
-        for r, batch in zip(polled, batches, strict=True):
+        done, again = [], []
+        for c, outcome in wait_each(*(replicas.groups[r].submit_one(0, take, STREAM_POLL_S) for r in polled)):
+            r = polled[c]
+            if isinstance(outcome, WorkerError):
+                again += self._replica_lost(r, outcome)
+                continue
+            batch: StreamBatch | RecordBatch = outcome[0]
             self._after[r] = batch.engine_counts
             for finished in batch.finished:
                 ticket = self._waiting[r].pop(finished.tag, None)
                 if ticket is None:
                     logger.debug("%s: dropped a result of an earlier stream: %r", replica_role(r), finished.tag)
                     continue
+                self._sent.pop(finished.tag, None)
                 samples = finished.trajectories if isinstance(finished, Finished) else finished.records
                 replicas.router.finish(ticket, sum(t.response_length for t in samples))
                 self._seconds[r] = max(self._seconds[r], finished.seconds)
                 done.append(finished)
+        if again:
+            self._start(again, with_metadata=any(meta is not None for _, _, meta in again))
         return done
 
     def end_round(self) -> None:
         """Record the round so far as one generation round (see the class docstring); the next starts now."""
         replicas = self._replicas
-        outputs = [ReplicaOutput([], self._seconds[r], {k: v - self._before[r].get(k, 0.0) for k, v in self._after[r].items()})
+        outputs = [ReplicaOutput([], self._seconds[r], _delta(self._after[r], self._before[r], self._carried[r]))
                    for r in range(replicas.num_replicas)]
         replicas._record_round(outputs, self._round_start, self._requests)
         self._round_start = time.perf_counter()
         self._seconds = [0.0] * replicas.num_replicas
         self._requests = [0] * replicas.num_replicas
         self._before = [dict(after) for after in self._after]
+        self._carried = [{} for _ in range(replicas.num_replicas)]
 
     def close(self) -> None:
         """Abandon and abort what is unfinished (nothing when every request finished)."""
@@ -386,5 +558,14 @@ class ReplicaStream:
             for ticket in self._waiting[r].values():
                 self._replicas.router.abandon(ticket)
             self._waiting[r].clear()
+        self._sent.clear()
         if unfinished:
             self._replicas._abort(unfinished)
+
+
+def _delta(after: dict[str, float], before: dict[str, float], carried: dict[str, float]) -> dict[str, float]:
+    """An engine's counters over a span (``after - before``), plus ``carried`` (a dead process's share)."""
+    counts = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    for name, value in carried.items():
+        counts[name] = counts.get(name, 0.0) + value
+    return counts

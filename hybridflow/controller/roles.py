@@ -82,6 +82,14 @@ def connect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplic
              replicas.num_replicas, host, port, "nccl" if on_gpu else "gloo")
 
 
+def reconnect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas) -> None:
+    """Form the weight-sync group again after replicas were restarted (the old one has a dead
+    member): every member leaves it, then all join a new one."""
+    close_weight_sync(actor, replicas)
+    connect_weight_sync(actor, replicas)
+    replicas.rejoin_weight_sync = False
+
+
 def close_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas) -> None:
     """Both sides leave the weight-sync group before their processes end. Best effort: after a
     failure a torn-down group refuses calls, and its processes took their connections with them."""
@@ -154,22 +162,28 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
     ``rollout.tensor_model_parallel_size`` ranks in bundles from k x tp on (on Ray; the group's
     process group is the replica's tensor-parallel group), so a failing replica is named and torn
     down alone."""
-    groups: list[WorkerGroup[RolloutWorker]] = []
     tp = cfg.rollout.tensor_model_parallel_size
+
+    def build(k: int) -> WorkerGroup[RolloutWorker]:
+        named = dataclasses.replace(setup, name=replica_role(k))
+        return build_worker_group(cfg.trainer.backend, replica_role(k), lambda r, w: RolloutWorker(r, w, named),
+                                  tp, None if placement is None else placement.from_bundle(k * tp))
+
+    groups: list[WorkerGroup[RolloutWorker]] = []
     try:
         for k in range(rollout_replicas(cfg)):
-            named = dataclasses.replace(setup, name=replica_role(k))
-            groups.append(build_worker_group(cfg.trainer.backend, replica_role(k),
-                                             lambda r, w, named=named: RolloutWorker(r, w, named),
-                                             tp, None if placement is None else placement.from_bundle(k * tp)))
+            groups.append(build(k))
     except BaseException:
         for group in groups:  # nobody else holds the replicas started so far
             group.close()
         raise
     # The asynchronous loops generate while the actor trains: there is no idle cache to free.
     free_cache_engine = cfg.rollout.free_cache_engine and cfg.trainer.mode == "sync"
+    # In-process replicas die with the controller: nothing is left to restart them.
+    rebuild = None if runs_in_process(cfg.trainer.backend) else build
     return RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=cfg.rollout.sleep_level,
-                           verify_weight_sync=cfg.rollout.verify_weight_sync)
+                           verify_weight_sync=cfg.rollout.verify_weight_sync, rebuild=rebuild,
+                           max_restarts=cfg.rollout.max_replica_restarts)
 
 
 def build_reward_model_group(

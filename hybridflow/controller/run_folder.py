@@ -211,3 +211,48 @@ def write_placement(output_dir: Path, groups: list[tuple[str, WorkerGroup[Any]]]
     path = output_dir / PLACEMENT_FILE
     write_record(path, record)
     return path
+
+
+def check_shared_folders(folders: dict[str, Path], role: str, group: WorkerGroup[Any]) -> None:
+    """Refuse a run whose ranks cannot write where checkpoints and exports go: each rank of
+    ``group`` (on a Ray cluster, perhaps on another node) reads a token this process wrote into
+    each of ``folders`` (config key -> folder; proving it sees the same folder, not a local one of
+    its own node) and writes a file of its own there. A ``ConfigError`` names the key, the folder,
+    the node and the rank. A probe left by a killed run is a ``LEFTOVER``, cleaned at the next start."""
+    token = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+    probes = {}
+    for key, folder in folders.items():
+        folder.mkdir(parents=True, exist_ok=True)  # set-up checked this process can (resolve_output_dir)
+        probes[key] = folder / f".write-test-{os.getpid()}"
+        probes[key].write_text(token)
+    try:
+        found = group.call_all(probe_folders, {key: str(path) for key, path in probes.items()}, token)
+    finally:
+        for probe in probes.values():
+            probe.unlink(missing_ok=True)
+    for rank, (node, failures) in enumerate(zip(group.nodes(), found, strict=True)):
+        for key, problem in failures.items():
+            raise ConfigError(
+                f"{key}={str(folders[key])!r} cannot be used by {role} rank {rank} on node {node.address} (id "
+                f"{node.node_id}): {problem}. Every node writes its ranks' checkpoint shards and exports there: use a "
+                f"folder all nodes share at the same path (a network file system), or trainer.checkpoint_dir=<object "
+                f"storage URL>", key=key)
+
+
+def probe_folders(_worker: Any, probes: dict[str, str], token: str) -> dict[str, str]:
+    """On a rank (``check_shared_folders``): for each key, what is wrong with its folder (nothing: fine)."""
+    failures = {}
+    for key, probe in probes.items():
+        path = Path(probe)
+        try:
+            if path.read_text() != token:
+                failures[key] = "that path holds another folder there than the trainer's (one local to the node)"
+                continue
+            own = path.parent / f".rank-probe-{socket.gethostname()}.tmp-{os.getpid()}"
+            own.write_text(token)
+            own.unlink()
+        except FileNotFoundError:
+            failures[key] = "the trainer's files are not there (a folder local to the node, not a shared one)"
+        except OSError as error:
+            failures[key] = f"it cannot write there ({error.strerror or error})"
+    return failures

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hybridflow.algorithms import KLController
-from hybridflow.cluster.backends import build_worker_group, reserve_placements
+from hybridflow.cluster.backends import build_worker_group, reserve_placements, runs_in_process
 from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
@@ -60,7 +60,7 @@ from hybridflow.controller.roles import (
     reward_setup,
 )
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
-from hybridflow.controller.run_folder import lock_run_folder, write_placement
+from hybridflow.controller.run_folder import check_shared_folders, lock_run_folder, write_placement
 from hybridflow.controller.step_plan import Estimator, Prompts, StepPlan, build_step_plan
 from hybridflow.controller.token_budgets import apply_recorded_budgets, automatic_budget_keys, record_budgets
 from hybridflow.data import RLDataset
@@ -75,7 +75,7 @@ from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import configure_threads
 from hybridflow.utils.seed import seed_everything
-from hybridflow.utils.storage import Storage
+from hybridflow.utils.storage import Storage, is_remote
 from hybridflow.utils.threads import stop_following
 from hybridflow.workers.actor import ActorSetup, ActorWorker
 from hybridflow.workers.critic import CriticWorker
@@ -123,6 +123,15 @@ def dump_dir(path: str | None, output_dir: Path) -> Path | None:
         return None
     folder = Path(path).expanduser()
     return folder if folder.is_absolute() else output_dir / folder
+
+
+def checkpoint_folders(cfg: Config, output_dir: Path) -> dict[str, Path]:
+    """Where ranks write (checkpoint shards, exports), by config key: the run's folder, and
+    ``trainer.checkpoint_dir`` when it is a local folder (a URL is written by this process)."""
+    folders = {"trainer.output_dir": output_dir}
+    if cfg.trainer.checkpoint_dir and not is_remote(cfg.trainer.checkpoint_dir):
+        folders["trainer.checkpoint_dir"] = Path(cfg.trainer.checkpoint_dir).expanduser()
+    return folders
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -286,6 +295,8 @@ def build_run(cfg: Config) -> RunSetup:
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))
+    if not runs_in_process(t.backend):  # the actor's ranks (and the critic's, beside them) write checkpoints there
+        check_shared_folders(checkpoint_folders(cfg, output_dir), "actor", actor)
     rollout_dtype = resolve_run_rollout_dtype(cfg, device, model_path, output_dir)  # once for every replica
     rollout_setup = RolloutSetup(model_path=model_path, engine=cfg.rollout.name, dtype=rollout_dtype, device=device,
                                  max_batch_size=cfg.rollout.max_batch_size, seed=t.seed, agent=agent,

@@ -15,12 +15,14 @@ the actor's newest weights on the rollout) and what of its in-flight state a che
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
+from hybridflow.cluster.worker_group import WorkerError
 from hybridflow.config import config_to_yaml
 from hybridflow.controller import phases
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, RemoteCheckpoints
@@ -67,6 +69,21 @@ class WeightVersions:
         if self.rollout != self.actor:
             phases.sync_weights(self.roles, self.actor)
             self.rollout = self.actor
+
+    def restore(self, restarted: list[int], *, generates_ahead: bool) -> None:
+        """The rollout's weights to the replicas ``restarted`` mid-round (no other was alive to
+        serve; ``RolloutReplicas.ensure_live``). They loaded ``model.path``: that is version 0.
+        Later versions come from the actor while it holds them, in a loop that does not generate
+        ahead of it (``generates_ahead``: an asynchronous loop's actor may be training past them)."""
+        if self.rollout == 0:
+            return
+        if generates_ahead or self.actor != self.rollout:
+            names = ", ".join(f"rollout replica {k}" for k in restarted)
+            raise WorkerError(f"{names} restarted while no other replica was alive, but the weights it must serve "
+                              f"(version {self.rollout}) are not the actor's (version {self.actor}, the loop trains "
+                              f"ahead of the rollout): run 2 or more replicas (trainer.n_workers) to survive this",
+                              process_died=True)
+        phases.sync_weights(self.roles, self.rollout)
 
 
 class Loop(Protocol):
@@ -124,6 +141,8 @@ class Trainer:
         self.versions = WeightVersions(run.roles, run.plan,
                                        STARTS_ELSEWHERE if self.cfg.actor.lora.adapter_path is not None else 0)
         self.loop = loop(run, self.versions)
+        run.roles.rollout.restore_weights = functools.partial(self.versions.restore,
+                                                              generates_ahead=self.cfg.trainer.mode != "sync")
         h = self.cfg.trainer.health
         self.health = HealthMonitor(
             HealthThresholds(

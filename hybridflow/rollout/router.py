@@ -17,7 +17,8 @@ long as that replica is alive; sessions are forgotten least recently used beyond
 Agent loops that run inside a replica's process (the rollout worker) are pinned by construction.
 
 A replica marked dead takes no new requests; placing a request whose session lived there moves
-the session. With every replica dead, ``place`` raises ``NoReplicaError`` naming them.
+the session. With every replica dead, ``place`` raises ``NoReplicaError`` naming them. A dead
+replica that was restarted (``rollout.max_replica_restarts``) is ``revive``d: it takes requests again.
 """
 
 from __future__ import annotations
@@ -141,6 +142,12 @@ class ReplicaRouter:
         """``replica`` takes no more requests; its in-flight ones are the caller's to fail."""
         load = self.loads[replica]
         load.alive, load.failure = False, reason
+        load.in_flight_tokens = load.in_flight_requests = 0
+
+    def revive(self, replica: int) -> None:
+        """``replica`` was restarted: it takes requests again, starting empty (what it did before is kept)."""
+        load = self.loads[replica]
+        load.alive, load.failure = True, None
         load.in_flight_tokens = load.in_flight_requests = 0
 
     # ------------------------------------------------------------------ sessions

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -56,7 +57,7 @@ from hybridflow.transfer.weight_transfer import (
     sync_device,
 )
 from hybridflow.types import GenerationRequest, SampleRecord, Trajectory
-from hybridflow.utils.faults import fault_requested
+from hybridflow.utils.faults import fault_requested, maybe_fault
 from hybridflow.workers.reward import RewardSetup, RewardWorker, score_trajectories
 
 logger = logging.getLogger(__name__)
@@ -323,6 +324,7 @@ class RolloutWorker:
         engine's counters. A request that raised raises here, naming it (and, through the
         worker group, this replica). Keep ``max_wait_s`` short on Ray: the actor answers other
         calls (a weight update) only between two takes."""
+        self._fault_point()
         finished = self.stream.take(max_wait_s)
         return StreamBatch(finished, self.stream.in_flight, _engine_counts(self.engine))
 
@@ -333,6 +335,7 @@ class RolloutWorker:
         what comes back is its samples' records and the reward metrics' tally, not its tokens."""
         if self.scoring is None:
             raise RuntimeError(f"{self.name}: take_records needs RolloutSetup.scoring (trainer.data_plane=refs)")
+        self._fault_point()
         if self._scorer is None:
             self._scorer = RewardWorker(0, 1, self.scoring)
         groups = []
@@ -344,6 +347,17 @@ class RolloutWorker:
             handle = put_group(finished.trajectories, self.name)
             groups.append(ScoredGroup(finished.tag, records_of(finished.trajectories, handle), tally, finished.seconds))
         return RecordBatch(groups, self.stream.in_flight, _engine_counts(self.engine))
+
+    def ping(self) -> int:
+        """This replica's process id: that it answers is the point (the controller's check for a
+        replica that died while idle, before a weight sync would fail on it)."""
+        return os.getpid()
+
+    def _fault_point(self) -> None:
+        """Tests of replica recovery (``HYBRIDFLOW_FAULT=replica_take/rollout_replica_<k>@<version>``):
+        this process is SIGKILLed at a take while its requests run, as an OOM kill or a lost node
+        would end it, when its engine serves that policy version (a restarted replica serves a later one)."""
+        maybe_fault(f"replica_take/{self.name.replace(' ', '_')}", int(getattr(self.engine, "policy_version", 0)))
 
     def abort(self) -> int:
         """Cancel every started request still in flight and drop finished ones not yet taken;

@@ -52,6 +52,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("rollout.tensor_model_parallel_size", 1),
     ("rollout.sleep_level", 1),
     ("rollout.max_num_batched_tokens", 1),
+    ("rollout.max_replica_restarts", 0),
     ("async_training.staleness_threshold", 0),
     ("rollout.val_kwargs.n", 1),
     ("rollout.multi_turn.max_assistant_turns", 1),

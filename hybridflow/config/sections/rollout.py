@@ -182,6 +182,13 @@ class RolloutConfig:
         "and tensors. Seconds spent: timing_s/verify_weight_sync. Engines that hold their own copy (vLLM, SGLang), "
         "tensor-parallel replicas and LoRA adapter syncs are not checked (logged once).",
     )
+    max_replica_restarts: int = f(
+        3,
+        "How many times each rollout replica whose process dies (killed, out of memory, its node lost) is restarted "
+        "on a Ray run: its unfinished requests go to the other replicas with their seeds (the same samples), and it "
+        "comes back at the next weight sync with the current weights. One more death stops the run naming the "
+        "replica and its node. 0: a replica's death stops the run. Restarts so far: rollout/replica_restarts.",
+    )
     val_kwargs: ValKwargsConfig = sub(ValKwargsConfig, "Sampling for validation.")
     multi_turn: MultiTurnConfig = sub(
         MultiTurnConfig, "Agent episodes: multi-turn generation with tool calls (data column agent_name picks the loop)."

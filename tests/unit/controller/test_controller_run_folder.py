@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.cluster.worker_group import LocalWorkerGroup, RankNode
 from hybridflow.config import ConfigError, load_config
-from hybridflow.controller.run_folder import LOCK_FILE, discard_run_folder_on_failure, holds_lock, holds_results
+from hybridflow.controller.run_folder import (
+    LOCK_FILE,
+    check_shared_folders,
+    discard_run_folder_on_failure,
+    holds_lock,
+    holds_results,
+)
 from hybridflow.controller.setup import resolve_output_dir
 
 
@@ -213,3 +220,51 @@ def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkey
         out = resolve_output_dir(cfg)
         assert not holds_lock(out)
     assert "No locks available" in caplog.text and "nothing stops a second run" in caplog.text
+
+
+# ------------------------------------------------------------------ folders every node must share
+class NodeView(LocalWorkerGroup):
+    """Ranks on a node that sees the trainer's paths elsewhere (``moved``: path prefix -> what the
+    node has there instead): the boundary a Ray node's own file system is."""
+
+    def __init__(self, world_size: int, moved: dict[str, str]) -> None:
+        super().__init__("actor", lambda r, w: None, world_size)
+        self.moved = moved
+
+    def call_all(self, method, probes, token):
+        results = []
+        for rank in range(self.world_size):
+            seen = {key: self._remap(path) if rank == 1 else path for key, path in probes.items()}
+            results.append(method(None, seen, token))
+        return results
+
+    def _remap(self, path: str) -> str:
+        for old, new in self.moved.items():
+            path = path.replace(old, new)
+        return path
+
+    def nodes(self):
+        return [RankNode(f"node-{r}", f"10.0.0.{r + 1}", 100 + r) for r in range(self.world_size)]
+
+
+def test_a_folder_every_rank_shares_passes_and_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    check_shared_folders({"trainer.output_dir": out}, "actor", NodeView(2, {}))
+    assert list(out.iterdir()) == []
+
+
+def test_a_folder_local_to_a_worker_node_is_refused_naming_the_node_the_rank_and_the_key(tmp_path: Path) -> None:
+    out, elsewhere = tmp_path / "run", tmp_path / "node2"
+    elsewhere.mkdir()
+    with pytest.raises(ConfigError, match=r"trainer.output_dir='.*run' cannot be used by actor rank 1 on node 10.0.0.2 "
+                                          r"\(id node-1\): the trainer's files are not there") as error:
+        check_shared_folders({"trainer.output_dir": out}, "actor", NodeView(2, {str(out): str(elsewhere)}))
+    assert error.value.key == "trainer.output_dir"
+    # A path the node cannot write to (here a file where the folder should be).
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    checkpoints = tmp_path / "ckpt"
+    with pytest.raises(ConfigError, match=r"trainer.checkpoint_dir=.* actor rank 1 on node 10.0.0.2 .*cannot write there"):
+        check_shared_folders({"trainer.output_dir": out, "trainer.checkpoint_dir": checkpoints}, "actor",
+                             NodeView(2, {str(checkpoints): str(blocked)}))
+    assert [p.name for p in out.iterdir()] == [] and [p.name for p in checkpoints.iterdir()] == []
