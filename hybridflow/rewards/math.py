@@ -19,8 +19,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from math_verify import parse, verify
-
 DATA_SOURCES = (
     "lighteval/MATH",
     "DigitalLearningGmbH/MATH-lighteval",
@@ -93,6 +91,11 @@ def _as_boxed(answer: str) -> str:
 
 def is_equivalent(prediction: str, ground_truth: str) -> bool:
     r"""Whether two bare answers (no ``\boxed``) are mathematically equal per math-verify."""
+    # Imported here, not at the top: math-verify loads SymPy and an ANTLR parser (about a second of
+    # CPU), and this module is imported by every trainer, reward worker and Ray rank (through the
+    # reward registry and the agents' tools) whether or not a run scores MATH answers.
+    from math_verify import parse, verify
+
     timeout_s = _inner_timeout_s()
     gold = parse(_as_boxed(ground_truth), parsing_timeout=timeout_s)
     predicted = parse(_as_boxed(prediction), parsing_timeout=timeout_s)
