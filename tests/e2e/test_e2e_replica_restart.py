@@ -103,3 +103,24 @@ def test_a_replica_killed_mid_generation_is_restarted_and_the_steps_equal_the_fa
     # The second death: the run stops, naming the replica, its node and the bound.
     assert re.search(r"rollout replica 1 on node \S+ \(id \w+\) died and was not restarted: "
                      r"rollout.max_replica_restarts=1 restarts of it were used up", log), log[-3000:]
+
+
+def test_across_a_replica_restart_no_trained_sample_exceeds_the_staleness_bound_in_the_async_modes(
+        tmp_path: Path) -> None:
+    """The asynchronous loops generate beside training: a replica killed mid-generation hands its
+    requests to the other one, comes back at the next weight sync, and every step still trains on
+    samples within the loop's staleness bound (one-step-off: 1 version; fully async: the threshold)."""
+    args = _args(tmp_path)
+    fault = "replica_take/rollout_replica_1@0"
+    modes = {"one_step_off": (["trainer.mode=one_step_off"], 1.0),
+             "fully_async": (["trainer.mode=fully_async", "async_training.staleness_threshold=1"], 1.0)}
+    runs = {mode: _start([*args, *extra_args], tmp_path / mode, 3, fault) for mode, (extra_args, _) in modes.items()}
+    for mode, run in runs.items():
+        log = (tmp_path / f"{mode}.log")
+        assert run.wait(timeout=600) == 0, f"{mode}: {log.read_text()[-3000:]}"
+        assert "rollout replica 1 restarted on node" in log.read_text(), mode
+        records = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3], mode
+        assert records[-1]["rollout/replica_restarts"] == 1.0, mode
+        bound = modes[mode][1]
+        assert all(r["async/staleness/max"] <= bound for r in records), (mode, [r["async/staleness/max"] for r in records])
