@@ -27,7 +27,8 @@ with a rollout replica beside it, and two more kinds strike:
   it is restarted at the next weight sync (``rollout.max_replica_restarts``), so the run goes on
   (killed in the instant of a weight sync, it stops the trainer like a rank's death).
 
-Both find their process in the run folder's ``placement.json`` (each rank's pid, as set-up placed them).
+Both find their process in the run folder's ``placement.json`` (each rank's pid; a replica's restart
+rewrites it).
 
 A fault is *survived* when the run then goes on to complete and nothing beyond the newest complete
 checkpoint at the moment of the fault is lost: each restart must resume from that checkpoint (or a

@@ -87,6 +87,8 @@ class RolloutReplicas:
         # Brings the replicas restarted mid-round (none other alive) the rollout's current weights;
         # set by the trainer, which knows them. None: such a restart fails the call.
         self.restore_weights: Callable[[list[int]], None] | None = None
+        # Called after replicas were restarted (set-up records where every rank now runs: placement.json).
+        self.on_restart: Callable[[], None] | None = None
         self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
         # rollout.verify_weight_sync: after each sync every replica's digest is checked (verify_sync).
@@ -247,6 +249,8 @@ class RolloutReplicas:
             self.router.revive(k)
             self.rejoin_weight_sync = True
             logger.warning("%s restarted on %s", replica_role(k), self.node_of(k))
+        if restarted and self.on_restart is not None:
+            self.on_restart()
         return restarted
 
     def prepare_sync(self) -> None:

@@ -359,6 +359,7 @@ def build_run(cfg: Config) -> RunSetup:
         progress=progress, dumps=dumps, warnings=warnings, pools=pools, timeline=timeline, storage=storage,
     )
     write_placement(output_dir, roles.named_groups())  # where each rank of each role landed
+    rollout.on_restart = lambda: write_placement(output_dir, roles.named_groups())  # ... and a restarted replica
     record_budgets(output_dir, automatic_budgets, _budget_groups(roles), rollout.kv_cache_budget())
     return run
 

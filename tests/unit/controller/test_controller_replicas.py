@@ -109,14 +109,17 @@ def _engine(worker: RolloutWorker):
     return worker.engine
 
 
-def test_a_failing_replica_is_named_and_marked_dead(model_dir) -> None:
-    two = replicas(model_dir, 2)
-    broken = two.groups[1].call_one(0, _engine)
-
+def _break_engine(replicas: RolloutReplicas, k: int) -> None:
+    """Replica ``k``'s engine raises on every request (its process lives on)."""
     async def fail(request):
         raise RuntimeError("engine crashed")
 
-    broken.generate = fail  # type: ignore[method-assign]
+    replicas.groups[k].call_one(0, _engine).generate = fail
+
+
+def test_a_failing_replica_is_named_and_marked_dead(model_dir) -> None:
+    two = replicas(model_dir, 2)
+    _break_engine(two, 1)
     with pytest.raises(WorkerError, match="rollout replica 1 rank 0 failed in RolloutWorker.serve"):
         two.generate(requests())
     assert [load.alive for load in two.router.loads] == [True, False]
@@ -187,7 +190,9 @@ def test_a_replica_that_dies_mid_round_hands_its_requests_to_the_other_with_the_
     assert two.take_metrics()["rollout/replica_restarts"] == 1.0
     two.sleep()  # the replica down is left alone
     # The next sync restarts it: both serve again, the same samples.
-    assert two.restart_down() == [1] and two.down == [] and two.rejoin_weight_sync
+    recorded = []
+    two.on_restart = lambda: recorded.append([group.nodes() for group in two.groups])  # set-up: placement.json
+    assert two.restart_down() == [1] and two.down == [] and two.rejoin_weight_sync and len(recorded) == 1
     assert _tokens(two.generate(requests())) == expected
     assert two.router.loads[1].requests > 0
 
@@ -223,12 +228,7 @@ def test_a_death_past_max_replica_restarts_stops_naming_the_replica_and_its_node
 def test_a_replica_that_raises_is_not_restarted(model_dir) -> None:
     """Its own code failed, not its process: a restart would fail the same way."""
     two = mortal(model_dir, 2, {})
-    broken = two.groups[1].call_one(0, _engine)
-
-    async def fail(request):
-        raise RuntimeError("engine crashed")
-
-    broken.generate = fail  # type: ignore[method-assign]
+    _break_engine(two, 1)
     with pytest.raises(WorkerError, match="rollout replica 1 rank 0 failed in RolloutWorker.serve"):
         two.generate(requests())
     assert two.down == [] and two.restarts == [0, 0]
