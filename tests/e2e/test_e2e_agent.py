@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow
 AGENT_METRICS = ("num_turns/mean", "num_turns/max", "tool_calls/mean", "tool_calls/error_rate",
                  "tool_calls/timeout_rate", "response_length/masked_fraction")
 COMMON = ["trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.save_final=false"]
-# A short warm start (80 steps of tool-using conversations, 20 mixed) already writes well-formed
-# calls, though it cannot copy numbers yet: enough to exercise the wiring in about a minute.
+# Two small steps on the preset's own warm start (the shared tool_agent_cache: the GRPO test below
+# builds it, or this one when run alone), enough to exercise the wiring.
 QUICK = [
-    "warm_start.steps=100", "data.builtin_val_size=16", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+    "data.builtin_val_size=16", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
     "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=32", "trainer.total_training_steps=2", "trainer.test_freq=2",
     *COMMON,
 ]
@@ -34,9 +34,10 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path):
+@pytest.mark.xdist_group("tool_agent_cache")  # one worker: it reuses the GRPO test's warm start
+def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path, tool_agent_cache):
     cfg = api.make_config("tool_agent", overrides=[
-        f"warm_start.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / 'run'}", *QUICK])
+        f"warm_start.cache_dir={tool_agent_cache}", f"trainer.output_dir={tmp_path / 'run'}", *QUICK])
     run = build_run(cfg)
     try:
         groups = phases.collect(run.roles, run.plan, run.prompts, 1, PhaseTimer()).groups
