@@ -19,37 +19,44 @@ import pytest
 # worker holds a trainer's memory (a few GB at peak).
 MAX_WORKERS = 4
 
-# Seconds each of the longest tests took (2 workers on an idle 2-core machine): only their order is used.
-# A test missing here runs after these, in file order; a stale entry only costs balance.
+# Seconds each of the longest tests took (2 workers on 2 cores, CI's run of 2026-11-29 with other work on
+# the machine, parametrized tests by their base name): only their order is used. A test missing here
+# runs after these, in file order; a stale entry only costs balance. Tests in one xdist_group run on
+# one worker, the groups first (xdist's --loadscope-reorder sends the largest work units first).
 LONGEST_S = {
-    "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 440,
-    "tests/e2e/test_e2e_readme.py::test_every_python_block_runs_as_an_unguarded_script": 190,
-    "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 200,
-    # A three-node Ray cluster started with `ray start`, then two runs (130 s with the machine's load near 8).
-    "tests/e2e/test_e2e_ray_multinode.py::test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_local_rank": 130,
-    "tests/e2e/test_e2e_ray.py::test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one": 200,
-    "tests/e2e/test_e2e_agent.py::test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss": 70,
-    "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 60,
-    # Four two-rank Ray starts (the uninterrupted run, then one per killed rank or replica): 205 s idle.
-    "tests/e2e/test_e2e_chaos_soak.py::test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics": 205,
-    "tests/e2e/test_e2e_preemption.py::test_a_job_wide_sigterm_on_ray_reaches_every_process_and_the_run_still_saves": 55,
-    # Measured alone with 4 other test workers on the 2 cores (about 30 s of CPU each).
-    "tests/e2e/test_e2e_sft.py::test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains": 95,
-    "tests/e2e/test_e2e_sft.py::test_two_ranks_train_like_one": 95,
-    "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 55,
-    "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 50,
-    "tests/e2e/test_e2e_resume.py::test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run": 45,
-    # A 3-step `hybridflow train` (about 40 s on 2 loaded cores), then ~5 s in headless Chromium.
-    "tests/e2e/test_e2e_dashboard.py::test_the_page_draws_a_real_runs_curves_live_and_its_rollouts_token_by_token": 50,
-    # Measured with the machine's load average near 8 on 2 cores.
-    "tests/e2e/test_e2e_storage.py::test_train_checkpoint_resume_and_export_through_s3": 85,
-    "tests/e2e/test_e2e_storage.py::test_a_missing_bucket_or_missing_credentials_fail_at_set_up_in_one_line": 28,
-    # Estimates from their share of a run (not yet measured alone under load).
-    "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 100,
-    "tests/e2e/test_e2e_ray.py::test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight": 100,
-    "tests/e2e/test_e2e_async.py::test_one_step_off_kill_and_resume_loses_no_prompt_and_trains_none_twice": 50,
-    "tests/e2e/test_e2e_async.py::test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt": 50,
-    "tests/e2e/test_e2e_async.py::test_fully_async_in_completion_order_trains_every_group_once_across_a_kill": 50,
+    # The tool_agent preset's warm start (625 SFT steps, shared with the two tests of its group), then 10 steps.
+    "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 342,
+    # Four two-rank Ray starts (the uninterrupted run, then one per killed rank or replica).
+    "tests/e2e/test_e2e_chaos_soak.py::test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics": 197,
+    # The API block pays the built-in warm start (shared through builtin_cache), then 20 steps.
+    "tests/e2e/test_e2e_readme.py::test_every_python_block_runs_as_an_unguarded_script": 173,
+    "tests/e2e/test_e2e_ray.py::test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one": 168,
+    "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 138,
+    "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 70,
+    # A three-node Ray cluster started with `ray start`, then two runs.
+    "tests/e2e/test_e2e_ray_multinode.py::test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_local_rank": 67,
+    "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 65,
+    "tests/e2e/test_e2e_preemption.py::test_a_job_wide_sigterm_on_ray_reaches_every_process_and_the_run_still_saves": 62,
+    "tests/e2e/test_e2e_lora.py::test_lora_on_two_ray_ranks_matches_one_local_rank": 60,
+    "tests/e2e/test_e2e_chaos_soak.py::test_a_run_killed_at_random_ends_with_the_uninterrupted_runs_metrics": 58,
+    "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 55,
+    "tests/e2e/test_e2e_ray.py::test_broadcast_weight_sync_gives_the_rollout_the_actors_weights": 49,
+    "tests/e2e/test_e2e_reproducible.py::test_the_default_command_beside_a_busy_process_is_the_same_run_twice_and_after_a_kill": 48,
+    "tests/e2e/test_e2e_resume.py::test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run": 46,
+    "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 43,
+    "tests/e2e/test_e2e_async.py::test_fully_async_with_staleness_zero_is_the_synchronous_algorithm": 43,
+    "tests/e2e/test_e2e_sft.py::test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains": 39,
+    "tests/e2e/test_e2e_ray.py::test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight": 36,
+    # Unit tests as long as these: started with them, not left for the end of the run.
+    "tests/unit/training/test_training_precision.py::test_hsdp_shard_groups_train_like_full_sharding": 35,
+    "tests/unit/training/test_training_compile.py::test_compiled_layers_train_as_eager_does": 35,
+    "tests/unit/core/test_scripts_gpu_kit.py::test_the_dry_run_runs_its_steps_with_no_network": 34,
+    # From earlier runs (not among the 25 slowest of the run above).
+    "tests/e2e/test_e2e_sft.py::test_two_ranks_train_like_one": 35,
+    "tests/e2e/test_e2e_async.py::test_one_step_off_trains_one_version_behind_and_step_one_is_the_sync_step": 35,
+    "tests/e2e/test_e2e_async.py::test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt": 34,
+    "tests/e2e/test_e2e_storage.py::test_train_checkpoint_resume_and_export_through_s3": 33,
+    "tests/e2e/test_e2e_dashboard.py::test_the_page_draws_a_real_runs_curves_live_and_its_rollouts_token_by_token": 30,
 }
 
 
