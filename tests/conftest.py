@@ -24,7 +24,7 @@ MAX_WORKERS = 4
 # runs after these, in file order; a stale entry only costs balance. Tests in one xdist_group run on
 # one worker, the groups first (xdist's --loadscope-reorder sends the largest work units first).
 LONGEST_S = {
-    # The tool_agent preset's warm start (625 SFT steps, shared with the two tests of its group), then 10 steps.
+    # The tool_agent preset's warm start (625 SFT steps, shared with the two tests of its group), then 5 steps.
     "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 342,
     # Four two-rank Ray starts (the uninterrupted run, then one per killed rank or replica).
     "tests/e2e/test_e2e_chaos_soak.py::test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics": 197,
