@@ -14,7 +14,8 @@ milliseconds and is tested with hand-worked numbers. Registries:
 Plain functions: ``place_outcome_rewards`` and ``apply_kl_penalty`` (score to token rewards),
 ``select_varied_groups`` (DAPO's dynamic sampling), ``compute_value_loss`` (critic), ``compute_rollout_correction`` (importance
 weights and rejection between rollout-engine and trainer logprobs), ``compute_rollout_rejection`` (verl's
-``rollout_rs`` criteria).
+``rollout_rs`` criteria), ``compute_distillation_advantages`` (on-policy distillation: the
+per-token reverse KL to a teacher as an advantage).
 """
 
 from hybridflow.algorithms.advantages import (
@@ -48,6 +49,7 @@ from hybridflow.algorithms.core import (
     masked_whiten,
     suggest,
 )
+from hybridflow.algorithms.distillation import Distilled, compute_distillation_advantages, compute_reverse_kl
 from hybridflow.algorithms.divergence_losses import compute_dppo_kl_loss, compute_dppo_tv_loss, compute_dro_loss
 from hybridflow.algorithms.entropy import (
     entropy_from_logits,
@@ -135,6 +137,9 @@ __all__ = [
     "compute_cispo_loss",
     "compute_clip_cov_loss",
     "compute_dppo_kl_loss",
+    "Distilled",
+    "compute_distillation_advantages",
+    "compute_reverse_kl",
     "compute_dppo_tv_loss",
     "compute_dro_loss",
     "compute_gae_advantages",

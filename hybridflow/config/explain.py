@@ -183,11 +183,30 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
     else:
         lines.append(f"  no critic: {estimator} needs no values")
     lines.append(f"  {_reward_model_line(cfg)}")
+    lines.extend(_distillation_lines(cfg))
     warm, why = warm_start_decision(cfg.warm_start.enable, cfg.model.path)
     if warm:
         lines.append(f"warm start: yes, {cfg.warm_start.steps} SFT steps before RL ({why})")
     else:
         lines.append(f"warm start: no ({why})")
+    return lines
+
+
+def _distillation_lines(cfg: Config) -> list[str]:
+    """The teachers a distillation run loads, and what their logprobs do to the advantages."""
+    dist = cfg.distillation
+    if not dist.enable:
+        return ["  no teacher: distillation.enable=false"]
+    lines = []
+    if dist.teacher.path is not None:
+        lines.append(f"  teacher: {dist.teacher.path} (distillation.teacher.path), scores "
+                     f"{'the other data sources' if dist.teachers else 'every sample'}")
+    lines += [f"  teacher: {path} for data_source {source} (distillation.teachers)"
+              for source, path in dist.teachers.items()]
+    lines.append(f"  distillation: advantage = {dist.reward_weight:g} x the {cfg.algorithm.adv_estimator} advantage "
+                 f"- {dist.kl_coef:g} x (log p_student - log p_teacher) per token"
+                 + (f", summed over later tokens with discount {dist.discount:g}" if dist.discount else "")
+                 + "; each teacher is frozen, one rank per actor rank, and must share the student's tokenizer")
     return lines
 
 

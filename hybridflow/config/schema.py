@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.config.sections.distillation import DistillationConfig, TeacherConfig
 from hybridflow.config.sections.dpo import DPOConfig
 from hybridflow.config.fields import sub
 from hybridflow.config.sections.rm import RMConfig
@@ -87,6 +88,7 @@ class Config:
     reward: RewardConfig = sub(RewardConfig, "Reward scoring.")
     reward_model: RewardModelConfig = sub(RewardModelConfig, "Reward model (discriminative or generative judge).")
     algorithm: AlgorithmConfig = sub(AlgorithmConfig, "Advantage estimation and KL in reward.")
+    distillation: DistillationConfig = sub(DistillationConfig, "On-policy distillation from teacher models.")
     trainer: TrainerConfig = sub(TrainerConfig, "Loop, logging, checkpoints.")
     async_training: AsyncTrainingConfig = sub(AsyncTrainingConfig, "The asynchronous loops (trainer.mode).")
     storage: StorageConfig = sub(StorageConfig, "Object storage (s3://, gs://, other fsspec URLs) for data, model and checkpoints.")

@@ -29,6 +29,7 @@ from hybridflow.algorithms import (
     AdvantageInputs,
     KLController,
     apply_kl_penalty,
+    compute_distillation_advantages,
     correct_rollout,
     place_outcome_rewards,
     select_varied_groups,
@@ -37,7 +38,7 @@ from hybridflow.cluster.worker_group import wait_all
 from hybridflow.controller.dumps import GenerationDumps
 from hybridflow.controller.overlap import generate_and_score, model_scores, round_requests
 from hybridflow.controller.roles import BROADCAST, Roles, reconnect_weight_sync
-from hybridflow.controller.step_plan import Prompts, StepPlan
+from hybridflow.controller.step_plan import DistillationMix, Prompts, StepPlan
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
 from hybridflow.data.dataset import ImageInputs
@@ -51,6 +52,7 @@ from hybridflow.tracking import (
     reduce_metrics,
     reward_variables,
 )
+from hybridflow.tracking.metrics import DISTILL_REVERSE_KL
 from hybridflow.types import (
     GenerationRequest,
     RefBatch,
@@ -255,11 +257,18 @@ def prepare_batch(
     if roles.reference is not None:
         with timer.phase("ref"):
             batch.ref_logprobs = torch.cat(roles.reference.split_gather(roles.reference_logprobs, batch))
+    teacher_logprobs = None
+    if roles.teachers is not None:
+        with timer.phase("teacher"):
+            teacher_logprobs = roles.teachers.logprobs(batch, [t.metadata["data_source"] for t in trajectories])
     samples = StepSamples(batch, trajectories, groups)
     extra_inputs, input_metrics = estimator_inputs(roles, plan, samples, timer)
     metrics |= input_metrics
     with timer.phase("adv"):
         metrics |= compute_advantages(plan, batch, extra_inputs, kl_controller)
+        if plan.distillation is not None:
+            assert teacher_logprobs is not None, "set-up builds the teachers with distillation.enable"
+            metrics |= distill(plan.distillation, batch, teacher_logprobs)
     if fault_requested("nan_advantages", step):  # tests: a NaN that must not reach the weights
         batch.advantages = torch.full_like(batch.advantages, float("nan"))
     if dumps.rollout_dir is not None:
@@ -305,6 +314,18 @@ def compute_advantages(plan: StepPlan, batch: TrainBatch, extra_inputs: dict[str
                              group_ids=batch.group_ids, **extra_inputs)
     batch.advantages, batch.returns = plan.estimator.fn(inputs, plan.estimator.params)
     return metrics
+
+
+def distill(mix: DistillationMix, batch: TrainBatch | RefBatch, teacher_logprobs: torch.Tensor) -> dict[str, float]:
+    """On-policy distillation: the task advantages weighted, plus each token's negated reverse KL to its
+    teacher (the actor's logprobs before the update against the teacher's, of the sampled token)."""
+    assert batch.old_logprobs is not None and batch.advantages is not None, "set-up computes old logprobs"
+    assert batch.response_mask is not None
+    distilled = compute_distillation_advantages(batch.advantages, batch.old_logprobs, teacher_logprobs,
+                                                batch.response_mask, kl_coef=mix.kl_coef,
+                                                reward_weight=mix.reward_weight, discount=mix.discount)
+    batch.advantages = distilled.advantages
+    return {DISTILL_REVERSE_KL: distilled.reverse_kl}
 
 
 # ---------------------------------------------------------------------- estimator inputs

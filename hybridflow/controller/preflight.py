@@ -47,6 +47,7 @@ from hybridflow.models.loading import (
     check_sequence_classifier,
     load_model_config,
 )
+from hybridflow.models.tokenizer_match import role_differences, tokenizer_differences
 from hybridflow.models.vision import is_vision_language
 from hybridflow.rollout.factory import (
     ROLLOUT_ENGINES,
@@ -516,3 +517,29 @@ def judge_api_key(cfg: Config) -> str | None:
                           "(export it, or set api_key_env=null for an endpoint without a key)",
                           key="reward_model.judge.api_key_env")
     return key
+
+
+def check_teacher_tokenizer(student: Any, teacher_dir: str, key: str, trust_remote_code: bool) -> str | None:
+    """Refuse a distillation teacher whose tokenizer is not the student's (``ConfigError`` on ``key``, every
+    difference named): it scores the student's token ids, which it would read as other text. Returns a note
+    when only the special tokens' roles differ (another eos, as between a base model and its chat model)."""
+    from transformers import AutoTokenizer
+
+    if not (Path(teacher_dir).expanduser() / "config.json").is_file():
+        raise ConfigError(f"{key}={teacher_dir!r} is not a Hugging Face model directory (no config.json there); "
+                          "point it at a local causal LM folder with the student's tokenizer", key=key)
+    try:
+        teacher = AutoTokenizer.from_pretrained(Path(teacher_dir).expanduser(), local_files_only=True,
+                                                trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}={teacher_dir!r}: its tokenizer cannot be loaded ({error})", key=key) from error
+    if teacher.pad_token_id is None:  # as load_tokenizer pads the student's
+        teacher.pad_token = teacher.eos_token
+    problems = tokenizer_differences(student, teacher)
+    if problems:
+        raise ConfigError(
+            f"{key}={teacher_dir!r} does not share the student's tokenizer (model.path): {'; '.join(problems)}. "
+            "The teacher scores the student's token ids, so both must spell every token alike; use a teacher of "
+            "the student's model family (the same tokenizer)", key=key)
+    notes = role_differences(student, teacher)
+    return f"{key}: the teacher's special tokens play other roles ({'; '.join(notes)})" if notes else None

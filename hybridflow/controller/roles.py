@@ -23,6 +23,7 @@ from hybridflow.config import Config, ConfigError
 from hybridflow.config.layout import data_parallel_size, rollout_replicas
 from hybridflow.controller.preflight import judge_api_key
 from hybridflow.controller.replicas import RolloutReplicas, replica_role
+from hybridflow.controller.teachers import Teachers
 from hybridflow.rewards.manager import scoring_processes
 from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
 from hybridflow.rewards.sandbox_fusion import (
@@ -124,6 +125,7 @@ class Roles:
     reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None = None
     critic: WorkerGroup[CriticWorker] | None = None  # the estimator needs values (gae)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
+    teachers: Teachers | None = None  # distillation.enable: the frozen teacher models
     # The actor's method whose rank-0 result an object-store sync hands the rollout: its weights, or
     # only its LoRA adapter (actor.lora.sync=adapter), which the rollout workers merge themselves.
     actor_weights: Callable[[ActorWorker], list[tuple[str, torch.Tensor]]] = ActorWorker.weights_for_sync
@@ -138,6 +140,7 @@ class Roles:
         named = [("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
                  ("reward", self.reward), ("reward_model", rm.group if rm is not None else None)]
         named += [(replica_role(k), group) for k, group in enumerate(self.rollout.groups)]
+        named += self.teachers.named_groups() if self.teachers is not None else []
         return [(name, group) for name, group in named if group is not None]
 
     def close(self) -> None:
@@ -155,6 +158,8 @@ class Roles:
         for group in groups:
             if group is not None:
                 group.close()
+        if self.teachers is not None:
+            self.teachers.close()
 
 
 def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None) -> RolloutReplicas:

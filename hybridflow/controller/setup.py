@@ -62,6 +62,7 @@ from hybridflow.controller.roles import (
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
 from hybridflow.controller.run_folder import check_shared_folders, lock_run_folder, write_placement
 from hybridflow.controller.step_plan import Estimator, Prompts, StepPlan, build_step_plan
+from hybridflow.controller.teachers import Teachers, build_teachers, check_teacher_sources, prepare_teacher_dirs
 from hybridflow.controller.token_budgets import apply_recorded_budgets, automatic_budget_keys, record_budgets
 from hybridflow.data import RLDataset
 from hybridflow.data.sampler_plugin import SamplerError, build_prompt_sampler
@@ -229,6 +230,15 @@ def build_run(cfg: Config) -> RunSetup:
         log.warning("no data.val_files: validation is skipped")
     if agent is not None:
         check_row_agents([train_data, *([val_data] if val_data is not None else [])])
+    teacher_dirs: dict[str, str] = {}
+    if cfg.distillation.enable:
+        # Before any worker starts: a teacher with another tokenizer, or a data_source without a teacher, is
+        # refused now (the built-in teacher is made here, cached, as the warm start is).
+        check_teacher_sources(cfg, [row.data_source for row in train_data[:]])
+        teacher_dirs, notes = prepare_teacher_dirs(cfg, device, tokenizer)
+        for note in notes:
+            log.warning("distillation: %s", note)
+        warnings.extend(notes)
     agent_warning = agent_name_warning(train_data, cfg.rollout.multi_turn)
     if agent_warning is not None:
         log.warning("data: %s", agent_warning)
@@ -258,8 +268,9 @@ def build_run(cfg: Config) -> RunSetup:
     # whole batch's mean, so those need them up front.
     corrects_old = not rc.bypass_mode and bool(
         rc.rollout_rs or (rc.rollout_is and (updates_per_batch > 1 or rc.rollout_is_batch_normalize)))
+    # Distillation compares the actor's logprobs of the sampled tokens with the teachers' (the same forward).
     needs_old = (updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward or corrects_old \
-        or needs_old_logprobs_for(needs)
+        or needs_old_logprobs_for(needs) or cfg.distillation.enable
 
     # Reward first: its workers load a custom reward function, the config's last pluggable name,
     # so a missing name, a syntax error or an import that hangs fails before any model loads.
@@ -278,7 +289,8 @@ def build_run(cfg: Config) -> RunSetup:
     pools, placements = reserve_placements(
         t.backend, data_parallel_size=dp, device=device,
         colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if reference_ranks else []),
-                         *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else [])],
+                         *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else []),
+                         *teacher_dirs],
         split_roles=["rollout"] if split else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
     )
@@ -336,6 +348,9 @@ def build_run(cfg: Config) -> RunSetup:
                                        placements.get("reference"))
     critic = build_critic_group(cfg, model_path, device, total_steps, placements.get("critic")) if with_critic else None
     reward_model = build_reward_model_group(cfg, model_path, device, placements.get("reward_model"))
+    teachers: Teachers | None = None
+    if cfg.distillation.enable:
+        teachers = build_teachers(cfg, teacher_dirs, device, placements)
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))
@@ -344,7 +359,7 @@ def build_run(cfg: Config) -> RunSetup:
     timeline.observe_worker_calls()  # until RunSetup.close
     rollout.timeline = timeline
     roles = Roles(actor=actor, rollout=rollout, reward=reward, reference=reference, critic=critic,
-                  reward_model=reward_model, reference_logprobs=reference_logprobs,
+                  reward_model=reward_model, teachers=teachers, reference_logprobs=reference_logprobs,
                   actor_weights=ActorWorker.adapter_for_sync if adapter_sync else ActorWorker.weights_for_sync,
                   weight_sync=weight_sync)
     plan = build_step_plan(cfg, total_steps=total_steps, pad_token_id=int(tokenizer.pad_token_id),

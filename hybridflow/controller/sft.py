@@ -325,6 +325,23 @@ def prepare_builtin_model(
                                                                  model_spec=model_spec, stages=stages))
 
 
+def prepare_refined_model(base_dir: Path, *, pairs: list[SFTPair], pairs_key: str, spec: SFTSpec,
+                          device: torch.device) -> Path:
+    """A cached built-in model (``base_dir``, itself a cache entry) fine-tuned ``spec`` further on ``pairs``:
+    cached beside it, keyed by its name, the spec and ``pairs_key`` (which must name the data), so only the
+    new steps are paid for (the built-in distillation teacher: the warm start, trained on correct answers)."""
+    parts = {"version": WARM_START_VERSION, "base": base_dir.name, "sft": vars(spec), "data": pairs_key}
+    final = base_dir.parent / f"{base_dir.name}-refined-{_cache_key(parts)}"
+
+    def build(tmp: Path) -> Path:
+        log.info("built-in model: %d more SFT steps on %s (once per machine; cached in %s)", spec.steps, pairs_key,
+                 final.parent)
+        _run_stage(base_dir, pairs, tmp / "sft", spec, device)
+        return tmp / "sft"
+
+    return _cached_model(final, build)
+
+
 def prepare_builtin_vl_model(
     cache_dir: str | os.PathLike,
     *,

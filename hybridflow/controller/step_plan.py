@@ -36,6 +36,15 @@ class Estimator:
 
 
 @dataclass(frozen=True)
+class DistillationMix:
+    """How the teachers' per-token reverse KL joins the task advantages (the ``distillation`` section)."""
+
+    kl_coef: float
+    reward_weight: float
+    discount: float
+
+
+@dataclass(frozen=True)
 class StepPlan:
     seed: int  # trainer.seed: every request's seed derives from it
     total_steps: int
@@ -56,6 +65,7 @@ class StepPlan:
     rollout_correction: RolloutCorrectionConfig
     critic_warmup: int  # steps that train only the critic (a run with one)
     weight_sync: str  # rollout.weight_sync resolved: object_store | broadcast
+    distillation: DistillationMix | None = None  # distillation.enable: the teachers' advantage term
 
 
 def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
@@ -83,7 +93,13 @@ def build_step_plan(cfg: Config, *, total_steps: int, pad_token_id: int, estimat
         kl_in_reward=alg.kl_penalty if alg.use_kl_in_reward else None,
         gdpo_reward_keys=tuple(alg.gdpo_reward_keys), rollout_correction=alg.rollout_correction,
         critic_warmup=t.critic_warmup, weight_sync=weight_sync,
+        distillation=distillation_mix(cfg),
     )
+
+
+def distillation_mix(cfg: Config) -> DistillationMix | None:
+    dist = cfg.distillation
+    return DistillationMix(dist.kl_coef, dist.reward_weight, dist.discount) if dist.enable else None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ TIMING_GEN = "timing_s/gen"
 TIMING_REWARD = "timing_s/reward"
 TIMING_OLD_LOG_PROB = "timing_s/old_log_prob"
 TIMING_REF = "timing_s/ref"
+TIMING_TEACHER = "timing_s/teacher"  # on-policy distillation: the teachers' logprob forwards
 TIMING_VALUES = "timing_s/values"
 TIMING_ADV = "timing_s/adv"
 TIMING_UPDATE_CRITIC = "timing_s/update_critic"
@@ -55,6 +56,9 @@ ACTOR_GRAD_NORM = "actor/grad_norm"
 ACTOR_LR = "actor/lr"
 ACTOR_REWARD_KL_PENALTY = "actor/reward_kl_penalty"
 ACTOR_REWARD_KL_PENALTY_COEFF = "actor/reward_kl_penalty_coeff"
+
+# --- on-policy distillation ---------------------------------------------------------------------
+DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean over response tokens of log π_student − log π_teacher
 
 # --- critic (value model) and batch statistics --------------------------------------------------
 CRITIC_VF_LOSS = "critic/vf_loss"

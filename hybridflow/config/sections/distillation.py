@@ -1,0 +1,61 @@
+"""On-policy distillation (the ``distillation`` section): the teachers that score the student's samples and
+how their per-token reverse KL mixes with the task's advantages (docs/algorithms.md, "On-policy
+distillation").
+
+The student is the actor (model.path); everything about its training is the RL run's own keys
+(algorithm.adv_estimator for the task part, actor.*, rollout.*). A teacher is a frozen causal LM loaded
+like the reference model, one rank per actor rank, and must share the student's tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.config.fields import f, sub
+
+BUILTIN_TEACHER = "builtin:tiny-teacher"
+"""``distillation.teacher.path`` of the built-in arithmetic teacher: the warm-started built-in model trained further
+on correct answers only (cached like the warm start)."""
+
+
+@dataclass
+class TeacherConfig:
+    path: str | None = f(
+        None, "The teacher: a local Hugging Face causal LM directory (or a hub id) with the student's tokenizer, "
+        f"or {BUILTIN_TEACHER} (the built-in arithmetic task's teacher: the warm-started built-in model after "
+        "distillation.builtin_teacher_steps more SFT steps on correct answers). Scores the rows whose data_source distillation.teachers "
+        "does not name; null: only those rows may be trained on.",
+    )
+    trust_remote_code: bool = f(False, "Let the teachers' model folders (this one and distillation.teachers') run "
+                                       "their own code (as model.trust_remote_code).")
+
+
+@dataclass
+class DistillationConfig:
+    """The student (the actor) samples; each teacher scores every sampled token; the advantage of a token adds
+    −kl_coef x (log π_student − log π_teacher) of it to reward_weight x the task estimator's advantage."""
+
+    enable: bool = f(False, "Distil from the teacher(s) during RL (on-policy distillation).")
+    teacher: TeacherConfig = sub(TeacherConfig, "The default teacher (rows of any data_source).")
+    teachers: dict[str, str] = f(
+        {}, "Teachers by data_source: {data_source: model path}; a row of a data_source named here is scored by "
+        "that teacher, the others by distillation.teacher.path. Each distinct path is one frozen model.",
+    )
+    kl_coef: float = f(
+        1.0, "Weight of the distillation advantage: each token's advantage gains −kl_coef x (log π_student − "
+        "log π_teacher) of its sampled token (Thinking Machines' kl_penalty_coef). >= 0.",
+    )
+    reward_weight: float = f(
+        1.0, "Weight of the task estimator's advantage (algorithm.adv_estimator on the reward) in the mix: 0 is "
+        "pure distillation, 1 adds the two as they are. >= 0.",
+    )
+    discount: float = f(
+        0.0, "γ in [0, 1]: a token's distillation advantage also sums the later tokens' terms discounted by γ "
+        "(Thinking Machines' kl_discount_factor). 0: each token's own reverse KL only.",
+    )
+    log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per teacher logprob forward on one rank.")
+    builtin_teacher_steps: int = f(
+        200, f"{BUILTIN_TEACHER}: SFT steps on the arithmetic task's correct answers after the student's warm start "
+        "(warm_start.batch_size and lr): the warm-started student unlearns its flawed teacher's slip, so the teacher "
+        "answers right where the student slips. Cached beside the warm start.",
+    )
