@@ -350,7 +350,8 @@ def build_run(cfg: Config) -> RunSetup:
     reward_model = build_reward_model_group(cfg, model_path, device, placements.get("reward_model"))
     teachers: Teachers | None = None
     if cfg.distillation.enable:
-        teachers = build_teachers(cfg, teacher_dirs, device, placements)
+        teachers = build_teachers(cfg, teacher_dirs, device, placements,
+                                  actor_log_prob_budget=actor.call_all(ActorWorker.token_budgets)[0][1])
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))

@@ -115,9 +115,12 @@ class Teachers:
 
 
 def build_teachers(cfg: Config, resolved: dict[str, str], device: torch.device,
-                   placements: dict[str, Placement]) -> Teachers:
+                   placements: dict[str, Placement], actor_log_prob_budget: int | None) -> Teachers:
     """The teachers' groups: for each role of ``teacher_roles`` a reference worker group on ``resolved[role]``
-    (the model folder), sharded and micro-batched as the reference is; ranks and placement as the actor's."""
+    (the model folder), sharded and micro-batched as the reference is; ranks and placement as the actor's.
+    Their token budget is ``distillation.log_prob_max_token_len_per_gpu``, else ``actor_log_prob_budget`` (the
+    actor's, which the run folder records): never one derived from the memory free now, which a resume
+    would not reproduce."""
     dist, a, d = cfg.distillation, cfg.actor, cfg.data
     paths = teacher_paths(cfg)
     roles = teacher_roles(paths)
@@ -129,6 +132,7 @@ def build_teachers(cfg: Config, resolved: dict[str, str], device: torch.device,
                 model_path=resolved[role], dtype=cfg.model.dtype, device=device, temperature=cfg.rollout.temperature,
                 micro_batch_size=dist.log_prob_micro_batch_size_per_gpu, use_remove_padding=a.use_remove_padding,
                 use_dynamic_bsz=a.use_dynamic_bsz, longest_sample=d.max_prompt_length + d.max_response_length,
+                max_token_len=dist.log_prob_max_token_len_per_gpu or actor_log_prob_budget,
                 fsdp_size=a.fsdp_config.fsdp_size, offload_params=a.fsdp_config.param_offload,
                 trust_remote_code=dist.teacher.trust_remote_code, use_torch_compile=a.use_torch_compile,
             )

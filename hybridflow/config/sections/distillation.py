@@ -54,6 +54,11 @@ class DistillationConfig:
         "(Thinking Machines' kl_discount_factor). 0: each token's own reverse KL only.",
     )
     log_prob_micro_batch_size_per_gpu: int = f(128, "Samples per teacher logprob forward on one rank.")
+    log_prob_max_token_len_per_gpu: int | None = f(
+        None, "Token budget of a teacher's micro-batch when actor.use_dynamic_bsz is on. None: the actor's logprob "
+        "budget as the run uses it (recorded with the run, so a resume cuts the teachers' micro-batches alike); "
+        "set it for a teacher much larger than the student.",
+    )
     builtin_teacher_steps: int = f(
         200, f"{BUILTIN_TEACHER}: SFT steps on the arithmetic task's correct answers after the student's warm start "
         "(warm_start.batch_size and lr): the warm-started student unlearns its flawed teacher's slip, so the teacher "

@@ -7,7 +7,7 @@ import pytest
 from hybridflow.config import Config, list_presets, load_config, preset_path, validate_config
 from hybridflow.config.yaml_io import read_yaml_mapping
 
-EXPECTED_PRESETS = {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "remax", "cispo", "sapo", "gpg", "ppo"}
+EXPECTED_PRESETS = {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "remax", "cispo", "sapo", "gpg", "ppo", "distill"}
 
 
 def test_expected_presets_ship() -> None:
@@ -81,3 +81,9 @@ def test_gspo_uses_the_papers_sequence_level_clip_ranges() -> None:
     cfg = load_config("gspo")
     assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (3e-4, 4e-4)
     assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"
+
+
+def test_distill_is_pure_distillation_from_the_builtin_teacher() -> None:
+    d = load_config("distill").distillation
+    assert d.enable and d.teacher.path == "builtin:tiny-teacher" and d.teachers == {}
+    assert (d.kl_coef, d.reward_weight, d.discount) == (1.0, 0.0, 0.0)
