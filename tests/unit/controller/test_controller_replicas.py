@@ -244,3 +244,27 @@ def test_with_no_replica_alive_the_dead_one_restarts_at_once_and_gets_the_weight
     one.restore_weights = restored.append
     assert _tokens(one.generate(requests())) == expected
     assert restored == [[0]] and one.restarts == [1]
+
+
+def test_the_trainer_restores_a_restarted_replica_only_to_weights_it_holds(monkeypatch) -> None:
+    """``WeightVersions.restore`` (``RolloutReplicas.restore_weights``): a replica restarted mid-round
+    loaded model.path, which is version 0; a later version is synced from the actor only while the
+    actor holds it (the sync loop), never from an actor that trains ahead of the rollout."""
+    from hybridflow.controller import phases
+    from hybridflow.controller.trainer import WeightVersions
+
+    synced = []
+    monkeypatch.setattr(phases, "sync_weights", lambda roles, version: synced.append(version))
+    versions = WeightVersions(roles=None, plan=None)  # type: ignore[arg-type]
+    versions.restore([0], generates_ahead=False)
+    assert synced == []  # version 0: what the restarted replica loaded
+    versions.actor = versions.rollout = 2
+    versions.restore([0], generates_ahead=False)
+    assert synced == [2]
+    with pytest.raises(WorkerError, match=r"rollout replica 1 restarted while no other replica was alive.*version 2.*"
+                                          r"run 2 or more replicas"):
+        versions.restore([1], generates_ahead=True)
+    versions.actor = 3  # updated, not synced yet
+    with pytest.raises(WorkerError, match=r"\(version 3, the loop trains ahead"):
+        versions.restore([1], generates_ahead=False)
+    assert synced == [2]
