@@ -190,6 +190,36 @@ def test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_
         assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
 
 
+def test_distillation_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+    """On-policy distillation: the teacher is a worker group of two FSDP2 ranks beside the actor's, each scoring
+    its half of the batch; the reverse KL, the mixed advantages and the update equal one in-process rank's."""
+    model_dir, teacher = write_tiny_model(tmp_path / "model"), write_tiny_model(tmp_path / "teacher", seed=1)
+    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
+    reward = tmp_path / "reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    common = [
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"reward.custom_reward_function.path={reward}", "distillation.enable=true",
+        f"distillation.teacher.path={teacher}", "distillation.reward_weight=0.5",
+        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "data.max_response_length=4",
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.num_threads=1",
+        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
+        "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
+    ]
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, extra in runs.items():
+        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
+    local, ray_run = (_step_one(tmp_path / name) for name in runs)
+    assert local["critic/score/mean"] == ray_run["critic/score/mean"]
+    assert local["distill/reverse_kl"] > 0 and "timing_s/teacher" in ray_run
+    for key in ("distill/reverse_kl", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+                "actor/pg_loss", "actor/grad_norm"):
+        assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
+
+
 # ------------------------------------------------------------------------- weight sync
 def _engine_weights(worker: RolloutWorker) -> dict[str, torch.Tensor]:
     """What the rollout engine serves, run on the rollout rank."""
