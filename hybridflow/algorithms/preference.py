@@ -19,6 +19,8 @@ Reference-free DPO passes ``ref_* = None``: the reference log-probabilities are 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -126,6 +128,92 @@ def sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch
     return (logprobs * response_mask.to(logprobs.dtype)).sum(dim=-1)
 
 
-__all__ = ["PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "REWARD_MODEL_METRICS", "bradley_terry_loss",
-           "check_preference_loss", "chosen_nll", "preference_loss",
-           "sequence_logps"]
+# ---------------------------------------------------------------------- online DPO: pairs from scored samples
+# How a group of scored samples of one prompt becomes pairs: its best against its worst (one pair, TRL's
+# OnlineDPOTrainer with a judge or reward model; Guo et al. 2024), or every two samples whose scores differ
+# by more than the margin (all pairs, each sample in up to n - 1 of them).
+PAIR_SELECTIONS = ("best_worst", "all")
+
+
+@dataclass(frozen=True)
+class PreferencePairs:
+    """Pairs of rows of a batch, the higher-scored row chosen. ``groups_without_pair``: groups whose scores
+    did not spread by more than the margin, which give no pair (a group of equal scores says nothing about
+    which answer is better)."""
+
+    chosen: torch.Tensor  # (P,) long: row indices
+    rejected: torch.Tensor  # (P,) long
+    groups: int
+    groups_without_pair: int
+
+    @property
+    def count(self) -> int:
+        return int(self.chosen.numel())
+
+
+def select_preference_pairs(
+    scores: torch.Tensor,  # (B,) float
+    group_ids: torch.Tensor,  # (B,) long: rows of one prompt share an id
+    *,
+    selection: str = "best_worst",
+    margin: float = 0.0,
+) -> PreferencePairs:
+    """Pairs within each group (groups in first-seen order) whose chosen row's score exceeds the rejected
+    row's by more than ``margin``. ``best_worst``: the group's highest against its lowest score (the first such
+    row of each on ties, so the choice is deterministic); ``all``: every such two rows, in row order."""
+    if selection not in PAIR_SELECTIONS:
+        raise ValueError(f"selection={selection!r}: expected one of {', '.join(PAIR_SELECTIONS)}")
+    if margin < 0:
+        raise ValueError(f"margin={margin}: must be >= 0 (a pair's chosen score must be the higher one)")
+    if scores.shape != group_ids.shape or scores.dim() != 1:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must be equal (B,)")
+    rows_of: dict[int, list[int]] = {}
+    for row, gid in enumerate(group_ids.tolist()):
+        rows_of.setdefault(int(gid), []).append(row)
+    values = scores.tolist()
+    chosen: list[int] = []
+    rejected: list[int] = []
+    without = 0
+    for rows in rows_of.values():
+        if selection == "best_worst":
+            best = max(rows, key=lambda r: values[r])  # max/min keep the first of equal scores
+            worst = min(rows, key=lambda r: values[r])
+            found = [(best, worst)] if values[best] - values[worst] > margin else []
+        else:
+            found = [(a, b) if values[a] > values[b] else (b, a)
+                     for i, a in enumerate(rows) for b in rows[i + 1:] if abs(values[a] - values[b]) > margin]
+        without += not found
+        chosen += [c for c, _ in found]
+        rejected += [r for _, r in found]
+    return PreferencePairs(torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long),
+                           groups=len(rows_of), groups_without_pair=without)
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """Where a batch's pairs go on data-parallel ranks that each take an equal consecutive share of
+    ``rows``: rank r's share holds its k pairs' chosen rows, then their k rejected rows (the layout a pair
+    loss reads, ``hybridflow.workers.pair_batches``), and each row's ``positions`` entry is its row within
+    its rank's share. ``left_out``: the last ``count % ranks`` pairs, so that every rank trains the same
+    number of whole pairs."""
+
+    rows: list[int]  # row indices of the batch the pairs index, in layout order
+    positions: list[int]  # each row's index within its rank's share
+    left_out: int
+
+
+def pair_rows_by_rank(pairs: PreferencePairs, ranks: int) -> PairLayout:
+    """``pairs`` laid out for ``ranks`` data-parallel ranks (``PairLayout``)."""
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks}: must be >= 1")
+    share = pairs.count // ranks
+    chosen, rejected = pairs.chosen.tolist(), pairs.rejected.tolist()
+    rows: list[int] = []
+    for rank in range(ranks):
+        own = slice(rank * share, (rank + 1) * share)
+        rows += chosen[own] + rejected[own]
+    return PairLayout(rows, list(range(2 * share)) * ranks, pairs.count - share * ranks)
+
+__all__ = ["PAIR_SELECTIONS", "PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "REWARD_MODEL_METRICS",
+           "PairLayout", "PreferencePairs", "bradley_terry_loss", "check_preference_loss", "chosen_nll", "pair_rows_by_rank",
+           "preference_loss", "select_preference_pairs", "sequence_logps"]

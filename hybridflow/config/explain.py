@@ -30,9 +30,15 @@ BUILTIN_TINY = "builtin:tiny"
 """``model.path`` of the built-in tiny model, the only one ``warm_start.enable=auto`` warm-starts."""
 
 
-def needs_reference_model(use_kl_loss: bool, use_kl_in_reward: bool) -> bool:
-    """A reference model is loaded iff some KL term needs its logprobs (as in verl)."""
-    return use_kl_loss or use_kl_in_reward
+def needs_reference_model(use_kl_loss: bool, use_kl_in_reward: bool, dpo_against_reference: bool = False) -> bool:
+    """A reference model is loaded iff some KL term needs its logprobs (as in verl), or online DPO's loss
+    compares with the reference (``dpo_against_reference``: ``actor.loss=dpo`` and not reference-free)."""
+    return use_kl_loss or use_kl_in_reward or dpo_against_reference
+
+
+def dpo_against_reference(cfg: Config) -> bool:
+    """Online DPO whose loss reads the reference's log-probabilities (``actor.loss=dpo``, not reference-free)."""
+    return cfg.actor.loss == "dpo" and not cfg.algorithm.online_dpo.reference_free
 
 
 def warm_start_decision(enable: str, model_path: str) -> tuple[bool, str]:
@@ -112,7 +118,12 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
         f"samples per optimizer step: {plan.samples_per_mini_batch} ({actor.ppo_mini_batch_size} prompts x "
         f"rollout.n={n}); {plan.samples_per_rank_per_mini_batch} per rank",
     ]
-    if actor.use_dynamic_bsz:
+    if actor.loss == "dpo":  # optimizer steps over pairs, not mini-batches of samples
+        lines[3:5] = [_online_dpo_line(cfg)]
+        budget = "as many pairs as fit the token budget (actor.use_dynamic_bsz=true)" if actor.use_dynamic_bsz \
+            else f"actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} pairs"
+        lines.append(f"micro-batches per optimizer step per rank: {budget} each, a pair's two sides always together")
+    elif actor.use_dynamic_bsz:
         lines.append(
             f"micro-batches per optimizer step per rank: as many as the token budget needs for the "
             f"{plan.samples_per_rank_per_mini_batch} samples (actor.use_dynamic_bsz=true; "
@@ -167,10 +178,12 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
         lines.append(f"  LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}: only the "
                      f"adapters train (float32); the frozen base is stored in {lora.base_dtype}; weight syncs send "
                      f"{lora.sync} weights (actor.lora)")
-    use_kl_loss, use_kl_in_reward = actor.use_kl_loss, cfg.algorithm.use_kl_in_reward
-    if needs_reference_model(use_kl_loss, use_kl_in_reward):
-        flags = (("actor.use_kl_loss", use_kl_loss), ("algorithm.use_kl_in_reward", use_kl_in_reward))
-        causes = " and ".join(f"{key}=true" for key, on in flags if on)
+    use_kl_loss, use_kl_in_reward, dpo_ref = actor.use_kl_loss, cfg.algorithm.use_kl_in_reward, dpo_against_reference(cfg)
+    if needs_reference_model(use_kl_loss, use_kl_in_reward, dpo_ref):
+        flags = (("actor.use_kl_loss", use_kl_loss), ("algorithm.use_kl_in_reward", use_kl_in_reward),
+                 ("actor.loss=dpo with algorithm.online_dpo.reference_free", dpo_ref))
+        causes = " and ".join(f"{key}={'false' if key.endswith('reference_free') else 'true'}"
+                              for key, on in flags if on)
         copy = ("the actor's base model with its adapter off (actor.lora: no second copy)" if lora.rank > 0
                 else "a frozen copy of the initial policy")
         lines.append(f"  reference: yes, {copy}, because {causes}")
@@ -208,6 +221,22 @@ def _distillation_lines(cfg: Config) -> list[str]:
                  + (f", summed over later tokens with discount {dist.discount:g}" if dist.discount else "")
                  + "; each teacher is frozen, one rank per actor rank, and must share the student's tokenizer")
     return lines
+
+
+def _online_dpo_line(cfg: Config) -> str:
+    """What ``actor.loss=dpo`` trains on and with which loss (``config explain``)."""
+    o, n = cfg.algorithm.online_dpo, cfg.rollout.n
+    if o.pairs == "best_worst":
+        pairs = f"each prompt's best-rewarded against its worst-rewarded of rollout.n={n} samples (one pair)"
+    else:
+        pairs = f"every two of each prompt's rollout.n={n} samples (up to {n * (n - 1) // 2} pairs)"
+    reference = "no reference (reference_free=true: its logprobs taken as 0)" if o.reference_free \
+        else "the frozen reference's logprobs"
+    smoothing = f", label_smoothing={o.label_smoothing:g}" if o.label_smoothing else ""
+    return (f"actor loss: online DPO (actor.loss=dpo), {o.loss_type} loss with beta={o.beta:g}{smoothing} against "
+            f"{reference}, on {pairs} whose rewards differ by more than margin={o.margin:g}; groups with no such "
+            f"pair are left out; algorithm.adv_estimator={cfg.algorithm.adv_estimator} is not used; "
+            f"{cfg.actor.ppo_epochs} optimizer step(s) per rollout batch (actor.ppo_epochs passes over its pairs)")
 
 
 def _forward_lines(cfg: Config, dp: int) -> list[str]:

@@ -61,6 +61,7 @@ from hybridflow.config.sections.reward import (
 from hybridflow.config.sections.algorithm import (
     KLControlConfig,
     FilterGroupsConfig,
+    OnlineDPOConfig,
     RolloutCorrectionConfig,
     AlgorithmConfig,
 )

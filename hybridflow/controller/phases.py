@@ -34,6 +34,7 @@ from hybridflow.algorithms import (
     place_outcome_rewards,
     select_varied_groups,
 )
+from hybridflow.algorithms.preference import pair_rows_by_rank, select_preference_pairs
 from hybridflow.cluster.worker_group import wait_all
 from hybridflow.controller.dumps import GenerationDumps
 from hybridflow.controller.overlap import generate_and_score, model_scores, round_requests
@@ -88,9 +89,16 @@ class Collected(NamedTuple):
 class StepSamples(NamedTuple):
     """This step's samples in the three views the estimator-input providers read."""
 
-    batch: TrainBatch | RefBatch  # a RefBatch on the by-reference data plane
-    trajectories: list[Trajectory] | list[SampleRecord]  # in batch order
+    batch: TrainBatch | RefBatch  # what the update trains on; a RefBatch on the by-reference data plane
+    trajectories: list[Trajectory] | list[SampleRecord]  # in ``scored``'s order
     groups: list[list[Trajectory]] | list[list[SampleRecord]]  # by prompt, as collected
+    # Every sample of the step, which the step's metrics describe, where the update trains on only some
+    # of them (online DPO: on pairs); None: ``batch`` is every sample.
+    scored: TrainBatch | None = None
+
+    @property
+    def all_samples(self) -> TrainBatch | RefBatch:
+        return self.batch if self.scored is None else self.scored
 
 
 # ---------------------------------------------------------------------- generation
@@ -242,7 +250,10 @@ def prepare_batch(
 ) -> tuple[StepSamples, dict[str, float]]:
     """The step's training batch from its groups: collated, balanced over the actor's ranks, with
     old/ref logprobs where needed, the estimator's inputs, advantages and returns (the in-reward
-    KL penalty's ``kl_controller`` updated), dumped when ``dumps`` has a rollout folder."""
+    KL penalty's ``kl_controller`` updated), dumped when ``dumps`` has a rollout folder. Online DPO
+    (``plan.pairs``) trains on pairs of the samples instead: ``prepare_pair_batch``."""
+    if plan.pairs is not None:
+        return prepare_pair_batch(roles, plan, groups, step, timer, dumps)
     trajectories = [t for group in groups for t in group]
     batch = collate(trajectories, plan.pad_token_id)
     metrics: dict[str, float] = {}
@@ -275,6 +286,39 @@ def prepare_batch(
         with timer.phase("dump_rollout"):
             dumps.rollouts(step, batch, trajectories)
     return samples, metrics
+
+
+def prepare_pair_batch(
+    roles: Roles, plan: StepPlan, groups: Sequence[Sequence[Sample]], step: int, timer: PhaseTimer,
+    dumps: GenerationDumps,
+) -> tuple[StepSamples, dict[str, float]]:
+    """Online DPO's batch: each group's samples paired by their rewards (``select_preference_pairs``), laid
+    out so that every actor rank gets whole pairs, chosen rows then rejected rows
+    (``pair_rows_by_rank``), with the reference's logprobs of those rows only. Its metrics: the pairs and
+    the groups that gave none; the step's metrics (``critic/score/*``) describe every sample."""
+    assert plan.pairs is not None
+    trajectories = cast(list[Trajectory], [t for group in groups for t in group])
+    scored = collate_trajectories(trajectories, plan.pad_token_id)
+    with timer.phase("pairs"):
+        pairs = select_preference_pairs(scored.rewards, scored.group_ids, selection=plan.pairs.selection,
+                                        margin=plan.pairs.margin)
+        layout = pair_rows_by_rank(pairs, roles.actor.world_size)
+        batch = scored.select(layout.rows)
+        # Each rank's rows numbered within its share: the pair loss checks that a micro-batch holds whole pairs.
+        batch.group_ids = torch.tensor(layout.positions, dtype=torch.long)
+    if roles.reference is not None and batch.batch_size > 0:
+        with timer.phase("ref"):
+            batch.ref_logprobs = torch.cat(roles.reference.split_gather(roles.reference_logprobs, batch))
+    metrics = {
+        "pairs/count": float(pairs.count - layout.left_out),
+        "pairs/groups_without_pair": float(pairs.groups_without_pair),
+        "pairs/groups_without_pair_fraction": pairs.groups_without_pair / max(1, pairs.groups),
+        "pairs/left_out_for_ranks": float(layout.left_out),
+    }
+    if dumps.rollout_dir is not None:
+        with timer.phase("dump_rollout"):
+            dumps.rollouts(step, scored, trajectories)
+    return StepSamples(batch, trajectories, list(groups), scored=scored), metrics
 
 
 def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch | RefBatch:
@@ -449,6 +493,8 @@ def update_actor(roles: Roles, plan: StepPlan, batch: TrainBatch, step: int, tim
     fitted value model (without a critic there is nothing to warm up: the key is ignored)."""
     if roles.critic is not None and step <= plan.critic_warmup:
         return {}
+    if batch.batch_size == 0:  # online DPO's step whose groups gave no pair: nothing to learn from
+        return {}
     with timer.phase("update_actor"):
         return reduce_metrics(roles.actor.split_gather(ActorWorker.update_actor, batch))
 
@@ -524,7 +570,7 @@ def step_metrics(
 ) -> dict[str, float]:
     """What every step reports whatever the loop: counters, the batch's numbers, phase timings
     and throughput."""
-    batch, trajectories = samples.batch, samples.trajectories
+    batch, trajectories = samples.all_samples, samples.trajectories
     return {
         "training/global_step": float(step),
         "training/epoch": float(collected.epoch),

@@ -30,7 +30,7 @@ from hybridflow.cluster.backends import build_worker_group, reserve_placements, 
 from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
-from hybridflow.config.explain import needs_reference_model, planned_total_steps
+from hybridflow.config.explain import dpo_against_reference, needs_reference_model, planned_total_steps
 from hybridflow.config.layout import data_parallel_size, rollout_replicas, sequence_parallel_sizes
 from hybridflow.controller.builtin import resolve_builtin
 from hybridflow.controller.dumps import GenerationDumps
@@ -80,6 +80,7 @@ from hybridflow.utils.storage import Storage, is_remote
 from hybridflow.utils.threads import stop_following
 from hybridflow.workers.actor import ActorSetup, ActorWorker
 from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.dpo import DPOLossSpec
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 from hybridflow.workers.rollout import RolloutSetup
 
@@ -162,11 +163,21 @@ def apply_async_defaults(cfg: Config) -> None:
     shows the result): their samples come from older weights than the actor's, so by default
     the loss corrects for it (``async_training.behaviour_correction``)."""
     rc = cfg.algorithm.rollout_correction
+    # Online DPO's loss has no importance ratio: it learns from samples of any policy as they are.
     if cfg.trainer.mode != "sync" and cfg.async_training.behaviour_correction and rc.rollout_is is None \
-            and not rc.bypass_mode:
+            and not rc.bypass_mode and cfg.actor.loss != "dpo":
         rc.rollout_is = "token"
         log.info("trainer.mode=%s: algorithm.rollout_correction.rollout_is=token (async_training.behaviour_correction)",
                  cfg.trainer.mode)
+
+
+def online_dpo_loss(cfg: Config) -> DPOLossSpec | None:
+    """The actor's preference loss with ``actor.loss=dpo`` (``algorithm.online_dpo``), else None."""
+    if cfg.actor.loss != "dpo":
+        return None
+    o = cfg.algorithm.online_dpo
+    return DPOLossSpec(loss_type=o.loss_type, beta=o.beta, label_smoothing=o.label_smoothing,
+                       reference_free=o.reference_free)
 
 
 def _budget_groups(roles: Roles) -> dict[str, tuple[WorkerGroup[Any], Any]]:
@@ -255,7 +266,9 @@ def build_run(cfg: Config) -> RunSetup:
         raise ConfigError(str(error), key=error.key) from error
     total_steps = planned_total_steps(sampler.steps_per_epoch, t.total_epochs, t.total_training_steps)
     assert total_steps is not None
-    updates_per_batch = d.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs
+    online_dpo = a.loss == "dpo"
+    # Online DPO makes one optimizer step per pass over the step's pairs.
+    updates_per_batch = a.ppo_epochs if online_dpo else d.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs
     # One optimizer step per rollout batch is exactly on-policy: old == current logprobs, so the
     # extra forward is skipped (the actor detaches its own logprobs). In-reward KL needs them.
     # Rollout correction compares the trainer's old logprobs with the engine's.
@@ -268,9 +281,10 @@ def build_run(cfg: Config) -> RunSetup:
     # whole batch's mean, so those need them up front.
     corrects_old = not rc.bypass_mode and bool(
         rc.rollout_rs or (rc.rollout_is and (updates_per_batch > 1 or rc.rollout_is_batch_normalize)))
-    # Distillation compares the actor's logprobs of the sampled tokens with the teachers' (the same forward).
-    needs_old = (updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward or corrects_old \
-        or needs_old_logprobs_for(needs) or cfg.distillation.enable
+    # Distillation compares the actor's logprobs of the sampled tokens with the teachers' (the same forward);
+    # online DPO's loss reads only the current and the reference policy's logprobs.
+    needs_old = not online_dpo and ((updates_per_batch > 1 and not rc.bypass_mode) or cfg.algorithm.use_kl_in_reward
+                                    or corrects_old or needs_old_logprobs_for(needs) or cfg.distillation.enable)
 
     # Reward first: its workers load a custom reward function, the config's last pluggable name,
     # so a missing name, a syntax error or an import that hangs fails before any model loads.
@@ -281,7 +295,7 @@ def build_run(cfg: Config) -> RunSetup:
     if t.n_workers is not None and device.type == "cuda":
         raise ConfigError(f"trainer.n_workers={t.n_workers} counts CPU ranks, but this run computes on {device}: "
                           "GPU ranks are trainer.n_gpus_per_node x trainer.nnodes; set trainer.n_workers=null")
-    with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward)
+    with_reference = needs_reference_model(a.use_kl_loss, cfg.algorithm.use_kl_in_reward, dpo_against_reference(cfg))
     reference_ranks = with_reference and a.lora.rank == 0  # LoRA: the actor serves the reference
     with_critic = needs_critic(needs)
     with_rm_ranks = cfg.reward_model.enable and cfg.reward_model.style == "discriminative"
@@ -303,7 +317,7 @@ def build_run(cfg: Config) -> RunSetup:
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         rollout_correction=cfg.algorithm.rollout_correction, max_consecutive_skips=t.max_consecutive_skips,
         sum_pi_squared=needs_sum_pi_squared_for(needs), checkpoint_format=t.checkpoint_format, seed=t.seed,
-        chat_template=policy_chat_template(d), **common,
+        chat_template=policy_chat_template(d), preference=online_dpo_loss(cfg), **common,
     )
     actor = build_worker_group(t.backend, "actor", lambda r, w: ActorWorker(r, w, a, actor_setup), dp,
                                placements.get("actor"))

@@ -45,6 +45,15 @@ class DistillationMix:
 
 
 @dataclass(frozen=True)
+class PairSelection:
+    """Online DPO (``actor.loss=dpo``): how each prompt group's scored samples become preference pairs
+    (``algorithm.online_dpo.pairs`` and ``margin``, read by ``select_preference_pairs``)."""
+
+    selection: str  # best_worst | all
+    margin: float
+
+
+@dataclass(frozen=True)
 class StepPlan:
     seed: int  # trainer.seed: every request's seed derives from it
     total_steps: int
@@ -66,6 +75,7 @@ class StepPlan:
     critic_warmup: int  # steps that train only the critic (a run with one)
     weight_sync: str  # rollout.weight_sync resolved: object_store | broadcast
     distillation: DistillationMix | None = None  # distillation.enable: the teachers' advantage term
+    pairs: PairSelection | None = None  # actor.loss=dpo: the step trains on pairs of its samples
 
 
 def validation_sampling(v: ValKwargsConfig, max_tokens: int) -> SamplingParams:
@@ -94,6 +104,7 @@ def build_step_plan(cfg: Config, *, total_steps: int, pad_token_id: int, estimat
         gdpo_reward_keys=tuple(alg.gdpo_reward_keys), rollout_correction=alg.rollout_correction,
         critic_warmup=t.critic_warmup, weight_sync=weight_sync,
         distillation=distillation_mix(cfg),
+        pairs=PairSelection(alg.online_dpo.pairs, alg.online_dpo.margin) if cfg.actor.loss == "dpo" else None,
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hybridflow.algorithms import LossInputs, agg_loss, batch_counts, correct_rollout, kl_penalty
+from hybridflow.algorithms.preference import preference_loss, sequence_logps
 from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.data.plane import resolve_batch
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
@@ -62,7 +63,9 @@ from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
+from hybridflow.workers.dpo import DPOLossSpec
 from hybridflow.workers.engine_setup import check_rank_group, lora_spec, model_precision, shards_model, trained_engine
+from hybridflow.workers.pair_batches import cut_pairs, whole_pairs
 from hybridflow.workers.policy_loss import build_actor_policy_loss, rollout_correction_settings
 from hybridflow.workers.weight_stream import stream_weights
 
@@ -92,6 +95,8 @@ class ActorSetup:
     checkpoint_format: str = "auto"  # trainer.checkpoint_format
     seed: int = 0  # trainer.seed: LoRA's adapter init, the same on every rank
     override_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # model.override_config
+    # actor.loss=dpo: online DPO's preference loss (algorithm.online_dpo); the update trains on pairs.
+    preference: DPOLossSpec | None = None
 
 
 @dataclass
@@ -219,6 +224,8 @@ class ActorWorker:
         pooled shards); metrics averaged. Token counts are summed over every rank (a group's
         sp times) and the loss scaled by the world size: ``hybridflow.training.sequence_parallel``
         says why that trains like one rank."""
+        if self.setup.preference is not None:
+            return self._update_on_pairs(batch, self.setup.preference)
         cfg = self.cfg
         batch, _ = gather_group_batch(resolve_batch(batch), self.engine.sp_group)
         batch, correction_metrics = self._rollout_correction(batch)
@@ -250,6 +257,61 @@ class ActorWorker:
         metrics = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
         return metrics | correction_metrics
+
+    def _update_on_pairs(self, batch: TrainBatch, spec: DPOLossSpec) -> dict[str, float]:
+        """Online DPO (``actor.loss=dpo``): this rank's share of the step's pairs (its k chosen rows, then
+        their k rejected rows, each row's ``group_ids`` entry its row in the share: ``prepare_pair_batch``),
+        ``actor.ppo_epochs`` optimizer steps over all of them with the preference loss of
+        ``hybridflow.algorithms.preference``, a pair's two sides always in one micro-batch. Metrics: TRL's
+        (``rewards/*``, ``logps/*``), ``actor/dpo_loss`` and ``actor/entropy``, means over the pairs."""
+        batch = resolve_batch(batch)
+        num_pairs = batch.batch_size // 2
+        total_pairs = int(distributed.all_reduce_sum([float(num_pairs)])[0])
+        step_metrics: list[dict[str, float]] = []
+        for _epoch in range(self.cfg.ppo_epochs):
+            parts = cut_pairs(batch, num_pairs, self.plan, self.cfg.ppo_micro_batch_size_per_gpu,
+                              self.engine.data_parallel, "data.max_response_length")
+            skipped_before = self.engine.skipped_steps
+            step_metrics.append(self.engine.optimizer_step(
+                parts, self._pair_loss_fn(spec, num_pairs, total_pairs, len(parts), batch.response_mask.sum()),
+                temperature=self.setup.temperature, with_entropy=True, use_remove_padding=self.plan.use_remove_padding,
+            ))
+            self._count_skip(skipped=self.engine.skipped_steps > skipped_before)
+        metrics = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+        metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
+        return metrics
+
+    def _pair_loss_fn(self, spec: DPOLossSpec, num_pairs: int, total_pairs: int, num_micro: int,
+                      num_tokens: torch.Tensor):
+        world = self.world_size
+
+        def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+            k = whole_pairs(mb, num_pairs)
+            mask = mb.response_mask
+            seq = sequence_logps(logprobs, mask)  # (2k,) chosen sides, then rejected sides
+            ref_chosen = ref_rejected = None
+            if not spec.reference_free:
+                if mb.ref_logprobs is None:
+                    raise ValueError("actor.loss=dpo needs the reference's logprobs on the batch "
+                                     "(or algorithm.online_dpo.reference_free=true)")
+                ref = sequence_logps(mb.ref_logprobs, mask)
+                ref_chosen, ref_rejected = ref[:k], ref[k:]
+            lengths = mask.sum(dim=-1)
+            loss, pair_metrics = preference_loss(
+                seq[:k], seq[k:], ref_chosen, ref_rejected, loss_type=spec.loss_type, beta=spec.beta,
+                label_smoothing=spec.label_smoothing, chosen_lengths=lengths[:k], rejected_lengths=lengths[k:],
+            )
+            # The step's mean over the pairs of every rank; x world: FSDP averages gradients over ranks.
+            total = loss.sum() / total_pairs * world
+            # This micro-batch's share of the rank's mean, x the count the engine averages over.
+            scale = num_micro / num_pairs
+            metrics = {name: float(v.sum()) * scale for name, v in pair_metrics.items()}
+            metrics["actor/dpo_loss"] = float(loss.detach().sum()) * scale
+            if entropy is not None:
+                metrics["actor/entropy"] = float((entropy.detach() * mask).sum() / num_tokens.clamp(min=1)) * num_micro
+            return total, metrics
+
+        return loss_fn
 
     def _count_skip(self, skipped: bool) -> None:
         """A skipped step leaves the weights alone; many in a row mean the run is broken, so stop."""

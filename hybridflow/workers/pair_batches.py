@@ -21,7 +21,7 @@ import torch
 from hybridflow.data.batching import token_budget_partitions
 from hybridflow.data.preference import PreferencePair
 from hybridflow.training import distributed
-from hybridflow.training.micro_batches import agree_num_micro_batches
+from hybridflow.training.micro_batches import MicroBatchPlan, agree_num_micro_batches
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
 from hybridflow.utils.threads import adjust_threads
 from hybridflow.workers.sft import SFTWorker
@@ -50,10 +50,17 @@ def whole_pairs(mb: TrainBatch, num_pairs: int) -> int:
 def pair_micro_batches(sft: SFTWorker, batch: TrainBatch, num_pairs: int, length_key: str) -> list[TrainBatch]:
     """This rank's step batch (``num_pairs`` chosen rows, then as many rejected) cut by pairs
     (``length_key``: the setting that bounds a side's length, named when a pair is over the budget)."""
-    plan = sft.plan
+    return cut_pairs(batch, num_pairs, sft.plan, sft.cfg.actor.ppo_micro_batch_size_per_gpu,
+                     sft.engine.data_parallel, length_key)
+
+
+def cut_pairs(batch: TrainBatch, num_pairs: int, plan: MicroBatchPlan, micro_batch_size: int, data_parallel: bool,
+              length_key: str) -> list[TrainBatch]:
+    """``pair_micro_batches`` for any engine: ``plan``'s token budget, else ``micro_batch_size`` pairs each
+    (``data_parallel``: the count is agreed over the engine's ranks)."""
     budget = plan.ppo_max_token_len
     if budget is None:
-        size = max(1, sft.cfg.actor.ppo_micro_batch_size_per_gpu)
+        size = max(1, micro_batch_size)
         groups = [list(range(i, min(i + size, num_pairs))) for i in range(0, num_pairs, size)]
     else:
         if plan.use_remove_padding:  # packed: a pair costs its two rows' valid tokens
@@ -65,7 +72,7 @@ def pair_micro_batches(sft: SFTWorker, batch: TrainBatch, num_pairs: int, length
             raise ValueError(f"a preference pair has {max(costs)} tokens (its two sides), more than the micro-batch "
                              f"budget actor.ppo_max_token_len_per_gpu={budget}; raise it, or lower {length_key}")
         own = len(token_budget_partitions(costs, budget))
-        count = agree_num_micro_batches(own, sft.engine.data_parallel)
+        count = agree_num_micro_batches(own, data_parallel)
         groups = token_budget_partitions(costs, budget, num_micro_batches=count)
     return [batch.select(group + [num_pairs + i for i in group]) for group in groups]
 
@@ -95,4 +102,4 @@ def pair_values(sft: SFTWorker, pairs: Sequence[PreferencePair], pad_token_id: i
     return values
 
 
-__all__ = ["pair_micro_batches", "pair_rows", "pair_step_batch", "pair_values", "whole_pairs"]
+__all__ = ["cut_pairs", "pair_micro_batches", "pair_rows", "pair_step_batch", "pair_values", "whole_pairs"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hybridflow.config.checks.report import Report
 from hybridflow.config.schema import Config
+from hybridflow.config.sections.algorithm import OnlineDPOConfig
 
 
 GROUP_ESTIMATORS_NEEDING_N2 = {"rloo": "error", "grpo": "warning", "gdpo": "warning"}
@@ -44,6 +45,7 @@ def check_algorithm(cfg: Config, report: Report) -> None:
     _check_gdpo(cfg, report)
     _check_policy_loss_modes(cfg, report)
     _check_dapo_and_correction(cfg, report)
+    _check_online_dpo(cfg, report)
     if cfg.actor.loss_scale_factor is not None and cfg.actor.loss_agg_mode != "seq-mean-token-sum-norm":
         report.warn(
             f"actor.loss_scale_factor={cfg.actor.loss_scale_factor} has no effect with "
@@ -121,3 +123,47 @@ def _check_dapo_and_correction(cfg: Config, report: Report) -> None:
     if rc.rollout_is_batch_normalize and rc.rollout_is is None:
         report.warn("algorithm.rollout_correction.rollout_is_batch_normalize=true has no effect without "
                     "algorithm.rollout_correction.rollout_is (no importance weights to normalise)")
+
+
+def _check_online_dpo(cfg: Config, report: Report) -> None:
+    """``actor.loss=dpo``: what its pairs need, and the keys of the policy-gradient path it cannot honour."""
+    o, a, alg = cfg.algorithm.online_dpo, cfg.actor, cfg.algorithm
+    if a.loss != "dpo":
+        if o != OnlineDPOConfig():
+            report.warn("algorithm.online_dpo.* is set but has no effect while actor.loss=policy_gradient "
+                        "(set actor.loss=dpo for online DPO)")
+        return
+    if not o.beta > 0:
+        report.error(f"algorithm.online_dpo.beta={o.beta} must be > 0 (the loss scales the log-ratio margin by it)")
+    if not 0.0 <= o.label_smoothing < 0.5:
+        report.error(f"algorithm.online_dpo.label_smoothing={o.label_smoothing} must be in [0, 0.5) (a flip rate of "
+                     f"0.5 or more makes the pairs carry no preference)")
+    if o.margin < 0:
+        report.error(f"algorithm.online_dpo.margin={o.margin} must be >= 0")
+    if cfg.rollout.n < 2:
+        report.error(f"actor.loss=dpo needs rollout.n >= 2: pairs are made of a prompt's samples, and rollout.n="
+                     f"{cfg.rollout.n} gives one per prompt (use 4 to 8)")
+    # The policy-gradient path's keys that online DPO has no place for: refused rather than ignored.
+    refused = {
+        "algorithm.adv_estimator=gae": alg.adv_estimator == "gae",
+        "algorithm.use_kl_in_reward=true": alg.use_kl_in_reward,
+        "actor.use_kl_loss=true": a.use_kl_loss,
+        f"actor.ulysses_sequence_parallel_size={a.ulysses_sequence_parallel_size}": a.ulysses_sequence_parallel_size > 1,
+        "trainer.data_plane=refs": cfg.trainer.data_plane == "refs",
+        "algorithm.rollout_correction (rollout_is, rollout_rs or bypass_mode)": bool(
+            alg.rollout_correction.rollout_is or alg.rollout_correction.rollout_rs or alg.rollout_correction.bypass_mode),
+    }
+    why = {
+        "algorithm.adv_estimator=gae": "it trains a critic that DPO never reads",
+        "algorithm.use_kl_in_reward=true": "DPO's pull to the reference is algorithm.online_dpo.beta",
+        "actor.use_kl_loss=true": "DPO's pull to the reference is algorithm.online_dpo.beta",
+        "trainer.data_plane=refs": "pairs are cut from the tokens on the controller",
+        "algorithm.rollout_correction (rollout_is, rollout_rs or bypass_mode)":
+            "DPO's loss has no importance ratio to correct (it learns from samples of any policy)",
+    }
+    for key, on in refused.items():
+        if on:
+            reason = why.get(key, "a pair's two sides must stay on one rank, whole")
+            report.error(f"actor.loss=dpo cannot run with {key}: {reason}")
+    if a.entropy_coeff != 0:
+        report.warn(f"actor.entropy_coeff={a.entropy_coeff} has no effect with actor.loss=dpo")

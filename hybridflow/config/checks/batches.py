@@ -61,6 +61,21 @@ def check_batches(cfg: Config, report: Report) -> None:
         return
     dp_text = f"dp={dp} data-parallel ranks ({dp_source(cfg.trainer)})"
 
+    # Online DPO steps over pairs, however many the rewards give: no mini-batches of samples to check.
+    if cfg.actor.loss != "dpo":
+        _check_mini_batches(cfg, report, dp, dp_text)
+
+    if not cfg.data.train_files and cfg.data.builtin_train_size < train:
+        report.error(
+            f"data.builtin_train_size={cfg.data.builtin_train_size} prompts is smaller than "
+            f"data.train_batch_size={train}: an epoch of the built-in task would not fill one step"
+        )
+
+
+def _check_mini_batches(cfg: Config, report: Report, dp: int, dp_text: str) -> None:
+    """Mini-batches of prompts and micro-batches of samples against the step and the ranks."""
+    train, mini, micro, n = (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size,
+                             cfg.actor.ppo_micro_batch_size_per_gpu, cfg.rollout.n)
     if mini > train:
         report.error(
             f"actor.ppo_mini_batch_size={mini} prompts is larger than data.train_batch_size={train} prompts: "
@@ -107,9 +122,3 @@ def check_batches(cfg: Config, report: Report) -> None:
                 f"{per_rank % micro} samples; use a micro-batch size that divides {per_rank}, e.g. "
                 f"{or_list(divisors_near(per_rank, micro))}"
             )
-
-    if not cfg.data.train_files and cfg.data.builtin_train_size < train:
-        report.error(
-            f"data.builtin_train_size={cfg.data.builtin_train_size} prompts is smaller than "
-            f"data.train_batch_size={train}: an epoch of the built-in task would not fill one step"
-        )

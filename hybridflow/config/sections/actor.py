@@ -174,6 +174,14 @@ class ActorConfig:
         PolicyLossConfig, "Policy loss selection. Each key but loss_mode belongs to the loss named first in its "
         "description; set away from its default under another loss_mode it is a config error.",
     )
+    loss: str = f(
+        "policy_gradient",
+        "What the actor minimises. policy_gradient: the policy loss (actor.policy_loss.loss_mode) on the "
+        "estimator's advantages. dpo: online DPO, the preference loss on pairs of each prompt's samples, chosen by "
+        "their rewards (algorithm.online_dpo.*; the advantage estimator is not used; one optimizer step per pass "
+        "over the step's pairs, actor.ppo_epochs passes).",
+        choices=("policy_gradient", "dpo"),
+    )
     entropy_coeff: float = f(0.0, "Entropy bonus coefficient.")
     use_kl_loss: bool = f(False, "Add a KL(actor || reference) loss (loads a reference model).")
     kl_loss_coef: float = f(0.001, "Weight of the KL loss.")

@@ -77,6 +77,30 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class OnlineDPOConfig:
+    """Online DPO (``actor.loss=dpo``): each step's samples paired by their rewards, the pairs trained with the
+    DPO loss. The loss keys are TRL's, as ``hybridflow dpo``'s (the ``dpo`` section) are."""
+
+    loss_type: str = f(
+        "sigmoid", "sigmoid: -log σ(β·Δ), Δ the chosen-minus-rejected log-ratio margin to the reference (DPO; cDPO "
+        "with label_smoothing > 0). ipo: (Δ/|y| - 1/(2β))². robust: rDPO under label noise label_smoothing.",
+        choices=("sigmoid", "ipo", "robust"),
+    )
+    beta: float = f(0.1, "β > 0: the strength of the pull towards the reference policy (larger: closer to it).")
+    label_smoothing: float = f(0.0, "ε in [0, 0.5): the assumed fraction of wrongly ordered pairs (cDPO, rDPO).")
+    reference_free: bool = f(
+        False, "No reference model: its log-probabilities are taken as 0 (no reference ranks are started).",
+    )
+    pairs: str = f(
+        "best_worst", "Pairs per prompt group: best_worst (its highest-rewarded sample against its lowest, one pair) "
+        "| all (every two samples whose rewards differ by more than margin). A group whose rewards do not spread "
+        "by more than margin gives no pair (counted: pairs/groups_without_pair).",
+        choices=("best_worst", "all"),
+    )
+    margin: float = f(0.0, "≥ 0: a pair's chosen reward must exceed its rejected reward by more than this.")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = f(
         "grpo",
@@ -102,6 +126,7 @@ class AlgorithmConfig:
     kl_penalty: str = f("kl", "KL estimator for the in-reward penalty.")
     kl_ctrl: KLControlConfig = sub(KLControlConfig, "In-reward KL coefficient controller.")
     filter_groups: FilterGroupsConfig = sub(FilterGroupsConfig, "DAPO dynamic sampling.")
+    online_dpo: OnlineDPOConfig = sub(OnlineDPOConfig, "Online DPO's pairs and loss (used with actor.loss=dpo).")
     rollout_correction: RolloutCorrectionConfig = sub(
         RolloutCorrectionConfig,
         "Correct for the rollout engine's probabilities differing from the trainer's (metrics are logged "

@@ -140,6 +140,19 @@ def test_needs_reference_model() -> None:
     assert not needs_reference_model(False, False)
     assert needs_reference_model(True, False)
     assert needs_reference_model(False, True)
+    assert needs_reference_model(False, False, True)
+
+
+def test_online_dpo_plan_names_its_pairs_loss_and_reference() -> None:
+    plan = plan_of(explain_config(load_config("online_dpo")))
+    assert "actor loss: online DPO (actor.loss=dpo), sigmoid loss with beta=0.1 against the frozen reference's" in plan
+    assert "best-rewarded against its worst-rewarded of rollout.n=8 samples" in plan
+    assert "optimizer steps per rollout batch: 1 (" not in plan  # mini-batches of samples do not apply
+    assert "reference: yes, a frozen copy of the initial policy, because actor.loss=dpo with " \
+           "algorithm.online_dpo.reference_free=false" in plan
+    free = plan_of(explain_config(load_config("online_dpo", overrides=[
+        "algorithm.online_dpo.reference_free=true", "algorithm.online_dpo.pairs=all"])))
+    assert "no reference model" in free and "every two of each prompt's rollout.n=8 samples (up to 28 pairs)" in free
 
 
 def test_warm_start_decision() -> None:

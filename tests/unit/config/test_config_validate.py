@@ -462,3 +462,35 @@ def test_fsdp_size_at_least_the_ranks_shards_over_all_of_them() -> None:
     warnings_for("trainer.backend=ray", "trainer.n_workers=4", "actor.fsdp_config.fsdp_size=2")
     assert "actor.fsdp_config.fsdp_size=3 must divide the 4 data-parallel ranks" in errors_for(
         "trainer.backend=ray", "trainer.n_workers=4", "actor.fsdp_config.fsdp_size=3")
+
+
+# --------------------------------------------------------------------------------------------
+# Online DPO (actor.loss=dpo)
+
+
+def test_online_dpo_needs_two_samples_and_valid_loss_settings() -> None:
+    message = errors_for("actor.loss=dpo", "rollout.n=1", "algorithm.online_dpo.beta=0",
+                         "algorithm.online_dpo.label_smoothing=0.5", "algorithm.online_dpo.margin=-1")
+    assert "actor.loss=dpo needs rollout.n >= 2" in message
+    assert "algorithm.online_dpo.beta=0" in message and "must be > 0" in message
+    assert "algorithm.online_dpo.label_smoothing=0.5 must be in [0, 0.5)" in message
+    assert "algorithm.online_dpo.margin=-1" in message
+
+
+@pytest.mark.parametrize("override, named", [
+    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
+    ("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward=true"),
+    ("actor.use_kl_loss=true", "actor.use_kl_loss=true"),
+    ("trainer.data_plane=refs", "trainer.data_plane=refs"),
+    ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction"),
+])
+def test_online_dpo_refuses_the_policy_gradient_keys_it_cannot_honour(override: str, named: str) -> None:
+    assert f"actor.loss=dpo cannot run with {named}" in errors_for("actor.loss=dpo", override)
+
+
+def test_online_dpo_keys_without_actor_loss_dpo_warn_and_the_preset_is_valid() -> None:
+    assert any("algorithm.online_dpo.* is set but has no effect" in w
+               for w in warnings_for("algorithm.online_dpo.beta=0.5"))
+    assert warnings_for("actor.loss=dpo") == []
+    with pytest.raises(ConfigError, match="actor.loss"):
+        load_config(overrides=["actor.loss=sgd"])
