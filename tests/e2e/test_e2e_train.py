@@ -257,7 +257,9 @@ PRESET_METRICS = {
 
 
 # colour_square trains a vision-language model on image rows: tests/e2e/test_e2e_vision_language.py runs it.
-@pytest.mark.parametrize("preset", [p for p in list_presets() if p != "colour_square"])
+# online_dpo trains on pairs of differently rewarded samples, which this random model never gives (all score
+# 0): tests/e2e/test_e2e_online_dpo.py runs it on the warm-started built-in model.
+@pytest.mark.parametrize("preset", [p for p in list_presets() if p not in ("colour_square", "online_dpo")])
 def test_every_preset_runs_end_to_end(model_and_data, tmp_path, preset):
     """Every shipped text preset trains two steps on the built-in task's files through the CLI's API."""
     model_dir, train, val = model_and_data
