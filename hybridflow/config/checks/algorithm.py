@@ -150,6 +150,7 @@ def _check_online_dpo(cfg: Config, report: Report) -> None:
         "actor.use_kl_loss=true": a.use_kl_loss,
         f"actor.ulysses_sequence_parallel_size={a.ulysses_sequence_parallel_size}": a.ulysses_sequence_parallel_size > 1,
         "trainer.data_plane=refs": cfg.trainer.data_plane == "refs",
+        "distillation.enable=true": cfg.distillation.enable,
         "algorithm.rollout_correction (rollout_is, rollout_rs or bypass_mode)": bool(
             alg.rollout_correction.rollout_is or alg.rollout_correction.rollout_rs or alg.rollout_correction.bypass_mode),
     }
@@ -158,6 +159,7 @@ def _check_online_dpo(cfg: Config, report: Report) -> None:
         "algorithm.use_kl_in_reward=true": "DPO's pull to the reference is algorithm.online_dpo.beta",
         "actor.use_kl_loss=true": "DPO's pull to the reference is algorithm.online_dpo.beta",
         "trainer.data_plane=refs": "pairs are cut from the tokens on the controller",
+        "distillation.enable=true": "the teachers' KL joins the advantages, which DPO does not use",
         "algorithm.rollout_correction (rollout_is, rollout_rs or bypass_mode)":
             "DPO's loss has no importance ratio to correct (it learns from samples of any policy)",
     }

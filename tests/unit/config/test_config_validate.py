@@ -482,6 +482,7 @@ def test_online_dpo_needs_two_samples_and_valid_loss_settings() -> None:
     ("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward=true"),
     ("actor.use_kl_loss=true", "actor.use_kl_loss=true"),
     ("trainer.data_plane=refs", "trainer.data_plane=refs"),
+    ("distillation.enable=true", "distillation.enable=true"),
     ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction"),
 ])
 def test_online_dpo_refuses_the_policy_gradient_keys_it_cannot_honour(override: str, named: str) -> None:
