@@ -11,10 +11,11 @@ ratio (beside busy / alone) per variant.
 
 Variants (``--variants``):
 
-- ``default``: what a user gets, no settings: every core, fewer while other processes keep
-  cores busy (``hybridflow.utils.threads``).
-- ``all_cores``: ``trainer.num_threads=<cores>``, a fixed count: the default before the thread
-  governor.
+- ``default``: what a user gets, no settings: a fixed count by the machine's rule (every core
+  in-process), recorded so reruns and resumes are bitwise equal.
+- ``follow``: ``trainer.num_threads=follow``: every core, fewer while other processes keep cores
+  busy (``hybridflow.utils.threads``).
+- ``all_cores``: ``trainer.num_threads=<cores>``, the same count as the default's, written out.
 - ``threads1``: ``trainer.num_threads=1``.
 - ``passive``: all cores with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at barriers
   instead of spinning), the usual advice for oversubscribed machines; measured here because it
@@ -24,8 +25,8 @@ Variants (``--variants``):
 The warm start is cached (``warm_start.cache_dir``, default the user's cache) before timing, so
 the figures are of RL steps only. s/step is the median of ``timing_s/step`` over the job's steps.
 
-    python bench/contention.py                       # default, all_cores, threads1; 1 busy process, 2 rounds
-    python bench/contention.py --variants default all_cores --repeats 3
+    python bench/contention.py                       # default, follow, threads1; 1 busy process, 2 rounds
+    python bench/contention.py --variants default follow --repeats 3
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pathlib import Path
 CORES = len(os.sched_getaffinity(0))
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "default": ({}, []),
+    "follow": ({}, ["trainer.num_threads=follow"]),
     "all_cores": ({}, [f"trainer.num_threads={CORES}"]),
     "threads1": ({}, ["trainer.num_threads=1"]),
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, [f"trainer.num_threads={CORES}"]),
@@ -88,7 +90,7 @@ def run_job(variant: str, busy: int, cache_dir: str, steps: int, work: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["default", "all_cores", "threads1"], choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["default", "follow", "threads1"], choices=list(VARIANTS))
     parser.add_argument("--busy", type=int, default=1, help="busy processes beside the job")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)

@@ -7,13 +7,13 @@ Ray itself is imported only when a run asks for it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerGroup
+from hybridflow.utils.threads import process_cores, rule_threads
 
 if TYPE_CHECKING:
     from hybridflow.cluster.ray_group import Placement, ResourcePool
@@ -77,7 +77,7 @@ def reserve_placements(
         raise ValueError(f"trainer.backend={backend!r} is not available; choose one of {sorted(BACKENDS)}")
     from hybridflow.cluster.ray_group import Placement, ResourcePool, init_ray
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(process_cores())
     pools_wanted = 1 + len(split_roles)
     # Logical CPUs of a local cluster: at least one per rank, so N ranks start even on fewer cores.
     init_ray(ray_address, dashboard=ray_dashboard, num_cpus=max(cores, data_parallel_size * pools_wanted))
@@ -89,7 +89,7 @@ def reserve_placements(
         for pool in pools:
             pool.close()
         raise
-    threads = num_threads or max(1, cores // (data_parallel_size * pools_wanted))
+    threads = num_threads or rule_threads(data_parallel_size * pools_wanted)
     share = 1.0 / len(colocated_roles)
     placements = {role: Placement(pools[0], share=share, num_threads=threads, device=device)
                   for role in colocated_roles}

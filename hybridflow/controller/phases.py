@@ -585,7 +585,7 @@ def step_metrics(
         **timer.metrics(),
         **roles.rollout.take_sync_metrics(),  # timing_s/verify_weight_sync of the syncs since the last step
         **compute_throughput_metrics(batch.num_tokens, timer.seconds("step"), roles.actor.world_size),
-        "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads, or what others left free
+        "perf/cpu_threads": float(torch.get_num_threads()),  # trainer.num_threads (with =follow, what others left free)
     }
 
 

@@ -32,6 +32,7 @@ from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
 from hybridflow.config.explain import dpo_against_reference, needs_reference_model, planned_total_steps
 from hybridflow.config.layout import data_parallel_size, rollout_replicas, sequence_parallel_sizes
+from hybridflow.config.sections.trainer import FOLLOW_FREE_CORES
 from hybridflow.controller.builtin import resolve_builtin
 from hybridflow.controller.dumps import GenerationDumps
 from hybridflow.controller.preflight import (
@@ -63,7 +64,12 @@ from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
 from hybridflow.controller.run_folder import check_shared_folders, lock_run_folder, write_placement
 from hybridflow.controller.step_plan import Estimator, Prompts, StepPlan, build_step_plan
 from hybridflow.controller.teachers import Teachers, build_teachers, check_teacher_sources, prepare_teacher_dirs
-from hybridflow.controller.token_budgets import apply_recorded_budgets, automatic_budget_keys, record_budgets
+from hybridflow.controller.token_budgets import (
+    apply_recorded_budgets,
+    automatic_budget_keys,
+    decide_threads,
+    record_budgets,
+)
 from hybridflow.data import RLDataset
 from hybridflow.data.sampler_plugin import SamplerError, build_prompt_sampler
 from hybridflow.models.loading import (
@@ -210,9 +216,12 @@ def build_run(cfg: Config) -> RunSetup:
         check_rollout_model(local_model, cfg.rollout.name, cfg.rollout.tensor_model_parallel_size,
                             cfg.model.override_config, cfg.model.trust_remote_code)
     output_dir = resolve_output_dir(cfg)
-    apply_recorded_budgets(cfg, output_dir)  # a resume cuts its batches as the run it continues did
+    threads_by_rule = t.num_threads is None
+    apply_recorded_budgets(cfg, output_dir)  # a resume cuts its batches (and sets threads) as the run it continues did
     automatic_budgets = automatic_budget_keys(cfg)
-    threads = configure_threads(t.num_threads)
+    decide_threads(cfg, output_dir)  # a first start: threads by a rule of the machine, recorded
+    follow = t.num_threads == FOLLOW_FREE_CORES
+    threads = configure_threads(None if follow else t.num_threads, advise=threads_by_rule)
     seed_everything(t.seed)
     (output_dir / "config.yaml").write_text(config_to_yaml(cfg))
     log.info("output: %s  device: %s  torch threads: %d", output_dir, device, threads)
@@ -306,7 +315,7 @@ def build_run(cfg: Config) -> RunSetup:
                          *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else []),
                          *teacher_dirs],
         split_roles=["rollout"] if split else [],
-        ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=t.num_threads,
+        ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=None if follow else t.num_threads,
     )
     # The policy's model as every role builds it: the actor, its rollout engines and the reference.
     common = dict(trust_remote_code=cfg.model.trust_remote_code, override_config=cfg.model.override_config)

@@ -15,6 +15,12 @@ The native rollout engine's KV cache budget (``rollout.kv_cache_memory_bytes``) 
 value: unset, each engine takes a share of the memory free when it starts, and the budget bounds
 how many sequences decode together (so which rows share a forward, and what the prefix cache keeps).
 It is recorded with the token budgets (the smallest any replica derived) and read back the same way.
+
+So is the CPU thread count (``trainer.num_threads``): unset, it is a rule of the machine
+(``rule_threads``: the cores this process may use, split over the Ray ranks that share them), and the
+count decides how each op splits its reductions, so float rounding: a resume on a machine with another
+core count would not continue the same run. ``trainer.num_threads=follow`` (threads that follow the
+free cores) and a number the user sets are never recorded.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from typing import Any
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config
 from hybridflow.config.apply import apply_override
+from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.rollout_dtype import write_record
+from hybridflow.utils.threads import rule_threads
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,12 @@ ROLE_KEYS: dict[str, tuple[str | None, str]] = {
 
 KV_CACHE_KEY = "rollout.kv_cache_memory_bytes"
 """The rollout engines' KV cache budget in bytes (derived by the engines when unset)."""
+
+THREADS_KEY = "trainer.num_threads"
+"""torch's CPU threads per computing process (``rule_threads`` when unset)."""
+
+_WHY = ("decided at the run's first start from the machine (free memory, cores); a resume reads them back, "
+        "since each changes which numbers are summed together")
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -63,8 +77,8 @@ def read_budgets(output_dir: Path) -> dict[str, int]:
             raise ValueError("budgets must map config keys to positive integers")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{record} is damaged ({error}): it records the token budgets this run started with; "
-                         "delete it to derive them again, or set the *_max_token_len_per_gpu keys and "
-                         f"{KV_CACHE_KEY}") from None
+                         "delete it to derive them again, or set the *_max_token_len_per_gpu keys, "
+                         f"{KV_CACHE_KEY} and {THREADS_KEY}") from None
     return budgets
 
 
@@ -77,7 +91,7 @@ def apply_recorded_budgets(cfg: Config, output_dir: Path) -> list[str]:
             apply_override(cfg, f"{key}={value}")
             applied.append(f"{key}={value}")
     if applied:
-        log.info("token budgets as this run folder recorded when the run started (%s): %s",
+        log.info("token budgets and threads as this run folder recorded when the run started (%s): %s",
                  output_dir / TOKEN_BUDGETS_FILE, " ".join(applied))
     return applied
 
@@ -105,11 +119,28 @@ def record_budgets(output_dir: Path, automatic: set[str], groups: dict[str, tupl
         for key, value in zip(ROLE_KEYS[role], budgets, strict=True):
             if key in automatic and value is not None:
                 derived[key] = int(value)
+    _record(output_dir, derived)
+
+
+def decide_threads(cfg: Config, output_dir: Path) -> None:
+    """A first start without ``trainer.num_threads``: set it by the rule and record it (a resume has
+    read it back already, and a number or ``follow`` the user wrote is kept as written)."""
+    if cfg.trainer.num_threads is not None:
+        return
+    t = cfg.trainer
+    # In-process ranks take turns on one thread pool; Ray ranks (and a split rollout's) run at once.
+    sharing = 1 if t.backend == "local" else data_parallel_size(t) * (2 if cfg.rollout.placement == "split" else 1)
+    threads = rule_threads(sharing)
+    apply_override(cfg, f"{THREADS_KEY}={threads}")
+    _record(output_dir, {THREADS_KEY: threads})
+
+
+def _record(output_dir: Path, derived: dict[str, int]) -> None:
+    """Add ``derived`` to the folder's record (atomically)."""
     if not derived:
         return
     budgets = {**read_budgets(output_dir), **derived}
     record = output_dir / TOKEN_BUDGETS_FILE
-    fields = {"budgets": budgets, "reuse": " ".join(f"{k}={v}" for k, v in sorted(budgets.items())),
-              "why": "derived from the free memory at the run's first start; a resume reads them back"}
+    fields = {"budgets": budgets, "reuse": " ".join(f"{k}={v}" for k, v in sorted(budgets.items())), "why": _WHY}
     write_record(record, fields)
-    log.info("token budgets recorded in %s: %s", record, fields["reuse"])
+    log.info("recorded in %s: %s", record, " ".join(f"{k}={v}" for k, v in sorted(derived.items())))

@@ -20,12 +20,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def configure_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op threads deliberately. ``None``: every core the process may use, then
-    as many as other processes leave free (``hybridflow.utils.threads``); a number: that many."""
+def configure_threads(num_threads: int | None, *, advise: bool = False) -> int:
+    """Set torch's intra-op threads deliberately. A number: that many (``advise``: and say once
+    when other processes' load makes another count faster, ``hybridflow.utils.threads``).
+    ``None``: every core the process may use, then as many as other processes leave free."""
     if num_threads is None:
         return follow_free_cores(len(process_cores())).threads
-    return fix_threads(num_threads)
+    return fix_threads(num_threads, advise=advise)
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""torch CPU threads that follow the cores other processes leave free.
+"""torch CPU threads: a count decided by a rule, or one that follows the cores others leave free.
 
 torch's intra-op parallelism (OpenMP in the CPU wheels) splits each op over a fixed team of
 threads and waits for the slowest at the end of every parallel region. When another busy
@@ -7,13 +7,17 @@ gives it a turn, and every op of the step waits for it: on 2 cores beside one bu
 default job measured 3.3x slower than alone (bench/contention.py), where one thread would lose
 only the second core (1.2x). An issue report saw 13x on another machine.
 
-With ``trainer.num_threads`` unset, ``follow_free_cores`` installs a governor: at each phase of
-a step (``PhaseTimer``) and each warm-start step, at most once per ``MIN_INTERVAL_S``, it reads
-how much CPU time the other processes took on this process's cores since the last look
-(``/proc/stat`` minus this process's own time) and sets torch's threads to the cores they left:
-``cores - floor(others + 0.3)``, at least 1. A core counts as taken once others use 70% of one,
-so a light background (an editor, a browser tab) keeps every thread. An explicit
-``trainer.num_threads`` is a fixed choice and is left alone.
+The thread count also changes float rounding (how a reduction is split), so it is part of what
+makes a run reproducible. By default a run's count is a rule of the machine (``rule_threads``:
+the cores this process may use, split over the ranks that share them), decided once and recorded
+by the controller; a ``ThreadGovernor`` then only *advises*: the first time other processes keep
+a core busy it says once which setting would be faster. With ``trainer.num_threads=follow`` the
+governor *follows* instead: at each phase of a step (``PhaseTimer``) and each warm-start step, at
+most once per ``MIN_INTERVAL_S``, it reads how much CPU time the other processes took on this
+process's cores since the last look (``/proc/stat`` minus this process's own time) and sets
+torch's threads to the cores they left: ``cores - floor(others + 0.3)``, at least 1. A core counts
+as taken once others use 70% of one, so a light background (an editor, a browser tab) keeps every
+thread.
 
 torch keeps the thread count per OS thread (OpenMP's), and a thread takes the count set last
 when it starts: the governor runs on the main thread, where the trainer computes, and the
@@ -88,6 +92,14 @@ class CoreUseMeter:
         return max(0.0, others / (now[0] - last[0]))
 
 
+def rule_threads(ranks_sharing: int = 1) -> int:
+    """The thread count a run takes unless told otherwise: the cores this process may use (its CPU
+    affinity, which container limits and ``taskset`` set), split evenly over the ``ranks_sharing``
+    processes that compute on them at once, at least 1. A function of the machine and the config
+    only, never of the load, so two starts on one machine agree."""
+    return max(1, len(process_cores()) // max(1, ranks_sharing))
+
+
 def threads_for(max_threads: int, others: float) -> int:
     """Threads that fit the cores left when others use ``others`` cores' worth."""
     taken = math.floor(others + (1.0 - TAKEN_AT))
@@ -95,37 +107,51 @@ def threads_for(max_threads: int, others: float) -> int:
 
 
 class ThreadGovernor:
-    """Sets torch's threads to the free cores, looking at most every ``min_interval_s``."""
+    """Watches the cores other processes take, at most every ``min_interval_s``. ``follow``: sets
+    torch's threads to the cores they leave. Otherwise advises: the count stays, and the first time
+    others take a core it logs once which settings would be faster."""
 
     def __init__(
         self,
         max_threads: int,
         meter: CoreUseMeter | None = None,
         *,
+        follow: bool = True,
         min_interval_s: float = MIN_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         set_threads: Callable[[int], None] = torch.set_num_threads,
     ) -> None:
         self.max_threads = max(1, max_threads)
         self.meter = meter or CoreUseMeter(process_cores())
+        self.follow = follow
         self.min_interval_s = min_interval_s
         self._clock = clock
         self._set_threads = set_threads
         self.threads = self.max_threads
+        self.advised = False
         self._set_threads(self.threads)
         self.meter.read()  # starts the first interval
         self._next = clock() + min_interval_s
 
     def adjust(self) -> int:
-        """Re-read the others' use (if the interval has passed) and follow it; the thread count."""
+        """Re-read the others' use (if the interval has passed) and follow it or advise; the thread count."""
         now = self._clock()
-        if now < self._next:
+        if now < self._next or (self.advised and not self.follow):
             return self.threads
         self._next = now + self.min_interval_s
         others = self.meter.read()
         if others is None:
             return self.threads
         wanted = threads_for(self.max_threads, others)
+        if not self.follow:
+            if wanted < self.threads:
+                self.advised = True
+                log.warning("other processes keep %.1f of this process's cores busy, and torch's %d threads wait for "
+                            "them at every op (3.3x slower on 2 cores beside one busy process, bench/contention.py): "
+                            "trainer.num_threads=%d is faster and still reproducible; trainer.num_threads=follow "
+                            "follows the free cores as they change (not bitwise reproducible)",
+                            others, self.threads, wanted)
+            return self.threads
         if wanted != self.threads:
             log.info("torch threads %d -> %d: other processes use %.1f of %d cores (trainer.num_threads "
                      "fixes the count)", self.threads, wanted, others, self.max_threads)
@@ -138,16 +164,18 @@ _governor: ThreadGovernor | None = None
 
 
 def follow_free_cores(max_threads: int) -> ThreadGovernor:
-    """Install the process's governor (replacing any earlier one) and start at ``max_threads``."""
+    """Install the process's governor, following the free cores (replacing any earlier one), and
+    start at ``max_threads``."""
     global _governor
     _governor = ThreadGovernor(max_threads)
     return _governor
 
 
-def fix_threads(num_threads: int) -> int:
-    """A fixed thread count: uninstall the governor. Returns torch's count."""
+def fix_threads(num_threads: int, *, advise: bool = False) -> int:
+    """A fixed thread count. ``advise``: a governor that only advises watches the load (a count the
+    rule chose, which the user may not know to change); else none. Returns torch's count."""
     global _governor
-    _governor = None
+    _governor = ThreadGovernor(num_threads, follow=False) if advise else None
     torch.set_num_threads(max(1, num_threads))
     return torch.get_num_threads()
 
@@ -161,6 +189,6 @@ def stop_following() -> None:
 
 
 def adjust_threads() -> None:
-    """Let the governor follow the free cores (a no-op without one); cheap to call often."""
+    """Let the governor follow the free cores or advise (a no-op without one); cheap to call often."""
     if _governor is not None:
         _governor.adjust()

@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 
 from hybridflow.config.schema import Config
+from hybridflow.config.sections.trainer import FOLLOW_FREE_CORES
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
 from hybridflow.models.lora import apply_lora, write_lora_manifest
 from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
-from hybridflow.utils.device import resolve_device
-from hybridflow.utils.threads import adjust_threads
+from hybridflow.utils.device import configure_threads, resolve_device
+from hybridflow.utils.threads import adjust_threads, rule_threads
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
 from hybridflow.workers.engine_setup import lora_spec, model_precision, optim_spec
 
@@ -47,8 +48,9 @@ class SFTWorker:
         """``load_model(path, dtype=, device=, trust_remote_code=)`` builds the trained model (a causal LM;
         ``hybridflow rm`` passes a sequence classifier's loader)."""
         self.rank, self.world, self.cfg, self.model_path = rank, world, cfg, model_path
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(cfg.trainer.num_threads)
+        threads = cfg.trainer.num_threads
+        # The run's rule (rule_threads: the cores split over this machine's ranks), 'follow' or the user's number.
+        configure_threads(None if threads == FOLLOW_FREE_CORES else threads or rule_threads(world))
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, chat_template)
         a = cfg.actor
         data_parallel = world > 1

@@ -10,6 +10,7 @@ from typing import Any
 
 from hybridflow.config.checks.report import Report, key_help, key_value
 from hybridflow.config.schema import Config, OptimConfig
+from hybridflow.config.sections.trainer import FOLLOW_FREE_CORES
 
 
 LOSS_AGG_MODES = (
@@ -75,7 +76,6 @@ _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.n_workers", 1),
     ("trainer.total_training_steps", 1),
     ("trainer.max_ckpt_to_keep", 1),
-    ("trainer.num_threads", 1),
     ("critic.ppo_epochs", 1),
     ("critic.ppo_mini_batch_size", 1),
     ("rollout.multi_turn.max_user_turns", 0),  # verl's 0 is no bound, as null
@@ -102,7 +102,6 @@ _MAXIMA: tuple[tuple[str, int, str], ...] = (
     ("reward.num_workers", 256, "scoring processes"),
     ("actor.ppo_epochs", 1000, "passes over each rollout batch"),
     ("warm_start.steps", 10_000_000, "SFT steps"),
-    ("trainer.num_threads", 4096, "torch threads"),
 )
 """Integer keys and their largest accepted value, with the unit for the message."""
 
@@ -146,9 +145,25 @@ def _check_maxima(cfg: Config, report: Report) -> None:
         )
 
 
+MAX_THREADS = 4096
+"""``trainer.num_threads`` above this is a typo (an extra zero), not a machine."""
+
+
+def _check_threads(cfg: Config, report: Report) -> None:
+    """``trainer.num_threads``: null, ``follow`` or a whole number from 1 to ``MAX_THREADS``."""
+    value = cfg.trainer.num_threads
+    if isinstance(value, str) and value != FOLLOW_FREE_CORES:
+        report.error(f"trainer.num_threads={value!r} must be null, '{FOLLOW_FREE_CORES}' or a whole number of "
+                     f"threads such as 2 ({key_help(cfg, 'trainer.num_threads')})")
+    elif isinstance(value, int) and not 1 <= value <= MAX_THREADS:
+        report.error(f"trainer.num_threads={value} must be from 1 to {MAX_THREADS} torch threads, null or "
+                     f"'{FOLLOW_FREE_CORES}'")
+
+
 def check_ranges(cfg: Config, report: Report) -> None:
     _check_finite(cfg, "", report)
     _check_maxima(cfg, report)
+    _check_threads(cfg, report)
     for path, minimum in _POSITIVE_INTS:
         value = key_value(cfg, path)
         if value < minimum:

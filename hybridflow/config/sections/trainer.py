@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from hybridflow.config.fields import f, sub
 
+FOLLOW_FREE_CORES = "follow"
+"""``trainer.num_threads=follow``: torch's threads follow the cores other processes leave free."""
+
 
 @dataclass
 class HealthConfig:
@@ -178,10 +181,13 @@ class TrainerConfig:
         "a fit check. Nothing else reads it: the token budgets and the KV cache still size themselves from the "
         "free memory at start-up.",
     )
-    num_threads: int | None = f(
+    num_threads: int | str | None = f(
         None,
-        "torch CPU threads of this process. None: every core, and fewer while other processes keep cores busy "
-        "(looked at each phase, at most once a second; one busy process on 2 cores: 1 thread). A number fixes it.",
+        "torch CPU threads of each process that computes. null: decided by a rule at the run's first start, the "
+        "cores this process may use split over the ranks that share them (in-process: every core; Ray: cores / "
+        "ranks), recorded in <run folder>/token_budgets.json and read back by a resume, because the count "
+        "changes float rounding. 'follow': every core, and fewer while other processes keep cores busy (looked "
+        "at each phase, at most once a second; faster beside a busy process, not reproducible). A number fixes it.",
     )
     progress_bar: bool = f(
         True, "Show a progress bar on the console, where stderr is a terminal (a redirected log gets the console "

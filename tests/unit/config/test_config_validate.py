@@ -176,6 +176,9 @@ def test_batch_plan_of_defaults() -> None:
         ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep=0 must be >= 1 or null"),
         ("rollout.tensor_model_parallel_size=0", "rollout.tensor_model_parallel_size=0 must be >= 1"),
         ("rollout.tensor_model_parallel_size=2048", "over the limit of 1024 ranks per rollout replica"),
+        ("trainer.num_threads=0", "trainer.num_threads=0 must be from 1 to 4096 torch threads, null or 'follow'"),
+        ("trainer.num_threads=40960", "trainer.num_threads=40960 must be from 1 to 4096"),
+        ("trainer.num_threads=folow", "trainer.num_threads='folow' must be null, 'follow' or a whole number"),
     ],
 )
 def test_range_errors(override: str, expected: str) -> None:
@@ -194,6 +197,11 @@ def test_range_errors(override: str, expected: str) -> None:
 )
 def test_name_errors(override: str, expected: str) -> None:
     assert expected in errors_for(override)
+
+
+@pytest.mark.parametrize("threads", ["trainer.num_threads=follow", "trainer.num_threads=3", "trainer.num_threads=null"])
+def test_thread_settings_are_accepted(threads: str) -> None:
+    assert warnings_for(threads) == []
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,10 @@ import yaml
 
 from hybridflow.config import load_config
 from hybridflow.controller.setup import build_run
+from hybridflow.controller import token_budgets
 from hybridflow.controller.token_budgets import (
     KV_CACHE_KEY,
+    THREADS_KEY,
     TOKEN_BUDGETS_FILE,
     apply_recorded_budgets,
     automatic_budget_keys,
@@ -137,3 +139,44 @@ def test_a_kv_cache_budget_the_user_sets_is_used_and_never_recorded(files, tmp_p
     finally:
         run.close()
     assert KV_CACHE_KEY not in json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"]
+
+
+def threads_during_set_up(cfg) -> int:
+    """torch's thread count while the run is set up (and after it closes, the test's one thread again)."""
+    run = build_run(cfg)
+    try:
+        return torch.get_num_threads()
+    finally:
+        run.close()
+        torch.set_num_threads(1)
+
+
+def test_threads_left_unset_are_decided_by_the_rule_recorded_and_read_back_by_a_resume(files, tmp_path, monkeypatch):
+    """The thread count changes float rounding: unset, the first start takes the machine's rule and
+    records it; a resume on a machine whose rule now says otherwise (more cores) keeps the count."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(token_budgets, "rule_threads", lambda ranks_sharing: 1)
+    assert threads_during_set_up(config(files, out, "trainer.num_threads=null")) == 1
+    assert json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"][THREADS_KEY] == 1
+    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["num_threads"] == 1
+    monkeypatch.setattr(token_budgets, "rule_threads", lambda ranks_sharing: 2)  # the resume's machine
+    assert threads_during_set_up(config(files, out, "trainer.num_threads=null")) == 1
+    # A fresh folder on that machine takes its rule: the record, not the rule, made the resume's 1.
+    assert threads_during_set_up(config(files, tmp_path / "fresh", "trainer.num_threads=null")) == 2
+
+
+def test_threads_the_user_sets_or_follow_are_never_recorded(files, tmp_path):
+    out = tmp_path / "run"
+    assert threads_during_set_up(config(files, out, "trainer.num_threads=2")) == 2
+    assert THREADS_KEY not in json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"]
+    out = tmp_path / "follow"
+    run = build_run(config(files, out, "trainer.num_threads=follow"))
+    try:
+        from hybridflow.utils import threads
+
+        assert threads._governor is not None and threads._governor.follow
+    finally:
+        run.close()
+        torch.set_num_threads(1)
+    assert THREADS_KEY not in json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"]
+    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["num_threads"] == "follow"

@@ -11,7 +11,7 @@ import torch
 
 from hybridflow.utils import threads
 from hybridflow.utils.device import configure_threads
-from hybridflow.utils.threads import CoreUseMeter, ThreadGovernor, process_cores, threads_for
+from hybridflow.utils.threads import CoreUseMeter, ThreadGovernor, process_cores, rule_threads, threads_for
 
 
 @pytest.mark.parametrize(("others", "expected"), [
@@ -94,5 +94,36 @@ def test_stop_following_gives_back_the_starting_count():
         threads.stop_following()
         assert threads._governor is None and torch.get_num_threads() == 2
         threads.adjust_threads()  # a no-op without a governor
+    finally:
+        threads.fix_threads(before)
+
+
+def test_the_rule_splits_the_cores_this_process_may_use_over_the_ranks_sharing_them(monkeypatch):
+    monkeypatch.setattr(threads, "process_cores", lambda: list(range(8)))
+    assert [rule_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+
+
+def test_a_governor_that_advises_keeps_the_count_and_says_once_what_would_be_faster(caplog):
+    now = [0.0]
+    calls: list[int] = []
+    meter = FakeMeter([None, 0.2, 1.0, 1.0])
+    governor = ThreadGovernor(2, meter, follow=False, min_interval_s=1.0, clock=lambda: now[0],
+                              set_threads=calls.append)
+    with caplog.at_level("WARNING", logger=threads.__name__):
+        for t in (1.0, 2.0, 3.0, 4.0):
+            now[0] = t
+            assert governor.adjust() == 2
+    assert calls == [2]  # set once, at the start: the count never follows
+    advice = [r.getMessage() for r in caplog.records]
+    assert len(advice) == 1 and "trainer.num_threads=1 is faster" in advice[0], advice
+    assert meter.reads == 3  # after advising once it stops looking
+
+
+def test_a_count_the_rule_chose_gets_an_advising_governor_and_a_users_count_none():
+    before = torch.get_num_threads()
+    try:
+        assert configure_threads(1, advise=True) == 1
+        assert threads._governor is not None and not threads._governor.follow
+        assert configure_threads(1) == 1 and threads._governor is None
     finally:
         threads.fix_threads(before)
