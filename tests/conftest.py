@@ -65,6 +65,17 @@ LONGEST_S = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker, cap the threads of the runs a test starts (``OMP_NUM_THREADS``, which a
+    run's default thread count honours, ``hybridflow.utils.threads.rule_threads``) at the worker's
+    share of the cores: the workers run side by side, and a run taking every core beside another
+    worker's would wait on it at every op. A test that sets ``trainer.num_threads`` keeps its count;
+    one that tests the default itself removes the cap from its runs' environment."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per core this process may use, at most MAX_WORKERS."""
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))

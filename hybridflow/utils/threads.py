@@ -95,9 +95,14 @@ class CoreUseMeter:
 def rule_threads(ranks_sharing: int = 1) -> int:
     """The thread count a run takes unless told otherwise: the cores this process may use (its CPU
     affinity, which container limits and ``taskset`` set), split evenly over the ``ranks_sharing``
-    processes that compute on them at once, at least 1. A function of the machine and the config
-    only, never of the load, so two starts on one machine agree."""
-    return max(1, len(process_cores()) // max(1, ranks_sharing))
+    processes that compute on them at once, at most ``OMP_NUM_THREADS`` where the environment sets
+    it (as batch schedulers and test runners do), at least 1. A function of the machine and its
+    settings only, never of the load, so two starts on one machine agree."""
+    threads = len(process_cores()) // max(1, ranks_sharing)
+    cap = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()  # OpenMP's "4,2": 4 at the outer level
+    if cap.isdigit() and int(cap) > 0:
+        threads = min(threads, int(cap))
+    return max(1, threads)
 
 
 def threads_for(max_threads: int, others: float) -> int:

@@ -100,7 +100,14 @@ def test_stop_following_gives_back_the_starting_count():
 
 def test_the_rule_splits_the_cores_this_process_may_use_over_the_ranks_sharing_them(monkeypatch):
     monkeypatch.setattr(threads, "process_cores", lambda: list(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert [rule_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a scheduler's (or test runner's) cap
+    assert [rule_threads(n) for n in (1, 2, 3)] == [3, 3, 2]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2,1")  # nested levels: the outer one
+    assert rule_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")  # not a count: the cores decide
+    assert rule_threads() == 8
 
 
 def test_a_governor_that_advises_keeps_the_count_and_says_once_what_would_be_faster(caplog):
