@@ -12,10 +12,10 @@ ratio (beside busy / alone) per variant.
 Variants (``--variants``):
 
 - ``default``: what a user gets, no settings: a fixed count by the machine's rule (every core
-  in-process), recorded so reruns and resumes are bitwise equal.
+  but one in-process), recorded so reruns and resumes are bitwise equal.
 - ``follow``: ``trainer.num_threads=follow``: every core, fewer while other processes keep cores
   busy (``hybridflow.utils.threads``).
-- ``all_cores``: ``trainer.num_threads=<cores>``, the same count as the default's, written out.
+- ``all_cores``: ``trainer.num_threads=<cores>``, a fixed count of every core.
 - ``threads1``: ``trainer.num_threads=1``.
 - ``passive``: all cores with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at barriers
   instead of spinning), the usual advice for oversubscribed machines; measured here because it

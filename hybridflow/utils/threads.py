@@ -9,7 +9,8 @@ only the second core (1.2x). An issue report saw 13x on another machine.
 
 The thread count also changes float rounding (how a reduction is split), so it is part of what
 makes a run reproducible. By default a run's count is a rule of the machine (``rule_threads``:
-the cores this process may use, split over the ranks that share them), decided once and recorded
+every core this process may use but one, or the cores split over the ranks that share them),
+decided once and recorded
 by the controller; a ``ThreadGovernor`` then only *advises*: the first time other processes keep
 a core busy it says once which setting would be faster. With ``trainer.num_threads=follow`` the
 governor *follows* instead: at each phase of a step (``PhaseTimer``) and each warm-start step, at
@@ -93,12 +94,18 @@ class CoreUseMeter:
 
 
 def rule_threads(ranks_sharing: int = 1) -> int:
-    """The thread count a run takes unless told otherwise: the cores this process may use (its CPU
-    affinity, which container limits and ``taskset`` set), split evenly over the ``ranks_sharing``
-    processes that compute on them at once, at most ``OMP_NUM_THREADS`` where the environment sets
-    it (as batch schedulers and test runners do), at least 1. A function of the machine and its
-    settings only, never of the load, so two starts on one machine agree."""
-    threads = len(process_cores()) // max(1, ranks_sharing)
+    """The thread count a run takes unless told otherwise, from the cores this process may use (its
+    CPU affinity, which container limits and ``taskset`` set): one process alone takes every core but
+    one, several ranks sharing the machine split the cores evenly; at most ``OMP_NUM_THREADS``
+    where the environment sets it (as batch schedulers and test runners do); at least 1.
+
+    The spare core is for everything else on the machine (the OS, reward workers, the rollout thread
+    of the async modes, a browser): torch waits for its slowest thread at every op, so one thread
+    that shares its core costs the whole step (2 cores beside one busy process: 3.4x slower with
+    both threads, 1.09x with one; alone, one thread is 1.3x slower; bench/contention.py).
+    A function of the machine and its settings only, never of the load, so two starts agree."""
+    cores = len(process_cores())
+    threads = cores - 1 if ranks_sharing <= 1 else cores // ranks_sharing
     cap = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()  # OpenMP's "4,2": 4 at the outer level
     if cap.isdigit() and int(cap) > 0:
         threads = min(threads, int(cap))

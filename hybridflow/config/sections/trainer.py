@@ -183,10 +183,10 @@ class TrainerConfig:
     )
     num_threads: int | str | None = f(
         None,
-        "torch CPU threads of each process that computes. null: decided by a rule at the run's first start, the "
-        "cores this process may use split over the ranks that share them (in-process: every core; Ray: cores / "
-        "ranks), recorded in <run folder>/token_budgets.json and read back by a resume, because the count "
-        "changes float rounding. 'follow': every core, and fewer while other processes keep cores busy (looked "
+        "torch CPU threads of each process that computes. null: decided by a rule at the run's first start from "
+        "the cores this process may use (in-process: every core but one, left to the rest of the machine; Ray: "
+        "the cores split over the ranks; at most OMP_NUM_THREADS where set), recorded in <run "
+        "folder>/token_budgets.json and read back by a resume, because the count changes float rounding. 'follow': every core, and fewer while other processes keep cores busy (looked "
         "at each phase, at most once a second; faster beside a busy process, not reproducible). A number fixes it.",
     )
     progress_bar: bool = f(

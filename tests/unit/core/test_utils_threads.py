@@ -98,16 +98,20 @@ def test_stop_following_gives_back_the_starting_count():
         threads.fix_threads(before)
 
 
-def test_the_rule_splits_the_cores_this_process_may_use_over_the_ranks_sharing_them(monkeypatch):
+def test_the_rule_leaves_a_core_to_the_machine_or_splits_the_cores_over_the_ranks_sharing_them(monkeypatch):
     monkeypatch.setattr(threads, "process_cores", lambda: list(range(8)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert [rule_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    assert [rule_threads(n) for n in (1, 2, 3, 8, 16)] == [7, 4, 2, 1, 1]  # alone: a core left for the rest
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a scheduler's (or test runner's) cap
     assert [rule_threads(n) for n in (1, 2, 3)] == [3, 3, 2]
     monkeypatch.setenv("OMP_NUM_THREADS", "2,1")  # nested levels: the outer one
     assert rule_threads() == 2
     monkeypatch.setenv("OMP_NUM_THREADS", "lots")  # not a count: the cores decide
-    assert rule_threads() == 8
+    assert rule_threads() == 7
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    for cores, alone in ((1, 1), (2, 1), (4, 3)):
+        monkeypatch.setattr(threads, "process_cores", lambda n=cores: list(range(n)))
+        assert rule_threads() == alone
 
 
 def test_a_governor_that_advises_keeps_the_count_and_says_once_what_would_be_faster(caplog):
