@@ -182,6 +182,9 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # (B, R)
     token_level_rewards: torch.Tensor | None = None  # (B, R)
     rollout_is_weights: torch.Tensor | None = None  # (B, R) rollout-correction importance weights
+    # (B, R) response_mask less the tokens rollout rejection dropped (algorithm.rollout_correction.rollout_rs):
+    # the actor's loss mask; advantages and the critic use response_mask.
+    rollout_keep_mask: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None  # (B, R) Σ_v π(v)² under the old policy (optimal_token_baseline)
     # Per row, its images (None for a text-only row); None when no row has any. A tuple, not a
     # tensor: each row's patch count differs. select/split/concat/to carry it with the rows.
@@ -341,6 +344,7 @@ class RefBatch:
     returns: torch.Tensor | None = None
     token_level_rewards: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
+    rollout_keep_mask: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
     # (B, R) columns sent as one number per row (``chunk``): the column is that number on the
     # row's loss mask and 0 elsewhere, as an outcome estimator's advantages are.

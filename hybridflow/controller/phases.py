@@ -30,7 +30,6 @@ from hybridflow.algorithms import (
     KLController,
     apply_kl_penalty,
     compute_distillation_advantages,
-    correct_rollout,
     place_outcome_rewards,
     select_varied_groups,
 )
@@ -70,7 +69,6 @@ from hybridflow.utils.timer import PhaseTimer
 from hybridflow.utils.watchdog import activity
 from hybridflow.workers.actor import ActorWorker, gather_old_logprobs
 from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.policy_loss import rollout_correction_settings
 from hybridflow.workers.reward import RewardWorker
 
 log = logging.getLogger(__name__)
@@ -263,8 +261,12 @@ def prepare_batch(
         metrics |= balance_metrics
     if plan.needs_old_logprobs:
         with timer.phase("old_log_prob"):
-            batch.old_logprobs, batch.sum_pi_squared = gather_old_logprobs(
-                roles.actor.split_gather(ActorWorker.compute_old_logprobs, batch))
+            old = gather_old_logprobs(roles.actor.split_gather(ActorWorker.compute_old_logprobs, batch))
+        # The forward's rollout correction, computed once: the estimator and the actor's loss read it here.
+        batch.old_logprobs, batch.sum_pi_squared = old.logprobs, old.sum_pi_squared
+        batch.rollout_is_weights, batch.rollout_keep_mask = old.rollout_is_weights, old.rollout_keep_mask
+        if actor_updates(roles, plan, step):  # reported with the update it corrects, as its metrics are
+            metrics |= old.correction_metrics
     if roles.reference is not None:
         with timer.phase("ref"):
             batch.ref_logprobs = torch.cat(roles.reference.split_gather(roles.reference_logprobs, batch))
@@ -431,12 +433,8 @@ def actor_sum_pi_squared(roles: Roles, plan: StepPlan, samples: StepSamples, tim
 def rollout_correction_weights(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The rollout correction's importance weights from the old-logprob forward (set-up runs it for
     such an estimator), the ones the actor's loss multiplies in; None when the config has none."""
-    batch = samples.batch
-    assert batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs rollout IS weights"
-    correction = correct_rollout(rollout_correction_settings(plan.rollout_correction),
-                                 old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
-                                 response_mask=batch.response_mask, weights_only=True)
-    return correction.weights, {}
+    assert samples.batch.old_logprobs is not None, "set-up computes old logprobs for an estimator that needs rollout IS weights"
+    return samples.batch.rollout_is_weights, {}
 
 
 def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.Tensor:
@@ -491,12 +489,17 @@ def update_actor(roles: Roles, plan: StepPlan, batch: TrainBatch, step: int, tim
     """The policy update; skipped in the first ``trainer.critic_warmup`` steps of a run with a
     critic, which train only the critic so that the actor's first advantages come from a
     fitted value model (without a critic there is nothing to warm up: the key is ignored)."""
-    if roles.critic is not None and step <= plan.critic_warmup:
+    if not actor_updates(roles, plan, step):
         return {}
     if batch.batch_size == 0:  # online DPO's step whose groups gave no pair: nothing to learn from
         return {}
     with timer.phase("update_actor"):
         return reduce_metrics(roles.actor.split_gather(ActorWorker.update_actor, batch))
+
+
+def actor_updates(roles: Roles, plan: StepPlan, step: int) -> bool:
+    """Whether ``step`` updates the actor: not in the critic's warm-up steps (``trainer.critic_warmup``)."""
+    return roles.critic is None or step > plan.critic_warmup
 
 
 def sync_weights(roles: Roles, version: int) -> None:

@@ -41,7 +41,7 @@ FETCH_TIMEOUT_S = 300.0
 
 # The RefBatch columns a rank's TrainBatch takes from the controller (the rest it rebuilds from the payload).
 _CONTROLLER_COLUMNS = ("group_ids", "rewards", "old_logprobs", "ref_logprobs", "advantages", "values", "returns",
-                       "token_level_rewards", "rollout_is_weights", "sum_pi_squared")
+                       "token_level_rewards", "rollout_is_weights", "rollout_keep_mask", "sum_pi_squared")
 
 
 @dataclass(frozen=True)

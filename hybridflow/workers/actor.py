@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms import LossInputs, agg_loss, batch_counts, correct_rollout, kl_penalty
+from hybridflow.algorithms import CorrectedRollout, LossInputs, agg_loss, batch_counts, correct_rollout, kl_penalty
 from hybridflow.algorithms.preference import preference_loss, sequence_logps
 from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.data.plane import resolve_batch
@@ -60,6 +60,7 @@ from hybridflow.training.distributed import collective
 from hybridflow.training.lm_head import TokenStats
 from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
 from hybridflow.training.sequence_parallel import gather_group_batch
+from hybridflow.tracking.metrics import reduce_metrics
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import parse_dtype
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
@@ -101,18 +102,28 @@ class ActorSetup:
 
 @dataclass
 class OldLogprobs:
-    """One rank's result of the old-logprob forward (``ActorWorker.compute_old_logprobs``)."""
+    """One rank's result of the old-logprob forward (``ActorWorker.compute_old_logprobs``): the
+    logprobs, and the step's rollout correction computed from them (the one place it is, when old
+    logprobs exist): what the estimator and the actor's loss both read from the batch."""
 
     logprobs: torch.Tensor  # (B, R)
     sum_pi_squared: torch.Tensor | None = None  # (B, R) when ActorSetup.sum_pi_squared
+    rollout_is_weights: torch.Tensor | None = None  # (B, R) with algorithm.rollout_correction.rollout_is
+    rollout_keep_mask: torch.Tensor | None = None  # (B, R) with rollout_rs: response_mask less the rejected tokens
+    correction_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # this rank's rollout_corr/*
 
 
-def gather_old_logprobs(shards: list[OldLogprobs]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ranks' shards (``split_gather``, rank order) glued: (old_logprobs, sum_pi_squared | None).  # (B, R)"""
+def gather_old_logprobs(shards: list[OldLogprobs]) -> OldLogprobs:
+    """The ranks' shards (``split_gather``, rank order) glued, each column None where a rank has
+    none; ``correction_metrics`` the mean over ranks (as the update's metrics are reduced).  # (B, R)"""
+
+    def glued(column: str) -> torch.Tensor | None:
+        parts = [getattr(s, column) for s in shards]
+        return None if any(p is None for p in parts) else torch.cat(parts)
+
     logprobs = torch.cat([s.logprobs for s in shards])
-    if any(s.sum_pi_squared is None for s in shards):
-        return logprobs, None
-    return logprobs, torch.cat([s.sum_pi_squared for s in shards])
+    return OldLogprobs(logprobs, glued("sum_pi_squared"), glued("rollout_is_weights"), glued("rollout_keep_mask"),
+                       reduce_metrics([s.correction_metrics for s in shards]))
 
 
 class ActorWorker:
@@ -205,19 +216,41 @@ class ActorWorker:
 
     def compute_old_logprobs(self, batch: TrainBatch) -> OldLogprobs:
         """The old-logprob forward: logprobs and, when set-up asked for it (``ActorSetup.sum_pi_squared``),
-        Σ_v π(v)² of every response token from the same logits, no second forward.  # (B, R)"""
-        stats = self._old_policy_forward(batch, with_sum_pi_squared=self.setup.sum_pi_squared)
-        return OldLogprobs(stats.logprobs, stats.sum_pi_squared)
+        Σ_v π(v)² of every response token from the same logits, no second forward; and the rollout
+        correction from those logprobs (``rollout_correction``).  # (B, R)"""
+        # Sequence parallel: the group computes its pooled shards; each rank returns its own rows.
+        pooled, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)
+        stats = self._token_stats(pooled, with_sum_pi_squared=self.setup.sum_pi_squared)
+        corrected = self.rollout_correction(pooled, stats.logprobs)
+        weights, keep_mask = corrected.weights, corrected.keep_mask
+        return OldLogprobs(stats.logprobs[own], None if stats.sum_pi_squared is None else stats.sum_pi_squared[own],
+                           None if weights is None else weights[own], None if keep_mask is None else keep_mask[own],
+                           corrected.metrics)
+
+    def rollout_correction(self, batch: TrainBatch, old_logprobs: torch.Tensor) -> CorrectedRollout:
+        """Importance weights and rejection between the rollout engine and the trainer
+        (``correct_rollout``), once per step, from the old-logprob forward's ``old_logprobs``; without
+        that forward (fully on-policy) the loss computes the weights from its own forward.
+
+        The mismatch metrics are always measured, so a drifting engine is visible before correction
+        is turned on. Normalised over the whole batch, as verl's driver does: every rank holds a
+        shard, so the mean's sum and count are summed over the ranks (Ulysses groups count each
+        shard sp times in both, which leaves the mean as it is)."""
+        return correct_rollout(self.correction, old_logprobs=old_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                               response_mask=batch.response_mask, sum_over_ranks=distributed.all_reduce_sum)
 
     def _old_policy_forward(self, batch: TrainBatch, with_sum_pi_squared: bool) -> TokenStats:
         # Sequence parallel: the group computes its pooled shards; each rank returns its own rows.
         batch, own = gather_group_batch(resolve_batch(batch), self.engine.sp_group)
-        stats = self.engine.compute_token_stats(
+        stats = self._token_stats(batch, with_sum_pi_squared)
+        return TokenStats(*(None if x is None else x[own] for x in stats))
+
+    def _token_stats(self, batch: TrainBatch, with_sum_pi_squared: bool) -> TokenStats:
+        return self.engine.compute_token_stats(
             batch, temperature=self.setup.temperature, micro_batch_size=self.cfg.log_prob_micro_batch_size_per_gpu,
             use_remove_padding=self.plan.use_remove_padding, max_token_len=self.plan.log_prob_max_token_len,
             with_sum_pi_squared=with_sum_pi_squared,
         )
-        return TokenStats(*(None if x is None else x[own] for x in stats))
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x mini-batches x micro-batches over this rank's shard (its Ulysses group's
@@ -228,7 +261,10 @@ class ActorWorker:
             return self._update_on_pairs(batch, self.setup.preference)
         cfg = self.cfg
         batch, _ = gather_group_batch(resolve_batch(batch), self.engine.sp_group)
-        batch, correction_metrics = self._rollout_correction(batch)
+        if batch.rollout_keep_mask is not None:
+            # Rollout rejection (computed with the old logprobs): rejected tokens leave the loss and
+            # its normaliser; advantages are unchanged. The IS weights are on the batch already.
+            batch = dataclasses.replace(batch, response_mask=batch.rollout_keep_mask)
         mini_size = cfg.ppo_mini_batch_size * self.setup.rollout_n // self.data_parallel_size
         # Shuffle order and random loss choices (clip_cov) vary per update but are restored by a
         # resume: the generator is seeded by the LR scheduler's step count, which checkpoints carry.
@@ -256,7 +292,7 @@ class ActorWorker:
                 self._count_skip(skipped=self.engine.skipped_steps > skipped_before)
         metrics = {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
-        return metrics | correction_metrics
+        return metrics
 
     def _update_on_pairs(self, batch: TrainBatch, spec: DPOLossSpec) -> dict[str, float]:
         """Online DPO (``actor.loss=dpo``): this rank's share of the step's pairs (its k chosen rows, then
@@ -323,27 +359,6 @@ class ActorWorker:
                 f"unchanged since the last good step. Look for NaN rewards or advantages, lower actor.optim.lr, or "
                 f"use model.dtype=float32"
             )
-
-    def _rollout_correction(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
-        """Importance weights and rejection between the rollout engine and the trainer
-        (``correct_rollout``), once per update, from the trainer's ``old_logprobs``; without them
-        (fully on-policy) the loss computes the weights from its own forward.
-
-        With old logprobs the mismatch metrics are always logged, so a drifting engine is visible
-        before correction is turned on. Normalised over the whole batch, as verl's driver does:
-        every rank holds a shard, so the mean's sum and count are summed over the ranks (Ulysses
-        groups count each shard sp times in both, which leaves the mean as it is)."""
-        if batch.old_logprobs is None:
-            return batch, {}
-        corrected = correct_rollout(self.correction, old_logprobs=batch.old_logprobs,
-                                    rollout_logprobs=batch.rollout_logprobs, response_mask=batch.response_mask,
-                                    sum_over_ranks=distributed.all_reduce_sum)
-        if corrected.weights is not None:
-            batch = dataclasses.replace(batch, rollout_is_weights=corrected.weights)
-        if corrected.keep_mask is not None:
-            # Rejected tokens leave the loss and its normaliser; advantages are unchanged.
-            batch = dataclasses.replace(batch, response_mask=corrected.keep_mask)
-        return batch, corrected.metrics
 
     def _loss_fn(self, num_tokens: int, num_seqs: int, num_micro: int, generator: torch.Generator):
         cfg, rc = self.cfg, self.setup.rollout_correction

@@ -9,13 +9,15 @@ import dataclasses
 import pytest
 import torch
 
-from hybridflow.algorithms import AdvantageInputs, compute_tir_optimal_token_baseline_advantages
+from hybridflow.algorithms import AdvantageInputs, RolloutCorrectionSettings, compute_tir_optimal_token_baseline_advantages
 from hybridflow.config import load_config
 from hybridflow.controller import phases
 from hybridflow.controller.setup import build_run
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.utils.timer import PhaseTimer
+from hybridflow.workers.actor import ActorWorker
+from hybridflow.workers.policy_loss import rollout_correction_settings
 
 torch.set_num_threads(1)
 
@@ -58,7 +60,7 @@ def test_a_step_scales_the_token_baselines_by_the_losss_importance_weights(run):
     for group in groups:
         for t in group:
             t.rollout_logprobs = [lp + shifts[k % len(shifts)] for k, lp in enumerate(t.rollout_logprobs)]
-    samples, _ = phases.prepare_batch(run.roles, run.plan, groups, 1, timer, run.kl_controller, run.dumps)
+    samples, batch_metrics = phases.prepare_batch(run.roles, run.plan, groups, 1, timer, run.kl_controller, run.dumps)
     batch = samples.batch
     assert batch.old_logprobs is not None and batch.sum_pi_squared is not None  # the forward ran
     mask = batch.response_mask
@@ -75,14 +77,27 @@ def test_a_step_scales_the_token_baselines_by_the_losss_importance_weights(run):
         dataclasses.replace(inputs, rollout_is_weights=None), run.plan.estimator.params)
     assert not torch.allclose(batch.advantages, unscaled.advantages, atol=1e-4)  # the weights mattered
 
-    # The actor's loss weighs the same tokens by the same ρ: its rollout_is_mean is ρ's token mean.
-    metrics = phases.update(run.roles, run.plan, batch, 1, timer)
-    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(float(rho.sum() / mask.sum()), rel=1e-5)
+    # The actor's loss weighs the same tokens by the same ρ, computed once: the batch carries them
+    # to the update, and the step reports their token mean.
+    torch.testing.assert_close(batch.rollout_is_weights, rho, rtol=1e-6, atol=1e-7)
+    assert batch_metrics["rollout_corr/rollout_is_mean"] == pytest.approx(float(rho.sum() / mask.sum()), rel=1e-5)
+    assert "actor/pg_loss" in phases.update(run.roles, run.plan, batch, 1, timer)
 
     # Without importance weights (or in bypass mode) the estimator gets None: unscaled, as verl.
     rc = run.plan.rollout_correction
-    for change in (dict(rollout_is=None), dict(bypass_mode=True)):
-        plan = dataclasses.replace(run.plan, rollout_correction=dataclasses.replace(rc, **change))
-        inputs_off, _ = phases.estimator_inputs(run.roles, plan, samples, timer)
-        assert inputs_off["rollout_is_weights"] is None
-        assert inputs_off["sum_pi_squared"] is batch.sum_pi_squared
+    try:
+        for change in (dict(rollout_is=None), dict(bypass_mode=True)):
+            settings = dataclasses.replace(rc, **change)
+            run.roles.actor.call_all(_set_correction, rollout_correction_settings(settings))
+            plan = dataclasses.replace(run.plan, rollout_correction=settings)
+            samples_off, _ = phases.prepare_batch(run.roles, plan, groups, 1, timer, run.kl_controller, run.dumps)
+            inputs_off, _ = phases.estimator_inputs(run.roles, plan, samples_off, timer)
+            assert inputs_off["rollout_is_weights"] is None
+            assert inputs_off["sum_pi_squared"] is samples_off.batch.sum_pi_squared
+    finally:
+        run.roles.actor.call_all(_set_correction, rollout_correction_settings(rc))
+
+
+def _set_correction(actor: ActorWorker, settings: RolloutCorrectionSettings) -> None:
+    """The actor's algorithm.rollout_correction, as set-up would have built it from another config."""
+    actor.correction = settings

@@ -12,7 +12,7 @@ from hybridflow.config.schema import ActorConfig, RolloutCorrectionConfig
 from hybridflow.models.tiny import write_tiny_model
 from hybridflow.training import distributed
 from hybridflow.types import Trajectory, collate_trajectories
-from hybridflow.workers.actor import ActorSetup, ActorWorker
+from hybridflow.workers.actor import ActorSetup, ActorWorker, gather_old_logprobs
 
 torch.set_num_threads(1)
 
@@ -44,13 +44,27 @@ def _batch(actor: ActorWorker, rollout_shift: list[float]):
     return batch
 
 
+def _correct(actor: ActorWorker, batch) -> dict[str, float]:
+    """The old-logprob forward as the controller runs it (``phases.prepare_batch``): the batch gets
+    the rollout correction computed from it, once; returns the correction's metrics."""
+    old = gather_old_logprobs([actor.compute_old_logprobs(batch)])
+    batch.old_logprobs, batch.rollout_is_weights, batch.rollout_keep_mask = (
+        old.logprobs, old.rollout_is_weights, old.rollout_keep_mask)
+    return old.correction_metrics
+
+
+def _update(actor: ActorWorker, batch) -> dict[str, float]:
+    """A step's actor side: the old-logprob forward with its correction, then the update."""
+    return _correct(actor, batch) | actor.update_actor(batch)
+
+
 def test_token_is_weights_scale_the_policy_loss(model_dir) -> None:
     plain = _actor(model_dir, RolloutCorrectionConfig())
     corrected = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
     # ratio pi_old / pi_rollout = exp(shift): 0.5 on every token of rows 0-1, 4 (truncated to 2) on rows 2-3.
     shift = [math.log(0.5), math.log(0.5), math.log(4.0), math.log(4.0)]
-    base = plain.update_actor(_batch(plain, shift))
-    weighted = corrected.update_actor(_batch(corrected, shift))
+    base = _update(plain, _batch(plain, shift))
+    weighted = _update(corrected, _batch(corrected, shift))
     # On-policy the PPO ratio is 1 and A = 1: the token loss is -w, so token-mean gives -(0.5 + 2) / 2.
     assert base["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
     assert weighted["actor/pg_loss"] == pytest.approx(-1.25, abs=1e-5)
@@ -64,19 +78,23 @@ def test_sequence_rejection_drops_whole_responses_from_the_loss(model_dir) -> No
     actor = _actor(model_dir, RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold=2.0))
     # Row 3's sequence ratio is exp(3 x 1.0) = 20 > 2: rejected; the rest are exactly 1.
     batch = _batch(actor, [0.0, 0.0, 0.0, 1.0])
-    corrected, metrics = actor._rollout_correction(batch)
-    assert corrected.response_mask.sum(-1).tolist() == [3.0, 3.0, 3.0, 0.0]
-    assert corrected.rollout_is_weights is None  # rejection alone does not reweight
+    metrics = _correct(actor, batch)
+    assert batch.rollout_keep_mask.sum(-1).tolist() == [3.0, 3.0, 3.0, 0.0]
+    assert batch.rollout_is_weights is None  # rejection alone does not reweight
     assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(0.25)
     assert actor.update_actor(batch)["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
 
 
 def test_no_old_logprobs_means_nothing_to_compare(model_dir) -> None:
-    actor = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token"))
-    batch = _batch(actor, [0.0] * 4)
+    """Without the old-logprob forward the batch carries no correction and the update measures
+    only the mismatch its own forward gives for free (measured, not weighted: rollout_is unset)."""
+    actor = _actor(model_dir, RolloutCorrectionConfig())
+    batch = _batch(actor, [math.log(4.0)] * 4)
     batch.old_logprobs = None
-    same, metrics = actor._rollout_correction(batch)
-    assert same is batch and metrics == {}
+    metrics = actor.update_actor(batch)
+    assert batch.rollout_is_weights is None and batch.rollout_keep_mask is None
+    assert [k for k in metrics if k.startswith("rollout_corr/")] == ["rollout_corr/log_ratio_abs_mean"]
+    assert metrics["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)  # nothing weighted
 
 
 def test_rejection_thresholds_follow_verls_direction(model_dir) -> None:
@@ -85,9 +103,9 @@ def test_rejection_thresholds_follow_verls_direction(model_dir) -> None:
     actor = _actor(model_dir, RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=1.5,
                                                       rollout_rs_threshold_lower=0.9))
     batch = _batch(actor, [math.log(1.4), -math.log(1.4), 0.0, 0.0])
-    corrected, _ = actor._rollout_correction(batch)
+    _correct(actor, batch)
     # row 0: pi_rollout/pi_old = 1/1.4 < 0.9 -> rejected; row 1: 1.4 inside [0.9, 1.5] -> kept
-    assert corrected.response_mask.sum(-1).tolist() == [0.0, 3.0, 3.0, 3.0]
+    assert batch.rollout_keep_mask.sum(-1).tolist() == [0.0, 3.0, 3.0, 3.0]
 
 
 def test_without_old_logprobs_the_updates_own_forward_gives_the_same_is_weights(model_dir) -> None:
@@ -96,7 +114,7 @@ def test_without_old_logprobs_the_updates_own_forward_gives_the_same_is_weights(
     shift = [math.log(0.5), math.log(0.5), math.log(4.0), math.log(4.0)]
     with_old = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
     without = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
-    expected = with_old.update_actor(_batch(with_old, shift))
+    expected = _update(with_old, _batch(with_old, shift))
     batch = _batch(without, shift)
     batch.old_logprobs = None
     got = without.update_actor(batch)
@@ -113,9 +131,9 @@ def test_batch_normalized_weights_average_one_over_the_batch(model_dir) -> None:
                                                       rollout_is_batch_normalize=True))
     shift = [math.log(0.5), math.log(0.5), math.log(4.0), math.log(4.0)]
     batch = _batch(actor, shift)
-    corrected, metrics = actor._rollout_correction(batch)
-    assert corrected.rollout_is_weights is not None
-    assert corrected.rollout_is_weights[:, 0].tolist() == pytest.approx([0.4, 0.4, 1.6, 1.6], abs=1e-5)
+    metrics = _correct(actor, batch)
+    assert batch.rollout_is_weights is not None
+    assert batch.rollout_is_weights[:, 0].tolist() == pytest.approx([0.4, 0.4, 1.6, 1.6], abs=1e-5)
     assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.25, abs=1e-5)
     assert actor.update_actor(batch)["actor/pg_loss"] == pytest.approx(-1.0, abs=1e-5)
 
@@ -130,8 +148,8 @@ def test_chained_rejection_criteria_all_apply(model_dir) -> None:
     # (k2 0.125 > 0.1), row 3's 0.1 everywhere (inside both)
     log_rho = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.3, 0.0], [0.0, 0.5, 0.0], [0.1, 0.1, 0.1]])
     batch.rollout_logprobs = batch.old_logprobs - log_rho
-    corrected, metrics = actor._rollout_correction(batch)
-    assert corrected.response_mask.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    metrics = _correct(actor, batch)
+    assert batch.rollout_keep_mask.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
     assert metrics["rollout_corr/rollout_rs_token_k1_masked_fraction"] == pytest.approx(2 / 12)
     assert metrics["rollout_corr/rollout_rs_seq_max_k2_masked_fraction"] == pytest.approx(3 / 12)
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(4 / 12)
@@ -151,8 +169,9 @@ def test_batch_normalization_sums_the_mean_over_the_ranks(model_dir, monkeypatch
     monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
     actor = _actor(model_dir, RolloutCorrectionConfig(rollout_is="token", rollout_is_batch_normalize=True))
     batch = _batch(actor, [math.log(0.5)] * 4).select(torch.arange(2))
-    corrected, metrics = actor._rollout_correction(batch)
+    corrected = actor.rollout_correction(batch, batch.old_logprobs)
+    metrics = corrected.metrics
     assert seen == [pytest.approx([3.0, 6.0])]
-    assert corrected.rollout_is_weights is not None
-    assert corrected.rollout_is_weights.flatten().tolist() == pytest.approx([0.4] * 6, abs=1e-5)
+    assert corrected.weights is not None
+    assert corrected.weights.flatten().tolist() == pytest.approx([0.4] * 6, abs=1e-5)
     assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.25, abs=1e-5)
