@@ -6,6 +6,10 @@ Two records, one per direction of the RL loop:
 - ``Trajectory`` comes out: one flat per-token record per sample. Single-turn and multi-turn
   (agent) samples share it; tool/environment tokens simply carry ``loss_mask`` 0.
 
+A request carries its dataset row's fields (``RowFields``) and its prompt group from where the row
+becomes a request; each of its trajectories refers to them from where the rollout worker serves it,
+and an agent loop's record of the episode is typed too (``AgentEpisode``): nothing is stamped on later.
+
 ``TrainBatch`` is the padded tensor view of a list of trajectories that the trainer consumes.
 It is a dataclass with named fields, not a string-keyed dict, so a typo is an AttributeError
 and an IDE can follow every use.
@@ -58,6 +62,35 @@ class SamplingParams:
             self.greedy = True
 
 
+@dataclass(frozen=True)
+class RowFields:
+    """A dataset row's fields besides its prompt ids: what its agent loop, its reward (verl's
+    ``data_source``, ``ground_truth``, ``extra_info``), the metrics and the dumps read. Made once,
+    where the row becomes a request (``GenerationRequest.row``); every sample of the request
+    refers to the same record (``Trajectory.row``)."""
+
+    data_source: str = ""
+    ground_truth: str = ""  # scalars as text; a list or mapping ground truth as its JSON text
+    ability: str = ""  # "" when the row has none
+    extra_info: dict[str, Any] = field(default_factory=dict)  # verl keeps per-row tool arguments here too
+    source: str = ""  # "<file>:<row>", to trace a sample back to its row
+    # The prompt as chat messages (verl's raw_prompt): the openai agent loop hands them to the agent,
+    # the reward model renders them with its own template. None when not kept (data.return_raw_chat=false).
+    prompt_messages: list[dict[str, Any]] | None = None
+    agent_name: str | None = None  # the agent loop the row names (None: the run's default)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as the ``metadata`` dict an agent loop's ``run`` takes (verl's row keys);
+        ``prompt_messages`` and ``agent_name`` only when set."""
+        fields = {"data_source": self.data_source, "ground_truth": self.ground_truth, "ability": self.ability,
+                  "extra_info": self.extra_info, "source": self.source}
+        if self.prompt_messages is not None:
+            fields["prompt_messages"] = self.prompt_messages
+        if self.agent_name is not None:
+            fields["agent_name"] = self.agent_name
+        return fields
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -66,6 +99,29 @@ class GenerationRequest:
     # The prompt's images (its ids hold their image tokens); only an engine that runs a vision
     # tower takes them (hybridflow.rollout.hf_vision), the others refuse a request that has them.
     multi_modal: MultiModalInputs | None = None
+    # The row it was made from, and its prompt group among the round's requests: the rollout
+    # worker hands both to each of the request's trajectories (``Trajectory.row``, ``group_id``).
+    row: RowFields | None = None
+    group_id: int = 0
+
+
+@dataclass
+class AgentEpisode:
+    """What an agent loop recorded of one episode (``Trajectory.agent``)."""
+
+    name: str = ""  # the loop that ran it (the runner fills it in when the loop left it empty)
+    # Per-episode numbers, aggregated by ``hybridflow.agents.compute_agent_metrics``: num_turns,
+    # tool_calls, tool_errors, tool_timeouts, user_turns (floats); the openai loop adds its counters.
+    metrics: dict[str, float] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # multi-turn: the turns added after the prompt
+    # Why the episode ended: "no_tool_call", "max_assistant_turns", "length", "interaction_done",
+    # "max_user_turns", "engine_<finish_reason>", "agent_returned", ...; None when the loop does not say.
+    stop: str | None = None
+    interaction_reward: float | None = None  # the last reward an interaction gave, when it gave one
+    # The reward the agent itself gave (the openai loop: what the user's function returned), and its
+    # extra numbers; the reward role uses it instead of the rule scorer. None: the rule scorer scores.
+    reward: float | None = None
+    reward_extra: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,7 +170,11 @@ class Trajectory:
     # validation metrics (acc is the core variable only when the reward gave it) and dumps read it.
     reward_info: dict[str, float | str] = field(default_factory=dict)
     num_turns: int = 1
-    # Row fields the reward and the metrics need (data_source, ground_truth, extra_info, ...).
+    # The row it was generated from (its request's), which the reward and the metrics read; None for
+    # a sample no row made (an engine called directly).
+    row: RowFields | None = None
+    agent: AgentEpisode | None = None  # what its agent loop recorded (None: no loop ran it)
+    # Anything else a custom agent loop records of its own; hybridflow carries it and reads none of it.
     metadata: dict[str, Any] = field(default_factory=dict)
     # With SamplingParams.logprobs = k: per response token, the k most likely tokens and the sampled
     # one, {token id: logprob}, from the same distribution as rollout_logprobs.
@@ -295,12 +355,23 @@ class SampleRecord:
     reward_extra: dict[str, float] = field(default_factory=dict)
     reward_info: dict[str, float | str] = field(default_factory=dict)
     num_turns: int = 1
+    row: RowFields | None = None
+    agent: AgentEpisode | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     stop_reason: int | str | None = None
 
 
 # A sample as the controller handles it: whole, or its record on the by-reference data plane.
 Sample = Trajectory | SampleRecord
+
+
+def row_of(sample: Trajectory | SampleRecord) -> RowFields:
+    """The row fields of a sample (its request's); ValueError for a sample no row made."""
+    if sample.row is None:
+        raise ValueError("a sample without its row's fields (Trajectory.row is None): it did not come from a "
+                         "request made from a dataset row (GenerationRequest.row), so it has no data_source or "
+                         "ground_truth to score or report by")
+    return sample.row
 
 
 def loss_mask_runs(loss_mask: list[int]) -> tuple[tuple[int, int], ...]:

@@ -5,21 +5,23 @@ possibly over several turns. Every loop returns the same flat per-token ``Trajec
 model's tokens carry ``loss_mask`` 1 and their rollout logprobs, inserted tokens (tool
 responses, user turns, template glue) carry ``loss_mask`` 0 and logprob 0.0.
 
-What a loop records in ``Trajectory.metadata`` besides the row's own fields:
+What a loop records of its episode is typed: ``Trajectory.agent``, an ``AgentEpisode``:
 
-- ``agent_name``: the loop that ran it;
-- ``agent_metrics``: per-episode numbers, ``{"num_turns", "tool_calls", "tool_errors",
+- ``name``: the loop that ran it (the runner fills it in when the loop leaves it empty);
+- ``metrics``: per-episode numbers, ``{"num_turns", "tool_calls", "tool_errors",
   "tool_timeouts", "user_turns"}`` (floats), aggregated by ``compute_agent_metrics``;
-- ``agent_messages`` (multi-turn loops): the turns added after the prompt, as chat messages;
-- ``agent_stop``: why the episode ended ("no_tool_call", "max_assistant_turns", "length",
+- ``messages`` (multi-turn loops): the turns added after the prompt, as chat messages;
+- ``stop``: why the episode ended ("no_tool_call", "max_assistant_turns", "length",
   "interaction_done", "engine_<finish_reason>");
 - ``interaction_reward``: the last reward an interaction gave, when it gave one;
-- ``agent_reward`` (and ``agent_reward_extra``, its extra numbers): the reward the agent itself
-  gave (the ``openai`` loop: what the user's function returned). The reward role uses it instead
-  of the rule scorer.
+- ``reward`` (and ``reward_extra``, its extra numbers): the reward the agent itself gave (the
+  ``openai`` loop: what the user's function returned). The reward role uses it instead of the
+  rule scorer.
 
-The loops read the row's fields from ``metadata``; ``prompt_messages`` is the row's prompt as
-chat messages (the ``openai`` loop hands them to the user's agent).
+The row's fields reach a loop as the ``metadata`` dict of its ``run`` (verl's row keys:
+``data_source``, ``ground_truth``, ``extra_info``, ...; ``RowFields.as_dict``); ``prompt_messages``
+is the row's prompt as chat messages (the ``openai`` loop hands them to the user's agent). The
+trajectory refers to the row itself (``Trajectory.row``), set by the runner, not by the loop.
 
 How the rollout worker runs a batch::
 
@@ -27,9 +29,9 @@ How the rollout worker runs a batch::
     trajectories = await runner.generate(rows, params, engine)   # or runner.generate_sync(...)
     metrics = compute_agent_metrics(trajectories)
 
-``rows`` are ``AgentRow(prompt_ids, metadata, group_id)``; each row runs ``params.n`` episodes
+``rows`` are ``AgentRow(prompt_ids, fields, group_id)``; each row runs ``params.n`` episodes
 (one GRPO group), all rows' episodes concurrently against the engine, and the trajectories come
-back row by row, sample by sample, with ``group_id`` set. ``params.max_tokens`` is the
+back row by row, sample by sample, with the row's fields and ``group_id``. ``params.max_tokens`` is the
 response budget of a whole episode (every turn's tokens plus inserted ones).
 """
 
@@ -47,7 +49,7 @@ from hybridflow.agents.registry import resolve_object
 from hybridflow.agents.tokens import ChatTokenizer
 from hybridflow.agents.tools import ToolRegistry
 from hybridflow.rewards.sandbox import run_coroutine_sync
-from hybridflow.types import GenerationRequest, Sample, SamplingParams, Trajectory
+from hybridflow.types import AgentEpisode, GenerationRequest, RowFields, Sample, SamplingParams, Trajectory
 from hybridflow.utils.aio import all_or_nothing
 from hybridflow.utils.seed import derive_seed
 
@@ -69,15 +71,9 @@ METRIC_OPENAI_HISTORY_REWRITES = "agent/openai/history_rewrites"
 METRIC_OPENAI_ERROR_RATE = "agent/openai/error_rate"
 METRIC_OPENAI_TIMEOUT_RATE = "agent/openai/timeout_rate"
 
-# ``Trajectory.metadata`` keys written by the loops.
+# Keys of the row's ``metadata`` dict a loop's ``run`` takes (``RowFields.as_dict``).
 AGENT_NAME_KEY = "agent_name"
-AGENT_METRICS_KEY = "agent_metrics"
-AGENT_MESSAGES_KEY = "agent_messages"
-AGENT_STOP_KEY = "agent_stop"
-INTERACTION_REWARD_KEY = "interaction_reward"
-AGENT_REWARD_KEY = "agent_reward"
-AGENT_REWARD_EXTRA_KEY = "agent_reward_extra"
-PROMPT_MESSAGES_KEY = "prompt_messages"  # set by the dataset (PromptRow.metadata)
+PROMPT_MESSAGES_KEY = "prompt_messages"
 
 # Config ``agent_name`` (dataset column) -> ``module:Class``. A class is built as
 # ``Class(context: AgentContext)`` and has ``async run(prompt_ids, metadata, params, engine)``.
@@ -163,10 +159,12 @@ def build_agent_loop(name: str, context: AgentContext) -> AgentLoop:
     return loop
 
 
-def agent_name_of(metadata: dict[str, Any], default: str = DEFAULT_AGENT) -> str:
-    """The row's ``agent_name`` (top level, or inside ``extra_info``), else ``default``."""
-    extra = metadata.get("extra_info")
-    name = metadata.get(AGENT_NAME_KEY) or (extra.get(AGENT_NAME_KEY) if isinstance(extra, dict) else None)
+def agent_name_of(row: RowFields | None, default: str = DEFAULT_AGENT) -> str:
+    """The row's ``agent_name`` (its own, or inside ``extra_info``), else ``default``."""
+    if row is None:
+        return default
+    extra = row.extra_info
+    name = row.agent_name or (extra.get(AGENT_NAME_KEY) if isinstance(extra, dict) else None)
     return str(name) if name else default
 
 
@@ -189,7 +187,7 @@ def compute_agent_metrics(trajectories: Sequence[Sample]) -> dict[str, float]:
     if not trajectories:
         return {}
     turns = [float(t.num_turns) for t in trajectories]
-    records = [t.metadata.get(AGENT_METRICS_KEY, {}) for t in trajectories]
+    records = [t.agent.metrics if t.agent is not None else {} for t in trajectories]
     calls = [r.get("tool_calls", 0.0) for r in records]
     total_calls = sum(calls)
     tokens = sum(t.response_length for t in trajectories)
@@ -248,10 +246,10 @@ def answer_view(trajectory: Trajectory) -> Trajectory:
 
 @dataclass
 class AgentRow:
-    """One prompt to run: chat-templated ids, the row's metadata, its group id."""
+    """One prompt to run: chat-templated ids, the row's fields (its request's), its group id."""
 
     prompt_ids: list[int]
-    metadata: dict[str, Any]
+    fields: RowFields | None = None
     group_id: int = 0
 
 
@@ -330,16 +328,21 @@ class AgentRunner:
         engine: GenerateEngine,
         limit: asyncio.Semaphore,
     ) -> Trajectory:
-        name = self.default_agent if self.every_row else agent_name_of(row.metadata, self.default_agent)
+        name = self.default_agent if self.every_row else agent_name_of(row.fields, self.default_agent)
         seed = None if params.seed is None else derive_seed(params.seed, index, sample)
         episode_params = dataclasses.replace(params, n=1, seed=seed)
+        metadata = row.fields.as_dict() if row.fields is not None else {}
         async with limit:
             try:
-                trajectory = await self.loop(name).run(list(row.prompt_ids), dict(row.metadata), episode_params, engine)
+                trajectory = await self.loop(name).run(list(row.prompt_ids), metadata, episode_params, engine)
             except Exception as error:
                 raise RuntimeError(f"agent loop {name!r} failed on row {index} (sample {sample}): {error}") from error
-        trajectory.group_id = row.group_id
-        trajectory.metadata.setdefault(AGENT_NAME_KEY, name)
+        # The episode's sample refers to its row and group, as an engine's sample does to its request's.
+        trajectory.row, trajectory.group_id = row.fields, row.group_id
+        if trajectory.agent is None:
+            trajectory.agent = AgentEpisode(name=name)
+        elif not trajectory.agent.name:
+            trajectory.agent.name = name
         return trajectory
 
 

@@ -7,7 +7,7 @@ metadata (``ground_truth`` and ``extra_info`` included) and may
 - reply: the reply is appended as a user turn (loss mask 0) and the assistant continues;
 - end the episode (``done``, or no reply);
 - give a reward: the last reward given is stored in the trajectory's
-  ``metadata["interaction_reward"]``.
+  ``agent.interaction_reward``.
 
 One interaction object serves every episode of a run concurrently, so per-episode state must
 live in the conversation or the metadata, not on the object.

@@ -13,7 +13,7 @@ The user's function (``rollout.multi_turn.openai_agent``, ``module:function`` or
 Every completion the function makes goes to this process's ``EpisodeServer`` (``openai_server``)
 and is recorded token by token; when the function returns, the episode's tokens become one
 ``Trajectory`` (``openai_episode`` says how requests are stitched), carrying the returned reward
-in ``metadata["agent_reward"]``, which the reward role uses instead of the rule scorer.
+in ``Trajectory.agent.reward``, which the reward role uses instead of the rule scorer.
 
 ``async def`` functions are awaited on the episode's event loop; plain functions run in a daemon
 thread of their own, so they can use the synchronous ``OpenAI`` client (and a hung one cannot keep
@@ -39,11 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.agents.base import (
-    AGENT_METRICS_KEY,
-    AGENT_NAME_KEY,
-    AGENT_REWARD_EXTRA_KEY,
-    AGENT_REWARD_KEY,
-    AGENT_STOP_KEY,
     PROMPT_MESSAGES_KEY,
     AgentContext,
     GenerateEngine,
@@ -52,7 +47,7 @@ from hybridflow.agents.base import (
 from hybridflow.agents.openai_episode import EpisodeRecord
 from hybridflow.agents.parsers import build_tool_parser
 from hybridflow.agents.registry import resolve_object
-from hybridflow.types import SamplingParams, Trajectory
+from hybridflow.types import AgentEpisode, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +192,7 @@ class OpenAIAgentLoop:
             outcome = await self._call(episode)
         finally:
             server.unregister(episode_id)
-        return self._trajectory(record, prompt_ids, metadata, outcome)
+        return self._trajectory(record, prompt_ids, outcome)
 
     async def _call(self, episode: OpenAIEpisode) -> _Outcome:
         """The function's reward, or reward 0 and why it failed; never raises (but on cancel)."""
@@ -219,7 +214,7 @@ class OpenAIAgentLoop:
         result = await _in_daemon_thread(self.function, episode)
         return await result if inspect.isawaitable(result) else result
 
-    def _trajectory(self, record: EpisodeRecord, row_prompt: list[int], metadata: dict[str, Any], outcome: _Outcome) -> Trajectory:
+    def _trajectory(self, record: EpisodeRecord, row_prompt: list[int], outcome: _Outcome) -> Trajectory:
         with record.lock:
             record.closed = True
             # No request made: the row's own prompt (the dataset's rendering) and an empty response.
@@ -239,14 +234,9 @@ class OpenAIAgentLoop:
                 token_versions=None if record.token_versions is None else list(record.token_versions),
                 finish_reason=record.finish_reason,
                 num_turns=record.completions,
-                metadata={
-                    **metadata,
-                    AGENT_NAME_KEY: OPENAI_LOOP,  # over the row's agent_name, which this loop overrides
-                    AGENT_STOP_KEY: stop,
-                    AGENT_METRICS_KEY: agent_metrics,
-                    AGENT_REWARD_KEY: outcome.reward,
-                    AGENT_REWARD_EXTRA_KEY: outcome.extra,
-                },
+                # Named here: this loop runs every row, over the row's own agent_name.
+                agent=AgentEpisode(name=OPENAI_LOOP, metrics=agent_metrics, stop=stop, reward=outcome.reward,
+                                   reward_extra=outcome.extra),
             )
 
 

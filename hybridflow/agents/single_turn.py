@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hybridflow.agents.base import AGENT_METRICS_KEY, AgentContext, GenerateEngine, episode_metrics
-from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
+from hybridflow.agents.base import AgentContext, GenerateEngine, episode_metrics
+from hybridflow.types import AgentEpisode, GenerationRequest, SamplingParams, Trajectory
 
 
 class SingleTurnAgentLoop:
@@ -22,5 +22,5 @@ class SingleTurnAgentLoop:
         (sample,) = await engine.generate(request)
         sample.prompt_ids = list(prompt_ids)
         sample.num_turns = 1
-        sample.metadata = {**metadata, **sample.metadata, AGENT_METRICS_KEY: episode_metrics(num_turns=1)}
+        sample.agent = AgentEpisode(metrics=episode_metrics(num_turns=1))
         return sample

@@ -146,7 +146,7 @@ def check_token_consistency(
 ) -> list[str]:
     """Problems with an agent trajectory's ids and mask (an empty list: consistent).
 
-    ``trajectory.metadata["agent_messages"]`` holds the turns the loop added after the prompt.
+    ``trajectory.agent.messages`` holds the turns the loop added after the prompt.
     Checks that the prompt ids are the template's rendering of ``prompt_messages``; that
     ``prompt_ids + response_ids`` equal the rendering of the whole conversation (which may only
     go on with the template's closing tokens, or the rest of a turn cut by the length budget);
@@ -155,7 +155,7 @@ def check_token_consistency(
     tokenizers; a BPE model may sample a non-canonical split).
     """
     problems: list[str] = []
-    messages = [*prompt_messages, *trajectory.metadata.get("agent_messages", [])]
+    messages = [*prompt_messages, *(trajectory.agent.messages if trajectory.agent is not None else [])]
     expected_prompt = render_ids(tokenizer, prompt_messages, tools=tools, add_generation_prompt=True,
                                  template_kwargs=template_kwargs)
     if expected_prompt != trajectory.prompt_ids:

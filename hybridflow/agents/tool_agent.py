@@ -22,19 +22,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.agents.base import (
-    AGENT_MESSAGES_KEY,
-    AGENT_METRICS_KEY,
-    AGENT_STOP_KEY,
-    INTERACTION_REWARD_KEY,
-    AgentContext,
-    GenerateEngine,
-    episode_metrics,
-)
+from hybridflow.agents.base import AgentContext, GenerateEngine, episode_metrics
 from hybridflow.agents.parsers import MalformedCall, ParsedTurn, ToolCall, build_tool_parser
 from hybridflow.agents.tokens import Message, TurnTemplate, append_model_tokens
 from hybridflow.agents.tools import ToolRegistry, ToolResult
-from hybridflow.types import UNVERSIONED_TOKEN, GenerationRequest, SamplingParams, Trajectory
+from hybridflow.types import UNVERSIONED_TOKEN, AgentEpisode, GenerationRequest, SamplingParams, Trajectory
 from hybridflow.utils.seed import derive_seed
 
 
@@ -86,17 +78,12 @@ class _Episode:
         self.tool_errors += sum(result.status == "error" for result in results)
         self.tool_timeouts += sum(result.status == "timeout" for result in results)
 
-    def trajectory(self, metadata: dict[str, Any]) -> Trajectory:
-        record = {
-            **metadata,
-            AGENT_MESSAGES_KEY: self.messages,
-            AGENT_STOP_KEY: self.stop,
-            AGENT_METRICS_KEY: episode_metrics(
-                self.num_turns, self.tool_calls, self.tool_errors, self.tool_timeouts, self.user_turns
-            ),
-        }
-        if self.interaction_reward is not None:
-            record[INTERACTION_REWARD_KEY] = self.interaction_reward
+    def trajectory(self) -> Trajectory:
+        record = AgentEpisode(
+            metrics=episode_metrics(self.num_turns, self.tool_calls, self.tool_errors, self.tool_timeouts,
+                                    self.user_turns),
+            messages=self.messages, stop=self.stop, interaction_reward=self.interaction_reward,
+        )
         return Trajectory(
             prompt_ids=self.prompt_ids,
             response_ids=self.response_ids,
@@ -104,7 +91,7 @@ class _Episode:
             rollout_logprobs=self.rollout_logprobs,
             finish_reason=self.finish_reason,
             num_turns=self.num_turns,
-            metadata=record,
+            agent=record,
             token_versions=self.token_versions,
         )
 
@@ -134,7 +121,7 @@ class ToolAgentLoop:
             if not episode.insert(self.template.delta(messages)):
                 episode.end("length", "length")
                 break
-        return episode.trajectory(metadata)
+        return episode.trajectory()
 
     async def _assistant_turn(
         self, episode: _Episode, params: SamplingParams, engine: GenerateEngine, turn: int

@@ -22,7 +22,7 @@ from hybridflow.tracking.generations import (
     write_jsonl,
 )
 from hybridflow.tracking.loggers import Generation
-from hybridflow.types import RefBatch, Sample, TrainBatch, Trajectory
+from hybridflow.types import RefBatch, Sample, TrainBatch, Trajectory, row_of
 
 
 class Decoder(Protocol):
@@ -54,8 +54,8 @@ class GenerationDumps:
         rows = validation_rows(
             step=step, inputs=self._decode([x.prompt_ids for x in kept]),
             outputs=self._decode([x.response_ids for x in kept]),
-            ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=scores[: len(kept)],
-            reward_infos=[x.reward_info for x in kept], data_sources=[x.metadata["data_source"] for x in kept],
+            ground_truths=[row_of(x).ground_truth for x in kept], scores=scores[: len(kept)],
+            reward_infos=[x.reward_info for x in kept], data_sources=[row_of(x).data_source for x in kept],
             max_samples=self.max_samples, max_chars=self.max_chars,
         )
         write_jsonl(self.validation_dir, step, rows)
@@ -79,7 +79,7 @@ class GenerationDumps:
         rows = rollout_rows(
             step=step, prompts=self._decode([x.prompt_ids for x in kept]),
             responses=self._decode([x.response_ids for x in kept]),
-            ground_truths=[x.metadata.get("ground_truth") for x in kept], scores=[float(x.reward or 0.0) for x in kept],
+            ground_truths=[row_of(x).ground_truth for x in kept], scores=[float(x.reward or 0.0) for x in kept],
             advantages=advantages.tolist(), logprobs=[x.rollout_logprobs for x in kept],
             token_texts=[self._token_texts(x.response_ids[:DUMP_MAX_LOGPROBS]) for x in kept],
             reward_infos=[x.reward_info for x in kept], group_ids=[x.group_id for x in kept],

@@ -171,11 +171,10 @@ class FullyAsyncLoop:
         """The step's groups as ``phases.collect`` returns a step's samples: numbered in batch order,
         with the reward metrics of exactly these samples and the rollout's numbers since the last step."""
         tally, model_parts = RewardTally(), []
-        for group_id, group in enumerate(groups):
+        for group in groups:
             tally.merge(group.tally)
             model_parts.extend(group.model_parts)
-            for t in group.trajectories:
-                t.group_id = group_id
+        phases.number_groups([g.trajectories for g in groups])
         trajectories = [t for g in groups for t in g.trajectories]
         with self._state:
             generated, constant, filtered = self._counts.generated, self._counts.constant, self._counts.filtered
@@ -258,15 +257,12 @@ class FullyAsyncLoop:
         keep = [i for i in range(len(rows)) if i not in self._resumed.pop(b, set())]
         # Seeds from (round, 1, position): the sync loop's for step b's first generation round.
         requests = round_requests(rows, plan.train_sampling, plan.seed, (b, 1), self.prompts.vision)
-        metadata = [row.metadata() for row in rows]
         with self._state:
             self._rounds[b] = _Round(sampler_before, rows, drawn, set(keep), self.versions.rollout)
             self._epochs[b] = sampler.epoch
             self._live += len(keep)
             self._next_round += 1
-        # Agent loops read the row's fields; a replica that scores (by reference) needs them too.
-        sent = [metadata[i] for i in keep] if plan.agents or self.by_reference else None
-        stream.add([requests[i] for i in keep], sent, keys=[(b, i) for i in keep])
+        stream.add([requests[i] for i in keep], keys=[(b, i) for i in keep])
 
     def _poll(self, stream: ReplicaStream) -> list[tuple[Key, list[Sample], RewardTally | None]]:
         """The prompt groups finished since the last poll: trajectories to score here, or (by
@@ -281,13 +277,9 @@ class FullyAsyncLoop:
         not vary)."""
         b, i = key
         record = self._rounds[b]
-        for t in samples:
-            t.group_id = i
         model_parts: list[tuple[int, dict[str, float]]] = []
         if tally is None:
             trajectories = cast(list[Trajectory], samples)
-            for t in trajectories:
-                t.metadata = {**record.rows[i].metadata(), **t.metadata}
             tally = RewardTally()
             score_part(self.roles, trajectories, tally, model_parts)
         fg = self.plan.group_filter

@@ -40,15 +40,18 @@ if TYPE_CHECKING:
 METRIC_REWARD_OVERLAPPED = "perf/reward_overlapped_s"
 
 
-def round_requests(rows: list[PromptRow], params: SamplingParams, seed: int,
-                   seed_scope: tuple[int, ...], vision: ImageInputs | None = None) -> list[GenerationRequest]:
+def round_requests(rows: list[PromptRow], params: SamplingParams, seed: int, seed_scope: tuple[int, ...],
+                   vision: ImageInputs | None = None, first_group: int = 0) -> list[GenerationRequest]:
     """The requests of a round: seeds depend only on (run seed, scope, position), so a resumed run
-    draws the same samples, whichever replica serves them and whenever. A row's images become
-    its request's pixels here (``vision``: the VL model's processor), travelling on to the batch."""
+    draws the same samples, whichever replica serves them and whenever. Each carries its row's
+    fields and its prompt group (``first_group`` + its position), which its trajectories take
+    from it. A row's images become its request's pixels here (``vision``: the VL model's
+    processor), travelling on to the batch."""
     return [
         GenerationRequest(prompt_ids=row.prompt_ids,
                           params=SamplingParams(**{**vars(params), "seed": derive_seed(seed, *seed_scope, i)}),
-                          request_id=row.source, multi_modal=row_multi_modal(row, vision))
+                          request_id=row.source, multi_modal=row_multi_modal(row, vision), row=row.row_fields(),
+                          group_id=first_group + i)
         for i, row in enumerate(rows)
     ]
 
@@ -62,11 +65,7 @@ def generate_and_score(
     metrics. With ``trainer.data_plane=refs`` each replica scores its groups and keeps their
     tokens: the round's ``SampleRecord``s, and no scoring left to wait for here."""
     requests = round_requests(rows, params, plan.seed, seed_scope, vision)
-    metadata = [row.metadata() for row in rows]
     by_reference = plan.by_reference
-    # Agent loops read the row fields, and so does a replica that scores (by reference); else a
-    # single-turn run sends the requests alone.
-    sent = metadata if plan.agents or by_reference else None
     groups: list[list[Sample]] = [[] for _ in rows]
     tally, model_parts = RewardTally(), []
     overlapped = reward_s = model_s = 0.0
@@ -75,24 +74,18 @@ def generate_and_score(
     generated_at = start
     # One profiler range for the round (its timing_s/gen and reward parts are split below).
     with activity("phase", "gen"), profiler_range("phase/gen"), \
-            contextlib.closing(roles.rollout.stream_batches(requests, sent, by_reference)) as batches:
+            contextlib.closing(roles.rollout.stream_batches(requests, by_reference)) as batches:
         for batch in batches:
             remaining -= len(batch)
             if not remaining:
                 generated_at = time.perf_counter()
             if by_reference:  # scored by the replicas, which keep the tokens: records and tallies
                 for group_id, scored in batch:
-                    for record in scored.records:
-                        record.group_id = group_id
                     groups[group_id] = scored.records
                     tally.merge(scored.tally)
                 continue
             part: list[Trajectory] = []
             for group_id, samples in batch:
-                for t in samples:
-                    t.group_id = group_id
-                    # The row's fields, then what an agent loop recorded (turns, tool counts, stop reason).
-                    t.metadata = {**metadata[group_id], **t.metadata}
                 groups[group_id] = samples
                 part.extend(samples)
             seconds = score_part(roles, part, tally, model_parts)

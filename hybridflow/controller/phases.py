@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -63,6 +63,7 @@ from hybridflow.types import (
     Trajectory,
     collate_records,
     collate_trajectories,
+    row_of,
 )
 from hybridflow.utils.faults import fault_requested
 from hybridflow.utils.timer import PhaseTimer
@@ -101,28 +102,11 @@ class StepSamples(NamedTuple):
 
 # ---------------------------------------------------------------------- generation
 def generate(roles: Roles, plan: StepPlan, rows: list[PromptRow], params: SamplingParams, seed_scope: tuple[int, ...],
-             vision: ImageInputs | None = None) -> list[Trajectory]:
-    """n trajectories per prompt, grouped by prompt (``group_id`` = row index)."""
-    requests = round_requests(rows, params, plan.seed, seed_scope, vision)
-    metadata = [row.metadata() for row in rows]
-    outputs = generate_requests(roles, plan, requests, metadata)
-    trajectories = []
-    for group_id, (meta, samples) in enumerate(zip(metadata, outputs, strict=True)):
-        for t in samples:
-            t.group_id = group_id
-            # The row's fields, then what an agent loop recorded (turns, tool counts, stop reason).
-            t.metadata = {**meta, **t.metadata}
-            trajectories.append(t)
-    return trajectories
-
-
-def generate_requests(
-    roles: Roles, plan: StepPlan, requests: list[GenerationRequest], metadata: list[dict[str, Any]]
-) -> list[list[Trajectory]]:
-    """Requests placed on the rollout replicas by the router, each with its row's fields (the
-    agent loops read them); results in request order."""
-    # Only agent loops read the row fields: a single-turn run sends the requests alone.
-    return roles.rollout.generate(requests, metadata if plan.agents else None)
+             vision: ImageInputs | None = None, first_group: int = 0) -> list[Trajectory]:
+    """n trajectories per prompt, grouped by prompt (``group_id`` = ``first_group`` + row index),
+    each with its row's fields (its request's)."""
+    requests = round_requests(rows, params, plan.seed, seed_scope, vision, first_group)
+    return [t for samples in roles.rollout.generate(requests) for t in samples]
 
 
 # ---------------------------------------------------------------------- rewards
@@ -206,9 +190,7 @@ def collect(roles: Roles, plan: StepPlan, prompts: Prompts, step: int, timer: Ph
             step, len(kept), want, rounds, fg.max_num_gen_batches,
         )
     kept, kept_indices = kept[:want], kept_indices[:want]
-    for group_id, group in enumerate(kept):
-        for t in group:
-            t.group_id = group_id
+    number_groups(kept)
     metrics = reduce_metrics(reward_metrics) | collection_metrics(plan, episodes, generated, constant)
     if fg.enable:
         metrics |= {"filter/gen_rounds": float(rounds), "filter/exhausted": float(exhausted)}
@@ -225,6 +207,15 @@ def feed_sampler(sampler: PromptSampler, step: int, collected: Collected) -> Non
     sampler.after_step(SamplerFeedback(
         step=step, indices=[index for index, _ in rows], scores=[float(t.reward or 0.0) for _, t in rows],
         group_ids=[t.group_id for _, t in rows]))
+
+
+def number_groups(groups: Sequence[Sequence[Sample]]) -> None:
+    """Number a step's groups in batch order (``group_id`` 0 .. k-1, what the batch, the sampler's
+    feedback and the metrics group by): the groups of several rounds (dynamic sampling) or of
+    several rounds' rows (the fully-async loop) would otherwise share their requests' ids."""
+    for group_id, group in enumerate(groups):
+        for t in group:
+            t.group_id = group_id
 
 
 def _by_group(trajectories: Sequence[Sample]) -> list[list[Sample]]:
@@ -399,12 +390,9 @@ def greedy_baselines(roles: Roles, plan: StepPlan, samples: StepSamples, timer: 
     with timer.phase("gen_baseline"):
         params = SamplingParams(n=1, temperature=0.0, max_tokens=plan.max_response_length)
         groups = samples.groups
-        requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params, multi_modal=g[0].multi_modal)
-                    for g in groups]
-        metadata = [g[0].metadata for g in groups]
-        greedy = [outputs[0] for outputs in generate_requests(roles, plan, requests, metadata)]
-        for meta, t in zip(metadata, greedy, strict=True):
-            t.metadata = {**meta, **t.metadata}
+        requests = [GenerationRequest(prompt_ids=g[0].prompt_ids, params=params, multi_modal=g[0].multi_modal,
+                                      row=g[0].row, group_id=g[0].group_id) for g in groups]
+        greedy = [outputs[0] for outputs in roles.rollout.generate(requests)]
         scores, _ = score_answers(roles, greedy)
         roles.rollout.take_metrics()  # the step's rollout counters are of its sampled generation
     # By group id, not group order: balancing may have reordered the batch.
@@ -610,14 +598,11 @@ def _validate(roles: Roles, plan: StepPlan, prompts: Prompts, dumps: GenerationD
     size = plan.val_batch_size
     for start_i in range(0, len(rows), size):
         # A fixed seed scope (-1) keeps sampled validation comparable across steps.
-        chunk = generate(roles, plan, rows[start_i : start_i + size], plan.val_sampling, seed_scope=(-1,),
-                         vision=prompts.vision)
-        for t in chunk:
-            t.group_id += start_i
-        trajectories.extend(chunk)
+        trajectories.extend(generate(roles, plan, rows[start_i : start_i + size], plan.val_sampling,
+                                     seed_scope=(-1,), vision=prompts.vision, first_group=start_i))
     # Scored as training scores, overlong penalty included: verl validates with the same DAPO manager.
     scores, _ = score_answers(roles, trajectories, shaping=True)
-    sources, group_ids = [t.metadata["data_source"] for t in trajectories], [t.group_id for t in trajectories]
+    sources, group_ids = [row_of(t).data_source for t in trajectories], [t.group_id for t in trajectories]
     metrics = compute_validation_metrics(sources, scores, group_ids)
     variables, preds = reward_variables(scores, [t.reward_info for t in trajectories])
     metrics |= compute_val_core_metrics(sources, group_ids, variables, preds)

@@ -261,7 +261,7 @@ def check_row_agents(datasets: Iterable[RLDataset]) -> None:
     for data in datasets:
         for row in data:
             # The name the rollout worker will read: the row's, or one inside extra_info.
-            name = agent_name_of(row.metadata(), default="")
+            name = agent_name_of(row.row_fields(), default="")
             if name:
                 first_row.setdefault(name, row.source)
     for name, source in first_row.items():

@@ -104,23 +104,20 @@ class RolloutReplicas:
         return len(self.groups)
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
-    ) -> list[list[Trajectory]]:
-        """Each request's ``n`` trajectories, in request order. ``metadata`` (the rows' fields)
-        goes with each request when agent loops need it. A replica that dies meanwhile is down
-        and its requests go to the others (module docstring)."""
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Trajectory]]:
+        """Each request's ``n`` trajectories, in request order. A replica that dies meanwhile is
+        down and its requests go to the others (module docstring)."""
         self.wake_up()
         results: list[list[Trajectory]] = [[] for _ in requests]
         outputs = [ReplicaOutput([], 0.0, {}) for _ in self.groups]  # each replica's round, summed over passes
         todo = list(range(len(requests)))
         while todo:
-            todo = self._serve_pass(requests, metadata, todo, results, outputs)
+            todo = self._serve_pass(requests, todo, results, outputs)
         self._metrics.append(self._round_metrics(outputs))
         return results
 
-    def _serve_pass(self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None,
-                    todo: list[int], results: list[list[Trajectory]], outputs: list[ReplicaOutput]) -> list[int]:
+    def _serve_pass(self, requests: Sequence[GenerationRequest], todo: list[int], results: list[list[Trajectory]],
+                    outputs: list[ReplicaOutput]) -> list[int]:
         """Place the requests ``todo`` on the live replicas and serve them; what a replica that died
         had is returned, to place again."""
         self.ensure_live()
@@ -132,8 +129,7 @@ class RolloutReplicas:
         calls, submitted = [], []  # submitted: when each replica got its call (the in-process backend runs it then)
         for r in live:
             submitted.append(time.perf_counter())
-            calls.append(self.groups[r].submit_one(0, RolloutWorker.serve, [requests[i] for i in placed[r]],
-                                                   None if metadata is None else [metadata[i] for i in placed[r]]))
+            calls.append(self.groups[r].submit_one(0, RolloutWorker.serve, [requests[i] for i in placed[r]]))
         again: list[int] = []
         try:
             for c, outcome in wait_each(*calls):
@@ -160,17 +156,14 @@ class RolloutReplicas:
             raise
         return sorted(again)
 
-    def stream(
-        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
-    ) -> Iterator[tuple[int, list[Trajectory]]]:
+    def stream(self, requests: Sequence[GenerationRequest]) -> Iterator[tuple[int, list[Trajectory]]]:
         """``stream_batches``, one request at a time."""
-        with contextlib.closing(self.stream_batches(requests, metadata)) as batches:
+        with contextlib.closing(self.stream_batches(requests)) as batches:
             for batch in batches:
                 yield from batch
 
     def stream_batches(
-        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None,
-        by_reference: bool = False,
+        self, requests: Sequence[GenerationRequest], by_reference: bool = False
     ) -> Iterator[list[tuple[int, Any]]]:
         """``generate``, yielding each request's ``n`` trajectories as ``(request index,
         trajectories)`` as soon as its replica finishes it (completion order; those that one poll
@@ -180,7 +173,7 @@ class RolloutReplicas:
         what is unfinished. ``by_reference``: ``(request index, ScoredGroup)``, scored by the
         replica, which keeps the tokens (``ReplicaStream.poll_records``)."""
         with contextlib.closing(self.open_stream()) as stream:
-            stream.add(requests, metadata, keys=range(len(requests)))
+            stream.add(requests, keys=range(len(requests)))
             while stream.in_flight:
                 done = stream.poll_records() if by_reference else stream.poll()
                 if done:
@@ -442,8 +435,8 @@ class ReplicaStream:
         self._replicas, self._number = replicas, number
         n = replicas.num_replicas
         self._waiting: list[dict[tuple[int, Any], Ticket]] = [{} for _ in range(n)]  # per replica: tag -> ticket
-        # tag -> (request, its row's fields): what a replica that died had is started again from here.
-        self._sent: dict[tuple[int, Any], tuple[GenerationRequest, dict[str, Any] | None]] = {}
+        # tag -> request (its row's fields on it): what a replica that died had is started again from here.
+        self._sent: dict[tuple[int, Any], GenerationRequest] = {}
         self._round_start = time.perf_counter()
         self._seconds = [0.0] * n  # per replica: the round's latest finish, from its requests' start
         self._requests = [0] * n  # requests placed in this round
@@ -456,30 +449,25 @@ class ReplicaStream:
     def in_flight(self) -> int:
         return sum(len(waiting) for waiting in self._waiting)
 
-    def add(self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None,
-            keys: Iterable[Any]) -> None:
+    def add(self, requests: Sequence[GenerationRequest], keys: Iterable[Any]) -> None:
         """Place ``requests`` and start them, each under its key (what ``poll`` returns it with)."""
         tags = [(self._number, key) for key in keys]
-        metas: list[dict[str, Any] | None] = [None] * len(requests) if metadata is None else list(metadata)
-        self._start([(tag, request, meta) for tag, request, meta in zip(tags, requests, metas, strict=True)],
-                    with_metadata=metadata is not None)
+        self._start(list(zip(tags, requests, strict=True)))
 
-    def _start(self, items: list[tuple[tuple[int, Any], GenerationRequest, dict[str, Any] | None]],
-               with_metadata: bool) -> None:
-        """Place and start ``(tag, request, row fields)``; a replica that dies taking them is down and
-        its share is placed again on the others."""
+    def _start(self, items: list[tuple[tuple[int, Any], GenerationRequest]]) -> None:
+        """Place and start ``(tag, request)``; a replica that dies taking them is down and its share
+        is placed again on the others."""
         replicas = self._replicas
         replicas.ensure_live()
         tickets = replicas.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
-                                         for _, r, _ in items])
+                                         for _, r in items])
         placed: dict[int, list[int]] = {}
-        for i, ((tag, request, meta), ticket) in enumerate(zip(items, tickets, strict=True)):
+        for i, ((tag, request), ticket) in enumerate(zip(items, tickets, strict=True)):
             placed.setdefault(ticket.replica, []).append(i)
             self._waiting[ticket.replica][tag] = ticket  # in flight from here: close abandons it
-            self._sent[tag] = (request, meta)
+            self._sent[tag] = request
         order = list(placed)
         starts = [replicas.groups[r].submit_one(0, RolloutWorker.start, [items[i][1] for i in placed[r]],
-                                                [items[i][2] for i in placed[r]] if with_metadata else None,
                                                 [items[i][0] for i in placed[r]])
                   for r in order]
         again = []
@@ -493,14 +481,14 @@ class ReplicaStream:
             self._after[r] = self._after[r] or counts
             self._requests[r] += len(placed[r])
         if again:
-            self._start(again, with_metadata)
+            self._start(again)
 
-    def _replica_lost(self, r: int, error: WorkerError) -> list[tuple[tuple[int, Any], GenerationRequest, Any]]:
+    def _replica_lost(self, r: int, error: WorkerError) -> list[tuple[tuple[int, Any], GenerationRequest]]:
         """Replica ``r`` failed: its unfinished requests leave it (returned, to start again on the
         others), its counters so far stay with the round; then ``RolloutReplicas._lost`` (which
         raises when it cannot be restarted)."""
         replicas = self._replicas
-        lost = [(tag, *self._sent[tag]) for tag in self._waiting[r]]
+        lost = [(tag, self._sent[tag]) for tag in self._waiting[r]]
         for ticket in self._waiting[r].values():
             replicas.router.abandon(ticket)
         self._waiting[r].clear()
@@ -540,7 +528,7 @@ class ReplicaStream:
                 self._seconds[r] = max(self._seconds[r], finished.seconds)
                 done.append(finished)
         if again:
-            self._start(again, with_metadata=any(meta is not None for _, _, meta in again))
+            self._start(again)
         return done
 
     def end_round(self) -> None:

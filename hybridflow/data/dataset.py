@@ -48,7 +48,7 @@ from typing import Any, Protocol, overload
 from hybridflow.data.images import IMAGE_PLACEHOLDER, ImageProblem, decode_image, image_bytes, split_placeholders
 from hybridflow.data.row_files import BadRowReason, DataError, read_records, value_type_name
 from hybridflow.data.row_schema import RowProblem, check_prompt_column, validate_row
-from hybridflow.types import MultiModalInputs
+from hybridflow.types import MultiModalInputs, RowFields
 from hybridflow.utils.storage import Storage
 
 
@@ -112,23 +112,12 @@ class PromptRow:
     images: tuple[bytes, ...] = ()
     image_grid_thw: tuple[tuple[int, int, int], ...] = ()
 
-    def metadata(self) -> dict[str, Any]:
-        """The row fields a ``Trajectory.metadata`` carries to the agent loop, the reward and
-        the metrics (``agent_name`` only when the row names a loop)."""
-        fields = {
-            "data_source": self.data_source,
-            "ground_truth": self.ground_truth,
-            "ability": self.ability,
-            "extra_info": self.extra_info,
-            "source": self.source,
-        }
-        if self.messages is not None:
-            # The prompt as chat messages, for agent loops that hand it to an agent (openai) and the reward
-            # model, which renders prompts with its own template.
-            fields["prompt_messages"] = self.messages
-        if self.agent_name is not None:
-            fields["agent_name"] = self.agent_name
-        return fields
+    def row_fields(self) -> RowFields:
+        """The fields its requests carry to the agent loop, the reward, the metrics and the dumps
+        (``prompt_messages`` only when the raw chat is kept; ``agent_name`` only when the row names a loop)."""
+        return RowFields(data_source=self.data_source, ground_truth=self.ground_truth, ability=self.ability,
+                         extra_info=self.extra_info, source=self.source, prompt_messages=self.messages,
+                         agent_name=self.agent_name)
 
 
 @dataclass

@@ -78,7 +78,7 @@ def records_of(trajectories: list[Trajectory], handle: PayloadHandle) -> list[Sa
             payload=handle, index=i, prompt_length=t.prompt_length, response_length=t.response_length,
             policy_tokens=t.policy_tokens, loss_mask_runs=loss_mask_runs(t.loss_mask), versions=t.versions,
             finish_reason=t.finish_reason, group_id=t.group_id, reward=t.reward, reward_extra=dict(t.reward_extra),
-            reward_info=dict(t.reward_info), num_turns=t.num_turns, metadata=dict(t.metadata),
+            reward_info=dict(t.reward_info), num_turns=t.num_turns, row=t.row, agent=t.agent, metadata=dict(t.metadata),
             stop_reason=t.stop_reason,
         )
         for i, t in enumerate(trajectories)
@@ -127,7 +127,8 @@ def fetch_trajectories(samples: Sequence[Sample]) -> list[Trajectory]:
         if isinstance(s, SampleRecord):
             fetched = groups[s.payload.key][s.index]
             s = dataclasses.replace(fetched, group_id=s.group_id, reward=s.reward, reward_extra=dict(s.reward_extra),
-                                    reward_info=dict(s.reward_info), metadata=dict(s.metadata))
+                                    reward_info=dict(s.reward_info), row=s.row, agent=s.agent,
+                                    metadata=dict(s.metadata))
         whole.append(s)
     return whole
 

@@ -1,6 +1,6 @@
 """The reward role: decodes responses and scores them with rule or custom reward functions.
 
-A trajectory whose agent gave its own reward (``metadata["agent_reward"]``, the openai loop) keeps
+A trajectory whose agent gave its own reward (``Trajectory.agent.reward``, the openai loop) keeps
 that reward instead: the user's agent function is then the reward function.
 
 Scoring runs in supervised worker processes (``RewardManager``): a reward function that
@@ -20,14 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.agents import answer_view
-from hybridflow.agents.base import AGENT_REWARD_EXTRA_KEY, AGENT_REWARD_KEY
 from hybridflow.models.loading import load_tokenizer
 from hybridflow.rewards import RewardManager, ScoreRequest
 from hybridflow.rewards.manager import RewardOutput
 from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
 from hybridflow.rewards.shaping import compute_overlong_penalty
 from hybridflow.rewards.tally import RewardTally
-from hybridflow.types import Trajectory
+from hybridflow.types import Trajectory, row_of
 
 
 @dataclass
@@ -123,29 +122,27 @@ class RewardWorker:
 
     def _rule_scores(self, trajectories: list[Trajectory]) -> tuple[RewardOutput, RewardTally]:
         """Each trajectory's raw score and extras. The source is one of two: the reward the agent
-        gave itself (``metadata["agent_reward"]``: the openai loop's function returned it), or
-        else the rule / custom scorer, run in the manager's workers on the decoded response."""
-        scored = [i for i, t in enumerate(trajectories) if AGENT_REWARD_KEY not in t.metadata]
+        gave itself (``Trajectory.agent.reward``: the openai loop's function returned it), or
+        else the rule / custom scorer, run in the manager's workers on the decoded response, with
+        the row's fields (``Trajectory.row``) as verl's reward functions take them."""
+        scored = [i for i, t in enumerate(trajectories) if _agent_reward(t) is None]
         # Decode only the policy's own tokens' span; special tokens (EOS) are not part of the answer.
         texts = self.tokenizer.batch_decode([trajectories[i].response_ids for i in scored], skip_special_tokens=True) \
             if scored else []  # batch_decode([]) is not an empty list
+        rows = [row_of(trajectories[i]) for i in scored]
         requests = [
-            ScoreRequest(
-                data_source=t.metadata["data_source"],
-                solution_str=text,
-                ground_truth=t.metadata["ground_truth"],
-                extra_info=t.metadata.get("extra_info") or {},
-            )
-            for t, text in zip((trajectories[i] for i in scored), texts, strict=True)
+            ScoreRequest(data_source=row.data_source, solution_str=text, ground_truth=row.ground_truth,
+                         extra_info=row.extra_info or {})
+            for row, text in zip(rows, texts, strict=True)
         ]
         ruled = self.manager.score(requests) if requests else RewardOutput([], [], {})
-        scores = [float(t.metadata.get(AGENT_REWARD_KEY, 0.0)) for t in trajectories]
-        extra = [dict(t.metadata.get(AGENT_REWARD_EXTRA_KEY) or {}) for t in trajectories]
+        scores = [float(_agent_reward(t) or 0.0) for t in trajectories]
+        extra = [dict(t.agent.reward_extra or {}) if t.agent is not None else {} for t in trajectories]
         for position, score, numbers in zip(scored, ruled.scores, ruled.extra, strict=True):
             scores[position], extra[position] = score, numbers
         tally = ruled.tally or RewardTally()
         # The agents' own extras, under the scorer's metric of the same name when there is one.
-        agent_given = [extra[i] for i, t in enumerate(trajectories) if AGENT_REWARD_KEY in t.metadata]
+        agent_given = [extra[i] for i, t in enumerate(trajectories) if _agent_reward(t) is not None]
         for key in sorted({k for numbers in agent_given for k in numbers}):
             tally.add(f"reward/extra/{key}/mean", "mean", [numbers[key] for numbers in agent_given if key in numbers],
                       fallback=True)
@@ -153,6 +150,11 @@ class RewardWorker:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _agent_reward(t: Trajectory) -> float | None:
+    """The reward the sample's agent gave itself (the openai loop), or None: the scorer scores it."""
+    return None if t.agent is None else t.agent.reward
 
 
 def score_trajectories(worker: RewardWorker, trajectories: list[Trajectory]) -> RewardTally:

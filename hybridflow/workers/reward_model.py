@@ -41,9 +41,9 @@ def decode_responses(tokenizer: Any, trajectories: list[Trajectory]) -> list[str
 
 def prompt_messages(t: Trajectory) -> list[dict[str, str]]:
     """The prompt's chat messages (the row's ``prompt``)."""
-    messages = t.metadata.get("prompt_messages")
+    messages = t.row.prompt_messages if t.row is not None else None
     if not messages:
-        raise ValueError("a trajectory without metadata['prompt_messages']: the reward model re-renders the prompt "
+        raise ValueError("a trajectory without its row's prompt_messages: the reward model re-renders the prompt "
                          "from the row's chat messages (data.return_raw_chat=true keeps them)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -135,7 +135,7 @@ class JudgeWorker:
         """The judge's score of each answer (``failure_score`` where it failed) and its counters."""
         texts = decode_responses(self.policy_tokenizer, trajectories)
         requests = [JudgeRequest(prompt=last_user_message(prompt_messages(t)), response=text,
-                                 ground_truth=str(t.metadata.get("ground_truth", "")))
+                                 ground_truth=str(t.row.ground_truth if t.row is not None else ""))
                     for t, text in zip(trajectories, texts, strict=True)]
         judgements, metrics = self.judge.score(requests)
         return [j.score for j in judgements], metrics

@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +181,17 @@ class ReplicaOutput:
     engine_counts: dict[str, float] = field(default_factory=dict)
 
 
+async def _of_request(
+    generate: Callable[[GenerationRequest], Awaitable[list[Trajectory]]], request: GenerationRequest
+) -> list[Trajectory]:
+    """The engine's samples of ``request``, each referring to the request's row and prompt group:
+    the one place a served sample gets them (the agent runner does the same for its episodes)."""
+    samples = await generate(request)
+    for t in samples:
+        t.row, t.group_id = request.row, request.group_id
+    return samples
+
+
 class RolloutWorker:
     def __init__(self, rank: int, world_size: int, setup: RolloutSetup) -> None:
         self.rank, self.device = rank, setup.device
@@ -212,7 +223,6 @@ class RolloutWorker:
         self._received: Digest | None = None  # broadcast: checksums of the received bytes, as held
         self._adapter_synced = False  # the last sync brought a LoRA adapter (merged here): not checked
         self._scorer: RewardWorker | None = None  # built at the first take_records (its scoring processes)
-        self._row_fields: dict[Any, dict[str, Any]] = {}  # tag -> its row's fields, for scoring here
         if world_size > 1:
             # One replica over ``world_size`` ranks (rollout.tensor_model_parallel_size): rank 0
             # serves, the others follow its commands.
@@ -275,34 +285,28 @@ class RolloutWorker:
         self.tp_leader = role
         return role.engine
 
-    def generate(
-        self, requests: list[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None
-    ) -> list[list[Trajectory]]:
-        """Each request's ``n`` trajectories, in request order.
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Trajectory]]:
+        """Each request's ``n`` trajectories, in request order, each with its request's row fields
+        and group id (``GenerationRequest.row``: the agent loops read them too).
 
-        ``metadata`` holds each request's row fields (``agent_name``, ``extra_info``, ...): the
-        agent loops read them, and each trajectory's metadata starts from them. Without agents
-        it is not needed and the engine serves the requests directly. The requests run on the
-        worker's event loop (``RequestStream``), batched with any started by ``start``.
+        The requests run on the worker's event loop (``RequestStream``), batched with any started
+        by ``start``.
         """
-        jobs = self._jobs(requests, metadata)
+        jobs = self._jobs(requests)
         return self.stream.run_all([job.run for job in jobs])
 
-    def serve(self, requests: list[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None) -> ReplicaOutput:
+    def serve(self, requests: list[GenerationRequest]) -> ReplicaOutput:
         """``generate``, timed, with the engine's counters over the call: what a replica answers
         the controller's router."""
         before = _engine_counts(self.engine)
         start = time.perf_counter()
-        trajectories = self.generate(requests, metadata) if requests else []
+        trajectories = self.generate(requests) if requests else []
         seconds = time.perf_counter() - start
         after = _engine_counts(self.engine)
         return ReplicaOutput(trajectories, seconds, {k: after[k] - before.get(k, 0.0) for k in after})
 
     # ------------------------------------------------------------ streaming
-    def start(
-        self, requests: list[GenerationRequest], metadata: Sequence[dict[str, Any]] | None = None,
-        tags: Sequence[Any] | None = None,
-    ) -> dict[str, float]:
+    def start(self, requests: list[GenerationRequest], tags: Sequence[Any] | None = None) -> dict[str, float]:
         """Start ``requests`` and return at once (the engine's counters now, for a caller that
         measures what its requests cost). They run on the worker's event loop, batched with
         everything else in flight; ``take`` hands each one's trajectories back, under its tag
@@ -311,9 +315,7 @@ class RolloutWorker:
         tags = list(range(len(requests))) if tags is None else list(tags)
         if len(tags) != len(requests):
             raise ValueError(f"RolloutWorker.start: {len(tags)} tags for {len(requests)} requests")
-        jobs = self._jobs(requests, metadata, tags)
-        if self.scoring is not None and metadata is not None:
-            self._row_fields.update(zip(tags, metadata, strict=True))
+        jobs = self._jobs(requests, tags)
         counts = _engine_counts(self.engine)
         self.stream.start(jobs)
         return counts
@@ -330,7 +332,7 @@ class RolloutWorker:
 
     def take_records(self, max_wait_s: float = 0.0) -> RecordBatch:
         """``take`` on the by-reference data plane (``hybridflow.data.plane``): each finished
-        prompt group gets its row's fields (sent with ``start``), is scored here with the run's
+        prompt group (its trajectories carry their row's fields) is scored here with the run's
         reward (``RolloutSetup.scoring``; shaping on, as training scores) and kept in this process;
         what comes back is its samples' records and the reward metrics' tally, not its tokens."""
         if self.scoring is None:
@@ -340,9 +342,6 @@ class RolloutWorker:
             self._scorer = RewardWorker(0, 1, self.scoring)
         groups = []
         for finished in self.stream.take(max_wait_s):
-            row = self._row_fields.pop(finished.tag, {})
-            for t in finished.trajectories:
-                t.metadata = {**row, **t.metadata}  # the row's fields, then what an agent loop recorded
             tally = score_trajectories(self._scorer, finished.trajectories)
             handle = put_group(finished.trajectories, self.name)
             groups.append(ScoredGroup(finished.tag, records_of(finished.trajectories, handle), tally, finished.seconds))
@@ -362,29 +361,27 @@ class RolloutWorker:
     def abort(self) -> int:
         """Cancel every started request still in flight and drop finished ones not yet taken;
         returns how many. Used when a round fails elsewhere, so nothing stale reaches a later take."""
-        self._row_fields.clear()
         return self.stream.abort()
 
-    def _jobs(
-        self, requests: Sequence[GenerationRequest], metadata: Sequence[dict[str, Any]] | None,
-        tags: Sequence[Any] | None = None,
-    ) -> list[Job]:
-        """One job per request: the engine's ``generate``, or its ``n`` agent episodes."""
+    def _jobs(self, requests: Sequence[GenerationRequest], tags: Sequence[Any] | None = None) -> list[Job]:
+        """One job per request: the engine's ``generate``, or its ``n`` agent episodes; either way
+        its trajectories come back with the request's row fields and group id (``_of_request``)."""
         generator = self.client or self.engine
         tags = list(range(len(requests))) if tags is None else tags
         labels = [f"{tag!r}" + (f" ({r.request_id!r})" if r.request_id else "") for tag, r in zip(tags, requests)]
         if self.agents is None:
-            return [Job(tag, label, functools.partial(generator.generate, r))
+            return [Job(tag, label, functools.partial(_of_request, generator.generate, r))
                     for tag, label, r in zip(tags, labels, requests, strict=True)]
-        if metadata is None or len(metadata) != len(requests):
-            raise ValueError("RolloutWorker.generate with agent loops needs one metadata dict per request")
+        if any(r.row is None for r in requests):
+            raise ValueError("RolloutWorker.generate with agent loops needs each request's row fields "
+                             "(GenerationRequest.row): the loops read them")
         agents = self.agents
         # A row's episodes are seeded by its position in the call (as AgentRunner.generate does),
         # so a streamed call generates what a blocking one would.
         return [
-            Job(tag, label, functools.partial(agents.generate_row, AgentRow(list(r.prompt_ids), dict(m), group_id=i),
+            Job(tag, label, functools.partial(agents.generate_row, AgentRow(list(r.prompt_ids), r.row, r.group_id),
                                               i, r.params, generator))
-            for i, (tag, label, r, m) in enumerate(zip(tags, labels, requests, metadata, strict=True))
+            for i, (tag, label, r) in enumerate(zip(tags, labels, requests, strict=True))
         ]
 
     @property

@@ -42,7 +42,7 @@ def test_tool_task_trains_end_to_end_with_tool_tokens_out_of_the_loss(tmp_path, 
     try:
         groups = phases.collect(run.roles, run.plan, run.prompts, 1, PhaseTimer()).groups
         trajectories = [t for group in groups for t in group]
-        tool_episodes = [t for t in trajectories if t.metadata["agent_metrics"]["tool_calls"] > 0]
+        tool_episodes = [t for t in trajectories if t.agent.metrics["tool_calls"] > 0]
         assert tool_episodes, "the warm-started model should call the calculator in some episodes"
         tokenizer = load_tokenizer(run.model_path)
         for t in tool_episodes:

@@ -379,10 +379,10 @@ class DyingReplica(RolloutWorker):
         super().__init__(rank, world_size, setup)
         self.dies = dies
 
-    def generate(self, requests, metadata=None):
+    def generate(self, requests):
         if self.dies:
             os._exit(9)
-        return super().generate(requests, metadata)
+        return super().generate(requests)
 
 
 def test_a_replica_that_dies_mid_generation_fails_the_call_naming_it(pool, tmp_path: Path) -> None:

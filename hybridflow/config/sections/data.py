@@ -43,7 +43,7 @@ class DataConfig:
     )
     return_raw_chat: bool = f(
         True,
-        "Keep each prompt's chat messages with its samples (metadata prompt_messages, verl's raw_prompt) beside the "
+        "Keep each prompt's chat messages with its samples (their row's prompt_messages, verl's raw_prompt) beside the "
         "chat-templated token ids the rollout generates from. The openai agent loop hands them to the agent and the "
         "reward model renders them with its own template, so both need true. false: samples carry token ids only "
         "(less to hold and ship per sample). verl's default (true) and key; unlike verl, hybridflow's rollout never "

@@ -12,7 +12,7 @@ from hybridflow.agents.parsers import build_tool_parser
 from hybridflow.agents.tokens import TurnTemplate, check_token_consistency, render_ids
 from hybridflow.agents.tools import ToolRegistry, calculator
 from hybridflow.models.tiny import build_tiny_tokenizer
-from hybridflow.types import SamplingParams
+from hybridflow.types import RowFields, SamplingParams
 
 # reasoning_effort shows in the system line and in the header of every tool reply.
 EFFORT_TEMPLATE = (
@@ -50,7 +50,7 @@ def test_a_tool_agent_episode_is_the_templates_rendering_with_the_variables(effo
     runner = AgentRunner(AgentContext(effort_tokenizer, tools=ToolRegistry([calculator]), chat_template_kwargs=EFFORT),
                          default_agent="tool_agent")
     prompt = render_ids(effort_tokenizer, QUESTION, add_generation_prompt=True, template_kwargs=EFFORT)
-    (trajectory,) = runner.generate_sync([AgentRow(prompt, {})], SamplingParams(max_tokens=400), engine)
+    (trajectory,) = runner.generate_sync([AgentRow(prompt)], SamplingParams(max_tokens=400), engine)
     assert trajectory.num_turns == 2
     text = effort_tokenizer.decode(trajectory.response_ids, skip_special_tokens=False)
     assert "<|im_start|>tool effort=medium\n42<|im_end|>" in text

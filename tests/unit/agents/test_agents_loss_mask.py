@@ -12,7 +12,7 @@ from hybridflow.agents.tokens import render_ids
 from hybridflow.agents.tools import ToolRegistry, calculator
 from hybridflow.config.schema import ActorConfig
 from hybridflow.models.tiny import write_tiny_model
-from hybridflow.types import SamplingParams, collate_trajectories
+from hybridflow.types import RowFields, SamplingParams, collate_trajectories
 from hybridflow.workers.actor import ActorSetup, ActorWorker
 
 torch.set_num_threads(1)
@@ -32,7 +32,7 @@ def episodes(tokenizer, scripted):
     engine = scripted(lambda text, turn: CALL if turn == 0 and "6*7" in text else "42")
     runner = AgentRunner(AgentContext(tokenizer, tools=ToolRegistry([calculator])), default_agent="tool_agent")
     rows = [
-        AgentRow(render_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True), {}, group_id=i)
+        AgentRow(render_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True), group_id=i)
         for i, q in enumerate(["What is 6*7?", "Say 42."])
     ]
     return runner.generate_sync(rows, SamplingParams(n=2, max_tokens=200, seed=0), engine)

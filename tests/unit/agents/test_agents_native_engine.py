@@ -15,7 +15,7 @@ from hybridflow.agents.tokens import check_token_consistency, render_ids
 from hybridflow.agents.tools import ToolRegistry, calculator
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from hybridflow.rollout import EngineArgs, build_rollout_engine
-from hybridflow.types import UNVERSIONED_TOKEN, SamplingParams
+from hybridflow.types import UNVERSIONED_TOKEN, RowFields, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -63,14 +63,14 @@ def test_tool_agent_on_the_native_engine() -> None:
     )
     prompt = [{"role": "user", "content": "What is 6*7?"}]
     prompt_ids = render_ids(tokenizer, prompt, add_generation_prompt=True)
-    rows = [AgentRow(prompt_ids, {"data_source": "x"}, group_id=g) for g in range(2)]
+    rows = [AgentRow(prompt_ids, RowFields(data_source="x"), group_id=g) for g in range(2)]
     runner = AgentRunner(context, default_agent="tool_agent")
     trajectories = runner.generate_sync(rows, SamplingParams(n=2, max_tokens=256, temperature=1.0, seed=1), engine)
 
     assert [t.group_id for t in trajectories] == [0, 0, 1, 1]
     for trajectory in trajectories:
-        assert trajectory.num_turns == TURNS and trajectory.metadata["agent_stop"] == "max_assistant_turns"
-        assert trajectory.metadata["agent_metrics"]["tool_calls"] == TURNS - 1
+        assert trajectory.num_turns == TURNS and trajectory.agent.stop == "max_assistant_turns"
+        assert trajectory.agent.metrics["tool_calls"] == TURNS - 1
         assert check_token_consistency(tokenizer, prompt, trajectory) == []
         model_positions = [i for i, m in enumerate(trajectory.loss_mask) if m]
         assert sum(trajectory.response_ids[i] == IM_END for i in model_positions) == TURNS

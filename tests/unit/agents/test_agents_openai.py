@@ -23,7 +23,7 @@ from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from hybridflow.rollout import EngineArgs, build_rollout_engine
 from hybridflow.training.engine import TrainEngine
-from hybridflow.types import UNVERSIONED_TOKEN, SamplingParams, collate_trajectories
+from hybridflow.types import UNVERSIONED_TOKEN, RowFields, SamplingParams, collate_trajectories
 
 IM_END, PAD = 258, 256
 TEMPERATURE = 0.8
@@ -87,8 +87,8 @@ def run(function: str, engine, *, n: int = 1, max_tokens: int = 128, timeout_s: 
                            tool_parser=f"{__name__}:AlwaysCalculate", openai_agent=f"{__name__}:{function}",
                            openai_timeout_s=timeout_s)
     prompt_ids = render_ids(tokenizer, PROMPT, add_generation_prompt=True)
-    rows = [AgentRow(prompt_ids, {"data_source": "x", "ground_truth": "42", "prompt_messages": PROMPT,
-                                  "agent_name": "tool_agent"})]
+    rows = [AgentRow(prompt_ids, RowFields(data_source="x", ground_truth="42", prompt_messages=PROMPT,
+                                           agent_name="tool_agent"))]
     runner = AgentRunner(context, default_agent="openai")
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=TEMPERATURE, seed=3)
     return runner.generate_sync(rows, params, engine), tokenizer
@@ -204,8 +204,8 @@ def test_a_completion_records_exactly_what_the_engine_returned(engine, model):
     assert trajectory.response_ids == sample.response_ids and trajectory.loss_mask == [1] * len(sample.response_ids)
     assert trajectory.rollout_logprobs == sample.rollout_logprobs
     assert trajectory.token_versions == sample.token_versions == [0] * len(sample.response_ids)
-    assert trajectory.num_turns == 1 and trajectory.metadata["agent_name"] == "openai"  # the row's tool_agent ignored
-    assert trajectory.metadata["agent_reward"] == 0.5 and trajectory.metadata["agent_reward_extra"]["chars"] >= 0
+    assert trajectory.num_turns == 1 and trajectory.agent.name == "openai"  # the row's tool_agent ignored
+    assert trajectory.agent.reward == 0.5 and trajectory.agent.reward_extra["chars"] >= 0
     choice = ONE_COMPLETION[0]
     assert [t.logprob for t in choice.logprobs.content] == pytest.approx(sample.rollout_logprobs)
     assert choice.message.content == tokenizer.decode(sample.response_ids[:-1])
@@ -216,14 +216,14 @@ def test_a_tool_calling_agent_gives_one_stitched_trajectory_the_trainer_recomput
     trajectories, tokenizer = run("tool_then_answer", engine, n=2)
     assert len(engine.samples) == 4
     for trajectory in trajectories:
-        assert trajectory.num_turns == 2 and trajectory.metadata["agent_metrics"]["tool_calls"] >= 1
+        assert trajectory.num_turns == 2 and trajectory.agent.metrics["tool_calls"] >= 1
         inserted = [i for i, m in zip(trajectory.response_ids, trajectory.loss_mask) if not m]
         assert tokenizer.decode(inserted, skip_special_tokens=False) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
         # The model's tokens are two engine samples, verbatim, around the inserted ones.
         model_runs = "".join(str(m) for m in trajectory.loss_mask).strip("0").split("0")
         assert len([r for r in model_runs if r]) == 2
-        assert trajectory.metadata["agent_reward"] in (0.0, 1.0)
-        assert trajectory.metadata["agent_metrics"]["history_rewrites"] == 0
+        assert trajectory.agent.reward in (0.0, 1.0)
+        assert trajectory.agent.metrics["history_rewrites"] == 0
         assert trajectory.token_versions == [0 if m else UNVERSIONED_TOKEN for m in trajectory.loss_mask]
     own = {tuple(s.response_ids) for s in engine.samples}
     for trajectory in trajectories:
@@ -239,7 +239,7 @@ def test_a_tool_calling_agent_gives_one_stitched_trajectory_the_trainer_recomput
 
 def test_a_history_rewrite_is_counted_and_the_trajectory_stays_consistent(engine, model):
     (trajectory,), tokenizer = run("rewrites_history", engine)
-    assert trajectory.metadata["agent_metrics"]["history_rewrites"] == 1
+    assert trajectory.agent.metrics["history_rewrites"] == 1
     assert compute_agent_metrics([trajectory])["agent/openai/history_rewrites"] == 1
     first, second = engine.samples
     # The first turn's text survives the cut; its end-of-turn token and the edit do not.
@@ -260,7 +260,7 @@ def test_a_failing_agent_function_gets_reward_zero_and_is_counted(engine, functi
     start = time.monotonic()
     (trajectory,), _ = run(function, engine, timeout_s=1.5)
     assert time.monotonic() - start < 20
-    assert trajectory.metadata["agent_reward"] == 0.0
+    assert trajectory.agent.reward == 0.0
     metrics = compute_agent_metrics([trajectory])
     timeout = function.startswith("hangs")
     assert metrics["agent/openai/timeout_rate"] == float(timeout)
@@ -322,4 +322,4 @@ def test_text_completions_are_stitched_token_by_token(engine, model):
     logprobs, rollout, mask = recomputed_logprobs(model, [trajectory])
     assert (logprobs[mask] - rollout[mask]).abs().max() < 1e-4
     # Whether the first answer ended on <|im_end|> (dropped from its text, so a rewrite) or not.
-    assert trajectory.metadata["agent_metrics"]["history_rewrites"] == float(first.response_ids[-1] == IM_END)
+    assert trajectory.agent.metrics["history_rewrites"] == float(first.response_ids[-1] == IM_END)

@@ -18,7 +18,7 @@ from hybridflow.agents.parsers import ToolCall
 from hybridflow.agents.search import RetrievalClient, RetrievalSettings, SearchError, format_results
 from hybridflow.agents.tokens import render_ids
 from hybridflow.agents.tools import load_tools
-from hybridflow.types import SamplingParams
+from hybridflow.types import RowFields, SamplingParams
 
 VERL_SEARCH_CONFIG = Path(__file__).parents[2] / "data" / "verl_tool_configs" / "search_tool_config.yaml"
 
@@ -212,14 +212,14 @@ def test_an_episode_goes_on_after_a_failed_search(tmp_path, retrieval, tokenizer
         return call if turn < 2 else "<answer>Paris</answer>"
 
     prompt = render_ids(tokenizer, [{"role": "user", "content": "Capital of France?"}], add_generation_prompt=True)
-    (episode,) = runner.generate_sync([AgentRow(prompt, {"extra_info": {}})], SamplingParams(max_tokens=2000),
+    (episode,) = runner.generate_sync([AgentRow(prompt, RowFields(extra_info={}))], SamplingParams(max_tokens=2000),
                                       scripted(reply))
-    messages = episode.metadata["agent_messages"]
+    messages = episode.agent.messages
     assert "HTTP 404" in messages[1]["content"]  # the first search failed ...
     assert "Doc 1 (Title: Paris 1)" in messages[3]["content"]  # ... the second found documents
     assert messages[-1]["content"] == "<answer>Paris</answer>"
-    assert episode.metadata["agent_stop"] == "no_tool_call"
-    assert episode.metadata["agent_metrics"]["tool_errors"] == 1.0
+    assert episode.agent.stop == "no_tool_call"
+    assert episode.agent.metrics["tool_errors"] == 1.0
 
 
 def test_format_results_is_verls_text():

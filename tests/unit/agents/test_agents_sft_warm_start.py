@@ -16,7 +16,7 @@ from hybridflow.agents.tools import ToolRegistry, calculator
 from hybridflow.controller.sft import SFTSpec, SFTStage, prepare_builtin_model, sft_trajectories
 from hybridflow.data.tasks.calculator import calculator_sft_pairs, make_calculator_rows
 from hybridflow.models.tiny import TinyModelSpec
-from hybridflow.types import SamplingParams
+from hybridflow.types import RowFields, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -31,8 +31,8 @@ def test_a_conversation_pair_is_tokenised_like_the_agent_episode(tokenizer, scri
         engine = scripted(lambda text, turn, own_turns=own_turns: own_turns[turn])
         runner = AgentRunner(AgentContext(tokenizer, tools=ToolRegistry([calculator])), default_agent="tool_agent")
         prompt_ids = render_ids(tokenizer, messages, add_generation_prompt=True)
-        (episode,) = runner.generate_sync([AgentRow(prompt_ids, {})], SamplingParams(max_tokens=200), engine)
-        assert episode.metadata["agent_metrics"]["tool_calls"] == 1  # the call ran and was answered
+        (episode,) = runner.generate_sync([AgentRow(prompt_ids)], SamplingParams(max_tokens=200), engine)
+        assert episode.agent.metrics["tool_calls"] == 1  # the call ran and was answered
         assert example.prompt_ids == episode.prompt_ids
         assert example.response_ids == episode.response_ids
         assert example.loss_mask == episode.loss_mask

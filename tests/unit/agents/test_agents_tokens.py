@@ -11,7 +11,7 @@ from hybridflow.agents.interactions import InteractionResponse
 from hybridflow.agents.tokens import TurnTemplate, assistant_spans, check_token_consistency, render_ids
 from hybridflow.agents.tools import ToolRegistry, calculator, tool
 from hybridflow.models.tiny import build_tiny_tokenizer
-from hybridflow.types import SamplingParams, Trajectory
+from hybridflow.types import RowFields, SamplingParams, Trajectory
 
 # Qwen2.5-Instruct's template (tools in the system prompt, tool responses merged into one user
 # turn of <tool_response> blocks), the case where naive per-message rendering goes wrong.
@@ -76,7 +76,7 @@ def run_episode(tokenizer, engine, max_tokens: int = 1000, interaction=None) -> 
     prompt = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What are 12*34 and 56+78?"}]
     prompt_ids = render_ids(tokenizer, prompt, tools=context.tool_schemas(), add_generation_prompt=True)
     runner = AgentRunner(context, default_agent="tool_agent")
-    (trajectory,) = runner.generate_sync([AgentRow(prompt_ids, {})], SamplingParams(max_tokens=max_tokens), engine)
+    (trajectory,) = runner.generate_sync([AgentRow(prompt_ids)], SamplingParams(max_tokens=max_tokens), engine)
     return prompt, trajectory, context.tool_schemas()
 
 
@@ -87,7 +87,7 @@ def test_incremental_ids_equal_the_full_rendering(make_tokenizer, scripted) -> N
     engine.tokenizer = tokenizer
     prompt, trajectory, tools = run_episode(tokenizer, engine)
     assert trajectory.num_turns == 3
-    roles = [message["role"] for message in trajectory.metadata["agent_messages"]]
+    roles = [message["role"] for message in trajectory.agent.messages]
     assert roles == ["assistant", "tool", "tool", "assistant", "tool", "tool", "assistant"]
     assert check_token_consistency(tokenizer, prompt, trajectory, tools) == []
     # And the mask is exactly the model's tokens, counted from what the engine returned.
@@ -118,7 +118,7 @@ def test_user_turns_from_an_interaction_are_consistent(tokenizer, scripted) -> N
 
     engine = scripted(lambda text, turn: f"Answer {turn}.")
     prompt, trajectory, tools = run_episode(tokenizer, engine, interaction=AskTwice())
-    assert [m["role"] for m in trajectory.metadata["agent_messages"]] == ["assistant", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in trajectory.agent.messages] == ["assistant", "user", "assistant", "user", "assistant"]
     assert check_token_consistency(tokenizer, prompt, trajectory, tools) == []
 
 

@@ -14,7 +14,7 @@ from hybridflow.agents.interactions import Gsm8kInteraction, load_interaction_co
 from hybridflow.agents.tokens import render_ids
 from hybridflow.config import ConfigError, load_config
 from hybridflow.controller.preflight import agent_setup, check_agent_setup
-from hybridflow.types import SamplingParams
+from hybridflow.types import RowFields, SamplingParams
 from hybridflow.workers.rollout import build_agent_runner
 
 # verl's examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml
@@ -79,10 +79,10 @@ def test_verls_interaction_config_path_reaches_the_agent_loop(tmp_path, tokenize
     runner = build_agent_runner(tokenizer, setup)
     prompt = render_ids(tokenizer, [{"role": "user", "content": "How many?"}], add_generation_prompt=True)
     engine = scripted(lambda text, turn: ["#### 71", "#### 72", "#### 73"][turn])
-    (episode,) = runner.generate_sync([AgentRow(prompt, ROW)], SamplingParams(max_tokens=400), engine)
-    assert episode.metadata["agent_stop"] == "interaction_done" and episode.num_turns == 2
-    assert episode.metadata["interaction_reward"] == 1.0
-    assert [m["content"] for m in episode.metadata["agent_messages"] if m["role"] == "user"] == [
+    (episode,) = runner.generate_sync([AgentRow(prompt, RowFields(**ROW))], SamplingParams(max_tokens=400), engine)
+    assert episode.agent.stop == "interaction_done" and episode.num_turns == 2
+    assert episode.agent.interaction_reward == 1.0
+    assert [m["content"] for m in episode.agent.messages if m["role"] == "user"] == [
         Gsm8kInteraction.RETRY]
     bad = load_config(overrides=["rollout.multi_turn.enable=true",
                                  f"rollout.multi_turn.interaction_config_path={write(tmp_path, 'x: 1')}"])
@@ -105,15 +105,15 @@ def test_verls_max_user_turns_counts_tool_and_interaction_replies(tmp_path, toke
         context = AgentContext(tokenizer, tools=ToolRegistry([calculator]), max_assistant_turns=5,
                                interaction=load_interaction_config(write(tmp_path, GSM8K)), max_reply_turns=limit)
         (episode,) = AgentRunner(context, default_agent="tool_agent").generate_sync(
-            [AgentRow(prompt, ROW)], SamplingParams(max_tokens=600), engine)
+            [AgentRow(prompt, RowFields(**ROW))], SamplingParams(max_tokens=600), engine)
         return episode
 
     capped = run(2)
-    assert capped.num_turns == 3 and capped.metadata["agent_stop"] == "max_user_turns"
-    assert [m["role"] for m in capped.metadata["agent_messages"]] == ["assistant", "tool", "assistant", "user",
+    assert capped.num_turns == 3 and capped.agent.stop == "max_user_turns"
+    assert [m["role"] for m in capped.agent.messages] == ["assistant", "tool", "assistant", "user",
                                                                        "assistant"]  # the third turn's call not run
     free = run(None)
-    assert free.num_turns == 4 and free.metadata["agent_stop"] == "interaction_done"
+    assert free.num_turns == 4 and free.agent.stop == "interaction_done"
     cfg = load_config(overrides=["actor_rollout_ref.rollout.multi_turn.enable=true",
                                  "actor_rollout_ref.rollout.multi_turn.max_user_turns=5"])
     assert agent_setup(cfg.rollout.multi_turn).max_user_turns == 5

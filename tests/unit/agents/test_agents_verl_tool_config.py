@@ -13,7 +13,7 @@ from hybridflow.agents.parsers import ToolCall
 from hybridflow.agents.base import AgentContext, AgentRow, AgentRunner
 from hybridflow.agents.tokens import render_ids
 from hybridflow.agents.tools import load_tools
-from hybridflow.types import SamplingParams
+from hybridflow.types import RowFields, SamplingParams
 from hybridflow.rewards.sandbox import sandbox_unavailable_reason
 
 # verl's examples/sglang_multiturn/config/tool_config/sandbox_fusion_tool_config.yaml, as verl ships it.
@@ -149,10 +149,10 @@ def test_gsm8k_tool_in_an_episode_reads_its_rows_ground_truth(tmp_path, tokenize
                 if turn == 0 else "#### 72")
 
     prompt = render_ids(tokenizer, [{"role": "user", "content": "How many?"}], add_generation_prompt=True)
-    rows = [AgentRow(prompt, VERL_ROW), AgentRow(prompt, {"ground_truth": "8", "extra_info": {}})]
+    rows = [AgentRow(prompt, RowFields(**VERL_ROW)), AgentRow(prompt, RowFields(ground_truth="8", extra_info={}))]
     right, wrong = runner.generate_sync(rows, SamplingParams(max_tokens=400), scripted(reply))
-    assert right.metadata["agent_messages"][1]["content"] == "Current parsed answer='72' reward=1.0"
-    assert wrong.metadata["agent_messages"][1]["content"] == "Current parsed answer='72' reward=0.0"
+    assert right.agent.messages[1]["content"] == "Current parsed answer='72' reward=1.0"
+    assert wrong.agent.messages[1]["content"] == "Current parsed answer='72' reward=0.0"
 
 
 # verl's own tool files (examples/sglang_multiturn/config/tool_config/, copied as they ship).
@@ -196,12 +196,12 @@ def test_geo3k_tool_in_an_episode_grades_against_its_own_row(tokenizer, scripted
                 if turn == 0 else "\\boxed{60}")
 
     prompt = render_ids(tokenizer, [{"role": "user", "content": "Find x."}], add_generation_prompt=True)
-    rows = [AgentRow(prompt, {"extra_info": {"tools_kwargs": {"calc_geo3k_reward": {
-                "create_kwargs": {"ground_truth": "60"}}}}}),
-            AgentRow(prompt, {"ground_truth": "30", "extra_info": {}})]
+    rows = [AgentRow(prompt, RowFields(extra_info={"tools_kwargs": {"calc_geo3k_reward": {
+                "create_kwargs": {"ground_truth": "60"}}}})),
+            AgentRow(prompt, RowFields(ground_truth="30", extra_info={}))]
     right, wrong = runner.generate_sync(rows, SamplingParams(max_tokens=400), scripted(reply))
-    assert right.metadata["agent_messages"][1]["content"] == "Current parsed answer='60' reward=1.0"
-    assert wrong.metadata["agent_messages"][1]["content"] == "Current parsed answer='60' reward=0.0"
+    assert right.agent.messages[1]["content"] == "Current parsed answer='60' reward=1.0"
+    assert wrong.agent.messages[1]["content"] == "Current parsed answer='60' reward=0.0"
 
 
 def test_a_built_in_without_settings_refuses_a_config(tmp_path):

@@ -5,6 +5,7 @@ the round's last trajectory is finished, with the rewards of scoring the round w
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -182,12 +183,12 @@ def test_a_continuous_stream_takes_requests_while_others_run_and_keeps_each_unde
     blocking, two = replicas(model_dir, 2), replicas(model_dir, 2)
     expected = blocking.generate(requests(long=480))
     stream = two.open_stream()
-    stream.add(requests(long=480)[:4], None, keys=[("a", i) for i in range(4)])
+    stream.add(requests(long=480)[:4], keys=[("a", i) for i in range(4)])
     got = dict(stream.poll())
     while not got:
         got = dict(stream.poll())
     assert stream.in_flight > 0  # the first round's long request (index 3) still runs
-    stream.add(requests(long=480)[4:], None, keys=[("b", i) for i in range(4, 8)])
+    stream.add(requests(long=480)[4:], keys=[("b", i) for i in range(4, 8)])
     while stream.in_flight:
         for key, samples in stream.poll():
             assert key not in got
@@ -196,7 +197,7 @@ def test_a_continuous_stream_takes_requests_while_others_run_and_keeps_each_unde
     assert _tokens(got[k] for k in sorted(got)) == _tokens(expected)
     stream.end_round()
     assert two.take_metrics()["rollout/generated_tokens"] == blocking.take_metrics()["rollout/generated_tokens"]
-    stream.add(requests(2), None, keys=["late", "later"])
+    stream.add(requests(2), keys=["late", "later"])
     stream.close()  # unfinished: abandoned and aborted
     assert all(load.in_flight_requests == 0 for load in two.router.loads)
     assert all(group.call_one(0, RolloutWorker.take, 0.0).in_flight == 0 for group in two.groups)
@@ -232,10 +233,9 @@ def test_groups_are_scored_before_the_last_one_finishes_with_the_rewards_of_scor
 
         built = overlap.round_requests
 
-        def uneven(rows, params, seed, scope, vision=None):
-            return [GenerationRequest(r.prompt_ids, SamplingParams(**{**vars(r.params), "max_tokens": q.params.max_tokens}),
-                                      request_id=r.request_id)
-                    for r, q in zip(built(rows, params, seed, scope, vision), requests(), strict=True)]
+        def uneven(rows, params, seed, scope, vision=None, first_group=0):
+            return [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=q.params.max_tokens))
+                    for r, q in zip(built(rows, params, seed, scope, vision, first_group), requests(), strict=True)]
 
         overlap.round_requests = uneven
         try:

@@ -77,5 +77,5 @@ def test_files_load_as_a_dataset_with_the_agent_column(tmp_path):
     train, test = write_calculator_task(tmp_path, train_size=32, val_size=8)
     ds = RLDataset.from_files([str(train)], build_tiny_tokenizer(), max_prompt_length=64)
     assert len(ds) == 32 and {row.agent_name for row in ds} == {"tool_agent"}
-    assert ds[0].metadata()["agent_name"] == "tool_agent"
+    assert ds[0].row_fields().as_dict()["agent_name"] == "tool_agent"
     assert write_calculator_task(tmp_path, train_size=32, val_size=8) == (train, test)

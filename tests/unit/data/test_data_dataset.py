@@ -65,7 +65,7 @@ def test_parquet_rows_are_validated_and_chat_templated(tmp_path, tokenizer):
     assert row.ability == "math"
     assert row.extra_info == {"index": 1}
     assert row.source == f"{path}:1"
-    assert row.metadata()["ground_truth"] == "1"
+    assert row.row_fields().as_dict()["ground_truth"] == "1"
     assert ds.stats.num_rows == 3 and ds.stats.num_kept == 3
     assert ds.stats.bad_rows == {} and ds.stats.num_filtered_overlong == 0
     assert [r.ground_truth for r in ds] == ["0", "1", "2"]
@@ -92,7 +92,7 @@ def test_agent_name_and_tools_kwargs_reach_the_trajectory_metadata(tmp_path, tok
         {**good_row(1), "agent_name": None},
     ]
     ds = RLDataset.from_files([str(write_parquet(tmp_path / "agent.parquet", rows))], tokenizer, max_prompt_length=64)
-    first, second = ds[0].metadata(), ds[1].metadata()
+    first, second = ds[0].row_fields().as_dict(), ds[1].row_fields().as_dict()
     assert ds[0].agent_name == "tool_agent" and first["agent_name"] == "tool_agent"
     assert first["extra_info"]["tools_kwargs"] == tools_kwargs
     assert ds[1].agent_name is None and "agent_name" not in second  # the run's default loop

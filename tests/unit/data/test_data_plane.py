@@ -19,7 +19,9 @@ from hybridflow.data.plane import (
 )
 from hybridflow.types import (
     UNVERSIONED_TOKEN,
+    AgentEpisode,
     RefBatch,
+    RowFields,
     TrainBatch,
     Trajectory,
     collate_records,
@@ -173,13 +175,14 @@ def test_fetched_trajectories_are_the_generated_ones_with_the_controllers_fields
     groups = _groups()
     records = _records(groups)
     for r in records:
-        r.group_id, r.reward, r.metadata = 7, 0.25, {"data_source": "x"}
+        r.group_id, r.reward, r.row, r.agent = 7, 0.25, RowFields(data_source="x"), AgentEpisode(name="single_turn")
     fetched = fetch_trajectories([records[4], groups[0][0]])
     assert fetched[1] is groups[0][0]  # a trajectory stays as it is
     t, source = fetched[0], groups[1][1]
     assert (t.prompt_ids, t.response_ids, t.rollout_logprobs) == (source.prompt_ids, source.response_ids,
                                                                   source.rollout_logprobs)
-    assert (t.group_id, t.reward, t.metadata) == (7, 0.25, {"data_source": "x"})
+    assert (t.group_id, t.reward) == (7, 0.25)
+    assert (t.row, t.agent) == (RowFields(data_source="x"), AgentEpisode(name="single_turn"))
     assert source.group_id == 0 and source.reward is None  # the replica's copy is left alone
 
 

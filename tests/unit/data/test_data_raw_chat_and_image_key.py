@@ -31,10 +31,11 @@ def test_image_key_selects_the_column_images_are_read_from(tmp_path, tokenizer, 
 def test_return_raw_chat_keeps_or_drops_the_prompt_messages_of_each_sample(tmp_path, tokenizer, vision):
     path = write_parquet(tmp_path / "rows.parquet", [vl_row([png()])])
     (kept,) = RLDataset.from_files([str(path)], tokenizer, max_prompt_length=128, vision=vision)
-    assert kept.metadata()["prompt_messages"] == [{"role": "user", "content": "<image>Which colour is the square?"}]
+    assert kept.row_fields().as_dict()["prompt_messages"] == [
+        {"role": "user", "content": "<image>Which colour is the square?"}]
     (dropped,) = RLDataset.from_files([str(path)], tokenizer, max_prompt_length=128, vision=vision,
                                       return_raw_chat=False)
-    assert "prompt_messages" not in dropped.metadata() and dropped.messages is None
+    assert "prompt_messages" not in dropped.row_fields().as_dict() and dropped.messages is None
     assert dropped.prompt_ids == kept.prompt_ids and dropped.images == kept.images  # generation is the same
 
 
@@ -73,7 +74,7 @@ def build(run_files, *overrides: str):
 def test_a_run_reads_the_configured_columns(run_files):
     run = build(run_files, "data.return_raw_chat=false")  # 'pictures' is not the image column: ignored
     try:
-        assert all("prompt_messages" not in row.metadata() for row in run.prompts.train)
+        assert all("prompt_messages" not in row.row_fields().as_dict() for row in run.prompts.train)
     finally:
         run.close()
     with pytest.raises(DataError, match="images in 'pictures' but model.path is a text-only model"):

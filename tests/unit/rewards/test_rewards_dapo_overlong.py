@@ -10,7 +10,7 @@ import pytest
 
 from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
-from hybridflow.types import Trajectory
+from hybridflow.types import RowFields, Trajectory
 
 # verl's DAPO example spells the buffer as reward_kwargs of its reward manager.
 DAPO = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
@@ -28,7 +28,7 @@ def answer(text: str, group_id: int = 0) -> Trajectory:
     ids = build_tiny_tokenizer().encode(text)
     return Trajectory(prompt_ids=[1], response_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[0.0] * len(ids),
                       finish_reason="stop", group_id=group_id,
-                      metadata={"data_source": "hybridflow/arithmetic", "ground_truth": "7"})
+                      row=RowFields(data_source="hybridflow/arithmetic", ground_truth="7"))
 
 
 def score_lengths(cfg, model_dir: str, lengths: list[int]) -> list[float]:
@@ -74,8 +74,8 @@ def test_validation_scores_carry_the_penalty_and_keep_acc(model_dir, monkeypatch
     # Two prompts: a right 1-token answer, and a right answer padded into the buffer (the tiny
     # tokenizer spells characters, so "7" + 9 spaces is 10 tokens: penalty -0.5 -> 0.5).
     answers = {0: "7", 1: "7" + " " * 9}
-    monkeypatch.setattr(phases, "generate", lambda roles, plan, rows, params, seed_scope, vision=None: [
-        answer(answers[row], group_id=index) for index, row in enumerate(rows)])  # one sample per prompt
+    monkeypatch.setattr(phases, "generate", lambda roles, plan, rows, params, seed_scope, vision=None, first_group=0: [
+        answer(answers[row], group_id=first_group + index) for index, row in enumerate(rows)])  # one sample per prompt
     worker = RewardWorker(0, 1, reward_setup(cfg, model_dir))
     reward = SimpleNamespace(call_one=lambda rank, method, *args, **kwargs: method(worker, *args, **kwargs))
     rollout = SimpleNamespace(take_metrics=lambda: {}, sleep=lambda: None)

@@ -231,7 +231,7 @@ def test_verls_url_key_selects_the_service_for_the_reward_role(service, tmp_path
     from hybridflow.config import load_config, validate_config
     from hybridflow.controller.roles import reward_setup, sandbox_fusion_settings
     from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
-    from hybridflow.types import Trajectory
+    from hybridflow.types import RowFields, Trajectory
     from hybridflow.workers.reward import RewardWorker
 
     cfg = load_config(overrides=[f"reward_model.sandbox_fusion.url={service.url()}",
@@ -246,7 +246,7 @@ def test_verls_url_key_selects_the_service_for_the_reward_role(service, tmp_path
     try:
         ids = build_tiny_tokenizer().encode(ECHO_DOUBLE)
         sample = Trajectory(prompt_ids=[1], response_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[0.0] * len(ids),
-                            finish_reason="stop", metadata={"data_source": "codecontests", "ground_truth": STDIO_TESTS})
+                            finish_reason="stop", row=RowFields(data_source="codecontests", ground_truth=STDIO_TESTS))
         scores, _ = worker.score([sample])
     finally:
         worker.close()

@@ -17,7 +17,7 @@ from hybridflow.config.schema import JudgeConfig
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
 from hybridflow.serving.launch import build_server_engine
 from hybridflow.serving.server import create_app
-from hybridflow.types import Trajectory
+from hybridflow.types import RowFields, Trajectory
 from hybridflow.workers.reward_model import JudgeSetup, JudgeWorker
 
 torch.set_num_threads(1)
@@ -50,8 +50,8 @@ def served(model_dir) -> Iterator[str]:
 def answer(text: str) -> Trajectory:
     ids = build_tiny_tokenizer().encode(text)
     return Trajectory(prompt_ids=[1], response_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[0.0] * len(ids),
-                      finish_reason="stop", metadata={"ground_truth": "7", "data_source": "x",
-                                                      "prompt_messages": [{"role": "user", "content": "3 + 4 = ?"}]})
+                      finish_reason="stop", row=RowFields(ground_truth="7", data_source="x",
+                                                   prompt_messages=[{"role": "user", "content": "3 + 4 = ?"}]))
 
 
 def test_judge_against_hybridflow_serve_counts_unparseable_replies(model_dir, served):

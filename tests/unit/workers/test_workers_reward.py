@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
-from hybridflow.types import Trajectory
+from hybridflow.types import AgentEpisode, RowFields, Trajectory
 from hybridflow.workers.reward import RewardSetup, RewardWorker
 
 
@@ -22,7 +22,8 @@ def worker(tmp_path_factory):
 def answer(text: str, ground_truth: str = "7") -> Trajectory:
     ids = build_tiny_tokenizer().encode(text)
     return Trajectory(prompt_ids=[1], response_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[0.0] * len(ids),
-                      finish_reason="stop", metadata={"data_source": "hybridflow/arithmetic", "ground_truth": ground_truth})
+                      finish_reason="stop",
+                      row=RowFields(data_source="hybridflow/arithmetic", ground_truth=ground_truth))
 
 
 def test_scores_the_decoded_answer_and_shapes_only_training_rewards(worker):
@@ -50,7 +51,7 @@ def test_an_agent_given_reward_replaces_the_rule_scorer(worker):
     """The openai loop's trajectories carry the reward their agent function returned: it is the
     score, its extra numbers are logged, and the rule scorer judges only the others."""
     agent_scored, ruled = answer("8"), answer("7")
-    agent_scored.metadata |= {"agent_reward": 0.75, "agent_reward_extra": {"steps": 3.0}}
+    agent_scored.agent = AgentEpisode(reward=0.75, reward_extra={"steps": 3.0})
     scores, metrics = worker.score([agent_scored, ruled])
     assert scores == [0.75, 1.0]
     assert agent_scored.reward_extra == {"acc": 0.75, "steps": 3.0} and ruled.reward_extra["acc"] == 1.0

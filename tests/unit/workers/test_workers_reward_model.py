@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model, write_tiny_reward_model
-from hybridflow.types import Trajectory
+from hybridflow.types import RowFields, Trajectory
 from hybridflow.workers.reward import RewardSetup, RewardWorker
 from hybridflow.workers.reward_model import RewardModelSetup, RewardModelWorker
 
@@ -37,14 +37,14 @@ def answer(text: str, data_source: str = "hybridflow/arithmetic", ground_truth: 
     ids = build_tiny_tokenizer().encode(text)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 4 = ?"}]
     return Trajectory(prompt_ids=[1, 2], response_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[0.0] * len(ids),
-                      finish_reason="stop", metadata={"data_source": data_source, "ground_truth": ground_truth,
-                                                      "prompt_messages": messages})
+                      finish_reason="stop", row=RowFields(data_source=data_source, ground_truth=ground_truth,
+                                                   prompt_messages=messages))
 
 
 def _manual_score(worker: RewardModelWorker, t: Trajectory, max_length: int = 10_000) -> float:
     """One unpadded forward of the classifier (transformers' own pooling) on the re-rendered chat."""
     response = worker.policy_tokenizer.decode(t.response_ids, skip_special_tokens=True)
-    chat = [*t.metadata["prompt_messages"], {"role": "assistant", "content": response}]
+    chat = [*t.row.prompt_messages, {"role": "assistant", "content": response}]
     ids = worker.tokenizer(worker.tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
     with torch.no_grad():
         return float(worker.model(input_ids=torch.tensor([ids["input_ids"][-max_length:]])).logits[0, 0])

@@ -14,7 +14,7 @@ from hybridflow.config import load_config
 from hybridflow.models.loading import load_reward_model_to_train, load_tokenizer
 from hybridflow.models.scoring import last_token_positions, last_token_scores
 from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model, write_tiny_reward_model
-from hybridflow.types import Trajectory
+from hybridflow.types import RowFields, Trajectory
 from hybridflow.workers.pair_batches import pair_rows
 from hybridflow.workers.reward_model import RewardModelSetup, RewardModelWorker
 from hybridflow.workers.reward_trainer import RewardTrainerWorker, reward_model_pair
@@ -59,7 +59,7 @@ def served_scores(dirs, pairs_text) -> list[float]:
         ids = tok.encode(answer)
         answers.append(Trajectory(prompt_ids=[1], response_ids=ids, loss_mask=[1] * len(ids),
                                   rollout_logprobs=[0.0] * len(ids), finish_reason="stop",
-                                  metadata={"prompt_messages": [{"role": "user", "content": question}]}))
+                                  row=RowFields(prompt_messages=[{"role": "user", "content": question}])))
     return role.score(answers)[0]
 
 
