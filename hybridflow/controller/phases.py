@@ -264,7 +264,7 @@ def prepare_batch(
     teacher_logprobs = None
     if roles.teachers is not None:
         with timer.phase("teacher"):
-            teacher_logprobs = roles.teachers.logprobs(batch, [t.metadata["data_source"] for t in trajectories])
+            teacher_logprobs = roles.teachers.logprobs(batch, [row_of(t).data_source for t in trajectories])
     samples = StepSamples(batch, trajectories, groups)
     extra_inputs, input_metrics = estimator_inputs(roles, plan, samples, timer)
     metrics |= input_metrics

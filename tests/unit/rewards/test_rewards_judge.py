@@ -168,7 +168,7 @@ def test_the_runs_judge_is_its_config_section_with_the_key_from_its_variable(ser
     from hybridflow.api import make_config
     from hybridflow.controller.roles import build_reward_model_group
     from hybridflow.models.tiny import build_tiny_tokenizer, write_tiny_model
-    from hybridflow.types import Trajectory
+    from hybridflow.types import RowFields, Trajectory
     from hybridflow.workers.reward_model import JudgeWorker
 
     url, script = server
@@ -181,8 +181,8 @@ def test_the_runs_judge_is_its_config_section_with_the_key_from_its_variable(ser
     assert role is not None
     ids = build_tiny_tokenizer().encode("key")
     answer = Trajectory(prompt_ids=[1], response_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[0.0] * len(ids),
-                        finish_reason="stop", metadata={"ground_truth": "7",
-                                                        "prompt_messages": [{"role": "user", "content": "3 + 4?"}]})
+                        finish_reason="stop", row=RowFields(ground_truth="7",
+                                                            prompt_messages=[{"role": "user", "content": "3 + 4?"}]))
     try:
         scores, metrics = role.group.call_one(0, JudgeWorker.score, [answer])
     finally:
