@@ -101,7 +101,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     sort: file order within each)."""
 
     def rank(item: pytest.Item) -> tuple[int, float]:
-        base = item.nodeid.split("[", 1)[0]
+        # (xdist's loadgroup may have suffixed the id with "@<group>" already)
+        base = item.nodeid.split("[", 1)[0].split("@", 1)[0]
         if base in LONGEST_S:
             return 0, -LONGEST_S[base]
         return (1 if item.get_closest_marker("slow") else 2), 0.0
