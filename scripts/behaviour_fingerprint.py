@@ -7,9 +7,11 @@ before and after").
     python scripts/behaviour_fingerprint.py --check before.json     # on the new one: exit 1 on a difference
 
 Wall-clock figures (``timing_s/``, ``perf/``, the async idle ratios, and in the fully-async run the
-rollout thread's work counters, booked to the step current when the work was done) are left out; every other metric of every step must be
-equal to the bit. The runs share a warm-start cache (``--cache``) so the built-in model's supervised
-warm start is made once.
+rollout thread's work counters, booked to the step current when the work was done) are left out;
+every other metric of every step must be equal to the bit. A key the recorded fingerprint lacks is
+a new metric, not a changed number: it is listed apart ("added keys") and does not fail the check;
+a recorded key the new runs no longer log does. The runs share a warm-start cache (``--cache``) so
+the built-in model's supervised warm start is made once.
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ def run_one(name: str, out: Path, cache: Path) -> dict[str, dict]:
     return steps
 
 
+def _compared(run: str, key: str) -> bool:
+    # (a fingerprint recorded before the volatile keys were left out still holds them)
+    return not key.startswith((*VOLATILE, *WHEN_DONE.get(run, ()))) and key not in WALL_CLOCK_RATIOS
+
+
 def differences(before: dict, after: dict) -> list[str]:
+    """Every recorded number that the new runs changed or no longer log (keys they add are not
+    differences: ``added_keys``)."""
     found = []
     for run in before:
         for step, metrics in before[run].items():
@@ -62,12 +71,23 @@ def differences(before: dict, after: dict) -> list[str]:
             if new is None:
                 found.append(f"{run} step {step}: missing")
                 continue
-            for key in sorted(set(metrics) | set(new)):
-                if key.startswith((*VOLATILE, *WHEN_DONE.get(run, ()))) or key in WALL_CLOCK_RATIOS:
-                    continue  # (a fingerprint recorded before these were left out)
-                if metrics.get(key) != new.get(key):
-                    found.append(f"{run} step {step} {key}: {metrics.get(key)!r} -> {new.get(key)!r}")
+            for key in sorted(k for k in metrics if _compared(run, k)):
+                if key not in new:
+                    found.append(f"{run} step {step} {key}: {metrics[key]!r} -> no longer logged")
+                elif metrics[key] != new[key]:
+                    found.append(f"{run} step {step} {key}: {metrics[key]!r} -> {new[key]!r}")
     return found
+
+
+def added_keys(before: dict, after: dict) -> dict[str, list[str]]:
+    """Per run, the metric keys the new runs log at some recorded step and the fingerprint lacks."""
+    added: dict[str, list[str]] = {}
+    for run in before:
+        keys = {k for step, metrics in before[run].items() for k in after.get(run, {}).get(step, {})
+                if k not in metrics and _compared(run, k)}
+        if keys:
+            added[run] = sorted(keys)
+    return added
 
 
 def main() -> None:
@@ -86,9 +106,12 @@ def main() -> None:
         print(f"wrote {args.write}: " + ", ".join(f"{n} {len(s)} steps" for n, s in found.items()))
         return
     recorded = json.loads(args.check.read_text())
-    diffs = differences({n: recorded[n] for n in names}, found)
+    before = {n: recorded[n] for n in names}
+    diffs = differences(before, found)
     for line in diffs[:40]:
         print(line)
+    for run, keys in added_keys(before, found).items():
+        print(f"{run}: {len(keys)} added keys (new metrics, not differences): {', '.join(keys)}")
     print(f"{len(diffs)} differences in {', '.join(names)}")
     raise SystemExit(1 if diffs else 0)
 

@@ -82,6 +82,7 @@ class GenerationDumps:
             ground_truths=[row_of(x).ground_truth for x in kept], scores=[float(x.reward or 0.0) for x in kept],
             advantages=advantages.tolist(), logprobs=[x.rollout_logprobs for x in kept],
             token_texts=[self._token_texts(x.response_ids[:DUMP_MAX_LOGPROBS]) for x in kept],
+            token_versions=[x.token_versions for x in kept],
             reward_infos=[x.reward_info for x in kept], group_ids=[x.group_id for x in kept],
             max_samples=self.max_samples, max_chars=self.max_chars,
         )

@@ -121,7 +121,7 @@ class FullyAsyncLoop:
             "async/dropped_samples": float(dropped),
             "async/queue_size": float(self._queue.qsize() + len(self._taken)),
             **phases.async_metrics(samples.trajectories, step - 1, [started[id(t)] for t in samples.trajectories],
-                                   timer, counts.idle_s, counts.busy_s),
+                                   self.staleness, timer, counts.idle_s, counts.busy_s),
         }
         return (collected.metrics | batch_metrics | update_metrics
                 | phases.step_metrics(roles, plan, step, collected, samples, timer) | overlap)

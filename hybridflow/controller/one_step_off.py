@@ -33,6 +33,9 @@ from hybridflow.controller.setup import RunSetup
 from hybridflow.controller.trainer import WeightVersions
 from hybridflow.utils.timer import PhaseTimer
 
+# Versions a trained sample may lag the actor: step k's samples come from the weights after step k-2.
+STALENESS_BOUND = 1
+
 
 class OneStepOffLoop:
     def __init__(self, run: RunSetup, versions: WeightVersions) -> None:
@@ -58,7 +61,8 @@ class OneStepOffLoop:
             phases.feed_sampler(self.prompts.sampler, step, collected)
         # Staleness: versions between the weights that made the samples and the actor's before this update.
         overlap = made.timer.metrics() | phases.async_metrics(  # gen, reward: timed on the rollout side
-            samples.trajectories, step - 1, [made.version] * len(samples.trajectories), timer, made.idle, made.seconds)
+            samples.trajectories, step - 1, [made.version] * len(samples.trajectories), STALENESS_BOUND, timer,
+            made.idle, made.seconds)
         return (collected.metrics | batch_metrics | update_metrics
                 | phases.step_metrics(roles, plan, step, collected, samples, timer) | overlap)
 

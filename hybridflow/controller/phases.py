@@ -515,25 +515,32 @@ def weights_snapshot(roles: Roles) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------- metrics
-def staleness_metrics(trajectories: Sequence[Sample], actor_version: int, started_versions: list[int]) -> dict[str, float]:
+def staleness_metrics(trajectories: Sequence[Sample], actor_version: int, started_versions: list[int],
+                      bound: int) -> dict[str, float]:
     """How many versions the weights that made each sample lag the actor's (``async/staleness/*``):
     by its oldest token where the engine records token versions (``Trajectory.token_versions``;
     a partial rollout mixes versions), else by its ``started_versions`` entry, the rollout's when
-    the sample began generating."""
+    the sample began generating. ``hist_<k>`` is the fraction of the samples k versions behind, for
+    every k up to the loop's ``bound`` (so a step logs the same keys whatever it trained on) and
+    any lag past it."""
     lags = [actor_version - oldest_version(t, started) for t, started in zip(trajectories, started_versions, strict=True)]
     # Samples whose tokens came from more than one version: a weight update reached them mid-way.
     mixed = sum(1 for t in trajectories if len(t.versions) > 1)
-    return {"async/staleness/mean": sum(lags) / max(1, len(lags)), "async/staleness/max": float(max(lags, default=0)),
-            "async/partial_rollout_fraction": mixed / max(1, len(trajectories))}
+    n = max(1, len(lags))
+    histogram = {f"async/staleness/hist_{k}": sum(1 for lag in lags if lag == k) / n
+                 for k in range(max([bound, *lags]) + 1)}
+    return {"async/staleness/mean": sum(lags) / n, "async/staleness/max": float(max(lags, default=0)),
+            **histogram, "async/partial_rollout_fraction": mixed / n}
 
 
-def async_metrics(trajectories: Sequence[Sample], actor_version: int, started_versions: list[int], timer: PhaseTimer,
-                  rollout_idle_s: float, rollout_busy_s: float) -> dict[str, float]:
-    """What a loop that generates beside training reports: the samples' staleness, and how long
-    each side waited for the other (the trainer in ``timer``'s ``wait_rollout`` phase of its step;
-    the rollout idle ``rollout_idle_s`` and busy ``rollout_busy_s`` since the last step)."""
+def async_metrics(trajectories: Sequence[Sample], actor_version: int, started_versions: list[int], bound: int,
+                  timer: PhaseTimer, rollout_idle_s: float, rollout_busy_s: float) -> dict[str, float]:
+    """What a loop that generates beside training reports: the samples' staleness (``bound``: the
+    most versions behind the loop lets a sample be), and how long each side waited for the other
+    (the trainer in ``timer``'s ``wait_rollout`` phase of its step; the rollout idle
+    ``rollout_idle_s`` and busy ``rollout_busy_s`` since the last step)."""
     return {
-        **staleness_metrics(trajectories, actor_version, started_versions),
+        **staleness_metrics(trajectories, actor_version, started_versions, bound),
         "async/trainer_idle_ratio": timer.seconds("wait_rollout") / timer.seconds("step"),
         "async/rollout_idle_ratio": rollout_idle_s / max(rollout_idle_s + rollout_busy_s, 1e-9),
         "timing_s/rollout_busy": rollout_busy_s,

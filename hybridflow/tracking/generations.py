@@ -5,7 +5,10 @@
 ``pred``); ``trainer.rollout_data_dir`` gets each training step's samples (``prompt``,
 ``response``, ``gts``, ``score``, ``advantage``, ``step``, the extras, the rollout's
 per-token ``logprobs`` and each response token's text, ``tokens``, so that a reader (the live run
-page, ``hybridflow dashboard``) can colour the response token by token). The file is
+page, ``hybridflow dashboard``) can colour the response token by token, and ``version_runs``, the
+policy version that generated those tokens as ``[version, tokens]`` runs: ``[[3, 12]]`` for a
+sample version 3 generated, ``[[2, 5], [3, 7]]`` for one a weight update reached mid-way, -1 for
+tokens no policy made; null where the engine does not record versions). The file is
 ``<dir>/<step>.jsonl``, as in verl.
 
 Every dump is bounded, so a long run cannot fill the disk through it: at most
@@ -14,7 +17,8 @@ each text (and each other value's JSON: a ground truth can hold a whole test sui
 ``max_chars`` characters, and the logprobs to the first ``DUMP_MAX_LOGPROBS`` tokens, rounded to
 ``DUMP_LOGPROB_DECIMALS``; the token texts to as many of those tokens as fit in ``max_chars``
 characters together. A row is therefore at most about 4 × max_chars characters plus 4 KB of
-logprobs and a few numbers, a file max_samples times that. A cut text says so
+logprobs, their versions' runs (a few numbers: one run per weight update the sample saw) and a
+few numbers more, a file max_samples times that. A cut text says so
 (``TRUNCATION_MARK``), and ``response_tokens`` keeps the untruncated length.
 """
 
@@ -88,10 +92,25 @@ def validation_rows(
     return rows
 
 
+def version_runs(token_versions: Sequence[int] | None) -> list[list[int]] | None:
+    """The first ``DUMP_MAX_LOGPROBS`` token versions as ``[version, tokens]`` runs (the logprobs'
+    tokens: a sample spans few versions, so this is a pair or two, not a number per token)."""
+    if token_versions is None:
+        return None
+    runs: list[list[int]] = []
+    for version in token_versions[:DUMP_MAX_LOGPROBS]:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([version, 1])
+    return runs
+
+
 def rollout_rows(
     *, step: int, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[Any],
     scores: Sequence[float], advantages: Sequence[float], logprobs: Sequence[Sequence[float]],
-    token_texts: Sequence[Sequence[str]], reward_infos: Sequence[Mapping[str, Any]], group_ids: Sequence[int], max_samples: int, max_chars: int,
+    token_texts: Sequence[Sequence[str]], token_versions: Sequence[Sequence[int] | None],
+    reward_infos: Sequence[Mapping[str, Any]], group_ids: Sequence[int], max_samples: int, max_chars: int,
 ) -> list[dict[str, Any]]:
     """Training rollout rows: what was generated, how it scored and what the update saw."""
     rows = []
@@ -100,7 +119,8 @@ def rollout_rows(
                "gts": clip_value(ground_truths[i], max_chars), "score": scores[i], "advantage": advantages[i],
                "step": step,
                "group_id": group_ids[i], "response_tokens": len(logprobs[i]),
-               "logprobs": clip_logprobs(logprobs[i]), "tokens": clip_tokens(token_texts[i], max_chars)}
+               "logprobs": clip_logprobs(logprobs[i]), "tokens": clip_tokens(token_texts[i], max_chars),
+               "version_runs": version_runs(token_versions[i])}
         rows.append(row | _extras(reward_infos[i], row, max_chars))
     return rows
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+
+from hybridflow.types import UNVERSIONED_TOKEN
 
 
 def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
@@ -33,3 +36,43 @@ def tool_agent_cache(tmp_path_factory) -> Path:
     """One ``warm_start.cache_dir`` for the tests that train the tool_agent preset with its own warm
     start (several minutes on 2 cores): the first pays for it, the others reuse the cached model."""
     return shared_dir(tmp_path_factory, "tool-agent-cache")
+
+
+def trained_lags(dump_dir: Path) -> dict[int, list[int]]:
+    """Per step of a run's rollout dumps (``trainer.rollout_data_dir``), how many versions behind
+    the actor's weights before that step's update (version step - 1) each trained sample's oldest
+    token is, read from the versions the engine stamped on its tokens (``version_runs``)."""
+    lags: dict[int, list[int]] = {}
+    for path in dump_dir.glob("*.jsonl"):
+        step = int(path.stem)
+        for line in path.read_text().splitlines():
+            runs = json.loads(line)["version_runs"]
+            assert runs is not None, f"step {step}: a sample without token versions"
+            versions = [version for version, _ in runs if version != UNVERSIONED_TOKEN]
+            assert versions, f"step {step}: a sample no policy version generated"
+            lags.setdefault(step, []).append(step - 1 - min(versions))
+    return lags
+
+
+def assert_trained_within_bound(dump_dir: Path, metrics: dict[int, dict] | None, bound: int) -> None:
+    """No trained sample of any dumped step (every sample: the dumps must hold whole steps) lags
+    more than ``bound`` versions, and the step's logged histogram (``async/staleness/hist_<k>``,
+    fractions of samples) is the one its samples' token versions give (``metrics`` None: a loop
+    that logs none, the sync one)."""
+    lags = trained_lags(dump_dir)
+    assert lags, f"no rollout dumps in {dump_dir}"
+    for step, step_lags in sorted(lags.items()):
+        assert max(step_lags) <= bound, f"step {step}: a trained sample {max(step_lags)} versions behind (bound {bound})"
+        if metrics is None:
+            continue
+        logged = {k: v for k, v in metrics[step].items() if k.startswith("async/staleness/hist_")}
+        expected = {f"async/staleness/hist_{k}": sum(1 for lag in step_lags if lag == k) / len(step_lags)
+                    for k in range(bound + 1)}
+        assert logged == expected, f"step {step}"
+
+
+@pytest.fixture
+def check_staleness():
+    """``assert_trained_within_bound``, for the tests of the asynchronous loops (a fixture: the test
+    modules do not import one another)."""
+    return assert_trained_within_bound

@@ -70,13 +70,18 @@ def prompts_per_step(out: Path) -> dict[int, list[str]]:
     }
 
 
-def test_one_step_off_trains_one_version_behind_and_step_one_is_the_sync_step(user_files, tmp_path):
+def test_one_step_off_trains_one_version_behind_and_step_one_is_the_sync_step(user_files, tmp_path, check_staleness):
     sync = train(tmp_path / "sync", user_files, "algorithm.rollout_correction.rollout_is=token")
     off = train(tmp_path / "off", user_files, "trainer.mode=one_step_off")
     assert sync.returncode == 0, sync.stderr[-3000:]
     assert off.returncode == 0, off.stderr[-3000:]
     s, o = per_step(tmp_path / "sync"), per_step(tmp_path / "off")
     assert [o[k]["async/staleness/max"] for k in range(1, 6)] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    # Every trained sample's tokens carry the version that made them: one behind from step 2 on,
+    # the actor's own in the sync loop.
+    check_staleness(tmp_path / "off" / "rollouts", o, bound=1)
+    assert [o[k]["async/staleness/hist_1"] for k in range(1, 6)] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    check_staleness(tmp_path / "sync" / "rollouts", None, bound=0)
     # Step 1 is on-policy in both loops: the same samples, loss and update. (The one-step-off run
     # turned the behaviour correction on by itself; the sync run asked for it.)
     step1 = {k: v for k, v in o[1].items() if not k.startswith("async/")}
@@ -139,12 +144,15 @@ def test_fully_async_with_staleness_zero_is_the_synchronous_algorithm(user_files
     assert prompts_per_step(tmp_path / "zero_refs") == prompts_per_step(tmp_path / "zero")
 
 
-def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt(user_files, tmp_path):
+def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt(user_files, tmp_path,
+                                                                                       check_staleness):
     mode = ("trainer.mode=fully_async", "async_training.staleness_threshold=2", "trainer.save_freq=1")
     reference = train(tmp_path / "ref", user_files, *mode)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = per_step(tmp_path / "ref")
     assert max(expected[k]["async/staleness/max"] for k in expected) <= 2.0
+    # Partial rollout: samples span versions; none trained has a token older than the bound allows.
+    check_staleness(tmp_path / "ref" / "rollouts", expected, bound=2)
     out = tmp_path / "killed"
     # Killed after step 2 with up to two later steps generated and queued.
     killed = train(out, user_files, *mode, fault="after_step@2")
@@ -154,9 +162,10 @@ def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_
     assert "resumed from" in final.stderr
     assert prompts_per_step(out) == prompts_per_step(tmp_path / "ref")
     assert sorted(per_step(out)) == [1, 2, 3, 4, 5]
+    check_staleness(out / "rollouts", per_step(out), bound=2)  # across the kill and resume too
 
 
-def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(user_files, tmp_path):
+def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(user_files, tmp_path, check_staleness):
     """``consume_order=completion``: a step takes the first groups to finish, whatever round drew
     them; across a SIGKILL and resume no prompt group is trained twice, and the groups the
     checkpoint lists as trained are exactly those trained before the kill. On the by-reference
@@ -177,10 +186,12 @@ def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(u
     assert sum(counts.values()) == 5 * 8 * 4 and set(counts.values()) == {4}
     metrics = per_step(out)
     assert max(metrics[k]["async/staleness/max"] for k in metrics) <= 1.0
+    check_staleness(out / "rollouts", metrics, bound=1)  # versions of the records' tokens, fetched for the dumps
     assert all(metrics[k]["async/dropped_samples"] % 4 == 0 for k in metrics)  # whole groups
 
 
-def test_fully_async_without_partial_rollout_changes_weights_only_between_generations(user_files, tmp_path):
+def test_fully_async_without_partial_rollout_changes_weights_only_between_generations(user_files, tmp_path,
+                                                                                       check_staleness):
     """``async_training.partial_rollout=false`` (what vLLM and SGLang need): the trainer stages its
     weights, the rollout drains its stream before taking them, and validation waits for the drain:
     no sample mixes two versions, and staleness stays within the bound."""
@@ -191,4 +202,5 @@ def test_fully_async_without_partial_rollout_changes_weights_only_between_genera
     assert sorted(metrics) == [0, 1, 2, 3, 4, 5]
     assert all(metrics[k]["async/partial_rollout_fraction"] == 0.0 for k in range(1, 6))
     assert max(metrics[k]["async/staleness/max"] for k in range(1, 6)) <= 1.0
+    check_staleness(tmp_path / "run" / "rollouts", metrics, bound=1)
     assert all("val/score/mean" in metrics[k] for k in (0, 2, 4, 5))

@@ -106,7 +106,7 @@ def test_a_replica_killed_mid_generation_is_restarted_and_the_steps_equal_the_fa
 
 
 def test_across_a_replica_restart_no_trained_sample_exceeds_the_staleness_bound_in_the_async_modes(
-        tmp_path: Path) -> None:
+        tmp_path: Path, check_staleness) -> None:
     """The asynchronous loops generate beside training: a replica killed mid-generation hands its
     requests to the other one, comes back at the next weight sync, and every step still trains on
     samples within the loop's staleness bound (one-step-off: 1 version; fully async: the threshold)."""
@@ -124,3 +124,5 @@ def test_across_a_replica_restart_no_trained_sample_exceeds_the_staleness_bound_
         assert records[-1]["rollout/replica_restarts"] == 1.0, mode
         bound = modes[mode][1]
         assert all(r["async/staleness/max"] <= bound for r in records), (mode, [r["async/staleness/max"] for r in records])
+        # Sample by sample, from the versions the replicas (the restarted one too) stamped on the tokens.
+        check_staleness(tmp_path / mode / "samples", {r["step"]: r for r in records}, int(bound))

@@ -231,7 +231,8 @@ class TrainerConfig:
     )
     rollout_data_dir: str | None = f(
         None, "Write each training step's samples to <dir>/<step>.jsonl (prompt, response, gts, score, advantage, "
-        "step, group_id, the reward's extras, response_tokens, the first 512 rollout logprobs and their token texts). "
+        "step, group_id, the reward's extras, response_tokens, the first 512 rollout logprobs, their token texts and "
+        "version_runs: the policy version that generated them, as [version, tokens] runs). "
         "A relative path is inside the run's output folder. null: off.",
     )
     log_val_generations: int = f(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from hybridflow.tracking.generations import (
-    DUMP_MAX_LOGPROBS, clip_text, clip_tokens, clip_value, rollout_rows, validation_rows, write_jsonl,
+    DUMP_MAX_LOGPROBS, clip_text, clip_tokens, clip_value, rollout_rows, validation_rows, version_runs, write_jsonl,
 )
 from hybridflow.tracking.validation import reward_variables
 
@@ -29,7 +29,7 @@ def test_rollout_rows_are_bounded_in_rows_text_and_logprobs(tmp_path):
     rows = rollout_rows(
         step=1, prompts=[long_text] * n, responses=["ok"] * n, ground_truths=[{"tests": ["t"] * 40}] * n,
         scores=[1.0] * n, advantages=[0.5] * n, logprobs=[[-0.123456] * (DUMP_MAX_LOGPROBS + 7)] * n,
-        token_texts=[["ab"] * (DUMP_MAX_LOGPROBS + 7)] * n,
+        token_texts=[["ab"] * (DUMP_MAX_LOGPROBS + 7)] * n, token_versions=[[2] * (DUMP_MAX_LOGPROBS + 7)] * n,
         reward_infos=[{"pred": "y" * 30}] * n, group_ids=[0, 0, 1, 1, 2], max_samples=3, max_chars=20,
     )
     assert len(rows) == 3
@@ -41,6 +41,7 @@ def test_rollout_rows_are_bounded_in_rows_text_and_logprobs(tmp_path):
     assert row["gts"].startswith('{"tests": ["t", ') and row["gts"].endswith("chars]")  # a long object as clipped JSON
     assert row["pred"] == "y" * 20 + "…[+10 chars]"
     assert row["tokens"] == ["ab"] * 10  # whole tokens, 20 characters in all
+    assert row["version_runs"] == [[2, DUMP_MAX_LOGPROBS]]  # the logprobs' tokens, one version
     line = json.dumps(row, ensure_ascii=False)
     # the documented bound: 4 x max_chars + logprobs (+ the JSON quotes and commas of the tokens)
     assert len(line) < 4 * 20 + 100 + 10 * DUMP_MAX_LOGPROBS + 3 * len(row["tokens"])
@@ -50,6 +51,13 @@ def test_token_texts_are_dropped_whole_and_stay_aligned_with_the_logprobs():
     assert clip_tokens(["a", "bcd", "ef"], 4) == ["a", "bcd"]  # "ef" would make 6 characters
     assert clip_tokens(["abcdef"], 4) == []  # never a cut token that would misalign its colour
     assert clip_tokens(["x"] * (DUMP_MAX_LOGPROBS + 3), 10_000) == ["x"] * DUMP_MAX_LOGPROBS
+
+
+def test_version_runs_say_which_policy_version_made_which_tokens():
+    assert version_runs([3, 3, 4, 4, 4]) == [[3, 2], [4, 3]]  # a weight update reached it after 2 tokens
+    assert version_runs([5, -1, -1, 5]) == [[5, 1], [-1, 2], [5, 1]]  # a tool's tokens in between
+    assert version_runs([]) == [] and version_runs(None) is None  # None: the engine records none
+    assert version_runs([1] * 3 + [2] * DUMP_MAX_LOGPROBS) == [[1, 3], [2, DUMP_MAX_LOGPROBS - 3]]
 
 
 def test_clip_keeps_short_values_as_they_are():
