@@ -15,6 +15,7 @@ import pytest
 
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
@@ -51,17 +52,6 @@ def train(out: Path, files: list[str], *extra: str, fault: str | None = None) ->
     )
 
 
-def per_step(out: Path) -> dict[int, dict]:
-    records: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        records[record["step"]] = {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
-    return records
-
-
 def prompts_per_step(out: Path) -> dict[int, list[str]]:
     """Each step's trained prompts (one per sample) from trainer.rollout_data_dir, sorted."""
     return {
@@ -75,7 +65,7 @@ def test_one_step_off_trains_one_version_behind_and_step_one_is_the_sync_step(us
     off = train(tmp_path / "off", user_files, "trainer.mode=one_step_off")
     assert sync.returncode == 0, sync.stderr[-3000:]
     assert off.returncode == 0, off.stderr[-3000:]
-    s, o = per_step(tmp_path / "sync"), per_step(tmp_path / "off")
+    s, o = per_step(tmp_path / "sync", VOLATILE), per_step(tmp_path / "off", VOLATILE)
     assert [o[k]["async/staleness/max"] for k in range(1, 6)] == [0.0, 1.0, 1.0, 1.0, 1.0]
     # Every trained sample's tokens carry the version that made them: one behind from step 2 on,
     # the actor's own in the sync loop.
@@ -104,7 +94,7 @@ def test_one_step_off_kill_and_resume_loses_no_prompt_and_trains_none_twice(user
     assert final.returncode == 0, final.stderr[-3000:]
     assert "resumed from" in final.stderr
     assert prompts_per_step(out) == prompts_per_step(tmp_path / "ref")
-    got, expected = per_step(out), per_step(tmp_path / "ref")
+    got, expected = per_step(out, VOLATILE), per_step(tmp_path / "ref", VOLATILE)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4, 5]
     # Steps before the kill are the reference's; the first after it made its samples with the
     # newest weights (the reference made them one version behind).
@@ -134,8 +124,8 @@ def test_fully_async_with_staleness_zero_is_the_synchronous_algorithm(user_files
                       "async_training.staleness_threshold=0", *refs)
     for run in (sync, zero, sync_refs, zero_refs):
         assert run.returncode == 0, run.stderr[-3000:]
-    s, z = per_step(tmp_path / "sync"), per_step(tmp_path / "zero")
-    s_refs, z_refs = per_step(tmp_path / "sync_refs"), per_step(tmp_path / "zero_refs")
+    s, z = per_step(tmp_path / "sync", VOLATILE), per_step(tmp_path / "zero", VOLATILE)
+    s_refs, z_refs = per_step(tmp_path / "sync_refs", VOLATILE), per_step(tmp_path / "zero_refs", VOLATILE)
     for step in (1, 2, 3):
         assert z[step]["async/staleness/max"] == 0.0
         assert {k: v for k, v in z[step].items() if not k.startswith("async/")} == s[step], f"step {step}"
@@ -149,7 +139,7 @@ def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_
     mode = ("trainer.mode=fully_async", "async_training.staleness_threshold=2", "trainer.save_freq=1")
     reference = train(tmp_path / "ref", user_files, *mode)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = per_step(tmp_path / "ref")
+    expected = per_step(tmp_path / "ref", VOLATILE)
     assert max(expected[k]["async/staleness/max"] for k in expected) <= 2.0
     # Partial rollout: samples span versions; none trained has a token older than the bound allows.
     check_staleness(tmp_path / "ref" / "rollouts", expected, bound=2)
@@ -161,8 +151,8 @@ def test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_
     assert final.returncode == 0, final.stderr[-3000:]
     assert "resumed from" in final.stderr
     assert prompts_per_step(out) == prompts_per_step(tmp_path / "ref")
-    assert sorted(per_step(out)) == [1, 2, 3, 4, 5]
-    check_staleness(out / "rollouts", per_step(out), bound=2)  # across the kill and resume too
+    assert sorted(per_step(out, VOLATILE)) == [1, 2, 3, 4, 5]
+    check_staleness(out / "rollouts", per_step(out, VOLATILE), bound=2)  # across the kill and resume too
 
 
 def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(user_files, tmp_path, check_staleness):
@@ -184,7 +174,7 @@ def test_fully_async_in_completion_order_trains_every_group_once_across_a_kill(u
     # Every prompt of the task is distinct: a group is its prompt's rollout.n = 4 samples.
     counts = Counter(p for step in trained.values() for p in step)
     assert sum(counts.values()) == 5 * 8 * 4 and set(counts.values()) == {4}
-    metrics = per_step(out)
+    metrics = per_step(out, VOLATILE)
     assert max(metrics[k]["async/staleness/max"] for k in metrics) <= 1.0
     check_staleness(out / "rollouts", metrics, bound=1)  # versions of the records' tokens, fetched for the dumps
     assert all(metrics[k]["async/dropped_samples"] % 4 == 0 for k in metrics)  # whole groups
@@ -198,7 +188,7 @@ def test_fully_async_without_partial_rollout_changes_weights_only_between_genera
     run = train(tmp_path / "run", user_files, "trainer.mode=fully_async", "async_training.staleness_threshold=1",
                 "async_training.partial_rollout=false", "trainer.test_freq=2", "trainer.val_before_train=true")
     assert run.returncode == 0, run.stderr[-3000:]
-    metrics = per_step(tmp_path / "run")
+    metrics = per_step(tmp_path / "run", VOLATILE)
     assert sorted(metrics) == [0, 1, 2, 3, 4, 5]
     assert all(metrics[k]["async/partial_rollout_fraction"] == 0.0 for k in range(1, 6))
     assert max(metrics[k]["async/staleness/max"] for k in range(1, 6)) <= 1.0

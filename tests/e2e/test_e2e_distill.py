@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,6 @@ RUN = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", 
        "distillation.enable=true", "distillation.reward_weight=0.5", "trainer.val_before_train=false",
        "trainer.test_freq=0", "trainer.save_freq=1", "trainer.save_final=false", "trainer.num_threads=1",
        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "actor.optim.lr=1e-2"]
-VOLATILE = ("timing_s/", "perf/")
 
 
 def train(out: Path, files: list[str], steps: int) -> subprocess.CompletedProcess:
@@ -30,11 +30,6 @@ def train(out: Path, files: list[str], steps: int) -> subprocess.CompletedProces
         [sys.executable, "-m", "hybridflow.cli", "train", *files, *RUN, f"trainer.total_training_steps={steps}",
          f"trainer.output_dir={out}"], capture_output=True, text=True, timeout=300,
     )
-
-
-def per_step(out: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records}
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
@@ -26,28 +26,17 @@ RUN = [
 VOLATILE = ("train/pairs_per_s",)
 
 
+
 def cli(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault or "", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
                           timeout=900, env=env)
 
 
-def per_step(out: Path) -> dict[int, dict]:
-    """The last record of each step (a step re-run after a kill is logged again)."""
-    records: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        records[record["step"]] = {k: v for k, v in record.items() if k not in VOLATILE}
-    return records
-
-
 def test_dpo_learns_the_builtin_pairs_and_resumes_bitwise(tmp_path):
     reference = cli("dpo", *RUN, f"trainer.output_dir={tmp_path / 'ref'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = per_step(tmp_path / "ref")
+    expected = per_step(tmp_path / "ref", VOLATILE)
     assert sorted(expected) == list(range(7))
     assert expected[0]["val/rewards/accuracies"] == 0.0  # policy = reference: no margin yet
     assert expected[6]["val/rewards/accuracies"] > 0.6, expected[6]
@@ -65,7 +54,7 @@ def test_dpo_learns_the_builtin_pairs_and_resumes_bitwise(tmp_path):
     resumed = cli("dpo", *RUN, f"trainer.output_dir={out}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "global_step_2" in resumed.stderr
-    got = per_step(out)
+    got = per_step(out, VOLATILE)
     assert got == expected  # bitwise: every metric of every step
     assert (out / "export" / "model.safetensors").is_file()
 
@@ -77,7 +66,7 @@ def test_two_ranks_train_like_one(tmp_path):
     two = cli("dpo", *RUN, *steps, "trainer.n_workers=2", f"trainer.output_dir={tmp_path / 'two'}")
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = per_step(tmp_path / "one"), per_step(tmp_path / "two")
+    a, b = per_step(tmp_path / "one", VOLATILE), per_step(tmp_path / "two", VOLATILE)
     for step in (1, 2):
         for key in ("train/loss", "rewards/margins", "logps/chosen", "rewards/accuracies"):
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)

@@ -16,30 +16,19 @@ import pytest
 import yaml
 
 from hybridflow import api
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
 SHORT = ["--preset", "online_dpo", "data.train_batch_size=8", "rollout.n=4", "data.max_response_length=8",
          "trainer.total_training_steps=4", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.num_threads=1",
          "trainer.progress_bar=false", "trainer.logger=[jsonl]", "data.builtin_val_size=16"]
-VOLATILE = ("timing_s/", "perf/")  # wall-clock figures differ between runs
 
 
 def train(out: Path, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault or ""}
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", *SHORT, f"warm_start.cache_dir={cache}",
                            f"trainer.output_dir={out}"], capture_output=True, text=True, timeout=300, env=env)
-
-
-def per_step(out: Path) -> dict[int, dict]:
-    records: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        records[record["step"]] = {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
-    return records
 
 
 def test_online_dpo_learns_from_pairs_and_a_killed_run_resumes_bitwise(builtin_cache, tmp_path):

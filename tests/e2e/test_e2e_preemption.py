@@ -5,7 +5,6 @@ checkpoint loadable."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 from hybridflow.controller.checkpoint import verify_checkpoint
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,6 @@ RUN = [
     "trainer.total_training_steps=4", "trainer.test_freq=2", "trainer.save_freq=100", "trainer.num_threads=1",
     "trainer.progress_bar=false", "trainer.logger=[jsonl]", "actor.optim.lr=1e-3", "actor.shuffle=true",
 ]
-VOLATILE = ("timing_s/", "perf/")
 # A reward function that sends its trainer SIGTERM once (the first call), then scores normally.
 SIGNALLING_REWARD = """
 import os, signal
@@ -59,17 +58,6 @@ def start(out: Path, files: list[str], fault: str = "", *extra: str) -> subproce
 def finish(run: subprocess.Popen) -> tuple[int, list[str]]:
     _, stderr = run.communicate(timeout=600)
     return run.returncode, stderr.strip().splitlines()
-
-
-def per_step(out: Path) -> dict[int, dict]:
-    records: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        records[record["step"]] = {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
-    return records
 
 
 @pytest.fixture(scope="module")

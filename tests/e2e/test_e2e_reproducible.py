@@ -19,15 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from run_records import per_step, records
 
 pytestmark = pytest.mark.slow
 
 # The default command, shortened: two steps, a checkpoint after each (to resume from).
 SHORT = ["trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]"]
-VOLATILE = ("timing_s/", "perf/")
 # The environment as a user's shell has it: without the test runner's per-worker thread cap
 # (tests/conftest.py), so the runs take the default thread count.
-DEFAULT_ENV = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # wall-clock figures differ between any two runs
+DEFAULT_ENV = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
 
 
 @pytest.fixture
@@ -60,23 +60,6 @@ def finish(started: tuple[subprocess.Popen, Path]) -> tuple[int, str]:
     return run.returncode, log.read_text()
 
 
-def all_records(out: Path) -> list[dict]:
-    """Every complete metrics record of the run folder, wall-clock figures included."""
-    records = []
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-    return records
-
-
-def per_step(out: Path) -> dict[int, dict]:
-    """The last record of each step, without the wall-clock figures."""
-    return {record["step"]: {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
-            for record in all_records(out)}
-
-
 def test_the_default_command_beside_a_busy_process_is_the_same_run_twice_and_after_a_kill(
     tmp_path, builtin_cache, busy_core
 ):
@@ -97,12 +80,12 @@ def test_the_default_command_beside_a_busy_process_is_the_same_run_twice_and_aft
     assert sorted(got) == sorted(expected) == [0, 1, 2]
     for step in expected:
         assert got[step] == expected[step], f"step {step} differs between two runs of the default command"
-    records = [json.loads((tmp_path / run / "rollout_dtype.json").read_text()) for run in ("first", "second")]
-    assert records[0] == records[1] and records[0]["rollout.dtype"] == "auto"
+    dtypes = [json.loads((tmp_path / run / "rollout_dtype.json").read_text()) for run in ("first", "second")]
+    assert dtypes[0] == dtypes[1] and dtypes[0]["rollout.dtype"] == "auto"
     # Both runs took the rule's count (every core but one), and the resume kept the recorded count.
     threads = [json.loads((tmp_path / run / "token_budgets.json").read_text())["budgets"]["trainer.num_threads"]
                for run in ("first", "second")]
     assert threads == [max(1, len(os.sched_getaffinity(0)) - 1)] * 2
-    counts = {record["perf/cpu_threads"] for run in ("first", "second") for record in all_records(tmp_path / run)
+    counts = {record["perf/cpu_threads"] for run in ("first", "second") for record in records(tmp_path / run)
               if "perf/cpu_threads" in record}  # each training step's record (validation's have none)
     assert counts == {threads[0]}

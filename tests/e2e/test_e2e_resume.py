@@ -4,7 +4,6 @@ bitwise. Plus damaged checkpoints: truncated files and planted pickles."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import signal
@@ -17,6 +16,7 @@ import pytest
 
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,6 @@ RUN = [
     "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2", "trainer.num_threads=1", "trainer.progress_bar=false",
     "trainer.logger=[jsonl]", "actor.optim.lr=1e-3", "actor.ppo_epochs=2", "actor.shuffle=true",
 ]
-# Wall-clock and throughput numbers legitimately differ between runs.
-VOLATILE = ("timing_s/", "perf/")
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +43,6 @@ def train(out: Path, files: list[str], fault: str | None = None, extra: tuple[st
         [sys.executable, "-m", "hybridflow.cli", "train", *files, *RUN, f"trainer.output_dir={out}", *extra],
         capture_output=True, text=True, timeout=600, env=env,
     )
-
-
-def per_step(out: Path) -> dict[int, dict]:
-    """The last record logged for each step (a step re-run after a kill is logged again)."""
-    records: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        records[record["step"]] = {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
-    return records
 
 
 def test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run(user_files, tmp_path):

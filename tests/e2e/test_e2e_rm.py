@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,7 @@ RUN = [
     "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=256",
 ]
 VOLATILE = ("train/pairs_per_s",)
+
 RM_METRICS = ("train/loss", "rm/accuracy", "rm/margin", "rm/chosen", "rm/rejected", "train/lr", "train/grad_norm")
 
 
@@ -36,18 +38,6 @@ def cli(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault or "", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
                           timeout=900, env=env)
-
-
-def per_step(out: Path) -> dict[int, dict]:
-    """The last record of each step (a step re-run after a kill is logged again)."""
-    records: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        records[record["step"]] = {k: v for k, v in record.items() if k not in VOLATILE}
-    return records
 
 
 def own_score(export: Path, question: str, answer: str) -> float:
@@ -66,7 +56,7 @@ def test_rm_learns_the_builtin_pairs_and_its_export_scores_a_grpo_run(tmp_path):
     run = tmp_path / "rm"
     trained = cli("rm", *RUN, f"trainer.output_dir={run}")
     assert trained.returncode == 0, trained.stderr[-3000:]
-    steps = per_step(run)
+    steps = per_step(run, VOLATILE)
     assert sorted(steps) == list(range(7))
     assert steps[0]["val/rm/accuracy"] == 0.0 and steps[0]["val/loss"] == pytest.approx(math.log(2))  # zero head
     assert steps[6]["val/loss"] < math.log(2) and steps[6]["val/rm/margin"] > 0, steps[6]
@@ -84,7 +74,7 @@ def test_rm_learns_the_builtin_pairs_and_its_export_scores_a_grpo_run(tmp_path):
                  "trainer.save_final=false", "trainer.num_threads=1", "trainer.logger=[jsonl]",
                  f"trainer.output_dir={grpo}", f"trainer.rollout_data_dir={grpo / 'rollouts'}")
     assert result.returncode == 0, result.stderr[-3000:]
-    records = per_step(grpo)
+    records = per_step(grpo, VOLATILE)
     for step in (1, 2):
         record = records[step]
         for name in ("reward_model/score/mean", "reward_model/score/max", "reward_model/score/min",
@@ -103,14 +93,14 @@ def test_rm_learns_the_builtin_pairs_and_its_export_scores_a_grpo_run(tmp_path):
 def test_a_killed_rm_run_resumes_bitwise(tmp_path):
     reference = cli("rm", *RUN, "rm.export=false", f"trainer.output_dir={tmp_path / 'ref'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = per_step(tmp_path / "ref")
+    expected = per_step(tmp_path / "ref", VOLATILE)
     out = tmp_path / "killed"
     killed = cli("rm", *RUN, "rm.export=false", f"trainer.output_dir={out}", fault="after_step@3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = cli("rm", *RUN, "rm.export=false", f"trainer.output_dir={out}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "global_step_2" in resumed.stderr
-    assert per_step(out) == expected  # bitwise: every metric of every step
+    assert per_step(out, VOLATILE) == expected  # bitwise: every metric of every step
 
 
 def test_two_ranks_train_like_one(tmp_path):
@@ -120,7 +110,7 @@ def test_two_ranks_train_like_one(tmp_path):
     two = cli("rm", *RUN, *steps, "trainer.n_workers=2", f"trainer.output_dir={tmp_path / 'two'}")
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = per_step(tmp_path / "one"), per_step(tmp_path / "two")
+    a, b = per_step(tmp_path / "one", VOLATILE), per_step(tmp_path / "two", VOLATILE)
     for step in (1, 2):
         for key in ("train/loss", "rm/margin", "rm/chosen", "rm/accuracy"):
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-5), (step, key)

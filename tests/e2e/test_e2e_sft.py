@@ -5,18 +5,17 @@ like one."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows
+from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +27,7 @@ RUN = [
     "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=256",
 ]
 VOLATILE = ("train/tokens_per_s",)
+
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +48,10 @@ def cli(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
                           timeout=600, env=env)
 
 
-def per_step(out: Path) -> dict[int, dict]:
-    """The last record of each step (a step re-run after a kill is logged again)."""
-    records: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        records[record["step"]] = {k: v for k, v in record.items() if k not in VOLATILE}
-    return records
-
-
 def test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains(data, tmp_path):
     reference = cli("sft", *data, *RUN, f"trainer.output_dir={tmp_path / 'ref'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = per_step(tmp_path / "ref")
+    expected = per_step(tmp_path / "ref", VOLATILE)
     assert sorted(expected) == list(range(0, 9))
     before, after = expected[0]["val/loss"], expected[8]["val/loss"]
     assert after < 0.7 * before, (before, after)
@@ -75,7 +63,7 @@ def test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains(data, tmp_pat
     resumed = cli("sft", *data, *RUN, f"trainer.output_dir={out}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "global_step_3" in resumed.stderr
-    got = per_step(out)
+    got = per_step(out, VOLATILE)
     assert sorted(got) == sorted(expected)
     for step in expected:
         for key, value in expected[step].items():
@@ -88,7 +76,7 @@ def test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains(data, tmp_pat
                   "data.builtin_val_size=8", "trainer.save_final=false", "trainer.num_threads=1",
                   "trainer.logger=[jsonl]", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'rl'}")
     assert trained.returncode == 0, trained.stderr[-3000:]
-    rl = per_step(tmp_path / "rl")
+    rl = per_step(tmp_path / "rl", VOLATILE)
     assert 1 in rl and "actor/grad_norm" in rl[1]
 
 
@@ -98,7 +86,7 @@ def test_two_ranks_train_like_one(data, tmp_path):
     two = cli("sft", *data, *RUN, *steps, "trainer.n_workers=2", f"trainer.output_dir={tmp_path / 'two'}")
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = per_step(tmp_path / "one"), per_step(tmp_path / "two")
+    a, b = per_step(tmp_path / "one", VOLATILE), per_step(tmp_path / "two", VOLATILE)
     for step in (1, 2):
         assert b[step]["train/tokens"] == a[step]["train/tokens"]
         assert b[step]["train/loss"] == pytest.approx(a[step]["train/loss"], abs=1e-5)
