@@ -54,6 +54,17 @@ def _step_one(out: Path) -> dict:
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
+def _local_and_two_ray_ranks(tmp_path: Path, common: list[str]) -> tuple[dict, dict]:
+    """Step one's metrics of the run ``common`` describes, in-process and on two Ray ranks."""
+    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, extra in runs.items():
+        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
+    return _step_one(tmp_path / "local"), _step_one(tmp_path / "ray")
+
+
 def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / "model")
     train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
@@ -175,13 +186,7 @@ def test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_
         "trainer.logger=[jsonl]", "trainer.seed=3", "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true",
         "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
     ]
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name, extra in runs.items():
-        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
-    local, ray_run = (_step_one(tmp_path / name) for name in runs)
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
     assert local["critic/score/mean"] == ray_run["critic/score/mean"]
     assert "timing_s/old_log_prob" in local and "timing_s/old_log_prob" in ray_run
     assert local["critic/advantages/min"] < 0 < local["critic/advantages/max"]
@@ -206,13 +211,7 @@ def test_distillation_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_pa
         "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
         "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
     ]
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name, extra in runs.items():
-        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
-    local, ray_run = (_step_one(tmp_path / name) for name in runs)
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
     assert local["critic/score/mean"] == ray_run["critic/score/mean"]
     assert local["distill/reverse_kl"] > 0 and "timing_s/teacher" in ray_run
     for key in ("distill/reverse_kl", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
