@@ -10,9 +10,8 @@ only the second core (1.2x). An issue report saw 13x on another machine.
 The thread count also changes float rounding (how a reduction is split), so it is part of what
 makes a run reproducible. By default a run's count is a rule of the machine (``rule_threads``:
 every core this process may use but one, or the cores split over the ranks that share them),
-decided once and recorded
-by the controller; a ``ThreadGovernor`` then only *advises*: the first time other processes keep
-a core busy it says once which setting would be faster. With ``trainer.num_threads=follow`` the
+decided once and recorded by the controller; a ``ThreadGovernor`` then only *advises*: the first
+time other processes keep a core busy it says once which setting would be faster. With ``trainer.num_threads=follow`` the
 governor *follows* instead: at each phase of a step (``PhaseTimer``) and each warm-start step, at
 most once per ``MIN_INTERVAL_S``, it reads how much CPU time the other processes took on this
 process's cores since the last look (``/proc/stat`` minus this process's own time) and sets
@@ -159,7 +158,7 @@ class ThreadGovernor:
             if wanted < self.threads:
                 self.advised = True
                 log.warning("other processes keep %.1f of this process's cores busy, and torch's %d threads wait for "
-                            "them at every op (3.3x slower on 2 cores beside one busy process, bench/contention.py): "
+                            "them at every op (3.4x slower on 2 cores beside one busy process, docs/figures.md): "
                             "trainer.num_threads=%d is faster and still reproducible; trainer.num_threads=follow "
                             "follows the free cores as they change (not bitwise reproducible)",
                             others, self.threads, wanted)
