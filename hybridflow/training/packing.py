@@ -25,6 +25,7 @@ Shapes: B batch, P prompt, R response, N packed tokens, M response tokens in the
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,6 +248,10 @@ def varlen_sdpa_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             sliding_window=sliding_window, **kwargs,
         )
+    dtype = value.dtype  # the projections' output dtype (RoPE makes query and key float32 under autocast)
+    upcast = _upcast_for_backward(query, value)
+    if upcast:
+        query, key, value = query.float(), key.float(), value.float()
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # (N, H, D)
     starts, lengths = segments[:-1], [e - s for s, e in zip(segments[:-1], segments[1:])]
     for group in _length_groups(lengths):
@@ -259,10 +264,24 @@ def varlen_sdpa_attention(
         # the result (and the gradient) of every real token is that of its own sequence.
         index = (start + torch.minimum(t[None, :], length - 1)).reshape(-1)  # (G*L,)
         q, k, v = (x[0][:, index].unflatten(1, (len(group), longest)).transpose(0, 1) for x in (query, key, value))
-        o = _segment_attention(q, k, v, scaling, dropout, sliding_window)  # (G, H, L, D)
+        with torch.autocast(query.device.type, enabled=False) if upcast else nullcontext():
+            o = _segment_attention(q, k, v, scaling, dropout, sliding_window)  # (G, H, L, D)
         real = (t[None, :] < length).reshape(-1)
         out = out.index_copy(0, index[real], o.transpose(1, 2).reshape(-1, *o.shape[1:2], o.shape[3])[real])
-    return out.unsqueeze(0), None  # (1, N, H, D)
+    return out.unsqueeze(0).to(dtype), None  # (1, N, H, D)
+
+
+def _upcast_for_backward(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether a packed row's attention runs in float32 although it would run in bf16/fp16 (its
+    inputs, or autocast's cast of them): on a CPU, when a backward will follow. torch's CPU
+    flash-attention backward in bf16 measured 2-10x slower than in float32 (torch 2.13, a Xeon with
+    AMX: 153 ms against 14 ms for 128 sequences of 38 tokens at head dim 32, 45 against 8 ms for 16
+    of 64 at 64), which made a bf16-mixed update slower than an fp32 one (bench/update_bound.py).
+    The attention's FLOPs are a small share of a layer's, the projections keep their bf16 matmuls,
+    and a no-grad forward (logprobs) stays in bf16, where the kernel is fast. Float32 runs are
+    untouched (bitwise)."""
+    lower = value.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
+    return query.device.type == "cpu" and lower and query.requires_grad and torch.is_grad_enabled()
 
 
 # A sequence joins a group when it is at least this share of the group's longest: one SDPA call

@@ -294,3 +294,42 @@ def test_varlen_attention_without_cu_seqlens_matches_sdpa_packing(model_dirs):
         torch.testing.assert_close(varlen(input_ids=ids, position_ids=pos, use_cache=False).logits, reference)
         one_row = varlen(input_ids=ids[:1], position_ids=pos[:1], use_cache=False).logits
     assert (one_row - reference[:1]).abs().max() < TOLERANCE
+
+
+def test_varlen_attention_under_bf16_autocast_differentiates_in_float32(monkeypatch):
+    """On a CPU, a bf16-mixed forward that will be differentiated runs the packed attention in
+    float32 (torch's bf16 flash-attention backward is several times slower there), and its result
+    is the float32 attention's, rounded to bf16 once; a no-grad forward keeps bf16."""
+    from hybridflow.training import packing
+
+    seen: list[tuple[torch.dtype, bool]] = []
+    segment = packing._segment_attention
+
+    def spy(q, k, v, *args):
+        seen.append((q.dtype, torch.is_autocast_enabled("cpu")))
+        return segment(q, k, v, *args)
+
+    monkeypatch.setattr(packing, "_segment_attention", spy)
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 4, 9])
+
+    def attend(q, k, v):
+        out, _ = packing.varlen_sdpa_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu)
+        return out
+
+    exact_q = query.clone().requires_grad_(True)
+    exact = attend(exact_q, key, value)
+    exact.float().sum().backward()
+    assert seen.pop() == (torch.float32, False)
+    mixed_q = query.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = attend(mixed_q, key, value.bfloat16())  # as a bf16 v_proj hands it over
+        assert seen.pop() == (torch.float32, False)
+        assert mixed.dtype == torch.bfloat16
+        mixed.float().sum().backward()
+        torch.testing.assert_close(mixed.float(), exact.bfloat16().float(), rtol=0, atol=0.02)
+        torch.testing.assert_close(mixed_q.grad, exact_q.grad, rtol=0, atol=0.02)
+        with torch.no_grad():
+            attend(query, key, value.bfloat16())
+        assert seen.pop() == (torch.float32, True)  # no backward: autocast's bf16 kernel
