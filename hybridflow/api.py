@@ -37,9 +37,8 @@ def make_config(preset: str | None = "grpo", config_file: str | None = None, ove
 
 def train(cfg: Config) -> RunResult:
     """Build the run, fit, then write the plot and print the summary."""
+    from hybridflow.controller.restarts import fit_with_restarts
     from hybridflow.controller.run_folder import discard_run_folder_on_failure
-    from hybridflow.controller.setup import build_run
-    from hybridflow.controller.loops import make_trainer
     from hybridflow.models.loading import hf_progress_bars_off
     from hybridflow.tracking import plot_run, summarize_run
     from hybridflow.tracking.timeline import TIMELINE_FILENAME
@@ -47,12 +46,10 @@ def train(cfg: Config) -> RunResult:
     # Checkpoints save through transformers (in this process with the in-process backend).
     # A run that fails before writing results (a bad model, a reward function that fails to
     # load) takes its new folder with it: runs/ holds runs, not one config.yaml per attempt.
+    # A worker's death rebuilds the run and resumes it, up to trainer.max_restarts times.
     with hf_progress_bars_off(), discard_run_folder_on_failure(cfg):
-        run = build_run(cfg)
-        try:
-            metrics = make_trainer(run).fit()
-        finally:
-            run.close()
+        finished = fit_with_restarts(cfg)
+    run, metrics = finished.run, finished.metrics
     metrics_path = run.output_dir / "metrics.jsonl"
     plot_path = summary = None
     if metrics_path.is_file():

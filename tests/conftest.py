@@ -38,6 +38,10 @@ LONGEST_S = {
     "tests/e2e/test_e2e_replica_restart.py::test_a_replica_killed_mid_generation_is_restarted_and_the_steps_equal_the_fault_free_runs": 90,
     "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 138,
     "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 70,
+    # A lost node on the three-node cluster (not yet timed in CI: 401 s and 202 s here under a load average of 20):
+    # an unkilled run, then one killed, rebuilt and resumed; a killed run that stops.
+    "tests/e2e/test_e2e_ray_multinode.py::test_with_max_restarts_a_lost_node_is_rebuilt_elsewhere_and_the_run_ends_as_an_unkilled_one": 200,
+    "tests/e2e/test_e2e_ray_multinode.py::test_a_lost_node_stops_the_run_within_a_minute_naming_the_node_and_the_rank": 100,
     # A three-node Ray cluster started with `ray start`, then two runs.
     "tests/e2e/test_e2e_ray_multinode.py::test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_local_rank": 67,
     "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 65,

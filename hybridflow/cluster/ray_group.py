@@ -235,6 +235,7 @@ class RayWorkerGroup(Generic[W]):
                              f"{placement.pool.num_bundles} bundles")
         self.role = role
         self._failed: str | None = None
+        self._nodes: list[RankNode] = []  # where each rank runs, once they all started
         host_cls = ray.remote(RankHost)
         self._ranks: list[ActorHandle] = [
             host_cls.options(
@@ -305,6 +306,10 @@ class RayWorkerGroup(Generic[W]):
 
     def nodes(self) -> list[RankNode]:
         return list(self._nodes)
+
+    def where(self, rank: int) -> str:
+        """Rank ``rank``'s node in words ("" before the ranks started): a dead rank's error names it."""
+        return f" on {self._nodes[rank].describe()}" if rank < len(self._nodes) else ""
 
     def rendezvous(self, rank: int) -> tuple[str, int]:
         self._check_rank(rank)
@@ -457,7 +462,8 @@ def _fail(failures: list[_Failure], stuck: set[RayWorkerGroup[Any]]) -> WorkerEr
 
     failures = sorted(failures, key=lambda f: (not isinstance(f.error, ray.exceptions.RayActorError), f.order, f.rank))
     first = failures[0]
-    message = describe_ray_error(first.call.group.role, first.rank, first.call.name, first.error)
+    message = describe_ray_error(first.call.group.role, first.rank, first.call.name, first.error,
+                                 first.call.group.where(first.rank))
     others = [f"{f.call.group.role} rank {f.rank}: {type(f.error).__name__}" for f in failures[1:]]
     if others:
         message += f"\n(also failed: {', '.join(others)})"
@@ -475,8 +481,10 @@ def _fail(failures: list[_Failure], stuck: set[RayWorkerGroup[Any]]) -> WorkerEr
     return error
 
 
-def describe_ray_error(role: str, rank: int, method: str, exc: Exception) -> str:
-    """The controller's message for a rank's failure: who, where, and the worker's own error."""
+def describe_ray_error(role: str, rank: int, method: str, exc: Exception, where: str = "") -> str:
+    """The controller's message for a rank's failure: who, where, and the worker's own error.
+    ``where``: " on node ..." (``RayWorkerGroup.where``), named when the rank's process died: a
+    lost node takes every rank on it, and the node is then the thing to look at."""
     import ray
 
     if isinstance(exc, ray.exceptions.RayTaskError):
@@ -485,5 +493,5 @@ def describe_ray_error(role: str, rank: int, method: str, exc: Exception) -> str
         return f"{role} rank {rank} failed in {method}: {cause!r}\n" + "\n".join(remote[-20:])
     if isinstance(exc, ray.exceptions.RayActorError):
         detail = " ".join(str(exc).split())
-        return f"{role} rank {rank} died in {method} (its process exited): {detail}"
+        return f"{role} rank {rank}{where} died in {method} (its process exited): {detail}"
     return f"{role} rank {rank} failed in {method}: {exc!r}"

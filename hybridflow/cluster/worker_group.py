@@ -55,6 +55,10 @@ class RankNode:
     address: str
     pid: int
 
+    def describe(self) -> str:
+        """The node in words, for errors: its address and, on Ray, its id (nodes may share an address)."""
+        return f"node {self.address}" if self.node_id == "controller" else f"node {self.address} (id {self.node_id})"
+
 
 class PendingCall(Protocol[R]):
     """A submitted call; ``wait`` gives its results in rank order or raises ``WorkerError``;

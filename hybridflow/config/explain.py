@@ -139,6 +139,8 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
 
     lines.append(_rollout_line(cfg))
     lines.append(_replica_line(cfg))
+    if trainer.backend == "ray":
+        lines.append(_fault_line(cfg))
     per_epoch = steps_per_epoch(data.train_files, data.builtin_train_size, data.train_batch_size)
     if not data.train_files:
         lines.append(f"data: the built-in {data.builtin_task} task (data.builtin_task; data.train_files is empty)")
@@ -316,6 +318,19 @@ def _replica_line(cfg: Config) -> str:
         line += ("; each replica serves its engine over HTTP on 127.0.0.1 and its requests and agent loops go "
                  "through POST /generate (rollout.mode=server)")
     return line
+
+
+def _fault_line(cfg: Config) -> str:
+    """What a Ray run does when a worker process dies (in-process workers die with the controller)."""
+    replica, limit = cfg.rollout.max_replica_restarts, cfg.trainer.max_restarts
+    replicas = (f"a rollout replica whose process dies is restarted at the next weight sync, its requests served by "
+                f"the others (up to rollout.max_replica_restarts={replica} times each)" if replica else
+                "a rollout replica's death stops the run (rollout.max_replica_restarts=0)")
+    ranks = ("stops the run naming the rank and its node; the same command resumes from the newest checkpoint "
+             "(trainer.max_restarts=0)" if limit == 0 else
+             f"rebuilds every worker group on the nodes with room and resumes from the newest checkpoint, up to "
+             f"trainer.max_restarts={limit} times, then stops naming the rank and its node")
+    return f"faults: {replicas}; a dead actor, critic or reference rank (or a lost node) {ranks}"
 
 
 def _replica_layout(cfg: Config) -> str:

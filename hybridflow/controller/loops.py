@@ -15,6 +15,6 @@ LOOPS: dict[str, LoopFactory] = {
 }
 
 
-def make_trainer(run: RunSetup) -> Trainer:
-    """The run around the loop ``trainer.mode`` names."""
-    return Trainer(run, LOOPS[run.cfg.trainer.mode])
+def make_trainer(run: RunSetup, restarts: int = 0) -> Trainer:
+    """The run around the loop ``trainer.mode`` names (``restarts``: this command's rebuilds so far)."""
+    return Trainer(run, LOOPS[run.cfg.trainer.mode], restarts)

@@ -220,8 +220,7 @@ class RolloutReplicas:
 
     def node_of(self, replica: int) -> str:
         """Where ``replica``'s ranks ran, for errors: node address (and Ray node id)."""
-        nodes = dict.fromkeys(f"node {n.address} (id {n.node_id})" if n.node_id != "controller" else f"node {n.address}"
-                              for n in self.groups[replica].nodes())
+        nodes = dict.fromkeys(n.describe() for n in self.groups[replica].nodes())
         return ", ".join(nodes)
 
     @property

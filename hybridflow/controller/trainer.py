@@ -124,8 +124,11 @@ def pushed(versions: WeightVersions) -> Iterator[None]:
 class Trainer:
     """The run around a loop's steps."""
 
-    def __init__(self, run: RunSetup, loop: LoopFactory) -> None:
+    def __init__(self, run: RunSetup, loop: LoopFactory, restarts: int = 0) -> None:
         self.run = run
+        # This command's rebuilds so far (trainer.max_restarts; ``controller.restarts``): trainer/restarts.
+        self.restarts = restarts
+        self.saved: list[Path] = []  # the checkpoints this trainer saved
         self.cfg = run.cfg
         t = self.cfg.trainer
         # trainer.checkpoint_dir: a local folder is the checkpoints' home; a URL is their home and
@@ -191,6 +194,8 @@ class Trainer:
                 with profiled_step(run, self.step):
                     metrics = self.loop.train_step(self.step)
                 metrics |= self.health(metrics, self.step)
+                if trainer_cfg.max_restarts > 0:
+                    metrics["trainer/restarts"] = float(self.restarts)
                 last = self.step == total_steps
                 if last or (trainer_cfg.test_freq > 0 and self.step % trainer_cfg.test_freq == 0):
                     metrics.update(self.validate())
@@ -243,6 +248,7 @@ class Trainer:
         )
         if self.remote is not None:
             self.remote.upload(saved)
+        self.saved.append(saved)
         return saved
 
     def newest_checkpoint(self) -> str:

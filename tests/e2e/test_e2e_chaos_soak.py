@@ -69,18 +69,20 @@ def test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs
     assert soak.injected == {"rank_kill": 1, "replica_kill": 1}, report
     log = (tmp_path / "chaos.log").read_text()
     # The rank's death was named: the role, the rank, and that its process exited.
-    assert re.search(r"actor rank \d died in \S+ \(its process exited\)", log), report
+    assert re.search(r"actor rank \d on node \S+ \(id \w+\) died in \S+ \(its process exited\)", log), report
     if soak.outcomes.get("replica_kill: trainer exit 1"):  # it struck a weight sync
         assert soak.outcomes == {"rank_kill: trainer exit 1": 1, "replica_kill: trainer exit 1": 1}, report
         assert soak.exit_codes == {1: 2} and soak.restarts == 2, report
-        assert re.search(r"rollout replica \d rank 0 died in RolloutWorker.receive_weights \(its process exited\)",
+        assert re.search(r"rollout replica \d rank 0 on node \S+ \(id \w+\) died in RolloutWorker.receive_weights "
+                         r"\(its process exited\)",
                          log), report
     else:
         assert soak.outcomes == {"rank_kill: trainer exit 1": 1, "replica_kill: restarted, the run went on": 1}, report
         assert soak.exit_codes == {1: 1} and soak.restarts == 1, report
         # The replica's: named with its node, then restarted.
         assert re.search(r"rollout replica \d on node \S+ \(id \w+\) died \(restart 1 of "
-                         r"rollout.max_replica_restarts=3 .*rollout replica \d rank 0 died in \S+ \(its process "
+                         r"rollout.max_replica_restarts=3 .*rollout replica \d rank 0 on node \S+ \(id \w+\) died in "
+                         r"\S+ \(its process "
                          r"exited\)", log), report
         assert re.search(r"rollout replica \d restarted on node", log), report
     assert soak.steps_lost == 0 and soak.problems == [], report

@@ -352,7 +352,8 @@ def test_a_rank_that_raises_is_a_worker_error(pool) -> None:
 def test_a_rank_that_dies_mid_collective_is_a_prompt_worker_error(pool) -> None:
     group = _group(pool)
     start = time.perf_counter()
-    with pytest.raises(WorkerError, match=r"flaky rank 1 died in Flaky.die_in_collective \(its process exited\)"):
+    with pytest.raises(WorkerError, match=r"flaky rank 1 on node \S+ \(id \w+\) died in Flaky.die_in_collective "
+                                          r"\(its process exited\)"):
         group.call_all(Flaky.die_in_collective)
     assert time.perf_counter() - start < PROMPT_S
 
@@ -400,7 +401,8 @@ def test_a_replica_that_dies_mid_generation_fails_the_call_naming_it(pool, tmp_p
     requests = [GenerationRequest([5, 6, 7, 8], SamplingParams(n=2, max_tokens=64, seed=i)) for i in range(6)]
     start = time.perf_counter()
     try:
-        with pytest.raises(WorkerError, match=r"rollout replica 1 rank 0 died in RolloutWorker.serve \(its process "
+        with pytest.raises(WorkerError, match=r"rollout replica 1 rank 0 on node \S+ \(id \w+\) died in "
+                                              r"RolloutWorker.serve \(its process "
                                               r"exited\)"):
             replicas.generate(requests)
         assert time.perf_counter() - start < PROMPT_S
@@ -461,7 +463,8 @@ def test_a_streamed_round_on_ray_replicas_lets_a_weight_update_through_and_names
         assert [[t.response_ids for t in got[i]] for i in range(6)] == [[t.response_ids for t in g] for g in expected]
         open(flag, "w").close()
         start = time.perf_counter()
-        with pytest.raises(WorkerError, match=r"rollout replica 1 rank 0 died in RolloutWorker.take \(its process "
+        with pytest.raises(WorkerError, match=r"rollout replica 1 rank 0 on node \S+ \(id \w+\) died in "
+                                              r"RolloutWorker.take \(its process "
                                               r"exited\)"):
             list(replicas.stream(requests))
         assert time.perf_counter() - start < PROMPT_S

@@ -8,22 +8,31 @@ worker node one CPU: the actor's two ranks (one bundle of one CPU each) cannot s
 What it checks: the run trains 3 steps; its placement.json names a different node for each actor
 rank (and the rollout replicas colocated with them); step 1 equals one in-process rank's on the
 same global batch, as on one node (tests/e2e/test_e2e_ray.py).
+
+And a lost node (issue 36, item 3): the raylet of the node holding actor rank 1 and rollout replica 1
+is SIGKILLed mid-run. With trainer.max_restarts=0 the run stops within a minute naming the node and
+the rank; with trainer.max_restarts=1 it rebuilds its worker groups on the nodes left (each fault test
+adds a spare node first) and resumes from its checkpoint by itself, to the metrics of a run never killed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from run_records import per_step
 
 pytest.importorskip("ray")
 
@@ -32,7 +41,9 @@ from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
 from hybridflow.training.distributed import free_port  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# One worker runs this module's tests in turn (pytest-xdist): they share one cluster, and each run takes two of
+# its CPUs.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
 
 NODE_START_TIMEOUT_S = 120.0
 DIGIT_SHARE_REWARD = (
@@ -57,53 +68,75 @@ def _cluster_env(home: Path) -> dict[str, str]:
             "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
-    """(the head's address, the environment to reach it): a head and two worker nodes, each a
-    ``ray start --block`` process (ending it stops that node's raylet and workers, and nothing of
-    any other Ray cluster on the machine, which ``ray stop`` would)."""
-    root = tmp_path_factory.mktemp("ray_cluster")
-    env = _cluster_env(root / "home")
-    (root / "home").mkdir()
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    logs = [root / f"{name}.log" for name in ("head", "node_a", "node_b")]
-    # The session folder holds Unix sockets, whose paths may not exceed 107 bytes: a short one in /tmp.
-    session = Path(tempfile.mkdtemp(prefix="hfray", dir="/tmp"))
-    nodes = [subprocess.Popen([_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
-                               "--include-dashboard=false", f"--temp-dir={session}", *common],
-                              env=env, stdout=logs[0].open("w"), stderr=subprocess.STDOUT)]
-    try:
-        _wait_for_nodes(address, env, 1, nodes, logs)
-        # One after the other: two nodes starting at once on one machine race for the same ports.
-        for count, name in enumerate(("node_a", "node_b"), start=2):
-            nodes.append(subprocess.Popen(
-                [_ray_cli(), "start", f"--address={address}", "--num-cpus=1", "--num-gpus=0",
-                 f"--resources={json.dumps({name: 1})}", *common],
-                env=env, stdout=logs[count - 1].open("w"), stderr=subprocess.STDOUT))
-            _wait_for_nodes(address, env, count, nodes, logs)
-        yield address, env
-    finally:
-        for node in reversed(nodes):
+@dataclass
+class Cluster:
+    """A Ray cluster of ``ray start --block`` processes on 127.0.0.1: a head (no CPU) and worker
+    nodes of one CPU each, each with a custom resource of its name. Ending a node's process stops
+    its raylet and workers, and nothing of any other Ray cluster on the machine (``ray stop`` would)."""
+
+    address: str
+    env: dict[str, str]
+    root: Path
+    nodes: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    alive: int = 0  # nodes started and not killed
+
+    def start(self, name: str, args: list[str]) -> None:
+        """Start node ``name`` and wait until the cluster counts it alive. One node at a time: two
+        nodes starting at once on one machine race for the same ports."""
+        self.logs.append(self.root / f"{name}.log")
+        self.nodes.append(subprocess.Popen([_ray_cli(), "start", *args, "--block", "--node-ip-address=127.0.0.1",
+                                            "--disable-usage-stats"],
+                                           env=self.env, stdout=self.logs[-1].open("w"), stderr=subprocess.STDOUT))
+        self.alive += 1
+        _wait_for_nodes(self.address, self.env, self.alive, self.nodes[-1], self.logs[-1])
+
+    def kill_node_of(self, node_id: str) -> None:
+        """Lose node ``node_id``: its raylet SIGKILLed, as when a machine goes away."""
+        kill_raylet(node_id)
+        self.alive -= 1
+
+    def add_worker(self, name: str) -> None:
+        self.start(name, [f"--address={self.address}", "--num-cpus=1", "--num-gpus=0",
+                          f"--resources={json.dumps({name: 1})}"])
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
             node.terminate()
-        for node in reversed(nodes):
+        for node in reversed(self.nodes):
             try:
                 node.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 node.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A head and two worker nodes (the fault tests add one each before they kill one)."""
+    root = tmp_path_factory.mktemp("ray_cluster")
+    (root / "home").mkdir()
+    port = free_port()
+    nodes = Cluster(f"127.0.0.1:{port}", _cluster_env(root / "home"), root)
+    # The session folder holds Unix sockets, whose paths may not exceed 107 bytes: a short one in /tmp.
+    session = Path(tempfile.mkdtemp(prefix="hfray", dir="/tmp"))
+    try:
+        nodes.start("head", ["--head", f"--port={port}", "--num-cpus=0", "--num-gpus=0", "--include-dashboard=false",
+                             f"--temp-dir={session}"])
+        for name in ("node_a", "node_b"):
+            nodes.add_worker(name)
+        yield nodes
+    finally:
+        nodes.stop()
         shutil.rmtree(session, ignore_errors=True)
 
 
-def _wait_for_nodes(address: str, env: dict[str, str], count: int, nodes: list[subprocess.Popen],
-                    logs: list[Path]) -> None:
-    """Until the newest node says it started, then until the cluster counts ``count`` live nodes
-    (a driver that connects before the head listens would wait on it without end: it connects
-    only after the head's own line)."""
+def _wait_for_nodes(address: str, env: dict[str, str], count: int, node: subprocess.Popen, log: Path) -> None:
+    """Until the newest node (``node``, logging to ``log``) says it started, then until the cluster
+    counts ``count`` live nodes (a driver that connects before the head listens would wait on it
+    without end: it connects only after the head's own line)."""
     deadline = time.monotonic() + NODE_START_TIMEOUT_S
-    while "Ray runtime started" not in logs[len(nodes) - 1].read_text():
-        for node, log in zip(nodes, logs):
-            assert node.poll() is None, f"ray start ended ({node.returncode}):\n{log.read_text()[-3000:]}"
+    while "Ray runtime started" not in log.read_text():
+        assert node.poll() is None, f"ray start ended ({node.returncode}):\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"no node start within {NODE_START_TIMEOUT_S:.0f} s"
         time.sleep(0.5)
     probe = ("import ray, sys, time\nray.init(address=sys.argv[1], log_to_driver=False)\n"
@@ -113,13 +146,26 @@ def _wait_for_nodes(address: str, env: dict[str, str], count: int, nodes: list[s
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_local_rank(tmp_path, three_nodes):
-    address, env = three_nodes
+def kill_raylet(node_id: str) -> None:
+    """SIGKILL the raylet of node ``node_id`` (a lost node: its processes go with it)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # ended meanwhile
+        if args and args[0].endswith(b"/raylet") and f"--node_id={node_id}".encode() in args:
+            os.kill(int(cmdline.parent.name), signal.SIGKILL)
+            return
+    raise AssertionError(f"no raylet of node {node_id} on this machine")
+
+
+def _run_args(tmp_path: Path) -> list[str]:
+    """3 short steps of the tiny model (one torch thread per process: the numbers do not depend on the load)."""
     model_dir = write_tiny_model(tmp_path / "model")
     train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
     reward = tmp_path / "reward.py"
     reward.write_text(DIGIT_SHARE_REWARD)
-    common = [
+    return [
         f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
         f"reward.custom_reward_function.path={reward}", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
         "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "data.max_response_length=4",
@@ -127,11 +173,19 @@ def test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_loca
         "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
         "actor.use_dynamic_bsz=false", "rollout.dtype=float32",
     ]
-    runs = {"local": [],
-            "cluster": ["trainer.backend=ray", "trainer.n_workers=2", f"trainer.ray_address={address}"]}
+
+
+def _on_cluster(cluster: Cluster) -> list[str]:
+    """Two actor ranks (each with its rollout replica) on the cluster: one CPU each, so two nodes."""
+    return ["trainer.backend=ray", "trainer.n_workers=2", f"trainer.ray_address={cluster.address}"]
+
+
+def test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_local_rank(tmp_path, cluster):
+    common = _run_args(tmp_path)
+    runs = {"local": [], "cluster": _on_cluster(cluster)}
     for name, extra in runs.items():
         cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cluster.env)
         assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
     records = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
                for name in runs}
@@ -151,3 +205,77 @@ def test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_loca
     assert cluster["rollout/generated_tokens"] == local["rollout/generated_tokens"] > 0
     for key in ("actor/pg_loss", "actor/grad_norm"):
         assert cluster[key] == pytest.approx(local[key], abs=1e-5), key
+
+
+# ------------------------------------------------------------------------------- a lost node
+LOST_NODE_BOUND_S = 60.0  # issue 36: a lost node stops the step within a minute, naming it
+# What a restart changes by design besides the wall clock: its own count.
+RESTART_DEPENDENT = ("trainer/restarts",)
+
+
+def _start(args: list[str], out: Path, env: dict[str, str]) -> subprocess.Popen:
+    log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 -- the child owns it until it exits
+    return subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "train", *args, f"trainer.output_dir={out}"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**env, "OMP_NUM_THREADS": "1"})
+
+
+def _lose_a_node_in_step_two(cluster: Cluster, out: Path, run: subprocess.Popen) -> tuple[str, float]:
+    """Once checkpoint 1 is saved (step 2 is running), kill the raylet of actor rank 1's node;
+    returns that node's id and when it was killed."""
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "global_step_1").is_dir():
+        assert run.poll() is None, out.with_suffix(".log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint 1 within 300 s"
+        time.sleep(0.05)
+    node_id = json.loads((out / "placement.json").read_text())["actor"][1]["node_id"]
+    cluster.kill_node_of(node_id)
+    return node_id, time.monotonic()
+
+
+def test_a_lost_node_stops_the_run_within_a_minute_naming_the_node_and_the_rank(tmp_path, cluster):
+    """trainer.max_restarts=0: the raylet of a node holding an actor rank and a rollout replica is
+    killed mid-run; the run stops (exit 1) within a minute, its last line naming that node and a
+    rank that ran there. Its checkpoint stands for the same command to resume from."""
+    cluster.add_worker("node_c")  # the room a restart would take: this run must not take it
+    out = tmp_path / "run"
+    run = _start([*_run_args(tmp_path), *_on_cluster(cluster), "trainer.save_freq=1"], out, cluster.env)
+    node_id, killed = _lose_a_node_in_step_two(cluster, out, run)
+    code = run.wait(timeout=300)
+    stopped_s = time.monotonic() - killed
+    log = out.with_suffix(".log").read_text()
+    assert code == 1, log[-3000:]
+    assert stopped_s <= LOST_NODE_BOUND_S, (stopped_s, log[-3000:])
+    # The CLI's one line (Ray's own report of the lost raylet may print after it).
+    stop = [line for line in log.splitlines() if line.startswith("worker error:")]
+    assert len(stop) == 1, log[-3000:]
+    assert re.search(rf"(actor rank 1|rollout replica 1) on node \S+ \(id {node_id}\) died", stop[0]), stop[0]
+    assert "trainer.max_restarts=0" in stop[0], stop[0]
+
+
+def test_with_max_restarts_a_lost_node_is_rebuilt_elsewhere_and_the_run_ends_as_an_unkilled_one(tmp_path, cluster):
+    """trainer.max_restarts=1: the same fault; the controller tears the worker groups down, rebuilds
+    them on the nodes with room and resumes from checkpoint 1 by itself, and steps 2 and 3 log what
+    a run that was never killed logs (one torch thread per process: bitwise)."""
+    cluster.add_worker("node_d")  # the room the rebuilt groups take
+    args = [*_run_args(tmp_path), *_on_cluster(cluster), "trainer.save_freq=1", "trainer.max_restarts=1"]
+    reference, faulted = tmp_path / "reference", tmp_path / "faulted"
+    done = _start(args, reference, cluster.env).wait(timeout=600)
+    assert done == 0, reference.with_suffix(".log").read_text()[-3000:]
+    run = _start(args, faulted, cluster.env)
+    node_id, _ = _lose_a_node_in_step_two(cluster, faulted, run)
+    code = run.wait(timeout=600)
+    log = faulted.with_suffix(".log").read_text()
+    assert code == 0, log[-3000:]
+    # Why it restarted, named: the node and a rank on it; then the resume from checkpoint 1.
+    assert re.search(rf"restart 1 of trainer.max_restarts=1: .*{node_id}", log), log[-3000:]
+    assert re.search(r"resumed from \S+global_step_1 at step 1", log), log[-3000:]
+    # The rebuilt ranks run on the nodes left.
+    placement = json.loads((faulted / "placement.json").read_text())
+    assert node_id not in {rank["node_id"] for ranks in placement.values() for rank in ranks}, placement
+    expected, got = per_step(reference), per_step(faulted)
+    assert sorted(got) == [1, 2, 3]
+    assert [got[step]["trainer/restarts"] for step in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        for key in RESTART_DEPENDENT:
+            got[step].pop(key), expected[step].pop(key)
+    assert got == expected

@@ -134,7 +134,9 @@ def check_backend(cfg: Config, report: Report) -> None:
             "rollout.weight_sync=auto, or trainer.backend=ray"
         )
     if t.backend == "local":
-        for key, value in (("ray_address", t.ray_address), ("ray_dashboard", t.ray_dashboard)):
+        # In-process workers die with the controller: there is nothing left to rebuild them.
+        for key, value in (("ray_address", t.ray_address), ("ray_dashboard", t.ray_dashboard),
+                           ("max_restarts", t.max_restarts)):
             if value:
                 report.warn(f"trainer.{key}={value} has no effect with trainer.backend=local (set trainer.backend=ray)")
     elif t.ray_address is not None and t.ray_dashboard:

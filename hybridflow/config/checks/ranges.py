@@ -65,6 +65,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("trainer.total_epochs", 1),
     ("trainer.n_gpus_per_node", 1),
     ("trainer.nnodes", 1),
+    ("trainer.max_restarts", 0),
     ("trainer.dump_max_samples", 1),
     ("trainer.log_val_generations", 0),
     ("trainer.dump_max_chars", 1),

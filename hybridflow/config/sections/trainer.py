@@ -166,6 +166,15 @@ class TrainerConfig:
         "Address of a running Ray cluster to join (e.g. 10.0.0.1:6379). null: start a local one that listens "
         "on 127.0.0.1 only.",
     )
+    max_restarts: int = f(
+        0,
+        "How many times a Ray run rebuilds itself after a worker process died (a dead actor, critic or reference "
+        "rank, a lost node, a rollout replica past rollout.max_replica_restarts): the controller tears every worker "
+        "group down, builds them again on the nodes with room and resumes from the newest intact checkpoint, as the "
+        "same command would (steps after it are trained again). Counted in trainer/restarts, each logged with the "
+        "fault. One more fault stops the run naming the dead rank and its node. A worker's own error (an exception, "
+        "not a death) is never retried. Per command: a new command counts from 0.",
+    )
     ray_dashboard: bool = f(False, "Start the Ray dashboard (on 127.0.0.1) with the local cluster; needs ray[default].")
     device: str = f(
         "auto",

@@ -37,9 +37,11 @@ def test_bad_worker_counts_and_devices_are_named() -> None:
 
 
 def test_ray_keys_without_ray_warn() -> None:
-    overrides = ["trainer.ray_address=10.0.0.1:6379", "trainer.ray_dashboard=true"]
+    overrides = ["trainer.ray_address=10.0.0.1:6379", "trainer.ray_dashboard=true", "trainer.max_restarts=2"]
     warnings = validate_config(load_config(overrides=overrides))
     assert any("trainer.ray_address=10.0.0.1:6379 has no effect with trainer.backend=local" in w for w in warnings)
+    assert any("trainer.max_restarts=2 has no effect with trainer.backend=local" in w for w in warnings)
+    assert "trainer.max_restarts=-1 must be >= 0" in _errors("trainer.max_restarts=-1")
     assert any("trainer.ray_dashboard=True has no effect" in w for w in warnings)
     joined = validate_config(load_config(overrides=[
         "trainer.backend=ray", "trainer.ray_address=10.0.0.1:6379", "trainer.ray_dashboard=true"]))

@@ -202,6 +202,19 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
     assert "each replica serves its engine over HTTP on 127.0.0.1" in served and "over HTTP" not in split
 
 
+def test_plan_says_what_a_dead_worker_does_on_ray() -> None:
+    local = plan_of(explain_config(load_config()))
+    assert "faults:" not in local  # in-process workers die with the controller
+    stops = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=2"])))
+    assert "faults: a rollout replica whose process dies is restarted at the next weight sync" in stops
+    assert "a dead actor, critic or reference rank (or a lost node) stops the run naming the rank and its node; the " \
+           "same command resumes from the newest checkpoint (trainer.max_restarts=0)" in stops
+    rebuilds = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=2",
+                                                             "trainer.max_restarts=2"])))
+    assert "rebuilds every worker group on the nodes with room and resumes from the newest checkpoint, up to " \
+           "trainer.max_restarts=2 times, then stops naming the rank and its node" in rebuilds
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.tensor_model_parallel_size=2"], "trainer.backend=local runs in this one"),
     (["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2", "rollout.sleep_level=2"],
