@@ -25,6 +25,7 @@ from hybridflow.config.plan import memory_plan_lines
 from hybridflow.config.schema import Config
 from hybridflow.config.yaml_io import config_to_yaml
 from hybridflow.config.validate import validate_config
+from hybridflow.utils.device import AUTO_DTYPE, resolve_device, rule_train_dtype, train_dtype
 
 BUILTIN_TINY = "builtin:tiny"
 """``model.path`` of the built-in tiny model, the only one ``warm_start.enable=auto`` warm-starts."""
@@ -135,6 +136,7 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
             f"({plan.samples_per_rank_per_mini_batch} / actor.ppo_micro_batch_size_per_gpu="
             f"{actor.ppo_micro_batch_size_per_gpu}) = {plan.grad_accum_steps} gradient-accumulation steps"
         )
+    lines.append(_precision_line(cfg))
     lines += _forward_lines(cfg, plan.dp)
 
     lines.append(_rollout_line(cfg))
@@ -268,7 +270,7 @@ def _forward_lines(cfg: Config, dp: int) -> list[str]:
                      f"micro-batch (actor.ppo_max_token_len_per_gpu, actor.log_prob_max_token_len_per_gpu)")
         return lines
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    compute_bytes = BYTES[cfg.model.dtype]
+    compute_bytes = BYTES[train_dtype(cfg.model.dtype, _device_type(cfg))]
     # Sharded ranks keep the model's own head (full logits); one rank computes from hidden states.
     kwargs = dict(compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                   full_logits=dp > 1)
@@ -287,6 +289,21 @@ def _forward_lines(cfg: Config, dp: int) -> list[str]:
     lines.append(f"token budget: {ppo} {unit} per training micro-batch, {log_prob} per logprob micro-batch "
                  f"({budget.reason})")
     return lines
+
+
+def _device_type(cfg: Config) -> str:
+    """The device ``trainer.device`` names (``auto``: CUDA where torch sees one)."""
+    return "cuda" if cfg.trainer.device == "cuda" else resolve_device(cfg.trainer.device).type
+
+
+def _precision_line(cfg: Config) -> str:
+    """The training compute dtype, and for ``model.dtype=auto`` the rule's answer on this machine."""
+    setting = cfg.model.dtype
+    if setting != AUTO_DTYPE:
+        return f"training precision: {setting} (model.dtype={setting})"
+    dtype, why = rule_train_dtype(_device_type(cfg))
+    return (f"training precision: {dtype} (model.dtype=auto: {why}; decided at the run's first start, recorded in "
+            f"<output_dir>/token_budgets.json, kept by a resume; model.dtype=float32 opts out)")
 
 
 def _rollout_line(cfg: Config) -> str:

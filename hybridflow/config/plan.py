@@ -83,6 +83,7 @@ from hybridflow.config.budget import (
 from hybridflow.config.engines import capabilities
 from hybridflow.config.schema import Config, FSDPConfig
 from hybridflow.config.layout import batch_plan, data_parallel_size, rollout_replicas
+from hybridflow.utils.device import train_dtype
 
 GIB = 2**30
 
@@ -398,7 +399,7 @@ def _token_budgets(
     else:
         free, label = 1 << 62, "free GPU memory (unknown: the cap)"
     auto = auto_token_budget(
-        shape, free, longest, compute_bytes=BYTES[cfg.model.dtype],
+        shape, free, longest, compute_bytes=BYTES[train_dtype(cfg.model.dtype, layout.device_type)],
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing, full_logits=layout.fsdp2,
         memory_label=label, device_type=layout.device_type,
     )
@@ -434,7 +435,7 @@ def plan_memory(
         device_bytes = int(cfg.trainer.device_memory_gb * GIB)
     layout = _layout(cfg)
     a, r, data = cfg.actor, cfg.rollout, cfg.data
-    compute_bytes = BYTES[cfg.model.dtype]
+    compute_bytes = BYTES[train_dtype(cfg.model.dtype, layout.device_type)]
     n = shape.num_parameters
     notes: list[str] = []
     if cfg.trainer.device == "auto":
@@ -446,7 +447,7 @@ def plan_memory(
 
     # Resident between phases.
     actor_p, actor_g, actor_o = _trainer_resident(n, layout, a.fsdp_config)
-    ref_bytes = BYTES[cfg.model.dtype] if layout.shard <= 1 else 4
+    ref_bytes = compute_bytes if layout.shard <= 1 else 4
     # The reference is offloaded with the actor's param_offload (its shards on the CPU between forwards).
     ref_offloaded = _offloads_params(a.fsdp_config.param_offload, layout.device_type)
     ref_p = (n // layout.shard) * ref_bytes if with_reference and not ref_offloaded else 0

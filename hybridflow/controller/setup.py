@@ -68,6 +68,7 @@ from hybridflow.controller.token_budgets import (
     apply_recorded_budgets,
     automatic_budget_keys,
     decide_threads,
+    decide_train_dtype,
     record_budgets,
 )
 from hybridflow.data import RLDataset
@@ -220,6 +221,7 @@ def build_run(cfg: Config) -> RunSetup:
     apply_recorded_budgets(cfg, output_dir)  # a resume cuts its batches (and sets threads) as the run it continues did
     automatic_budgets = automatic_budget_keys(cfg)
     decide_threads(cfg, output_dir)  # a first start: threads by a rule of the machine, recorded
+    decide_train_dtype(cfg, device.type, output_dir)  # model.dtype=auto: a rule of the hardware, recorded
     follow = t.num_threads == FOLLOW_FREE_CORES
     threads = configure_threads(None if follow else t.num_threads, advise=threads_by_rule)
     seed_everything(t.seed)

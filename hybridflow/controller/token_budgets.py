@@ -21,6 +21,10 @@ So is the CPU thread count (``trainer.num_threads``): unset, it is a rule of the
 count decides how each op splits its reductions, so float rounding: a resume on a machine with another
 core count would not continue the same run. ``trainer.num_threads=follow`` (threads that follow the
 free cores) and a number the user sets are never recorded.
+
+So is the training compute dtype of ``model.dtype=auto`` (``utils.device.rule_train_dtype``: bf16 on
+a CUDA device or a CPU with bf16 hardware): a resume on a CPU without bf16 hardware keeps computing
+in the precision the run started in. An explicit ``model.dtype`` is never recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from hybridflow.config import Config
 from hybridflow.config.apply import apply_override
 from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.rollout_dtype import write_record
+from hybridflow.utils.device import AUTO_DTYPE, rule_train_dtype
 from hybridflow.utils.threads import rule_threads
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,10 @@ KV_CACHE_KEY = "rollout.kv_cache_memory_bytes"
 THREADS_KEY = "trainer.num_threads"
 """torch's CPU threads per computing process (``rule_threads`` when unset)."""
 
+DTYPE_KEY = "model.dtype"
+"""The training compute dtype (``rule_train_dtype`` for ``auto``); recorded as its name, not a number."""
+RECORDED_DTYPES = ("float32", "bfloat16")
+
 _WHY = ("decided at the run's first start from the machine (free memory, cores); a resume reads them back, "
         "since each changes which numbers are summed together")
 
@@ -65,7 +74,13 @@ def _value(cfg: Config, key: str) -> Any:
     return node
 
 
-def read_budgets(output_dir: Path) -> dict[str, int]:
+def _recordable(key: str, value: Any) -> bool:
+    if key == DTYPE_KEY:
+        return value in RECORDED_DTYPES
+    return isinstance(value, int) and value > 0
+
+
+def read_budgets(output_dir: Path) -> dict[str, int | str]:
     """The recorded budgets by config key (empty when the folder has no record). A record that
     cannot be read is an error naming the file: guessing would break the resume it exists for."""
     record = output_dir / TOKEN_BUDGETS_FILE
@@ -73,21 +88,21 @@ def read_budgets(output_dir: Path) -> dict[str, int]:
         return {}
     try:
         budgets = json.loads(record.read_text(encoding="utf-8"))["budgets"]
-        if not all(isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in budgets.items()):
-            raise ValueError("budgets must map config keys to positive integers")
+        if not all(isinstance(k, str) and _recordable(k, v) for k, v in budgets.items()):
+            raise ValueError(f"budgets must map config keys to positive integers ({DTYPE_KEY} to a dtype name)")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{record} is damaged ({error}): it records the token budgets this run started with; "
                          "delete it to derive them again, or set the *_max_token_len_per_gpu keys, "
-                         f"{KV_CACHE_KEY} and {THREADS_KEY}") from None
+                         f"{KV_CACHE_KEY}, {THREADS_KEY} and {DTYPE_KEY}") from None
     return budgets
 
 
 def apply_recorded_budgets(cfg: Config, output_dir: Path) -> list[str]:
-    """Set each budget key the config leaves automatic (None) to the value this folder's record
-    holds; returns the keys set. Call before any role starts."""
+    """Set each budget key the config leaves automatic (None; ``auto`` for the dtype) to the value
+    this folder's record holds; returns the keys set. Call before any role starts."""
     applied = []
     for key, value in read_budgets(output_dir).items():
-        if _value(cfg, key) is None:
+        if _value(cfg, key) in (None, AUTO_DTYPE):
             apply_override(cfg, f"{key}={value}")
             applied.append(f"{key}={value}")
     if applied:
@@ -135,7 +150,18 @@ def decide_threads(cfg: Config, output_dir: Path) -> None:
     _record(output_dir, {THREADS_KEY: threads})
 
 
-def _record(output_dir: Path, derived: dict[str, int]) -> None:
+def decide_train_dtype(cfg: Config, device_type: str, output_dir: Path) -> None:
+    """A first start with ``model.dtype=auto``: set it by the rule and record it (a resume has read
+    it back already; an explicit dtype is kept as written)."""
+    if cfg.model.dtype != AUTO_DTYPE:
+        return
+    dtype, why = rule_train_dtype(device_type)
+    log.info("model.dtype=auto: %s (%s)", dtype, why)
+    apply_override(cfg, f"{DTYPE_KEY}={dtype}")
+    _record(output_dir, {DTYPE_KEY: dtype})
+
+
+def _record(output_dir: Path, derived: dict[str, int | str]) -> None:
     """Add ``derived`` to the folder's record (atomically)."""
     if not derived:
         return

@@ -25,7 +25,7 @@ from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
-from hybridflow.utils.device import configure_threads, resolve_device
+from hybridflow.utils.device import configure_threads, resolve_device, train_dtype
 from hybridflow.utils.threads import adjust_threads, rule_threads
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
 from hybridflow.workers.engine_setup import lora_spec, model_precision, optim_spec
@@ -54,7 +54,9 @@ class SFTWorker:
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, chat_template)
         a = cfg.actor
         data_parallel = world > 1
-        weights_dtype, compute_dtype = model_precision(cfg.model.dtype, trainable=True, data_parallel=data_parallel)
+        # model.dtype=auto by the rule of this rank's hardware (an offline job keeps no run-folder record).
+        dtype = train_dtype(cfg.model.dtype, device.type)
+        weights_dtype, compute_dtype = model_precision(dtype, trainable=True, data_parallel=data_parallel)
         model = load_model(model_path, dtype=weights_dtype, device=device, trust_remote_code=cfg.model.trust_remote_code)
         self.lora = a.lora.rank > 0
         if self.lora:

@@ -14,6 +14,7 @@ from hybridflow.config import load_config
 from hybridflow.controller.setup import build_run
 from hybridflow.controller import token_budgets
 from hybridflow.controller.token_budgets import (
+    DTYPE_KEY,
     KV_CACHE_KEY,
     THREADS_KEY,
     TOKEN_BUDGETS_FILE,
@@ -180,3 +181,35 @@ def test_threads_the_user_sets_or_follow_are_never_recorded(files, tmp_path):
         torch.set_num_threads(1)
     assert THREADS_KEY not in json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"]
     assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["num_threads"] == "follow"
+
+
+def actor_compute_dtype(cfg) -> torch.dtype | None:
+    """The actor engine's autocast dtype once the run is set up (None: float32 compute)."""
+    run = build_run(cfg)
+    try:
+        return run.roles.actor.call_all(lambda worker: worker.engine.autocast_dtype)[0]
+    finally:
+        run.close()
+        torch.set_num_threads(1)
+
+
+def test_model_dtype_auto_is_decided_by_the_rule_recorded_and_read_back_by_a_resume(files, tmp_path, monkeypatch):
+    """model.dtype=auto: the first start takes the hardware's rule (bf16-mixed where it has bf16) and
+    records it; a resume on a CPU without bf16 hardware keeps computing in bf16; float32 opts out."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(token_budgets, "rule_train_dtype", lambda device_type: ("bfloat16", "bf16 hardware"))
+    assert actor_compute_dtype(config(files, out, "model.dtype=auto")) == torch.bfloat16
+    assert json.loads((out / TOKEN_BUDGETS_FILE).read_text())["budgets"][DTYPE_KEY] == "bfloat16"
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["dtype"] == "bfloat16"
+    monkeypatch.setattr(token_budgets, "rule_train_dtype", lambda device_type: ("float32", "no bf16 hardware"))
+    assert actor_compute_dtype(config(files, out, "model.dtype=auto")) == torch.bfloat16  # the resume
+    assert actor_compute_dtype(config(files, tmp_path / "fresh", "model.dtype=auto")) is None
+    opted_out = tmp_path / "float32"
+    assert actor_compute_dtype(config(files, opted_out, "model.dtype=float32")) is None
+    assert DTYPE_KEY not in json.loads((opted_out / TOKEN_BUDGETS_FILE).read_text())["budgets"]
+
+
+def test_a_recorded_dtype_that_is_no_dtype_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / TOKEN_BUDGETS_FILE).write_text(json.dumps({"budgets": {DTYPE_KEY: "float8"}}))
+    with pytest.raises(ValueError, match=TOKEN_BUDGETS_FILE):
+        token_budgets.read_budgets(tmp_path)

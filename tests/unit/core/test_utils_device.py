@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.utils.device import CpuFeatures, cpu_features, parse_cpuinfo
+from hybridflow.utils.device import CpuFeatures, cpu_features, parse_cpuinfo, rule_train_dtype, train_dtype
 
 SAPPHIRE_RAPIDS = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -47,3 +47,17 @@ def test_this_machine_is_described_with_torchs_dispatch_level() -> None:
     features = cpu_features()
     assert features.capability == torch.backends.cpu.get_cpu_capability()
     assert features is cpu_features()  # read once per process
+
+
+def test_model_dtype_auto_is_bf16_on_bf16_hardware_and_any_cuda_device() -> None:
+    def features(text: str) -> CpuFeatures:
+        vendor, model, flags = parse_cpuinfo(text)
+        return CpuFeatures(vendor=vendor, model_name=model, flags=flags, capability="AVX512")
+
+    dtype, why = rule_train_dtype("cpu", features(SAPPHIRE_RAPIDS))
+    assert dtype == "bfloat16" and "avx512_bf16, amx_bf16" in why
+    dtype, why = rule_train_dtype("cpu", features(MILAN))
+    assert dtype == "float32" and "emulated" in why
+    assert rule_train_dtype("cuda", features(MILAN))[0] == "bfloat16"
+    assert train_dtype("float32", "cuda") == "float32" and train_dtype("bfloat16", "cpu") == "bfloat16"
+    assert train_dtype("auto", "cuda") == "bfloat16"

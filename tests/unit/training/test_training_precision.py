@@ -132,3 +132,23 @@ def test_hsdp_shard_groups_train_like_full_sharding() -> None:
         assert torch.allclose(hybrid["weights"][name], value, atol=1e-6), name
     with pytest.raises(ValueError, match="fsdp_size=0 must divide the 1 data-parallel ranks"):
         distributed.shard_mesh(0)  # (3 on 1 rank is at least the rank count: every rank, as verl)
+
+
+def test_bf16_mixed_logprobs_of_the_default_model_stay_inside_the_clip() -> None:
+    """model.dtype=auto trains the built-in model bf16-mixed on bf16 hardware: the logprobs its update
+    sees (packed, under grad) and its logprob passes differ from fp32 by far less than a PPO clip
+    of 0.2 (|log ratio| < log 1.2) and, on average, less than the health check's mismatch alarm."""
+    from hybridflow.tracking.health import HealthThresholds
+
+    model = build_tiny_model(TinyModelSpec(), seed=3)  # the default run's shape
+    batch = random_batch(batch_size=16, prompt=35, response=4, seed=2)
+    fp32 = TrainEngine(copy.deepcopy(model), OptimSpec(lr=1e-3), torch.device("cpu"))
+    mixed = TrainEngine(copy.deepcopy(model), OptimSpec(lr=1e-3), torch.device("cpu"), mixed_precision=torch.bfloat16)
+    mask = batch.response_mask.bool()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            ref = fp32.forward_token_stats(batch, 1.0, use_remove_padding=True).logprobs
+            low = mixed.forward_token_stats(batch, 1.0, use_remove_padding=True).logprobs
+        diff = (low - ref)[mask].abs()
+        assert 0 < diff.max() < torch.log(torch.tensor(1.2)), diff.max()
+        assert diff.mean() < HealthThresholds().logprob_mismatch
