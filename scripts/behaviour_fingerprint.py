@@ -41,8 +41,8 @@ RUNS: dict[str, list[str]] = {
 }
 
 
-def run_one(name: str, out: Path, cache: Path) -> dict[str, dict]:
-    command = [sys.executable, "-m", "hybridflow.cli", "train", *RUNS[name], *COMMON,
+def run_one(name: str, out: Path, cache: Path, extra: list[str] = ()) -> dict[str, dict]:
+    command = [sys.executable, "-m", "hybridflow.cli", "train", *RUNS[name], *COMMON, *extra,
                f"warm_start.cache_dir={cache}", f"trainer.output_dir={out}"]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HYBRIDFLOW_FAULT": ""})
     if done.returncode != 0:
@@ -97,10 +97,12 @@ def main() -> None:
     mode.add_argument("--check", type=Path, help="compare against a recorded fingerprint")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hybridflow-fingerprint-cache")
     parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="run these only")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides added to every run (e.g. model.dtype=float32: a changed default's opt-out)")
     args = parser.parse_args()
     names = args.only or list(RUNS)
     with tempfile.TemporaryDirectory() as scratch:
-        found = {name: run_one(name, Path(scratch) / name, args.cache) for name in names}
+        found = {name: run_one(name, Path(scratch) / name, args.cache, args.override) for name in names}
     if args.write:
         args.write.write_text(json.dumps(found, indent=1, sort_keys=True))
         print(f"wrote {args.write}: " + ", ".join(f"{n} {len(s)} steps" for n, s in found.items()))
