@@ -189,31 +189,43 @@ def select_preference_pairs(
                            groups=len(rows_of), groups_without_pair=without)
 
 
+# A row's ``PairLayout.positions`` entry when it belongs to a padding pair (a copy that weighs nothing).
+PADDING_POSITION = -1
+
+
 @dataclass(frozen=True)
 class PairLayout:
     """Where a batch's pairs go on data-parallel ranks that each take an equal consecutive share of
     ``rows``: rank r's share holds its k pairs' chosen rows, then their k rejected rows (the layout a pair
     loss reads, ``hybridflow.workers.pair_batches``), and each row's ``positions`` entry is its row within
-    its rank's share. ``left_out``: the last ``count % ranks`` pairs, so that every rank trains the same
-    number of whole pairs."""
+    its rank's share. Every pair is trained: with a pair count that does not split evenly, the ranks take
+    ceil(count / ranks) pairs each and a short share is filled with copies of a pair whose two rows have
+    position ``PADDING_POSITION``, which the loss weighs 0 (so two ranks train exactly what one does)."""
 
     rows: list[int]  # row indices of the batch the pairs index, in layout order
-    positions: list[int]  # each row's index within its rank's share
-    left_out: int
+    positions: list[int]  # each row's index within its rank's share, or PADDING_POSITION
 
 
 def pair_rows_by_rank(pairs: PreferencePairs, ranks: int) -> PairLayout:
     """``pairs`` laid out for ``ranks`` data-parallel ranks (``PairLayout``)."""
     if ranks < 1:
         raise ValueError(f"ranks={ranks}: must be >= 1")
-    share = pairs.count // ranks
+    if pairs.count == 0:
+        return PairLayout([], [])
+    share = -(-pairs.count // ranks)
     chosen, rejected = pairs.chosen.tolist(), pairs.rejected.tolist()
     rows: list[int] = []
+    positions: list[int] = []
     for rank in range(ranks):
-        own = slice(rank * share, (rank + 1) * share)
-        rows += chosen[own] + rejected[own]
-    return PairLayout(rows, list(range(2 * share)) * ranks, pairs.count - share * ranks)
+        own = list(range(rank * share, min((rank + 1) * share, pairs.count)))
+        padding = share - len(own)
+        filler = own[-1] if own else 0  # any real pair: its rows are forwarded, its loss weighed 0
+        picked = own + [filler] * padding
+        rows += [chosen[i] for i in picked] + [rejected[i] for i in picked]
+        real = list(range(len(own)))
+        positions += (real + [PADDING_POSITION] * padding) + ([share + i for i in real] + [PADDING_POSITION] * padding)
+    return PairLayout(rows, positions)
 
-__all__ = ["PAIR_SELECTIONS", "PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "REWARD_MODEL_METRICS",
+__all__ = ["PADDING_POSITION", "PAIR_SELECTIONS", "PREFERENCE_LOSS_TYPES", "PREFERENCE_METRICS", "REWARD_MODEL_METRICS",
            "PairLayout", "PreferencePairs", "bradley_terry_loss", "check_preference_loss", "chosen_nll", "pair_rows_by_rank",
            "preference_loss", "select_preference_pairs", "sequence_logps"]

@@ -286,9 +286,10 @@ def prepare_pair_batch(
     dumps: GenerationDumps,
 ) -> tuple[StepSamples, dict[str, float]]:
     """Online DPO's batch: each group's samples paired by their rewards (``select_preference_pairs``), laid
-    out so that every actor rank gets whole pairs, chosen rows then rejected rows
-    (``pair_rows_by_rank``), with the reference's logprobs of those rows only. Its metrics: the pairs and
-    the groups that gave none; the step's metrics (``critic/score/*``) describe every sample."""
+    out so that every actor rank gets as many whole pairs, chosen rows then rejected rows, a short share
+    filled with padding pairs that weigh nothing (``pair_rows_by_rank``), with the reference's logprobs
+    of those rows only. Its metrics: the pairs and the groups that gave none; the step's metrics
+    (``critic/score/*``) describe every sample."""
     assert plan.pairs is not None
     trajectories = cast(list[Trajectory], [t for group in groups for t in group])
     scored = collate_trajectories(trajectories, plan.pad_token_id)
@@ -303,10 +304,9 @@ def prepare_pair_batch(
         with timer.phase("ref"):
             batch.ref_logprobs = torch.cat(roles.reference.split_gather(roles.reference_logprobs, batch))
     metrics = {
-        "pairs/count": float(pairs.count - layout.left_out),
+        "pairs/count": float(pairs.count),
         "pairs/groups_without_pair": float(pairs.groups_without_pair),
         "pairs/groups_without_pair_fraction": pairs.groups_without_pair / max(1, pairs.groups),
-        "pairs/left_out_for_ranks": float(layout.left_out),
     }
     if dumps.rollout_dir is not None:
         with timer.phase("dump_rollout"):

@@ -66,7 +66,7 @@ from hybridflow.utils.device import parse_dtype
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
 from hybridflow.workers.dpo import DPOLossSpec
 from hybridflow.workers.engine_setup import check_rank_group, lora_spec, model_precision, shards_model, trained_engine
-from hybridflow.workers.pair_batches import cut_pairs, whole_pairs
+from hybridflow.workers.pair_batches import cut_pairs, pair_row_weights, whole_pairs
 from hybridflow.workers.policy_loss import build_actor_policy_loss, rollout_correction_settings
 from hybridflow.workers.weight_stream import stream_weights
 
@@ -299,17 +299,20 @@ class ActorWorker:
         their k rejected rows, each row's ``group_ids`` entry its row in the share: ``prepare_pair_batch``),
         ``actor.ppo_epochs`` optimizer steps over all of them with the preference loss of
         ``hybridflow.algorithms.preference``, a pair's two sides always in one micro-batch. Metrics: TRL's
-        (``rewards/*``, ``logps/*``), ``actor/dpo_loss`` and ``actor/entropy``, means over the pairs."""
+        (``rewards/*``, ``logps/*``), ``actor/dpo_loss`` and ``actor/entropy``, means over the pairs (and their
+        tokens) of every rank; a padding pair (``PairLayout``: a short share filled up) weighs nothing."""
         batch = resolve_batch(batch)
         num_pairs = batch.batch_size // 2
-        total_pairs = int(distributed.all_reduce_sum([float(num_pairs)])[0])
+        counted = pair_row_weights(batch, num_pairs)
+        own = [float(counted[:num_pairs].sum()), float((batch.response_mask * counted[:, None]).sum())]
+        total_pairs, total_tokens = distributed.all_reduce_sum(own)
         step_metrics: list[dict[str, float]] = []
         for _epoch in range(self.cfg.ppo_epochs):
             parts = cut_pairs(batch, num_pairs, self.plan, self.cfg.ppo_micro_batch_size_per_gpu,
                               self.engine.data_parallel, "data.max_response_length")
             skipped_before = self.engine.skipped_steps
             step_metrics.append(self.engine.optimizer_step(
-                parts, self._pair_loss_fn(spec, num_pairs, total_pairs, len(parts), batch.response_mask.sum()),
+                parts, self._pair_loss_fn(spec, num_pairs, total_pairs, len(parts), total_tokens),
                 temperature=self.setup.temperature, with_entropy=True, use_remove_padding=self.plan.use_remove_padding,
             ))
             self._count_skip(skipped=self.engine.skipped_steps > skipped_before)
@@ -317,12 +320,16 @@ class ActorWorker:
         metrics["actor/skipped_steps"] = float(self.engine.skipped_steps)
         return metrics
 
-    def _pair_loss_fn(self, spec: DPOLossSpec, num_pairs: int, total_pairs: int, num_micro: int,
-                      num_tokens: torch.Tensor):
+    def _pair_loss_fn(self, spec: DPOLossSpec, num_pairs: int, total_pairs: float, num_micro: int,
+                      total_tokens: float):
+        """The loss of a micro-batch of this rank's ``num_pairs``: its share of the mean over the ``total_pairs``
+        pairs of every rank (``total_tokens``: their response tokens, for the entropy)."""
         world = self.world_size
 
         def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
             k = whole_pairs(mb, num_pairs)
+            rows = pair_row_weights(mb, k)  # (2k,) 0 on a padding pair's rows
+            counted = rows[:k]
             mask = mb.response_mask
             seq = sequence_logps(logprobs, mask)  # (2k,) chosen sides, then rejected sides
             ref_chosen = ref_rejected = None
@@ -338,13 +345,15 @@ class ActorWorker:
                 label_smoothing=spec.label_smoothing, chosen_lengths=lengths[:k], rejected_lengths=lengths[k:],
             )
             # The step's mean over the pairs of every rank; x world: FSDP averages gradients over ranks.
-            total = loss.sum() / total_pairs * world
-            # This micro-batch's share of the rank's mean, x the count the engine averages over.
-            scale = num_micro / num_pairs
-            metrics = {name: float(v.sum()) * scale for name, v in pair_metrics.items()}
-            metrics["actor/dpo_loss"] = float(loss.detach().sum()) * scale
+            total = (loss * counted).sum() / total_pairs * world
+            # This micro-batch's share of that mean, x the counts the engine (micro-batches) and the
+            # controller (ranks) average over.
+            scale = num_micro * world / total_pairs
+            metrics = {name: float((v * counted).sum()) * scale for name, v in pair_metrics.items()}
+            metrics["actor/dpo_loss"] = float((loss.detach() * counted).sum()) * scale
             if entropy is not None:
-                metrics["actor/entropy"] = float((entropy.detach() * mask).sum() / num_tokens.clamp(min=1)) * num_micro
+                entropy_mean = (entropy.detach() * mask * rows[:, None]).sum() / max(total_tokens, 1.0)
+                metrics["actor/entropy"] = float(entropy_mean) * num_micro * world
             return total, metrics
 
         return loss_fn

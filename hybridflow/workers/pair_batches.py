@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from hybridflow.algorithms.preference import PADDING_POSITION
 from hybridflow.data.batching import token_budget_partitions
 from hybridflow.data.preference import PreferencePair
 from hybridflow.training import distributed
@@ -39,12 +40,22 @@ def pair_step_batch(pairs: Sequence[PreferencePair], pad_token_id: int) -> Train
 
 
 def whole_pairs(mb: TrainBatch, num_pairs: int) -> int:
-    """The k pairs of a micro-batch cut by ``pair_micro_batches`` (k chosen rows, then their k rejected rows)."""
+    """The k pairs of a micro-batch cut by ``pair_micro_batches`` (k chosen rows, then their k rejected rows;
+    a padding pair's two rows at ``PADDING_POSITION``: ``pair_row_weights``)."""
     k = mb.batch_size // 2
     rows = mb.group_ids
-    assert bool((rows[:k] < num_pairs).all()) and bool((rows[k:] - num_pairs == rows[:k]).all()), \
+    padding = rows[:k] == PADDING_POSITION
+    matched = torch.where(padding, rows[k:] == PADDING_POSITION, rows[k:] - num_pairs == rows[:k])
+    assert bool((rows[:k] < num_pairs).all()) and bool(matched.all()), \
         "a micro-batch must hold whole pairs, chosen rows first"
     return k
+
+
+def pair_row_weights(batch: TrainBatch, k: int) -> torch.Tensor:
+    """1 on each row of a batch (or micro-batch) of ``k`` pairs that counts, 0 on both rows of a padding
+    pair (``PairLayout``).  # (2k,) float"""
+    counted = (batch.group_ids[:k] != PADDING_POSITION).float()
+    return torch.cat([counted, counted])
 
 
 def pair_micro_batches(sft: SFTWorker, batch: TrainBatch, num_pairs: int, length_key: str) -> list[TrainBatch]:
@@ -102,4 +113,5 @@ def pair_values(sft: SFTWorker, pairs: Sequence[PreferencePair], pad_token_id: i
     return values
 
 
-__all__ = ["cut_pairs", "pair_micro_batches", "pair_rows", "pair_step_batch", "pair_values", "whole_pairs"]
+__all__ = ["cut_pairs", "pair_micro_batches", "pair_row_weights", "pair_rows", "pair_step_batch", "pair_values",
+           "whole_pairs"]

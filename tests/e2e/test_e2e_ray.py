@@ -219,6 +219,32 @@ def test_distillation_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_pa
         assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
 
 
+@pytest.mark.xdist_group("ray")
+def test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+    """Online DPO (``--preset online_dpo``): each group's best and worst samples paired, the pairs laid out over
+    two FSDP2 actor ranks with the reference's logprobs from two reference ranks; the DPO loss, the implicit
+    rewards and the update equal one in-process rank's on the same pairs."""
+    model_dir = write_tiny_model(tmp_path / "model")
+    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
+    reward = tmp_path / "reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    common = [
+        "--preset", "online_dpo", f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=8", "rollout.n=4",
+        "data.max_response_length=4", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+        "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
+        "trainer.save_final=false",
+    ]
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
+    assert local["critic/score/mean"] == ray_run["critic/score/mean"]
+    assert local["pairs/count"] == ray_run["pairs/count"] > 0
+    # Step one's policy is the reference: every implicit reward is 0 and the sigmoid loss log 2; the gradient is not.
+    assert local["actor/grad_norm"] > 0
+    for key in ("actor/dpo_loss", "rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected",
+                "actor/grad_norm"):
+        assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
+
+
 # ------------------------------------------------------------------------- weight sync
 def _engine_weights(worker: RolloutWorker) -> dict[str, torch.Tensor]:
     """What the rollout engine serves, run on the rollout rank."""

@@ -57,11 +57,15 @@ def test_bad_settings_are_refused_by_name(kwargs, message):
         pairs_of([0.0, 1.0], [0, 0], **kwargs)
 
 
-def test_rank_layout_gives_each_rank_its_pairs_chosen_rows_first_and_leaves_out_the_remainder():
+def test_rank_layout_gives_each_rank_its_pairs_chosen_rows_first_and_pads_a_short_share():
     p = PreferencePairs(torch.tensor([0, 4, 8]), torch.tensor([1, 5, 9]), groups=3, groups_without_pair=0)
-    assert pair_rows_by_rank(p, 1) == PairLayout([0, 4, 8, 1, 5, 9], [0, 1, 2, 3, 4, 5], 0)
-    # Two ranks: one pair each, the third left out (every rank trains the same number of whole pairs).
-    assert pair_rows_by_rank(p, 2) == PairLayout([0, 1, 4, 5], [0, 1, 0, 1], 1)
-    assert pair_rows_by_rank(p, 4) == PairLayout([], [], 3)
+    assert pair_rows_by_rank(p, 1) == PairLayout([0, 4, 8, 1, 5, 9], [0, 1, 2, 3, 4, 5])
+    # Two ranks: two pairs each, the second rank's short share filled with a copy of its last pair at
+    # PADDING_POSITION (-1), which the loss weighs 0: every pair is trained.
+    assert pair_rows_by_rank(p, 2) == PairLayout([0, 4, 1, 5, 8, 8, 9, 9], [0, 1, 2, 3, 0, -1, 2, -1])
+    # More ranks than pairs: a rank without a pair of its own trains a copy of the first, weighing nothing.
+    assert pair_rows_by_rank(p, 4) == PairLayout([0, 1, 4, 5, 8, 9, 0, 1], [0, 1, 0, 1, 0, 1, -1, -1])
+    assert pair_rows_by_rank(PreferencePairs(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long),
+                                             groups=2, groups_without_pair=2), 2) == PairLayout([], [])
     with pytest.raises(ValueError, match="ranks=0"):
         pair_rows_by_rank(p, 0)

@@ -36,16 +36,17 @@ def prepare(rewards: list[list[float]]):
 
 
 def test_pairs_are_laid_out_whole_per_rank_and_counted():
-    # Group 1 has no spread; three pairs over two ranks leave the last one out.
+    # Group 1 has no spread; three pairs over two ranks: two each, the second rank's last a padding copy.
     samples, metrics = prepare([[0.0, 1.0], [1.0, 1.0], [1.0, 0.0], [0.0, 0.5]])
-    assert metrics == {"pairs/count": 2.0, "pairs/groups_without_pair": 1.0,
-                       "pairs/groups_without_pair_fraction": 0.25, "pairs/left_out_for_ranks": 1.0}
+    assert metrics == {"pairs/count": 3.0, "pairs/groups_without_pair": 1.0,
+                       "pairs/groups_without_pair_fraction": 0.25}
     batch = samples.batch
-    # Rank 0: group 0's pair (chosen: its sample 1, rejected: its sample 0); rank 1: group 2's (samples 0, 1).
-    # A response's first token is 3 + its group, its second 4 + its place in the group.
-    assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
-    assert batch.responses.tolist() == [[3, 5], [3, 4], [5, 4], [5, 5]]
-    assert batch.group_ids.tolist() == [0, 1, 0, 1]
+    # Rank 0: group 0's pair (chosen: its sample 1, rejected: its sample 0) and group 2's (samples 0, 1);
+    # rank 1: group 3's (samples 1, 0) and its copy. A response's first token is 3 + its group, its second
+    # 4 + its place in the group.
+    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0]
+    assert batch.responses.tolist() == [[3, 5], [5, 4], [3, 4], [5, 5], [6, 5], [6, 5], [6, 4], [6, 4]]
+    assert batch.group_ids.tolist() == [0, 1, 2, 3, 0, -1, 2, -1]  # the copy's rows at PADDING_POSITION
     # The step's metrics describe every sample, not only the paired ones.
     assert samples.all_samples.batch_size == 8 and len(samples.trajectories) == 8
 

@@ -100,34 +100,34 @@ def test_pairs_without_the_references_logprobs_are_refused(model_dir):
 # ---------------------------------------------------------------------- two ranks
 WORLD = 2
 RANK_METRICS = ("actor/dpo_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-                "logps/chosen", "logps/rejected", "actor/grad_norm")
+                "logps/chosen", "logps/rejected", "actor/entropy", "actor/grad_norm")
 
 
-def _rank_batch(world: int):
-    """Four pairs (chosen rows 0-3, rejected rows 4-7) laid out for ``world`` ranks as the controller lays
-    them out (``pair_rows_by_rank``), reference logprobs fixed."""
+def _rank_batch(world: int, pairs: int):
+    """``pairs`` pairs (chosen rows first, then rejected rows) laid out for ``world`` ranks as the controller
+    lays them out (``pair_rows_by_rank``: an odd count pads the second rank's share), reference logprobs fixed."""
     g = torch.Generator().manual_seed(0)
     rows = []
-    for i in range(8):
+    for i in range(2 * pairs):
         prompt, response = torch.randint(0, 256, (3,), generator=g).tolist(), torch.randint(
             0, 256, (2 + i % 3,), generator=g).tolist()
         rows.append(Trajectory(prompt, response, [1] * len(response), [0.0] * len(response), "stop"))
     scored = collate_trajectories(rows, pad_token_id=256)
     scored.ref_logprobs = -torch.rand(scored.response_mask.shape, generator=g) * scored.response_mask
-    layout = pair_rows_by_rank(PreferencePairs(torch.arange(4), torch.arange(4, 8), groups=4, groups_without_pair=0),
-                               world)
+    layout = pair_rows_by_rank(PreferencePairs(torch.arange(pairs), torch.arange(pairs, 2 * pairs), groups=pairs,
+                                               groups_without_pair=0), world)
     batch = scored.select(layout.rows)
     batch.group_ids = torch.tensor(layout.positions)
     return batch
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, out: dict) -> None:
+def _rank(rank: int, world: int, port: int, model_dir: str, pairs: int, out: dict) -> None:
     torch.set_num_threads(1)
     distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
                                    device=torch.device("cpu"))
     try:
         actor = ActorWorker(rank, world, *_rank_config(model_dir))
-        out[rank] = actor.update_actor(_rank_batch(world).chunk(world)[rank])
+        out[rank] = actor.update_actor(_rank_batch(world, pairs).chunk(world)[rank])
     finally:
         distributed.dist.destroy_process_group()
 
@@ -140,12 +140,13 @@ def _rank_config(model_dir: str):
     return cfg, setup
 
 
-def test_two_ranks_train_their_halves_of_the_pairs_as_one_rank_trains_all(model_dir) -> None:
+@pytest.mark.parametrize("pairs", [4, 3], ids=["even", "odd-padded"])
+def test_two_ranks_train_their_halves_of_the_pairs_as_one_rank_trains_all(model_dir, pairs) -> None:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(WORLD, distributed.free_port(), model_dir, out), nprocs=WORLD, join=True)
+        mp.spawn(_rank, args=(WORLD, distributed.free_port(), model_dir, pairs, out), nprocs=WORLD, join=True)
         ranks = [dict(out[r]) for r in range(WORLD)]
-    expected = ActorWorker(0, 1, *_rank_config(model_dir)).update_actor(_rank_batch(1))
+    expected = ActorWorker(0, 1, *_rank_config(model_dir)).update_actor(_rank_batch(1, pairs))
     gathered = reduce_metrics(ranks)  # as the controller's update phase reduces the ranks' metrics
     for key in RANK_METRICS:
         assert gathered[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
