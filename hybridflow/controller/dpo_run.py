@@ -2,9 +2,9 @@
 
 The run is ``hybridflow sft``'s (``controller.sft_run``) with a preference loss: the pairs
 (``hybridflow.data.preference``) are read, checked and tokenised once in the launching process; each
-rank (one in this process, or ``trainer.n_workers`` / GPU ranks started from a forkserver, FSDP2
-sharded) is an ``SFTWorker`` engine (LoRA, packing, token budgets, checkpoints) driven through a
-``DPOWorker`` (``hybridflow.workers.dpo``). The frozen reference is the starting model: its sequence
+rank (one in this process, or ``trainer.n_workers`` / GPU ranks started from a forkserver or, with
+``trainer.backend=ray``, as Ray actors: ``controller.ranks``; FSDP2 sharded) is an ``SFTWorker`` engine
+(LoRA, packing, token budgets, checkpoints) driven through a ``DPOWorker`` (``hybridflow.workers.dpo``). The frozen reference is the starting model: its sequence
 log-probabilities of every pair are computed once before training (and again, identically, when a
 run resumes), so no second model is held; ``dpo.reference_free`` drops it.
 
@@ -85,7 +85,7 @@ def run_dpo_job(cfg: Config) -> DPOResult:
     out = open_output_dir(cfg)
     before = greedy_accuracy(model_path, held_out) if held_out else None
     job = OfflineJob(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
-    final_val = run_ranks(data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
+    final_val = run_ranks("dpo", data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
     export_dir = export_final(out) if cfg.dpo.export else None
     accuracy = None
     if held_out and before is not None and export_dir is not None:

@@ -94,7 +94,7 @@ def run_rm_job(cfg: Config) -> RMResult:
     longest = max(max(len(p.chosen.prompt_ids), len(p.rejected.prompt_ids)) for p in train + val)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     job = OfflineJob(cfg, model_path, str(out), train, val, total, int(pad), longest)
-    final_val = run_ranks(data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
+    final_val = run_ranks("rm", data_parallel_size(cfg.trainer), _train_rank, job, PRELOAD)
     export_dir = None
     if cfg.rm.export:
         export_dir = Path(export_checkpoint(out, out / EXPORT_DIR, overwrite=True))

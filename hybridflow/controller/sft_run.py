@@ -2,11 +2,12 @@
 
 The data (``hybridflow.data.sft``: loss on assistant tokens only) is read, checked and tokenised
 once in the launching process, so a bad row is a one-line ``data error`` before any rank starts.
-Training is SPMD: with one rank it runs in this process; with ``trainer.n_workers`` (CPU) or
-``n_gpus_per_node x nnodes`` ranks on the local backend, each rank is a process started from a
-forkserver (never a fork of this process, whose threads and locks a fork would copy) and joins a
-gloo/NCCL group; the model is sharded with FSDP2 as the actor's is. (``trainer.backend=ray`` is
-not used by SFT: there is no rollout to place, so ranks on one machine need no cluster.)
+Training is SPMD (``controller.ranks``): with one rank on the local backend it runs in this process;
+with ``trainer.n_workers`` (CPU) or ``n_gpus_per_node x nnodes`` ranks on the local backend, each rank
+is a process started from a forkserver (never a fork of this process, whose threads and locks a fork
+would copy) and joins a gloo/NCCL group; with ``trainer.backend=ray`` each rank is a Ray actor placed
+as the RL trainer's actor ranks are (one cluster node or several). The model is sharded with FSDP2
+as the actor's is.
 
 Every rank runs ``hybridflow.controller.sft.sft_loop``, the loop of the built-in warm start, on
 its share of each batch, with the actor's engine set-up: ``actor.optim``, ``actor.lora``,
@@ -96,11 +97,8 @@ def check_sft_config(cfg: Config) -> None:
 
 def check_offline_run(cfg: Config, command: str, unit: str, export: bool, export_key: str) -> None:
     """The settings every offline trainer (``hybridflow <command>``: sft, dpo, rm) reads the same way:
-    its ranks are local processes without Ulysses, each step's ``unit``s split evenly over them, and
-    an export (``export``, the value of ``export_key``) needs the final checkpoint it exports."""
-    if cfg.trainer.backend != "local":
-        raise ConfigError(f"hybridflow {command} runs its ranks as local processes (there is no rollout to place on "
-                          f"a cluster); use trainer.backend=local", key="trainer.backend")
+    its ranks run without Ulysses, each step's ``unit``s split evenly over them, and an export
+    (``export``, the value of ``export_key``) needs the final checkpoint it exports."""
     if export and not cfg.trainer.save_final:
         raise ConfigError(f"{export_key}=true exports the final checkpoint, but trainer.save_final=false; set one "
                           f"of them", key=export_key)
@@ -139,7 +137,7 @@ def run_sft_job(cfg: Config) -> SFTResult:
     out = open_output_dir(cfg)
     _write_data_stats(out, stats)
     job = OfflineJob(cfg, model_path, str(out), train, val, total, int(tokenizer.pad_token_id), length)
-    final_val = run_ranks(data_parallel_size(cfg.trainer), _train, job, PRELOAD)
+    final_val = run_ranks("sft", data_parallel_size(cfg.trainer), _train, job, PRELOAD)
     export_dir = export_final(out) if cfg.sft.export else None
     return SFTResult(out, out / "metrics.jsonl", export_dir, final_val)
 

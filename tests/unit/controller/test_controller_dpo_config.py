@@ -14,7 +14,6 @@ from hybridflow.controller.dpo_run import check_dpo_config
     (["dpo.sft_weight=-1"], "dpo.sft_weight"),
     (["model.path=/some/model"], "data.train_files"),
     (["data.builtin_task=calculator"], "data.builtin_task"),
-    (["trainer.backend=ray"], "trainer.backend"),
     (["trainer.save_final=false"], "dpo.export"),
     (["trainer.n_workers=3", "data.train_batch_size=32"], "data.train_batch_size"),
     (["dpo.max_length=1"], "dpo.max_length"),
@@ -28,3 +27,7 @@ def test_a_wrong_setting_is_refused_naming_its_key(overrides, key):
 
 def test_the_default_built_in_run_passes():
     check_dpo_config(load_config(None, None, []))
+
+
+def test_ranks_on_ray_pass():
+    check_dpo_config(load_config(None, None, ["trainer.backend=ray", "trainer.n_workers=2"]))

@@ -16,7 +16,6 @@ from hybridflow.models.tiny import write_tiny_model
     (["actor.lora.rank=8"], "actor.lora.rank"),
     (["model.path=/some/model"], "data.train_files"),
     (["data.builtin_task=calculator"], "data.builtin_task"),
-    (["trainer.backend=ray"], "trainer.backend"),
     (["trainer.save_final=false"], "rm.export"),
     (["trainer.n_workers=3", "data.train_batch_size=32"], "data.train_batch_size"),
     (["dpo.builtin_prompts=0"], "dpo.builtin_prompts"),

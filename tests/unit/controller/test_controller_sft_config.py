@@ -12,7 +12,6 @@ from hybridflow.cli import main
 @pytest.mark.parametrize(("args", "message"), [
     ([], "config error: hybridflow sft needs data.train_files"),
     (["data.train_files=x.parquet", "trainer.save_final=false"], "config error: sft.export=true exports the final"),
-    (["data.train_files=x.parquet", "trainer.backend=ray"], "config error: hybridflow sft runs its ranks as local"),
     (["data.train_files=x.parquet", "trainer.n_workers=3", "data.train_batch_size=32"],
      "config error: data.train_batch_size=32 examples per step do not split over 3 ranks"),
 ])
