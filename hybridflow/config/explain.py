@@ -20,7 +20,7 @@ from hybridflow.config.budget import (
     read_model_shape,
     training_bytes_per_token,
 )
-from hybridflow.config.layout import batch_plan, dp_source, rollout_replicas
+from hybridflow.config.layout import batch_plan, data_parallel_size, dp_source, rollout_replicas
 from hybridflow.config.plan import memory_plan_lines
 from hybridflow.config.schema import Config
 from hybridflow.config.yaml_io import config_to_yaml
@@ -378,8 +378,31 @@ def _replica_layout(cfg: Config) -> str:
             f"the router on the replica with the fewest in-flight tokens; {sleep}")
 
 
+def _offline_lines(cfg: Config) -> list[str]:
+    """What ``hybridflow dpo`` and ``hybridflow rm`` would train on this config (``dpo.*``, ``rm.*``; the maths
+    in docs/algorithms.md)."""
+    d, r, t = cfg.dpo, cfg.rm, cfg.trainer
+    pairs = ("data.train_files" if cfg.data.train_files else
+             f"the built-in pairs (dpo.builtin_prompts={d.builtin_prompts} prompts: the right answer chosen, a wrong "
+             f"one of dpo.builtin_samples={d.builtin_samples} warm-started samples rejected)")
+    smoothing = f", label_smoothing={d.label_smoothing:g}" if d.label_smoothing else ""
+    sft = f" + {d.sft_weight:g} x the chosen answers' NLL (dpo.sft_weight)" if d.sft_weight else ""
+    reference = ("no reference (dpo.reference_free=true)" if d.reference_free else
+                 "the starting model as the frozen reference (its logprobs computed once)")
+    center = (f" + {r.center_rewards_coefficient:g} x (r_w + r_l)^2 (rm.center_rewards_coefficient)"
+              if r.center_rewards_coefficient else "")
+    ranks = f"{data_parallel_size(t)} rank(s) on trainer.backend={t.backend}"
+    return [
+        f"hybridflow dpo: {d.loss_type} loss (dpo.loss_type) with beta={d.beta:g}{smoothing}{sft}, against "
+        f"{reference}, on {pairs}; {ranks}",
+        f"hybridflow rm: Bradley-Terry loss -log sigmoid(r_w - r_l){center} on the same pairs, a one-label "
+        f"sequence classifier from model.path exported for reward_model.model.path; {ranks}",
+    ]
+
+
 def explain_config(cfg: Config, with_critic: bool = False) -> str:
-    """The resolved config as YAML, then the plan in numbers, the memory plan, then the validation warnings.
+    """The resolved config as YAML, then the plan in numbers, what the offline trainers would train, the memory
+    plan, then the validation warnings.
     ``with_critic``: the estimator needs values, so a critic is built (known once its name is
     resolved, which this layer cannot do).
 
@@ -388,6 +411,8 @@ def explain_config(cfg: Config, with_critic: bool = False) -> str:
     warnings = validate_config(cfg)
     parts = ["# Resolved config", config_to_yaml(cfg).rstrip(), "", "Plan"]
     parts += [f"  {line}" for line in _plan_lines(cfg, with_critic)]
+    parts += ["", "Offline trainers on this config (hybridflow dpo, hybridflow rm)"]
+    parts += [f"  {line}" for line in _offline_lines(cfg)]
     parts += ["", "Memory (hybridflow plan)"]
     parts += [f"  {line}" for line in memory_plan_lines(cfg, with_critic)]
     parts += ["", "Warnings"]

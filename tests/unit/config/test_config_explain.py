@@ -155,6 +155,17 @@ def test_online_dpo_plan_names_its_pairs_loss_and_reference() -> None:
     assert "no reference model" in free and "every two of each prompt's rollout.n=8 samples (up to 28 pairs)" in free
 
 
+def test_the_offline_trainers_dpo_and_rm_are_explained() -> None:
+    text = explain_config(load_config(overrides=["dpo.loss_type=ipo", "dpo.reference_free=true",
+                                                 "rm.center_rewards_coefficient=0.01", "trainer.backend=ray",
+                                                 "trainer.n_workers=2"]))
+    offline = text.split("\nOffline trainers on this config (hybridflow dpo, hybridflow rm)\n", 1)[1]
+    assert "hybridflow dpo: ipo loss (dpo.loss_type) with beta=0.1, against no reference (dpo.reference_free=true), " \
+           "on the built-in pairs" in offline
+    assert "hybridflow rm: Bradley-Terry loss -log sigmoid(r_w - r_l) + 0.01 x (r_w + r_l)^2" in offline
+    assert "2 rank(s) on trainer.backend=ray" in offline
+
+
 def test_warm_start_decision() -> None:
     assert warm_start_decision("auto", "builtin:tiny")[0] is True
     assert warm_start_decision("true", "builtin:tiny")[0] is True
