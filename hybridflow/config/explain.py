@@ -292,8 +292,10 @@ def _forward_lines(cfg: Config, dp: int) -> list[str]:
 
 
 def _device_type(cfg: Config) -> str:
-    """The device ``trainer.device`` names (``auto``: CUDA where torch sees one)."""
-    return "cuda" if cfg.trainer.device == "cuda" else resolve_device(cfg.trainer.device).type
+    """The device type ``trainer.device`` names (``auto``: CUDA where torch sees one). Not resolved
+    otherwise: explain judges configs for devices this machine lacks (cuda, npu)."""
+    device = cfg.trainer.device
+    return resolve_device(device).type if device == "auto" else device.split(":")[0]
 
 
 def _precision_line(cfg: Config) -> str:
