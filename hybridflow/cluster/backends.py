@@ -16,7 +16,7 @@ from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerGroup
 from hybridflow.utils.threads import process_cores, rule_threads
 
 if TYPE_CHECKING:
-    from hybridflow.cluster.ray_group import Placement, ResourcePool
+    from hybridflow.cluster.ray_group import ElasticPlacement, Placement, ResourcePool
 
 W = TypeVar("W")
 
@@ -48,6 +48,17 @@ def build_worker_group(
         return RayWorkerGroup(role, factory, world_size, placement)
     raise ValueError(f"trainer.backend={backend!r} is not available; choose one of {sorted(BACKENDS)}")
 
+
+def elastic_placement(*, ranks_per_group: int, data_parallel_size: int, device: torch.device,
+                      num_threads: int | None = None) -> ElasticPlacement:
+    """Where the groups of a Ray role that grows and shrinks go (``rollout.elastic``), each of
+    ``ranks_per_group`` ranks in a placement group of its own, reserved as each group starts. Its
+    ranks get the threads a split pool's would (``reserve_placements``; call that first: it joins
+    the cluster)."""
+    from hybridflow.cluster.ray_group import ElasticPlacement
+
+    threads = num_threads or rule_threads(data_parallel_size * 2)
+    return ElasticPlacement(ranks_per_group, use_gpu=device.type == "cuda", num_threads=threads, device=device)
 
 
 def reserve_placements(

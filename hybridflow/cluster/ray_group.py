@@ -58,6 +58,9 @@ P = ParamSpec("P")
 # only (Ray's laptop mode). Only set for a cluster this process starts itself.
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 PLACEMENT_TIMEOUT_S = 120.0  # a cluster that cannot fit the bundles by then never will on its own
+# How long an elastic role's look for room waits for Ray to place a reservation the free resources
+# say fits (the cluster's view of them lags a little behind a node that joined or a group released).
+ROOM_WAIT_S = 10.0
 # After a rank fails, how long to wait for its peers' results: a peer in a collective with a dead
 # rank errors a moment later *because* of it, and the report should lead with the cause.
 FAILURE_GRACE_S = 2.0
@@ -105,6 +108,10 @@ def init_ray(address: str | None, *, dashboard: bool, num_cpus: int | None = Non
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+class NoRoomError(RuntimeError):
+    """The Ray cluster could not fit a placement group's bundles in time."""
+
+
 class ResourcePool:
     """A placement group with one bundle per data-parallel rank (1 CPU, plus 1 GPU on GPU runs).
 
@@ -113,7 +120,7 @@ class ResourcePool:
     """
 
     def __init__(self, num_bundles: int, *, use_gpu: bool, cpus_per_bundle: float = 1.0,
-                 timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+                 timeout_s: float = PLACEMENT_TIMEOUT_S, strategy: str = "PACK") -> None:
         import ray
         from ray.util.placement_group import placement_group
 
@@ -123,12 +130,12 @@ class ResourcePool:
         self._closed = False
         bundle = {"CPU": cpus_per_bundle, **({"GPU": 1.0} if use_gpu else {})}
         bundles = [dict(bundle) for _ in range(num_bundles)]
-        self.placement_group: PlacementGroup = placement_group(bundles, strategy="PACK")
+        self.placement_group: PlacementGroup = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self.placement_group.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             ray.util.remove_placement_group(self.placement_group)
-            raise RuntimeError(
+            raise NoRoomError(
                 f"the Ray cluster cannot fit {num_bundles} bundles of {bundle} within {timeout_s:.0f}s "
                 f"(available: {ray.available_resources()}); lower trainer.n_workers / trainer.n_gpus_per_node or "
                 f"add nodes"
@@ -175,6 +182,39 @@ class Placement:
     def from_bundle(self, first_bundle: int) -> Placement:
         """The same placement for a group whose rank 0 sits in ``first_bundle``."""
         return dataclasses.replace(self, first_bundle=first_bundle)
+
+
+@dataclass(frozen=True)
+class ElasticPlacement:
+    """Where the groups of a role that grows and shrinks with the cluster go (``rollout.elastic``):
+    each group in a placement group of its own, ``bundles`` bundles on one node (``STRICT_PACK``: a
+    tensor-parallel replica's ranks talk every step), so that one group's reservation is given back
+    alone when its node leaves, and a node that joins takes new ones."""
+
+    bundles: int
+    use_gpu: bool
+    num_threads: int
+    device: torch.device
+
+    def reserve(self, wait: bool) -> Placement | None:
+        """A placement for one group: ``wait``, for room as long as a fixed pool waits
+        (``NoRoomError`` past it); else None unless Ray places it within ``ROOM_WAIT_S``."""
+        try:
+            pool = ResourcePool(self.bundles, use_gpu=self.use_gpu, strategy="STRICT_PACK",
+                                timeout_s=PLACEMENT_TIMEOUT_S if wait else ROOM_WAIT_S)
+        except NoRoomError:
+            if wait:
+                raise
+            return None
+        return Placement(pool, share=1.0, num_threads=self.num_threads, device=self.device)
+
+    def has_free_room(self) -> bool:
+        """Whether the cluster's free resources, all nodes together, hold one group's bundles: a
+        cheap first look, so that a full cluster costs no wait (one node must still hold them all)."""
+        import ray
+
+        free = ray.available_resources()
+        return free.get("CPU", 0.0) >= self.bundles and (not self.use_gpu or free.get("GPU", 0.0) >= self.bundles)
 
 
 # -------------------------------------------------------------------------------- rank process

@@ -371,6 +371,12 @@ def _replica_layout(cfg: Config) -> str:
     more = f", ... (up to replica {replicas - 1})" if replicas > 4 else ""
     split = ("" if tp == 1 else "; heads, MLP and KV cache split over each replica's ranks, its first rank samples "
              "(rollout.tensor_model_parallel_size)")
+    if cfg.rollout.elastic:
+        r = cfg.rollout
+        return (f"rollout replicas: {r.min_replicas} to {r.max_replicas} (rollout.elastic: each in a placement group "
+                f"of its own of {tp} {units}; before each weight sync more start while the Ray cluster has room, and "
+                f"one whose node left is removed), tensor parallel {tp}{split}; requests placed by the router on the "
+                f"replica with the fewest in-flight tokens; {sleep}")
     if cfg.rollout.placement == "split":
         pool = (f"in a resource pool of their own (rollout.placement=split: {replicas * tp} more {unit}s beside the "
                 f"trainer's)")

@@ -63,7 +63,10 @@ def data_parallel_size(trainer: TrainerConfig) -> int:
 
 def rollout_replicas(cfg: Config) -> int:
     """Rollout replicas: the data-parallel ranks in groups of ``rollout.tensor_model_parallel_size``
-    (each replica one engine over its ranks' placements)."""
+    (each replica one engine over its ranks' placements); with ``rollout.elastic``, the most the run
+    may start (``rollout.max_replicas``), which is what shares of a run-wide limit are sized by."""
+    if cfg.rollout.elastic and cfg.rollout.max_replicas is not None:
+        return cfg.rollout.max_replicas
     return max(1, data_parallel_size(cfg.trainer) // cfg.rollout.tensor_model_parallel_size)
 
 

@@ -29,6 +29,15 @@ death fails the call with a ``WorkerError`` naming the replica and its node. Rep
 without a way to restart them (in-process ones die with the controller), and a replica whose own
 code raises (it would again), fail the call with the replica's own error. Either way the router
 marks the replica dead. ``rollout/replica_restarts`` counts the restarts.
+
+An elastic rollout (``rollout.elastic``: ``ElasticReplicas``) follows the cluster: each replica in a
+reservation of its own (``ReplicaPlacer``), and before each weight sync (``prepare_sync``) a
+replica down is restarted where its reservation finds room again, or else removed (its slot left
+empty, its name not reused until a new replica takes the slot) while more than
+``rollout.min_replicas`` are left; then new replicas start while the cluster has room, up to
+``rollout.max_replicas``. Both ends of a change form the broadcast group again, so new replicas get
+the current weights by the normal sync, checked like the others. The router places each round on
+the replicas of the moment; seeds per request keep the samples those of any other replica count.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -67,28 +77,61 @@ def replica_role(index: int) -> str:
     return f"rollout replica {index}"
 
 
+class ReplicaPlacer(Protocol):
+    """How an elastic rollout's replicas get and give back room on the cluster (set-up's)."""
+
+    def start(self, replica: int, patient: bool) -> WorkerGroup[RolloutWorker] | None:
+        """Replica ``replica`` started in a reservation of its own, holding ``model.path``'s weights:
+        ``patient``, waiting for room as long as set-up waits for the trainer's (raises past it);
+        else None when Ray cannot place the reservation within a short wait."""
+        ...
+
+    def has_free_room(self) -> bool:
+        """Whether the cluster's free resources could hold one more replica (a cheap first look)."""
+        ...
+
+    def release(self, replica: int) -> None:
+        """Give back replica ``replica``'s reservation (its group closed)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ElasticReplicas:
+    """``rollout.elastic``: the bounds of the replica count and where replicas go."""
+
+    min_replicas: int
+    max_replicas: int
+    placer: ReplicaPlacer
+
+
 class RolloutReplicas:
     """The rollout replicas (one worker group each) behind one router."""
 
     def __init__(self, groups: Sequence[WorkerGroup[RolloutWorker]], *, free_cache_engine: bool,
                  sleep_level: int = 1, verify_weight_sync: bool = False,
-                 rebuild: Callable[[int], WorkerGroup[RolloutWorker]] | None = None, max_restarts: int = 0) -> None:
+                 rebuild: Callable[[int], WorkerGroup[RolloutWorker]] | None = None, max_restarts: int = 0,
+                 elastic: ElasticReplicas | None = None) -> None:
         if not groups:
             raise ValueError("RolloutReplicas needs at least one replica")
-        self.groups = list(groups)
+        # Replica k's group by slot; None: a slot whose replica an elastic run removed.
+        self.groups: list[WorkerGroup[RolloutWorker] | None] = list(groups)
         self.router = ReplicaRouter(len(self.groups))
+        self.elastic = elastic
         # rollout.max_replica_restarts, and how replica k's group is built again (None: a backend
         # whose replicas live in this process, where a replica's death is the controller's).
-        self._rebuild, self.max_restarts = rebuild, max_restarts if rebuild is not None else 0
+        self._rebuild = rebuild
+        self.max_restarts = max_restarts if rebuild is not None or elastic is not None else 0
         self.restarts = [0] * len(self.groups)  # per replica, over the run
+        self._retired_restarts = 0  # restarts of the replicas an elastic run removed since
         self._down: dict[int, str] = {}  # replica -> why: died, restarted at the next sync (restart_down)
         # Restarted replicas are not in the broadcast group yet: the next broadcast sync forms it again.
         self.rejoin_weight_sync = False
         # Brings the replicas restarted mid-round (none other alive) the rollout's current weights;
         # set by the trainer, which knows them. None: such a restart fails the call.
         self.restore_weights: Callable[[list[int]], None] | None = None
-        # Called after replicas were restarted (set-up records where every rank now runs: placement.json).
-        self.on_restart: Callable[[], None] | None = None
+        # Called after replicas were restarted, added or removed (set-up records where every rank now
+        # runs: placement.json).
+        self.on_change: Callable[[], None] | None = None
         self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
         # rollout.verify_weight_sync: after each sync every replica's digest is checked (verify_sync).
@@ -101,7 +144,20 @@ class RolloutReplicas:
 
     @property
     def num_replicas(self) -> int:
-        return len(self.groups)
+        """The replicas of the run now (those down, waiting for their restart, too)."""
+        return len(self.active)
+
+    @property
+    def active(self) -> list[int]:
+        """The slots that hold a replica (an elastic run's removed ones do not)."""
+        return [k for k, group in enumerate(self.groups) if group is not None]
+
+    def group(self, replica: int) -> WorkerGroup[RolloutWorker]:
+        """Replica ``replica``'s worker group."""
+        group = self.groups[replica]
+        if group is None:
+            raise IndexError(f"{replica_role(replica)} was removed (rollout.elastic)")
+        return group
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Trajectory]]:
@@ -109,7 +165,7 @@ class RolloutReplicas:
         down and its requests go to the others (module docstring)."""
         self.wake_up()
         results: list[list[Trajectory]] = [[] for _ in requests]
-        outputs = [ReplicaOutput([], 0.0, {}) for _ in self.groups]  # each replica's round, summed over passes
+        outputs: dict[int, ReplicaOutput] = {}  # each replica's round, summed over passes
         todo = list(range(len(requests)))
         while todo:
             todo = self._serve_pass(requests, todo, results, outputs)
@@ -117,19 +173,19 @@ class RolloutReplicas:
         return results
 
     def _serve_pass(self, requests: Sequence[GenerationRequest], todo: list[int], results: list[list[Trajectory]],
-                    outputs: list[ReplicaOutput]) -> list[int]:
+                    outputs: dict[int, ReplicaOutput]) -> list[int]:
         """Place the requests ``todo`` on the live replicas and serve them; what a replica that died
         had is returned, to place again."""
         self.ensure_live()
         tickets = dict(zip(todo, self.router.place([RouteRequest(len(requests[i].prompt_ids), requests[i].params.n,
                                                                  requests[i].params.max_tokens) for i in todo]),
                            strict=True))
-        live = [r for r in range(self.num_replicas) if self.router.loads[r].alive]
+        live = [r for r in self.active if self.router.loads[r].alive]
         placed = {r: [i for i in todo if tickets[i].replica == r] for r in live}
         calls, submitted = [], []  # submitted: when each replica got its call (the in-process backend runs it then)
         for r in live:
             submitted.append(time.perf_counter())
-            calls.append(self.groups[r].submit_one(0, RolloutWorker.serve, [requests[i] for i in placed[r]]))
+            calls.append(self.group(r).submit_one(0, RolloutWorker.serve, [requests[i] for i in placed[r]]))
         again: list[int] = []
         try:
             for c, outcome in wait_each(*calls):
@@ -149,7 +205,7 @@ class RolloutReplicas:
                 # the rest of the round, up to the slowest replica, it waited.
                 self.timeline.add(replica_role(r), "serve", submitted[c], submitted[c] + output.seconds,
                                   requests=len(placed[r]), tokens=int(output.engine_counts.get("generated_tokens", 0)))
-                outputs[r] = _summed(outputs[r], output)
+                outputs[r] = _summed(outputs.get(r, _NOTHING), output)
         except BaseException:
             for ticket in tickets.values():  # the round failed: none of its requests is in flight
                 self.router.abandon(ticket)
@@ -191,36 +247,51 @@ class RolloutReplicas:
     def _abort(self, replicas: Iterable[int]) -> None:
         """Cancel what the living ones of ``replicas`` still run for a stream that ended early."""
         for r in replicas:
-            if not self.router.loads[r].alive:
+            group = self.groups[r]
+            if group is None or not self.router.loads[r].alive:
                 continue
             try:
-                self.groups[r].call_one(0, RolloutWorker.abort)
+                group.call_one(0, RolloutWorker.abort)
             except WorkerError as error:  # it failed too: the next call to it says so
                 logger.warning("could not abort the requests of %s: %s", replica_role(r), str(error).splitlines()[0])
 
     # ------------------------------------------------------------------ recovery
     def _lost(self, replica: int, error: WorkerError) -> None:
         """``replica``'s call failed with ``error``: down until its restart when its process died
-        and a restart is left; else the error, naming the replica and its node, fails the call."""
+        and a restart is left (elastic: until the next sync restarts or removes it); else the error,
+        naming the replica and its node, fails the call."""
         restarts = self.restarts[replica]
-        if not error.process_died or restarts >= self.max_restarts:
+        elastic = self.elastic is not None
+        if not error.process_died or (not elastic and restarts >= self.max_restarts):
             self._mark_failed(str(error))
             self.router.mark_dead(replica, str(error).splitlines()[0])
             if not error.process_died or self._rebuild is None:
                 raise error  # its own code failed (it would again), or nothing here can restart it
-            raise WorkerError(f"{replica_role(replica)} on {self.node_of(replica)} died and was not restarted: "
-                              f"rollout.max_replica_restarts={self.max_restarts} restarts of it were used up\n{error}",
-                              process_died=True) from error
-        self.restarts[replica] += 1
+            raise self._used_up(replica, error)
         self._down[replica] = str(error).splitlines()[0]
         self.router.mark_dead(replica, self._down[replica])
+        if elastic:  # counted when it restarts: a replica removed (its node left) is no restart
+            logger.warning("%s on %s died (rollout.elastic: at the next weight sync it is restarted where the cluster "
+                           "has room, or removed; its requests go to the other replicas): %s", replica_role(replica),
+                           self.node_of(replica), self._down[replica])
+            return
+        self.restarts[replica] += 1
         logger.warning("%s on %s died (restart %d of rollout.max_replica_restarts=%d at the next weight sync; "
                        "its requests go to the other replicas): %s", replica_role(replica), self.node_of(replica),
                        self.restarts[replica], self.max_restarts, self._down[replica])
 
+    def _used_up(self, replica: int, error: WorkerError | str) -> WorkerError:
+        """The error that stops the run when ``replica`` died once more than its restarts allow."""
+        failed = WorkerError(f"{replica_role(replica)} on {self.node_of(replica)} died and was not restarted: "
+                             f"rollout.max_replica_restarts={self.max_restarts} restarts of it were used up\n{error}",
+                             process_died=True)
+        if isinstance(error, WorkerError):
+            failed.__cause__ = error
+        return failed
+
     def node_of(self, replica: int) -> str:
         """Where ``replica``'s ranks ran, for errors: node address (and Ray node id)."""
-        nodes = dict.fromkeys(n.describe() for n in self.groups[replica].nodes())
+        nodes = dict.fromkeys(n.describe() for n in self.group(replica).nodes())
         return ", ".join(nodes)
 
     @property
@@ -231,33 +302,116 @@ class RolloutReplicas:
     def restart_down(self) -> list[int]:
         """Start every down replica again (a new process in its placement bundle: the same node,
         or another with room where Ray moved the bundle); returns them. They hold the weights of
-        ``model.path``: the caller syncs them (the next weight sync, or ``restore_weights``)."""
+        ``model.path``: the caller syncs them (the next weight sync, or ``restore_weights``).
+        An elastic rollout restarts or removes them (``resize``, without starting new ones)."""
+        if self.elastic is not None:
+            return self.resize(grow=False)
         restarted = self.down
         for k in restarted:
             assert self._rebuild is not None, "only replicas that can be restarted go down"
-            self.groups[k].close()  # what is left of the dead replica (its other ranks, its bundle share)
+            self.group(k).close()  # what is left of the dead replica (its other ranks, its bundle share)
             self.groups[k] = self._rebuild(k)
             del self._down[k]
             self.router.revive(k)
             self.rejoin_weight_sync = True
             logger.warning("%s restarted on %s", replica_role(k), self.node_of(k))
-        if restarted and self.on_restart is not None:
-            self.on_restart()
+        if restarted and self.on_change is not None:
+            self.on_change()
         return restarted
+
+    # ------------------------------------------------------------------ elastic
+    def resize(self, grow: bool = True) -> list[int]:
+        """``rollout.elastic``: every replica down restarted where the cluster has room for it, or
+        removed while more than ``rollout.min_replicas`` are left (below that its restart waits for
+        room); then, ``grow``, new replicas while the cluster has room, up to ``rollout.max_replicas``.
+        Returns the replicas started (restarted or new), which hold ``model.path``'s weights: the
+        caller syncs them. A change re-forms the broadcast group at the next sync."""
+        elastic = self.elastic
+        assert elastic is not None, "resize is for rollout.elastic"
+        before = self.active
+        started = [k for k in self.down if self._replace_down(k, elastic)]
+        if grow:
+            started += self._grow(elastic)
+        if started or self.active != before:
+            self.rejoin_weight_sync = True
+            if self.on_change is not None:
+                self.on_change()
+        return started
+
+    def _replace_down(self, k: int, elastic: ElasticReplicas) -> bool:
+        """Replica ``k`` died: a new process in a new reservation (True), or, with no room for one,
+        none while more than ``rollout.min_replicas`` are left (False: removed)."""
+        node, why = self.node_of(k), self._down.pop(k)
+        self.group(k).close()  # what is left of it (its other ranks)
+        elastic.placer.release(k)  # its reservation: on a node that left, Ray cannot place it again
+        group = elastic.placer.start(k, patient=False)
+        if group is None and self.num_replicas - 1 >= elastic.min_replicas:
+            self._retire(k)
+            logger.warning("%s on %s removed: it died and the cluster has no room for it (rollout.elastic: %d "
+                           "replica(s) left, rollout.min_replicas=%d)", replica_role(k), node, self.num_replicas,
+                           elastic.min_replicas)
+            return False
+        if self.restarts[k] >= self.max_restarts:
+            if group is not None:
+                group.close()
+                elastic.placer.release(k)
+            raise self._used_up(k, why)
+        if group is None:
+            logger.warning("%s on %s died and the cluster has no room for it now; rollout.min_replicas=%d: waiting "
+                           "for room", replica_role(k), node, elastic.min_replicas)
+            group = elastic.placer.start(k, patient=True)
+        assert group is not None
+        self.groups[k] = group
+        self.restarts[k] += 1
+        self.router.revive(k)
+        logger.warning("%s restarted on %s (restart %d of rollout.max_replica_restarts=%d)", replica_role(k),
+                       self.node_of(k), self.restarts[k], self.max_restarts)
+        return True
+
+    def _grow(self, elastic: ElasticReplicas) -> list[int]:
+        """New replicas while the cluster has room, up to ``rollout.max_replicas``, each in the first
+        empty slot (a removed replica's) or a new one."""
+        added = []
+        while self.num_replicas < elastic.max_replicas and elastic.placer.has_free_room():
+            k = next((k for k, group in enumerate(self.groups) if group is None), len(self.groups))
+            group = elastic.placer.start(k, patient=False)
+            if group is None:
+                break
+            if k == len(self.groups):
+                self.groups.append(group)
+                self.restarts.append(0)
+                self.router.add()
+            else:
+                self.groups[k] = group
+                self.router.add(k)
+            added.append(k)
+            logger.warning("%s added on %s (rollout.elastic: %d of rollout.max_replicas=%d replicas)", replica_role(k),
+                           self.node_of(k), self.num_replicas, elastic.max_replicas)
+        return added
+
+    def _retire(self, k: int) -> None:
+        """Slot ``k`` holds no replica from now on (a new one may take it: its restarts count anew)."""
+        self.groups[k] = None
+        self._retired_restarts += self.restarts[k]
+        self.restarts[k] = 0
+        self.router.mark_dead(k, "removed (rollout.elastic)")
 
     def prepare_sync(self) -> None:
         """Before a weight sync: find the replicas that died while idle (the actor trained), which
-        the sync would fail on, and restart every replica down, so that the sync gives them the
-        weights (no-op where replicas are not restarted). A broadcast sync forms its group again
-        after (``rejoin_weight_sync``)."""
-        if self.max_restarts > 0:
+        the sync would fail on, and restart every replica down (elastic: ``resize``), so that the
+        sync gives them the weights (no-op where replicas are not restarted). A broadcast sync forms
+        its group again after (``rejoin_weight_sync``)."""
+        if self.max_restarts > 0 or self.elastic is not None:
             self._each(RolloutWorker.ping, recover=True)
-        self.restart_down()
+        if self.elastic is not None:
+            self.resize()
+        else:
+            self.restart_down()
 
     def ensure_live(self) -> None:
         """With every replica down, restart them now and have the trainer bring them the rollout's
         weights (``restore_weights``): nobody else is left to serve. A no-op while one is alive."""
-        if any(load.alive for load in self.router.loads) or not self._down:
+        if any(self.router.loads[k].alive for k in self.active) or not self._down:
             return
         if self.restore_weights is None:
             raise WorkerError(f"every rollout replica is down ({'; '.join(self._down.values())}), and nothing can "
@@ -267,24 +421,30 @@ class RolloutReplicas:
     def _mark_failed(self, message: str) -> None:
         """The replicas the error names are dead to the router (the error's first line names the
         replica that failed first; later lines may name others)."""
-        for r in range(self.num_replicas):
+        for r in self.active:
             if f"{replica_role(r)} rank" in message:
                 self.router.mark_dead(r, message.splitlines()[0])
 
-    def _record_round(self, outputs: list[ReplicaOutput], started: float, requests: list[int]) -> None:
+    def _record_round(self, outputs: dict[int, ReplicaOutput], started: float, requests: dict[int, int]) -> None:
         """A round's busy time, timeline spans (from ``started``) and metrics, per replica."""
-        for r, output in enumerate(outputs):
+        for r, output in outputs.items():
             self.router.loads[r].busy_seconds += output.seconds
-            if requests[r]:  # the replica's engine time, from the round's start to its last finish
+            if requests.get(r):  # the replica's engine time, from the round's start to its last finish
                 self.timeline.add(replica_role(r), "serve", started, started + output.seconds, requests=requests[r],
                                   tokens=int(output.engine_counts.get("generated_tokens", 0)))
         self._metrics.append(self._round_metrics(outputs))
 
-    def _round_metrics(self, outputs: list[ReplicaOutput]) -> dict[str, float]:
-        tokens = [int(o.engine_counts.get("generated_tokens", 0)) for o in outputs]
-        metrics = self.router.metrics([o.seconds for o in outputs], tokens)
+    def _round_metrics(self, outputs: dict[int, ReplicaOutput]) -> dict[str, float]:
+        """The load figures over the replicas of the moment (a removed one's share still counts in
+        the token totals), and with ``rollout.elastic`` how many were serving at the round's end."""
+        slots = self.active
+        served = [outputs.get(r, _NOTHING) for r in slots]
+        tokens = [int(o.engine_counts.get("generated_tokens", 0)) for o in served]
+        metrics = self.router.metrics([o.seconds for o in served], tokens, slots)
         for name in _SUMMED_COUNTS:
-            metrics[f"rollout/{name}"] = sum(o.engine_counts.get(name, 0.0) for o in outputs)
+            metrics[f"rollout/{name}"] = sum(o.engine_counts.get(name, 0.0) for o in outputs.values())
+        if self.elastic is not None:
+            metrics["rollout/replicas"] = float(sum(self.router.loads[r].alive for r in slots))
         return metrics
 
     def take_metrics(self) -> dict[str, float]:
@@ -296,7 +456,7 @@ class RolloutReplicas:
             return {}
         merged = dict(rounds[-1])
         if self.max_restarts > 0:
-            merged["rollout/replica_restarts"] = float(sum(self.restarts))
+            merged["rollout/replica_restarts"] = float(sum(self.restarts) + self._retired_restarts)
         for name in _SUMMED_COUNTS:
             merged[f"rollout/{name}"] = sum(m[f"rollout/{name}"] for m in rounds)
         looked_up = merged.pop("rollout/prefix_cache_query_tokens")
@@ -361,26 +521,28 @@ class RolloutReplicas:
 
     def device_uuids(self) -> list[str | None]:
         """Each replica's GPU (None on CPU), for the choice of weight-sync transport."""
-        return self._each(RolloutWorker.device_uuid)
+        uuids = self._each(RolloutWorker.device_uuid)
+        return [uuids[k] for k in self.active]
 
     def node_addresses(self) -> list[str]:
-        return [address for group in self.groups for address in group.node_addresses()]
+        return [address for k in self.active for address in self.group(k).node_addresses()]
 
     def submit_join_weight_sync(self, host: str, port: int, world_size: int, on_gpu: bool) -> list[PendingCall[None]]:
-        """Every replica joins the weight-sync group, replica k as member k + 1 (actor rank 0 sends)."""
-        return [group.submit_one(0, RolloutWorker.join_weight_sync, host, port, world_size, on_gpu,
-                                 member=SENDER_RANK + 1 + k) for k, group in enumerate(self.groups)]
+        """Every replica joins the weight-sync group, the i-th of them (``active``) as member i + 1
+        (actor rank 0 sends)."""
+        return [self.group(k).submit_one(0, RolloutWorker.join_weight_sync, host, port, world_size, on_gpu,
+                                         member=SENDER_RANK + 1 + i) for i, k in enumerate(self.active)]
 
     def submit_receive(self, version: int | None = None) -> list[PendingCall[TransferStats]]:
         """Every replica receives the sync that actor rank 0 sends at the same time (``version``
         as in ``update_weights``)."""
-        return [group.submit_one(0, RolloutWorker.receive_weights, version) for group in self.groups]
+        return [self.group(k).submit_one(0, RolloutWorker.receive_weights, version) for k in self.active]
 
     def close_weight_sync(self) -> None:
         self._each(RolloutWorker.close_weight_sync)
 
     def close(self) -> None:
-        for group in self.groups:
+        for group in (self.group(k) for k in self.active):
             try:  # a replica's HTTP server (rollout.mode=server) stops before its process goes
                 wait_all(group.submit_one(0, RolloutWorker.close))
             except Exception:  # a dead replica has nothing left to stop
@@ -388,12 +550,12 @@ class RolloutReplicas:
             group.close()
 
     def _each(self, method: Callable[..., Any], *args: Any, recover: bool = False) -> list[Any]:
-        """``method`` on every replica at once, but those down; results in replica order (None for
-        a replica down). ``recover``: a replica that died meanwhile goes down (``_lost``), else its
+        """``method`` on every replica at once, but those down; results by slot (None for a replica
+        down and a slot without one). ``recover``: a replica that died meanwhile goes down (``_lost``), else its
         error fails the call."""
-        up = [k for k in range(self.num_replicas) if k not in self._down]
-        results: list[Any] = [None] * self.num_replicas
-        calls = [self.groups[k].submit_one(0, method, *args) for k in up]
+        up = [k for k in self.active if k not in self._down]
+        results: list[Any] = [None] * len(self.groups)
+        calls = [self.group(k).submit_one(0, method, *args) for k in up]
         if not recover:
             for k, done in zip(up, wait_all(*calls), strict=True):
                 results[k] = done[0]
@@ -404,6 +566,9 @@ class RolloutReplicas:
             else:
                 results[up[c]] = outcome[0]
         return results
+
+
+_NOTHING = ReplicaOutput([], 0.0, {})  # a replica's round before its first answer
 
 
 def _summed(a: ReplicaOutput, b: ReplicaOutput) -> ReplicaOutput:
@@ -423,30 +588,34 @@ class ReplicaStream:
     for this one's. A replica that dies is found within one poll (``STREAM_POLL_S``): down, its
     unfinished requests started again on the others with their seeds (``RolloutReplicas``); one
     that cannot be restarted, or that raises, raises ``WorkerError`` naming it and is marked dead
-    in the router. ``close`` abandons in the router, and aborts on the replicas still alive,
-    every request not finished (a failure, or an early stop).
+    in the router. A replica replaced between two polls (a weight sync in the middle of the stream
+    restarted or removed it, or an elastic run gave its slot a new one) no longer holds what the
+    stream started there: those requests are started again too. ``close`` abandons in the router,
+    and aborts on the replicas still alive, every request not finished (a failure, or an early stop).
 
     A *round* is the stream's work between two ``end_round`` calls: its replicas' busy seconds
     (start to last finish), engine counters and timeline spans go to the rollout metrics
-    (``RolloutReplicas.take_metrics``) as one generation round."""
+    (``RolloutReplicas.take_metrics``) as one generation round. Every per-replica record is by
+    slot, so replicas that come and go (``rollout.elastic``) need nothing of the stream."""
 
     def __init__(self, replicas: RolloutReplicas, number: int) -> None:
         self._replicas, self._number = replicas, number
-        n = replicas.num_replicas
-        self._waiting: list[dict[tuple[int, Any], Ticket]] = [{} for _ in range(n)]  # per replica: tag -> ticket
+        self._waiting: dict[int, dict[tuple[int, Any], Ticket]] = {}  # per replica: tag -> ticket
+        # The group each replica's requests were started on: a replica replaced since holds none of them.
+        self._started_on: dict[int, WorkerGroup[RolloutWorker]] = {}
         # tag -> request (its row's fields on it): what a replica that died had is started again from here.
         self._sent: dict[tuple[int, Any], GenerationRequest] = {}
         self._round_start = time.perf_counter()
-        self._seconds = [0.0] * n  # per replica: the round's latest finish, from its requests' start
-        self._requests = [0] * n  # requests placed in this round
-        self._before: list[dict[str, float]] = [{} for _ in range(n)]  # engine counters at the round's start
-        self._after: list[dict[str, float]] = [{} for _ in range(n)]  # ... at the latest call
+        self._seconds: dict[int, float] = {}  # per replica: the round's latest finish, from its requests' start
+        self._requests: dict[int, int] = {}  # requests placed in this round
+        self._before: dict[int, dict[str, float]] = {}  # engine counters at the round's start
+        self._after: dict[int, dict[str, float]] = {}  # ... at the latest call
         # Counters of a replica's process that died in this round, up to its last answer (its new one counts from 0).
-        self._carried: list[dict[str, float]] = [{} for _ in range(n)]
+        self._carried: dict[int, dict[str, float]] = {}
 
     @property
     def in_flight(self) -> int:
-        return sum(len(waiting) for waiting in self._waiting)
+        return sum(len(waiting) for waiting in self._waiting.values())
 
     def add(self, requests: Sequence[GenerationRequest], keys: Iterable[Any]) -> None:
         """Place ``requests`` and start them, each under its key (what ``poll`` returns it with)."""
@@ -458,16 +627,19 @@ class ReplicaStream:
         is placed again on the others."""
         replicas = self._replicas
         replicas.ensure_live()
+        items += self._take_back_replaced()
         tickets = replicas.router.place([RouteRequest(len(r.prompt_ids), r.params.n, r.params.max_tokens)
                                          for _, r in items])
         placed: dict[int, list[int]] = {}
         for i, ((tag, request), ticket) in enumerate(zip(items, tickets, strict=True)):
             placed.setdefault(ticket.replica, []).append(i)
-            self._waiting[ticket.replica][tag] = ticket  # in flight from here: close abandons it
+            self._waiting.setdefault(ticket.replica, {})[tag] = ticket  # in flight from here: close abandons it
             self._sent[tag] = request
         order = list(placed)
-        starts = [replicas.groups[r].submit_one(0, RolloutWorker.start, [items[i][1] for i in placed[r]],
-                                                [items[i][0] for i in placed[r]])
+        for r in order:
+            self._started_on[r] = replicas.group(r)
+        starts = [replicas.group(r).submit_one(0, RolloutWorker.start, [items[i][1] for i in placed[r]],
+                                               [items[i][0] for i in placed[r]])
                   for r in order]
         again = []
         for c, outcome in wait_each(*starts):
@@ -476,25 +648,38 @@ class ReplicaStream:
                 again += self._replica_lost(r, outcome)
                 continue
             counts = outcome[0]
-            self._before[r] = self._before[r] or counts
-            self._after[r] = self._after[r] or counts
-            self._requests[r] += len(placed[r])
+            self._before[r] = self._before.get(r) or counts
+            self._after[r] = self._after.get(r) or counts
+            self._requests[r] = self._requests.get(r, 0) + len(placed[r])
         if again:
             self._start(again)
 
-    def _replica_lost(self, r: int, error: WorkerError) -> list[tuple[tuple[int, Any], GenerationRequest]]:
-        """Replica ``r`` failed: its unfinished requests leave it (returned, to start again on the
-        others), its counters so far stay with the round; then ``RolloutReplicas._lost`` (which
-        raises when it cannot be restarted)."""
-        replicas = self._replicas
-        lost = [(tag, self._sent[tag]) for tag in self._waiting[r]]
-        for ticket in self._waiting[r].values():
-            replicas.router.abandon(ticket)
-        self._waiting[r].clear()
-        self._carried[r] = _delta(self._after[r], self._before[r], self._carried[r])
+    def _take_back(self, r: int) -> list[tuple[tuple[int, Any], GenerationRequest]]:
+        """Replica ``r``'s unfinished requests leave it (returned, to start again on the others);
+        its counters so far stay with the round."""
+        waiting = self._waiting.pop(r, {})
+        lost = [(tag, self._sent[tag]) for tag in waiting]
+        for ticket in waiting.values():
+            self._replicas.router.abandon(ticket)
+        self._carried[r] = _delta(self._after.get(r, {}), self._before.get(r, {}), self._carried.get(r, {}))
         self._before[r], self._after[r] = {}, {}  # the new process's engine counts from 0
-        replicas._lost(r, error)
         return lost
+
+    def _replica_lost(self, r: int, error: WorkerError) -> list[tuple[tuple[int, Any], GenerationRequest]]:
+        """Replica ``r`` failed: ``_take_back``, then ``RolloutReplicas._lost`` (which raises when
+        it cannot be restarted)."""
+        lost = self._take_back(r)
+        self._replicas._lost(r, error)
+        return lost
+
+    def _take_back_replaced(self) -> list[tuple[tuple[int, Any], GenerationRequest]]:
+        """The unfinished requests of every replica replaced since they started there."""
+        groups = self._replicas.groups
+        replaced = [r for r, waiting in self._waiting.items() if waiting and groups[r] is not self._started_on.get(r)]
+        for r in replaced:
+            logger.warning("%s was replaced while %d request(s) of a stream ran on it: started again on the "
+                           "replicas of now", replica_role(r), len(self._waiting[r]))
+        return [item for r in replaced for item in self._take_back(r)]
 
     def poll(self) -> list[tuple[Any, list[Trajectory]]]:
         """The requests finished since the last poll (waiting at most ``STREAM_POLL_S`` for one)."""
@@ -507,9 +692,10 @@ class ReplicaStream:
 
     def _poll(self, take: Callable[..., Any]) -> list[Any]:
         replicas = self._replicas
-        polled = [r for r, waiting in enumerate(self._waiting) if waiting]
-        done, again = [], []
-        for c, outcome in wait_each(*(replicas.groups[r].submit_one(0, take, STREAM_POLL_S) for r in polled)):
+        again = self._take_back_replaced()
+        polled = [r for r, waiting in self._waiting.items() if waiting]
+        done = []
+        for c, outcome in wait_each(*(replicas.group(r).submit_one(0, take, STREAM_POLL_S) for r in polled)):
             r = polled[c]
             if isinstance(outcome, WorkerError):
                 again += self._replica_lost(r, outcome)
@@ -524,7 +710,7 @@ class ReplicaStream:
                 self._sent.pop(finished.tag, None)
                 samples = finished.trajectories if isinstance(finished, Finished) else finished.records
                 replicas.router.finish(ticket, sum(t.response_length for t in samples))
-                self._seconds[r] = max(self._seconds[r], finished.seconds)
+                self._seconds[r] = max(self._seconds.get(r, 0.0), finished.seconds)
                 done.append(finished)
         if again:
             self._start(again)
@@ -532,23 +718,22 @@ class ReplicaStream:
 
     def end_round(self) -> None:
         """Record the round so far as one generation round (see the class docstring); the next starts now."""
-        replicas = self._replicas
-        outputs = [ReplicaOutput([], self._seconds[r], _delta(self._after[r], self._before[r], self._carried[r]))
-                   for r in range(replicas.num_replicas)]
-        replicas._record_round(outputs, self._round_start, self._requests)
+        slots = set(self._after) | set(self._carried) | set(self._seconds)
+        outputs = {r: ReplicaOutput([], self._seconds.get(r, 0.0),
+                                    _delta(self._after.get(r, {}), self._before.get(r, {}), self._carried.get(r, {})))
+                   for r in slots}
+        self._replicas._record_round(outputs, self._round_start, self._requests)
         self._round_start = time.perf_counter()
-        self._seconds = [0.0] * replicas.num_replicas
-        self._requests = [0] * replicas.num_replicas
-        self._before = [dict(after) for after in self._after]
-        self._carried = [{} for _ in range(replicas.num_replicas)]
+        self._seconds, self._requests, self._carried = {}, {}, {}
+        self._before = {r: dict(after) for r, after in self._after.items()}
 
     def close(self) -> None:
         """Abandon and abort what is unfinished (nothing when every request finished)."""
-        unfinished = [r for r, waiting in enumerate(self._waiting) if waiting]
+        unfinished = [r for r, waiting in self._waiting.items() if waiting]
         for r in unfinished:
             for ticket in self._waiting[r].values():
                 self._replicas.router.abandon(ticket)
-            self._waiting[r].clear()
+        self._waiting.clear()
         self._sent.clear()
         if unfinished:
             self._replicas._abort(unfinished)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hybridflow.cluster.backends import build_worker_group, runs_in_process
-from hybridflow.cluster.ray_group import Placement
+from hybridflow.cluster.ray_group import ElasticPlacement, Placement
 from hybridflow.cluster.worker_group import (
     WorkerError,
     WorkerGroup,
@@ -22,7 +22,7 @@ from hybridflow.cluster.worker_group import (
 from hybridflow.config import Config, ConfigError
 from hybridflow.config.layout import data_parallel_size, rollout_replicas
 from hybridflow.controller.preflight import judge_api_key
-from hybridflow.controller.replicas import RolloutReplicas, replica_role
+from hybridflow.controller.replicas import ElasticReplicas, RolloutReplicas, replica_role
 from hybridflow.controller.teachers import Teachers
 from hybridflow.rewards.manager import scoring_processes
 from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
@@ -79,16 +79,16 @@ def connect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplic
     members = 1 + replicas.num_replicas
     wait_all(actor.submit_one(0, ActorWorker.join_weight_sync, host, port, members, on_gpu),
              *replicas.submit_join_weight_sync(host, port, members, on_gpu))
+    replicas.rejoin_weight_sync = False  # every replica of now is in it
     log.info("weight sync: actor rank 0 -> %d rollout replica(s) by broadcast via %s:%d (%s)",
              replicas.num_replicas, host, port, "nccl" if on_gpu else "gloo")
 
 
 def reconnect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas) -> None:
-    """Form the weight-sync group again after replicas were restarted (the old one has a dead
-    member): every member leaves it, then all join a new one."""
+    """Form the weight-sync group again after replicas were restarted, added or removed (the old
+    one has a dead member, or lacks a new one): every member leaves it, then all join a new one."""
     close_weight_sync(actor, replicas)
     connect_weight_sync(actor, replicas)
-    replicas.rejoin_weight_sync = False
 
 
 def close_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas) -> None:
@@ -162,33 +162,85 @@ class Roles:
             self.teachers.close()
 
 
-def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None) -> RolloutReplicas:
+def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None,
+                           elastic: ElasticPlacement | None = None) -> RolloutReplicas:
     """``rollout_replicas(cfg)`` replicas, each a worker group of its own: replica k's
     ``rollout.tensor_model_parallel_size`` ranks in bundles from k x tp on (on Ray; the group's
     process group is the replica's tensor-parallel group), so a failing replica is named and torn
-    down alone."""
+    down alone. ``rollout.elastic`` (``elastic``: where their reservations go): each replica in a
+    reservation of its own, ``rollout.min_replicas`` of them started waiting for room, then more
+    while the cluster has room, up to ``rollout.max_replicas``."""
     tp = cfg.rollout.tensor_model_parallel_size
 
-    def build(k: int) -> WorkerGroup[RolloutWorker]:
+    def build(k: int, where: Placement | None) -> WorkerGroup[RolloutWorker]:
         named = dataclasses.replace(setup, name=replica_role(k))
         return build_worker_group(cfg.trainer.backend, replica_role(k), lambda r, w: RolloutWorker(r, w, named),
-                                  tp, None if placement is None else placement.from_bundle(k * tp))
+                                  tp, where)
 
+    pools = ReplicaReservations(elastic, build) if elastic is not None else None
     groups: list[WorkerGroup[RolloutWorker]] = []
     try:
-        for k in range(rollout_replicas(cfg)):
-            groups.append(build(k))
+        for k in range(cfg.rollout.min_replicas if pools is not None else rollout_replicas(cfg)):
+            if pools is not None:
+                group = pools.start(k, patient=True)
+                assert group is not None  # a patient start raises when it finds no room
+            else:
+                group = build(k, None if placement is None else placement.from_bundle(k * tp))
+            groups.append(group)
     except BaseException:
-        for group in groups:  # nobody else holds the replicas started so far
+        for k, group in enumerate(groups):  # nobody else holds the replicas started so far
             group.close()
+            if pools is not None:
+                pools.release(k)
         raise
     # The asynchronous loops generate while the actor trains: there is no idle cache to free.
     free_cache_engine = cfg.rollout.free_cache_engine and cfg.trainer.mode == "sync"
     # In-process replicas die with the controller: nothing is left to restart them.
-    rebuild = None if runs_in_process(cfg.trainer.backend) else build
-    return RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=cfg.rollout.sleep_level,
-                           verify_weight_sync=cfg.rollout.verify_weight_sync, rebuild=rebuild,
-                           max_restarts=cfg.rollout.max_replica_restarts)
+    rebuild = None if runs_in_process(cfg.trainer.backend) or placement is None else \
+        (lambda k: build(k, placement.from_bundle(k * tp)))
+    bounds = None
+    if pools is not None:
+        assert cfg.rollout.max_replicas is not None  # the config checks refuse rollout.elastic without it
+        bounds = ElasticReplicas(cfg.rollout.min_replicas, cfg.rollout.max_replicas, pools)
+    replicas = RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=cfg.rollout.sleep_level,
+                               verify_weight_sync=cfg.rollout.verify_weight_sync, rebuild=rebuild,
+                               max_restarts=cfg.rollout.max_replica_restarts, elastic=bounds)
+    if bounds is not None:
+        try:
+            replicas.resize()  # more while the cluster has room now: they hold model.path, the weights of step 0
+        except BaseException:
+            replicas.close()
+            raise
+    return replicas
+
+
+class ReplicaReservations:
+    """``rollout.elastic``'s ``ReplicaPlacer``: each replica in a placement group of its own
+    (``ElasticPlacement``), reserved when it starts and given back when it goes."""
+
+    def __init__(self, placement: ElasticPlacement,
+                 build: Callable[[int, Placement], WorkerGroup[RolloutWorker]]) -> None:
+        self._placement, self._build = placement, build
+        self._held: dict[int, Placement] = {}  # replica -> its reservation
+
+    def start(self, replica: int, patient: bool) -> WorkerGroup[RolloutWorker] | None:
+        where = self._placement.reserve(wait=patient)
+        if where is None:
+            return None
+        self._held[replica] = where
+        try:
+            return self._build(replica, where)
+        except BaseException:
+            self.release(replica)
+            raise
+
+    def has_free_room(self) -> bool:
+        return self._placement.has_free_room()
+
+    def release(self, replica: int) -> None:
+        where = self._held.pop(replica, None)
+        if where is not None:
+            where.pool.close()
 
 
 def build_reward_model_group(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hybridflow.algorithms import KLController
-from hybridflow.cluster.backends import build_worker_group, reserve_placements, runs_in_process
+from hybridflow.cluster.backends import build_worker_group, elastic_placement, reserve_placements, runs_in_process
 from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
@@ -311,12 +311,14 @@ def build_run(cfg: Config) -> RunSetup:
     with_critic = needs_critic(needs)
     with_rm_ranks = cfg.reward_model.enable and cfg.reward_model.style == "discriminative"
     split = cfg.rollout.placement == "split"
+    # rollout.elastic: the replicas reserve room one by one as they start (build_rollout_replicas).
+    elastic = cfg.rollout.elastic and not runs_in_process(t.backend)
     pools, placements = reserve_placements(
         t.backend, data_parallel_size=dp, device=device,
         colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if reference_ranks else []),
                          *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else []),
                          *teacher_dirs],
-        split_roles=["rollout"] if split else [],
+        split_roles=["rollout"] if split and not elastic else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=None if follow else t.num_threads,
     )
     # The policy's model as every role builds it: the actor, its rollout engines and the reference.
@@ -349,7 +351,9 @@ def build_run(cfg: Config) -> RunSetup:
                                           if cfg.trainer.data_plane == "refs" else None))
     # One rollout replica per data-parallel rank, in that rank's bundle (next to its actor rank).
     # Samples are seeded per request, so the replica count does not change what is generated.
-    rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"))
+    rollout = build_rollout_replicas(cfg, rollout_setup, placements.get("rollout"), elastic_placement(
+        ranks_per_group=cfg.rollout.tensor_model_parallel_size, data_parallel_size=dp, device=device,
+        num_threads=None if follow else t.num_threads) if elastic else None)
     if weight_sync == BROADCAST:
         connect_weight_sync(actor, rollout)
     reference: WorkerGroup[ReferenceWorker] | WorkerGroup[ActorWorker] | None = None
@@ -400,7 +404,7 @@ def build_run(cfg: Config) -> RunSetup:
         progress=progress, dumps=dumps, warnings=warnings, pools=pools, timeline=timeline, storage=storage,
     )
     write_placement(output_dir, roles.named_groups())  # where each rank of each role landed
-    rollout.on_restart = lambda: write_placement(output_dir, roles.named_groups())  # ... and a restarted replica
+    rollout.on_change = lambda: write_placement(output_dir, roles.named_groups())  # ... and a replica that came or went
     record_budgets(output_dir, automatic_budgets, _budget_groups(roles), rollout.kv_cache_budget())
     return run
 

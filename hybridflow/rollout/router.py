@@ -19,6 +19,8 @@ Agent loops that run inside a replica's process (the rollout worker) are pinned 
 A replica marked dead takes no new requests; placing a request whose session lived there moves
 the session. With every replica dead, ``place`` raises ``NoReplicaError`` naming them. A dead
 replica that was restarted (``rollout.max_replica_restarts``) is ``revive``d: it takes requests again.
+An elastic run (``rollout.elastic``) ``add``s replicas as nodes join, and a replica removed for good
+stays dead (its slot may take a new replica later: ``add`` reuses it, counters cleared).
 """
 
 from __future__ import annotations
@@ -144,6 +146,18 @@ class ReplicaRouter:
         load.alive, load.failure = False, reason
         load.in_flight_tokens = load.in_flight_requests = 0
 
+    def add(self, replica: int | None = None) -> int:
+        """A new replica, empty, in slot ``replica`` (a dead one's, its counters cleared) or a new
+        last slot (None); returns its slot. New requests go to it first: it holds none in flight."""
+        if replica is None:
+            self.loads.append(ReplicaLoad())
+            self.num_replicas += 1
+            return self.num_replicas - 1
+        if self.loads[replica].alive:
+            raise ValueError(f"replica {replica} is alive: a new one cannot take its slot")
+        self.loads[replica] = ReplicaLoad()
+        return replica
+
     def revive(self, replica: int) -> None:
         """``replica`` was restarted: it takes requests again, starting empty (what it did before is kept)."""
         load = self.loads[replica]
@@ -171,8 +185,10 @@ class ReplicaRouter:
         self._sessions.pop(session, None)
 
     # ------------------------------------------------------------------ reporting
-    def metrics(self, busy_seconds: Sequence[float], generated_tokens: Sequence[int]) -> dict[str, float]:
-        """One generation round's load figures from each replica's busy time and generated tokens.
+    def metrics(self, busy_seconds: Sequence[float], generated_tokens: Sequence[int],
+                replicas: Sequence[int] | None = None) -> dict[str, float]:
+        """One generation round's load figures from each replica's busy time and generated tokens
+        (``replicas``: the slots they are of, default all; an elastic run leaves out removed ones).
 
         ``rollout/replica_load_imbalance``: the most tokens one replica generated over the mean (1.0
         is an even split of the work; a function of the placement and the seeded samples, so a
@@ -180,8 +196,9 @@ class ReplicaRouter:
         timings: ``perf/rollout/replica_busy_imbalance`` (the busiest replica's time over the mean:
         what the step waits for) and ``perf/rollout/replica_<k>/tokens_per_s``.
         """
-        if len(busy_seconds) != self.num_replicas or len(generated_tokens) != self.num_replicas:
-            raise ValueError(f"{self.num_replicas} replicas, got {len(busy_seconds)} times and "
+        slots = range(self.num_replicas) if replicas is None else replicas
+        if len(busy_seconds) != len(slots) or len(generated_tokens) != len(slots):
+            raise ValueError(f"{len(slots)} replicas, got {len(busy_seconds)} times and "
                              f"{len(generated_tokens)} token counts")
 
         def imbalance(values: Sequence[float]) -> float:
@@ -190,6 +207,6 @@ class ReplicaRouter:
 
         metrics = {"rollout/replica_load_imbalance": imbalance(generated_tokens),
                    "perf/rollout/replica_busy_imbalance": imbalance(busy_seconds)}
-        for r, (seconds, tokens) in enumerate(zip(busy_seconds, generated_tokens, strict=True)):
+        for r, seconds, tokens in zip(slots, busy_seconds, generated_tokens, strict=True):
             metrics[f"perf/rollout/replica_{r}/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
         return metrics

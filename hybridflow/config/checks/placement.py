@@ -80,6 +80,31 @@ def check_lora(cfg: Config, report: Report) -> None:
                      f"alone, or list module names without it")
 
 
+def _check_elastic(cfg: Config, report: Report) -> None:
+    """``rollout.elastic`` and its bounds: replicas that come and go with the nodes of a Ray cluster."""
+    r, t = cfg.rollout, cfg.trainer
+    if not r.elastic:
+        if r.max_replicas is not None or r.min_replicas != 1:
+            report.error(f"rollout.min_replicas={r.min_replicas} / rollout.max_replicas={r.max_replicas} bound an "
+                         f"elastic rollout; set rollout.elastic=true, or leave them out (a fixed rollout has one "
+                         f"replica per rollout.tensor_model_parallel_size data-parallel ranks)")
+        return
+    if t.backend == "local":
+        report.error("rollout.elastic=true adds and removes replicas as nodes of a Ray cluster join and leave, but "
+                     "trainer.backend=local runs one replica in this process; use trainer.backend=ray")
+    if r.placement != "split":
+        # A colocated replica shares its actor rank's bundle (its GPU, taking turns with training):
+        # a replica on a node that joined has no actor rank beside it, and one that left takes its rank with it.
+        report.error("rollout.elastic=true starts replicas on nodes that join, each in a reservation of its own, but "
+                     "rollout.placement=colocated puts replica k in actor rank k's placement bundle, beside that "
+                     "rank (a node that joins has no actor rank); use rollout.placement=split")
+    if r.max_replicas is None:
+        report.error("rollout.elastic=true needs rollout.max_replicas: the most replicas the run may start "
+                     "(e.g. the nodes it may get)")
+    elif r.max_replicas < r.min_replicas:
+        report.error(f"rollout.max_replicas={r.max_replicas} must be >= rollout.min_replicas={r.min_replicas}")
+
+
 def check_backend(cfg: Config, report: Report) -> None:
     """trainer.backend and the keys that only mean something for one backend."""
     t = cfg.trainer
@@ -97,6 +122,7 @@ def check_backend(cfg: Config, report: Report) -> None:
     if cfg.rollout.placement == "split" and t.backend == "local":
         report.error("rollout.placement=split gives the rollout a resource pool of its own, but trainer.backend=local "
                      "runs every role in this process; use trainer.backend=ray, or rollout.placement=colocated")
+    _check_elastic(cfg, report)
     tp = cfg.rollout.tensor_model_parallel_size
     if tp > 1 and t.backend == "local":
         report.error(

@@ -189,6 +189,25 @@ class RolloutConfig:
         "comes back at the next weight sync with the current weights. One more death stops the run naming the "
         "replica and its node. 0: a replica's death stops the run. Restarts so far: rollout/replica_restarts.",
     )
+    elastic: bool = f(
+        False,
+        "Let the rollout replicas follow the Ray cluster (needs trainer.backend=ray and rollout.placement=split): "
+        "each replica in a placement group of its own; before each weight sync the controller starts replicas "
+        "where the cluster has free room (a node that joined), up to rollout.max_replicas, which get the current "
+        "weights by the normal sync (checked by rollout.verify_weight_sync), and removes a replica whose process "
+        "died (its node left) when no room is left for it, down to rollout.min_replicas (below it the restart "
+        "waits for room). Samples are seeded per request, so the replica count does not change what is generated. "
+        "Replicas per step: rollout/replicas. false: a fixed set, one replica per "
+        "rollout.tensor_model_parallel_size data-parallel ranks.",
+    )
+    min_replicas: int = f(
+        1, "With rollout.elastic: the replicas started before training (waiting for room like the trainer's ranks), "
+        "and the fewest the run keeps (a dead one below it is restarted, waiting for room).",
+    )
+    max_replicas: int | None = f(
+        None, "With rollout.elastic (required there): the most replicas the run starts while the cluster has room "
+        "(each of rollout.tensor_model_parallel_size bundles of 1 CPU, and 1 GPU on GPU runs, on one node).",
+    )
     val_kwargs: ValKwargsConfig = sub(ValKwargsConfig, "Sampling for validation.")
     multi_turn: MultiTurnConfig = sub(
         MultiTurnConfig, "Agent episodes: multi-turn generation with tool calls (data column agent_name picks the loop)."

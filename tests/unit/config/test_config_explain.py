@@ -209,6 +209,10 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
     assert "rollout replicas: 2, tensor parallel 1, in a resource pool of their own (rollout.placement=split: 2 more " \
            "CPU ranks beside the trainer's)" in split
     assert "(replica 0: CPU ranks 0-1, replica 1: CPU ranks 2-3); heads, MLP and KV cache split" in tp
+    elastic = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=1",
+                                                            "rollout.placement=split", "rollout.elastic=true",
+                                                            "rollout.max_replicas=4"])))
+    assert "rollout replicas: 1 to 4 (rollout.elastic: each in a placement group of its own of 1 CPU rank" in elastic
     served = plan_of(explain_config(load_config(overrides=["rollout.mode=server"])))
     assert "each replica serves its engine over HTTP on 127.0.0.1" in served and "over HTTP" not in split
 
@@ -237,6 +241,17 @@ def test_plan_says_what_a_dead_worker_does_on_ray() -> None:
     (["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2", "rollout.mode=server"],
      "rollout.mode=server serves the native engine of one-rank replicas"),
     (["rollout.mode=http"], "rollout.mode"),
+    # rollout.elastic: replicas come and go with the nodes of a Ray cluster, each beside no actor rank.
+    (["rollout.elastic=true", "rollout.max_replicas=2"], "rollout.elastic=true .* trainer.backend=local runs one "
+                                                          "replica in this process"),
+    (["trainer.backend=ray", "rollout.elastic=true", "rollout.max_replicas=2"],
+     "rollout.placement=colocated puts replica k in actor rank k's placement bundle"),
+    (["trainer.backend=ray", "rollout.placement=split", "rollout.elastic=true"], "needs rollout.max_replicas"),
+    (["trainer.backend=ray", "rollout.placement=split", "rollout.elastic=true", "rollout.min_replicas=3",
+      "rollout.max_replicas=2"], "rollout.max_replicas=2 must be >= rollout.min_replicas=3"),
+    (["trainer.backend=ray", "rollout.placement=split", "rollout.elastic=true", "rollout.min_replicas=0",
+      "rollout.max_replicas=2"], "rollout.min_replicas=0 must be >= 1"),
+    (["trainer.backend=ray", "rollout.max_replicas=2"], "bound an elastic rollout; set rollout.elastic=true"),
 ])
 def test_tensor_parallel_layouts_that_cannot_work_are_config_errors(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -1,13 +1,16 @@
 """Rollout replicas behind the router: the same trajectories with 1 or 2 replicas (per-request
-seeds), requests spread by tokens, metrics, sleep between steps, and a failing replica named."""
+seeds), requests spread by tokens, metrics, sleep between steps, a failing replica named, and an
+elastic rollout's replicas coming and going with the same samples."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from hybridflow.cluster.worker_group import LocalWorkerGroup, WorkerError
-from hybridflow.controller.replicas import RolloutReplicas, replica_role
+from hybridflow.controller.replicas import ElasticReplicas, RolloutReplicas, replica_role
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.models.tiny import TinyModelSpec, write_tiny_model
 from hybridflow.types import GenerationRequest, SamplingParams
@@ -191,7 +194,7 @@ def test_a_replica_that_dies_mid_round_hands_its_requests_to_the_other_with_the_
     two.sleep()  # the replica down is left alone
     # The next sync restarts it: both serve again, the same samples.
     recorded = []
-    two.on_restart = lambda: recorded.append([group.nodes() for group in two.groups])  # set-up: placement.json
+    two.on_change = lambda: recorded.append([group.nodes() for group in two.groups])  # set-up: placement.json
     assert two.restart_down() == [1] and two.down == [] and two.rejoin_weight_sync and len(recorded) == 1
     assert _tokens(two.generate(requests())) == expected
     assert two.router.loads[1].requests > 0
@@ -268,3 +271,131 @@ def test_the_trainer_restores_a_restarted_replica_only_to_weights_it_holds(monke
     with pytest.raises(WorkerError, match=r"\(version 3, the loop trains ahead"):
         versions.restore([1], generates_ahead=False)
     assert synced == [2]
+
+
+# ------------------------------------------------------------------------------ elastic (rollout.elastic)
+class Cluster:
+    """An elastic rollout's ``ReplicaPlacer`` over in-process replicas: ``room`` reservations are
+    free; a replica in ``leaving`` dies at its next call and its node takes its room with it."""
+
+    def __init__(self, model_dir: str, room: int) -> None:
+        self.setup = RolloutSetup(model_path=model_dir, engine="native", dtype="float32", device=torch.device("cpu"),
+                                  max_batch_size=32, seed=0)
+        self.room, self.held, self.leaving = room, {}, set()
+
+    def start(self, replica: int, patient: bool):
+        if self.room == 0:
+            if patient:
+                raise RuntimeError("the cluster cannot fit the bundles")
+            return None
+        self.room -= 1
+        self.held[replica] = MortalGroup(replica_role(replica), lambda r, w: RolloutWorker(r, w, self.setup))
+        return self.held[replica]
+
+    def has_free_room(self) -> bool:
+        return self.room > 0
+
+    def release(self, replica: int) -> None:
+        if self.held.pop(replica, None) is not None and replica not in self.leaving:
+            self.room += 1
+        self.leaving.discard(replica)
+
+    def node_leaves(self, replica: int) -> None:
+        self.leaving.add(replica)
+        self.held[replica].dead = True
+
+
+def elastic(cluster: Cluster, min_replicas: int = 1, max_replicas: int = 3, max_restarts: int = 3) -> RolloutReplicas:
+    """As set-up builds them (``roles.build_rollout_replicas``): the minimum, then while there is room."""
+    bounds = ElasticReplicas(min_replicas, max_replicas, cluster)
+    groups = [cluster.start(k, patient=True) for k in range(min_replicas)]
+    built = RolloutReplicas(groups, free_cache_engine=True, max_restarts=max_restarts, elastic=bounds)
+    built.resize()
+    return built
+
+
+def _same_samples(got, expected) -> None:
+    assert [[t for t, _ in g] for g in _tokens(got)] == [[t for t, _ in g] for g in expected]
+    for group, expected_group in zip(_tokens(got), expected, strict=True):
+        for (_, logprobs), (_, expected_logprobs) in zip(group, expected_group, strict=True):
+            assert logprobs == pytest.approx(expected_logprobs, abs=1e-5)
+
+
+def test_an_elastic_rollout_grows_where_room_appears_and_shrinks_where_a_node_left_with_the_same_samples(
+        model_dir) -> None:
+    expected = _tokens(replicas(model_dir, 1).generate(requests()))
+    cluster = Cluster(model_dir, room=1)
+    rollout = elastic(cluster)
+    changes = []
+    rollout.on_change = lambda: changes.append(rollout.active)  # set-up: placement.json
+    assert rollout.active == [0] and not rollout.rejoin_weight_sync
+    _same_samples(rollout.generate(requests()), expected)
+    assert rollout.take_metrics()["rollout/replicas"] == 1.0
+
+    # A node with room for two joined: the next sync starts two replicas (max_replicas=3), which the
+    # broadcast group takes in (rejoin) and the router fills first.
+    cluster.room = 2
+    rollout.prepare_sync()
+    assert rollout.active == [0, 1, 2] and rollout.rejoin_weight_sync and changes == [[0, 1, 2]]
+    _same_samples(rollout.generate(requests()), expected)
+    metrics = rollout.take_metrics()
+    assert metrics["rollout/replicas"] == 3.0
+    assert all(rollout.router.loads[k].requests > 0 for k in (1, 2))
+    assert metrics["perf/rollout/replica_2/tokens_per_s"] > 0
+
+    # Replica 1's node leaves: the round's samples come from the others; with no room left it is
+    # removed at the next sync (no restart counted), its slot empty.
+    cluster.node_leaves(1)
+    _same_samples(rollout.generate(requests()), expected)
+    assert rollout.take_metrics()["rollout/replicas"] == 2.0 and rollout.down == [1]
+    rollout.rejoin_weight_sync = False
+    rollout.prepare_sync()
+    assert rollout.active == [0, 2] and rollout.groups[1] is None and rollout.rejoin_weight_sync
+    assert rollout.restarts == [0, 0, 0] and rollout.take_metrics() == {}
+    _same_samples(rollout.generate(requests()), expected)
+    metrics = rollout.take_metrics()
+    assert metrics["rollout/replicas"] == 2.0 and "perf/rollout/replica_1/tokens_per_s" not in metrics
+
+    # Room again: a new replica takes the empty slot, its counters fresh.
+    cluster.room = 1
+    rollout.prepare_sync()
+    assert rollout.active == [0, 1, 2] and rollout.router.loads[1].requests == 0
+    _same_samples(rollout.generate(requests()), expected)
+
+
+def test_an_elastic_replica_that_dies_where_room_is_left_is_restarted_and_the_minimum_waits_for_room(
+        model_dir) -> None:
+    cluster = Cluster(model_dir, room=2)
+    rollout = elastic(cluster, min_replicas=1, max_replicas=2, max_restarts=1)
+    cluster.held[1].dead = True  # its process, not its node: its room comes back when it is released
+    rollout.prepare_sync()
+    assert rollout.active == [0, 1] and rollout.restarts == [0, 1] and rollout.down == []
+    # A second death: past rollout.max_replica_restarts=1 with room for it, the run stops naming it.
+    cluster.held[1].dead = True
+    with pytest.raises(WorkerError, match=r"rollout replica 1 on node \S+ died and was not restarted: "
+                                          r"rollout.max_replica_restarts=1 restarts of it were used up"):
+        rollout.prepare_sync()
+    # The last replica (rollout.min_replicas=1) whose node left is not removed: its restart waits for room.
+    cluster = Cluster(model_dir, room=1)
+    one = elastic(cluster, min_replicas=1, max_replicas=2)
+    cluster.node_leaves(0)
+    with pytest.raises(RuntimeError, match="cannot fit"):
+        one.prepare_sync()
+
+
+def test_a_stream_whose_replica_is_replaced_between_polls_starts_its_requests_again(model_dir) -> None:
+    """A sync in the middle of a stream (fully async with partial rollout) may remove or restart a
+    replica that holds requests of the stream: they are started again on the replicas of now."""
+    expected = _tokens(replicas(model_dir, 1).generate(requests()))
+    cluster = Cluster(model_dir, room=2)
+    rollout = elastic(cluster, max_replicas=2)
+    got = {}
+    with contextlib.closing(rollout.open_stream()) as stream:
+        stream.add(requests(), keys=range(len(requests())))
+        assert stream._waiting[1]
+        cluster.node_leaves(1)
+        rollout.prepare_sync()  # the ping finds it dead; no room: removed
+        assert rollout.active == [0]
+        while stream.in_flight:
+            got.update(stream.poll())
+    _same_samples([got[i] for i in range(len(requests()))], expected)
