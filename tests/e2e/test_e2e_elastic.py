@@ -35,11 +35,9 @@ from hybridflow.training.distributed import free_port  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_multinode")]
 
 STOP_TIMEOUT_S = 600.0
-# What the number of replicas changes by design, not the samples: how the work was spread (load
-# figures, per-replica throughput), what each replica's prefix cache found (a prompt's neighbours
-# differ), and wall-clock figures.
-REPLICA_DEPENDENT = ("rollout/replicas", "rollout/replica_load_imbalance", "rollout/prefix_cache_hit_rate",
-                     "rollout/prefill_tokens", "rollout/prefix_cache")
+# What the number of replicas changes by design, not the samples: the count, and how the work was
+# spread over the replicas (step 4's dead replica 1 served nothing; per-replica throughput is perf/).
+REPLICA_DEPENDENT = ("rollout/replicas", "rollout/replica_load_imbalance")
 VOLATILE = ("timing_s/", "perf/")
 # The rollout's logprobs of a request batched with other neighbours: the same tokens (seeded per
 # request), logprobs equal to float32 rounding (tests/e2e/test_e2e_replica_restart.py).

@@ -103,6 +103,25 @@ def test_load_metrics() -> None:
         ReplicaRouter(2).metrics([1.0], [1])
 
 
+def test_an_added_replica_takes_the_next_requests_and_a_removed_ones_slot_starts_empty() -> None:
+    """rollout.elastic: a replica added on a node that joined holds nothing in flight, so the router
+    fills it first; a removed replica's slot stays dead until a new replica takes it, its counters cleared."""
+    router = ReplicaRouter(1)
+    router.finish(router.place([RouteRequest(10, 1, 4)])[0], 4)
+    busy = router.place([RouteRequest(10, 1, 4)])[0]
+    assert router.add() == 1 and router.num_replicas == 2
+    assert router.place([RouteRequest(10, 1, 4)])[0].replica == 1
+    router.finish(busy, 4)
+    router.mark_dead(0, "removed (rollout.elastic)")
+    with pytest.raises(ValueError, match="replica 1 is alive"):
+        router.add(1)
+    assert router.add(0) == 0 and router.loads[0].alive and router.loads[0].requests == 0
+    # Load figures over the replicas of the moment, each named by its slot.
+    metrics = router.metrics([2.0], [100], replicas=[1])
+    assert metrics["perf/rollout/replica_1/tokens_per_s"] == pytest.approx(50.0)
+    assert "perf/rollout/replica_0/tokens_per_s" not in metrics
+
+
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="at least one replica"):
         ReplicaRouter(0)
