@@ -26,13 +26,14 @@ import pytest
 
 pytest.importorskip("ray")
 
-from test_e2e_ray_multinode import _cluster_env, _ray_cli, _wait_for_nodes  # noqa: E402
+from test_e2e_ray_multinode import Cluster, _cluster_env  # noqa: E402
 
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
 from hybridflow.training.distributed import free_port  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_multinode")]
+# The worker that runs the other `ray start` clusters (tests/e2e/test_e2e_ray_multinode.py), one at a time.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
 
 STOP_TIMEOUT_S = 600.0
 # What the number of replicas changes by design, not the samples: the count, and how the work was
@@ -71,12 +72,6 @@ def _wait_stopped(run: subprocess.Popen, log: Path) -> None:
         time.sleep(0.5)
 
 
-def _start_node(address: str, env: dict[str, str], name: str, cpus: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([_ray_cli(), "start", f"--address={address}", f"--num-cpus={cpus}", "--num-gpus=0",
-                             f"--resources={json.dumps({name: 1})}", "--block", "--node-ip-address=127.0.0.1",
-                             "--disable-usage-stats"], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -93,51 +88,41 @@ def test_replicas_follow_nodes_that_join_and_leave_and_the_steps_equal_a_fixed_r
     reference = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "train", *args,
                                   f"trainer.output_dir={fixed}"], stdout=fixed.with_suffix(".log").open("w"),
                                  stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    env = _cluster_env(tmp_path / "home")
     (tmp_path / "home").mkdir()
-    address = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    cluster = Cluster(f"127.0.0.1:{port}", _cluster_env(tmp_path / "home"), tmp_path)
     session = Path(tempfile.mkdtemp(prefix="hfel", dir="/tmp"))  # short: Unix socket paths
-    logs = [tmp_path / f"{name}.log" for name in ("head", "node_a", "node_b")]
-    nodes = [subprocess.Popen([_ray_cli(), "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=0",
-                               "--num-gpus=0", "--include-dashboard=false", f"--temp-dir={session}", "--block",
-                               "--node-ip-address=127.0.0.1", "--disable-usage-stats"],
-                              env=env, stdout=logs[0].open("w"), stderr=subprocess.STDOUT)]
+    log = grown.with_suffix(".log")
     run = None
     try:
-        _wait_for_nodes(address, env, 1, nodes, logs)
-        nodes.append(_start_node(address, env, "node_a", 2, logs[1]))
-        _wait_for_nodes(address, env, 2, nodes, logs)
-        log = grown.with_suffix(".log")
+        cluster.start("head", ["--head", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
+                               "--include-dashboard=false", f"--temp-dir={session}"])
+        cluster.start("node_a", [f"--address={cluster.address}", "--num-cpus=2", "--num-gpus=0",
+                                 f"--resources={json.dumps({'node_a': 1})}"])
         run = subprocess.Popen(
-            [sys.executable, "-m", "hybridflow.cli", "train", *args, f"trainer.ray_address={address}",
+            [sys.executable, "-m", "hybridflow.cli", "train", *args, f"trainer.ray_address={cluster.address}",
              "rollout.elastic=true", "rollout.min_replicas=1", "rollout.max_replicas=2", f"trainer.output_dir={grown}"],
             stdout=log.open("w"), stderr=subprocess.STDOUT,
-            env={**env, "OMP_NUM_THREADS": "1", "HYBRIDFLOW_FAULT": "after_step@1:STOP,after_step@3:STOP"})
-        # Between steps 1 and 2: node B joins.
+            env={**cluster.env, "OMP_NUM_THREADS": "1", "HYBRIDFLOW_FAULT": "after_step@1:STOP,after_step@3:STOP"})
+        # Between steps 1 and 2: node B joins, with one CPU.
         _wait_stopped(run, log)
-        nodes.append(_start_node(address, env, "node_b", 1, logs[2]))
-        _wait_for_nodes(address, env, 3, nodes, logs)
+        cluster.add_worker("node_b")
         run.send_signal(signal.SIGCONT)
-        # Between steps 3 and 4: replica 1 runs on node B; then node B leaves.
+        # Between steps 3 and 4: replica 1 runs on node B; then node B leaves (its ray start process ends).
         _wait_stopped(run, log)
         placement = json.loads((grown / "placement.json").read_text())
         replica_nodes = [placement[f"rollout replica {k}"][0]["node_id"] for k in (0, 1)]
         assert replica_nodes[0] == placement["actor"][0]["node_id"] != replica_nodes[1], placement
-        nodes[2].terminate()
-        nodes[2].wait(timeout=120)
+        cluster.nodes[2].terminate()
+        cluster.nodes[2].wait(timeout=120)
+        cluster.alive -= 1
         run.send_signal(signal.SIGCONT)
         assert run.wait(timeout=STOP_TIMEOUT_S) == 0, log.read_text()[-4000:]
         assert reference.wait(timeout=STOP_TIMEOUT_S) == 0, fixed.with_suffix(".log").read_text()[-4000:]
     finally:
         for process in [p for p in (run, reference) if p is not None and p.poll() is None]:
             process.kill()
-        for node in reversed(nodes):
-            node.terminate()
-        for node in reversed(nodes):
-            try:
-                node.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                node.kill()
+        cluster.stop()
         shutil.rmtree(session, ignore_errors=True)
 
     text = log.read_text()
