@@ -48,6 +48,10 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the engine's EOS ids (stop_token_ids still stop)
     logprobs: int | None = None  # also return this many top logprobs per response token
     include_stop_str_in_output: bool = False  # keep a matched stop string in the decoded text
+    # Also score the prompt: each prompt token's logprob given the tokens before it, with this many top
+    # logprobs per position (0: the prompt's own tokens only), at temperature 1 (vLLM's prompt_logprobs).
+    # The native engine only (Trajectory.prompt_logprobs).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -60,6 +64,18 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if self.temperature == 0:
             self.greedy = True
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"SamplingParams.prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt scored by the model (``SamplingParams.prompt_logprobs``): entry i is about prompt token i + 1 (the
+    first token has no context to be scored in), from the model's raw logits (temperature 1, no filter)."""
+
+    token_logprobs: list[float]  # log p(prompt[i + 1] | prompt[: i + 1])
+    ranks: list[int]  # its rank in that distribution (1: the most likely token)
+    top: list[dict[int, float]] | None = None  # with prompt_logprobs = k > 0: the k most likely {token id: logprob}
 
 
 @dataclass(frozen=True)
@@ -185,6 +201,8 @@ class Trajectory:
     token_versions: list[int] | None = None
     # The prompt's images (a vision-language row); None for a text-only prompt.
     multi_modal: MultiModalInputs | None = None
+    # With SamplingParams.prompt_logprobs: the prompt's own tokens scored (None: not asked).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def prompt_length(self) -> int:

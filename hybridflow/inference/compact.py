@@ -322,6 +322,7 @@ class CompactCausalLM:
         kv_access: KVAccess,
         key_length: int,
         with_logits: bool = True,
+        all_hidden: bool = False,
     ) -> torch.Tensor | None:
         """Run ``input_ids`` (B, C) at ``positions`` (B, C) and return the last column's logits (B, V).
 
@@ -330,7 +331,8 @@ class CompactCausalLM:
         so the positions alone define the causal mask: no padding mask is needed as long as each
         row's cache holds that sequence's tokens at positions below its queries. Prefill, which
         needs no logits (each sample feeds the prompt's last token itself), passes
-        ``with_logits=False`` and skips the LM head.
+        ``with_logits=False`` and skips the LM head. ``all_hidden=True`` returns every column's final hidden
+        state instead (B, C, h), for ``logits`` of the columns a caller picks (a prefill that scores its prompt).
         """
         hidden = F.embedding(input_ids, self.embed)  # (B, C, h)
         if self._embed_scale is not None:
@@ -345,10 +347,13 @@ class CompactCausalLM:
             cos, sin = rotations[self.layer_rotary[index]]
             mask = masks[self.sliding_windows[index]]
             hidden = self._layer(index, layer, packed, hidden, cos, sin, mask, kv_access)
-        if not with_logits:
-            return None
-        logits = self._linear(self._rms_norm(hidden[:, -1], self.final_norm), self.lm_head, None,
-                              self._packed_lm_head)  # (B, V)
+        if all_hidden:
+            return hidden
+        return self.logits(hidden[:, -1]) if with_logits else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states (N, h) → (N, V): the final norm, the head, Gemma's soft cap."""
+        logits = self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head, None, self._packed_lm_head)
         cap = self.numerics.final_softcap
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 

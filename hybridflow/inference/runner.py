@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,6 +31,7 @@ from hybridflow.inference.step import (
     LogitsRows,
     PrefillChunk,
     PrefixSave,
+    PromptScores,
     StepPlan,
     StepResult,
 )
@@ -44,8 +45,39 @@ logger = logging.getLogger(__name__)
 # and padding would cost real work).
 DECODE_MODES = ("eager", "static", "cuda_graph")
 
-# (slot, tokens, start, end): keys and values of tokens[start:end] written at those positions of a slot.
-PrefillPart = tuple[int, Sequence[int], int, int]
+# Rows of logits a prompt-scoring prefill materialises at once: bounds its (rows, V) float32 temporaries
+# (a 150k vocabulary: 0.6 GB at 1024 rows) whatever the prefill budget.
+SCORE_ROWS = 256
+
+
+class PrefillPart(NamedTuple):
+    """Keys and values of ``tokens[start:end]`` written at those positions of prompt slot ``slot``; with
+    ``scores``, the outputs at those positions also score tokens ``start + 1 .. end`` (``step.PromptScores``)."""
+
+    slot: int
+    tokens: Sequence[int]
+    start: int
+    end: int
+    scores: PromptScores | None = None
+
+
+def score_next_tokens(
+    compact: CompactCausalLM, hidden: torch.Tensor, next_tokens: torch.Tensor, top: int
+) -> tuple[list[float], list[int], list[dict[int, float]] | None]:
+    """Each row's logprob of its next token from final hidden states (N, h), its rank (1: the most likely) and,
+    with ``top`` > 0, the ``top`` most likely {token: logprob}: the raw model's (temperature 1, float32)."""
+    logprobs: list[float] = []
+    ranks: list[int] = []
+    tops: list[dict[int, float]] | None = [] if top else None
+    for first in range(0, hidden.shape[0], SCORE_ROWS):
+        rows = compact.logits(hidden[first : first + SCORE_ROWS]).float().log_softmax(dim=-1)  # (n, V)
+        chosen = rows.gather(1, next_tokens[first : first + SCORE_ROWS, None])  # (n, 1)
+        logprobs += chosen[:, 0].tolist()
+        ranks += ((rows > chosen).sum(dim=-1) + 1).tolist()
+        if tops is not None:
+            values, ids = rows.topk(top, dim=-1)
+            tops += [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return logprobs, ranks, tops
 
 
 class RowState:
@@ -253,7 +285,8 @@ class ModelRunner:
                 # Checked here, under the lock: an update may have landed after the plan was made.
                 chunks, recomputed = self._refresh_stale_prompts(plan.chunks, plan.admits)
             if chunks:
-                self._prefill_parts([(c.slot, c.request.prompt, c.start, c.end) for c in chunks])
+                self._prefill_parts([PrefillPart(c.slot, c.request.prompt, c.start, c.end, c.request.prompt_scores)
+                                     for c in chunks])
                 if self.prefix_cache is not None:
                     self._save_rows([
                         PrefixSave(cache.prompt_row(c.slot), c.request.prompt[: c.end], c.request.weights_version)
@@ -309,10 +342,10 @@ class ModelRunner:
             if sample.kv_version == current:
                 continue
             # A decode row r is addressed as prompt slot r - decode_rows (see SlotKVCache.prefill_access).
-            parts.append((row - base, sample.owner.prompt + sample.response_ids, 0, sample.position))
+            parts.append(PrefillPart(row - base, sample.owner.prompt + sample.response_ids, 0, sample.position))
             sample.kv_version = current
         self._prefill_parts(parts)
-        return sum(end - start for _, _, start, end in parts)
+        return sum(p.end - p.start for p in parts)
 
     def _save_rows(self, saves: list[PrefixSave]) -> None:
         """Copy the full blocks of each row that the prefix cache lacks into it, then trim it to
@@ -342,24 +375,24 @@ class ModelRunner:
         (or one token per part, when there are more parts than that). Each forward takes the next
         piece of every unfinished part, so a part's later pieces attend over its earlier ones; a
         step's planned chunks fit the budget, so they take one forward."""
-        parts = [part for part in parts if part[3] > part[2]]
+        parts = [part for part in parts if part.end > part.start]
         limit = self._max_prefill_tokens
         while parts:
-            if sum(end - start for _, _, start, end in parts) <= limit:
+            if sum(p.end - p.start for p in parts) <= limit:
                 self._prefill_forward(parts)
                 return
             width = max(1, limit // len(parts))
-            self._prefill_forward([(slot, tokens, start, min(end, start + width))
-                                   for slot, tokens, start, end in parts])
-            parts = [(slot, tokens, start + width, end) for slot, tokens, start, end in parts if start + width < end]
+            self._prefill_forward([p._replace(end=min(p.end, p.start + width)) for p in parts])
+            parts = [p._replace(start=p.start + width) for p in parts if p.start + width < p.end]
 
     def _prefill_forward(self, parts: list[PrefillPart]) -> None:
-        """One forward over token ranges ``(slot, tokens, start, end)``, right-padded to the longest."""
-        width = max(end - start for _, _, start, end in parts)
+        """One forward over token ranges ``(slot, tokens, start, end)``, right-padded to the longest; the parts
+        with ``scores`` get their next tokens' logprobs from its outputs."""
+        width = max(p.end - p.start for p in parts)
         ids = torch.zeros((len(parts), width), dtype=torch.long)
         positions = torch.zeros((len(parts), width), dtype=torch.long)
         flat_index, flat_slots, flat_positions = [], [], []
-        for i, (slot, tokens, start, end) in enumerate(parts):
+        for i, (slot, tokens, start, end, _) in enumerate(parts):
             length = end - start
             ids[i, :length] = torch.tensor(tokens[start:end])
             # Padding repeats the last real position: in range for RoPE, and its output is unused.
@@ -372,12 +405,20 @@ class ModelRunner:
         def tensor(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        key_length = max(end for _, _, _, end in parts)
+        key_length = max(p.end for p in parts)
         access = self.cache.prefill_access(
-            [slot for slot, _, _, _ in parts], tensor(flat_index), tensor(flat_slots), tensor(flat_positions),
+            [p.slot for p in parts], tensor(flat_index), tensor(flat_slots), tensor(flat_positions),
             key_length=key_length,
         )
-        self.compact.forward(ids.to(device), positions.to(device), access, key_length, with_logits=False)
+        scoring = [(i, p) for i, p in enumerate(parts) if p.scores is not None]
+        hidden = self.compact.forward(ids.to(device), positions.to(device), access, key_length, with_logits=False,
+                                      all_hidden=bool(scoring))
+        for i, part in scoring:
+            assert hidden is not None and part.scores is not None
+            # The output at position p scores the token at p + 1 (end <= prefix_length < len(tokens)).
+            following = tensor(list(part.tokens[part.start + 1 : part.end + 1]))
+            part.scores.record(part.start, *score_next_tokens(self.compact, hidden[i, : part.end - part.start],
+                                                              following, part.scores.top_k))
 
     def _admit(self, admits: list[Admission]) -> None:
         """Copy each new sample's prompt keys/values into its row and set its row state."""

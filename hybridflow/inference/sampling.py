@@ -109,6 +109,9 @@ def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {params.repetition_penalty}")
     if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
         raise ValueError(f"SamplingParams.logprobs must be in [0, {vocab_size}] or None, got {params.logprobs}")
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= vocab_size:
+        raise ValueError(f"SamplingParams.prompt_logprobs must be in [0, {vocab_size}] or None, "
+                         f"got {params.prompt_logprobs}")
     if any(not s for s in params.stop):
         raise ValueError("SamplingParams.stop contains an empty string")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]

@@ -16,7 +16,8 @@ Admission control: a sample starts only in a free decode row; the number of rows
 once started, always has room to finish: a plan never preempts one.
 
 Prefill once per prefix: a new prompt's longest cached prefix (``prefix_cache.PrefixCache``) is
-restored into its slot and only the rest is prefilled; prompts that arrive together and share a
+restored into its slot and only the rest is prefilled (except for a request that scores its prompt,
+``SamplingParams.prompt_logprobs``: it prefills the whole prompt); prompts that arrive together and share a
 prefix wait a step for the first one's blocks rather than computing them twice.
 """
 
@@ -285,7 +286,7 @@ class Scheduler:
 
     def _uncached_length(self, request: EngineRequest) -> int:
         """Prompt tokens ``request`` would prefill if it started now (its cached prefix is copied)."""
-        if self._prefix_cache is None:
+        if self._prefix_cache is None or request.prompt_scores is not None:
             return request.prefix_length
         cached = self._prefix_cache.cached_count(self._prefix_digests(request)) * self._prefix_cache.block_size
         return request.prefix_length - min(cached, request.prefix_length)
@@ -305,15 +306,16 @@ class Scheduler:
     def _next_block_in_prefill(self, request: EngineRequest, producing: set[bytes]) -> bool:
         """Whether the first block of ``request`` that is not cached is being prefilled by another
         prompt (progress is certain: that prompt keeps prefilling until it completes or fails)."""
-        if self._prefix_cache is None or not producing:
+        if self._prefix_cache is None or not producing or request.prompt_scores is not None:
             return False
         digests = self._prefix_digests(request)
         cached = self._prefix_cache.cached_count(digests)
         return cached < len(digests) and digests[cached] in producing
 
     def _lookup(self, request: EngineRequest) -> list[CachedBlock]:
-        """The cached blocks of ``request``'s prefilled part (``prefix_length`` tokens), counted."""
-        if self._prefix_cache is None:
+        """The cached blocks of ``request``'s prefilled part (``prefix_length`` tokens), counted. None for a request
+        that scores its prompt: its prefill computes the logits a cached block does not hold."""
+        if self._prefix_cache is None or request.prompt_scores is not None:
             return []
         blocks = self._prefix_cache.match_digests(self._prefix_digests(request))
         self._stats.prefix_cache_queries += 1

@@ -21,7 +21,7 @@ import torch
 from hybridflow.inference.prefix_cache import CachedBlock
 from hybridflow.inference.sampling import RowProfile
 from hybridflow.inference.stopping import StopStrings
-from hybridflow.types import GenerationRequest, Trajectory
+from hybridflow.types import GenerationRequest, PromptLogprobs, Trajectory
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,31 @@ class EngineStats:
         self.max_running = max(self.max_running, plan.batch_size)
 
 
+class PromptScores:
+    """The prompt's logprobs of a request that asks for them (``SamplingParams.prompt_logprobs``), gathered over
+    the prefill forwards that compute them: a chunked prefill spans several steps, and a prompt prefilled again
+    (partial rollout: its keys and values were stale) overwrites them with the current weights' values."""
+
+    def __init__(self, prefix_length: int, top: int) -> None:
+        self.logprobs = [float("nan")] * prefix_length  # entry i: prompt token i + 1
+        self.ranks = [0] * prefix_length
+        self.top: list[dict[int, float]] | None = [{} for _ in range(prefix_length)] if top else None
+        self.top_k = top
+
+    def record(self, start: int, logprobs: list[float], ranks: list[int],
+               top: list[dict[int, float]] | None) -> None:
+        """The scores of prompt tokens ``start + 1 ..``: what the prefill's outputs at positions ``start ..`` give."""
+        end = start + len(logprobs)
+        self.logprobs[start:end], self.ranks[start:end] = logprobs, ranks
+        if self.top is not None and top is not None:
+            self.top[start:end] = top
+
+    def result(self) -> PromptLogprobs:
+        missing = [i + 1 for i, rank in enumerate(self.ranks) if rank == 0]
+        assert not missing, f"prompt tokens {missing[:8]} were never scored: a prefill of this prompt was skipped"
+        return PromptLogprobs(list(self.logprobs), list(self.ranks), None if self.top is None else list(self.top))
+
+
 @dataclass(eq=False)
 class EngineRequest:
     """A request in flight; ``future`` resolves once all of its samples have finished."""
@@ -113,6 +138,15 @@ class EngineRequest:
     admitted: int = 0  # samples started so far
     weights_version: int = 0  # the engine's weights when this request's keys and values started
     digests: list[bytes] | None = None  # prefix-cache names of the prefilled part's whole blocks
+    # SamplingParams.prompt_logprobs: the prompt's scores, gathered by the prefill forwards. Such a request skips
+    # the prefix cache's lookup (a cached block has keys and values, not the logits its prefill computed), so
+    # its whole prompt is prefilled; it still saves its blocks for others.
+    prompt_scores: PromptScores | None = None
+
+    def __post_init__(self) -> None:
+        top = self.request.params.prompt_logprobs
+        if top is not None and self.prompt_scores is None:
+            self.prompt_scores = PromptScores(self.prefix_length, top)
 
     @property
     def prompt(self) -> list[int]:
@@ -189,6 +223,7 @@ class EngineSample:
             top_logprobs=self.top_logprobs,
             stop_reason=self.stop_reason,
             token_versions=list(self.token_versions),
+            prompt_logprobs=self.owner.prompt_scores.result() if self.owner.prompt_scores is not None else None,
         )
 
 

@@ -311,13 +311,13 @@ class _LeaderCompact(ShardedCompactLM):
         self.sender = sender
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_access: KVAccess, key_length: int,
-                with_logits: bool = True) -> torch.Tensor | None:
+                with_logits: bool = True, all_hidden: bool = False) -> torch.Tensor | None:
         if not isinstance(kv_access, _MirroredAccess):
             raise TypeError("a tensor-parallel forward needs a cache access from the replica's mirrored cache")
         with self.sender.lock:
             self.sender.send(("forward", (kv_access.spec, input_ids, positions, key_length)))
             with self._in_step("forward"):
-                return super().forward(input_ids, positions, kv_access, key_length, with_logits)
+                return super().forward(input_ids, positions, kv_access, key_length, with_logits, all_hidden)
 
     @contextlib.contextmanager
     def _in_step(self, what: str) -> Iterator[None]:

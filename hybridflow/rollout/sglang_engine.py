@@ -140,6 +140,9 @@ def sample_seeds(seed: int, n: int) -> list[int]:
 
 def to_sglang_sampling_params(params: SamplingParams, sampling_seed: int) -> dict[str, Any]:
     """One sample's SGLang ``sampling_params`` (see the module docstring for each field)."""
+    if params.prompt_logprobs is not None:
+        raise ValueError("SamplingParams.prompt_logprobs: the SGLang engine does not score prompts; use "
+                         "rollout.name=native")
     if params.min_p > 0:
         raise ValueError(f"SamplingParams.min_p={params.min_p}: SGLang's seeded sampler has no min-p "
                          f"(rollout.name=sglang seeds every request); use min_p=0 or rollout.name=native")

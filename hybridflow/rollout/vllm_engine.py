@@ -234,6 +234,9 @@ class VllmEngine:
         if bad:
             raise ValueError(f"request {label}: prompt token {bad[0]} is outside the vocabulary [0, {self._vocab_size})")
         check_sampling_params(request.params, self._vocab_size)
+        if request.params.prompt_logprobs is not None:
+            raise ValueError(f"request {label}: SamplingParams.prompt_logprobs is not mapped to vLLM's by this "
+                             "engine; score prompts with rollout.name=native or vLLM's own server")
 
     def _add(self, request: GenerationRequest) -> _Pending:
         """Queue the request's ``n`` samples in vLLM, each its own seeded request."""
