@@ -116,8 +116,9 @@ _CACHE_PREFIX_ONLY = ("read_positions", "write_positions")
 # The same for CompactCausalLM (``_LeaderCompact`` overrides the mirrored ones).
 _COMPACT_MIRRORED = ("forward", "set_weight_layout", "repack")
 # ``release_packed`` (sleep level 2) acts on the leader alone: a follower keeping its packed copy
-# is only memory, and the mirrored ``repack`` rebuilds every rank's.
-_COMPACT_READ_ONLY = ("from_hf", "packed_tensors", "release_packed")
+# is only memory, and the mirrored ``repack`` rebuilds every rank's. ``logits`` runs the replicated LM head on
+# the leader's hidden states (a prompt-scoring prefill): no follower needs it.
+_COMPACT_READ_ONLY = ("from_hf", "packed_tensors", "release_packed", "logits")
 
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.inference.stopping import cut_at_stop
-from hybridflow.types import SamplingParams, Trajectory
+from hybridflow.types import PromptLogprobs, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,45 @@ class CompletionFormat(ResponseFormat):
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], scored: PromptLogprobs) -> list[Json | None]:
+        """vLLM's ``choices[i].prompt_logprobs``: None for the first token, then per prompt token {token id: {logprob,
+        rank, decoded_token}} holding that token and the top k (ranked 1..k)."""
+        entries: list[Json | None] = [None]
+        tops = scored.top or [{}] * len(scored.token_logprobs)
+        for token, logprob, rank, top in zip(prompt_ids[1:], scored.token_logprobs, scored.ranks, tops, strict=True):
+            ranked = {t: (v, r) for r, (t, v) in enumerate(sorted(top.items(), key=lambda kv: -kv[1]), start=1)}
+            ranked[token] = (logprob, rank)
+            entries.append({str(t): {"logprob": _clean_logprob(v), "rank": r, "decoded_token": self.token_text(t)}
+                            for t, (v, r) in ranked.items()})
+        return entries
+
+    def echoed(self, choice: Json, prompt_ids: Sequence[int], scored: PromptLogprobs | None, completion: bool) -> Json:
+        """``choice`` with the prompt in front (OpenAI's ``echo``): its text, and its tokens' logprobs (None for the
+        first) before the completion's. ``completion`` False: max_tokens 0, the prompt alone."""
+        prompt_text = self._tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+        echoed = {**choice, "text": prompt_text + (choice["text"] if completion else "")}
+        if not completion:
+            echoed["finish_reason"], echoed["stop_reason"] = "length", None
+        if choice["logprobs"] is None or scored is None:
+            return echoed
+        tops = scored.top or [None] * len(scored.ranks)
+        tokens = [TokenLogprob(t, v, None if top is None else {**top, t: v})  # the top k and the prompt's token
+                  for t, v, top in zip(prompt_ids[1:], scored.token_logprobs, tops, strict=True)]
+        head = self._logprobs(tokens)
+        first = self.token_text(prompt_ids[0])
+        head = {"tokens": [first, *head["tokens"]], "token_logprobs": [None, *head["token_logprobs"]],
+                "top_logprobs": [None, *head["top_logprobs"]],
+                "text_offset": [0, *(len(first) + o for o in head["text_offset"])]}
+        if completion:
+            tail = choice["logprobs"]
+            shift = sum(len(t) for t in head["tokens"])
+            head = {"tokens": head["tokens"] + tail["tokens"],
+                    "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+                    "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+                    "text_offset": head["text_offset"] + [shift + o for o in tail["text_offset"]]}
+        return {**echoed, "logprobs": head}
 
 
 class ChatFormat(ResponseFormat):

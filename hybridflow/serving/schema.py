@@ -102,7 +102,11 @@ class CompletionRequest(SamplingBody):
     # on purpose: pydantic's union over those types took ~1 s for a 2M-id list, on the event loop;
     # prompt_items and _check_prompts check the shape, the length first.
     prompt: str | list[Any]
+    # 0 only with echo: OpenAI's legacy way to score a prompt (echo + logprobs + max_tokens 0).
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0)
+    # vLLM's extra: each prompt token's logprob (and this many top ones) in choices[i].prompt_logprobs.
+    prompt_logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -264,6 +264,7 @@ class OpenAIServer:
                     if t.top_logprobs is not None
                     else None,
                 }
+                | ({"prompt_logprobs": asdict(t.prompt_logprobs)} if t.prompt_logprobs is not None else {})
                 for index, t in enumerate(trajectories)
             ]
             usage = token_usage(len(body.prompt_ids), sum(len(t.response_ids) for t in trajectories))
@@ -275,15 +276,26 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
-        for name, value, allowed in (("echo", body.echo, False), ("suffix", body.suffix, None)):
-            if value != allowed:
-                raise ApiError(400, f"{name} is not supported by this server", name)
+        if body.suffix is not None:
+            raise ApiError(400, "suffix is not supported by this server", "suffix")
         if body.best_of not in (None, body.n):
             raise ApiError(400, "best_of is not supported by this server (use n)", "best_of")
+        for name, asked in (("echo", body.echo), ("prompt_logprobs", body.prompt_logprobs is not None)):
+            if asked and body.stream:
+                raise ApiError(400, f"{name} is not supported with stream=true by this server", name)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens=0 needs echo=true (scoring the prompt: echo + logprobs + max_tokens 0)",
+                           "max_tokens")
         items = prompt_items(body.prompt)
-        params = sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs)
+        # The engine draws at least one token: max_tokens 0 draws one and the answer leaves it out.
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else max(1, body.max_tokens)
+        params = sampling_params(body, max_tokens, body.logprobs)
+        # Scores: what prompt_logprobs asks, or, for an echo with logprobs, what the echoed tokens need.
+        scores = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None
+        params = dataclasses.replace(params, prompt_logprobs=scores)
+        names = {"prompt_logprobs": "logprobs" if body.prompt_logprobs is None else "prompt_logprobs"}
         # Every bound that does not need the tokens is checked before tokenizing (the costly part).
-        self._check_sampling(params, len(items), "", prompt_field="prompt")
+        self._check_sampling(params, len(items), "", prompt_field="prompt", names=names)
         prompts = await self._tokenize(items)
         self._check_prompts(prompts, "prompt")
         fmt = CompletionFormat(self.tokenizer, body.logprobs)
@@ -337,12 +349,32 @@ class OpenAIServer:
                 for s, t in enumerate(trajectories):
                     text = final_text(self.tokenizer, t.response_ids, t.stop_reason, params.include_stop_str_in_output)
                     records = token_records(t)
-                    choices.append(fmt.choice(p * params.n + s, text, records, t.finish_reason, t.stop_reason))
+                    choice = fmt.choice(p * params.n + s, text, records, t.finish_reason, t.stop_reason)
+                    choices.append(self._with_prompt(fmt, body, prompts[p], t, choice))
             completion_tokens = sum(len(t.response_ids) for ts in results for t in ts)
+            if getattr(body, "max_tokens", None) == 0:  # echo's prompt alone: the drawn token is not answered
+                completion_tokens = 0
             usage = token_usage(sum(len(p) for p in prompts), completion_tokens)
             return {**head, "object": fmt.object_name, "choices": choices, "usage": usage}
 
-        return await self._render(answer, sum(_answer_work(ts, params) for ts in results))
+        work = sum(_answer_work(ts, params) for ts in results)
+        if params.prompt_logprobs is not None:
+            work += sum(len(p) for p in prompts) * params.n * (1 + params.prompt_logprobs)
+        return await self._render(answer, work)
+
+    @staticmethod
+    def _with_prompt(fmt: ResponseFormat, body: SamplingBody, prompt: list[int], trajectory: Trajectory,
+                     choice: Json) -> Json:
+        """A completion choice with what the request asked about its prompt: vLLM's ``prompt_logprobs``, OpenAI's
+        ``echo`` (max_tokens 0: the prompt alone)."""
+        if not isinstance(fmt, CompletionFormat) or not isinstance(body, CompletionRequest):
+            return choice
+        if body.prompt_logprobs is not None:
+            assert trajectory.prompt_logprobs is not None, "the engine scores the prompts it is asked to"
+            choice = {**choice, "prompt_logprobs": fmt.prompt_logprobs(prompt, trajectory.prompt_logprobs)}
+        if body.echo:
+            choice = fmt.echoed(choice, prompt, trajectory.prompt_logprobs, completion=body.max_tokens != 0)
+        return choice
 
     async def _results_unless_gone(self, job: _Job, request: Request) -> list[list[Trajectory]] | None:
         """The job's results, or None if the client disconnected first (the job is then cancelled,
@@ -489,9 +521,10 @@ class OpenAIServer:
         if params.max_tokens > self.max_model_len:
             raise refuse("max_tokens", f"{params.max_tokens} is more than the model's context of "
                          f"{self.max_model_len} tokens (hybridflow serve --max-model-len)")
-        if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-            raise refuse("logprobs", f"{params.logprobs} exceeds this server's limit of {limits.max_logprobs} "
-                         "(hybridflow serve --max-logprobs)")
+        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is not None and value > limits.max_logprobs:
+                raise refuse(name, f"{value} exceeds this server's limit of {limits.max_logprobs} "
+                             "(hybridflow serve --max-logprobs)")
         if not is_greedy(params) and params.temperature < MIN_TEMPERATURE:
             raise refuse("temperature", f"{params.temperature} is below the smallest positive temperature, "
                          f"{MIN_TEMPERATURE}; use 0 for greedy decoding")

@@ -195,7 +195,11 @@ def test_stop_strings_cut_streamed_and_whole_text(server: Server) -> None:
         (dict(n=0), "n"),
         (dict(extra_body={"top_k": -3}), "top_k"),
         (dict(extra_body={"frobnicate": 1}), "frobnicate"),
-        (dict(echo=True), "echo"),
+        (dict(echo=True, stream=True), "echo"),
+        (dict(extra_body={"prompt_logprobs": 1}, stream=True), "prompt_logprobs"),
+        (dict(extra_body={"prompt_logprobs": 100000}), "prompt_logprobs"),
+        (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
+        (dict(max_tokens=0), "max_tokens"),
         (dict(presence_penalty=0.5), "presence_penalty"),
         (dict(logprobs=100000), "logprobs"),
         (dict(prompt="x" * 600), "prompt"),
@@ -393,3 +397,54 @@ def test_a_template_that_needs_a_system_message_still_starts(tmp_path: Path) -> 
         _model_with_template(tmp_path, template), max_batch_size=2, kv_cache_memory_bytes=16 << 20
     )
     assert "a system message comes first" in tokenizer.chat_template
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of an HF forward over ``prompt`` (float32): row i is the distribution of token i + 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+
+
+def test_prompt_logprobs_come_back_in_vllms_shape(server: Server, model_dir: Path) -> None:
+    prompt = server.tokenizer.encode("1 + 1 = 2, 2 + 2 = 4")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "n": 2, "temperature": 1.0}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    expected = hf_prompt_logprobs(model_dir, prompt)
+    choices = answer.json()["choices"]
+    assert len(choices) == 2 and choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    entries = choices[0]["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for position, (token, entry) in enumerate(zip(prompt[1:], entries[1:], strict=True)):
+        row = expected[position]
+        mine = entry[str(token)]  # the prompt's own token, ranked in the whole vocabulary
+        assert abs(mine["logprob"] - float(row[token])) < 1e-5
+        assert mine["rank"] == int((row > row[token]).sum()) + 1
+        assert mine["decoded_token"] == server.tokenizer.decode([token])
+        best = [int(t) for t in row.topk(2).indices]
+        assert {entry[str(t)]["rank"] for t in best} == {1, 2} and set(entry) == {str(token), *map(str, best)}
+    # Without the field the answer keeps its usual shape.
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=30).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_the_legacy_way(server: Server, model_dir: Path) -> None:
+    text = "1 + 1 = 2"
+    prompt = server.tokenizer.encode(text)
+    scored = server.client().completions.create(model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == server.tokenizer.decode(prompt) and scored.usage.completion_tokens == 0
+    expected = hf_prompt_logprobs(model_dir, prompt)
+    assert choice.logprobs.tokens == [server.tokenizer.decode([t]) for t in prompt]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    got = torch.tensor(choice.logprobs.token_logprobs[1:])
+    torch.testing.assert_close(got, expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], rtol=0, atol=1e-5)
+    # echo with a completion: the prompt's text and tokens, then the completion's.
+    both = server.client().completions.create(model=MODEL, prompt=text, echo=True, logprobs=0, max_tokens=3,
+                                              temperature=0)
+    alone = server.client().completions.create(model=MODEL, prompt=text, logprobs=0, max_tokens=3, temperature=0)
+    assert both.choices[0].text == choice.text + alone.choices[0].text
+    assert both.choices[0].logprobs.token_logprobs[len(prompt):] == alone.choices[0].logprobs.token_logprobs
