@@ -9,7 +9,7 @@
     hybridflow config presets
     hybridflow plan [--preset ...] [--config ...] [key=value ...]   (predicted peak memory per role and phase)
     hybridflow export <checkpoint or run folder> <out dir> [--overwrite] [--endpoint-url URL]   (either may be s3://...)
-    hybridflow serve <model dir | builtin:tiny> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-n 128]
+    hybridflow serve <model dir | builtin:tiny | builtin:tiny-teacher> [--host 127.0.0.1] [--port 8000] [--dtype float32] [--max-n 128]
     hybridflow timeline <run folder>
     hybridflow dashboard [<runs folder>] [--host 127.0.0.1] [--port 8765]   (the live run page)
     hybridflow simulate [<run folder>] [--devices 8,64,128] [--staleness 1,2] [cost and length flags]
@@ -218,10 +218,11 @@ def _host_list(text: str) -> list[str]:
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/serving.md)")
-    serve.add_argument("model_dir", help="a local Hugging Face model directory, or builtin:tiny")
+    serve.add_argument("model_dir", help="a local Hugging Face model directory, builtin:tiny, or builtin:tiny-teacher "
+                                         "(distillation's built-in teacher)")
     serve.add_argument(
         "overrides", nargs="*",
-        help="builtin:tiny only: config overrides for the built-in model, e.g. warm_start.enable=false",
+        help="builtin:* only: config overrides for the built-in model, e.g. warm_start.enable=false",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; no authentication!)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
@@ -248,19 +249,25 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve_model_dir(args: argparse.Namespace, device: str) -> str:
-    """``args.model_dir``, with builtin:tiny resolved to its directory as ``hybridflow train`` does."""
+    """``args.model_dir``, with builtin:tiny (and builtin:tiny-teacher, distillation's built-in teacher) resolved to
+    its directory as ``hybridflow train`` does."""
+    import torch
+
     from hybridflow.config.explain import BUILTIN_TINY
+    from hybridflow.config.sections.distillation import BUILTIN_TEACHER
     from hybridflow.serving.launch import ServeError
 
+    if args.model_dir == BUILTIN_TEACHER:  # a distillation run's teacher behind a server, as train builds it
+        from hybridflow.controller.builtin import resolve_teacher_path
+
+        return resolve_teacher_path(load_config("grpo", None, args.overrides), BUILTIN_TEACHER, torch.device(device))
     if args.model_dir != BUILTIN_TINY:
         if args.overrides:
             raise ServeError(
-                f"config overrides ({' '.join(args.overrides)}) apply to builtin:tiny only; "
+                f"config overrides ({' '.join(args.overrides)}) apply to builtin:tiny only (and builtin:tiny-teacher); "
                 f"serving {args.model_dir!r}, remove them"
             )
         return args.model_dir
-    import torch
-
     from hybridflow.controller.builtin import resolve_builtin
 
     # The same model `hybridflow train` starts from with these overrides (warm-started unless

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.config.sections.distillation import DistillationConfig, TeacherConfig
+from hybridflow.config.sections.distillation import DistillationConfig, TeacherConfig, TeacherServerConfig
 from hybridflow.config.sections.dpo import DPOConfig
 from hybridflow.config.fields import sub
 from hybridflow.config.sections.rm import RMConfig

@@ -264,7 +264,9 @@ def prepare_batch(
     teacher_logprobs = None
     if roles.teachers is not None:
         with timer.phase("teacher"):
-            teacher_logprobs = roles.teachers.logprobs(batch, [row_of(t).data_source for t in trajectories])
+            teacher_logprobs, teacher_metrics = roles.teachers.logprobs(
+                batch, [row_of(t).data_source for t in trajectories], trajectories)
+            metrics |= teacher_metrics
     samples = StepSamples(batch, trajectories, groups)
     extra_inputs, input_metrics = estimator_inputs(roles, plan, samples, timer)
     metrics |= input_metrics

@@ -133,6 +133,21 @@ class TokensRequest(_Body):
     request_id: str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``POST /tokenize`` (a text prompt): a client checks its tokenizer against the server's."""
+
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str
+    tokens: list[int] = Field(max_length=MAX_STOP_TOKEN_IDS)
+
+
 def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """OpenAI fields to ``SamplingParams``; unset fields keep OpenAI's defaults."""
     for name in ("presence_penalty", "frequency_penalty"):

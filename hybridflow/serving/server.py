@@ -7,8 +7,11 @@
 Endpoints (see docs/serving.md for the fields):
 
 - ``GET /v1/models``, ``GET /health``, ``GET /stats`` (the engine's ``EngineStats`` counters);
+- ``POST /tokenize`` and ``POST /detokenize`` (vLLM's): the served tokenizer, which a client that sends token
+  ids (a distillation run's teacher client) compares with its own;
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed as server-sent events
-  (``data: {...}`` chunks, then ``data: [DONE]``) when ``stream`` is true;
+  (``data: {...}`` chunks, then ``data: [DONE]``) when ``stream`` is true; completions also score their
+  prompt: vLLM's ``prompt_logprobs`` (``choices[i].prompt_logprobs``) and OpenAI's ``echo``;
 - ``POST /generate``: tokens in, tokens out for a trainer or an agent loop: ``prompt_ids`` and
   ``sampling_params`` (``hybridflow.types.SamplingParams``' fields) in; per sample the
   ``response_ids``, ``rollout_logprobs``, ``token_versions`` and ``finish_reason`` out, exactly
@@ -99,6 +102,8 @@ from hybridflow.serving.schema import (
     CompletionRequest,
     SamplingBody,
     ServerLimits,
+    DetokenizeRequest,
+    TokenizeRequest,
     TokensRequest,
     default_request_bytes,
     message_dict,
@@ -237,6 +242,21 @@ class OpenAIServer:
             "max_model_len": self.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: the served tokenizer's ids of a text (a client compares them with its own)."""
+        self._check_model(body.model)
+        if len(body.prompt) > INLINE_TEXT_CHARS:
+            raise ApiError(400, f"prompt: at most {INLINE_TEXT_CHARS} characters", "prompt")
+        tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: the served tokenizer's text of ids."""
+        self._check_model(body.model)
+        if any(not 0 <= t < self.vocab_size for t in body.tokens):
+            raise ApiError(400, f"tokens: ids outside the vocabulary [0, {self.vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def generate_tokens(self, body: TokensRequest, request: Request) -> Response:
         """Tokens in, tokens out: ``NativeEngine.generate``'s trajectories as JSON."""
@@ -623,4 +643,6 @@ def create_app(
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat_completions)
     app.post("/generate", response_model=None)(server.generate_tokens)
+    app.post("/tokenize", response_model=None)(server.tokenize)
+    app.post("/detokenize", response_model=None)(server.detokenize)
     return app

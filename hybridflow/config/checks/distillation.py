@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hybridflow.config.checks.report import Report
 from hybridflow.config.schema import Config
-from hybridflow.config.sections.distillation import BUILTIN_TEACHER
+from hybridflow.config.sections.distillation import BUILTIN_TEACHER, is_teacher_server
 
 
 def check_distillation(cfg: Config, report: Report) -> None:
@@ -20,6 +20,12 @@ def check_distillation(cfg: Config, report: Report) -> None:
     if dist.log_prob_micro_batch_size_per_gpu < 1:
         report.error(f"distillation.log_prob_micro_batch_size_per_gpu={dist.log_prob_micro_batch_size_per_gpu} "
                      "must be >= 1")
+    server = dist.server
+    if server.max_concurrency < 1:
+        report.error(f"distillation.server.max_concurrency={server.max_concurrency} must be >= 1")
+    if server.timeout_s <= 0 or server.backoff_s < 0 or server.max_retries < 0:
+        report.error(f"distillation.server: timeout_s={server.timeout_s} must be > 0, backoff_s={server.backoff_s} "
+                     f"and max_retries={server.max_retries} >= 0")
     if dist.builtin_teacher_steps < 1:
         report.error(f"distillation.builtin_teacher_steps={dist.builtin_teacher_steps} must be >= 1")
     bad = {source: path for source, path in dist.teachers.items() if not isinstance(path, str) or not path}
@@ -45,3 +51,8 @@ def check_distillation(cfg: Config, report: Report) -> None:
         elif cfg.data.builtin_task != "arithmetic":
             report.error(f"{key}={BUILTIN_TEACHER} knows the built-in arithmetic task only, but data.builtin_task="
                          f"{cfg.data.builtin_task}; use a teacher model for that task")
+    servers = [key for key, path in named.items() if isinstance(path, str) and is_teacher_server(path)]
+    if servers and cfg.rollout.temperature != 1.0:
+        report.warn(f"{', '.join(servers)}: a teacher server's prompt logprobs are the raw model's (temperature 1, as "
+                    f"vLLM returns them), a local teacher's and the student's at rollout.temperature="
+                    f"{cfg.rollout.temperature}: the reverse KL compares distributions at different temperatures")

@@ -50,7 +50,7 @@ def test_each_row_is_scored_by_its_data_sources_teacher(models) -> None:
     assert not torch.allclose(whole_a, whole_b)
     teachers = Teachers({"teacher": a, "teacher_1": b}, by_source={"math": "teacher_1"}, default="teacher")
     sources = ["gsm8k", "math", "math", "gsm8k", "math", "other"]
-    scored = teachers.logprobs(batch, sources)
+    scored = teachers.logprobs(batch, sources).logprobs
     for row, source in enumerate(sources):
         expected = whole_b[row] if source == "math" else whole_a[row]
         torch.testing.assert_close(scored[row], expected, rtol=0, atol=1e-6)
@@ -76,7 +76,7 @@ def test_a_teachers_rows_are_spread_evenly_over_its_ranks(models) -> None:
     batch = _batch(4)
     expected = one.call_one(0, ReferenceWorker.compute_ref_logprobs, batch.select([0, 2, 3]))
     teachers = Teachers({"teacher": TwoRanks(models[0]), "teacher_1": one}, {"x": "teacher", "y": "teacher_1"}, None)
-    torch.testing.assert_close(teachers.logprobs(batch, ["x", "y", "x", "x"])[[0, 2, 3]], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(teachers.logprobs(batch, ["x", "y", "x", "x"]).logprobs[[0, 2, 3]], expected, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="data_source 'z' has no teacher"):
         teachers.logprobs(batch, ["x", "y", "z", "x"])
 
