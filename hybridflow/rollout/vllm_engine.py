@@ -41,7 +41,8 @@ Sampling fields, hybridflow -> vLLM
 
 Every hybridflow field has a counterpart. vLLM fields hybridflow leaves at their defaults:
 ``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``logit_bias``, ``bad_words``,
-``allowed_token_ids``, ``structured_outputs``, ``prompt_logprobs``.
+``allowed_token_ids``, ``structured_outputs``; ``prompt_logprobs`` is refused (a request that sets
+``SamplingParams.prompt_logprobs`` fails naming it: the native engine and vLLM's server score prompts).
 
 Logprobs
 --------

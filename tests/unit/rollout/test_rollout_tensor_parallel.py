@@ -97,6 +97,8 @@ def scenario_requests() -> dict[str, list[GenerationRequest]]:
         # Different prompt and response lengths, more samples than rows: continuous batching.
         "batching": [make(p, temperature=0.8, top_k=50, max_tokens=3 + 4 * i, n=1 + i % 2, seed=i, ignore_eos=True)
                      for i, p in enumerate(PROMPTS + [[7] * 9, [3, 1, 4, 1, 5]])],
+        # Prompts scored (prompt_logprobs): the leader's LM head on the all-reduced hidden states, in chunks of 4.
+        "scored": [make(p, temperature=0.0, max_tokens=2, prompt_logprobs=2) for p in PROMPTS + [[7] * 9]],
     }
 
 
@@ -107,6 +109,7 @@ def run(engine: Any) -> dict[str, Any]:
         results[name] = {
             "tokens": [[t.response_ids for t in ts] for ts in outputs],
             "logprobs": [[t.rollout_logprobs for t in ts] for ts in outputs],
+            "prompt": [[t.prompt_logprobs.token_logprobs if t.prompt_logprobs else None for t in ts] for ts in outputs],
         }
     results["admitted_while_decoding"] = engine.stats.admitted_while_decoding
     return results
@@ -337,11 +340,14 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def assert_same_generation(got: dict[str, Any], expected: dict[str, Any]) -> None:
-    for name in ("greedy", "sampled", "batching"):
+    for name in ("greedy", "sampled", "batching", "scored"):
         assert got[name]["tokens"] == expected[name]["tokens"], name
         for got_lp, want_lp in zip(got[name]["logprobs"], expected[name]["logprobs"], strict=True):
             difference = (torch.tensor(got_lp) - torch.tensor(want_lp)).abs().max()
             assert difference <= 1e-4, (name, float(difference))
+    for got_scores, want_scores in zip(got["scored"]["prompt"], expected["scored"]["prompt"], strict=True):
+        assert torch.tensor(got_scores).isfinite().all() and len(got_scores[0]) > 0
+        assert (torch.tensor(got_scores) - torch.tensor(want_scores)).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
