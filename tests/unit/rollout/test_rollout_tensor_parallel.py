@@ -347,8 +347,7 @@ def assert_same_generation(got: dict[str, Any], expected: dict[str, Any]) -> Non
             assert difference <= 1e-4, (name, float(difference))
     assert sum(len(scores[0]) for scores in got["scored"]["prompt"]) > 9  # the 9-token prompt's 8 and the others'
     for got_scores, want_scores in zip(got["scored"]["prompt"], expected["scored"]["prompt"], strict=True):
-        assert torch.tensor(got_scores).isfinite().all()
-        assert (torch.tensor(got_scores) - torch.tensor(want_scores)).abs().max(initial=0.0) <= 1e-4
+        torch.testing.assert_close(torch.tensor(got_scores), torch.tensor(want_scores), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
