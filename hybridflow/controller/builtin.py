@@ -119,21 +119,27 @@ def resolve_builtin(cfg: Config, device: torch.device, model_path: str | None = 
 
 
 def resolve_teacher_path(cfg: Config, path: str, device: torch.device) -> str:
-    """A teacher's model folder: ``path`` itself, or for ``builtin:tiny-teacher`` the built-in student's warm
-    start (``warm_start.*``, the cached model) trained ``distillation.builtin_teacher_steps`` more SFT steps on
-    the arithmetic task's correct answers only, cached beside it. The student learned the skill and a flawed
-    teacher's slip together; this teacher unlearned the slip, so it answers right where the student slips."""
+    """A teacher's model folder: ``path`` itself, or for ``builtin:tiny-teacher`` the built-in teacher of
+    ``distillation.builtin_teacher_steps`` steps (``builtin_teacher``)."""
     if path != BUILTIN_TEACHER:
         if path.startswith("builtin:"):
             raise ValueError(f"distillation teacher {path!r}: the only built-in teacher is {BUILTIN_TEACHER}")
         return path
+    return builtin_teacher(cfg, device, cfg.distillation.builtin_teacher_steps)
+
+
+def builtin_teacher(cfg: Config, device: torch.device, steps: int) -> str:
+    """The folder of the built-in student's warm start (``warm_start.*``, the cached model) trained ``steps``
+    more SFT steps on the arithmetic task's correct answers only, cached beside it. The student learned the
+    skill and a flawed teacher's slip together; this teacher unlearned the slip, so it answers right where
+    the student slips."""
     w, d, seed = cfg.warm_start, cfg.data, BUILTIN_TASK_SEED
     recipe = warm_start_recipe("arithmetic", w, d.builtin_train_size)
     student = prepare_builtin_model(Path(w.cache_dir).expanduser(), pairs=recipe.pairs, pairs_key=recipe.pairs_key,
                                     spec=recipe.spec, device=device, stages=recipe.stages)
     rows = make_arithmetic_rows(d.builtin_train_size, seed, "train")
     # Its own shuffle (seed + 1), as a later warm-start stage has; no slips: every answer right.
-    spec = SFTSpec(steps=cfg.distillation.builtin_teacher_steps, batch_size=w.batch_size, lr=w.lr, seed=seed + 1)
+    spec = SFTSpec(steps=steps, batch_size=w.batch_size, lr=w.lr, seed=seed + 1)
     log.info("built-in teacher: the warm start + %d SFT steps on correct answers (cached)", spec.steps)
     return str(prepare_refined_model(student, pairs=arithmetic_sft_pairs(rows, 0.0),
                                      pairs_key=f"arithmetic-train-{len(rows)}-s{seed}-correct", spec=spec, device=device))

@@ -27,5 +27,12 @@ class RMConfig:
         "reward model role cuts it when it scores (reward_model.max_length: set both alike). None: the model's "
         "max_position_embeddings, the role's default.",
     )
+    builtin_teacher_steps: int = f(
+        600, "With the built-in pairs (model.path=builtin:tiny, no data.train_files) the reward model starts from "
+        "the built-in teacher: the warm-started model trained this many more SFT steps on the task's correct "
+        "answers (warm_start.batch_size and lr; cached, as distillation's builtin:tiny-teacher). It already "
+        "computes the sums the pairs' answers differ in, which the warm start (trained on a teacher's slips) "
+        "does not reliably. The pairs are still the warm start's own. 0: start from the warm start itself.",
+    )
     export: bool = f(True, "Write the final reward model as a Hugging Face directory in <output_dir>/export, "
                            "what reward_model.model.path loads.")

@@ -4,9 +4,11 @@ loads; ``rm.max_length`` defaults to the reward-model role's own cut (max_positi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridflow.config import ConfigError, load_config
-from hybridflow.controller.rm_run import check_rm_config, rm_max_length
+from hybridflow.controller import rm_run
+from hybridflow.controller.rm_run import check_rm_config, rm_max_length, rm_start_path
 from hybridflow.models.tiny import write_tiny_model
 
 
@@ -19,6 +21,7 @@ from hybridflow.models.tiny import write_tiny_model
     (["trainer.save_final=false"], "rm.export"),
     (["trainer.n_workers=3", "data.train_batch_size=32"], "data.train_batch_size"),
     (["dpo.builtin_prompts=0"], "dpo.builtin_prompts"),
+    (["rm.builtin_teacher_steps=-1"], "rm.builtin_teacher_steps"),
 ])
 def test_a_wrong_setting_is_refused_naming_its_key(overrides, key):
     with pytest.raises(ConfigError) as info:
@@ -31,3 +34,16 @@ def test_the_default_built_in_run_passes(tmp_path):
     model = str(write_tiny_model(tmp_path / "tiny"))
     assert rm_max_length(load_config(None, None, []), model) == 512  # the tiny model's max_position_embeddings
     assert rm_max_length(load_config(None, None, ["rm.max_length=64"]), model) == 64
+
+
+def test_the_built_in_pairs_start_the_reward_model_from_the_built_in_teacher(monkeypatch):
+    made = []
+    monkeypatch.setattr(rm_run, "builtin_teacher", lambda cfg, device, steps: made.append(steps) or f"/teacher-{steps}")
+    cpu = torch.device("cpu")
+    assert rm_start_path(load_config(None, None, []), "/warm-start", cpu) == "/teacher-600"
+    assert rm_start_path(load_config(None, None, ["rm.builtin_teacher_steps=50"]), "/warm-start", cpu) == "/teacher-50"
+    # 0, the user's pairs or the user's model: model.path itself.
+    assert rm_start_path(load_config(None, None, ["rm.builtin_teacher_steps=0"]), "/warm-start", cpu) == "/warm-start"
+    assert rm_start_path(load_config(None, None, ["data.train_files=[p.jsonl]"]), "/warm-start", cpu) == "/warm-start"
+    assert rm_start_path(load_config(None, None, ["model.path=/m", "data.train_files=[p.jsonl]"]), "/m", cpu) == "/m"
+    assert made == [600, 50]
