@@ -5,9 +5,10 @@ The pairs are ``hybridflow dpo``'s (``hybridflow.data.preference``: TRL's prompt
 parquet or JSONL; without ``data.train_files`` and with the built-in model, the built-in arithmetic
 pairs of ``controller.dpo_builtin``, the right answer against the warm-started model's own wrong one),
 rendered as the reward-model role renders an answer (``workers.reward_trainer.reward_model_pair``).
-The model starts from ``model.path``: a causal LM gets a new, zero one-label head; a reward model
-keeps its own. The ranks are the offline trainers' (``controller.ranks``); checkpoints, resume and the loop are
-the pair runs' (``controller.pair_run``).
+The model starts from ``model.path`` (with the built-in pairs, from the built-in teacher:
+``rm_start_path``): a causal LM gets a new, zero one-label head; a reward model keeps its own. The
+ranks are the offline trainers' (``controller.ranks``); checkpoints, resume and the loop are the pair
+runs' (``controller.pair_run``).
 
 Rank 0 logs ``train/loss`` (the Bradley-Terry loss), ``rm/accuracy`` (the share of pairs scored
 chosen above rejected), ``rm/margin`` (the mean score difference), ``rm/chosen``, ``rm/rejected``,
@@ -86,9 +87,8 @@ def rm_max_length(cfg: Config, model_path: str) -> int:
 
 def rm_start_path(cfg: Config, model_path: str, device: torch.device) -> str:
     """The folder the reward model starts from: ``model_path`` (``model.path`` resolved), or with the
-    built-in pairs the built-in teacher of ``rm.builtin_teacher_steps`` (see ``RMConfig``). The pairs'
-    answers differ in one digit, so the score must check the sum; the warm start, which learned its
-    teacher's slips, gave 0.73-0.86 held-out pair accuracy, a model that computes the sums more."""
+    built-in pairs the built-in teacher of ``rm.builtin_teacher_steps`` (see ``RMConfig``): the pairs'
+    answers differ in one digit, so the score must check the sum, which the teacher already computes."""
     if cfg.data.train_files or cfg.model.path != BUILTIN_TINY or cfg.rm.builtin_teacher_steps == 0:
         return model_path
     return builtin_teacher(cfg, device, cfg.rm.builtin_teacher_steps)

@@ -40,10 +40,10 @@ def test_the_built_in_pairs_start_the_reward_model_from_the_built_in_teacher(mon
     made = []
     monkeypatch.setattr(rm_run, "builtin_teacher", lambda cfg, device, steps: made.append(steps) or f"/teacher-{steps}")
     cpu = torch.device("cpu")
-    assert rm_start_path(load_config(None, None, []), "/warm-start", cpu) == "/teacher-600"
+    assert rm_start_path(load_config(None, None, []), "/warm-start", cpu) == "/teacher-200"
     assert rm_start_path(load_config(None, None, ["rm.builtin_teacher_steps=50"]), "/warm-start", cpu) == "/teacher-50"
     # 0, the user's pairs or the user's model: model.path itself.
     assert rm_start_path(load_config(None, None, ["rm.builtin_teacher_steps=0"]), "/warm-start", cpu) == "/warm-start"
     assert rm_start_path(load_config(None, None, ["data.train_files=[p.jsonl]"]), "/warm-start", cpu) == "/warm-start"
     assert rm_start_path(load_config(None, None, ["model.path=/m", "data.train_files=[p.jsonl]"]), "/m", cpu) == "/m"
-    assert made == [600, 50]
+    assert made == [200, 50]
