@@ -1,6 +1,7 @@
 """``hybridflow rm`` end to end on the built-in pairs (the right answer against the warm-started
-model's own wrong one; the reward model starts from the built-in teacher): the Bradley-Terry loss falls and the held-out pair accuracy rises from 0
-(a zero head ties every pair); the export is a reward model that a short GRPO run loads with
+model's own wrong one; the reward model starts from the built-in teacher): the Bradley-Terry loss
+falls and the held-out pair accuracy rises from 0 (a zero head ties every pair); the export is a
+reward model that a short GRPO run loads with
 ``reward_model.enable=true reward_model.model.path=<export>`` and whose every rollout score is the
 export's own score of that answer (re-computed here with plain transformers); a run killed after a
 step resumes and reproduces the uninterrupted run's metrics bitwise (fixed threads); two FSDP2 ranks
