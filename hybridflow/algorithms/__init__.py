@@ -15,7 +15,8 @@ Plain functions: ``place_outcome_rewards`` and ``apply_kl_penalty`` (score to to
 ``select_varied_groups`` (DAPO's dynamic sampling), ``compute_value_loss`` (critic), ``compute_rollout_correction`` (importance
 weights and rejection between rollout-engine and trainer logprobs), ``compute_rollout_rejection`` (verl's
 ``rollout_rs`` criteria), ``compute_distillation_advantages`` (on-policy distillation: the
-per-token reverse KL to a teacher as an advantage).
+per-token reverse KL to a teacher as an advantage), ``compute_implicit_token_rewards`` and
+``implicit_prm_loss`` (PRIME's implicit process reward model; its estimator is ``prime``).
 """
 
 from hybridflow.algorithms.advantages import (
@@ -82,6 +83,12 @@ from hybridflow.algorithms.policy_loss import (
     compute_sapo_loss,
     get_policy_loss,
     register_policy_loss,
+)
+from hybridflow.algorithms.prime import (
+    PrimeParams,
+    compute_implicit_token_rewards,
+    compute_prime_advantages,
+    implicit_prm_loss,
 )
 from hybridflow.algorithms.rollout_correction import (
     ROLLOUT_CORRECTION_LEVELS,
@@ -158,6 +165,10 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_advantages",
     "compute_remax_advantages",
     "compute_rloo_advantages",
+    "PrimeParams",
+    "compute_implicit_token_rewards",
+    "compute_prime_advantages",
+    "implicit_prm_loss",
     "compute_rollout_correction",
     "correct_rollout",
     "compute_rollout_rejection",

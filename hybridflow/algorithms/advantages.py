@@ -11,7 +11,7 @@ that declares it ``needs`` them). The parameters are a frozen dataclass per esti
 (``GAEParams``, ``GroupNormParams``, ...), declared at registration and built once from the
 config (``build_estimator_params``). Registered: ``gae``, ``grpo``, ``gdpo``, ``grpo_passk``,
 ``rloo``, ``opo``, ``gpg``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``,
-``remax``; and in ``hybridflow.algorithms.token_baseline`` ``optimal_token_baseline`` and
+``remax``; in ``hybridflow.algorithms.prime`` ``prime``; and in ``hybridflow.algorithms.token_baseline`` ``optimal_token_baseline`` and
 ``tir_optimal_token_baseline``.
 
 Masked tokens (``response_mask`` 0: padding, tool output inside a multi-turn response) are
@@ -56,6 +56,7 @@ _INPUT_DOCS: dict[str, str] = {
     "old_logprobs": "(B, R) logprobs of the sampled tokens, before the update",
     "sum_pi_squared": "(B, R) sum over the vocabulary of pi(v)^2 at each response position",
     "rollout_is_weights": "(B, R) rollout importance weights pi_old / pi_rollout (None when no correction is configured)",
+    "implicit_rewards": "(B, R) the implicit process reward model's token rewards beta * (log phi - log ref)",
 }
 
 
@@ -79,6 +80,7 @@ class AdvantageInputs:
     old_logprobs: torch.Tensor | None = None  # (B, R) logπ_old of the sampled tokens (optimal_token_baseline)
     sum_pi_squared: torch.Tensor | None = None  # (B, R) Σ_v π(v)² per response position (optimal_token_baseline)
     rollout_is_weights: torch.Tensor | None = None  # (B, R) truncated π_old/π_rollout, or None (optimal_token_baseline)
+    implicit_rewards: torch.Tensor | None = None  # (B, R) the implicit PRM's token rewards (prime)
 
     def require(self, name: str, estimator: str) -> torch.Tensor:
         """The optional input ``name``, or a ValueError naming the estimator and the field."""
@@ -159,11 +161,13 @@ ESTIMATOR_SIGNATURE = "fn(inputs: AdvantageInputs, params) -> (advantages, retur
 # ``reward_components`` the reward's named extras as a (B, K) tensor, ``old_logprobs`` an actor
 # forward, ``sum_pi_squared`` Σ_v π(v)² per token from that forward, ``rollout_is_weights`` the
 # rollout correction's importance weights from that forward's logprobs (None, unscaled, when the
-# config has no importance weights). An estimator declares what it needs in a ``needs`` attribute
+# config has no importance weights), ``implicit_rewards`` the implicit PRM's update and forward (PRIME's
+# role, ``prime.*``). An estimator declares what it needs in a ``needs`` attribute
 # (a tuple of these names, each a field of AdvantageInputs); a ``module:function`` estimator can
 # set the same attribute.
 OPTIONAL_ESTIMATOR_INPUTS: tuple[str, ...] = (
     "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared", "rollout_is_weights",
+    "implicit_rewards",
 )
 
 

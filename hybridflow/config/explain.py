@@ -42,6 +42,15 @@ def dpo_against_reference(cfg: Config) -> bool:
     return cfg.actor.loss == "dpo" and not cfg.algorithm.online_dpo.reference_free
 
 
+def prime_shares_reference(cfg: Config) -> bool:
+    """Whether PRIME's implicit PRM takes its reference logprobs from the run's reference model (which the run
+    loads anyway for a KL term): the same weights (the PRM starts from the policy's model) scored at temperature 1
+    (the PRM's log-ratio is of the model's own probabilities; the reference scores at rollout.temperature).
+    Otherwise the PRM brings a frozen reference of its own."""
+    return (needs_reference_model(cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward, dpo_against_reference(cfg))
+            and cfg.prime.model.path is None and cfg.rollout.temperature == 1.0)
+
+
 def warm_start_decision(enable: str, model_path: str) -> tuple[bool, str]:
     """Whether to run the supervised warm start before RL, and why (for logs and ``config explain``).
 
@@ -201,6 +210,7 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
         lines.append(f"  no critic: {estimator} needs no values")
     lines.append(f"  {_reward_model_line(cfg)}")
     lines.extend(_distillation_lines(cfg))
+    lines.extend(_prime_lines(cfg))
     warm, why = warm_start_decision(cfg.warm_start.enable, cfg.model.path)
     if warm:
         lines.append(f"warm start: yes, {cfg.warm_start.steps} SFT steps before RL ({why})")
@@ -225,6 +235,24 @@ def _distillation_lines(cfg: Config) -> list[str]:
                  + (f", summed over later tokens with discount {dist.discount:g}" if dist.discount else "")
                  + "; each teacher is frozen, one rank per actor rank, and must share the student's tokenizer")
     return lines
+
+
+def _prime_lines(cfg: Config) -> list[str]:
+    """PRIME's implicit PRM and its reference, and how its rewards join the advantages (``config explain``)."""
+    if cfg.algorithm.adv_estimator != "prime":
+        return []
+    p, alg = cfg.prime, cfg.algorithm
+    start = p.model.path or "the policy's weights"
+    reference = ("the run's reference model (the same weights)" if prime_shares_reference(cfg) else
+                 "a frozen copy of its starting weights, one rank per actor rank")
+    return [
+        f"  implicit PRM: yes ({start}, prime.model.path), trained {p.update} scoring each step with the "
+        f"cross-entropy of sigmoid(sum_t r_t) against [score > {p.label_threshold:g}], lr {p.optim.lr:g} "
+        f"(prime.optim); reference: {reference}",
+        f"  prime: r_t = {p.beta:g} x (log phi - log ref) per token ({p.reward_norm}); advantages = whiten("
+        f"{alg.reward_dpo_coef:g} x RLOO(r) summed from t on + {alg.reward_gt_coef:g} x RLOO(score)) "
+        "(algorithm.reward_dpo_coef, algorithm.reward_gt_coef)",
+    ]
 
 
 def _online_dpo_line(cfg: Config) -> str:

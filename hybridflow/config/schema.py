@@ -21,6 +21,7 @@ from hybridflow.config.sections.distillation import DistillationConfig, TeacherC
 from hybridflow.config.sections.dpo import DPOConfig
 from hybridflow.config.fields import sub
 from hybridflow.config.sections.rm import RMConfig
+from hybridflow.config.sections.prime import PrimeConfig, PrimeModelConfig
 
 # The section classes are re-exported: ``from hybridflow.config.schema import ActorConfig`` stays the
 # public path wherever a section is used.
@@ -90,6 +91,7 @@ class Config:
     reward_model: RewardModelConfig = sub(RewardModelConfig, "Reward model (discriminative or generative judge).")
     algorithm: AlgorithmConfig = sub(AlgorithmConfig, "Advantage estimation and KL in reward.")
     distillation: DistillationConfig = sub(DistillationConfig, "On-policy distillation from teacher models.")
+    prime: PrimeConfig = sub(PrimeConfig, "PRIME's implicit process reward model (algorithm.adv_estimator=prime).")
     trainer: TrainerConfig = sub(TrainerConfig, "Loop, logging, checkpoints.")
     async_training: AsyncTrainingConfig = sub(AsyncTrainingConfig, "The asynchronous loops (trainer.mode).")
     storage: StorageConfig = sub(StorageConfig, "Object storage (s3://, gs://, other fsspec URLs) for data, model and checkpoints.")

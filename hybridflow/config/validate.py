@@ -19,6 +19,7 @@ from __future__ import annotations
 from hybridflow.config.checks.algorithm import check_algorithm
 from hybridflow.config.checks.batches import check_batches, check_critic
 from hybridflow.config.checks.distillation import check_distillation
+from hybridflow.config.checks.prime import check_prime
 from hybridflow.config.checks.placement import check_backend, check_lora, check_prefill_budget
 from hybridflow.config.checks.ranges import check_all_sampling, check_names, check_ranges
 from hybridflow.config.checks.report import Report
@@ -34,6 +35,7 @@ _CHECKS = (
     check_batches,
     check_algorithm,
     check_distillation,
+    check_prime,
     check_critic,
     check_lora,
     check_reward_model,

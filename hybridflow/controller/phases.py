@@ -440,6 +440,14 @@ def reward_components(trajectories: list[Trajectory], keys: list[str]) -> torch.
     return torch.tensor([[t.reward_extra.get(key, 0.0) for key in keys] for t in trajectories], dtype=torch.float32)
 
 
+def implicit_prm_rewards(roles: Roles, plan: StepPlan, samples: StepSamples, timer: PhaseTimer) -> tuple[torch.Tensor, dict[str, float]]:
+    """PRIME's implicit PRM trained on the step's samples and their token rewards (``prime.*``; set-up builds it
+    for such an estimator), with its ``prime/*`` metrics."""
+    assert roles.prime is not None, "set-up builds the implicit PRM for an estimator that needs implicit_rewards"
+    with timer.phase("prime"):
+        return roles.prime.token_rewards(samples.batch)
+
+
 # Produces one optional estimator input (and metrics) from the step's samples; None where the
 # config makes the input not apply (rollout IS weights without a correction).
 InputProvider = Callable[[Roles, StepPlan, StepSamples, PhaseTimer], tuple[torch.Tensor | None, dict[str, float]]]
@@ -454,6 +462,7 @@ INPUT_PROVIDERS: dict[str, InputProvider] = {
     "old_logprobs": actor_old_logprobs,
     "sum_pi_squared": actor_sum_pi_squared,
     "rollout_is_weights": rollout_correction_weights,
+    "implicit_rewards": implicit_prm_rewards,
 }
 
 

@@ -308,6 +308,7 @@ class EstimatorInputSource:
     # Its provider reads the samples' tokens or rollout logprobs in the controller, which the
     # by-reference data plane (trainer.data_plane=refs) keeps on the replicas.
     reads_tokens: bool = False
+    implicit_prm: bool = False  # PRIME's implicit process reward model group (prime.*), trained each step
 
 
 # One entry per name in OPTIONAL_ESTIMATOR_INPUTS (a unit test keeps them equal); the loop's
@@ -324,6 +325,8 @@ ESTIMATOR_INPUT_SOURCES: dict[str, EstimatorInputSource] = {
     # engine's. They must come from it even with one optimizer step per batch, where the actor
     # could take π_old from its update's own forward: advantages are computed before the update.
     "rollout_is_weights": EstimatorInputSource(old_logprobs=True, reads_tokens=True),
+    # The implicit PRM trains on the step's samples, then scores them (or the reverse: prime.update).
+    "implicit_rewards": EstimatorInputSource(implicit_prm=True, reads_tokens=True),
 }
 
 
@@ -347,6 +350,11 @@ def config_needs_critic(cfg: Config) -> bool:
     plans a GPU run on any machine: no device or engine check)."""
     adv_estimator = _resolved("algorithm.adv_estimator", lambda: get_adv_estimator(cfg.algorithm.adv_estimator))
     return needs_critic(_resolved("algorithm.adv_estimator", lambda: estimator_needs(adv_estimator)))
+
+
+def needs_implicit_prm(estimator_needs: frozenset[str]) -> bool:
+    """Whether the estimator's inputs come from PRIME's implicit PRM (its group is built, ``prime.*``)."""
+    return any(ESTIMATOR_INPUT_SOURCES[need].implicit_prm for need in estimator_needs)
 
 
 def needs_old_logprobs_for(estimator_needs: frozenset[str]) -> bool:
@@ -519,10 +527,12 @@ def judge_api_key(cfg: Config) -> str | None:
     return key
 
 
-def check_teacher_tokenizer(student: Any, teacher_dir: str, key: str, trust_remote_code: bool) -> str | None:
-    """Refuse a distillation teacher whose tokenizer is not the student's (``ConfigError`` on ``key``, every
-    difference named): it scores the student's token ids, which it would read as other text. Returns a note
-    when only the special tokens' roles differ (another eos, as between a base model and its chat model)."""
+def check_teacher_tokenizer(student: Any, teacher_dir: str, key: str, trust_remote_code: bool,
+                            role: str = "teacher") -> str | None:
+    """Refuse a distillation teacher (or another model that scores the policy's samples: ``role``, PRIME's
+    implicit PRM) whose tokenizer is not the student's (``ConfigError`` on ``key``, every difference named): it
+    scores the student's token ids, which it would read as other text. Returns a note when only the special
+    tokens' roles differ (another eos, as between a base model and its chat model)."""
     from transformers import AutoTokenizer
 
     if not (Path(teacher_dir).expanduser() / "config.json").is_file():
@@ -539,7 +549,7 @@ def check_teacher_tokenizer(student: Any, teacher_dir: str, key: str, trust_remo
     if problems:
         raise ConfigError(
             f"{key}={teacher_dir!r} does not share the student's tokenizer (model.path): {'; '.join(problems)}. "
-            "The teacher scores the student's token ids, so both must spell every token alike; use a teacher of "
+            f"The {role} scores the student's token ids, so both must spell every token alike; use a {role} of "
             "the student's model family (the same tokenizer)", key=key)
     notes = role_differences(student, teacher)
-    return f"{key}: the teacher's special tokens play other roles ({'; '.join(notes)})" if notes else None
+    return f"{key}: the {role}'s special tokens play other roles ({'; '.join(notes)})" if notes else None

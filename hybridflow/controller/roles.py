@@ -22,6 +22,7 @@ from hybridflow.cluster.worker_group import (
 from hybridflow.config import Config, ConfigError
 from hybridflow.config.layout import data_parallel_size, rollout_replicas
 from hybridflow.controller.preflight import judge_api_key
+from hybridflow.controller.prime import ImplicitPRM
 from hybridflow.controller.replicas import ElasticReplicas, RolloutReplicas, replica_role
 from hybridflow.controller.teachers import Teachers
 from hybridflow.rewards.manager import scoring_processes
@@ -126,6 +127,7 @@ class Roles:
     critic: WorkerGroup[CriticWorker] | None = None  # the estimator needs values (gae)
     reward_model: RewardModelGroup | None = None  # reward_model.enable
     teachers: Teachers | None = None  # distillation.enable: the frozen teacher models
+    prime: ImplicitPRM | None = None  # algorithm.adv_estimator=prime: the implicit PRM (and its reference)
     # The actor's method whose rank-0 result an object-store sync hands the rollout: its weights, or
     # only its LoRA adapter (actor.lora.sync=adapter), which the rollout workers merge themselves.
     actor_weights: Callable[[ActorWorker], list[tuple[str, torch.Tensor]]] = ActorWorker.weights_for_sync
@@ -141,6 +143,7 @@ class Roles:
                  ("reward", self.reward), ("reward_model", rm.group if rm is not None else None)]
         named += [(replica_role(k), group) for k, group in enumerate(self.rollout.groups)]
         named += self.teachers.named_groups() if self.teachers is not None else []
+        named += self.prime.named_groups() if self.prime is not None else []
         return [(name, group) for name, group in named if group is not None]
 
     def close(self) -> None:
@@ -160,6 +163,8 @@ class Roles:
                 group.close()
         if self.teachers is not None:
             self.teachers.close()
+        if self.prime is not None:
+            self.prime.close()
 
 
 def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placement | None,

@@ -30,7 +30,12 @@ from hybridflow.cluster.backends import build_worker_group, elastic_placement, r
 from hybridflow.cluster.ray_group import ResourcePool
 from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config, ConfigError, config_to_dict, config_to_yaml, validate_config
-from hybridflow.config.explain import dpo_against_reference, needs_reference_model, planned_total_steps
+from hybridflow.config.explain import (
+    dpo_against_reference,
+    needs_reference_model,
+    planned_total_steps,
+    prime_shares_reference,
+)
 from hybridflow.config.layout import data_parallel_size, rollout_replicas, sequence_parallel_sizes
 from hybridflow.config.sections.trainer import FOLLOW_FREE_CORES
 from hybridflow.controller.builtin import resolve_builtin
@@ -44,6 +49,7 @@ from hybridflow.controller.preflight import (
     config_device,
     fetch_model,
     needs_critic,
+    needs_implicit_prm,
     needs_old_logprobs_for,
     needs_sum_pi_squared_for,
     policy_chat_template,
@@ -63,6 +69,14 @@ from hybridflow.controller.roles import (
 from hybridflow.controller.rollout_dtype import resolve_run_rollout_dtype
 from hybridflow.controller.run_folder import check_shared_folders, lock_run_folder, write_placement
 from hybridflow.controller.step_plan import Estimator, Prompts, StepPlan, build_step_plan
+from hybridflow.controller.prime import (
+    PRIME_REFERENCE_ROLE,
+    PRIME_ROLE,
+    ImplicitPRM,
+    build_implicit_prm,
+    check_prime_model,
+    prime_model_path,
+)
 from hybridflow.controller.teachers import Teachers, build_teachers, check_teacher_sources, prepare_teacher_dirs
 from hybridflow.controller.token_budgets import (
     apply_recorded_budgets,
@@ -261,6 +275,12 @@ def build_run(cfg: Config) -> RunSetup:
         for note in notes:
             log.warning("distillation: %s", note)
         warnings.extend(notes)
+    with_prime = needs_implicit_prm(needs)
+    if with_prime:
+        note = check_prime_model(cfg, tokenizer)  # a PRM with another tokenizer is refused before any worker starts
+        if note is not None:
+            log.warning("prime: %s", note)
+            warnings.append(note)
     agent_warning = agent_name_warning(train_data, cfg.rollout.multi_turn)
     if agent_warning is not None:
         log.warning("data: %s", agent_warning)
@@ -317,7 +337,8 @@ def build_run(cfg: Config) -> RunSetup:
         t.backend, data_parallel_size=dp, device=device,
         colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if reference_ranks else []),
                          *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else []),
-                         *teacher_dirs],
+                         *teacher_dirs, *([PRIME_ROLE] if with_prime else []),
+                         *([PRIME_REFERENCE_ROLE] if with_prime and not prime_shares_reference(cfg) else [])],
         split_roles=["rollout"] if split and not elastic else [],
         ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=None if follow else t.num_threads,
     )
@@ -381,6 +402,11 @@ def build_run(cfg: Config) -> RunSetup:
     if cfg.distillation.enable:
         teachers = build_teachers(cfg, teacher_dirs, device, placements,
                                   actor_log_prob_budget=actor.call_all(ActorWorker.token_budgets)[0][1])
+    prime: ImplicitPRM | None = None
+    if with_prime:
+        prime = build_implicit_prm(cfg, prime_model_path(cfg, model_path), device, total_steps, placements,
+                                   share_reference=prime_shares_reference(cfg),
+                                   actor_budgets=actor.call_all(ActorWorker.token_budgets)[0])
     # 5. Output.
     tracker = Tracker(t.logger, output_dir=output_dir, project=t.project_name, experiment=t.experiment_name,
                       config=config_to_dict(cfg))
@@ -389,7 +415,7 @@ def build_run(cfg: Config) -> RunSetup:
     timeline.observe_worker_calls()  # until RunSetup.close
     rollout.timeline = timeline
     roles = Roles(actor=actor, rollout=rollout, reward=reward, reference=reference, critic=critic,
-                  reward_model=reward_model, teachers=teachers, reference_logprobs=reference_logprobs,
+                  reward_model=reward_model, teachers=teachers, prime=prime, reference_logprobs=reference_logprobs,
                   actor_weights=ActorWorker.adapter_for_sync if adapter_sync else ActorWorker.weights_for_sync,
                   weight_sync=weight_sync)
     plan = build_step_plan(cfg, total_steps=total_steps, pad_token_id=int(tokenizer.pad_token_id),

@@ -27,6 +27,7 @@ from hybridflow.config import config_to_yaml
 from hybridflow.controller import phases
 from hybridflow.controller.checkpoint import STATE_FILE, CheckpointError, CheckpointManager, RemoteCheckpoints
 from hybridflow.controller.preemption import Preemption, TrainingInterrupted
+from hybridflow.controller.prime import PRIME_ROLE
 from hybridflow.controller.profiling import profiled_step
 from hybridflow.controller.roles import Roles
 from hybridflow.controller.setup import RunSetup
@@ -242,6 +243,9 @@ class Trainer:
         }
         state |= self.loop.loop_state()
         roles = {"critic": lambda d: critic.call_all(CriticWorker.save_checkpoint, str(d))} if critic else {}
+        prime = run.roles.prime
+        if prime is not None:
+            roles[PRIME_ROLE] = lambda d: prime.save_checkpoint(str(d))
         saved = self.checkpoints.save(
             self.step, state, write_actor=lambda d: actor.call_all(ActorWorker.save_checkpoint, str(d)),
             extra_files={"config.yaml": config_to_yaml(self.cfg)}, write_roles=roles,
@@ -283,7 +287,7 @@ class Trainer:
         log.info("resumed from %s at step %d", ckpt, self.step)
 
     def _load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
-        """Read ``ckpt`` into the actor, the critic, sampler, KL controller and RNGs; its trainer
+        """Read ``ckpt`` into the actor, the critic, the implicit PRM, sampler, KL controller and RNGs; its trainer
         state.
 
         Any part may refuse; the manager then loads an older checkpoint over all of it, so each
@@ -294,6 +298,8 @@ class Trainer:
         refusals = [r for r in roles.actor.call_all(ActorWorker.load_checkpoint, str(ckpt / "actor")) if r]
         if roles.critic is not None and not refusals:
             refusals = [r for r in roles.critic.call_all(CriticWorker.load_checkpoint, str(ckpt / "critic")) if r]
+        if roles.prime is not None and not refusals:
+            refusals = roles.prime.load_checkpoint(str(ckpt / PRIME_ROLE))
         if refusals:
             raise CheckpointError(refusals[0])
         rng = capture_rng_state()

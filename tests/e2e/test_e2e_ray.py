@@ -245,6 +245,33 @@ def test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path
         assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
 
 
+@pytest.mark.xdist_group("ray")
+def test_prime_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+    """PRIME: the implicit PRM and its own reference are worker groups of two FSDP2 ranks beside the actor's; the
+    PRM's update (its loss summed over both ranks' samples), its token rewards and the advantages built on them
+    equal one in-process rank's."""
+    model_dir = write_tiny_model(tmp_path / "model")
+    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
+    reward = tmp_path / "reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    common = [
+        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"reward.custom_reward_function.path={reward}", "algorithm.adv_estimator=prime", "prime.beta=0.5",
+        "prime.micro_batch_size_per_gpu=4", "prime.label_threshold=0.3",
+        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "data.max_response_length=4",
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.num_threads=1",
+        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
+        "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
+    ]
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
+    assert local["critic/score/mean"] == ray_run["critic/score/mean"]
+    assert 0 < local["prime/label/mean"] < 1 and local["prime/grad_norm"] > 0 and "timing_s/prime" in ray_run
+    for key in ("prime/loss", "prime/acc", "prime/grad_norm", "prime/pair_acc", "prime/implicit_reward/mean",
+                "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min", "actor/pg_loss",
+                "actor/grad_norm"):
+        assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
+
+
 # ------------------------------------------------------------------------- weight sync
 def _engine_weights(worker: RolloutWorker) -> dict[str, torch.Tensor]:
     """What the rollout engine serves, run on the rollout rank."""

@@ -109,7 +109,8 @@ class AlgorithmConfig:
         "tir_optimal_token_baseline (these two always run the old-logprob forward, which then also computes each "
         "response token's sum_pi_squared, sum_v pi(v)^2, as verl's actor.calculate_sum_pi_squared; with "
         "algorithm.rollout_correction.rollout_is set, each token's weight is scaled by its squared importance weight), "
-        "or package.module:function.",
+        "prime (PRIME: RLOO on the outcome and on an implicit process reward model trained online beside the "
+        "policy, the prime.* keys) or package.module:function.",
     )
     gdpo_reward_keys: list[str] = f(
         [], "gdpo: the reward components, numbers the reward function returns in its dict beside 'score' (acc is "
@@ -120,6 +121,13 @@ class AlgorithmConfig:
         "null: all 1.",
     )
     norm_adv_by_std_in_grpo: bool = f(True, "Divide GRPO advantages by the group std (false: Dr.GRPO).")
+    reward_dpo_coef: float = f(
+        5.0, "prime: the weight of the implicit process reward model's token rewards in the advantages (verl's "
+        "PRIME recipe key; each reward source gets its own leave-one-out baseline, then the returns are summed and "
+        "whitened, so only its ratio to reward_gt_coef matters).",
+    )
+    reward_gt_coef: float = f(5.0, "prime: the weight of the outcome reward (the verifier's score) in the advantages "
+                                    "(verl's PRIME recipe key).")
     gamma: float = f(1.0, "Discount factor.")
     lam: float = f(1.0, "GAE lambda.")
     use_kl_in_reward: bool = f(False, "Subtract a KL penalty from token rewards (loads a reference model).")

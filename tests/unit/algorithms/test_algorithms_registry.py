@@ -106,8 +106,10 @@ def test_builtin_needs_and_unknown_needs_are_refused() -> None:
     assert estimator_needs(get_adv_estimator("optimal_token_baseline")) == {
         "old_logprobs", "sum_pi_squared", "rollout_is_weights",
     }
+    assert estimator_needs(get_adv_estimator("prime")) == {"implicit_rewards"}
     assert set(OPTIONAL_ESTIMATOR_INPUTS) == {
         "values", "reward_baselines", "reward_components", "old_logprobs", "sum_pi_squared", "rollout_is_weights",
+        "implicit_rewards",
     }
     with pytest.raises(ValueError, match="unknown inputs \\['critic_logits'\\]"):
         register_adv_estimator("bogus_needs_test", needs=("critic_logits",))(lambda **kw: None)

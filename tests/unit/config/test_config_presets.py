@@ -8,7 +8,7 @@ from hybridflow.config import Config, list_presets, load_config, preset_path, va
 from hybridflow.config.yaml_io import read_yaml_mapping
 
 EXPECTED_PRESETS = {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "remax", "cispo", "sapo", "gpg", "ppo", "distill",
-                    "online_dpo"}
+                    "online_dpo", "prime"}
 
 
 def test_expected_presets_ship() -> None:
