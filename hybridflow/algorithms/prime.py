@@ -104,6 +104,16 @@ def implicit_prm_pair_accuracy(sequence_rewards: torch.Tensor, labels: torch.Ten
 
 
 @torch.no_grad()
+def implicit_prm_metrics(token_rewards: torch.Tensor, scores: torch.Tensor, group_ids: torch.Tensor,
+                         threshold: float) -> dict[str, float]:
+    """What the token rewards (B, R) a step's advantages use say about the outcome labels of ``scores`` (B,):
+    ``prime/pair_acc``, and the means of the sequence rewards and of the labels."""
+    sequence, labels = token_rewards.sum(dim=-1), outcome_labels(scores, threshold)
+    return {"prime/pair_acc": implicit_prm_pair_accuracy(sequence, labels, group_ids),
+            "prime/implicit_reward/mean": float(sequence.mean()), "prime/label/mean": float(labels.mean())}
+
+
+@torch.no_grad()
 def normalise_implicit_rewards(token_rewards: torch.Tensor, norm: str) -> torch.Tensor:  # (B, R)
     """verl's ``prime_norm``: ``batch_norm`` divides every token reward by the largest |return-to-go| in the batch
     (max over samples and tokens of |Σ_{s≥t} r_s|, + 1e-6), so the implicit returns lie in [−1, 1] whatever β;

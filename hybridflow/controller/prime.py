@@ -15,11 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.algorithms.prime import (
-    implicit_prm_pair_accuracy,
-    normalise_implicit_rewards,
-    outcome_labels,
-)
+from hybridflow.algorithms.prime import implicit_prm_metrics, normalise_implicit_rewards
 from hybridflow.cluster.backends import build_worker_group
 from hybridflow.cluster.ray_group import Placement
 from hybridflow.cluster.worker_group import WorkerGroup
@@ -76,13 +72,7 @@ class ImplicitPRM:
         else:
             rewards = torch.cat(self.group.split_gather(ImplicitPRMWorker.compute_token_rewards, own))
             metrics = reduce_metrics(self.group.split_gather(ImplicitPRMWorker.update_prm, own))
-        sequence = rewards.sum(dim=-1)
-        labels = outcome_labels(batch.rewards, self.label_threshold)
-        metrics |= {
-            "prime/pair_acc": implicit_prm_pair_accuracy(sequence, labels, batch.group_ids),
-            "prime/implicit_reward/mean": float(sequence.mean()),
-            "prime/label/mean": float(labels.mean()),
-        }
+        metrics |= implicit_prm_metrics(rewards, batch.rewards, batch.group_ids, self.label_threshold)
         return normalise_implicit_rewards(rewards, self.reward_norm), metrics
 
     def save_checkpoint(self, folder: str) -> None:

@@ -16,6 +16,7 @@ from hybridflow.algorithms.prime import (
     compute_implicit_token_rewards,
     implicit_prm_accuracy,
     implicit_prm_loss,
+    implicit_prm_metrics,
     implicit_prm_pair_accuracy,
     normalise_implicit_rewards,
     outcome_labels,
@@ -149,3 +150,10 @@ def test_the_estimator_refuses_to_run_without_the_implicit_rewards() -> None:
     inputs = AdvantageInputs(token_level_rewards=torch.zeros(2, 2), response_mask=mask, group_ids=torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="implicit_rewards"):
         get_adv_estimator("prime")(inputs, PrimeParams())
+
+
+def test_the_metrics_of_a_steps_rewards() -> None:
+    rewards = torch.tensor([[0.5, 0.5], [-0.2, 0.0], [0.1, 0.0], [0.3, 0.0]])  # sequence rewards 1, -0.2, 0.1, 0.3
+    metrics = implicit_prm_metrics(rewards, torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), 0.5)
+    assert metrics == pytest.approx({"prime/pair_acc": 1.0, "prime/implicit_reward/mean": 0.3,
+                                     "prime/label/mean": 0.5})
