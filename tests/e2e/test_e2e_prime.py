@@ -40,10 +40,9 @@ def test_prime_trains_the_implicit_prm_and_a_killed_run_resumes_bitwise(builtin_
         for key in ("prime/acc", "prime/loss", "prime/pair_acc", "prime/grad_norm", "timing_s/prime"):
             assert key in record, key
         assert 0.0 <= record["prime/acc"] <= 1.0
-    # Step 1: phi is its reference, every implicit reward is 0: the loss is log 2 and phi says "wrong" for all.
+    # Step 1: phi is its reference, every implicit reward is 0 (to float rounding): the loss is log 2.
     first = steps[1]
     assert first["prime/loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert first["prime/acc"] == pytest.approx(1.0 - first["prime/label/mean"], abs=1e-6)
     assert first["prime/grad_norm"] > 0  # the samples' labels differ: phi learns from them
     assert any(abs(steps[s]["prime/loss"] - math.log(2)) > 1e-4 for s in (2, 3, 4))  # phi has left its reference
     assert (tmp_path / "ref" / "checkpoints" / "global_step_2" / "prime" / "optim.pt").is_file()
@@ -61,9 +60,9 @@ def test_prime_trains_the_implicit_prm_and_a_killed_run_resumes_bitwise(builtin_
 
 
 def test_the_prime_preset_raises_the_held_out_greedy_score(builtin_cache, tmp_path):
-    """``--preset prime`` shortened to STEPS steps: held-out greedy accuracy must rise by at least 0.2 absolute
-    from the warm start."""
-    steps = 20
+    """``--preset prime`` shortened to 10 steps (about 4 minutes on 2 cores): held-out greedy accuracy must rise
+    by at least 0.2 absolute from the warm start (0.227 -> 0.449 measured)."""
+    steps = 10
     cfg = api.make_config("prime", overrides=[
         f"warm_start.cache_dir={builtin_cache}", f"trainer.output_dir={tmp_path / 'run'}",
         f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.progress_bar=false",
