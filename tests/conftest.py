@@ -41,6 +41,10 @@ LONGEST_S = {
     # then three two-rank Ray starts), 639 s for the other two together.
     "tests/e2e/test_e2e_offline_ray.py::test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_died_resumes": 180,
     "tests/e2e/test_e2e_ray.py::test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one": 120,
+    # Not yet timed in CI; measured on 2 cores under a load average of 15-20: 286 s (a local run, then two
+    # two-rank Ray groups and the PRM's reference beside the actor's), and the preset's 10 steps about 4 minutes.
+    "tests/e2e/test_e2e_ray.py::test_prime_on_two_ray_ranks_matches_one_local_rank_on_step_one": 120,
+    "tests/e2e/test_e2e_prime.py::test_the_prime_preset_raises_the_held_out_greedy_score": 120,
     "tests/e2e/test_e2e_offline_ray.py::test_rm_on_two_ray_ranks_trains_like_one_local_rank": 100,
     "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 70,
     # A lost node on the three-node cluster (not yet timed in CI: 401 s and 202 s here under a load average of 20):
