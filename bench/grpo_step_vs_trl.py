@@ -224,8 +224,20 @@ class ChildRSS:
         return self.peak
 
 
+RSS_PEAK = "perf/rss_peak_gb/"  # hybridflow's per-phase peak resident memory (hybridflow.utils.timer)
+
+
+def own_peak_rss_bytes() -> int:
+    """This process's peak resident memory. hybridflow resets the kernel's high-water mark at each
+    phase boundary (its per-phase peaks), after which ``ru_maxrss`` reports only the peak since the
+    last reset: ask its tracker, which keeps the whole run's (getattr: older source trees have none)."""
+    tracker = getattr(sys.modules.get("hybridflow.utils.memory"), "RSS_PEAKS", None)
+    if tracker is not None:
+        return tracker.process_peak_bytes()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run_hybridflow(spec: dict) -> dict:
-    from hybridflow import api
     from hybridflow.controller.setup import build_run
     from hybridflow.controller.loops import make_trainer
 
@@ -237,6 +249,29 @@ def run_hybridflow(spec: dict) -> dict:
         prompt_rows = [int(r.rsplit(":", 1)[1]) for r in rows.request_ids]
         wanted = torch.tensor([targets[p][s] for p, s in zip(prompt_rows, rows.sample_indices)])
         return force_lengths(logits, rows.output_lengths, wanted)
+
+    cfg = hybridflow_config(spec)
+    run = build_run(cfg)
+    try:
+        run.roles.rollout.groups[0]._workers[0].engine._runner.logits_processors = (oracle,)
+        trainer = make_trainer(run)
+        steps = []
+        for _ in range(spec["warmup"] + spec["steps"]):
+            trainer.step += 1
+            metrics = trainer.loop.train_step(trainer.step)
+            steps.append({"step": metrics["timing_s/step"], "gen": metrics["timing_s/gen"],
+                          "rss_gb": {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(RSS_PEAK)}})
+        # (getattr: the bench also runs against older source trees, PYTHONPATH=<tree>, for before/after figures)
+        plan = getattr(run.roles.actor._workers[0], "plan", None)
+        notes = list(plan.notes) if plan is not None else ["(a source tree without micro-batch plans)"]
+    finally:
+        run.close()
+    return {"steps": steps[spec["warmup"]:], "notes": notes}
+
+
+def hybridflow_config(spec: dict):
+    """hybridflow's config for the workload: the defaults, the workload's sizes, ``spec["overrides"]``."""
+    from hybridflow import api
 
     work = Path(spec["work"])
     overrides = [
@@ -255,22 +290,7 @@ def run_hybridflow(spec: dict) -> dict:
           if spec["kl"] else []),
         *spec["overrides"],
     ]
-    cfg = api.make_config("grpo", overrides=overrides)
-    run = build_run(cfg)
-    try:
-        run.roles.rollout.groups[0]._workers[0].engine._runner.logits_processors = (oracle,)
-        trainer = make_trainer(run)
-        steps = []
-        for _ in range(spec["warmup"] + spec["steps"]):
-            trainer.step += 1
-            metrics = trainer.loop.train_step(trainer.step)
-            steps.append({"step": metrics["timing_s/step"], "gen": metrics["timing_s/gen"]})
-        # (getattr: the bench also runs against older source trees, PYTHONPATH=<tree>, for before/after figures)
-        plan = getattr(run.roles.actor._workers[0], "plan", None)
-        notes = list(plan.notes) if plan is not None else ["(a source tree without micro-batch plans)"]
-    finally:
-        run.close()
-    return {"steps": steps[spec["warmup"]:], "notes": notes}
+    return api.make_config("grpo", overrides=overrides)
 
 
 def run_trl(spec: dict) -> dict:
@@ -369,7 +389,7 @@ def worker_main(spec_path: str) -> None:
     torch.set_num_threads(spec["threads"])
     children = ChildRSS()
     result = run_trl(spec) if spec["config"].startswith("trl") else run_hybridflow(spec)
-    result["peak_rss_gb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 + children.stop()) / 1e9
+    result["peak_rss_gb"] = (own_peak_rss_bytes() + children.stop()) / 1e9
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -49,6 +49,12 @@ response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
   prompt rows blocks generation (the engine would refuse every request). On AMD CPUs the engine
   keeps a second, oneDNN-packed copy of its fp32 matmul weights.
 
+- The process (CPU): a run on one machine is one process whose resident memory is the largest
+  phase's peak plus ``PROCESS_RUNTIME_BYTES`` of interpreter and libraries
+  (``MemoryPlan.process_peak_bytes``, checked against ``perf/rss_peak_gb/step`` of the default run
+  by ``tests/unit/config/test_config_plan.py``). Left out: glibc's free heap memory, which the update's
+  varying tensor sizes fragment (``bench/memory_timeline.py``: ~1 GB on the ~18M long-tail workload).
+
 Micro-batches are planned at their worst case: every sample at ``data.max_prompt_length +
 data.max_response_length`` tokens, a micro-batch filled to its token budget.
 ``bench/memory_planner.py`` checks the actor's update and logprob forward against peaks measured
@@ -120,6 +126,11 @@ PREFIX_BLOCK_TOKENS = 16
 ONEDNN_PACKED_VENDORS = ("AuthenticAMD",)
 # Decode: float32 logits of every row, their softmax and the sampling temporary.
 DECODE_LOGITS_TEMPORARIES = 3
+# What a CPU trainer process keeps resident besides the planned tensors: the interpreter and the
+# libraries a run imports (torch, transformers, pandas and pyarrow for the data, hybridflow), their
+# first-use caches. Measured on the default run (torch 2.13, x86-64): 0.27 GB after the imports,
+# 0.49 GB once the run is built (the tiny model's tensors are ~10 MB of it).
+PROCESS_RUNTIME_BYTES = 490 * 10**6
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,15 @@ class MemoryPlan:
     phases: tuple[PhaseMemory, ...]
     notes: tuple[str, ...] = ()
     fixes: dict[tuple[str, str], str] = field(default_factory=dict)  # (role, phase) -> the cheapest fix
+
+    runtime: int = 0  # CPU, one process: its interpreter and libraries (``PROCESS_RUNTIME_BYTES``)
+
+    def process_peak_bytes(self) -> int:
+        """The largest phase's peak, plus ``runtime``: on a CPU run with the local backend, the
+        one process's peak resident memory (``perf/rss_peak_gb/step``; ``bench/memory_timeline.py``
+        compares them). Fits are checked on the phases alone: ``trainer.device_memory_gb`` is what
+        the tensors may take."""
+        return max(p.peak for p in self.phases) + self.runtime
 
     def too_big(self) -> list[PhaseMemory]:
         if self.device_bytes is None:
@@ -601,15 +621,19 @@ def plan_memory(
                 activations=c_fwd - critic_p - gathered - (critic_g if c_micro > 1 else 0) - c_opt, others=others,
             ))
 
+    if layout.device_type == "cpu":
+        notes.append(f"CPU: the process's peak resident memory is the largest phase plus ~{_size(PROCESS_RUNTIME_BYTES)} "
+                     f"of interpreter and libraries: {_size(max(p.peak for p in phases) + PROCESS_RUNTIME_BYTES)}")
     notes.insert(0, f"token budgets: {budgets.ppo} per training micro-batch, {budgets.log_prob} per logprob "
                     f"micro-batch ({budgets.reason})" if budgets.ppo is not None else budgets.reason)
-    result = MemoryPlan(device_bytes, tuple(phases), tuple(notes))
+    runtime = PROCESS_RUNTIME_BYTES if layout.device_type == "cpu" else 0
+    result = MemoryPlan(device_bytes, tuple(phases), tuple(notes), runtime=runtime)
     if find_fixes and device_bytes is not None:
         fixes = {}
         for p in result.too_big():
             fix = cheapest_fix(cfg, shape, p.role, p.phase, with_critic=with_critic, device_bytes=device_bytes)
             fixes[(p.role, p.phase)] = fix
-        result = MemoryPlan(device_bytes, result.phases, result.notes, fixes)
+        result = MemoryPlan(device_bytes, result.phases, result.notes, fixes, runtime=runtime)
     return result
 
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from hybridflow.utils.timer import RSS_PEAK_PREFIX, TIMING_PREFIX  # spelt where PhaseTimer makes them
+
 # --- timing (seconds per phase of one step) -------------------------------------------------
-TIMING_PREFIX = "timing_s/"
 TIMING_STEP = "timing_s/step"
 TIMING_GEN = "timing_s/gen"
 TIMING_REWARD = "timing_s/reward"
@@ -43,6 +44,7 @@ Every other ``timing_s/<phase>`` is a disjoint part of the step (``PhaseTimer`` 
 PERF_THROUGHPUT = "perf/throughput"  # tokens / s / GPU (or CPU rank)
 PERF_TOTAL_NUM_TOKENS = "perf/total_num_tokens"
 PERF_TIME_PER_STEP = "perf/time_per_step"
+PERF_RSS_PEAK_STEP = f"{RSS_PEAK_PREFIX}step"  # the process's peak resident memory in the step (GB)
 
 # --- actor (emitted by the policy loss and the optimizer step) -------------------------------
 ACTOR_PG_LOSS = "actor/pg_loss"

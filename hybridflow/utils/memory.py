@@ -1,4 +1,5 @@
-"""The peak of live tensor memory over a piece of work, measured from the allocator's own events.
+"""Memory measurements: the peak of live tensor memory over a piece of work (from the allocator's
+own events), and the process's resident memory per phase of a step (``RssPeaks``).
 
 torch's CPU allocator is invisible to ``tracemalloc``, and a process's RSS counts freed pages the
 allocator has not returned and the interpreter's own memory. ``torch.profiler`` with
@@ -18,6 +19,9 @@ a worker thread, so its memory cannot be measured this way (its ``kv_cache_bytes
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -59,3 +63,91 @@ def peak_allocated_bytes(fn: Callable[[], Any], device_type: str = "cpu") -> int
         live += size
         peak = max(peak, live)
     return peak
+
+
+# --------------------------------------------------------------------------- resident memory per phase
+
+# Intervals between phase boundaries remembered for ``RssPeaks.peak_between``: a step has a few
+# dozen boundaries, the async loops' rollout thread a few more; older ones are never asked for.
+_KEPT_INTERVALS = 4096
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``Vm*`` line of /proc/self/status in KiB (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class RssPeaks:
+    """The process's peak resident memory between any two phase boundaries, from the kernel's
+    own high-water mark: cheap enough to run on every step (a read of /proc/self/status and a
+    write of /proc/self/clear_refs per boundary, no sampling thread, nothing missed between samples).
+
+    ``mark()`` at each boundary folds ``VmHWM`` (the peak since the previous mark) into the
+    interval that ends there and resets it (``clear_refs`` 5). A phase's peak is the largest over
+    the intervals its span overlaps, so phases that overlap in time (the async loops' rollout and
+    trainer threads) each get the peak of their own span. Resetting the mark lowers what
+    ``ru_maxrss`` and ``VmHWM`` report afterwards: ``process_peak_bytes`` is the peak since the
+    process started. One per process (``RSS_PEAKS``): the high-water mark is per process.
+    Unavailable (``enabled`` False) where /proc/self/clear_refs cannot be written (not Linux, a
+    locked-down container); phases then report no memory.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._intervals: collections.deque[tuple[float, float, int]] = collections.deque(maxlen=_KEPT_INTERVALS)
+        self._last = time.perf_counter()
+        self._process_peak = (_status_kib("VmHWM") or 0) * 1024  # what came before this module loaded
+        self.enabled = self._reset()
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # CLEAR_REFS_MM_HIWATER_RSS: VmHWM := VmRSS, touches no page table
+            return _status_kib("VmHWM") is not None
+        except OSError:
+            return False
+
+    def mark(self) -> float:
+        """Close the interval since the previous mark; returns the time (``perf_counter``) of the mark."""
+        if not self.enabled:
+            return time.perf_counter()
+        with self._lock:
+            now = time.perf_counter()
+            peak = (_status_kib("VmHWM") or 0) * 1024
+            self._intervals.append((self._last, now, peak))
+            self._process_peak = max(self._process_peak, peak)
+            self._last = now
+            self._reset()
+            return now
+
+    def peak_between(self, start: float, end: float) -> int | None:
+        """The largest peak over the intervals that overlap [start, end] (``perf_counter`` seconds),
+        marking now first; None when unavailable."""
+        if not self.enabled:
+            return None
+        self.mark()
+        with self._lock:
+            peaks = [peak for first, last, peak in self._intervals if last > start and first < end]
+        return max(peaks, default=None)
+
+    def process_peak_bytes(self) -> int:
+        """The process's peak resident memory since it started (what ``ru_maxrss`` reports where
+        nothing resets the high-water mark)."""
+        import resource
+
+        hwm = (_status_kib("VmHWM") or 0) * 1024
+        with self._lock:
+            if not self.enabled:
+                return max(hwm, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            return max(self._process_peak, hwm)
+
+
+RSS_PEAKS = RssPeaks()

@@ -1,4 +1,5 @@
-"""Phase timing for the ``timing_s/*`` metrics, and, when given a sink, spans for the timeline.
+"""Phase timing for the ``timing_s/*`` metrics, each phase's peak resident memory
+(``perf/rss_peak_gb/*``), and, when given a sink, spans for the timeline.
 
 ``SpanSink`` is the one thing a timer needs of a trace recorder (``hybridflow.tracking.timeline``,
 one layer up, implements it): every phase that closes is handed over as ``(track, name, start,
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridflow.utils.memory import RSS_PEAKS
 from hybridflow.utils.threads import adjust_threads
 from hybridflow.utils.watchdog import activity
 
@@ -40,6 +42,12 @@ def _nvtx() -> bool:
     return torch.cuda.is_available()
 
 
+TIMING_PREFIX = "timing_s/"
+# The process's peak resident memory (GB, 1e9 bytes) while a phase ran: on one machine with the local
+# backend, every role but the reward scorer's subprocess; with Ray, the controller's process only.
+RSS_PEAK_PREFIX = "perf/rss_peak_gb/"
+
+
 class SpanSink(Protocol):
     """Receives closed spans: ``start`` and ``end`` are ``time.perf_counter()`` seconds."""
 
@@ -47,7 +55,9 @@ class SpanSink(Protocol):
 
 
 class PhaseTimer:
-    """Accumulates wall time per named phase; ``metrics()`` returns ``timing_s/<phase>``.
+    """Accumulates wall time per named phase; ``metrics()`` returns ``timing_s/<phase>`` and
+    ``perf/rss_peak_gb/<phase>``, the process's peak resident memory while the phase ran (its
+    largest over the step's passes through the phase; ``RSS_PEAKS``; absent off Linux).
 
     Phases nest one level at most: an outer phase (the step) and disjoint phases inside it, so
     each inner phase is a share of the outer one and the shares add up to at most 100%. A phase
@@ -58,6 +68,7 @@ class PhaseTimer:
 
     def __init__(self, sink: SpanSink | None = None, track: str = "trainer") -> None:
         self._seconds: dict[str, float] = {}
+        self._rss_peaks: dict[str, int] = {}
         self._open: list[str] = []
         self._sink, self._track = sink, track
 
@@ -70,7 +81,7 @@ class PhaseTimer:
                 f"step must be disjoint, or their shares of the step count the same seconds twice"
             )
         adjust_threads()  # a phase boundary: follow the cores other processes left free (no-op if fixed)
-        start = time.perf_counter()
+        start = RSS_PEAKS.mark()  # what came before is not this phase's memory
         self._open.append(name)
         try:
             with activity("phase", name), profiler_range(f"phase/{name}"):
@@ -79,6 +90,7 @@ class PhaseTimer:
             self._open.pop()
             end = time.perf_counter()
             self._seconds[name] = self._seconds.get(name, 0.0) + end - start
+            self._note_rss(name, start, end)
             if self._sink is not None:
                 self._sink.add(self._track, name, start, end)
 
@@ -87,11 +99,22 @@ class PhaseTimer:
         such as scoring between two polls of a streamed generation); the caller keeps the phases
         disjoint. With its ``start`` (``time.perf_counter()``) it is a span on the sink too."""
         self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+        if start is not None:
+            self._note_rss(name, start, start + seconds)
         if self._sink is not None and start is not None:
             self._sink.add(self._track, name, start, start + seconds)
+
+    def _note_rss(self, name: str, start: float, end: float) -> None:
+        peak = RSS_PEAKS.peak_between(start, end)
+        if peak is not None:
+            self._rss_peaks[name] = max(peak, self._rss_peaks.get(name, 0))
 
     def seconds(self, name: str) -> float:
         return self._seconds.get(name, 0.0)
 
+    def rss_peak_bytes(self, name: str) -> int | None:
+        return self._rss_peaks.get(name)
+
     def metrics(self) -> dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self._seconds.items()}
+        return ({f"{TIMING_PREFIX}{k}": v for k, v in self._seconds.items()}
+                | {f"{RSS_PEAK_PREFIX}{k}": v / 1e9 for k, v in self._rss_peaks.items()})

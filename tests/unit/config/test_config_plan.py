@@ -312,3 +312,23 @@ def test_the_built_in_vision_language_model_is_planned_with_its_own_shape(tmp_pa
     written = ModelShape.from_config(json.loads((write_tiny_vl_model(tmp_path / "vl") / "config.json").read_text()))
     assert written == BUILTIN_TINY_VL_SHAPE == read_model_shape("builtin:tiny", "colour_square")
     assert read_model_shape("builtin:tiny", "arithmetic") == read_model_shape("builtin:tiny") == BUILTIN_TINY_SHAPE
+
+
+@pytest.mark.timeout(600)
+def test_the_planner_predicts_the_default_runs_process_peak_within_15_percent(tmp_path):
+    """``hybridflow train`` with no arguments, two steps in a fresh process: the planner's process
+    peak (largest phase + interpreter and libraries) against ``perf/rss_peak_gb`` (issue 35)."""
+    import json
+    import os
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[3] / "bench" / "memory_timeline.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(bench), "--worker", "default", "--steps", "2", "--work", str(tmp_path)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=580)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    measured = result["phases"]["step"]
+    assert result["process_peak_gb"] >= measured
+    assert 0.85 <= result["predicted_gb"] / measured <= 1.15, result
