@@ -13,6 +13,7 @@ from hybridflow.cli import main
 from hybridflow.tracking.timeline import (
     TIMELINE_FILENAME, Timeline, read_timeline, summarize_timeline,
 )
+from hybridflow.utils.memory import RSS_PEAKS
 from hybridflow.utils.timer import PhaseTimer
 
 
@@ -196,4 +197,7 @@ def test_seconds_added_with_their_start_are_spans_too(tmp_path):
     data = json.loads((tmp_path / TIMELINE_FILENAME).read_text())
     spans = {e["name"]: e for e in data["traceEvents"] if e["ph"] == "X"}
     assert set(spans) == {"step", "gen"} and spans["gen"]["dur"] == pytest.approx(500_000, abs=1)
-    assert timer.metrics() == {"timing_s/gen": 0.5, "timing_s/reward": 0.25, "timing_s/step": timer.seconds("step")}
+    timing = {k: v for k, v in timer.metrics().items() if k.startswith("timing_s/")}
+    assert timing == {"timing_s/gen": 0.5, "timing_s/reward": 0.25, "timing_s/step": timer.seconds("step")}
+    if RSS_PEAKS.enabled:  # seconds added with their start get a memory peak too; without one, none
+        assert {k for k in timer.metrics() if k.startswith("perf/")} == {"perf/rss_peak_gb/gen", "perf/rss_peak_gb/step"}
