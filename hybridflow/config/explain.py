@@ -25,7 +25,6 @@ from hybridflow.config.plan import memory_plan_lines
 from hybridflow.config.schema import Config
 from hybridflow.config.yaml_io import config_to_yaml
 from hybridflow.config.validate import validate_config
-from hybridflow.utils.device import AUTO_DTYPE, resolve_device, rule_train_dtype, train_dtype
 
 BUILTIN_TINY = "builtin:tiny"
 """``model.path`` of the built-in tiny model, the only one ``warm_start.enable=auto`` warm-starts."""
@@ -298,6 +297,8 @@ def _forward_lines(cfg: Config, dp: int) -> list[str]:
                      f"micro-batch (actor.ppo_max_token_len_per_gpu, actor.log_prob_max_token_len_per_gpu)")
         return lines
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    from hybridflow.utils.device import train_dtype  # torch: only once the config has loaded (see _device_type)
+
     compute_bytes = BYTES[train_dtype(cfg.model.dtype, _device_type(cfg))]
     # Sharded ranks keep the model's own head (full logits); one rank computes from hidden states.
     kwargs = dict(compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
@@ -322,12 +323,18 @@ def _forward_lines(cfg: Config, dp: int) -> list[str]:
 def _device_type(cfg: Config) -> str:
     """The device type ``trainer.device`` names (``auto``: CUDA where torch sees one). Not resolved
     otherwise: explain judges configs for devices this machine lacks (cuda, npu)."""
+    # hybridflow.utils.device imports torch, which a mistyped key must not wait for: this module is
+    # imported by every command line (tests/unit/core/test_cli_fast_config_errors.py).
+    from hybridflow.utils.device import resolve_device
+
     device = cfg.trainer.device
     return resolve_device(device).type if device == "auto" else device.split(":")[0]
 
 
 def _precision_line(cfg: Config) -> str:
     """The training compute dtype, and for ``model.dtype=auto`` the rule's answer on this machine."""
+    from hybridflow.utils.device import AUTO_DTYPE, rule_train_dtype  # torch: see _device_type
+
     setting = cfg.model.dtype
     if setting != AUTO_DTYPE:
         return f"training precision: {setting} (model.dtype={setting})"

@@ -89,7 +89,6 @@ from hybridflow.config.budget import (
 from hybridflow.config.engines import capabilities
 from hybridflow.config.schema import Config, FSDPConfig
 from hybridflow.config.layout import batch_plan, data_parallel_size, rollout_replicas
-from hybridflow.utils.device import train_dtype
 
 GIB = 2**30
 
@@ -419,7 +418,7 @@ def _token_budgets(
     else:
         free, label = 1 << 62, "free GPU memory (unknown: the cap)"
     auto = auto_token_budget(
-        shape, free, longest, compute_bytes=BYTES[train_dtype(cfg.model.dtype, layout.device_type)],
+        shape, free, longest, compute_bytes=_compute_bytes(cfg, layout.device_type),
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing, full_logits=layout.fsdp2,
         memory_label=label, device_type=layout.device_type,
     )
@@ -455,7 +454,7 @@ def plan_memory(
         device_bytes = int(cfg.trainer.device_memory_gb * GIB)
     layout = _layout(cfg)
     a, r, data = cfg.actor, cfg.rollout, cfg.data
-    compute_bytes = BYTES[train_dtype(cfg.model.dtype, layout.device_type)]
+    compute_bytes = _compute_bytes(cfg, layout.device_type)
     n = shape.num_parameters
     notes: list[str] = []
     if cfg.trainer.device == "auto":
@@ -793,3 +792,11 @@ def memory_plan_lines(cfg: Config, with_critic: bool = False) -> list[str]:
         return [f"memory: {cfg.model.path}/config.json is not readable now; planned at start-up"]
     return format_memory_plan(plan_memory(cfg, shape, with_critic=with_critic))
 
+
+def _compute_bytes(cfg: Config, device_type: str) -> int:
+    """Bytes per element of the training compute (``model.dtype``, ``auto`` by the hardware rule)."""
+    # Imported here: hybridflow.utils.device imports torch, which a config error must not wait for
+    # (tests/unit/core/test_cli_fast_config_errors.py).
+    from hybridflow.utils.device import train_dtype
+
+    return BYTES[train_dtype(cfg.model.dtype, device_type)]

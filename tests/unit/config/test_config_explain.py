@@ -266,12 +266,12 @@ def test_sequence_parallel_groups_are_explained() -> None:
 
 
 def test_training_precision_line_names_the_rule_for_auto(monkeypatch) -> None:
-    from hybridflow.config import explain
+    from hybridflow.utils import device
 
     assert "training precision: float32 (model.dtype=float32)" in plan_of(
         explain_config(load_config(overrides=["model.dtype=float32"])))
     for hardware in ("bfloat16", "float32"):
-        monkeypatch.setattr(explain, "rule_train_dtype", lambda device_type: (hardware, "the hardware's reason"))
+        monkeypatch.setattr(device, "rule_train_dtype", lambda device_type: (hardware, "the hardware's reason"))
         plan = plan_of(explain_config(load_config(overrides=["model.dtype=auto", "trainer.device=cpu"])))
         assert f"training precision: {hardware} (model.dtype=auto: the hardware's reason;" in plan
         assert "token_budgets.json" in plan and "model.dtype=float32 opts out" in plan
