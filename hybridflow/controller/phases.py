@@ -508,7 +508,7 @@ def sync_weights(roles: Roles, version: int) -> None:
     sync are restarted first and get these weights with the others (a new broadcast group formed)."""
     if roles.weight_sync == BROADCAST:
         roles.rollout.prepare_sync()  # (update_weights does it on the other path)
-        if roles.rollout.rejoin_weight_sync:
+        if roles.rollout.pool.rejoin_weight_sync:
             reconnect_weight_sync(roles.actor, roles.rollout)
         # Both sides at once: every actor rank joins the gather, then rank 0 streams the buckets
         # that the rollout applies as they arrive.

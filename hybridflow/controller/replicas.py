@@ -46,12 +46,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from hybridflow.cluster.worker_group import PendingCall, WorkerError, WorkerGroup, wait_all, wait_each
+from hybridflow.controller.replica_pool import ElasticReplicas, ReplicaPool, replica_role
 from hybridflow.rollout.router import ReplicaRouter, RouteRequest, Ticket
 from hybridflow.rollout.stream import Finished
 from hybridflow.transfer.verify import SentDigests, compare_digests
@@ -72,38 +72,6 @@ STREAM_POLL_S = 0.1
 _SUMMED_COUNTS = ("prefill_tokens", "generated_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
 
 
-def replica_role(index: int) -> str:
-    """The worker-group role of replica ``index``: what errors name."""
-    return f"rollout replica {index}"
-
-
-class ReplicaPlacer(Protocol):
-    """How an elastic rollout's replicas get and give back room on the cluster (set-up's)."""
-
-    def start(self, replica: int, patient: bool) -> WorkerGroup[RolloutWorker] | None:
-        """Replica ``replica`` started in a reservation of its own, holding ``model.path``'s weights:
-        ``patient``, waiting for room as long as set-up waits for the trainer's (raises past it);
-        else None when Ray cannot place the reservation within a short wait."""
-        ...
-
-    def has_free_room(self) -> bool:
-        """Whether the cluster's free resources could hold one more replica (a cheap first look)."""
-        ...
-
-    def release(self, replica: int) -> None:
-        """Give back replica ``replica``'s reservation (its group closed)."""
-        ...
-
-
-@dataclass(frozen=True)
-class ElasticReplicas:
-    """``rollout.elastic``: the bounds of the replica count and where replicas go."""
-
-    min_replicas: int
-    max_replicas: int
-    placer: ReplicaPlacer
-
-
 class RolloutReplicas:
     """The rollout replicas (one worker group each) behind one router."""
 
@@ -113,25 +81,12 @@ class RolloutReplicas:
                  elastic: ElasticReplicas | None = None) -> None:
         if not groups:
             raise ValueError("RolloutReplicas needs at least one replica")
-        # Replica k's group by slot; None: a slot whose replica an elastic run removed.
-        self.groups: list[WorkerGroup[RolloutWorker] | None] = list(groups)
-        self.router = ReplicaRouter(len(self.groups))
-        self.elastic = elastic
-        # rollout.max_replica_restarts, and how replica k's group is built again (None: a backend
-        # whose replicas live in this process, where a replica's death is the controller's).
-        self._rebuild = rebuild
-        self.max_restarts = max_restarts if rebuild is not None or elastic is not None else 0
-        self.restarts = [0] * len(self.groups)  # per replica, over the run
-        self._retired_restarts = 0  # restarts of the replicas an elastic run removed since
-        self._down: dict[int, str] = {}  # replica -> why: died, restarted at the next sync (restart_down)
-        # Restarted replicas are not in the broadcast group yet: the next broadcast sync forms it again.
-        self.rejoin_weight_sync = False
+        self.router = ReplicaRouter(len(groups))
+        # Which replicas there are and which are down: restarts, and rollout.elastic's additions and removals.
+        self.pool = ReplicaPool(groups, self.router, rebuild=rebuild, max_restarts=max_restarts, elastic=elastic)
         # Brings the replicas restarted mid-round (none other alive) the rollout's current weights;
         # set by the trainer, which knows them. None: such a restart fails the call.
         self.restore_weights: Callable[[list[int]], None] | None = None
-        # Called after replicas were restarted, added or removed (set-up records where every rank now
-        # runs: placement.json).
-        self.on_change: Callable[[], None] | None = None
         self.free_cache_engine, self.sleep_level = free_cache_engine, sleep_level
         self._asleep = False
         # rollout.verify_weight_sync: after each sync every replica's digest is checked (verify_sync).
@@ -143,21 +98,19 @@ class RolloutReplicas:
         self.timeline: Timeline = Timeline.disabled()
 
     @property
+    def groups(self) -> list[WorkerGroup[RolloutWorker] | None]:
+        return self.pool.groups
+
+    @property
     def num_replicas(self) -> int:
-        """The replicas of the run now (those down, waiting for their restart, too)."""
-        return len(self.active)
+        return self.pool.num_replicas
 
     @property
     def active(self) -> list[int]:
-        """The slots that hold a replica (an elastic run's removed ones do not)."""
-        return [k for k, group in enumerate(self.groups) if group is not None]
+        return self.pool.active
 
     def group(self, replica: int) -> WorkerGroup[RolloutWorker]:
-        """Replica ``replica``'s worker group."""
-        group = self.groups[replica]
-        if group is None:
-            raise IndexError(f"{replica_role(replica)} was removed (rollout.elastic)")
-        return group
+        return self.pool.group(replica)
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Trajectory]]:
@@ -193,7 +146,7 @@ class RolloutReplicas:
                 if isinstance(outcome, WorkerError):
                     for i in placed[r]:  # not in flight any more: placed again below, or the round failed
                         self.router.abandon(tickets.pop(i))
-                    self._lost(r, outcome)
+                    self.pool.lost(r, outcome)
                     again += placed[r]
                     continue
                 output: ReplicaOutput = outcome[0]
@@ -255,175 +208,28 @@ class RolloutReplicas:
             except WorkerError as error:  # it failed too: the next call to it says so
                 logger.warning("could not abort the requests of %s: %s", replica_role(r), str(error).splitlines()[0])
 
-    # ------------------------------------------------------------------ recovery
-    def _lost(self, replica: int, error: WorkerError) -> None:
-        """``replica``'s call failed with ``error``: down until its restart when its process died
-        and a restart is left (elastic: until the next sync restarts or removes it); else the error,
-        naming the replica and its node, fails the call."""
-        restarts = self.restarts[replica]
-        elastic = self.elastic is not None
-        if not error.process_died or (not elastic and restarts >= self.max_restarts):
-            self._mark_failed(str(error))
-            self.router.mark_dead(replica, str(error).splitlines()[0])
-            if not error.process_died or self._rebuild is None:
-                raise error  # its own code failed (it would again), or nothing here can restart it
-            raise self._used_up(replica, error)
-        self._down[replica] = str(error).splitlines()[0]
-        self.router.mark_dead(replica, self._down[replica])
-        if elastic:  # counted when it restarts: a replica removed (its node left) is no restart
-            logger.warning("%s on %s died (rollout.elastic: at the next weight sync it is restarted where the cluster "
-                           "has room, or removed; its requests go to the other replicas): %s", replica_role(replica),
-                           self.node_of(replica), self._down[replica])
-            return
-        self.restarts[replica] += 1
-        logger.warning("%s on %s died (restart %d of rollout.max_replica_restarts=%d at the next weight sync; "
-                       "its requests go to the other replicas): %s", replica_role(replica), self.node_of(replica),
-                       self.restarts[replica], self.max_restarts, self._down[replica])
-
-    def _used_up(self, replica: int, error: WorkerError | str) -> WorkerError:
-        """The error that stops the run when ``replica`` died once more than its restarts allow."""
-        failed = WorkerError(f"{replica_role(replica)} on {self.node_of(replica)} died and was not restarted: "
-                             f"rollout.max_replica_restarts={self.max_restarts} restarts of it were used up\n{error}",
-                             process_died=True)
-        if isinstance(error, WorkerError):
-            failed.__cause__ = error
-        return failed
-
-    def node_of(self, replica: int) -> str:
-        """Where ``replica``'s ranks ran, for errors: node address (and Ray node id)."""
-        nodes = dict.fromkeys(n.describe() for n in self.group(replica).nodes())
-        return ", ".join(nodes)
-
-    @property
-    def down(self) -> list[int]:
-        """The replicas that died and wait for their restart (``restart_down``)."""
-        return sorted(self._down)
-
-    def restart_down(self) -> list[int]:
-        """Start every down replica again (a new process in its placement bundle: the same node,
-        or another with room where Ray moved the bundle); returns them. They hold the weights of
-        ``model.path``: the caller syncs them (the next weight sync, or ``restore_weights``).
-        An elastic rollout restarts or removes them (``resize``, without starting new ones)."""
-        if self.elastic is not None:
-            return self.resize(grow=False)
-        restarted = self.down
-        for k in restarted:
-            assert self._rebuild is not None, "only replicas that can be restarted go down"
-            self.group(k).close()  # what is left of the dead replica (its other ranks, its bundle share)
-            self.groups[k] = self._rebuild(k)
-            del self._down[k]
-            self.router.revive(k)
-            self.rejoin_weight_sync = True
-            logger.warning("%s restarted on %s", replica_role(k), self.node_of(k))
-        if restarted and self.on_change is not None:
-            self.on_change()
-        return restarted
-
-    # ------------------------------------------------------------------ elastic
-    def resize(self, grow: bool = True) -> list[int]:
-        """``rollout.elastic``: every replica down restarted where the cluster has room for it, or
-        removed while more than ``rollout.min_replicas`` are left (below that its restart waits for
-        room); then, ``grow``, new replicas while the cluster has room, up to ``rollout.max_replicas``.
-        Returns the replicas started (restarted or new), which hold ``model.path``'s weights: the
-        caller syncs them. A change re-forms the broadcast group at the next sync."""
-        elastic = self.elastic
-        assert elastic is not None, "resize is for rollout.elastic"
-        before = self.active
-        started = [k for k in self.down if self._replace_down(k, elastic)]
-        if grow:
-            started += self._grow(elastic)
-        if started or self.active != before:
-            self.rejoin_weight_sync = True
-            if self.on_change is not None:
-                self.on_change()
-        return started
-
-    def _replace_down(self, k: int, elastic: ElasticReplicas) -> bool:
-        """Replica ``k`` died: a new process in a new reservation (True), or, with no room for one,
-        none while more than ``rollout.min_replicas`` are left (False: removed)."""
-        node, why = self.node_of(k), self._down.pop(k)
-        self.group(k).close()  # what is left of it (its other ranks)
-        elastic.placer.release(k)  # its reservation: on a node that left, Ray cannot place it again
-        group = elastic.placer.start(k, patient=False)
-        if group is None and self.num_replicas - 1 >= elastic.min_replicas:
-            self._retire(k)
-            logger.warning("%s on %s removed: it died and the cluster has no room for it (rollout.elastic: %d "
-                           "replica(s) left, rollout.min_replicas=%d)", replica_role(k), node, self.num_replicas,
-                           elastic.min_replicas)
-            return False
-        if self.restarts[k] >= self.max_restarts:
-            if group is not None:
-                group.close()
-                elastic.placer.release(k)
-            raise self._used_up(k, why)
-        if group is None:
-            logger.warning("%s on %s died and the cluster has no room for it now; rollout.min_replicas=%d: waiting "
-                           "for room", replica_role(k), node, elastic.min_replicas)
-            group = elastic.placer.start(k, patient=True)
-        assert group is not None
-        self.groups[k] = group
-        self.restarts[k] += 1
-        self.router.revive(k)
-        logger.warning("%s restarted on %s (restart %d of rollout.max_replica_restarts=%d)", replica_role(k),
-                       self.node_of(k), self.restarts[k], self.max_restarts)
-        return True
-
-    def _grow(self, elastic: ElasticReplicas) -> list[int]:
-        """New replicas while the cluster has room, up to ``rollout.max_replicas``, each in the first
-        empty slot (a removed replica's) or a new one."""
-        added = []
-        while self.num_replicas < elastic.max_replicas and elastic.placer.has_free_room():
-            k = next((k for k, group in enumerate(self.groups) if group is None), len(self.groups))
-            group = elastic.placer.start(k, patient=False)
-            if group is None:
-                break
-            if k == len(self.groups):
-                self.groups.append(group)
-                self.restarts.append(0)
-                self.router.add()
-            else:
-                self.groups[k] = group
-                self.router.add(k)
-            added.append(k)
-            logger.warning("%s added on %s (rollout.elastic: %d of rollout.max_replicas=%d replicas)", replica_role(k),
-                           self.node_of(k), self.num_replicas, elastic.max_replicas)
-        return added
-
-    def _retire(self, k: int) -> None:
-        """Slot ``k`` holds no replica from now on (a new one may take it: its restarts count anew)."""
-        self.groups[k] = None
-        self._retired_restarts += self.restarts[k]
-        self.restarts[k] = 0
-        self.router.mark_dead(k, "removed (rollout.elastic)")
-
     def prepare_sync(self) -> None:
         """Before a weight sync: find the replicas that died while idle (the actor trained), which
         the sync would fail on, and restart every replica down (elastic: ``resize``), so that the
         sync gives them the weights (no-op where replicas are not restarted). A broadcast sync forms
         its group again after (``rejoin_weight_sync``)."""
-        if self.max_restarts > 0 or self.elastic is not None:
+        pool = self.pool
+        if pool.max_restarts > 0 or pool.elastic is not None:
             self._each(RolloutWorker.ping, recover=True)
-        if self.elastic is not None:
-            self.resize()
+        if pool.elastic is not None:
+            pool.resize()
         else:
-            self.restart_down()
+            pool.restart_down()
 
     def ensure_live(self) -> None:
         """With every replica down, restart them now and have the trainer bring them the rollout's
         weights (``restore_weights``): nobody else is left to serve. A no-op while one is alive."""
-        if any(self.router.loads[k].alive for k in self.active) or not self._down:
+        if any(self.router.loads[k].alive for k in self.active) or not self.pool.down:
             return
         if self.restore_weights is None:
-            raise WorkerError(f"every rollout replica is down ({'; '.join(self._down.values())}), and nothing can "
+            raise WorkerError(f"every rollout replica is down ({'; '.join(self.pool.down_reasons)}), and nothing can "
                               f"give a restarted one the rollout's weights mid-round", process_died=True)
-        self.restore_weights(self.restart_down())
-
-    def _mark_failed(self, message: str) -> None:
-        """The replicas the error names are dead to the router (the error's first line names the
-        replica that failed first; later lines may name others)."""
-        for r in self.active:
-            if f"{replica_role(r)} rank" in message:
-                self.router.mark_dead(r, message.splitlines()[0])
+        self.restore_weights(self.pool.restart_down())
 
     def _record_round(self, outputs: dict[int, ReplicaOutput], started: float, requests: dict[int, int]) -> None:
         """A round's busy time, timeline spans (from ``started``) and metrics, per replica."""
@@ -443,7 +249,7 @@ class RolloutReplicas:
         metrics = self.router.metrics([o.seconds for o in served], tokens, slots)
         for name in _SUMMED_COUNTS:
             metrics[f"rollout/{name}"] = sum(o.engine_counts.get(name, 0.0) for o in outputs.values())
-        if self.elastic is not None:
+        if self.pool.elastic is not None:
             metrics["rollout/replicas"] = float(sum(self.router.loads[r].alive for r in slots))
         return metrics
 
@@ -455,8 +261,8 @@ class RolloutReplicas:
         if not rounds:
             return {}
         merged = dict(rounds[-1])
-        if self.max_restarts > 0:
-            merged["rollout/replica_restarts"] = float(sum(self.restarts) + self._retired_restarts)
+        if self.pool.max_restarts > 0:
+            merged["rollout/replica_restarts"] = float(self.pool.total_restarts)
         for name in _SUMMED_COUNTS:
             merged[f"rollout/{name}"] = sum(m[f"rollout/{name}"] for m in rounds)
         looked_up = merged.pop("rollout/prefix_cache_query_tokens")
@@ -553,7 +359,7 @@ class RolloutReplicas:
         """``method`` on every replica at once, but those down; results by slot (None for a replica
         down and a slot without one). ``recover``: a replica that died meanwhile goes down (``_lost``), else its
         error fails the call."""
-        up = [k for k in self.active if k not in self._down]
+        up = [k for k in self.active if not self.pool.is_down(k)]
         results: list[Any] = [None] * len(self.groups)
         calls = [self.group(k).submit_one(0, method, *args) for k in up]
         if not recover:
@@ -562,7 +368,7 @@ class RolloutReplicas:
             return results
         for c, outcome in wait_each(*calls):
             if isinstance(outcome, WorkerError):
-                self._lost(up[c], outcome)
+                self.pool.lost(up[c], outcome)
             else:
                 results[up[c]] = outcome[0]
         return results
@@ -666,10 +472,10 @@ class ReplicaStream:
         return lost
 
     def _replica_lost(self, r: int, error: WorkerError) -> list[tuple[tuple[int, Any], GenerationRequest]]:
-        """Replica ``r`` failed: ``_take_back``, then ``RolloutReplicas._lost`` (which raises when
+        """Replica ``r`` failed: ``_take_back``, then ``ReplicaPool.lost`` (which raises when
         it cannot be restarted)."""
         lost = self._take_back(r)
-        self._replicas._lost(r, error)
+        self._replicas.pool.lost(r, error)
         return lost
 
     def _take_back_replaced(self) -> list[tuple[tuple[int, Any], GenerationRequest]]:

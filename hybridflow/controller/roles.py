@@ -23,7 +23,8 @@ from hybridflow.config import Config, ConfigError
 from hybridflow.config.layout import data_parallel_size, rollout_replicas
 from hybridflow.controller.preflight import judge_api_key
 from hybridflow.controller.prime import ImplicitPRM
-from hybridflow.controller.replicas import ElasticReplicas, RolloutReplicas, replica_role
+from hybridflow.controller.replica_pool import ElasticReplicas, replica_role
+from hybridflow.controller.replicas import RolloutReplicas
 from hybridflow.controller.teachers import Teachers
 from hybridflow.rewards.manager import scoring_processes
 from hybridflow.rewards.sandbox_fusion import SandboxFusionSettings
@@ -80,7 +81,7 @@ def connect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplic
     members = 1 + replicas.num_replicas
     wait_all(actor.submit_one(0, ActorWorker.join_weight_sync, host, port, members, on_gpu),
              *replicas.submit_join_weight_sync(host, port, members, on_gpu))
-    replicas.rejoin_weight_sync = False  # every replica of now is in it
+    replicas.pool.rejoin_weight_sync = False  # every replica of now is in it
     log.info("weight sync: actor rank 0 -> %d rollout replica(s) by broadcast via %s:%d (%s)",
              replicas.num_replicas, host, port, "nccl" if on_gpu else "gloo")
 
@@ -212,7 +213,7 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
                                max_restarts=cfg.rollout.max_replica_restarts, elastic=bounds)
     if bounds is not None:
         try:
-            replicas.resize()  # more while the cluster has room now: they hold model.path, the weights of step 0
+            replicas.pool.resize()  # more while the cluster has room now: they hold model.path, the weights of step 0
         except BaseException:
             replicas.close()
             raise

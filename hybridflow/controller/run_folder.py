@@ -206,7 +206,7 @@ def write_placement(output_dir: Path, groups: list[tuple[str, WorkerGroup[Any]]]
     """Record where every rank of every role runs (``PLACEMENT_FILE``), replacing the file whole:
     on a Ray cluster of several nodes, which node holds which rank is the first thing to know when
     one of them fails. A resumed run writes its own (its ranks may land elsewhere); a replica's
-    restart, or an elastic run's change of replicas, writes it again (``RolloutReplicas.on_change``)."""
+    restart, or an elastic run's change of replicas, writes it again (``ReplicaPool.on_change``)."""
     record = {role: [{"rank": rank, "node_id": node.node_id, "address": node.address, "pid": node.pid}
                      for rank, node in enumerate(group.nodes())] for role, group in groups}
     path = output_dir / PLACEMENT_FILE

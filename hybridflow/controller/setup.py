@@ -430,7 +430,7 @@ def build_run(cfg: Config) -> RunSetup:
         progress=progress, dumps=dumps, warnings=warnings, pools=pools, timeline=timeline, storage=storage,
     )
     write_placement(output_dir, roles.named_groups())  # where each rank of each role landed
-    rollout.on_change = lambda: write_placement(output_dir, roles.named_groups())  # ... and a replica that came or went
+    rollout.pool.on_change = lambda: write_placement(output_dir, roles.named_groups())  # ... and a replica that came or went
     record_budgets(output_dir, automatic_budgets, _budget_groups(roles), rollout.kv_cache_budget())
     return run
 
