@@ -24,7 +24,7 @@ from hybridflow.algorithms import batch_counts
 from hybridflow.algorithms.value import compute_value_loss
 from hybridflow.config.schema import CriticConfig
 from hybridflow.data.plane import resolve_batch
-from hybridflow.models.loading import enable_activation_checkpointing, load_tokenizer, load_value_model
+from hybridflow.models.loading import load_tokenizer, load_value_model
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import LossFn
@@ -32,7 +32,7 @@ from hybridflow.training.micro_batches import plan_micro_batches, train_micro_ba
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
-from hybridflow.workers.engine_setup import check_rank_group, model_precision, shards_model, trained_engine
+from hybridflow.workers.engine_setup import check_rank_group, load_trained_role
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +61,13 @@ class CriticWorker:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
-        fsdp = cfg.fsdp_config
-        data_parallel = shards_model(world_size, fsdp.param_offload, setup.device, "critic.fsdp_config.param_offload")
-        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel,
-                                                       master_dtype=fsdp.model_dtype)
-        model = load_value_model(
-            setup.model_path, dtype=weights_dtype, device=setup.device, trust_remote_code=setup.trust_remote_code
-        )
-        if setup.gradient_checkpointing:
-            enable_activation_checkpointing(model)
-        self.engine = trained_engine(
-            model, cfg.optim, fsdp, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
-            device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
-            sequence_parallel_size=cfg.ulysses_sequence_parallel_size, metrics_prefix="critic",
+        self.engine = load_trained_role(
+            "critic", world_size, cfg.optim, cfg.fsdp_config,
+            lambda dtype: load_value_model(setup.model_path, dtype=dtype, device=setup.device,
+                                           trust_remote_code=setup.trust_remote_code),
+            dtype=setup.dtype, device=setup.device, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
+            gradient_checkpointing=setup.gradient_checkpointing,
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
         )
         self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size  # as the actor's
         self.plan = plan_micro_batches(

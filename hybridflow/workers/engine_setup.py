@@ -6,9 +6,12 @@ that builds a ``TrainEngine``; the micro-batch plan is ``hybridflow.training.mic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hybridflow.config.schema import FSDPConfig, LoraConfig, OptimConfig
+from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.models.lora import LoraSpec
 from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine
@@ -109,3 +112,23 @@ def trained_engine(
         checkpoint_trainable_only=checkpoint_trainable_only,
         compile_layers=compile_layers,
     )
+
+
+def load_trained_role(
+    role: str, world_size: int, optim: OptimConfig, fsdp: FSDPConfig, load: Callable[[torch.dtype], torch.nn.Module], *,
+    dtype: str, device: torch.device, total_steps: int, grad_clip: float, gradient_checkpointing: bool,
+    sequence_parallel_size: int = 1,
+) -> TrainEngine:
+    """The engine of a trained role whose model needs nothing between loading and training (critic,
+    implicit PRM): sharded or not (``shards_model``, key ``<role>.fsdp_config.param_offload``), its
+    precision (``model_precision``), the model ``load(weights dtype)`` gives, activation
+    checkpointing when asked, ``trained_engine`` with the role's name as metrics prefix."""
+    data_parallel = shards_model(world_size, fsdp.param_offload, device, f"{role}.fsdp_config.param_offload")
+    weights_dtype, compute_dtype = model_precision(dtype, trainable=True, data_parallel=data_parallel,
+                                                   master_dtype=fsdp.model_dtype)
+    model = load(weights_dtype)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return trained_engine(model, optim, fsdp, total_steps=total_steps, grad_clip=grad_clip, device=device,
+                          data_parallel=data_parallel, mixed_precision=compute_dtype,
+                          sequence_parallel_size=sequence_parallel_size, metrics_prefix=role)

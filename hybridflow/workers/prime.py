@@ -28,14 +28,14 @@ from hybridflow.algorithms.prime import (
 )
 from hybridflow.config.schema import PrimeConfig
 from hybridflow.data.plane import resolve_batch
-from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
+from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import LossFn
 from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
 from hybridflow.types import TrainBatch
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
-from hybridflow.workers.engine_setup import check_rank_group, model_precision, shards_model, trained_engine
+from hybridflow.workers.engine_setup import check_rank_group, load_trained_role
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +69,12 @@ class ImplicitPRMWorker:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
-        fsdp = cfg.fsdp_config
-        data_parallel = shards_model(world_size, fsdp.param_offload, setup.device, "prime.fsdp_config.param_offload")
-        weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel,
-                                                       master_dtype=fsdp.model_dtype)
-        model = load_causal_lm(setup.model_path, dtype=weights_dtype, device=setup.device,
-                               trust_remote_code=setup.trust_remote_code)
-        if setup.gradient_checkpointing:
-            enable_activation_checkpointing(model)
-        self.engine = trained_engine(
-            model, cfg.optim, fsdp, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
-            device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
-            sequence_parallel_size=1, metrics_prefix="prime",
+        self.engine = load_trained_role(
+            "prime", world_size, cfg.optim, cfg.fsdp_config,
+            lambda dtype: load_causal_lm(setup.model_path, dtype=dtype, device=setup.device,
+                                         trust_remote_code=setup.trust_remote_code),
+            dtype=setup.dtype, device=setup.device, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
+            gradient_checkpointing=setup.gradient_checkpointing,
         )
         self.plan = plan_micro_batches(
             self.engine, use_remove_padding=setup.use_remove_padding, use_dynamic_bsz=setup.use_dynamic_bsz,
