@@ -128,8 +128,11 @@ DECODE_LOGITS_TEMPORARIES = 3
 # What a CPU trainer process keeps resident besides the planned tensors: the interpreter and the
 # libraries a run imports (torch, transformers, pandas and pyarrow for the data, hybridflow), their
 # first-use caches. Measured on the default run (torch 2.13, x86-64): 0.27 GB after the imports,
-# 0.49 GB once the run is built (the tiny model's tensors are ~10 MB of it).
-PROCESS_RUNTIME_BYTES = 490 * 10**6
+# 0.49 GB once the run is built (the tiny model's tensors are ~10 MB of it), and 0.60 GB beside the
+# planned tensors at the step's peak (perf/rss_peak_gb/step 0.835 GB, the largest planned phase
+# 0.232 GB; Xeon with AVX-512, two 2-step runs; bench/memory_timeline.py --worker default): the
+# first training step adds autograd's, oneDNN's and the allocator's caches, which this counts.
+PROCESS_RUNTIME_BYTES = 600 * 10**6
 
 
 @dataclass(frozen=True)
