@@ -16,6 +16,7 @@ Each section lives in ``hybridflow/config/sections/<area>.py``; this module asse
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridflow.config.sections.distillation import DistillationConfig, TeacherConfig, TeacherServerConfig
 from hybridflow.config.sections.dpo import DPOConfig
@@ -95,3 +96,11 @@ class Config:
     trainer: TrainerConfig = sub(TrainerConfig, "Loop, logging, checkpoints.")
     async_training: AsyncTrainingConfig = sub(AsyncTrainingConfig, "The asynchronous loops (trainer.mode).")
     storage: StorageConfig = sub(StorageConfig, "Object storage (s3://, gs://, other fsspec URLs) for data, model and checkpoints.")
+
+
+def key_value(cfg: Any, dotted: str) -> Any:
+    """The value at a dotted key (``actor.optim.lr``) of a config or one of its sections."""
+    value = cfg
+    for name in dotted.split("."):
+        value = getattr(value, name)
+    return value

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from hybridflow.config.errors import ConfigError
+from hybridflow.config.schema import key_value
 
 ANY = None
 """``Rule.accepts`` for a key ignored at every value."""
@@ -607,12 +608,6 @@ def _global_micro_note(spec: GlobalMicroBatch) -> str:
     return GLOBAL_MICRO_NOTE.format(per_gpu=spec.per_gpu, sp=sp)
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def per_rank_micro_batch(cfg: Any, key: str, value: Any) -> int:
     """verl's global micro-batch ``key=value`` as the per-rank count of ``cfg`` (the whole config,
     so the rank count is final). ``ConfigError`` naming ``key`` when the value is not a positive
@@ -625,8 +620,8 @@ def per_rank_micro_batch(cfg: Any, key: str, value: Any) -> int:
                           f"positive integer, got {_show(value)}", key=key)
     t = cfg.trainer
     ranks = t.n_gpus_per_node * t.nnodes
-    sp_key = next((k for k in spec.sequence_parallel if _get(cfg, k) is not None), None)
-    sp = _get(cfg, sp_key) if sp_key else 1
+    sp_key = next((k for k in spec.sequence_parallel if key_value(cfg, k) is not None), None)
+    sp = key_value(cfg, sp_key) if sp_key else 1
     groups = f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes}"
     if sp > 1:
         groups += f" / {sp_key}={sp}"

@@ -38,6 +38,7 @@ from hybridflow.cluster.worker_group import WorkerGroup
 from hybridflow.config import Config
 from hybridflow.config.apply import apply_override
 from hybridflow.config.layout import data_parallel_size
+from hybridflow.config.schema import key_value
 from hybridflow.controller.rollout_dtype import write_record
 from hybridflow.utils.device import AUTO_DTYPE, rule_train_dtype
 from hybridflow.utils.threads import rule_threads
@@ -65,13 +66,6 @@ RECORDED_DTYPES = ("float32", "bfloat16")
 
 _WHY = ("decided at the run's first start from the machine (free memory, cores); a resume reads them back, "
         "since each changes which numbers are summed together")
-
-
-def _value(cfg: Config, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
 
 
 def _recordable(key: str, value: Any) -> bool:
@@ -102,7 +96,7 @@ def apply_recorded_budgets(cfg: Config, output_dir: Path) -> list[str]:
     this folder's record holds; returns the keys set. Call before any role starts."""
     applied = []
     for key, value in read_budgets(output_dir).items():
-        if _value(cfg, key) in (None, AUTO_DTYPE):
+        if key_value(cfg, key) in (None, AUTO_DTYPE):
             apply_override(cfg, f"{key}={value}")
             applied.append(f"{key}={value}")
     if applied:
@@ -116,7 +110,7 @@ def automatic_budget_keys(cfg: Config) -> set[str]:
     dynamic = {"actor": cfg.actor.use_dynamic_bsz, "critic": cfg.critic.use_dynamic_bsz,
                "reference": cfg.actor.use_dynamic_bsz}
     keys = {key for role, keys in ROLE_KEYS.items() if dynamic[role] for key in keys
-            if key is not None and _value(cfg, key) is None}
+            if key is not None and key_value(cfg, key) is None}
     return keys | ({KV_CACHE_KEY} if cfg.rollout.kv_cache_memory_bytes is None else set())
 
 

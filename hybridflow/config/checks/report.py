@@ -4,16 +4,8 @@ text, divisors and multiples near a value, ``a, b or c`` lists)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from hybridflow.config.schema import Config
-
-
-def key_value(cfg: Config, path: str) -> Any:
-    value: Any = cfg
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
+from hybridflow.config.schema import Config, key_value
 
 
 def key_help(cfg: Config, path: str) -> str:
