@@ -127,11 +127,8 @@ ONEDNN_PACKED_VENDORS = ("AuthenticAMD",)
 DECODE_LOGITS_TEMPORARIES = 3
 # What a CPU trainer process keeps resident besides the planned tensors: the interpreter and the
 # libraries a run imports (torch, transformers, pandas and pyarrow for the data, hybridflow), their
-# first-use caches. Measured on the default run (torch 2.13, x86-64): 0.27 GB after the imports,
-# 0.49 GB once the run is built (the tiny model's tensors are ~10 MB of it), and 0.60 GB beside the
-# planned tensors at the step's peak (perf/rss_peak_gb/step 0.835 GB, the largest planned phase
-# 0.232 GB; Xeon with AVX-512, two 2-step runs; bench/memory_timeline.py --worker default): the
-# first training step adds autograd's, oneDNN's and the allocator's caches, which this counts.
+# first-use caches. Measured on the default run (torch 2.13, Xeon AVX-512, bench/memory_timeline.py):
+# 0.60 GB beside the planned tensors at the step's peak (0.835 GB, the largest phase 0.232 GB).
 PROCESS_RUNTIME_BYTES = 600 * 10**6
 
 
@@ -798,8 +795,6 @@ def memory_plan_lines(cfg: Config, with_critic: bool = False) -> list[str]:
 
 def _compute_bytes(cfg: Config, device_type: str) -> int:
     """Bytes per element of the training compute (``model.dtype``, ``auto`` by the hardware rule)."""
-    # Imported here: hybridflow.utils.device imports torch, which a config error must not wait for
-    # (tests/unit/core/test_cli_fast_config_errors.py).
-    from hybridflow.utils.device import train_dtype
+    from hybridflow.utils.device import train_dtype  # torch: not before a config error (fast errors)
 
     return BYTES[train_dtype(cfg.model.dtype, device_type)]

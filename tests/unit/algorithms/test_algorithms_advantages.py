@@ -147,11 +147,12 @@ def test_every_estimator_takes_the_uniform_signature(name: str) -> None:
         lam=0.95,
         norm_adv_by_std_in_grpo=True,
         epsilon=1e-6,
-        values=torch.zeros(4, 4),  # inputs only some estimators need (gae, remax, gdpo, the token baselines)
+        values=torch.zeros(4, 4),  # inputs only some estimators need (gae, remax, gdpo, the token baselines, prime)
         reward_baselines=torch.zeros(4),
         reward_components=torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0]]),
         old_logprobs=torch.full((4, 4), -0.5),
         sum_pi_squared=torch.full((4, 4), 0.4),
+        implicit_rewards=torch.full((4, 4), 0.1),
         f_norm=1.0,
         an_input_no_estimator_knows=object(),
     )

@@ -33,6 +33,7 @@ def test_registry_lists_every_estimator() -> None:
         "grpo_passk",
         "opo",
         "optimal_token_baseline",
+        "prime",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",

@@ -163,6 +163,7 @@ def _estimator_inputs(rows: int, length: int, lengths: list[int], rewards_equal:
         reward_components=torch.stack([torch.arange(rows).float() % 2, torch.ones(rows)], dim=-1),
         old_logprobs=torch.full((rows, length), -0.7),
         sum_pi_squared=torch.full((rows, length), 0.3),
+        implicit_rewards=torch.full((rows, length), 0.1),
     )
 
 
