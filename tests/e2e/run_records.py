@@ -6,6 +6,9 @@ every test skips a line a kill cut short the same way and compares the same figu
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 WALL_CLOCK = ("timing_s/", "perf/")
@@ -28,3 +31,11 @@ def per_step(out: Path, volatile: tuple[str, ...] = WALL_CLOCK) -> dict[int, dic
     keys that start with any of ``volatile``."""
     return {record["step"]: {k: v for k, v in record.items() if not k.startswith(volatile)}
             for record in records(out)}
+
+
+def cli_train(args: list[str], out: Path, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    """``hybridflow train <args>`` in a process of its own, writing to ``out`` with the warm start
+    cached in ``cache``, killed at ``fault`` (``HYBRIDFLOW_FAULT``) when one is given."""
+    env = {**os.environ, "HYBRIDFLOW_FAULT": fault or ""}
+    return subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", *args, f"warm_start.cache_dir={cache}",
+                           f"trainer.output_dir={out}"], capture_output=True, text=True, timeout=300, env=env)

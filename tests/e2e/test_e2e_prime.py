@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hybridflow import api
-from run_records import per_step
+from run_records import cli_train, per_step
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +24,7 @@ SHORT = ["--preset", "prime", "data.train_batch_size=4", "actor.ppo_mini_batch_s
 
 
 def train(out: Path, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYBRIDFLOW_FAULT": fault or ""}
-    return subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", *SHORT, f"warm_start.cache_dir={cache}",
-                           f"trainer.output_dir={out}"], capture_output=True, text=True, timeout=300, env=env)
+    return cli_train(SHORT, out, cache, fault)
 
 
 def test_prime_trains_the_implicit_prm_and_a_killed_run_resumes_bitwise(builtin_cache, tmp_path):
