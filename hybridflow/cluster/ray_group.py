@@ -64,6 +64,11 @@ ROOM_WAIT_S = 10.0
 # After a rank fails, how long to wait for its peers' results: a peer in a collective with a dead
 # rank errors a moment later *because* of it, and the report should lead with the cause.
 FAILURE_GRACE_S = 2.0
+# When every failure in hand is an error a rank raised (none a death) and other ranks are still
+# running, a peer's process may have died without Ray having said so yet: a collective notices a
+# closed socket at once, Ray's death notice can lag by seconds on a loaded machine. Wait up to this
+# long for such a death before reporting, so the report names the dead rank, not its victims.
+DEATH_GRACE_S = 10.0
 
 
 # ------------------------------------------------------------------------------------ cluster
@@ -431,9 +436,7 @@ def wait_ray_calls(*calls: PendingCall[Any]) -> list[list[Any]]:
             ready, _ = ray.wait(list(pending), num_returns=1)
             failures = _collect(ready, pending, ray_calls, results)
             if failures:
-                if pending:
-                    late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=FAILURE_GRACE_S)
-                    failures += _collect(late, pending, ray_calls, results)
+                failures += _await_peer_failures(list(pending), failures, pending, ray_calls, results)
                 stuck = {ray_calls[c].group for c, _ in pending.values()}
                 raise _fail(failures, stuck)
     return results
@@ -459,9 +462,7 @@ def wait_ray_calls_each(*calls: PendingCall[Any]) -> Iterator[tuple[int, list[An
             for c in sorted({f.order for f in failures}):
                 own = [f for f in failures if f.order == c]
                 peers = [ref for ref, (cc, _) in pending.items() if cc == c]
-                if peers:
-                    late, _ = ray.wait(peers, num_returns=len(peers), timeout=FAILURE_GRACE_S)
-                    own += _collect(late, pending, ray_calls, results)
+                own += _await_peer_failures(peers, own, pending, ray_calls, results)
                 stuck = {ref for ref, (cc, _) in pending.items() if cc == c}
                 for ref in stuck:  # blocked on the failed rank: the group is torn down below
                     del pending[ref]
@@ -492,6 +493,34 @@ def _collect(
         except ray.exceptions.RayError as exc:
             failures.append(_Failure(c, calls[c], calls[c].refs[index][0], exc))
     return failures
+
+
+def _await_peer_failures(
+    peers: list[Any], failures: list[_Failure], pending: dict[Any, tuple[int, int]], calls: list[RayPendingCall[Any]],
+    results: list[list[Any]],
+) -> list[_Failure]:
+    """The failures among ``peers`` that follow ``failures`` closely: all of them within
+    ``FAILURE_GRACE_S``, then, while no failure in hand is a death, the first death within
+    ``DEATH_GRACE_S`` (returning as soon as one is seen, or when no peer is left running)."""
+    import ray
+
+    if not peers:
+        return []
+    late, _ = ray.wait(peers, num_returns=len(peers), timeout=FAILURE_GRACE_S)
+    found = _collect(late, pending, calls, results)
+    deadline = time.monotonic() + DEATH_GRACE_S - FAILURE_GRACE_S
+    left = [ref for ref in peers if ref in pending]
+
+    def died() -> bool:
+        return any(isinstance(f.error, ray.exceptions.RayActorError) for f in failures + found)
+
+    while left and not died() and (wait := deadline - time.monotonic()) > 0:
+        ready, _ = ray.wait(left, num_returns=1, timeout=wait)
+        if not ready:
+            break
+        found += _collect(ready, pending, calls, results)
+        left = [ref for ref in left if ref in pending]
+    return found
 
 
 def _fail(failures: list[_Failure], stuck: set[RayWorkerGroup[Any]]) -> WorkerError:

@@ -49,6 +49,13 @@ class Peer:
             raise ValueError("no weights here")
         return self.meet(host, port, members, first_member)
 
+    def fail_at_once(self) -> None:
+        raise RuntimeError("Connection closed by peer")  # what a collective says when a member vanished
+
+    def exit_after(self, seconds: float) -> None:
+        time.sleep(seconds)
+        os._exit(1)  # the process dies; Ray's notice of it comes after the peer's own error
+
     def double(self, value: int) -> int:
         if value < 0:
             raise ValueError(f"negative: {value}")
@@ -139,6 +146,27 @@ def test_ray_failure_on_one_side_is_prompt_and_tears_down_the_side_left_waiting(
         sender.call_all(Peer.double, 1)
     with pytest.raises(WorkerError, match="receiver cannot run Peer.double: rank 1 failed earlier"):
         receiver.submit_all(Peer.double, 1)
+
+
+@pytest.mark.slow  # a Ray cluster and rank processes: seconds each
+def test_ray_failure_report_leads_with_a_death_that_ray_reports_after_the_peers_own_error(pool) -> None:
+    """A replica killed inside a weight sync: the sender's collective fails at once ("connection
+    closed"), Ray's notice of the death may come seconds later on a loaded machine. The report waits
+    for it (``DEATH_GRACE_S``) and names the dead rank first, its victim after."""
+    from hybridflow.cluster.ray_group import DEATH_GRACE_S, FAILURE_GRACE_S
+
+    sender, dying = _group(pool, "sender", 1), _group(pool, "replica", 1)
+    try:
+        delay = FAILURE_GRACE_S + 2.0
+        assert delay < DEATH_GRACE_S - 3.0
+        start = time.perf_counter()
+        with pytest.raises(WorkerError, match=r"(?s)replica rank 0.* died in Peer.exit_after \(its process exited\)"
+                                              r".*also failed: sender rank 0: RayTaskError\(RuntimeError\)"):
+            wait_all(sender.submit_one(0, Peer.fail_at_once), dying.submit_one(0, Peer.exit_after, delay))
+        assert time.perf_counter() - start < DEATH_GRACE_S + 5.0
+    finally:
+        sender.close()
+        dying.close()
 
 
 @pytest.mark.slow  # a Ray cluster and rank processes: seconds each
