@@ -100,7 +100,7 @@ from hybridflow.inference.step import (
     TokenListener,
 )
 from hybridflow.inference.weight_store import ApplyBucket, WeightStore, prepare_weights
-from hybridflow.transfer.weights import DEFAULT_BUCKET_BYTES, iter_buckets
+from hybridflow.transfer.weights import update_weights_in_buckets
 from hybridflow.types import GenerationRequest, Trajectory
 from hybridflow.utils.aio import serve_batch
 
@@ -339,32 +339,17 @@ class NativeEngine:
         """
         return serve_batch(self.generate, requests, self._intake.check)
 
-    def update_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        version: int | None = None,
-    ) -> None:
-        """Copy ``(name, tensor)`` pairs into the model by Hugging Face parameter name.
-
-        Names are those of ``model.state_dict()`` (tied aliases such as ``lm_head.weight`` are
-        accepted). Pairs are applied in buckets of at most ``max_bucket_bytes`` (``weights``):
-        each bucket is checked whole, then cast to the engine's dtype and device and copied. The
-        lock is held across all buckets, so no step sees half-updated weights. On an error the
-        earlier buckets have already been applied: resend them all. ``version`` is the policy
-        version tokens generated from now on record (default: the current one + 1).
-        """
-        with self.weight_update(version=version) as apply:
-            for bucket in iter_buckets(weights, max_bucket_bytes):
-                apply(bucket)
+    # Copies ``(name, tensor)`` pairs into the model by Hugging Face parameter name, in buckets (``weight_update``).
+    update_weights = update_weights_in_buckets
 
     @contextlib.contextmanager
     def weight_update(self, version: int | None = None) -> Iterator[ApplyBucket]:
         """Hold the engine between two steps for a whole update that arrives in parts.
 
         Yields ``apply(bucket)``, which checks one bucket of ``(name, tensor)`` pairs against the
-        model and copies it in (cast to the engine's dtype and device). No step runs until the
-        block exits, so a cross-process sync (``weight_transfer.receive_weights(group, targets,
+        model whole and copies it in (cast to the engine's dtype and device); names are those of
+        ``model.state_dict()`` (tied aliases such as ``lm_head.weight`` are accepted). No step runs
+        until the block exits, so a cross-process sync (``weight_transfer.receive_weights(group, targets,
         apply)``) is seen whole by every request, even while others are being served. Tokens
         generated after it record policy version ``version`` (default: the current one + 1);
         samples in flight continue (partial rollout, see the module docstring).

@@ -95,7 +95,7 @@ import httpx
 import torch
 
 from hybridflow.inference.sampling import derive_sample_seed, is_greedy, refuse_images
-from hybridflow.transfer.weights import DEFAULT_BUCKET_BYTES, NamedTensor, check_bucket, iter_buckets
+from hybridflow.transfer.weights import NamedTensor, check_bucket, update_weights_in_buckets
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 from hybridflow.utils.aio import serve_batch
 
@@ -613,12 +613,8 @@ class SGLangEngine:
         """``generate`` for every request concurrently, from synchronous code."""
         return serve_batch(self.generate, requests, self._check_request)
 
-    def update_weights(
-        self, weights: Iterable[NamedTensor], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES, version: int | None = None
-    ) -> None:
-        with self.weight_update(version) as apply:
-            for bucket in iter_buckets(weights, max_bucket_bytes):
-                apply(bucket)
+    # Pushes ``(name, tensor)`` pairs (Hugging Face names) to the server, bucket by bucket (``weight_update``).
+    update_weights = update_weights_in_buckets
 
     @contextlib.contextmanager
     def weight_update(self, version: int | None = None) -> Iterator[Callable[[list[NamedTensor]], None]]:

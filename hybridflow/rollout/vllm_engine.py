@@ -90,14 +90,14 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridflow.inference.sampling import check_sampling_params, derive_sample_seed, refuse_images
-from hybridflow.transfer.weights import DEFAULT_BUCKET_BYTES, check_bucket, iter_buckets
+from hybridflow.transfer.weights import check_bucket, update_weights_in_buckets
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
 from hybridflow.utils.seed import capture_rng_state, restore_rng_state
 
@@ -282,17 +282,8 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        version: int | None = None,
-    ) -> None:
-        """Load ``(name, tensor)`` pairs (Hugging Face names) into vLLM's model, bucket by bucket
-        (``version`` is ignored: this engine records no token versions, see the module docstring)."""
-        with self.weight_update(version) as apply:
-            for bucket in iter_buckets(weights, max_bucket_bytes):
-                apply(bucket)
+    # Loads ``(name, tensor)`` pairs (Hugging Face names) into vLLM's model, bucket by bucket (``weight_update``).
+    update_weights = update_weights_in_buckets
 
     @contextlib.contextmanager
     def weight_update(self, version: int | None = None) -> Iterator[Callable[[list[tuple[str, torch.Tensor]]], None]]:

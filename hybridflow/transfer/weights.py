@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple
+from contextlib import AbstractContextManager
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -60,6 +61,29 @@ def iter_buckets(weights: Iterable[NamedTensor], max_bucket_bytes: int = DEFAULT
         size += nbytes
     if bucket:
         yield bucket
+
+
+class BucketedWeightUpdate(Protocol):
+    """An engine that takes an update in buckets: ``weight_update(version)`` yields ``apply(bucket)``."""
+
+    def weight_update(self, version: int | None = None) -> AbstractContextManager[Callable[[list[NamedTensor]], None]]:
+        ...
+
+
+def update_weights_in_buckets(
+    engine: BucketedWeightUpdate,
+    weights: Iterable[NamedTensor],
+    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    version: int | None = None,
+) -> None:
+    """``update_weights`` of the engines whose ``weight_update`` applies buckets (native, vLLM, SGLang: each
+    sets it as its method): ``weights`` grouped by ``iter_buckets`` and applied inside one
+    ``weight_update(version)``, so no step sees a mix of old and new weights; what a bucket's check and
+    copy do, and what ``version`` means, is that engine's ``weight_update``. On an error the earlier
+    buckets have already been applied: resend them all."""
+    with engine.weight_update(version) as apply:
+        for bucket in iter_buckets(weights, max_bucket_bytes):
+            apply(bucket)
 
 
 def plan_buckets(
