@@ -28,11 +28,11 @@ from hybridflow.models.loading import load_tokenizer, load_value_model
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import LossFn
-from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
+from hybridflow.training.micro_batches import train_micro_batches
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
-from hybridflow.workers.engine_setup import check_rank_group, load_trained_role
+from hybridflow.workers.engine_setup import RoleBatching, load_trained_role
 
 log = logging.getLogger(__name__)
 
@@ -57,26 +57,16 @@ class CriticSetup:
 
 class CriticWorker:
     def __init__(self, rank: int, world_size: int, cfg: CriticConfig, setup: CriticSetup) -> None:
-        check_rank_group("critic", rank, world_size)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
+        batching = RoleBatching(cfg.use_remove_padding, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu,
+                                cfg.forward_max_token_len_per_gpu, remove_padding_key="critic.use_remove_padding")
+        self.engine, self.plan = load_trained_role(
+            "critic", rank, world_size, cfg, setup, load_value_model, batching,
+            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
+        )
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
-        self.engine = load_trained_role(
-            "critic", world_size, cfg.optim, cfg.fsdp_config,
-            lambda dtype: load_value_model(setup.model_path, dtype=dtype, device=setup.device,
-                                           trust_remote_code=setup.trust_remote_code),
-            dtype=setup.dtype, device=setup.device, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
-            gradient_checkpointing=setup.gradient_checkpointing,
-            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
-        )
         self.data_parallel_size = world_size // cfg.ulysses_sequence_parallel_size  # as the actor's
-        self.plan = plan_micro_batches(
-            self.engine, use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
-            ppo_max_token_len=cfg.ppo_max_token_len_per_gpu, log_prob_max_token_len=cfg.forward_max_token_len_per_gpu,
-            longest_sample=setup.max_prompt_length + setup.max_response_length,
-            gradient_checkpointing=setup.gradient_checkpointing, remove_padding_key="critic.use_remove_padding",
-            sequence_parallel_size=cfg.ulysses_sequence_parallel_size,
-        )
         if rank == 0:
             for note in self.plan.notes:
                 log.info("critic: %s", note)

@@ -7,6 +7,8 @@ that builds a ``TrainEngine``; the micro-batch plan is ``hybridflow.training.mic
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -15,6 +17,7 @@ from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.models.lora import LoraSpec
 from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine
+from hybridflow.training.micro_batches import MicroBatchPlan, plan_micro_batches
 from hybridflow.training.optimizer import OptimSpec
 from hybridflow.utils.device import parse_dtype
 
@@ -114,21 +117,66 @@ def trained_engine(
     )
 
 
+class TrainedRoleConfig(Protocol):
+    """What ``load_trained_role`` reads of a trained role's section (``critic``, ``prime``)."""
+
+    optim: OptimConfig
+    fsdp_config: FSDPConfig
+    grad_clip: float
+
+
+class TrainedRoleSetup(Protocol):
+    """What ``load_trained_role`` reads of a role's run-level facts (``CriticSetup``, ``PrimeSetup``)."""
+
+    model_path: str
+    dtype: str
+    device: torch.device
+    total_optimizer_steps: int
+    max_prompt_length: int
+    max_response_length: int
+    gradient_checkpointing: bool
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class RoleBatching:
+    """The micro-batch keys of a role as ``plan_micro_batches`` reads them; ``remove_padding_key`` is the
+    config key that ``use_remove_padding`` came from (an error names it)."""
+
+    use_remove_padding: bool
+    use_dynamic_bsz: bool
+    ppo_max_token_len: int | None
+    log_prob_max_token_len: int | None
+    remove_padding_key: str
+
+
 def load_trained_role(
-    role: str, world_size: int, optim: OptimConfig, fsdp: FSDPConfig, load: Callable[[torch.dtype], torch.nn.Module], *,
-    dtype: str, device: torch.device, total_steps: int, grad_clip: float, gradient_checkpointing: bool,
-    sequence_parallel_size: int = 1,
-) -> TrainEngine:
-    """The engine of a trained role whose model needs nothing between loading and training (critic,
-    implicit PRM): sharded or not (``shards_model``, key ``<role>.fsdp_config.param_offload``), its
-    precision (``model_precision``), the model ``load(weights dtype)`` gives, activation
-    checkpointing when asked, ``trained_engine`` with the role's name as metrics prefix."""
-    data_parallel = shards_model(world_size, fsdp.param_offload, device, f"{role}.fsdp_config.param_offload")
-    weights_dtype, compute_dtype = model_precision(dtype, trainable=True, data_parallel=data_parallel,
+    role: str, rank: int, world_size: int, cfg: TrainedRoleConfig, setup: TrainedRoleSetup,
+    load_model: Callable[..., torch.nn.Module], batching: RoleBatching, sequence_parallel_size: int = 1,
+) -> tuple[TrainEngine, MicroBatchPlan]:
+    """The engine and micro-batch plan of a trained role whose model needs nothing between loading and
+    training (critic, implicit PRM), on ``rank`` of ``world_size`` (``check_rank_group``): sharded or
+    not (``shards_model``, key ``<role>.fsdp_config.param_offload``), its precision (``model_precision``),
+    the model ``load_model(path, dtype=, device=, trust_remote_code=)`` gives, activation checkpointing
+    when asked, ``trained_engine`` with the role's name as metrics prefix, and its plan for samples up
+    to the longest prompt + response."""
+    check_rank_group(role, rank, world_size)
+    fsdp = cfg.fsdp_config
+    data_parallel = shards_model(world_size, fsdp.param_offload, setup.device, f"{role}.fsdp_config.param_offload")
+    weights_dtype, compute_dtype = model_precision(setup.dtype, trainable=True, data_parallel=data_parallel,
                                                    master_dtype=fsdp.model_dtype)
-    model = load(weights_dtype)
-    if gradient_checkpointing:
+    model = load_model(setup.model_path, dtype=weights_dtype, device=setup.device,
+                       trust_remote_code=setup.trust_remote_code)
+    if setup.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    return trained_engine(model, optim, fsdp, total_steps=total_steps, grad_clip=grad_clip, device=device,
-                          data_parallel=data_parallel, mixed_precision=compute_dtype,
-                          sequence_parallel_size=sequence_parallel_size, metrics_prefix=role)
+    engine = trained_engine(model, cfg.optim, fsdp, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
+                            device=setup.device, data_parallel=data_parallel, mixed_precision=compute_dtype,
+                            sequence_parallel_size=sequence_parallel_size, metrics_prefix=role)
+    plan = plan_micro_batches(
+        engine, use_remove_padding=batching.use_remove_padding, use_dynamic_bsz=batching.use_dynamic_bsz,
+        ppo_max_token_len=batching.ppo_max_token_len, log_prob_max_token_len=batching.log_prob_max_token_len,
+        longest_sample=setup.max_prompt_length + setup.max_response_length,
+        gradient_checkpointing=setup.gradient_checkpointing, remove_padding_key=batching.remove_padding_key,
+        sequence_parallel_size=sequence_parallel_size,
+    )
+    return engine, plan

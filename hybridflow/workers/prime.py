@@ -32,10 +32,10 @@ from hybridflow.models.loading import load_causal_lm, load_tokenizer
 from hybridflow.training import distributed
 from hybridflow.training.distributed import collective
 from hybridflow.training.engine import LossFn
-from hybridflow.training.micro_batches import plan_micro_batches, train_micro_batches
+from hybridflow.training.micro_batches import train_micro_batches
 from hybridflow.types import TrainBatch
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
-from hybridflow.workers.engine_setup import check_rank_group, load_trained_role
+from hybridflow.workers.engine_setup import RoleBatching, load_trained_role
 
 log = logging.getLogger(__name__)
 
@@ -65,23 +65,12 @@ class PrimeSetup:
 
 class ImplicitPRMWorker:
     def __init__(self, rank: int, world_size: int, cfg: PrimeConfig, setup: PrimeSetup) -> None:
-        check_rank_group("prime", rank, world_size)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
+        batching = RoleBatching(setup.use_remove_padding, setup.use_dynamic_bsz, setup.ppo_max_token_len,
+                                setup.log_prob_max_token_len, remove_padding_key="actor.use_remove_padding")
+        self.engine, self.plan = load_trained_role("prime", rank, world_size, cfg, setup, load_causal_lm, batching)
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
-        self.engine = load_trained_role(
-            "prime", world_size, cfg.optim, cfg.fsdp_config,
-            lambda dtype: load_causal_lm(setup.model_path, dtype=dtype, device=setup.device,
-                                         trust_remote_code=setup.trust_remote_code),
-            dtype=setup.dtype, device=setup.device, total_steps=setup.total_optimizer_steps, grad_clip=cfg.grad_clip,
-            gradient_checkpointing=setup.gradient_checkpointing,
-        )
-        self.plan = plan_micro_batches(
-            self.engine, use_remove_padding=setup.use_remove_padding, use_dynamic_bsz=setup.use_dynamic_bsz,
-            ppo_max_token_len=setup.ppo_max_token_len, log_prob_max_token_len=setup.log_prob_max_token_len,
-            longest_sample=setup.max_prompt_length + setup.max_response_length,
-            gradient_checkpointing=setup.gradient_checkpointing, remove_padding_key="actor.use_remove_padding",
-        )
 
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
         logprobs, _ = self.engine.compute_logprobs(
