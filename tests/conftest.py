@@ -55,7 +55,7 @@ LONGEST_S = {
     # timed in CI: 522 s here under a load average of 25, against 140 s for one actor rank to start).
     "tests/e2e/test_e2e_elastic.py::test_replicas_follow_nodes_that_join_and_leave_and_the_steps_equal_a_fixed_replica_runs": 150,
     # A three-node Ray cluster started with `ray start`, then two runs.
-    "tests/e2e/test_e2e_ray_multinode.py::test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_local_rank": 67,
+    "tests/e2e/test_e2e_ray_multinode.py::test_two_nodes_of_two_actor_ranks_on_an_existing_cluster_train_like_one_local_rank": 67,
     "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 65,
     "tests/e2e/test_e2e_preemption.py::test_a_job_wide_sigterm_on_ray_reaches_every_process_and_the_run_still_saves": 62,
     "tests/e2e/test_e2e_lora.py::test_lora_on_two_ray_ranks_matches_one_local_rank": 60,

@@ -66,6 +66,7 @@ def reserve_placements(
     *,
     data_parallel_size: int,
     device: torch.device,
+    nnodes: int = 1,
     colocated_roles: Sequence[str],
     split_roles: Sequence[str] = (),
     ray_address: str | None = None,
@@ -75,11 +76,13 @@ def reserve_placements(
     """Where each role's ranks will run, for ``build_worker_group``, and the pools reserved.
 
     ``ray``: connect to the cluster at ``ray_address`` (or start a local one) and reserve one
-    bundle per data-parallel rank; the ``colocated_roles`` share every bundle equally (rank r
-    of each role in bundle r, a single-rank role in bundle 0). Each of ``split_roles`` gets a pool
-    of its own of as many bundles (``rollout.placement=split``: its ranks on other devices than
-    the trainer's). Each rank gets ``num_threads`` torch threads (None: the cores divided over the
-    ranks; colocated roles run one after another within a step, so they need not split them).
+    bundle per data-parallel rank, over ``nnodes`` nodes (``trainer.nnodes``; above 1 each node's
+    ranks sit together on a node of their own, ``ResourcePool``); the ``colocated_roles`` share every
+    bundle equally (rank r of each role in bundle r, a single-rank role in bundle 0). Each of
+    ``split_roles`` gets a pool of its own of as many bundles, laid out alike
+    (``rollout.placement=split``: its ranks on other devices than the trainer's). Each rank gets
+    ``num_threads`` torch threads (None: the cores divided over the ranks; colocated roles run one
+    after another within a step, so they need not split them).
     ``local``: nothing to reserve.
     """
     if backend == "local":
@@ -93,9 +96,9 @@ def reserve_placements(
     # Logical CPUs of a local cluster: at least one per rank, so N ranks start even on fewer cores.
     init_ray(ray_address, dashboard=ray_dashboard, num_cpus=max(cores, data_parallel_size * pools_wanted))
     use_gpu = device.type == "cuda"
-    pools = [ResourcePool(data_parallel_size, use_gpu=use_gpu)]
+    pools = [ResourcePool(data_parallel_size, use_gpu=use_gpu, nnodes=nnodes)]
     try:
-        pools += [ResourcePool(data_parallel_size, use_gpu=use_gpu) for _ in split_roles]
+        pools += [ResourcePool(data_parallel_size, use_gpu=use_gpu, nnodes=nnodes) for _ in split_roles]
     except BaseException:
         for pool in pools:
             pool.close()

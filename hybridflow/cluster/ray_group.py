@@ -69,6 +69,8 @@ FAILURE_GRACE_S = 2.0
 # closed socket at once, Ray's death notice can lag by seconds on a loaded machine. Wait up to this
 # long for such a death before reporting, so the report names the dead rank, not its victims.
 DEATH_GRACE_S = 10.0
+# The label Ray gives every node: its node id (what keeps a pool's node groups on different nodes).
+NODE_ID_LABEL = "ray.io/node-id"
 
 
 # ------------------------------------------------------------------------------------ cluster
@@ -118,33 +120,82 @@ class NoRoomError(RuntimeError):
 
 
 class ResourcePool:
-    """A placement group with one bundle per data-parallel rank (1 CPU, plus 1 GPU on GPU runs).
+    """One bundle per data-parallel rank (1 CPU, plus 1 GPU on GPU runs), in placement groups.
+
+    ``nnodes=1``: one placement group of every bundle, by ``strategy`` (PACK: Ray fills a node, then
+    the next). ``nnodes=N`` (``trainer.nnodes``): N placement groups of ``num_bundles / N`` bundles,
+    each ``STRICT_PACK`` (all on one node) and each on a node no other group of the pool holds, as
+    verl's per-node pools: with k bundles a node, ranks ``i*k .. (i+1)*k-1`` share node i
+    (``strategy`` is then not used).
 
     Rank r of every role placed on the pool runs in bundle r, so colocated roles share a
     device; each takes ``share`` of the bundle (fractional CPU/GPU).
     """
 
-    def __init__(self, num_bundles: int, *, use_gpu: bool, cpus_per_bundle: float = 1.0,
+    def __init__(self, num_bundles: int, *, use_gpu: bool, nnodes: int = 1, cpus_per_bundle: float = 1.0,
                  timeout_s: float = PLACEMENT_TIMEOUT_S, strategy: str = "PACK") -> None:
+        if num_bundles < 1:
+            raise ValueError(f"a resource pool needs at least one bundle, got {num_bundles}")
+        if nnodes < 1 or num_bundles % nnodes:
+            raise ValueError(f"trainer.nnodes={nnodes} must divide the pool's {num_bundles} bundles (ranks): each node "
+                             f"holds the same number")
+        self.num_bundles, self.use_gpu, self.cpus_per_bundle = num_bundles, use_gpu, cpus_per_bundle
+        self.nnodes, self.bundles_per_node = nnodes, num_bundles // nnodes
+        self._closed = False
+        self.bundle = {"CPU": cpus_per_bundle, **({"GPU": 1.0} if use_gpu else {})}
+        self.groups: list[PlacementGroup] = []  # group i holds bundles i*bundles_per_node .. (i+1)*bundles_per_node-1
+        self.node_ids: list[str] = []  # group i's node (nnodes > 1; a PACK group may span nodes)
+        deadline = time.monotonic() + timeout_s
+        try:
+            if nnodes == 1:
+                self.groups.append(self._reserve(num_bundles, strategy, deadline, timeout_s))
+            else:
+                for _ in range(nnodes):
+                    self.groups.append(self._reserve(self.bundles_per_node, "STRICT_PACK", deadline, timeout_s))
+                    self.node_ids.append(_node_of(self.groups[-1]))
+        except BaseException:
+            self.close()
+            raise
+        if nnodes > 1:
+            log.info("resource pool: %d node(s) of %d bundle(s) each: %s", nnodes, self.bundles_per_node,
+                     ", ".join(self.node_ids))
+
+    def _reserve(self, count: int, strategy: str, deadline: float, timeout_s: float) -> PlacementGroup:
+        """One placement group of ``count`` bundles, ready by ``deadline`` (else ``NoRoomError``).
+
+        Different node groups land on different nodes by Ray's own node-id label: each group after
+        the first carries the label selector ``ray.io/node-id: !in(<nodes taken>)``, so Ray places it
+        on another node or waits for one. The alternatives are weaker: Ray has no STRICT_SPREAD
+        between placement groups, node affinity for a placement group is only a soft hint, a custom
+        resource per node needs every node of an existing cluster started with one, and a check
+        after placement would refuse a run Ray could have placed. Greedy is complete here: the
+        groups are alike, so whichever fitting node one takes, every other fitting node still fits
+        the next."""
         import ray
         from ray.util.placement_group import placement_group
 
-        if num_bundles < 1:
-            raise ValueError(f"a resource pool needs at least one bundle, got {num_bundles}")
-        self.num_bundles, self.use_gpu, self.cpus_per_bundle = num_bundles, use_gpu, cpus_per_bundle
-        self._closed = False
-        bundle = {"CPU": cpus_per_bundle, **({"GPU": 1.0} if use_gpu else {})}
-        bundles = [dict(bundle) for _ in range(num_bundles)]
-        self.placement_group: PlacementGroup = placement_group(bundles, strategy=strategy)
+        away = [{NODE_ID_LABEL: f"!in({','.join(self.node_ids)})"} for _ in range(count)] if self.node_ids else None
+        group = placement_group([dict(self.bundle) for _ in range(count)], strategy=strategy,
+                                bundle_label_selector=away)
         try:
-            ray.get(self.placement_group.ready(), timeout=timeout_s)
+            ray.get(group.ready(), timeout=max(0.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError as exc:
-            ray.util.remove_placement_group(self.placement_group)
-            raise NoRoomError(
-                f"the Ray cluster cannot fit {num_bundles} bundles of {bundle} within {timeout_s:.0f}s "
-                f"(available: {ray.available_resources()}); lower trainer.n_workers / trainer.n_gpus_per_node or "
-                f"add nodes"
-            ) from exc
+            ray.util.remove_placement_group(group)
+            raise NoRoomError(self._no_room(strategy, timeout_s)) from exc
+        return group
+
+    def _no_room(self, strategy: str, timeout_s: float) -> str:
+        import ray
+
+        if self.nnodes == 1:
+            layout = f"{self.num_bundles} bundles of {self.bundle} (one placement group, {strategy})"
+        else:
+            taken = f"; placed on {', '.join(self.node_ids)}, no other node had room" if self.node_ids else ""
+            layout = (f"trainer.nnodes={self.nnodes} nodes of {self.bundles_per_node} bundles of {self.bundle} each "
+                      f"(each node's bundles together on one node, each node a different one{taken})")
+        nodes = "; ".join(f"{n['NodeID'][:12]} {n['Resources']}" for n in ray.nodes() if n["Alive"])
+        return (f"the Ray cluster cannot fit {layout} within {timeout_s:.0f}s (available: {ray.available_resources()}; "
+                f"nodes: {nodes}); lower trainer.n_workers / trainer.n_gpus_per_node / trainer.nnodes or add nodes")
 
     def actor_options(self, bundle: int, share: float, *, gpu: bool = True) -> dict[str, Any]:
         """Ray actor options placing one rank in ``bundle`` with ``share`` of its resources."""
@@ -154,11 +205,12 @@ class ResourcePool:
             raise IndexError(f"the pool has bundles 0..{self.num_bundles - 1}, not {bundle}")
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
+        group, index = divmod(bundle, self.bundles_per_node)
         return {
             "num_cpus": self.cpus_per_bundle * share,
             "num_gpus": share if (self.use_gpu and gpu) else 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=bundle
+                self.groups[group], placement_group_bundle_index=index
             ),
         }
 
@@ -168,8 +220,19 @@ class ResourcePool:
         from ray.util.placement_group import remove_placement_group
 
         if ray.is_initialized() and not self._closed:
-            remove_placement_group(self.placement_group)
+            for group in self.groups:
+                remove_placement_group(group)
         self._closed = True
+
+
+def _node_of(group: PlacementGroup) -> str:
+    """The node a STRICT_PACK placement group's bundles sit on."""
+    from ray.util.placement_group import placement_group_table
+
+    nodes = set(placement_group_table(group)["bundles_to_node_id"].values())
+    if len(nodes) != 1:  # STRICT_PACK promises one node; say so rather than mislabel ranks
+        raise RuntimeError(f"a STRICT_PACK placement group spans nodes {sorted(nodes)}")
+    return nodes.pop()
 
 
 @dataclass(frozen=True)

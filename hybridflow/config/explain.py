@@ -150,6 +150,7 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
     lines.append(_rollout_line(cfg))
     lines.append(_replica_line(cfg))
     if trainer.backend == "ray":
+        lines.append(_node_line(cfg))
         lines.append(_fault_line(cfg))
     per_epoch = steps_per_epoch(data.train_files, data.builtin_train_size, data.train_batch_size)
     if not data.train_files:
@@ -385,6 +386,25 @@ def _fault_line(cfg: Config) -> str:
              f"rebuilds every worker group on the nodes with room and resumes from the newest checkpoint, up to "
              f"trainer.max_restarts={limit} times, then stops naming the rank and its node")
     return f"faults: {replicas}; a dead actor, critic or reference rank (or a lost node) {ranks}"
+
+
+def _node_line(cfg: Config) -> str:
+    """Which ranks share a node on Ray (``ResourcePool``): one bundle per rank, rank r of every
+    colocated role in bundle r."""
+    t = cfg.trainer
+    dp = data_parallel_size(t)
+    split = "; the rollout's own pool (rollout.placement=split) alike" if cfg.rollout.placement == "split" \
+        and not cfg.rollout.elastic else ""
+    recorded = "placement.json in the run folder records the node each rank ran on"
+    if t.nnodes == 1:
+        return (f"nodes: one Ray placement group of {dp} bundle(s), one per rank (PACK: as many on a node as fit, "
+                f"then the next; trainer.nnodes=1), rank r of every colocated role in bundle r{split}; {recorded}")
+    k = dp // t.nnodes
+    groups = ", ".join(f"ranks {i * k}-{(i + 1) * k - 1}" if k > 1 else f"rank {i}" for i in range(min(t.nnodes, 3)))
+    more = ", ..." if t.nnodes > 3 else ""
+    return (f"nodes: trainer.nnodes={t.nnodes} Ray placement groups of {k} bundle(s), one per rank, each group on a "
+            f"node of its own (STRICT_PACK, and no two groups on one node): {groups}{more}; rank r of every "
+            f"colocated role in bundle r{split}; {recorded}")
 
 
 def _replica_layout(cfg: Config) -> str:

@@ -334,7 +334,7 @@ def build_run(cfg: Config) -> RunSetup:
     # rollout.elastic: the replicas reserve room one by one as they start (build_rollout_replicas).
     elastic = cfg.rollout.elastic and not runs_in_process(t.backend)
     pools, placements = reserve_placements(
-        t.backend, data_parallel_size=dp, device=device,
+        t.backend, data_parallel_size=dp, device=device, nnodes=t.nnodes,
         colocated_roles=["actor", *([] if split else ["rollout"]), *(["reference"] if reference_ranks else []),
                          *(["critic"] if with_critic else []), *(["reward_model"] if with_rm_ranks else []),
                          *teacher_dirs, *([PRIME_ROLE] if with_prime else []),

@@ -2,12 +2,15 @@
 
 The cluster is real: a head and two worker nodes, each started by ``ray start`` on this machine
 (127.0.0.1) as its own raylet with its own resources, so the ranks land on different nodes as they
-would across machines. The head offers no CPU (the controller runs there, as a driver), and each
-worker node one CPU: the actor's two ranks (one bundle of one CPU each) cannot share a node.
+would across machines. The head offers no CPU (the controller runs there, as a driver), and the two
+worker nodes three CPUs each: room for three one-CPU ranks, so only ``trainer.nnodes=2`` (a placement
+group per node, never two on one node), not Ray's PACK, splits four ranks two and two.
 
-What it checks: the run trains 3 steps; its placement.json names a different node for each actor
-rank (and the rollout replicas colocated with them); step 1 equals one in-process rank's on the
-same global batch, as on one node (tests/e2e/test_e2e_ray.py).
+What it checks: a resource pool of ``trainer.nnodes=2`` puts bundles 0-1 on one node and 2-3 on
+another even where one node fits all four (trivial actors report their node; no training). A run
+with trainer.nnodes=2 and two ranks a node trains 3 steps; its placement.json puts actor ranks 0-1
+(and the rollout replicas colocated with them) on one node and 2-3 on another; step 1 equals one
+in-process rank's on the same global batch, as on one node (tests/e2e/test_e2e_ray.py).
 
 And a lost node (issue 36, item 3): the raylet of the node holding actor rank 1 and rollout replica 1
 is SIGKILLed mid-run. With trainer.max_restarts=0 the run stops within a minute naming the node and
@@ -46,6 +49,9 @@ from hybridflow.training.distributed import free_port  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
 
 NODE_START_TIMEOUT_S = 120.0
+# A worker node's CPUs: room for three one-CPU ranks, so that two ranks a node is trainer.nnodes' doing, not the
+# nodes' size (Ray's PACK would put three on one node).
+NODE_CPUS = 3
 DIGIT_SHARE_REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
     "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n"
@@ -96,8 +102,9 @@ class Cluster:
         kill_raylet(node_id)
         self.alive -= 1
 
-    def add_worker(self, name: str) -> None:
-        self.start(name, [f"--address={self.address}", "--num-cpus=1", "--num-gpus=0",
+    def add_worker(self, name: str, num_cpus: int = 1) -> None:
+        """A worker node of ``num_cpus`` CPUs and a custom resource of its name."""
+        self.start(name, [f"--address={self.address}", f"--num-cpus={num_cpus}", "--num-gpus=0",
                           f"--resources={json.dumps({name: 1})}"])
 
     def stop(self) -> None:
@@ -112,7 +119,9 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A head and two worker nodes (the fault tests add one each before they kill one)."""
+    """A head and two worker nodes (the fault tests add one each before they kill one), each worker of
+    ``NODE_CPUS``: whatever two nodes the fault tests kill (they may run first: conftest puts the longest
+    tests first), two of the four are left, each with room for two ranks."""
     root = tmp_path_factory.mktemp("ray_cluster")
     (root / "home").mkdir()
     port = free_port()
@@ -123,7 +132,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         nodes.start("head", ["--head", f"--port={port}", "--num-cpus=0", "--num-gpus=0", "--include-dashboard=false",
                              f"--temp-dir={session}"])
         for name in ("node_a", "node_b"):
-            nodes.add_worker(name)
+            nodes.add_worker(name, NODE_CPUS)
         yield nodes
     finally:
         nodes.stop()
@@ -175,14 +184,56 @@ def _run_args(tmp_path: Path) -> list[str]:
     ]
 
 
-def _on_cluster(cluster: Cluster) -> list[str]:
-    """Two actor ranks (each with its rollout replica) on the cluster: one CPU each, so two nodes."""
-    return ["trainer.backend=ray", "trainer.n_workers=2", f"trainer.ray_address={cluster.address}"]
+def _on_cluster(cluster: Cluster, ranks_per_node: int = 1) -> list[str]:
+    """Actor ranks (each with its rollout replica) on two nodes of the cluster, ``ranks_per_node`` on each."""
+    return ["trainer.backend=ray", f"trainer.n_workers={2 * ranks_per_node}", "trainer.nnodes=2",
+            f"trainer.ray_address={cluster.address}"]
 
 
-def test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_local_rank(tmp_path, cluster):
+# Run on the cluster (its environment holds the token): for each trainer.nnodes in argv[2:], a pool of
+# four bundles of half a CPU (one three-CPU node fits them all) with a trivial actor in each bundle;
+# prints a line of JSON per pool: each bundle's node, and each node group's.
+POOL_PROBE = """
+import json, sys
+from hybridflow.cluster.ray_group import ResourcePool, init_ray
+init_ray(sys.argv[1], dashboard=False)
+import ray
+
+@ray.remote
+class Where:
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+for nnodes in sys.argv[2:]:
+    pool = ResourcePool(4, use_gpu=False, nnodes=int(nnodes), cpus_per_bundle=0.5, timeout_s=60)
+    probes = [Where.options(**pool.actor_options(bundle, 1.0)).remote() for bundle in range(4)]
+    print(json.dumps({"bundles": ray.get([p.node.remote() for p in probes]), "groups": pool.node_ids}), flush=True)
+    pool.close()
+"""
+
+
+def _bundle_nodes(cluster: Cluster, *nnodes: int) -> list[dict[str, list[str]]]:
+    done = subprocess.run([sys.executable, "-c", POOL_PROBE, cluster.address, *map(str, nnodes)], env=cluster.env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(nnodes):]]
+
+
+def test_a_pool_of_two_nodes_puts_each_nodes_bundles_on_a_node_of_its_own(cluster):
+    """trainer.nnodes=2: bundles 0-1 (ranks 0-1 of every role) on one node, 2-3 on another, though
+    one node fits all four; the head (no CPU) holds none. trainer.nnodes=1 keeps Ray's PACK, which
+    puts all four on one node: the layout trainer.nnodes changes."""
+    two, one = _bundle_nodes(cluster, 2, 1)
+    bundles = two["bundles"]
+    assert bundles[0] == bundles[1] != bundles[2] == bundles[3], two
+    assert two["groups"] == [bundles[0], bundles[2]], two
+    assert len(set(one["bundles"])) == 1 and one["groups"] == [], one
+    assert one["bundles"][0] in bundles, (one, two)  # a worker node, not the head
+
+
+def test_two_nodes_of_two_actor_ranks_on_an_existing_cluster_train_like_one_local_rank(tmp_path, cluster):
     common = _run_args(tmp_path)
-    runs = {"local": [], "cluster": _on_cluster(cluster)}
+    runs = {"local": [], "cluster": _on_cluster(cluster, ranks_per_node=2)}
     for name, extra in runs.items():
         cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cluster.env)
@@ -191,13 +242,14 @@ def test_two_actor_ranks_on_two_nodes_of_an_existing_cluster_train_like_one_loca
                for name in runs}
     assert [r["step"] for r in records["cluster"]] == [1, 2, 3]
 
-    # Where the ranks ran: the two actor ranks on two different worker nodes (not the head), and
-    # each rollout replica beside its actor rank.
+    # Where the ranks ran (trainer.nnodes=2): actor ranks 0-1 on one worker node, 2-3 on another
+    # (either node holds three), and each rollout replica beside its actor rank.
     placement = json.loads((tmp_path / "cluster" / "placement.json").read_text())
     actor_nodes = [rank["node_id"] for rank in placement["actor"]]
-    assert len(actor_nodes) == 2 and len(set(actor_nodes)) == 2, placement
-    replicas = [placement[role][0]["node_id"] for role in sorted(placement) if role.startswith("rollout replica")]
-    assert sorted(replicas) == sorted(actor_nodes), placement
+    assert len(actor_nodes) == 4 and actor_nodes[0] == actor_nodes[1] != actor_nodes[2] == actor_nodes[3], placement
+    replicas = {int(role.split()[-1]): placement[role][0]["node_id"] for role in placement
+                if role.startswith("rollout replica")}
+    assert [replicas[k] for k in sorted(replicas)] == actor_nodes, placement
 
     # Step 1 as one in-process rank computes it on the same global batch.
     local, cluster = records["local"][0], records["cluster"][0]
@@ -236,7 +288,7 @@ def test_a_lost_node_stops_the_run_within_a_minute_naming_the_node_and_the_rank(
     """trainer.max_restarts=0: the raylet of a node holding an actor rank and a rollout replica is
     killed mid-run; the run stops (exit 1) within a minute, its last line naming that node and a
     rank that ran there. Its checkpoint stands for the same command to resume from."""
-    cluster.add_worker("node_c")  # the room a restart would take: this run must not take it
+    cluster.add_worker("node_c", NODE_CPUS)  # the room a restart would take: this run must not take it
     out = tmp_path / "run"
     run = _start([*_run_args(tmp_path), *_on_cluster(cluster), "trainer.save_freq=1"], out, cluster.env)
     node_id, killed = _lose_a_node_in_step_two(cluster, out, run)
@@ -256,7 +308,7 @@ def test_with_max_restarts_a_lost_node_is_rebuilt_elsewhere_and_the_run_ends_as_
     """trainer.max_restarts=1: the same fault; the controller tears the worker groups down, rebuilds
     them on the nodes with room and resumes from checkpoint 1 by itself, and steps 2 and 3 log what
     a run that was never killed logs (one torch thread per process: bitwise)."""
-    cluster.add_worker("node_d")  # the room the rebuilt groups take
+    cluster.add_worker("node_d", NODE_CPUS)  # the room the rebuilt groups take
     args = [*_run_args(tmp_path), *_on_cluster(cluster), "trainer.save_freq=1", "trainer.max_restarts=1"]
     reference, faulted = tmp_path / "reference", tmp_path / "faulted"
     done = _start(args, reference, cluster.env).wait(timeout=600)

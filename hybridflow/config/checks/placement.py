@@ -119,6 +119,10 @@ def check_backend(cfg: Config, report: Report) -> None:
             f"trainer.n_workers={t.n_workers} counts CPU ranks, but trainer.device=cuda: GPU ranks are "
             f"trainer.n_gpus_per_node x trainer.nnodes; set n_workers to null"
         )
+    # Only CPU ranks (trainer.n_workers) can fail this: GPU ones are n_gpus_per_node x nnodes.
+    if t.backend == "ray" and t.nnodes > 1 and dp % t.nnodes:
+        report.error(f"{dp_source(t)} ranks do not split evenly over trainer.nnodes={t.nnodes} nodes: each node holds "
+                     f"the same number of ranks (a placement group of its own); use a multiple of {t.nnodes}")
     if cfg.rollout.placement == "split" and t.backend == "local":
         report.error("rollout.placement=split gives the rollout a resource pool of its own, but trainer.backend=local "
                      "runs every role in this process; use trainer.backend=ray, or rollout.placement=colocated")
@@ -134,6 +138,12 @@ def check_backend(cfg: Config, report: Report) -> None:
             f"rollout.tensor_model_parallel_size={tp} must divide the {dp} data-parallel ranks ({dp_source(t)}): "
             f"each rollout replica spans {tp} of them"
         )
+    per_node = dp // max(1, t.nnodes)
+    if tp > 1 and t.backend == "ray" and t.nnodes > 1 and not dp % t.nnodes and per_node % tp \
+            and not cfg.rollout.elastic:
+        report.warn(f"rollout.tensor_model_parallel_size={tp} does not divide the {per_node} ranks of each node "
+                    f"({dp_source(t)} over trainer.nnodes={t.nnodes}): some replicas span two nodes, their every step "
+                    f"crossing the network")
     if tp > 1 and cfg.rollout.sleep_level == 2 and cfg.rollout.free_cache_engine:
         report.error(f"rollout.sleep_level=2 (drop the weights between steps) is not built for tensor-parallel replicas "
                      f"(rollout.tensor_model_parallel_size={tp}); use rollout.sleep_level=1")

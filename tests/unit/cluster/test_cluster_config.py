@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import time
+
 import pytest
 
 from hybridflow.config import ConfigError, batch_plan, load_config, validate_config
@@ -46,3 +49,77 @@ def test_ray_keys_without_ray_warn() -> None:
     joined = validate_config(load_config(overrides=[
         "trainer.backend=ray", "trainer.ray_address=10.0.0.1:6379", "trainer.ray_dashboard=true"]))
     assert any("keeps its own dashboard settings" in w for w in joined)
+
+
+# ------------------------------------------------------------------------- trainer.nnodes on Ray
+def test_nnodes_splits_cpu_ranks_evenly_or_is_refused_naming_both_keys() -> None:
+    message = _errors("trainer.backend=ray", "trainer.n_workers=3", "trainer.nnodes=2")
+    assert "trainer.n_workers=3 ranks do not split evenly over trainer.nnodes=2 nodes" in message
+    four = load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4", "trainer.nnodes=2",
+                                  "trainer.ray_address=10.0.0.1:6379", "rollout.tensor_model_parallel_size=4"])
+    # A tensor-parallel replica wider than a node's ranks crosses the network every step: said, not refused.
+    assert any("some replicas span two nodes" in w for w in validate_config(four))
+
+
+def test_nnodes_above_one_needs_a_cluster_to_join() -> None:
+    from hybridflow.controller.preflight import machine_problems
+
+    alone = load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4", "trainer.nnodes=2"])
+    assert [p.key for p in machine_problems(alone)] == ["trainer.nnodes"]
+    joined = load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4", "trainer.nnodes=2",
+                                    "trainer.ray_address=10.0.0.1:6379"])
+    assert machine_problems(joined) == []
+
+
+def test_explain_says_which_ranks_share_a_node() -> None:
+    from hybridflow.config.explain import explain_config
+
+    def nodes_line(*overrides: str) -> str:
+        out = explain_config(load_config(overrides=["trainer.backend=ray", *overrides]))
+        return next(line.strip() for line in out.splitlines() if line.strip().startswith("nodes:"))
+
+    two = nodes_line("trainer.n_workers=4", "trainer.nnodes=2", "trainer.ray_address=10.0.0.1:6379")
+    assert "trainer.nnodes=2 Ray placement groups of 2 bundle(s)" in two and "ranks 0-1, ranks 2-3;" in two
+    assert "STRICT_PACK" in two and "placement.json" in two
+    one = nodes_line("trainer.n_workers=2")
+    assert "one Ray placement group of 2 bundle(s)" in one and "PACK" in one
+    # trainer.backend=local: no Ray nodes to place on.
+    assert not any(line.strip().startswith("nodes:") for line in explain_config(load_config()).splitlines())
+
+
+def test_a_pool_refuses_nodes_that_do_not_divide_its_bundles_before_touching_ray() -> None:
+    from hybridflow.cluster.ray_group import ResourcePool
+
+    with pytest.raises(ValueError, match="trainer.nnodes=2 must divide the pool's 3 bundles"):
+        ResourcePool(3, use_gpu=False, nnodes=2)
+
+
+def test_two_node_groups_never_share_a_node_and_the_error_names_the_layout() -> None:
+    """On a one-node Ray cluster that fits all four bundles, trainer.nnodes=2 cannot be placed: the
+    second group may not join the first's node. nnodes=1 (PACK) fits there, bundle r in place r."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed")
+    from hybridflow.cluster.ray_group import NoRoomError, ResourcePool, init_ray
+
+    init_ray(None, dashboard=False, num_cpus=4)  # before Ray's import: a cluster on 127.0.0.1 only
+    import ray
+
+    try:
+        with pytest.raises(NoRoomError) as info:
+            ResourcePool(4, use_gpu=False, nnodes=2, cpus_per_bundle=0.5, timeout_s=3)
+        message = str(info.value)
+        assert "trainer.nnodes=2 nodes of 2 bundles of {'CPU': 0.5} each" in message
+        assert f"placed on {ray.get_runtime_context().get_node_id()}, no other node had room" in message
+        deadline = time.monotonic() + 30  # the first group is given back (Ray frees it a moment later)
+        while ray.available_resources().get("CPU") != 4.0:
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.1)
+        one = ResourcePool(4, use_gpu=False, cpus_per_bundle=0.5)
+        try:
+            assert len(one.groups) == 1
+            options = one.actor_options(3, 0.5)
+            assert options["scheduling_strategy"].placement_group_bundle_index == 3
+        finally:
+            one.close()
+    finally:
+        ray.shutdown()
