@@ -24,6 +24,7 @@ from hybridflow.config.layout import data_parallel_size
 from hybridflow.controller.preflight import check_teacher_tokenizer
 from hybridflow.tracking import reduce_metrics
 from hybridflow.types import RefBatch, TrainBatch
+from hybridflow.workers.engine_setup import RoleBatching
 from hybridflow.workers.prime import PRM_TEMPERATURE, ImplicitPRMWorker, PrimeSetup
 from hybridflow.workers.reference import ReferenceSetup, ReferenceWorker
 
@@ -104,8 +105,8 @@ def build_implicit_prm(cfg: Config, path: str, device: torch.device, total_steps
     setup = PrimeSetup(
         model_path=path, dtype=cfg.model.dtype, device=device, total_optimizer_steps=total_steps,
         max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
-        use_remove_padding=a.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
-        ppo_max_token_len=actor_budgets[0], log_prob_max_token_len=actor_budgets[1],
+        batching=RoleBatching(a.use_remove_padding, a.use_dynamic_bsz, ppo_max_token_len=actor_budgets[0],
+                              log_prob_max_token_len=actor_budgets[1]),
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         trust_remote_code=cfg.model.trust_remote_code, checkpoint_format=cfg.trainer.checkpoint_format,
     )

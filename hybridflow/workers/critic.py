@@ -32,27 +32,19 @@ from hybridflow.training.micro_batches import train_micro_batches
 from hybridflow.training.sequence_parallel import gather_group_batch
 from hybridflow.types import TrainBatch
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
-from hybridflow.workers.engine_setup import RoleBatching, load_trained_role
+from hybridflow.workers.engine_setup import RoleBatching, TrainedRoleSetup, load_trained_role
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class CriticSetup:
-    """The run-level facts a critic needs beyond its own config section."""
+@dataclass(kw_only=True)
+class CriticSetup(TrainedRoleSetup):
+    """The run-level facts a critic needs beyond its own config section (``total_optimizer_steps``: one per
+    mini-batch and epoch)."""
 
-    model_path: str  # critic.model.path resolved (model.path when null)
-    dtype: str
-    device: torch.device
     rollout_n: int
     ppo_mini_batch_size: int  # prompts; critic.ppo_mini_batch_size resolved
     ppo_epochs: int  # critic.ppo_epochs resolved
-    total_optimizer_steps: int
-    max_response_length: int
-    max_prompt_length: int = 0
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
-    checkpoint_format: str = "auto"  # trainer.checkpoint_format
 
 
 class CriticWorker:

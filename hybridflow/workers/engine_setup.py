@@ -125,17 +125,20 @@ class TrainedRoleConfig(Protocol):
     grad_clip: float
 
 
-class TrainedRoleSetup(Protocol):
-    """What ``load_trained_role`` reads of a role's run-level facts (``CriticSetup``, ``PrimeSetup``)."""
+@dataclass
+class TrainedRoleSetup:
+    """The run-level facts a trained role (critic, implicit PRM) is built from beyond its config section;
+    ``CriticSetup`` and ``PrimeSetup`` add what only theirs reads."""
 
-    model_path: str
+    model_path: str  # <role>.model.path resolved (the policy's model when null)
     dtype: str
     device: torch.device
-    total_optimizer_steps: int
-    max_prompt_length: int
+    total_optimizer_steps: int  # what the role's schedule counts over the run
     max_response_length: int
-    gradient_checkpointing: bool
-    trust_remote_code: bool
+    max_prompt_length: int = 0
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    checkpoint_format: str = "auto"  # trainer.checkpoint_format
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ class RoleBatching:
     use_dynamic_bsz: bool
     ppo_max_token_len: int | None
     log_prob_max_token_len: int | None
-    remove_padding_key: str
+    remove_padding_key: str = "actor.use_remove_padding"
 
 
 def load_trained_role(

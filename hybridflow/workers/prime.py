@@ -35,41 +35,31 @@ from hybridflow.training.engine import LossFn
 from hybridflow.training.micro_batches import train_micro_batches
 from hybridflow.types import TrainBatch
 from hybridflow.workers.checkpoints import load_engine_checkpoint, sharded_checkpoints
-from hybridflow.workers.engine_setup import RoleBatching, load_trained_role
+from hybridflow.workers.engine_setup import RoleBatching, TrainedRoleSetup, load_trained_role
 
 log = logging.getLogger(__name__)
 
 PRM_TEMPERATURE = 1.0  # the implicit reward is log φ − log ref of the models' own probabilities
 
 
-@dataclass
-class PrimeSetup:
-    """The run-level facts the implicit PRM needs beyond its ``prime`` section."""
+@dataclass(kw_only=True)
+class PrimeSetup(TrainedRoleSetup):
+    """The run-level facts the implicit PRM needs beyond its ``prime`` section (``total_optimizer_steps``: one per
+    training step)."""
 
-    model_path: str  # prime.model.path resolved (the policy's model when null)
-    dtype: str
-    device: torch.device
-    total_optimizer_steps: int  # one per training step
-    max_response_length: int
-    max_prompt_length: int = 0
-    use_remove_padding: bool = True  # actor.use_remove_padding: packed forwards where the model has them
-    # actor.use_dynamic_bsz and the actor's token budgets as the run uses them (recorded with the run, so a resume
+    # The actor's micro-batch keys: actor.use_remove_padding (packed forwards where the model has them), and
+    # actor.use_dynamic_bsz with the actor's token budgets as the run uses them (recorded with the run, so a resume
     # cuts the PRM's micro-batches alike); without it, prime.micro_batch_size_per_gpu samples per micro-batch.
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len: int | None = None
-    log_prob_max_token_len: int | None = None
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
-    checkpoint_format: str = "auto"  # trainer.checkpoint_format
+    batching: RoleBatching = RoleBatching(use_remove_padding=True, use_dynamic_bsz=False, ppo_max_token_len=None,
+                                          log_prob_max_token_len=None)
 
 
 class ImplicitPRMWorker:
     def __init__(self, rank: int, world_size: int, cfg: PrimeConfig, setup: PrimeSetup) -> None:
         self.rank, self.world_size = rank, world_size
         self.cfg, self.setup = cfg, setup
-        batching = RoleBatching(setup.use_remove_padding, setup.use_dynamic_bsz, setup.ppo_max_token_len,
-                                setup.log_prob_max_token_len, remove_padding_key="actor.use_remove_padding")
-        self.engine, self.plan = load_trained_role("prime", rank, world_size, cfg, setup, load_causal_lm, batching)
+        self.engine, self.plan = load_trained_role("prime", rank, world_size, cfg, setup, load_causal_lm,
+                                                   setup.batching)
         self.tokenizer = load_tokenizer(setup.model_path, setup.trust_remote_code)
 
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:  # (B, R)
