@@ -89,6 +89,7 @@ def init_ray(address: str | None, *, dashboard: bool, num_cpus: int | None = Non
     # Ranks import what the controller can import (a test module, a script's own folder).
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
     if address is not None:
+        log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
     from ray._private import ray_constants

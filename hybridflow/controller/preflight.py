@@ -406,16 +406,16 @@ def machine_problems(cfg: Config) -> list[MachineProblem]:
     elif t.device == "cuda" and not cuda:
         lack("trainer.device=cuda but CUDA is not available here (no GPU, or a CPU build of torch); use "
              "trainer.device=cpu or auto, or run on a GPU machine", "trainer.device")
-    elif t.device == "cuda" and t.n_workers is None and t.ray_address is None:
+    elif t.device == "cuda" and t.n_workers is None and t.joined_ray_address() is None:
         wanted, have = data_parallel_size(t), torch.cuda.device_count()
         if have < wanted:
             lack(f"trainer.n_gpus_per_node={t.n_gpus_per_node} x trainer.nnodes={t.nnodes} asks for {wanted} GPUs, "
                  f"this machine has {have}; join a Ray cluster that has them (trainer.ray_address) or ask for "
                  f"fewer", "trainer.n_gpus_per_node")
-    if t.backend == "ray" and t.nnodes > 1 and t.ray_address is None:
+    if t.backend == "ray" and t.nnodes > 1 and t.joined_ray_address() is None:
         # Each node's ranks go in a placement group on a node of its own: one node never holds two.
         lack(f"trainer.nnodes={t.nnodes} puts each node's ranks on a Ray node of its own, but trainer.ray_address=null "
-             f"starts a one-node Ray cluster on this machine; join a cluster of {t.nnodes} nodes (trainer.ray_address) "
+             f"(and no RAY_ADDRESS) starts a one-node Ray cluster on this machine; join a cluster of {t.nnodes} nodes (trainer.ray_address) "
              f"or set trainer.nnodes=1", "trainer.nnodes")
     offloaded = [f"{role}.fsdp_config.param_offload" for role in ("actor", "critic")
                  if getattr(cfg, role).fsdp_config.param_offload]

@@ -83,7 +83,7 @@ def _run_worker_group(backend: str, role: str, world: int, train: Train[J], job:
     t = job.cfg.trainer
     pools, placements = reserve_placements(
         backend, data_parallel_size=world, device=config_device(t.device), nnodes=t.nnodes, colocated_roles=[role],
-        ray_address=t.ray_address, ray_dashboard=t.ray_dashboard,
+        ray_address=t.joined_ray_address(), ray_dashboard=t.ray_dashboard,
         num_threads=None if t.num_threads == FOLLOW_FREE_CORES else t.num_threads)
     try:
         level = logging.getLogger().getEffectiveLevel()

@@ -340,7 +340,7 @@ def build_run(cfg: Config) -> RunSetup:
                          *teacher_dirs, *([PRIME_ROLE] if with_prime else []),
                          *([PRIME_REFERENCE_ROLE] if with_prime and not prime_shares_reference(cfg) else [])],
         split_roles=["rollout"] if split and not elastic else [],
-        ray_address=t.ray_address, ray_dashboard=t.ray_dashboard, num_threads=None if follow else t.num_threads,
+        ray_address=t.joined_ray_address(), ray_dashboard=t.ray_dashboard, num_threads=None if follow else t.num_threads,
     )
     # The policy's model as every role builds it: the actor, its rollout engines and the reference.
     common = dict(trust_remote_code=cfg.model.trust_remote_code, override_config=cfg.model.override_config)

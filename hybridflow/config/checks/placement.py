@@ -175,7 +175,7 @@ def check_backend(cfg: Config, report: Report) -> None:
                            ("max_restarts", t.max_restarts)):
             if value:
                 report.warn(f"trainer.{key}={value} has no effect with trainer.backend=local (set trainer.backend=ray)")
-    elif t.ray_address is not None and t.ray_dashboard:
+    elif t.joined_ray_address() is not None and t.ray_dashboard:
         report.warn("trainer.ray_dashboard=true has no effect with trainer.ray_address: the joined cluster keeps its "
                     "own dashboard settings")
     fsdp = cfg.actor.fsdp_config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from hybridflow.config.fields import f, sub
@@ -73,6 +74,9 @@ class ProfileConfig:
     record_shapes: bool = f(False, "Record operator input shapes (larger traces).")
     with_stack: bool = f(False, "Record Python stacks per operator (much larger traces, slower steps).")
     profile_memory: bool = f(False, "Record tensor allocations and frees (the trace's memory events).")
+
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # Ray's own variable for the cluster a driver joins
 
 
 @dataclass
@@ -166,8 +170,9 @@ class TrainerConfig:
     )
     ray_address: str | None = f(
         None,
-        "Address of a running Ray cluster to join (e.g. 10.0.0.1:6379). null: start a local one that listens "
-        "on 127.0.0.1 only.",
+        "Address of a running Ray cluster to join (e.g. 10.0.0.1:6379). null: the RAY_ADDRESS environment "
+        "variable's cluster where it is set (as `ray job submit` and verl's launchers set it), else start a local "
+        "one that listens on 127.0.0.1 only.",
     )
     max_restarts: int = f(
         0,
@@ -270,6 +275,11 @@ class TrainerConfig:
         "without one. verl counts one step fewer (its step N already updates the actor).",
     )
     health: HealthConfig = sub(HealthConfig, "Thresholds of the health warnings (health/* metrics).")
+
+    def joined_ray_address(self) -> str | None:
+        """The Ray cluster a Ray run joins: ``ray_address``, else ``RAY_ADDRESS`` (read when asked, not
+        at load, so a saved config does not carry one machine's environment); None: a local cluster."""
+        return self.ray_address or os.environ.get(RAY_ADDRESS_ENV) or None
 
 
 @dataclass

@@ -61,14 +61,29 @@ def test_nnodes_splits_cpu_ranks_evenly_or_is_refused_naming_both_keys() -> None
     assert any("some replicas span two nodes" in w for w in validate_config(four))
 
 
-def test_nnodes_above_one_needs_a_cluster_to_join() -> None:
+def test_nnodes_above_one_needs_a_cluster_to_join(monkeypatch) -> None:
     from hybridflow.controller.preflight import machine_problems
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     alone = load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4", "trainer.nnodes=2"])
     assert [p.key for p in machine_problems(alone)] == ["trainer.nnodes"]
     joined = load_config(overrides=["trainer.backend=ray", "trainer.n_workers=4", "trainer.nnodes=2",
                                     "trainer.ray_address=10.0.0.1:6379"])
     assert machine_problems(joined) == []
+    # RAY_ADDRESS (what `ray job submit` sets for its driver) is a cluster to join too.
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert machine_problems(alone) == []
+
+
+def test_the_joined_cluster_is_the_configured_address_else_ray_address(monkeypatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert load_config(overrides=["trainer.backend=ray"]).trainer.joined_ray_address() is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert load_config(overrides=["trainer.backend=ray"]).trainer.joined_ray_address() == "10.0.0.2:6379"
+    configured = load_config(overrides=["trainer.backend=ray", "trainer.ray_address=10.0.0.1:6379"])
+    assert configured.trainer.joined_ray_address() == "10.0.0.1:6379"  # the config wins over the environment
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    assert load_config(overrides=["trainer.backend=ray"]).trainer.joined_ray_address() is None
 
 
 def test_explain_says_which_ranks_share_a_node() -> None:
