@@ -260,7 +260,8 @@ def run_hybridflow(spec: dict) -> dict:
             trainer.step += 1
             metrics = trainer.loop.train_step(trainer.step)
             steps.append({"step": metrics["timing_s/step"], "gen": metrics["timing_s/gen"],
-                          "rss_gb": {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(RSS_PEAK)}})
+                          "rss_gb": {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(RSS_PEAK)},
+                          "timing": {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith("timing_s/")}})
         # (getattr: the bench also runs against older source trees, PYTHONPATH=<tree>, for before/after figures)
         plan = getattr(run.roles.actor._workers[0], "plan", None)
         notes = list(plan.notes) if plan is not None else ["(a source tree without micro-batch plans)"]
@@ -323,6 +324,7 @@ def run_trl(spec: dict) -> dict:
             return force_lengths(scores, generated, self.targets)
 
     gen_seconds: dict[int, float] = {}  # optimizer step -> seconds in generate
+    gen_cpu: dict[int, float] = {}  # optimizer step -> this process's CPU-seconds in generate
     current = {"step": 0}
 
     def patch_generate(model) -> None:
@@ -338,23 +340,24 @@ def run_trl(spec: dict) -> dict:
                 rows.append(targets[prompt][seen.get(prompt, 0)])
                 seen[prompt] = seen.get(prompt, 0) + 1
             processors = LogitsProcessorList([Oracle(rows, input_ids.shape[1])])
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = original(*args, **kwargs, logits_processor=processors)
             gen_seconds[current["step"]] = gen_seconds.get(current["step"], 0.0) + time.perf_counter() - start
+            gen_cpu[current["step"]] = gen_cpu.get(current["step"], 0.0) + time.process_time() - cpu
             return out
 
         model.generate = generate
 
-    step_ends: list[float] = []
+    step_ends: list[tuple[float, float]] = []  # (wall, CPU) at each step's end, the first step's start first
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             current["step"] = state.global_step
             if not step_ends:
-                step_ends.append(time.perf_counter())
+                step_ends.append((time.perf_counter(), time.process_time()))
 
         def on_step_end(self, args, state, control, **kwargs):
-            step_ends.append(time.perf_counter())
+            step_ends.append((time.perf_counter(), time.process_time()))
 
     per_step = spec["prompts"] * spec["n"]
     trl = CONFIGS[spec["config"]]
@@ -377,7 +380,8 @@ def run_trl(spec: dict) -> dict:
     trainer.train()
     steps = []
     for i in range(1, len(step_ends)):
-        steps.append({"step": step_ends[i] - step_ends[i - 1], "gen": gen_seconds.get(i - 1, 0.0)})
+        steps.append({"step": step_ends[i][0] - step_ends[i - 1][0], "gen": gen_seconds.get(i - 1, 0.0),
+                      "cpu": step_ends[i][1] - step_ends[i - 1][1], "gen_cpu": gen_cpu.get(i - 1, 0.0)})
     return {"steps": steps[spec["warmup"]:], "notes": [f"per_device_train_batch_size={micro}, "
                                                        f"gradient_checkpointing={args.gradient_checkpointing}"]}
 
