@@ -136,8 +136,11 @@ def test_plan_terms_follow_the_config():
                                      "actor.fsdp_config.optimizer_offload=true"])
     assert phase(plan_memory(offload, BUILTIN_TINY_SHAPE), "actor", "logprob forward").optimizer == 0
     # A KL term adds the reference's phase; gae the critic's two.
-    kl = plan_memory(load_config(overrides=["trainer.device=cpu", "actor.use_kl_loss=true"]), BUILTIN_TINY_SHAPE)
-    assert phase(kl, "reference", "logprob forward").params == 4 * n
+    # The reference loads in model.dtype (auto: bf16 on a CPU with bf16 hardware, fp32 elsewhere): both, pinned.
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        kl = plan_memory(load_config(overrides=["trainer.device=cpu", "actor.use_kl_loss=true", f"model.dtype={dtype}"]),
+                         BUILTIN_TINY_SHAPE)
+        assert phase(kl, "reference", "logprob forward").params == size * n
     critic = plan_memory(load_config("ppo", overrides=["trainer.device=cpu"]), BUILTIN_TINY_SHAPE, with_critic=True)
     assert {p.phase for p in critic.phases if p.role == "critic"} == {"values forward", "update"}
 
@@ -295,9 +298,13 @@ def test_flagged_config_really_runs_out_and_passed_one_fits():
                         BUILTIN_TINY_SHAPE, device_bytes=budget)
     assert phase(fixed, "actor", "update").peak <= budget
 
-    spec = bench.TinyModelSpec()
-    measured_big = bench.measured_bytes(spec, 32, 64, 64, 4096, gradient_checkpointing=False)
-    measured_fixed = bench.measured_bytes(spec, 32, 64, 64, fixed_budget, gradient_checkpointing=False)
+    # Measured in the dtype the plan is for: the config's model.dtype (auto: bf16-mixed on a CPU with bf16
+    # hardware, where this budget measured 164 MiB flagged and 91 MiB fixed; float32 elsewhere).
+    from hybridflow.utils.device import train_dtype
+
+    spec, dtype = bench.TinyModelSpec(), train_dtype(load_config(overrides=common).model.dtype, "cpu")
+    measured_big = bench.measured_bytes(spec, 32, 64, 64, 4096, gradient_checkpointing=False, dtype=dtype)
+    measured_fixed = bench.measured_bytes(spec, 32, 64, 64, fixed_budget, gradient_checkpointing=False, dtype=dtype)
     assert measured_big > budget, f"flagged, yet measured {measured_big / MIB:.1f} MiB <= {budget / MIB:.0f} MiB"
     assert measured_fixed <= budget, f"passed, yet measured {measured_fixed / MIB:.1f} MiB > {budget / MIB:.0f} MiB"
 
