@@ -76,3 +76,26 @@ def check_staleness():
     """``assert_trained_within_bound``, for the tests of the asynchronous loops (a fixture: the test
     modules do not import one another)."""
     return assert_trained_within_bound
+
+
+# Logical CPUs of the shared cluster: the largest run attached to it reserves two ranks in each of two
+# resource pools (rollout.placement=split), one CPU per bundle.
+RAY_HEAD_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """One single-node Ray cluster (``ray start``, token authentication) per test process, each xdist
+    worker its own, for the Ray runs that kill or signal nothing: they attach to it
+    (``trainer.ray_address=<address>``, run with its ``env``) instead of each starting and stopping a
+    local cluster of its own, whose GCS, raylet and agents cost tens of seconds of CPU on a busy machine.
+    A run's ranks and reservations end with its driver, so the next run finds the cluster empty. Runs
+    that kill ranks, replicas or nodes, or that test the cluster a run starts itself, keep their own."""
+    pytest.importorskip("ray")
+    from ray_cluster import Cluster
+
+    cluster = Cluster.with_head(tmp_path_factory.mktemp("ray_head"), num_cpus=RAY_HEAD_CPUS)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,11 +24,10 @@ import pytest
 
 pytest.importorskip("ray")
 
-from test_e2e_ray_multinode import Cluster, _cluster_env  # noqa: E402
+from ray_cluster import Cluster  # noqa: E402
 
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task  # noqa: E402
 from hybridflow.models.tiny import write_tiny_model  # noqa: E402
-from hybridflow.training.distributed import free_port  # noqa: E402
 
 # The worker that runs the other `ray start` clusters (tests/e2e/test_e2e_ray_multinode.py), one at a time.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
@@ -88,15 +85,10 @@ def test_replicas_follow_nodes_that_join_and_leave_and_the_steps_equal_a_fixed_r
     reference = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "train", *args,
                                   f"trainer.output_dir={fixed}"], stdout=fixed.with_suffix(".log").open("w"),
                                  stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    (tmp_path / "home").mkdir()
-    port = free_port()
-    cluster = Cluster(f"127.0.0.1:{port}", _cluster_env(tmp_path / "home"), tmp_path)
-    session = Path(tempfile.mkdtemp(prefix="hfel", dir="/tmp"))  # short: Unix socket paths
+    cluster = Cluster.with_head(tmp_path, num_cpus=0)
     log = grown.with_suffix(".log")
     run = None
     try:
-        cluster.start("head", ["--head", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
-                               "--include-dashboard=false", f"--temp-dir={session}"])
         cluster.start("node_a", [f"--address={cluster.address}", "--num-cpus=2", "--num-gpus=0",
                                  f"--resources={json.dumps({'node_a': 1})}"])
         run = subprocess.Popen(
@@ -123,7 +115,6 @@ def test_replicas_follow_nodes_that_join_and_leave_and_the_steps_equal_a_fixed_r
         for process in [p for p in (run, reference) if p is not None and p.poll() is None]:
             process.kill()
         cluster.stop()
-        shutil.rmtree(session, ignore_errors=True)
 
     text = log.read_text()
     records, expected = _records(grown), _records(fixed)

@@ -155,13 +155,11 @@ def test_lora_rl_improves_the_held_out_greedy_score(tmp_path, builtin_cache):
 
 
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
-def test_lora_on_two_ray_ranks_matches_one_local_rank(model_and_data, tmp_path, sync):
+def test_lora_on_two_ray_ranks_matches_one_local_rank(model_and_data, tmp_path, sync, ray_head):
     """Two Ray ranks (FSDP2 over gloo, weights broadcast from actor rank 0 in buckets: merged, or
     only the adapter that the rollout merges; the reference served by the actors) train like one
-    in-process rank, and step 2's rollout samples with the synced policy."""
-    pytest.importorskip("ray")
-    import os
-
+    in-process rank, and step 2's rollout samples with the synced policy. The Ray run on the shared
+    cluster (tests/e2e/conftest.py ``ray_head``)."""
     model_dir, train, val = model_and_data
     reward = tmp_path / "reward.py"  # varies inside every group: advantages are never all zero
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -169,11 +167,11 @@ def test_lora_on_two_ray_ranks_matches_one_local_rank(model_and_data, tmp_path, 
     common = [f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", *SMALL,
               f"reward.custom_reward_function.path={reward}", "trainer.test_freq=0", "trainer.seed=3",
               "actor.lora.rank=8", "actor.optim.lr=5e-3", "actor.use_kl_loss=true", f"actor.lora.sync={sync}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
+    runs = {"local": [],
+            "ray": ["trainer.backend=ray", "trainer.n_workers=2", f"trainer.ray_address={ray_head.address}"]}
     for name, extra in runs.items():
         cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_head.env)
         assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
     local, ray_run = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
                       for name in runs)

@@ -31,13 +31,21 @@ RAY = ["trainer.backend=ray", "trainer.n_workers=2"]
 VOLATILE = ("train/pairs_per_s",)
 
 
-def cli(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, fault: str | None = None, ray_head=None) -> subprocess.CompletedProcess:
+    """A CLI run; with ``ray_head``, on that shared cluster (tests/e2e/conftest.py). A ``fault`` for the
+    ranks needs a cluster the run starts itself: its ranks inherit the run's environment."""
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault or "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if ray_head is not None:
+        assert fault is None, "the ranks of a shared cluster do not see the run's HYBRIDFLOW_FAULT"
+        env = {**ray_head.env, "OMP_NUM_THREADS": "1"}
+        args = (*args, f"trainer.ray_address={ray_head.address}")
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
 
-def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_died_resumes(tmp_path: Path) -> None:
+def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_died_resumes(
+    tmp_path: Path, ray_head
+) -> None:
     steps = ["dpo.sft_weight=1.0", "trainer.total_training_steps=4", "trainer.save_freq=2"]
     local = cli("dpo", *RUN, *steps, "trainer.save_final=false", "dpo.export=false",
                 f"trainer.output_dir={tmp_path / 'local'}")
@@ -45,7 +53,7 @@ def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_d
     expected = per_step(tmp_path / "local", VOLATILE)
 
     # Every rank dies after step 3 (SIGKILL), its newest checkpoint step 2's: the controller names a dead rank
-    # and stops, not hangs.
+    # and stops, not hangs. (On a cluster of its own: the ranks read the fault from the run's environment.)
     out = tmp_path / "ray"
     killed = cli("dpo", *RUN, *steps, *RAY, f"trainer.output_dir={out}", fault="after_step@3")
     assert killed.returncode == 1, killed.stderr[-3000:]
@@ -56,7 +64,7 @@ def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_d
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # each Ray rank wrote its shard
 
     # Resumed on Ray from step 2 (sharded checkpoint, sampler), it ends with the export the local backend makes.
-    resumed = cli("dpo", *RUN, *steps, *RAY, f"trainer.output_dir={out}")
+    resumed = cli("dpo", *RUN, *steps, *RAY, f"trainer.output_dir={out}", ray_head=ray_head)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "global_step_2" in resumed.stderr
     got = per_step(out, VOLATILE)
@@ -69,10 +77,10 @@ def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_d
     assert (out / "export" / "model.safetensors").is_file()
 
 
-def test_rm_on_two_ray_ranks_trains_like_one_local_rank(tmp_path: Path) -> None:
+def test_rm_on_two_ray_ranks_trains_like_one_local_rank(tmp_path: Path, ray_head) -> None:
     steps = ["trainer.total_training_steps=1", "trainer.save_final=false", "rm.export=false"]
     one = cli("rm", *RUN, *steps, f"trainer.output_dir={tmp_path / 'one'}")
-    two = cli("rm", *RUN, *steps, *RAY, f"trainer.output_dir={tmp_path / 'two'}")
+    two = cli("rm", *RUN, *steps, *RAY, f"trainer.output_dir={tmp_path / 'two'}", ray_head=ray_head)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = per_step(tmp_path / "one", VOLATILE)[1], per_step(tmp_path / "two", VOLATILE)[1]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -50,54 +51,76 @@ DIGIT_SHARE_REWARD = (
 )
 
 
+# Step one of the tiny model on the arithmetic task, one torch thread per process (the numbers do not
+# depend on the load): what every run of the local-against-Ray comparisons below shares.
+ONE_STEP = [
+    "data.train_batch_size=8", "rollout.n=4", "data.max_response_length=4", "trainer.total_training_steps=1",
+    "trainer.val_before_train=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
+    "trainer.seed=3",
+]
+TWO_RAY_RANKS = ["trainer.backend=ray", "trainer.n_workers=2"]
+
+
+@dataclass(frozen=True)
+class Tiny:
+    model: Path
+    overrides: list[str]  # model.path, the data files and the reward function
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    """The tiny model, the arithmetic task (32 prompts, 4 held out) and DIGIT_SHARE_REWARD, written once
+    for this module's runs (none writes to them)."""
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = write_tiny_model(root / "model")
+    train, val = write_arithmetic_task(root / "data", train_size=32, val_size=4)
+    reward = root / "reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    return Tiny(model_dir, [f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                            f"reward.custom_reward_function.path={reward}"])
+
+
 def _step_one(out: Path) -> dict:
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
-def _local_and_two_ray_ranks(tmp_path: Path, common: list[str]) -> tuple[dict, dict]:
-    """Step one's metrics of the run ``common`` describes, in-process and on two Ray ranks."""
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _train_step_one(tmp_path: Path, ray_head, common: list[str], runs: dict[str, list[str]]) -> list[dict]:
+    """Step one's metrics of each of ``runs`` (name: its own overrides after ``common``), each a CLI run
+    in ``tmp_path / name``; the Ray ones on the shared cluster (tests/e2e/conftest.py ``ray_head``)."""
     for name, extra in runs.items():
-        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        attach = [f"trainer.ray_address={ray_head.address}"] if "trainer.backend=ray" in extra else []
+        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, *attach,
+               f"trainer.output_dir={tmp_path / name}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_head.env)
         assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
-    return _step_one(tmp_path / "local"), _step_one(tmp_path / "ray")
+    return [_step_one(tmp_path / name) for name in runs]
 
 
-def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
-    model_dir = write_tiny_model(tmp_path / "model")
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
+def _local_and_two_ray_ranks(tmp_path: Path, ray_head, common: list[str]) -> tuple[dict, dict]:
+    """Step one's metrics of the run ``common`` describes, in-process and on two Ray ranks."""
+    local, ray_run = _train_step_one(tmp_path, ray_head, common, {"local": [], "ray": TWO_RAY_RANKS})
+    return local, ray_run
+
+
+def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path, tiny, ray_head) -> None:
     # One mini-batch per step: both runs update on exactly the same samples. Token-budget
     # micro-batches (several per rank, counts agreed over ranks), packing and a KL loss (so the
     # reference model is sharded too) all take part.
     budget = "160"
     common = [
-        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
-        "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "data.max_response_length=4",
-        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.num_threads=1",
-        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3", "actor.use_kl_loss=true",
-        "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true", f"actor.ppo_max_token_len_per_gpu={budget}",
+        *tiny.overrides, *ONE_STEP, "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8",
+        "actor.use_kl_loss=true", "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true",
+        f"actor.ppo_max_token_len_per_gpu={budget}",
         f"actor.log_prob_max_token_len_per_gpu={budget}", f"ref.log_prob_max_token_len_per_gpu={budget}",
         "rollout.dtype=float32",  # rollout/trainer agreement within 1e-4 is fp32's (auto may pick bf16)
     ]
     # The two-replica run generates in server mode: each replica's engine behind its own HTTP server.
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.mode=server",
-                                 "trainer.profile.steps=[1]"],
+    runs = {"local": [], "ray": [*TWO_RAY_RANKS, "rollout.mode=server", "trainer.profile.steps=[1]"],
             # One replica over two ranks (heads, MLP and KV cache split in two, over gloo), in a
             # resource pool of its own (other bundles than the actor's).
-            "ray_tp2_split": ["trainer.backend=ray", "trainer.n_workers=2", "rollout.tensor_model_parallel_size=2",
-                              "rollout.placement=split", "trainer.checkpoint_format=full"]}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name, extra in runs.items():
-        out = f"trainer.output_dir={tmp_path / name}"
-        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, out]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
-    local, ray_run, tp_run = (_step_one(tmp_path / name) for name in runs)
+            "ray_tp2_split": [*TWO_RAY_RANKS, "rollout.tensor_model_parallel_size=2", "rollout.placement=split",
+                              "trainer.checkpoint_format=full"]}
+    local, ray_run, tp_run = _train_step_one(tmp_path, ray_head, common, runs)
     # The profiled step: a trace from the controller and from every Ray rank, each torch.profiler's JSON.
     traces = sorted(p.name for p in (tmp_path / "ray" / "profile" / "step_1").glob("*.pt.trace.json"))
     assert {"controller.pt.trace.json", "actor_rank0.pt.trace.json", "actor_rank1.pt.trace.json",
@@ -130,34 +153,22 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path) -> None:
     assert (exported / "model.safetensors").is_file() and (exported / "config.json").is_file()
 
 
-def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path, tiny, ray_head) -> None:
     """PPO with a critic and a KL loss: its values and value loss on two FSDP2 ranks (token-budget
     micro-batches agreed over ranks, packed) equal one in-process rank's on the same global batch;
     and so does the same run with Ulysses sequence parallelism (actor/critic
     .ulysses_sequence_parallel_size=2, the reference following the actor): one data-parallel rank
     whose two ranks split every packed micro-batch's tokens, in all three training roles."""
-    model_dir = write_tiny_model(tmp_path / "model")
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
     common = [
-        "--preset", "ppo", f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=8",
-        "actor.ppo_mini_batch_size=8", "rollout.n=4", "data.max_response_length=4", "trainer.total_training_steps=1",
-        "trainer.val_before_train=false", "trainer.num_threads=1", "trainer.progress_bar=false",
-        "trainer.logger=[jsonl]", "trainer.seed=3", "critic.ppo_max_token_len_per_gpu=160",
+        "--preset", "ppo", *tiny.overrides, *ONE_STEP, "actor.ppo_mini_batch_size=8",
+        "critic.ppo_max_token_len_per_gpu=160",
         "critic.forward_max_token_len_per_gpu=160", "actor.use_kl_loss=true", "actor.ppo_max_token_len_per_gpu=160",
         "actor.log_prob_max_token_len_per_gpu=160", "rollout.dtype=float32",
     ]
-    runs = {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"],
-            "ray_sp2": ["trainer.backend=ray", "trainer.n_workers=2", "actor.ulysses_sequence_parallel_size=2",
+    runs = {"local": [], "ray": TWO_RAY_RANKS,
+            "ray_sp2": [*TWO_RAY_RANKS, "actor.ulysses_sequence_parallel_size=2",
                         "critic.ulysses_sequence_parallel_size=2"]}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name, extra in runs.items():
-        cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, *extra, f"trainer.output_dir={tmp_path / name}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
-    local, ray_run, sp_run = (_step_one(tmp_path / name) for name in runs)
+    local, ray_run, sp_run = _train_step_one(tmp_path, ray_head, common, runs)
     assert local["critic/score/mean"] == ray_run["critic/score/mean"] == sp_run["critic/score/mean"]
     assert local["critic/vf_loss"] > 0 and local["actor/kl_loss"] >= 0
     assert sp_run["rollout_corr/log_ratio_abs_mean"] < 1e-4
@@ -169,24 +180,16 @@ def test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: 
     assert critic["architectures"] == ["Qwen2ForTokenClassification"]
 
 
-def test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+def test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path, tiny, ray_head) -> None:
     """optimal_token_baseline needs Σπ² per token: on two FSDP2 ranks (the logits path, packed,
     token-budget micro-batches) the old-logprob forward returns it through split_gather, and the
     advantages and the update equal one in-process rank's (the fused-head path)."""
-    model_dir = write_tiny_model(tmp_path / "model")
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
     common = [
-        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "algorithm.adv_estimator=optimal_token_baseline",
-        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8",
-        "rollout.n=4", "data.max_response_length=4", "trainer.total_training_steps=1",
-        "trainer.val_before_train=false", "trainer.num_threads=1", "trainer.progress_bar=false",
-        "trainer.logger=[jsonl]", "trainer.seed=3", "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true",
+        *tiny.overrides, *ONE_STEP, "algorithm.adv_estimator=optimal_token_baseline", "actor.ppo_mini_batch_size=8",
+        "actor.ppo_micro_batch_size_per_gpu=8", "actor.use_dynamic_bsz=true", "actor.use_remove_padding=true",
         "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
     ]
-    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, ray_head, common)
     assert local["critic/score/mean"] == ray_run["critic/score/mean"]
     assert "timing_s/old_log_prob" in local and "timing_s/old_log_prob" in ray_run
     assert local["critic/advantages/min"] < 0 < local["critic/advantages/max"]
@@ -195,23 +198,16 @@ def test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_
         assert ray_run[key] == pytest.approx(local[key], abs=1e-5), key
 
 
-def test_distillation_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+def test_distillation_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path, tiny, ray_head) -> None:
     """On-policy distillation: the teacher is a worker group of two FSDP2 ranks beside the actor's, each scoring
     its half of the batch; the reverse KL, the mixed advantages and the update equal one in-process rank's."""
-    model_dir, teacher = write_tiny_model(tmp_path / "model"), write_tiny_model(tmp_path / "teacher", seed=1)
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
+    teacher = write_tiny_model(tmp_path / "teacher", seed=1)
     common = [
-        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "distillation.enable=true",
-        f"distillation.teacher.path={teacher}", "distillation.reward_weight=0.5",
-        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "data.max_response_length=4",
-        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.num_threads=1",
-        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
-        "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
+        *tiny.overrides, *ONE_STEP, "distillation.enable=true", f"distillation.teacher.path={teacher}",
+        "distillation.reward_weight=0.5", "actor.ppo_mini_batch_size=8", "actor.ppo_max_token_len_per_gpu=160",
+        "actor.log_prob_max_token_len_per_gpu=160",
     ]
-    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, ray_head, common)
     assert local["critic/score/mean"] == ray_run["critic/score/mean"]
     assert local["distill/reverse_kl"] > 0 and "timing_s/teacher" in ray_run
     for key in ("distill/reverse_kl", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
@@ -220,22 +216,12 @@ def test_distillation_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_pa
 
 
 @pytest.mark.xdist_group("ray")
-def test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+def test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path, tiny, ray_head) -> None:
     """Online DPO (``--preset online_dpo``): each group's best and worst samples paired, the pairs laid out over
     two FSDP2 actor ranks with the reference's logprobs from two reference ranks; the DPO loss, the implicit
     rewards and the update equal one in-process rank's on the same pairs."""
-    model_dir = write_tiny_model(tmp_path / "model")
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
-    common = [
-        "--preset", "online_dpo", f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=8", "rollout.n=4",
-        "data.max_response_length=4", "trainer.total_training_steps=1", "trainer.val_before_train=false",
-        "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
-        "trainer.save_final=false",
-    ]
-    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
+    common = ["--preset", "online_dpo", *tiny.overrides, *ONE_STEP, "trainer.save_final=false"]
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, ray_head, common)
     assert local["critic/score/mean"] == ray_run["critic/score/mean"]
     assert local["pairs/count"] == ray_run["pairs/count"] > 0
     # Step one's policy is the reference: every implicit reward is 0 and the sigmoid loss log 2; the gradient is not.
@@ -246,24 +232,16 @@ def test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path
 
 
 @pytest.mark.xdist_group("ray")
-def test_prime_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path) -> None:
+def test_prime_on_two_ray_ranks_matches_one_local_rank_on_step_one(tmp_path: Path, tiny, ray_head) -> None:
     """PRIME: the implicit PRM and its own reference are worker groups of two FSDP2 ranks beside the actor's; the
     PRM's update (its loss summed over both ranks' samples), its token rewards and the advantages built on them
     equal one in-process rank's."""
-    model_dir = write_tiny_model(tmp_path / "model")
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
     common = [
-        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "algorithm.adv_estimator=prime", "prime.beta=0.5",
-        "prime.micro_batch_size_per_gpu=4", "prime.label_threshold=0.3",
-        "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "data.max_response_length=4",
-        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.num_threads=1",
-        "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
-        "actor.ppo_max_token_len_per_gpu=160", "actor.log_prob_max_token_len_per_gpu=160",
+        *tiny.overrides, *ONE_STEP, "algorithm.adv_estimator=prime", "prime.beta=0.5",
+        "prime.micro_batch_size_per_gpu=4", "prime.label_threshold=0.3", "actor.ppo_mini_batch_size=8", "actor.ppo_max_token_len_per_gpu=160",
+        "actor.log_prob_max_token_len_per_gpu=160",
     ]
-    local, ray_run = _local_and_two_ray_ranks(tmp_path, common)
+    local, ray_run = _local_and_two_ray_ranks(tmp_path, ray_head, common)
     assert local["critic/score/mean"] == ray_run["critic/score/mean"]
     assert 0 < local["prime/label/mean"] < 1 and local["prime/grad_norm"] > 0 and "timing_s/prime" in ray_run
     for key in ("prime/loss", "prime/acc", "prime/grad_norm", "prime/pair_acc", "prime/implicit_reward/mean",
@@ -283,24 +261,19 @@ def _engine_weights(worker: RolloutWorker) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("n_workers", "rollout_dtype"), [(1, "float32"), (2, "bfloat16")],
                          ids=["one-rank", "two-ranks-fsdp2-bf16-rollout"])
 def test_broadcast_weight_sync_gives_the_rollout_the_actors_weights(
-    tmp_path: Path, n_workers: int, rollout_dtype: str
+    tmp_path: Path, tiny: Tiny, n_workers: int, rollout_dtype: str
 ) -> None:
     import ray
 
-    model_dir = write_tiny_model(tmp_path / "model")
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
     cfg = make_config("grpo", overrides=[
-        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        *tiny.overrides, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
         "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2", "data.max_response_length=4",
         "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0",
         "trainer.save_final=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
         "trainer.backend=ray", f"trainer.n_workers={n_workers}", "rollout.weight_sync=broadcast",
         f"rollout.dtype={rollout_dtype}", f"trainer.output_dir={tmp_path / 'out'}",
     ])
-    initial = load_causal_lm(str(model_dir)).state_dict()
+    initial = load_causal_lm(str(tiny.model)).state_dict()
     run = build_run(cfg)
     try:
         assert run.roles.weight_sync == "broadcast"
@@ -527,31 +500,25 @@ def test_a_streamed_round_on_ray_replicas_lets_a_weight_update_through_and_names
         replicas.close()
 
 
-def test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight(tmp_path: Path) -> None:
+def test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight(
+    tmp_path: Path, tiny: Tiny, ray_head
+) -> None:
     """The rollout replica in a resource pool of its own, the trainer's weights broadcast into its
     generation in flight (partial rollout) while the next steps are generated: the run finishes
     within the staleness bound. On the by-reference data plane: the replica scores each group and
     keeps its tokens in Ray's object store, the actor rank fetches them from there. (One run: step
     1 equal to the sync loop's, on either data plane, is tested in-process,
     tests/e2e/test_e2e_async.py.)"""
-    model_dir = write_tiny_model(tmp_path / "model")
-    train, val = write_arithmetic_task(tmp_path / "data", train_size=32, val_size=4)
-    reward = tmp_path / "reward.py"
-    reward.write_text(DIGIT_SHARE_REWARD)
     common = [
-        f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-        f"reward.custom_reward_function.path={reward}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        *tiny.overrides, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
         "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2", "data.max_response_length=16",
         "trainer.total_training_steps=4", "trainer.val_before_train=false", "trainer.test_freq=0",
         "trainer.save_final=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
-        "trainer.seed=3", "trainer.backend=ray", "trainer.n_workers=1", "rollout.placement=split",
+        "trainer.seed=3", "trainer.mode=fully_async", "async_training.staleness_threshold=1",
+        "trainer.data_plane=refs",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", *common, "trainer.mode=fully_async",
-           "async_training.staleness_threshold=1", "trainer.data_plane=refs",
-           f"trainer.output_dir={tmp_path / 'out'}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    _train_step_one(tmp_path, ray_head, common, {"out": ["trainer.backend=ray", "trainer.n_workers=1",
+                                                         "rollout.placement=split"]})
     fully = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in fully] == [1, 2, 3, 4]
     assert all("rollout_corr/rollout_is_mean" in r for r in fully)  # the behaviour correction, on by default

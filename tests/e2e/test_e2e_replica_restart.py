@@ -45,8 +45,14 @@ def _args(tmp_path: Path) -> list[str]:
     ]
 
 
-def _start(args: list[str], out: Path, steps: int, fault: str = "") -> subprocess.Popen:
+def _start(args: list[str], out: Path, steps: int, fault: str = "", ray_head=None) -> subprocess.Popen:
+    """A run on a Ray cluster of its own (its ranks read ``fault`` from its environment), or, fault-free, on
+    ``ray_head`` (tests/e2e/conftest.py)."""
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if ray_head is not None:
+        assert not fault, "the ranks of a shared cluster do not see the run's HYBRIDFLOW_FAULT"
+        env = {**ray_head.env, "OMP_NUM_THREADS": "1"}
+        args = [*args, f"trainer.ray_address={ray_head.address}"]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 -- the child owns it until it exits
     return subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "train", *args,
                              f"trainer.total_training_steps={steps}", f"trainer.output_dir={out}", *extra(fault)],
@@ -70,12 +76,13 @@ def _samples(out: Path, step: int) -> tuple[list[dict], list[float]]:
     return rows, [p for row in rows for p in row.pop("logprobs")]
 
 
-def test_a_replica_killed_mid_generation_is_restarted_and_the_steps_equal_the_fault_free_runs(tmp_path: Path) -> None:
+def test_a_replica_killed_mid_generation_is_restarted_and_the_steps_equal_the_fault_free_runs(
+        tmp_path: Path, ray_head) -> None:
     args = _args(tmp_path)
     reference, faulted = tmp_path / "reference", tmp_path / "faulted"
     # Replica 1 dies at its first take of step 1 (serving version 0) and, once restarted, of step 3
     # (version 2): the first death is recovered, the second is one past rollout.max_replica_restarts=1.
-    runs = [_start(args, reference, 3),
+    runs = [_start(args, reference, 3, ray_head=ray_head),
             _start(args, faulted, 3, "replica_take/rollout_replica_1@0,replica_take/rollout_replica_1@2")]
     codes = [run.wait(timeout=600) for run in runs]
     log = faulted.with_suffix(".log").read_text()
