@@ -76,6 +76,8 @@ def check_rm_config(cfg: Config) -> None:
     if r.builtin_teacher_steps < 0:
         raise ConfigError(f"rm.builtin_teacher_steps={r.builtin_teacher_steps}: must be >= 0 (0: start from the "
                           "warm start)", key="rm.builtin_teacher_steps")
+    if r.head_lr is not None and not r.head_lr > 0:
+        raise ConfigError(f"rm.head_lr={r.head_lr}: must be > 0 (null: actor.optim.lr)", key="rm.head_lr")
 
 
 def rm_max_length(cfg: Config, model_path: str) -> int:
@@ -125,7 +127,8 @@ def _train_rank(rank: int, world: int, job: OfflineJob[PreferencePair], device: 
     cfg = job.cfg
     sft = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps, max_length=job.max_length,
                     chat_template=policy_chat_template(cfg.data),
-                    load_model=partial(load_reward_model_to_train, pad_token_id=job.pad_token_id))
+                    load_model=partial(load_reward_model_to_train, pad_token_id=job.pad_token_id),
+                    head_lr=cfg.rm.head_lr)
     worker = RewardTrainerWorker(sft, cfg.rm.center_rewards_coefficient, job.pad_token_id)
     names = ["loss", *REWARD_MODEL_METRICS]
 

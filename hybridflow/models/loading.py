@@ -238,10 +238,14 @@ VALUE_HEAD_NAMES = ("score", "classifier")
 
 def value_head(model: torch.nn.Module) -> torch.nn.Linear:
     """The linear hidden -> 1 head of a value model (``load_value_model``)."""
+    return getattr(model, value_head_name(model))
+
+
+def value_head_name(model: torch.nn.Module) -> str:
+    """The attribute name of ``value_head(model)`` (its parameters' name prefix)."""
     for name in VALUE_HEAD_NAMES:
-        head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Linear):
-            return head
+        if isinstance(getattr(model, name, None), torch.nn.Linear):
+            return name
     raise ValueError(f"{type(model).__name__} has no value head (a linear layer named one of {VALUE_HEAD_NAMES})")
 
 

@@ -24,6 +24,9 @@ class OptimSpec:
     min_lr_ratio: float = 0.0
     total_steps: int = 1
     grad_clip: float = 1.0
+    # Parameter-name prefix -> its own peak lr (the schedule scales it alike): a new, zero-initialised head
+    # (a reward model's ``score``) learns at a higher rate than the pretrained body it reads.
+    group_lrs: tuple[tuple[str, float], ...] = ()
 
 
 def lr_lambda(spec: OptimSpec) -> Callable[[int], float]:
@@ -45,14 +48,31 @@ def lr_lambda(spec: OptimSpec) -> Callable[[int], float]:
 def build_optimizer(
     model: torch.nn.Module, spec: OptimSpec
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the parameters that require grad (a LoRA model's adapters only), and its schedule."""
+    """AdamW over the parameters that require grad (a LoRA model's adapters only), and its schedule; the
+    parameters named by ``spec.group_lrs`` form groups of their own lr after the rest."""
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        param_groups(model, spec),
         lr=spec.lr,
         weight_decay=spec.weight_decay,
         betas=tuple(spec.betas),
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
+
+
+def param_groups(model: torch.nn.Module, spec: OptimSpec) -> list[dict]:
+    """The trained parameters as AdamW's groups: the rest at ``spec.lr`` first (one group, as without
+    ``group_lrs``), then one group per ``group_lrs`` prefix. A prefix that names no trained parameter is
+    an error: the lr it sets would silently not apply."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups: list[dict] = []
+    taken: set[str] = set()
+    for prefix, lr in spec.group_lrs:
+        params = [p for n, p in named if n.startswith(prefix) and n not in taken]
+        if not params:
+            raise ValueError(f"optimizer group {prefix!r}: no trained parameter's name starts with it")
+        taken.update(n for n, _ in named if n.startswith(prefix))
+        groups.append({"params": params, "lr": lr})
+    return [{"params": [p for n, p in named if n not in taken]}, *groups]
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.config.sections.trainer import FOLLOW_FREE_CORES
-from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer
+from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer, value_head_name
 from hybridflow.models.lora import apply_lora, write_lora_manifest
 from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine
@@ -44,9 +44,10 @@ def rank_device(name: str, rank: int, world: int) -> torch.device:
 class SFTWorker:
     def __init__(self, rank: int, world: int, cfg: Config, model_path: str, device: torch.device, *,
                  total_steps: int, max_length: int, chat_template: str | None,
-                 load_model: Callable[..., torch.nn.Module] = load_causal_lm) -> None:
+                 load_model: Callable[..., torch.nn.Module] = load_causal_lm, head_lr: float | None = None) -> None:
         """``load_model(path, dtype=, device=, trust_remote_code=)`` builds the trained model (a causal LM;
-        ``hybridflow rm`` passes a sequence classifier's loader)."""
+        ``hybridflow rm`` passes a sequence classifier's loader); ``head_lr``: the peak lr of its value head
+        (``rm.head_lr``), None: ``actor.optim.lr`` like the rest."""
         self.rank, self.world, self.cfg, self.model_path = rank, world, cfg, model_path
         threads = cfg.trainer.num_threads
         # The run's rule (rule_threads: the cores split over this machine's ranks), 'follow' or the user's number.
@@ -67,8 +68,11 @@ class SFTWorker:
             enable_activation_checkpointing(model)
             if self.lora:
                 model.enable_input_require_grads()  # frozen embeddings would starve the adapters of gradient
+        optim = optim_spec(a.optim, total_steps=total_steps, grad_clip=a.grad_clip)
+        if head_lr is not None:
+            optim = replace(optim, group_lrs=((f"{value_head_name(model)}.", head_lr),))
         self.engine = TrainEngine(
-            model, optim_spec(a.optim, total_steps=total_steps, grad_clip=a.grad_clip), device,
+            model, optim, device,
             data_parallel=data_parallel, mixed_precision=compute_dtype, fsdp_size=a.fsdp_config.fsdp_size,
             offload_params=a.fsdp_config.param_offload, offload_optimizer=a.fsdp_config.optimizer_offload,
             checkpoint_trainable_only=self.lora, metrics_prefix="train",

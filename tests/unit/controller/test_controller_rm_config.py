@@ -22,6 +22,7 @@ from hybridflow.models.tiny import write_tiny_model
     (["trainer.n_workers=3", "data.train_batch_size=32"], "data.train_batch_size"),
     (["dpo.builtin_prompts=0"], "dpo.builtin_prompts"),
     (["rm.builtin_teacher_steps=-1"], "rm.builtin_teacher_steps"),
+    (["rm.head_lr=0"], "rm.head_lr"),
 ])
 def test_a_wrong_setting_is_refused_naming_its_key(overrides, key):
     with pytest.raises(ConfigError) as info:
