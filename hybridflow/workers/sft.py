@@ -19,7 +19,12 @@ import torch
 
 from hybridflow.config.schema import Config
 from hybridflow.config.sections.trainer import FOLLOW_FREE_CORES
-from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_tokenizer, value_head_name
+from hybridflow.models.loading import (
+    enable_activation_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    value_head_name,
+)
 from hybridflow.models.lora import apply_lora, write_lora_manifest
 from hybridflow.training import distributed
 from hybridflow.training.engine import TrainEngine

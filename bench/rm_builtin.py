@@ -1,0 +1,64 @@
+"""``hybridflow rm``'s figure on the built-in pairs: the held-out pair accuracy of the command a user runs
+(no arguments: 100 steps of 32 pairs from the built-in teacher), and the CPU-seconds it took.
+
+The run is the CLI itself in a child process with one torch thread (``OMP_NUM_THREADS=1``,
+``trainer.num_threads=1``); its CPU time is the child's user + system time, so it includes the start-up
+and, on a first run on a machine, the warm start, teacher and pairs it builds and caches (run it twice
+for the cached figure). ``--min`` turns it into a check: exit 1 when the accuracy is below it.
+
+    python bench/rm_builtin.py                     # the default command
+    python bench/rm_builtin.py rm.head_lr=null     # any override, e.g. the body's lr for the head too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="hybridflow rm overrides (default: none)")
+    parser.add_argument("--min", type=float, default=None, help="fail (exit 1) below this held-out accuracy")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rm-bench-") as out:
+        command = [sys.executable, "-m", "hybridflow.cli", "rm", *args.overrides, "trainer.num_threads=1",
+                   "trainer.logger=[jsonl]", "rm.export=false", f"trainer.output_dir={out}"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run(command, check=False, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+        curve = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    held_out = [(r["step"], r["val/rm/accuracy"]) for r in curve if "val/rm/accuracy" in r]
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print("hybridflow rm " + " ".join(args.overrides))
+    print("held-out pair accuracy by step: " + " ".join(f"{s}:{a:.3f}" for s, a in held_out))
+    print(f"final {held_out[-1][1]:.3f} in {cpu_s:.0f} CPU-s (one torch thread; {cpu_name()})")
+    if args.min is not None and held_out[-1][1] < args.min:
+        print(f"below --min {args.min}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
