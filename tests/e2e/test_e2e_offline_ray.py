@@ -31,14 +31,18 @@ RAY = ["trainer.backend=ray", "trainer.n_workers=2"]
 VOLATILE = ("train/pairs_per_s",)
 
 
-def cli(*args: str, fault: str | None = None, ray_head=None) -> subprocess.CompletedProcess:
-    """A CLI run; with ``ray_head``, on that shared cluster (tests/e2e/conftest.py). A ``fault`` for the
-    ranks needs a cluster the run starts itself: its ranks inherit the run's environment."""
+def cli(*args: str, fault: str | None = None, ray_head=None, by_env: bool = False) -> subprocess.CompletedProcess:
+    """A CLI run; with ``ray_head``, on that shared cluster (tests/e2e/conftest.py), named by
+    ``trainer.ray_address`` or, ``by_env``, by ``RAY_ADDRESS`` alone. A ``fault`` for the ranks needs a
+    cluster the run starts itself: its ranks inherit the run's environment."""
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault or "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if ray_head is not None:
         assert fault is None, "the ranks of a shared cluster do not see the run's HYBRIDFLOW_FAULT"
         env = {**ray_head.env, "OMP_NUM_THREADS": "1"}
-        args = (*args, f"trainer.ray_address={ray_head.address}")
+        if by_env:
+            env["RAY_ADDRESS"] = ray_head.address
+        else:
+            args = (*args, f"trainer.ray_address={ray_head.address}")
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -80,9 +84,11 @@ def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_d
 def test_rm_on_two_ray_ranks_trains_like_one_local_rank(tmp_path: Path, ray_head) -> None:
     steps = ["trainer.total_training_steps=1", "trainer.save_final=false", "rm.export=false"]
     one = cli("rm", *RUN, *steps, f"trainer.output_dir={tmp_path / 'one'}")
-    two = cli("rm", *RUN, *steps, *RAY, f"trainer.output_dir={tmp_path / 'two'}", ray_head=ray_head)
+    # This run finds the cluster the way `ray job submit` hands it to a driver: RAY_ADDRESS only.
+    two = cli("rm", *RUN, *steps, *RAY, f"trainer.output_dir={tmp_path / 'two'}", ray_head=ray_head, by_env=True)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
+    assert f"joining the Ray cluster at {ray_head.address}" in two.stderr, two.stderr[-3000:]
     a, b = per_step(tmp_path / "one", VOLATILE)[1], per_step(tmp_path / "two", VOLATILE)[1]
     for key in ("train/loss", "rm/margin", "rm/chosen", "rm/rejected", "rm/accuracy"):
         assert b[key] == pytest.approx(a[key], abs=1e-5), key
