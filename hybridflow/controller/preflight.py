@@ -415,8 +415,8 @@ def machine_problems(cfg: Config) -> list[MachineProblem]:
     if t.backend == "ray" and t.nnodes > 1 and t.joined_ray_address() is None:
         # Each node's ranks go in a placement group on a node of its own: one node never holds two.
         lack(f"trainer.nnodes={t.nnodes} puts each node's ranks on a Ray node of its own, but trainer.ray_address=null "
-             f"(and no RAY_ADDRESS) starts a one-node Ray cluster on this machine; join a cluster of {t.nnodes} nodes (trainer.ray_address) "
-             f"or set trainer.nnodes=1", "trainer.nnodes")
+             f"(and no RAY_ADDRESS) starts a one-node Ray cluster on this machine; join a cluster of {t.nnodes} nodes "
+             f"(trainer.ray_address) or set trainer.nnodes=1", "trainer.nnodes")
     offloaded = [f"{role}.fsdp_config.param_offload" for role in ("actor", "critic")
                  if getattr(cfg, role).fsdp_config.param_offload]
     if offloaded and t.device == "auto" and not cuda:

@@ -161,8 +161,8 @@ class TrainerConfig:
     n_gpus_per_node: int = f(1, "Data-parallel ranks per node (GPU runs; CPU runs too when n_workers is null).")
     nnodes: int = f(1, "Nodes (trainer.backend=ray). Above 1, each node's ranks (n_gpus_per_node, or on CPU "
                        "n_workers / nnodes) are a placement group Ray keeps on one node, no two on one node: ranks "
-                       "0..k-1 on one, k..2k-1 on the next; needs trainer.ray_address (a cluster of that many "
-                       "nodes). 1: one placement group, as many ranks on a node as fit.")
+                       "0..k-1 on one, k..2k-1 on the next; needs a cluster of that many nodes to join "
+                       "(trainer.ray_address or RAY_ADDRESS). 1: one placement group, as many ranks on a node as fit.")
     n_workers: int | None = f(
         None,
         "Data-parallel CPU ranks (trainer.backend=ray on CPU). null: n_gpus_per_node x nnodes. GPU runs count "
