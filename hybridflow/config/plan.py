@@ -53,7 +53,7 @@ response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
   phase's peak plus ``PROCESS_RUNTIME_BYTES`` of interpreter and libraries
   (``MemoryPlan.process_peak_bytes``, checked against ``perf/rss_peak_gb/step`` of the default run
   by ``tests/unit/config/test_config_plan.py``). Left out: glibc's free heap memory, which the update's
-  varying tensor sizes fragment (``bench/memory_timeline.py``: ~1 GB on the ~18M long-tail workload).
+  varying tensor sizes fragment within the update (~0.6 GB on the ~18M long-tail workload; released after it).
 
 Micro-batches are planned at their worst case: every sample at ``data.max_prompt_length +
 data.max_response_length`` tokens, a micro-batch filled to its token budget.

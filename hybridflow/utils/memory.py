@@ -20,6 +20,7 @@ a worker thread, so its memory cannot be measured this way (its ``kv_cache_bytes
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -151,3 +152,26 @@ class RssPeaks:
 
 
 RSS_PEAKS = RssPeaks()
+
+
+# --------------------------------------------------------------------------- glibc's heap on a CPU
+
+@functools.cache
+def _glibc():
+    """The process's C library where it is glibc (it has ``malloc_trim``), else None."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def release_free_heap() -> None:
+    """Give the pages of glibc's free heap blocks back to the kernel (``malloc_trim(0)``), so memory
+    an update freed is not resident while generation, in another thread's arena, cannot reuse it.
+    Costs a walk of the free blocks and a page fault per page later reused; a no-op off glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
