@@ -168,10 +168,13 @@ def _glibc():
         return None
 
 
-def release_free_heap() -> None:
-    """Give the pages of glibc's free heap blocks back to the kernel (``malloc_trim(0)``), so memory
-    an update freed is not resident while generation, in another thread's arena, cannot reuse it.
-    Costs a walk of the free blocks and a page fault per page later reused; a no-op off glibc."""
+def release_free_heap(device: torch.device | None = None) -> None:
+    """Give the pages of glibc's free heap blocks back to the kernel (``malloc_trim(0)``); a no-op
+    off glibc and for a ``device`` other than the CPU. The actor calls it after each update: the
+    update's freed activations otherwise stay resident through generation, whose thread allocates
+    from its own arena and cannot reuse them (~1.3 GB of the ~18M long-tail step of
+    ``bench/memory_timeline.py``, issue 35). Costs a walk of the free blocks and a page fault per
+    page later reused (~2% of that step's CPU-seconds)."""
     libc = _glibc()
-    if libc is not None:
+    if libc is not None and (device is None or device.type == "cpu"):
         libc.malloc_trim(0)

@@ -258,14 +258,9 @@ class ActorWorker:
         pooled shards); metrics averaged. Token counts are summed over every rank (a group's
         sp times) and the loss scaled by the world size: ``hybridflow.training.sequence_parallel``
         says why that trains like one rank."""
-        if self.setup.preference is not None:
-            metrics = self._update_on_pairs(batch, self.setup.preference)
-        else:
-            metrics = self._update_on_samples(batch)
-        if self.engine.device.type == "cpu":
-            # What the update freed stays resident in glibc's heap, where generation (its own
-            # thread's arena) cannot reuse it: ~1.3 GB of the ~18M long-tail step (issue 35).
-            release_free_heap()
+        metrics = (self._update_on_pairs(batch, self.setup.preference) if self.setup.preference is not None
+                   else self._update_on_samples(batch))
+        release_free_heap(self.engine.device)  # not resident through the generation that follows
         return metrics
 
     def _update_on_samples(self, batch: TrainBatch) -> dict[str, float]:
