@@ -333,3 +333,46 @@ def test_varlen_attention_under_bf16_autocast_differentiates_in_float32(monkeypa
         with torch.no_grad():
             attend(query, key, value.bfloat16())
         assert seen.pop() == (torch.float32, True)  # no backward: autocast's bf16 kernel
+
+
+def _per_group_index_copy_attention(query, key, value, cu):
+    """The packed attention as the kernel assembled it before issue 35: each length group's output
+    copied into the (N, H, D) result by an out-of-place ``index_copy``, one full copy per group."""
+    from hybridflow.training import packing
+
+    segments = cu.tolist()
+    starts, lengths = segments[:-1], [e - s for s, e in zip(segments[:-1], segments[1:])]
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+    for group in packing._length_groups(lengths):
+        longest = max(lengths[i] for i in group)
+        t = torch.arange(longest)
+        start = torch.tensor([starts[i] for i in group])[:, None]
+        length = torch.tensor([lengths[i] for i in group])[:, None]
+        index = (start + torch.minimum(t[None, :], length - 1)).reshape(-1)
+        q, k, v = (x[0][:, index].unflatten(1, (len(group), longest)).transpose(0, 1) for x in (query, key, value))
+        o = packing._segment_attention(q, k, v, None, 0.0, None)
+        real = (t[None, :] < length).reshape(-1)
+        out = out.index_copy(0, index[real], o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3])[real])
+    return out.unsqueeze(0)
+
+
+def test_varlen_attention_output_and_gradients_are_bitwise_the_per_group_copies():
+    """Gathering every group's rows back to pack order at once (not a full index_copy per group,
+    issue 35's memory) changes no bit of the output nor of the q, k, v gradients."""
+    from hybridflow.training import packing
+
+    lengths = [1, 3, 4, 5, 9, 12, 30, 31, 2, 17]  # several length groups, single-token sequences too
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, h, int(cu[-1]), 16, generator=g) for h in (4, 2, 2)]
+    upstream = torch.randn(1, int(cu[-1]), 4, 16, generator=g)
+    results = []
+    for attend in (lambda q, k, v: packing.varlen_sdpa_attention(torch.nn.Module(), q, k, v, None,
+                                                                 cu_seq_lens_q=cu)[0],
+                   lambda q, k, v: _per_group_index_copy_attention(q, k, v, cu)):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        out = attend(*leaves)
+        (out * upstream).sum().backward()
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    for new, old in zip(*results, strict=True):
+        assert torch.equal(new, old)
