@@ -53,7 +53,7 @@ response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
   phase's peak plus ``PROCESS_RUNTIME_BYTES`` of interpreter and libraries
   (``MemoryPlan.process_peak_bytes``, checked against ``perf/rss_peak_gb/step`` of the default run
   by ``tests/unit/config/test_config_plan.py``). Left out: glibc's free heap memory, which the update's
-  varying tensor sizes fragment within the update (~0.6 GB on the ~18M long-tail workload; released after it).
+  micro-batches fragment (~0.4-0.5 GB at the ~18M long-tail workload's peak; released after it).
 
 Micro-batches are planned at their worst case: every sample at ``data.max_prompt_length +
 data.max_response_length`` tokens, a micro-batch filled to its token budget.
@@ -101,11 +101,13 @@ LM_HEAD_MIN_CHUNK_ROWS, LM_HEAD_MAX_CHUNK_ROWS = 64, 8192
 def lm_head_chunk_rows(vocab_size: int) -> int:
     """Rows per chunk of the chunked LM head (``lm_head.default_chunk_rows``)."""
     return max(LM_HEAD_MIN_CHUNK_ROWS, min(LM_HEAD_MAX_CHUNK_ROWS, LM_HEAD_CHUNK_LOGIT_BYTES // (4 * max(1, vocab_size))))
-# Chunk-sized float32 tensors alive at once in the chunked head: forward (logprobs, as the logprob
-# phases ask) z and logsumexp's shifted copy; backward z, p, dz and g * p (each chunk's arrays are
-# freed before the next chunk's are made).
+# Chunk-sized float32 tensors alive at once in the chunked head, which overwrites them in place at
+# their last use: forward z and logsumexp's shifted copy (or p, with entropy); backward p (in z's
+# place) and dz, and with an entropy gradient (actor.entropy_coeff != 0) z, p, dz and one product.
+# Each chunk's arrays are freed before the next chunk's are made.
 HEAD_FORWARD_TEMPORARIES = 2
-HEAD_BACKWARD_TEMPORARIES = 4
+HEAD_BACKWARD_TEMPORARIES = 2
+HEAD_BACKWARD_ENTROPY_TEMPORARIES = 4
 # A layer's working set per token in a forward without backward, in compute-dtype values: the
 # residual, the normed input, q and the attention output (4h), the MLP's gate, up and their product (3i).
 FORWARD_HIDDEN_VALUES, FORWARD_MLP_VALUES = 4, 3
@@ -226,7 +228,7 @@ def forward_activation_bytes(shape: ModelShape, tokens: int, *, compute_bytes: i
 
 def logits_bytes(
     shape: ModelShape, rows: int, *, fused: bool, backward: bool, chunk_rows: int | None = None,
-    compute_bytes: int = 4,
+    compute_bytes: int = 4, entropy_grad: bool = False,
 ) -> int:
     """Logits alive at the head's peak for ``rows`` response-predicting positions (a forward
     without backward also holds the last hidden states: ``forward_head_bytes``).
@@ -234,13 +236,14 @@ def logits_bytes(
     ``fused`` (one rank, a plain linear head): the chunked head, at most ``chunk_rows`` rows of
     float32 logits times its temporaries, and in backward the head's fp32 weight gradient.
     Otherwise the model's own head: every row's float32 logits, and with backward their
-    gradient and a softmax temporary."""
+    gradient and a softmax temporary. ``entropy_grad``: the loss differentiates the entropy (an
+    entropy bonus), which keeps z beside p in the chunked head's backward."""
     vocab = shape.vocab_size
     chunk_rows = lm_head_chunk_rows(vocab) if chunk_rows is None else chunk_rows
     if fused:
         chunk = min(rows, chunk_rows) * vocab * 4
         if backward:
-            temporaries = HEAD_BACKWARD_TEMPORARIES
+            temporaries = HEAD_BACKWARD_ENTROPY_TEMPORARIES if entropy_grad else HEAD_BACKWARD_TEMPORARIES
             # The fp32 weight gradient; in a lower compute dtype also the head's weight and dz cast to it.
             cast = (vocab * shape.hidden_size + min(rows, chunk_rows) * vocab) * compute_bytes if compute_bytes < 4 else 0
             return temporaries * chunk + vocab * shape.hidden_size * 4 + cast
@@ -562,7 +565,7 @@ def plan_memory(
     activations = train_activation_bytes(shape, tokens, compute_bytes=compute_bytes,
                                          gradient_checkpointing=checkpointing, autocast=autocast)
     logits = logits_bytes(shape, _response_rows(cfg, tokens, packed, sp), fused=fused, backward=True,
-                          compute_bytes=compute_bytes)
+                          compute_bytes=compute_bytes, entropy_grad=a.entropy_coeff != 0)
     overlap = min(logits, layer_backward_bytes(shape, tokens, compute_bytes=compute_bytes,
                                                gradient_checkpointing=checkpointing, autocast=autocast))
     # With one micro-batch the peak comes before most gradients exist (the head's is in logits).

@@ -68,12 +68,15 @@ def fused_lm_head_supported(model: Any) -> bool:
 def _chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """float32 logits / temperature of a chunk of rows; the matmul runs in ``dtype``.  # (n, V)"""
+    """float32 logits / temperature of a chunk of rows; the matmul runs in ``dtype``.  # (n, V)
+
+    The matmul's output is a fresh array: bias and temperature are applied to it in place (the same
+    arithmetic as out of place, one chunk-sized array fewer)."""
     z = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
-        z = z + bias.to(dtype)
+        z.add_(bias.to(dtype))
     z = z.float()
-    return z / temperature if temperature != 1.0 else z
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 class TokenStats(NamedTuple):
@@ -116,8 +119,9 @@ class _LMHeadLogprobs(torch.autograd.Function):
             logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse
             lse_all[start:stop] = lse
             if with_entropy:
-                probs = torch.exp(z - lse.unsqueeze(-1))
-                entropy[start:stop] = lse - (probs * z).sum(dim=-1)
+                probs = torch.sub(z, lse.unsqueeze(-1)).exp_()
+                entropy[start:stop] = lse - probs.mul_(z).sum(dim=-1)  # probs' last use: p * z in place
+                del probs
             if with_sum_pi_squared:
                 sum_pi_squared[start:stop] = sum_pi_squared_from_lse(z, lse)
         ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
@@ -136,19 +140,26 @@ class _LMHeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         w = weight.to(dtype)
+        entropy_grad = grad_entropy is not None and grad_entropy.numel() > 0
         for start in range(0, hidden.shape[0], chunk_rows):
             stop = min(hidden.shape[0], start + chunk_rows)
             z = _chunk_logits(hidden[start:stop], weight, bias, temperature, dtype)
-            probs = torch.exp(z - lse_all[start:stop].unsqueeze(-1))
-            dz = torch.zeros_like(z)
+            # Each array is overwritten in place at its last use, by the same arithmetic the formula
+            # spells out of place (a product's operands swapped: IEEE multiplication commutes), so
+            # the chunk holds z, p and dz at most, not six chunk-sized arrays (issue 35): without an
+            # entropy gradient p takes z's place and dz is the only other one.
+            lse = lse_all[start:stop].unsqueeze(-1)
+            probs = (torch.sub(z, lse) if entropy_grad else z.sub_(lse)).exp_()
+            dz = torch.zeros_like(probs)
             if grad_logprobs is not None:
                 g = grad_logprobs[start:stop].float().unsqueeze(-1)
-                dz -= g * probs
+                dz -= g * probs if entropy_grad else probs.mul_(g)
                 dz.scatter_add_(-1, labels[start:stop].unsqueeze(-1), g)
-            if grad_entropy is not None and grad_entropy.numel():
+            if entropy_grad:
                 g = grad_entropy[start:stop].float().unsqueeze(-1)
                 mean_z = (probs * z).sum(dim=-1, keepdim=True)
-                dz -= g * probs * (z - mean_z)
+                dz -= probs.mul_(g).mul_(z.sub_(mean_z))  # g * p * (z - E_p[z])
+            del z, probs
             if temperature != 1.0:
                 dz /= temperature
             dz_c = dz.to(dtype)
@@ -160,7 +171,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
                 grad_bias += dz.sum(dim=0)
             # Let this chunk's arrays go before the next chunk's are made: otherwise the loop's
             # names keep them alive through the next exp, one chunk more at the peak.
-            del z, probs, dz, dz_c
+            del dz, dz_c
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),

@@ -71,14 +71,17 @@ def test_constants_are_the_engines():
 
 def test_logits_of_the_chunked_head_by_hand():
     v, h = BUILTIN_TINY_SHAPE.vocab_size, BUILTIN_TINY_SHAPE.hidden_size
-    # 512 rows fit one chunk: 2 float32 (512, V) temporaries forward; backward 4 and the head's fp32 gradient.
+    # 512 rows fit one chunk: 2 float32 (512, V) temporaries forward; backward 2 (4 when the entropy
+    # has a gradient) and the head's fp32 gradient.
     assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=False) == HEAD_FORWARD_TEMPORARIES * 512 * v * 4
-    assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=True) == 4 * 512 * v * 4 + v * h * 4
+    assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=True) == 2 * 512 * v * 4 + v * h * 4
+    assert logits_bytes(BUILTIN_TINY_SHAPE, 512, fused=True, backward=True, entropy_grad=True) == (
+        4 * 512 * v * 4 + v * h * 4)
     # More rows than a chunk (128 MiB of logits: 220 rows at V = 152064) cost one chunk's
     # temporaries, whatever their number: that is the point of the chunked head.
     rows = (128 << 20) // (4 * 152064)
     assert rows == 220
-    chunked = 4 * rows * 152064 * 4 + 152064 * 3584 * 4
+    chunked = 2 * rows * 152064 * 4 + 152064 * 3584 * 4
     assert logits_bytes(QWEN25_7B, 10_000, fused=True, backward=True) == chunked
     assert logits_bytes(QWEN25_7B, 100_000, fused=True, backward=True) == chunked
     # bf16 compute adds the head's weight and a chunk's dz cast to bf16.

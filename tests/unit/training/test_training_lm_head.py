@@ -56,6 +56,68 @@ def test_an_unused_entropy_costs_no_gradient_and_changes_nothing():
     assert lm_head_token_stats(hidden, head, labels).entropy is None
 
 
+
+def _head_spelled_out(hidden, weight, bias, labels, temperature, chunk_rows, dtype, grad_lp, grad_ent):
+    """The chunked head's forward and backward written out of place, one new array per operation,
+    as ``lm_head`` computed them before it overwrote arrays in place (issue 35)."""
+    rows = hidden.shape[0]
+    logprobs, entropy = torch.empty(rows), torch.empty(rows)
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros(weight.shape)
+    grad_bias = torch.zeros(weight.shape[0])
+    for start in range(0, rows, chunk_rows):
+        stop = min(rows, start + chunk_rows)
+        z = hidden[start:stop].to(dtype) @ weight.to(dtype).T
+        z = (z + bias.to(dtype) if bias is not None else z).float()
+        z = z / temperature if temperature != 1.0 else z
+        lse = torch.logsumexp(z, dim=-1)
+        logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse
+        probs = torch.exp(z - lse.unsqueeze(-1))
+        entropy[start:stop] = lse - (probs * z).sum(dim=-1)
+        dz = torch.zeros_like(z)
+        g = grad_lp[start:stop].float().unsqueeze(-1)
+        dz -= g * probs
+        dz.scatter_add_(-1, labels[start:stop].unsqueeze(-1), g)
+        if grad_ent is not None:
+            g = grad_ent[start:stop].float().unsqueeze(-1)
+            dz -= g * probs * (z - (probs * z).sum(dim=-1, keepdim=True))
+        dz = dz / temperature if temperature != 1.0 else dz
+        grad_hidden[start:stop] = (dz.to(dtype) @ weight.to(dtype)).to(hidden.dtype)
+        grad_weight += (dz.to(dtype).T @ hidden[start:stop].to(dtype)).float()
+        grad_bias += dz.sum(dim=0) if bias is not None else 0.0
+    return logprobs, entropy, grad_hidden, grad_weight, grad_bias
+
+
+@pytest.mark.parametrize(("bias", "temperature", "dtype"), [(False, 1.0, torch.float32), (True, 0.7, torch.float32),
+                                                            (False, 0.9, torch.bfloat16)])
+@pytest.mark.parametrize("entropy_in_loss", [False, True])
+def test_in_place_arithmetic_is_bitwise_the_spelled_out_formula(bias, temperature, dtype, entropy_in_loss):
+    """Overwriting z, p and dz at their last use (a third of the chunk-sized arrays at the head's
+    peak) changes no bit of the logprobs, the entropy or any gradient; two threads, an odd
+    vocabulary and a last short chunk, so vector tails and thread splits fall as they may."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(3)
+        rows, width, vocab, chunk_rows = 70, 24, 601, 64
+        head = torch.nn.Linear(width, vocab, bias=bias)
+        hidden = torch.randn(rows, width, generator=g, requires_grad=True)
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        grad_lp, grad_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+        stats = lm_head_token_stats(hidden, head, labels, temperature=temperature, with_entropy=True,
+                                    chunk_rows=chunk_rows, compute_dtype=dtype)
+        loss = (stats.logprobs * grad_lp).sum() + ((stats.entropy * grad_ent).sum() if entropy_in_loss else 0.0)
+        loss.backward()
+        got = [stats.logprobs.detach(), stats.entropy.detach(), hidden.grad, head.weight.grad,
+               head.bias.grad if bias else torch.zeros(vocab)]
+        with torch.no_grad():
+            want = _head_spelled_out(hidden, head.weight, head.bias, labels, temperature, chunk_rows, dtype, grad_lp,
+                                     grad_ent if entropy_in_loss else None)
+    finally:
+        torch.set_num_threads(threads)
+    for name, a, b in zip(("logprobs", "entropy", "grad hidden", "grad weight", "grad bias"), got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_supported_heads():
     assert fused_lm_head_supported(build_tiny_model())
     gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
