@@ -170,11 +170,13 @@ def _glibc():
 
 def release_free_heap(device: torch.device | None = None) -> None:
     """Give the pages of glibc's free heap blocks back to the kernel (``malloc_trim(0)``); a no-op
-    off glibc and for a ``device`` other than the CPU. The actor calls it after each update: the
-    update's freed activations otherwise stay resident through generation, whose thread allocates
-    from its own arena and cannot reuse them (~1.3 GB of the ~18M long-tail step of
-    ``bench/memory_timeline.py``, issue 35). Costs a walk of the free blocks and a page fault per
-    page later reused (~2% of that step's CPU-seconds)."""
+    off glibc and for a ``device`` other than the CPU. glibc gives each thread that allocates an
+    arena of its own, whose free blocks no other thread reuses, so the actor calls it on both sides
+    of each update (issue 35, the ~18M long-tail step of ``bench/memory_timeline.py``): before, for
+    what generation's thread freed (0.2-0.45 GB resident under the update's peak, varying from run
+    to run); after, for the update's freed activations, which would stay resident through
+    generation (~1.3 GB). Costs a walk of the free blocks and a page fault per page later reused
+    (~2% of that step's CPU-seconds)."""
     libc = _glibc()
     if libc is not None and (device is None or device.type == "cpu"):
         libc.malloc_trim(0)

@@ -258,6 +258,7 @@ class ActorWorker:
         pooled shards); metrics averaged. Token counts are summed over every rank (a group's
         sp times) and the loss scaled by the world size: ``hybridflow.training.sequence_parallel``
         says why that trains like one rank."""
+        release_free_heap(self.engine.device)  # what generation's thread freed: the update cannot reuse it
         metrics = (self._update_on_pairs(batch, self.setup.preference) if self.setup.preference is not None
                    else self._update_on_samples(batch))
         release_free_heap(self.engine.device)  # not resident through the generation that follows
