@@ -60,13 +60,15 @@ def check_pair_run(cfg: Config, command: str, export: bool, export_key: str) -> 
             raise ConfigError(f"dpo.{key}={getattr(d, key)}: must be at least 1", key=f"dpo.{key}")
 
 
-def pair_files(cfg: Config, model_path: str) -> tuple[list[str], list[str], list[dict[str, Any]] | None]:
+def pair_files(cfg: Config, model_path: str, prompts: int | None = None,
+               ) -> tuple[list[str], list[str], list[dict[str, Any]] | None]:
     """(train files, val files, held-out rows of the built-in task or None): the user's, or without
-    ``data.train_files`` the built-in pairs (``controller.dpo_builtin``, settings ``dpo.builtin_*``)."""
+    ``data.train_files`` the built-in pairs (``controller.dpo_builtin``, settings ``dpo.builtin_*``; ``prompts``:
+    the training prompts, None: ``dpo.builtin_prompts``). The held-out pairs do not depend on ``prompts``."""
     if cfg.data.train_files:
         return list(cfg.data.train_files), list(cfg.data.val_files), None
     d = cfg.dpo
-    made = builtin_pairs(cfg.warm_start.cache_dir, model_path, prompts=d.builtin_prompts,
+    made = builtin_pairs(cfg.warm_start.cache_dir, model_path, prompts=d.builtin_prompts if prompts is None else prompts,
                          val_prompts=d.builtin_val_prompts, samples=d.builtin_samples)
     return [str(made.train_file)], list(cfg.data.val_files) or [str(made.val_file)], made.val_rows
 

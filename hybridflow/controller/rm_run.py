@@ -44,6 +44,7 @@ from hybridflow.controller.ranks import run_ranks
 from hybridflow.controller.preflight import config_device, policy_chat_template
 from hybridflow.controller.sft_run import EXPORT_DIR, OfflineJob, open_output_dir, total_steps
 from hybridflow.data.preference import PreferencePair
+from hybridflow.data.tasks.arithmetic import ARITHMETIC_TRAIN_QUESTIONS
 from hybridflow.models.loading import (
     load_model_config,
     load_reward_model_to_train,
@@ -78,6 +79,11 @@ def check_rm_config(cfg: Config) -> None:
                           "warm start)", key="rm.builtin_teacher_steps")
     if r.head_lr is not None and not r.head_lr > 0:
         raise ConfigError(f"rm.head_lr={r.head_lr}: must be > 0 (null: actor.optim.lr)", key="rm.head_lr")
+    if not 1 <= r.builtin_prompts <= ARITHMETIC_TRAIN_QUESTIONS:
+        raise ConfigError(f"rm.builtin_prompts={r.builtin_prompts}: must be 1 to {ARITHMETIC_TRAIN_QUESTIONS} (the "
+                          "arithmetic task's training questions)", key="rm.builtin_prompts")
+    if r.extra_layers < 0:
+        raise ConfigError(f"rm.extra_layers={r.extra_layers}: must be >= 0", key="rm.extra_layers")
 
 
 def rm_max_length(cfg: Config, model_path: str) -> int:
@@ -101,7 +107,8 @@ def run_rm_job(cfg: Config) -> RMResult:
     check_rm_config(cfg)
     device = config_device(cfg.trainer.device)
     pairs_model, _, _ = resolve_builtin(cfg, device)
-    train_files, val_files, _ = pair_files(cfg, pairs_model)  # the built-in pairs: the warm start's own answers
+    # The built-in pairs: the warm start's own answers, on rm.builtin_prompts of the task's training questions.
+    train_files, val_files, _ = pair_files(cfg, pairs_model, prompts=cfg.rm.builtin_prompts)
     model_path = rm_start_path(cfg, pairs_model, device)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code, policy_chat_template(cfg.data))
     train, val = load_pair_splits(cfg, "rm", tokenizer, train_files, val_files, rm_max_length(cfg, model_path),
@@ -127,7 +134,8 @@ def _train_rank(rank: int, world: int, job: OfflineJob[PreferencePair], device: 
     cfg = job.cfg
     sft = SFTWorker(rank, world, cfg, job.model_path, device, total_steps=job.total_steps, max_length=job.max_length,
                     chat_template=policy_chat_template(cfg.data),
-                    load_model=partial(load_reward_model_to_train, pad_token_id=job.pad_token_id),
+                    load_model=partial(load_reward_model_to_train, pad_token_id=job.pad_token_id,
+                                       extra_layers=cfg.rm.extra_layers),
                     head_lr=cfg.rm.head_lr)
     worker = RewardTrainerWorker(sft, cfg.rm.center_rewards_coefficient, job.pad_token_id)
     names = ["loss", *REWARD_MODEL_METRICS]

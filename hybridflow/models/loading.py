@@ -338,17 +338,57 @@ def load_reward_model_to_train(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
     pad_token_id: int = 0,
+    extra_layers: int = 0,
 ):
     """The model at ``path`` as a reward model to train (``hybridflow rm``): transformers'
     ``AutoModelForSequenceClassification`` with one label. From a causal LM (the usual start) the
     head is new and zero, as a value model's: every first score is 0 and the first loss log 2 on
     every rank alike (no random draw to agree on), and the backbone gets gradients once the head
-    has moved. A reward model's own head is kept."""
+    has moved. A reward model's own head is kept. ``extra_layers``: decoder layers appended on top of
+    the model's own (``add_pass_through_layers``), so the head reads a layer trained for it."""
     from transformers import AutoModelForSequenceClassification
 
-    model = _one_label_model(AutoModelForSequenceClassification, path, dtype, trust_remote_code)
+    changes = _more_layers(path, trust_remote_code, extra_layers) if extra_layers else {}
+    model = _one_label_model(AutoModelForSequenceClassification, path, dtype, trust_remote_code, **changes)
+    if extra_layers:
+        add_pass_through_layers(model, extra_layers)
     allow_padded_batches(model, pad_token_id)
     return model.to(device)
+
+
+PASS_THROUGH_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj")  # the two writes of a pre-norm layer to the residual
+
+
+def _more_layers(path: str | os.PathLike, trust_remote_code: bool, extra: int) -> dict[str, Any]:
+    """The config changes that give the model at ``path`` ``extra`` more decoder layers, of its last layer's kind."""
+    config = load_model_config(path, trust_remote_code=trust_remote_code).get_text_config()
+    changes: dict[str, Any] = {"num_hidden_layers": config.num_hidden_layers + extra}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:  # transformers picks each layer's attention mask by it
+        changes["layer_types"] = [*layer_types, *[layer_types[-1]] * extra]
+    return changes
+
+
+def add_pass_through_layers(model: torch.nn.Module, extra: int) -> None:
+    """Make the last ``extra`` decoder layers of ``model`` (new, randomly initialised by transformers) copies
+    of the layer below them with their outputs to the residual stream zeroed: each adds nothing, so the model
+    computes what it computed before, and on every rank alike (no random draw). The zeroed outputs get
+    gradients first (their inputs are the copied layer's non-zero activations), then the rest of the layer.
+    For the Llama-style layers (``self_attn.o_proj``, ``mlp.down_proj``: Qwen, Llama, Mistral and kin)."""
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) <= extra:
+        raise ValueError(f"{type(model).__name__} has no list of decoder layers (base_model.layers) to add {extra} to")
+    source = layers[len(layers) - extra - 1]
+    names = {n for n, _ in source.named_modules()}
+    if not all(name in names for name in PASS_THROUGH_OUTPUTS):
+        raise ValueError(f"{type(source).__name__} has no {' and '.join(PASS_THROUGH_OUTPUTS)}: extra layers are built "
+                         "for Llama-style decoder layers only")
+    with torch.no_grad():
+        for layer in layers[len(layers) - extra:]:
+            layer.load_state_dict(source.state_dict())
+            for name in PASS_THROUGH_OUTPUTS:
+                for param in layer.get_submodule(name).parameters():
+                    param.zero_()
 
 
 def allow_padded_batches(model: torch.nn.Module, pad_token_id: int) -> None:

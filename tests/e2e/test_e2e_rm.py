@@ -1,7 +1,7 @@
 """``hybridflow rm`` end to end on the built-in pairs (the right answer against the warm-started
 model's own wrong one; the reward model starts from the built-in teacher): the Bradley-Terry loss
-falls and the held-out pair accuracy rises from 0 (a zero head ties every pair); the export is a
-reward model that a short GRPO run loads with
+falls and the held-out pair accuracy rises from 0 (a zero head ties every pair); the export (with a
+layer added for the head, rm.extra_layers=1) is a reward model that a short GRPO run loads with
 ``reward_model.enable=true reward_model.model.path=<export>`` and whose every rollout score is the
 export's own score of that answer (re-computed here with plain transformers); a run killed after a
 step resumes and reproduces the uninterrupted run's metrics bitwise (fixed threads); two FSDP2 ranks
@@ -24,7 +24,7 @@ from run_records import per_step
 pytestmark = pytest.mark.slow
 
 RUN = [
-    "dpo.builtin_prompts=128", "dpo.builtin_val_prompts=32", "data.train_batch_size=16", "actor.optim.lr=1e-3",
+    "rm.builtin_prompts=128", "dpo.builtin_val_prompts=32", "data.train_batch_size=16", "actor.optim.lr=1e-3",
     "trainer.total_training_steps=6", "trainer.test_freq=3", "trainer.save_freq=2", "trainer.num_threads=1",
     "trainer.logger=[jsonl]",
     # Token-budget micro-batches, packed, cut by pairs: the speed path, not one padded batch.
@@ -55,7 +55,8 @@ def own_score(export: Path, question: str, answer: str) -> float:
 
 def test_rm_learns_the_builtin_pairs_and_its_export_scores_a_grpo_run(tmp_path):
     run = tmp_path / "rm"
-    trained = cli("rm", *RUN, f"trainer.output_dir={run}")
+    # One layer added for the head (rm.extra_layers): the export is the same family with one more layer.
+    trained = cli("rm", *RUN, "rm.extra_layers=1", f"trainer.output_dir={run}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     steps = per_step(run, VOLATILE)
     assert sorted(steps) == list(range(7))
@@ -66,7 +67,9 @@ def test_rm_learns_the_builtin_pairs_and_its_export_scores_a_grpo_run(tmp_path):
         assert all(math.isfinite(steps[s][name]) for s in range(1, 7)), name
     assert json.loads((run / "rm_eval.json").read_text())["val/rm/accuracy"] == steps[6]["val/rm/accuracy"]
     export = run / "export"
-    assert json.loads((export / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
+    exported = json.loads((export / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen2ForSequenceClassification"]
+    assert exported["num_hidden_layers"] == 4 + 1  # the built-in teacher's four, and the added one
 
     grpo = tmp_path / "grpo"
     result = cli("train", "reward_model.enable=true", f"reward_model.model.path={export}",

@@ -2,9 +2,10 @@
 
 Everything else it reads is a shared key: model.path (the model it starts from: a causal LM gets a new
 one-label head, a reward model keeps its own), data.train_files / val_files, data.prompt_key and the pair
-columns and built-in pairs of ``hybridflow dpo`` (dpo.chosen_key, dpo.rejected_key, dpo.builtin_*), data.
-train_batch_size (pairs per step), actor.optim, actor.fsdp_config, packing and micro-batching (counted in
-pairs), trainer.* (checkpoints, resume, test_freq).
+columns and built-in pairs of ``hybridflow dpo`` (dpo.chosen_key, dpo.rejected_key, dpo.builtin_samples,
+dpo.builtin_val_prompts; the number of training prompts is rm.builtin_prompts, so the reward model's data
+grows without changing DPO's), data.train_batch_size (pairs per step), actor.optim, actor.fsdp_config,
+packing and micro-batching (counted in pairs), trainer.* (checkpoints, resume, test_freq).
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ class RMConfig:
         "body keeps actor.optim.lr. The head starts at zero and Adam moves each weight about lr per step, so at "
         "the body's lr it is what limits the first hundred steps (a score margin under 1 at step 100 on the "
         "built-in pairs). None: actor.optim.lr.",
+    )
+    builtin_prompts: int = f(
+        1024, "Training prompts of the built-in pairs hybridflow rm trains on (no data.train_files, model.path="
+        "builtin:tiny), at most the task's 5,026 training questions; dpo.builtin_prompts is DPO's, so the reward "
+        "model's data grows without changing DPO's. Each prompt gives a pair (the right answer against the warm "
+        "start's first wrong sample); the held-out pairs stay dpo.builtin_val_prompts' 256 whatever this is. In "
+        "the default 100 steps 1024 and 4096 rank the held-out pairs alike (0.852, 0.844); over steps 200-300 4096 "
+        "gives 0.86-0.89, where with 1024 the model fits its training pairs (0.95) better than the held-out ones "
+        "(0.85).",
+    )
+    extra_layers: int = f(
+        0, "Decoder layers added on top of the start model's, each a copy of its last layer with its two outputs "
+        "to the residual stream (attention's o_proj, the MLP's down_proj) zeroed, so the model starts computing "
+        "exactly what it did and the head reads a layer trained for scoring (real reward models put a learned "
+        "layer before the score). The export is an ordinary model of the same family with more layers. "
+        "Llama-style layers only (Qwen, Llama, Mistral). On the built-in pairs (4096 prompts, 300 steps) one "
+        "layer gave 0.875 held-out pair accuracy against 0.871 without, two 0.867: within the noise between "
+        "neighbouring validations (±0.02-0.03), so 0 by default.",
     )
     export: bool = f(True, "Write the final reward model as a Hugging Face directory in <output_dir>/export, "
                            "what reward_model.model.path loads.")

@@ -37,6 +37,7 @@ SPLITS = ("train", "test")
 # training, more than the default train size (4,096).
 TEST_POOL_SIZE = 1024
 NUM_PROBLEMS = 6050  # 3,025 carry-free sums + 3,025 borrow-free differences
+ARITHMETIC_TRAIN_QUESTIONS = NUM_PROBLEMS - TEST_POOL_SIZE  # the train split's pool: the most train rows
 
 _SCHEMA = verl_row_schema(
     [("split", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("answer", pa.int64())]

@@ -1,5 +1,6 @@
 """``hybridflow rm``'s start-up checks: each wrong setting is refused naming its key, before anything
-loads; ``rm.max_length`` defaults to the reward-model role's own cut (max_position_embeddings)."""
+loads; ``rm.max_length`` defaults to the reward-model role's own cut (max_position_embeddings); the
+built-in pairs' training prompts are ``rm.builtin_prompts`` (DPO's are its own)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from hybridflow.config import ConfigError, load_config
-from hybridflow.controller import rm_run
+from hybridflow.controller import pair_run, rm_run
+from hybridflow.controller.dpo_builtin import BuiltinPairs
 from hybridflow.controller.rm_run import check_rm_config, rm_max_length, rm_start_path
 from hybridflow.models.tiny import write_tiny_model
 
@@ -23,6 +25,9 @@ from hybridflow.models.tiny import write_tiny_model
     (["dpo.builtin_prompts=0"], "dpo.builtin_prompts"),
     (["rm.builtin_teacher_steps=-1"], "rm.builtin_teacher_steps"),
     (["rm.head_lr=0"], "rm.head_lr"),
+    (["rm.builtin_prompts=0"], "rm.builtin_prompts"),
+    (["rm.builtin_prompts=5027"], "rm.builtin_prompts"),  # the task has 5,026 training questions
+    (["rm.extra_layers=-1"], "rm.extra_layers"),
 ])
 def test_a_wrong_setting_is_refused_naming_its_key(overrides, key):
     with pytest.raises(ConfigError) as info:
@@ -48,3 +53,17 @@ def test_the_built_in_pairs_start_the_reward_model_from_the_built_in_teacher(mon
     assert rm_start_path(load_config(None, None, ["data.train_files=[p.jsonl]"]), "/warm-start", cpu) == "/warm-start"
     assert rm_start_path(load_config(None, None, ["model.path=/m", "data.train_files=[p.jsonl]"]), "/m", cpu) == "/m"
     assert made == [200, 50]
+
+
+def test_the_reward_model_counts_its_built_in_prompts_apart_from_dpo(monkeypatch, tmp_path):
+    asked = []
+
+    def fake_pairs(cache_dir, model_dir, *, prompts, val_prompts, samples):
+        asked.append((prompts, val_prompts, samples))
+        return BuiltinPairs(tmp_path / "train.jsonl", tmp_path / "test.jsonl", [])
+
+    monkeypatch.setattr(pair_run, "builtin_pairs", fake_pairs)
+    cfg = load_config(None, None, ["rm.builtin_prompts=300", "dpo.builtin_prompts=20"])
+    pair_run.pair_files(cfg, "/warm-start", prompts=cfg.rm.builtin_prompts)  # what hybridflow rm asks for
+    pair_run.pair_files(cfg, "/warm-start")  # hybridflow dpo
+    assert asked == [(300, 256, 8), (20, 256, 8)]  # the same held-out prompts and samples either way
