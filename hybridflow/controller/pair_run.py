@@ -68,7 +68,8 @@ def pair_files(cfg: Config, model_path: str, prompts: int | None = None,
     if cfg.data.train_files:
         return list(cfg.data.train_files), list(cfg.data.val_files), None
     d = cfg.dpo
-    made = builtin_pairs(cfg.warm_start.cache_dir, model_path, prompts=d.builtin_prompts if prompts is None else prompts,
+    train_prompts = d.builtin_prompts if prompts is None else prompts
+    made = builtin_pairs(cfg.warm_start.cache_dir, model_path, prompts=train_prompts,
                          val_prompts=d.builtin_val_prompts, samples=d.builtin_samples)
     return [str(made.train_file)], list(cfg.data.val_files) or [str(made.val_file)], made.val_rows
 

@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 # The built-in pairs (DPO's and the reward model's prompts alike), token-budget micro-batches cut by pairs
 # (packed), no validation: step one's figures.
 RUN = [
-    "dpo.builtin_prompts=128", "rm.builtin_prompts=128", "dpo.builtin_val_prompts=32", "data.train_batch_size=16", "trainer.num_threads=1",
-    "trainer.logger=[jsonl]", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=256",
-    "trainer.test_freq=-1", "trainer.val_before_train=false",
+    "dpo.builtin_prompts=128", "rm.builtin_prompts=128", "dpo.builtin_val_prompts=32", "data.train_batch_size=16",
+    "trainer.num_threads=1", "trainer.logger=[jsonl]", "actor.use_dynamic_bsz=true",
+    "actor.ppo_max_token_len_per_gpu=256", "trainer.test_freq=-1", "trainer.val_before_train=false",
 ]
 RAY = ["trainer.backend=ray", "trainer.n_workers=2"]
 VOLATILE = ("train/pairs_per_s",)
