@@ -26,6 +26,13 @@ they read the cache at the addresses they were captured with.
 
 ``capture=False`` runs the same padded static step eagerly: the CPU tests check it against the
 dynamic forward, and on a GPU it separates a problem of the static shapes from one of the capture.
+
+On a CPU in reduced precision the engine decodes this way by default (``runner.resolve_decode_mode``),
+for another reason: oneDNN, which runs a CPU's bf16 matmuls, compiles and keeps a kernel for every
+matmul shape it meets, and a decode batch whose rows (1..max_batch_size) and key length (growing
+every step) change at every step is a new shape nearly every step; resident memory grew without
+bound (docs/figures.md). Bucketed shapes bound the kernels. The runner then pads its prefill forwards
+too (``token_bucket`` columns, ``key_bucket`` keys).
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ KEY_BUCKET = 256
 # BATCH_STEP - 1 wasted rows, and about max_batch_size / BATCH_STEP graphs per key bucket.
 SMALL_BATCH = 16
 BATCH_STEP = 16
+# Prefill widths above SMALL_BATCH round up to one of this many sizes per doubling (token_bucket).
+TOKEN_BUCKETS_PER_DOUBLING = 8
 # Eager runs of a new shape before its capture: lazy initialisation (cuBLAS workspaces, kernel
 # selection) must happen outside the graph, on a side stream (CUDA graph capture rules).
 WARMUP_RUNS = 2
@@ -55,6 +64,18 @@ def batch_bucket(batch: int, limit: int) -> int:
         raise ValueError(f"batch_bucket: batch {batch} is outside [1, {limit}]")
     bucket = 1 << (batch - 1).bit_length() if batch <= SMALL_BATCH else -(-batch // BATCH_STEP) * BATCH_STEP
     return min(bucket, limit)
+
+
+def token_bucket(tokens: int) -> int:
+    """The padded width of a prefill forward (``static`` mode on a CPU) for ``tokens`` columns: a power
+    of two up to SMALL_BATCH, above it one of TOKEN_BUCKETS_PER_DOUBLING sizes between n and 2n (at most
+    1/TOKEN_BUCKETS_PER_DOUBLING of padding), so a prompt budget of 2,048 tokens meets about 60 widths."""
+    if tokens < 1:
+        raise ValueError(f"token_bucket: tokens must be >= 1, got {tokens}")
+    if tokens <= SMALL_BATCH:
+        return 1 << (tokens - 1).bit_length()
+    step = 1 << ((tokens - 1).bit_length() - TOKEN_BUCKETS_PER_DOUBLING.bit_length())
+    return -(-tokens // step) * step
 
 
 def key_bucket(key_length: int, capacity: int) -> int:

@@ -161,7 +161,8 @@ class NativeEngine:
     ``stop_token_ids``. ``max_model_len`` (default: the config's ``max_position_embeddings``) caps
     prompt + response; a response that reaches it finishes with ``"length"``. ``tokenizer`` is
     needed only for stop strings. ``logits_processors`` adjust the logits tokens are drawn from.
-    ``decode_mode`` is one of ``DECODE_MODES`` (None: CUDA graphs on a GPU, eager elsewhere).
+    ``decode_mode`` is one of ``DECODE_MODES`` (None: CUDA graphs on a GPU, bucketed static shapes on a
+    CPU in reduced precision, eager elsewhere; see ``runner.DECODE_MODES``).
     ``weight_layout`` is how the matmul weights are laid out (``compact.WEIGHT_LAYOUTS``; ``auto``
     packs a copy for oneDNN on CPUs where that was measured faster, see ``compact``).
     ``compact_factory(model, max_model_len)`` and ``cache_factory(**SlotKVCache arguments)`` build

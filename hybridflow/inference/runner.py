@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hybridflow.inference.compact import CompactCausalLM
-from hybridflow.inference.graphs import GraphCaptureError, StaticDecoder
+from hybridflow.inference.graphs import GraphCaptureError, StaticDecoder, key_bucket, token_bucket
 from hybridflow.inference.kv_cache import SlotKVCache
 from hybridflow.inference.prefix_cache import CachedBlock, PrefixCache
 from hybridflow.inference.sampling import RowProfile, SamplingTensors, compute_top_logprobs, row_values, sample_tokens, split_key
@@ -39,10 +39,12 @@ from hybridflow.inference.weight_store import WeightStore
 
 logger = logging.getLogger(__name__)
 
-# How decode forwards run: "eager" at the exact shapes; "static" padded to bucketed shapes;
-# "cuda_graph" static shapes replayed from CUDA graphs (graphs.StaticDecoder). None picks
-# cuda_graph on CUDA (launch-bound there) and eager elsewhere (no launch cost to save on a CPU,
-# and padding would cost real work).
+# How decode forwards run: "eager" at the exact shapes; "static" padded to bucketed shapes, and
+# prefill forwards too; "cuda_graph" static decode shapes replayed from CUDA graphs
+# (graphs.StaticDecoder). None picks cuda_graph on CUDA (launch-bound there), static on a CPU in
+# reduced precision (oneDNN keeps a compiled kernel per matmul shape: unbucketed shapes grew resident
+# memory without bound, graphs module docstring) and eager elsewhere (float32 on a CPU runs in MKL,
+# which keeps nothing per shape, and padding would cost real work).
 DECODE_MODES = ("eager", "static", "cuda_graph")
 
 # Rows of logits a prompt-scoring prefill materialises at once: bounds its (rows, V) float32 temporaries
@@ -155,12 +157,16 @@ class RowState:
             self.seen[torch.arange(batch, device=self.device), tokens] = True
 
 
-def resolve_decode_mode(decode_mode: str | None, device: torch.device, compact: CompactCausalLM) -> str:
+def resolve_decode_mode(
+    decode_mode: str | None, device: torch.device, compact: CompactCausalLM, dtype: torch.dtype = torch.float32
+) -> str:
     """``decode_mode`` checked against the device and the model (None: CUDA graphs where they can
-    record, eager elsewhere)."""
+    record, static shapes on a CPU in reduced precision, eager elsewhere; see ``DECODE_MODES``)."""
     if decode_mode is None:
-        capture = device.type == "cuda" and compact.capturable
-        decode_mode = "cuda_graph" if capture else "eager"
+        if device.type == "cuda":
+            decode_mode = "cuda_graph" if compact.capturable else "eager"
+        else:
+            decode_mode = "static" if device.type == "cpu" and dtype != torch.float32 else "eager"
     if decode_mode == "cuda_graph" and not compact.capturable:
         raise ValueError("NativeEngine: decode_mode='cuda_graph' cannot record a mixture-of-experts model "
                          "(its routing has data-dependent shapes); use decode_mode='eager'")
@@ -201,7 +207,9 @@ class ModelRunner:
         self.logits_processors = tuple(logits_processors)
         self._recompute_stale_kv = recompute_stale_kv
         self._state = RowState(max_batch_size, vocab_size, self._device)
-        self.decode_mode = resolve_decode_mode(decode_mode, self._device, compact)
+        self.decode_mode = resolve_decode_mode(decode_mode, self._device, compact, dtype)
+        # Static shapes pad the prefill forwards as well (DECODE_MODES): CUDA graphs need it for decode only.
+        self.bucket_prefill = self.decode_mode == "static"
         self.static_decoder: StaticDecoder | None = None
         if self.decode_mode != "eager":
             self.static_decoder = StaticDecoder(compact, cache, max_rows=max_batch_size, pad_token_id=pad_token_id,
@@ -389,6 +397,12 @@ class ModelRunner:
         """One forward over token ranges ``(slot, tokens, start, end)``, right-padded to the longest; the parts
         with ``scores`` get their next tokens' logprobs from its outputs."""
         width = max(p.end - p.start for p in parts)
+        key_length = max(p.end for p in parts)
+        if self.bucket_prefill:
+            # Padded columns repeat a real position (below) and are never written; keys past a
+            # slot's tokens get no weight (the causal mask comes from the positions).
+            width = token_bucket(width)
+            key_length = key_bucket(key_length, self.cache.capacity)
         ids = torch.zeros((len(parts), width), dtype=torch.long)
         positions = torch.zeros((len(parts), width), dtype=torch.long)
         flat_index, flat_slots, flat_positions = [], [], []
@@ -405,7 +419,6 @@ class ModelRunner:
         def tensor(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        key_length = max(p.end for p in parts)
         access = self.cache.prefill_access(
             [p.slot for p in parts], tensor(flat_index), tensor(flat_slots), tensor(flat_positions),
             key_length=key_length,

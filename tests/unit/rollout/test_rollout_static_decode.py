@@ -10,7 +10,7 @@ from test_rollout_native_engine import PAD, PROMPTS, make_engine, make_model, re
 
 from hybridflow.inference import graphs
 from hybridflow.inference.compact import CompactCausalLM
-from hybridflow.inference.graphs import StaticDecoder, batch_bucket, key_bucket
+from hybridflow.inference.graphs import StaticDecoder, batch_bucket, key_bucket, token_bucket
 from hybridflow.inference.kv_cache import SlotKVCache
 
 torch.set_num_threads(1)
@@ -31,6 +31,16 @@ def test_key_buckets_round_up_to_the_bucket_and_stop_at_the_capacity():
     assert key_bucket(300, 320) == 320
     with pytest.raises(ValueError, match="outside"):
         key_bucket(321, 320)
+
+
+def test_token_buckets_are_powers_of_two_then_eight_per_doubling():
+    assert [token_bucket(n) for n in (1, 3, 16, 17, 19, 32, 33, 100, 1000, 2048)] == [
+        1, 4, 16, 18, 20, 32, 36, 104, 1024, 2048]
+    for n in range(17, 5000):  # at most 1/8 of padding, and few widths
+        assert n <= token_bucket(n) <= n + n // 8
+    assert len({token_bucket(n) for n in range(1, 2049)}) <= 64
+    with pytest.raises(ValueError, match=">= 1"):
+        token_bucket(0)
 
 
 def make_cache(rows: int, capacity: int, seed: int) -> SlotKVCache:
@@ -91,6 +101,30 @@ def test_engine_static_decode_mode_generates_what_eager_mode_does():
         for (eager_ids, eager_logprobs), (static_ids, static_logprobs) in zip(eager_group, static_group, strict=True):
             assert static_ids == eager_ids
             assert torch.allclose(torch.tensor(static_logprobs), torch.tensor(eager_logprobs), atol=1e-5, rtol=0)
+
+
+def test_bucketed_prefill_and_decode_generate_what_exact_shapes_do_in_float32():
+    """Long prompts prefilled in chunks of a small budget (widths of 1-13 columns over 1-4 prompts,
+    padded to buckets, keys to the bucket or the capacity), then sampled decode: same tokens, same logprobs."""
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(length)] for i, length in enumerate((23, 41, 9, 30, 57))]
+    requests = [request(p, temperature=0.9, n=2, seed=3 + i, max_tokens=14) for i, p in enumerate(prompts)]
+    results = {}
+    for mode in ("eager", "static"):
+        engine = make_engine(make_model(), max_batch_size=6, max_prefill_tokens=13, decode_mode=mode,
+                             enable_prefix_caching=False)
+        assert engine._runner.bucket_prefill == (mode == "static")
+        results[mode] = [[(t.response_ids, t.rollout_logprobs) for t in group] for group in engine.generate_batch(requests)]
+    for eager_group, static_group in zip(results["eager"], results["static"], strict=True):
+        for (eager_ids, eager_logprobs), (static_ids, static_logprobs) in zip(eager_group, static_group, strict=True):
+            assert static_ids == eager_ids
+            assert torch.allclose(torch.tensor(static_logprobs), torch.tensor(eager_logprobs), atol=1e-5, rtol=0)
+
+
+def test_default_decode_mode_buckets_shapes_only_in_reduced_precision_on_a_cpu():
+    """oneDNN keeps a kernel per matmul shape in bf16 (graphs module docstring); float32 stays exact-shape."""
+    assert make_engine(make_model(), dtype="bfloat16").decode_mode == "static"
+    assert make_engine(make_model(), dtype="bfloat16", decode_mode="eager").decode_mode == "eager"
+    assert make_engine(make_model(), dtype="float32").decode_mode == "eager"
 
 
 def test_decode_mode_is_checked():
