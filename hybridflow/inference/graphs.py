@@ -128,7 +128,11 @@ class StaticDecoder:
         The returned tensor is overwritten by the next call: consume it first.
         """
         batch = int(tokens.shape[0])
-        bucket = batch_bucket(batch, self.cache.decode_rows)
+        # A graph per bucket costs capture time and pool memory, so graphs take coarse row buckets;
+        # an eager static step (a CPU's) only needs a bounded set of shapes, and every padded row
+        # is real work there: rows round up by at most 1/8 (token_bucket).
+        limit = self.cache.decode_rows
+        bucket = batch_bucket(batch, limit) if self.capture else min(token_bucket(batch), limit)
         keys = key_bucket(key_length, self.cache.capacity)
         self._tokens[:batch, 0] = tokens
         self._positions[:batch, 0] = positions
