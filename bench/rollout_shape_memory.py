@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout_long_tail import EOS_TOKEN_ID, PAD_TOKEN_ID, EngineOracle, build_model, build_prompts, engine_run, target_lengths  # noqa: E402
+from rollout_long_tail import (  # noqa: E402
+    EOS_TOKEN_ID, PAD_TOKEN_ID, EngineOracle, build_model, build_prompts, engine_run, target_lengths)
 
 PROMPTS, SAMPLES, MEDIAN, SIGMA, CAP = 16, 8, 40, 1.0, 256
 

@@ -113,7 +113,8 @@ def test_bucketed_prefill_and_decode_generate_what_exact_shapes_do_in_float32():
         engine = make_engine(make_model(), max_batch_size=6, max_prefill_tokens=13, decode_mode=mode,
                              enable_prefix_caching=False)
         assert engine._runner.bucket_prefill == (mode == "static")
-        results[mode] = [[(t.response_ids, t.rollout_logprobs) for t in group] for group in engine.generate_batch(requests)]
+        groups = engine.generate_batch(requests)
+        results[mode] = [[(t.response_ids, t.rollout_logprobs) for t in group] for group in groups]
     for eager_group, static_group in zip(results["eager"], results["static"], strict=True):
         for (eager_ids, eager_logprobs), (static_ids, static_logprobs) in zip(eager_group, static_group, strict=True):
             assert static_ids == eager_ids
