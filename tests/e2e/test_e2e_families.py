@@ -37,8 +37,9 @@ SMALL = [
     "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
     "trainer.save_final=false", "actor.optim.lr=1e-4",
     # These runs check fp32 rollout against the fp32 trainer (1e-4): on a CPU with bf16 hardware
-    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision).
-    "rollout.dtype=float32",
+    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision), and
+    # model.dtype=auto trains bf16-mixed (hybridflow.utils.device.rule_train_dtype).
+    "rollout.dtype=float32", "model.dtype=float32",
 ]
 
 

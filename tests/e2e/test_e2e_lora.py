@@ -21,8 +21,9 @@ SMALL = [
     "data.max_response_length=4", "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.num_threads=1",
     "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
     # These runs check fp32 rollout against the fp32 trainer (1e-4): on a CPU with bf16 hardware
-    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision).
-    "rollout.dtype=float32",
+    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision), and
+    # model.dtype=auto trains bf16-mixed (hybridflow.utils.device.rule_train_dtype).
+    "rollout.dtype=float32", "model.dtype=float32",
 ]
 
 

@@ -78,7 +78,7 @@ def _run_args(tmp_path: Path) -> list[str]:
         "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "data.max_response_length=4",
         "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=0",
         "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]", "trainer.seed=3",
-        "actor.use_dynamic_bsz=false", "rollout.dtype=float32",
+        "actor.use_dynamic_bsz=false", "rollout.dtype=float32", "model.dtype=float32",
     ]
 
 

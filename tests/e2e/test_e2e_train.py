@@ -29,8 +29,9 @@ SMALL = [
     "trainer.num_threads=1",
     "trainer.progress_bar=false",
     # These runs check fp32 rollout against the fp32 trainer (1e-4): on a CPU with bf16 hardware
-    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision).
-    "rollout.dtype=float32",
+    # rollout.dtype=auto may measure its way to bf16 (hybridflow.inference.precision), and
+    # model.dtype=auto trains bf16-mixed (hybridflow.utils.device.rule_train_dtype).
+    "rollout.dtype=float32", "model.dtype=float32",
 ]
 
 

@@ -18,14 +18,14 @@ class ModelConfig:
     )
     trust_remote_code: bool = f(False, "Allow modeling code shipped with the model (runs that code).")
     dtype: str = f(
-        "float32",
+        "auto",
         "Training compute dtype: auto | float32 | bfloat16 (mixed precision: fp32 master weights, optimizer and "
         "gradient reduction; bf16 matmuls; actor.fsdp_config.model_dtype=bfloat16 drops the fp32 copy). auto, a "
         "rule of the hardware (never a timing): bfloat16 on a CUDA device and on a CPU with avx512_bf16 or "
         "amx_bf16 (a bf16-mixed update measured 1.35-1.7x fp32 there), float32 on other CPUs (bf16 emulated); "
         "decided at the run's first start, recorded in <output_dir>/token_budgets.json and read back by a "
-        "resume, so a resume on another CPU computes as the run started. float32 keeps the old behaviour "
-        "bitwise. The reference model loads in this dtype. verl's actor.fsdp_config.dtype and "
+        "resume, so a resume on another CPU computes as the run started. float32 is the behaviour before auto "
+        "became the default, bitwise. The reference model loads in this dtype. verl's actor.fsdp_config.dtype and "
         "fsdp_config.mixed_precision.param_dtype (FSDP2's param_dtype is this compute dtype; bf16/fp32 spellings "
         "accepted).",
         choices=("auto", "float32", "bfloat16"), spellings=DTYPE_SPELLINGS,

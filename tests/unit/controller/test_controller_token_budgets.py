@@ -54,7 +54,8 @@ def budgets_of(run) -> dict[str, tuple]:
 
 def test_a_later_start_in_the_folder_cuts_batches_by_the_recorded_budgets(files, tmp_path):
     out = tmp_path / "run"
-    run = build_run(config(files, out))
+    fp32 = "model.dtype=float32"  # the record then holds the budgets alone (auto records its dtype too)
+    run = build_run(config(files, out, fp32))
     try:
         first = budgets_of(run)
         kv_cache = run.roles.rollout.kv_cache_budget()
@@ -69,7 +70,7 @@ def test_a_later_start_in_the_folder_cuts_batches_by_the_recorded_budgets(files,
     # are the ones used. (Edited here to stand for that difference; nothing else sets them.)
     record["budgets"] = {key: value // 2 for key, value in record["budgets"].items()}
     (out / TOKEN_BUDGETS_FILE).write_text(json.dumps(record))
-    run = build_run(config(files, out))
+    run = build_run(config(files, out, fp32))
     try:
         again = budgets_of(run)
     finally:
