@@ -27,10 +27,12 @@ from run_records import per_step
 
 pytestmark = pytest.mark.slow
 
+# Ranks against one rank, cuts, resumes and servers are compared within 1e-4-1e-6: float32's sums.
+# model.dtype=auto would train bf16-mixed on a CPU with bf16 hardware, whose rounding differs by path.
 RUN = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "data.max_response_length=4",
        "distillation.enable=true", "distillation.reward_weight=0.5", "trainer.val_before_train=false",
        "trainer.test_freq=0", "trainer.save_freq=1", "trainer.save_final=false", "trainer.num_threads=1",
-       "trainer.progress_bar=false", "trainer.logger=[jsonl]", "actor.optim.lr=1e-2"]
+       "trainer.progress_bar=false", "trainer.logger=[jsonl]", "actor.optim.lr=1e-2", "model.dtype=float32"]
 
 
 def train(out: Path, files: list[str], steps: int) -> subprocess.CompletedProcess:
