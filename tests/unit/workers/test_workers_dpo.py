@@ -39,7 +39,8 @@ def pairs(model_dir):
 
 def worker(model_dir, *overrides: str, sft_weight: float = 0.5) -> DPOWorker:
     torch.manual_seed(0)
-    cfg = load_config(None, None, ["trainer.num_threads=1", "actor.optim.lr=1e-2", *overrides])
+    # Cut any way, the same gradient to 1e-6: float32 (auto is bf16-mixed on a CPU with bf16 hardware).
+    cfg = load_config(None, None, ["trainer.num_threads=1", "actor.optim.lr=1e-2", "model.dtype=float32", *overrides])
     sft = SFTWorker(0, 1, cfg, model_dir, torch.device("cpu"), total_steps=2, max_length=64, chat_template=None)
     tok = load_tokenizer(model_dir)
     return DPOWorker(sft, DPOLossSpec("sigmoid", 0.2, 0.0, False, sft_weight), int(tok.pad_token_id))

@@ -40,8 +40,9 @@ def pairs_for(model_dir: str):
 
 
 def trainer(model_dir: str, *overrides: str) -> RewardTrainerWorker:
+    # Compared with what the role serves and across cuts to 1e-5: float32 (auto is bf16-mixed on bf16 hardware).
     cfg = load_config(None, None, ["trainer.num_threads=1", "actor.optim.lr=1e-2", "actor.optim.weight_decay=0",
-                                   *overrides])
+                                   "model.dtype=float32", *overrides])
     pad = int(load_tokenizer(model_dir).pad_token_id)
     sft = SFTWorker(0, 1, cfg, model_dir, torch.device("cpu"), total_steps=4, max_length=64, chat_template=None,
                     load_model=partial(load_reward_model_to_train, pad_token_id=pad))
