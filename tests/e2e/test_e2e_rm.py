@@ -76,7 +76,8 @@ def test_rm_learns_the_builtin_pairs_and_its_export_scores_a_grpo_run(tmp_path):
 
     grpo = tmp_path / "grpo"
     result = cli("train", "reward_model.enable=true", f"reward_model.model.path={export}",
-                 "reward_model.combine=replace", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
+                 "reward_model.combine=replace", "model.dtype=float32",  # scores compared with a float32 forward
+                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
                  "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
                  "trainer.save_final=false", "trainer.num_threads=1", "trainer.logger=[jsonl]",
                  f"trainer.output_dir={grpo}", f"trainer.rollout_data_dir={grpo / 'rollouts'}")
