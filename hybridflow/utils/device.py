@@ -102,19 +102,26 @@ AUTO_DTYPE = "auto"
 """``model.dtype=auto``: the training compute dtype is ``rule_train_dtype``'s answer."""
 
 
-def rule_train_dtype(device_type: str, cpu: CpuFeatures | None = None) -> tuple[str, str]:
+def rule_train_dtype(
+    device_type: str, cpu: CpuFeatures | None = None, cuda_bf16: bool | None = None
+) -> tuple[str, str]:
     """``model.dtype=auto``: (the training compute dtype, why), a rule of the hardware, never a timing.
 
-    bfloat16 (mixed precision: fp32 master weights and AdamW, bf16 matmuls) on any CUDA device
-    and on a CPU with bf16 hardware (``NATIVE_BF16_FLAGS``); float32 on any other CPU, where torch
-    emulates bf16 matmuls far slower than fp32. No model-size threshold: the bf16-mixed update
+    bfloat16 (mixed precision: fp32 master weights and AdamW, bf16 matmuls) on a CUDA device with
+    bf16 tensor cores (compute capability 8.0 on: ``cuda_bf16``, read from torch when not given) and
+    on a CPU with bf16 hardware (``NATIVE_BF16_FLAGS``); float32 elsewhere, where bf16 matmuls are
+    emulated (a V100, a CPU with AVX2 only: far slower than fp32). No model-size threshold: the bf16-mixed update
     measured 1.35x faster than fp32 by CPU-seconds for the built-in 0.8M model and 1.7x for a
     20M one (bench/update_bound.py, Xeon with AMX, one thread), with mean |logprob difference|
     0.001-0.003, far inside a PPO clip. A timing would make two starts of one command train in
     two precisions on a loaded machine; the run folder records the answer so a resume keeps it
     (``controller.token_budgets``)."""
     if device_type == "cuda":
-        return "bfloat16", "a CUDA device: bf16 matmuls on its tensor cores"
+        if cuda_bf16 is None:
+            cuda_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        if cuda_bf16:
+            return "bfloat16", "a CUDA device with bf16 tensor cores"
+        return "float32", "this CUDA device has no bf16 tensor cores (compute capability below 8.0): bf16 would be emulated"
     cpu = cpu or cpu_features()
     if not cpu.native_bf16:
         return "float32", f"{cpu.model_name or 'this CPU'} has no avx512_bf16/amx_bf16: bf16 would be emulated"

@@ -21,7 +21,7 @@ class ModelConfig:
         "auto",
         "Training compute dtype: auto | float32 | bfloat16 (mixed precision: fp32 master weights, optimizer and "
         "gradient reduction; bf16 matmuls; actor.fsdp_config.model_dtype=bfloat16 drops the fp32 copy). auto, a "
-        "rule of the hardware (never a timing): bfloat16 on a CUDA device and on a CPU with avx512_bf16 or "
+        "rule of the hardware (never a timing): bfloat16 on a GPU with bf16 tensor cores and on a CPU with avx512_bf16 or "
         "amx_bf16 (a bf16-mixed update measured 1.35-1.7x fp32 there), float32 on other CPUs (bf16 emulated); "
         "decided at the run's first start, recorded in <output_dir>/token_budgets.json and read back by a "
         "resume, so a resume on another CPU computes as the run started. float32 is the behaviour before auto "

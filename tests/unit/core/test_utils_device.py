@@ -49,7 +49,7 @@ def test_this_machine_is_described_with_torchs_dispatch_level() -> None:
     assert features is cpu_features()  # read once per process
 
 
-def test_model_dtype_auto_is_bf16_on_bf16_hardware_and_any_cuda_device() -> None:
+def test_model_dtype_auto_is_bf16_on_bf16_hardware_cpu_or_gpu() -> None:
     def features(text: str) -> CpuFeatures:
         vendor, model, flags = parse_cpuinfo(text)
         return CpuFeatures(vendor=vendor, model_name=model, flags=flags, capability="AVX512")
@@ -58,6 +58,9 @@ def test_model_dtype_auto_is_bf16_on_bf16_hardware_and_any_cuda_device() -> None
     assert dtype == "bfloat16" and "avx512_bf16, amx_bf16" in why
     dtype, why = rule_train_dtype("cpu", features(MILAN))
     assert dtype == "float32" and "emulated" in why
-    assert rule_train_dtype("cuda", features(MILAN))[0] == "bfloat16"
+    assert rule_train_dtype("cuda", features(MILAN), cuda_bf16=True)[0] == "bfloat16"
+    dtype, why = rule_train_dtype("cuda", features(SAPPHIRE_RAPIDS), cuda_bf16=False)  # a V100: the GPU decides
+    assert dtype == "float32" and "compute capability" in why
     assert train_dtype("float32", "cuda") == "float32" and train_dtype("bfloat16", "cpu") == "bfloat16"
-    assert train_dtype("auto", "cuda") == "bfloat16"
+    expected = "bfloat16" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 else "float32"
+    assert train_dtype("auto", "cuda") == expected
