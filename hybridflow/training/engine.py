@@ -146,8 +146,13 @@ class TrainEngine:
         if self.autocast_dtype is not None and any(
                 p.dtype != torch.float32 for p in self.model.parameters() if p.requires_grad):
             raise ValueError("mixed_precision needs fp32 master weights; load the trained weights in float32")
+        # A CPU's reduced-precision matmuls run in oneDNN, which keeps a compiled kernel per shape:
+        # bucket the shapes there (``training.packing``'s shape buckets); float32 runs in MKL, unbucketed.
+        reduced = mixed_precision is not None or any(p.dtype in (torch.bfloat16, torch.float16)
+                                                     for p in self.model.parameters())
         self.forward_pass = ModelForward(self.model, device, autocast_dtype=self.autocast_dtype,
-                                         fused_lm_head=self.fused_lm_head, sp_group=self.sp_group)
+                                         fused_lm_head=self.fused_lm_head, sp_group=self.sp_group,
+                                         bucket_shapes=reduced and device.type == "cpu")
         self.offload_optimizer = offload_optimizer
         self.metrics_prefix = metrics_prefix
         self.optim_spec = optim

@@ -19,7 +19,15 @@ from hybridflow.algorithms.entropy import entropy_from_logits_chunked, logprobs_
 from hybridflow.models.scoring import last_token_scores, per_token_scores
 from hybridflow.models.vision import mrope_position_ids
 from hybridflow.training.lm_head import TokenStats, lm_head_token_stats
-from hybridflow.training.packing import pack_batch, pad_responses, trim_padding, unpack_responses
+from hybridflow.training.packing import (
+    PackedBatch,
+    bucketed_length,
+    pack_batch,
+    pad_pack_to_bucket,
+    pad_responses,
+    trim_padding,
+    unpack_responses,
+)
 from hybridflow.training.sequence_parallel import shard_pack
 from hybridflow.types import TrainBatch
 
@@ -30,12 +38,21 @@ Output = Literal["logprobs", "values", "scores"]
 
 class ModelForward:
     """A (possibly sharded) model's forwards, as its ``TrainEngine`` set them up: autocast on one
-    rank in mixed precision, the fused LM head where it applies, the Ulysses group if any."""
+    rank in mixed precision, the fused LM head where it applies, the Ulysses group if any.
+
+    ``bucket_shapes``: packed forwards run at ``packing.bucketed_length`` tokens and the fused
+    head at bucketed rows, so a run meets a bounded set of matmul shapes (why: ``packing``'s
+    comment on shape buckets); the padding's results are dropped, the real rows' kept."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, autocast_dtype: torch.dtype | None,
-                 fused_lm_head: bool, sp_group) -> None:
+                 fused_lm_head: bool, sp_group, bucket_shapes: bool = False) -> None:
         self.model, self.device = model, device
         self.autocast_dtype, self.fused_lm_head, self.sp_group = autocast_dtype, fused_lm_head, sp_group
+        self.bucket_shapes = bucket_shapes
+
+    def _model_pack(self, packed: PackedBatch) -> PackedBatch:
+        """What the model runs of ``packed``: the pack itself, or padded to its bucket."""
+        return pad_pack_to_bucket(packed) if self.bucket_shapes else packed
 
     def _model(self, **inputs: torch.Tensor):
         """The model's forward, under autocast when one rank computes in mixed precision."""
@@ -57,10 +74,16 @@ class ModelForward:
         with_sum_pi_squared: bool,
     ) -> TokenStats:
         """Logprobs (entropy, Σπ²) of ``labels`` predicted by hidden ``rows``.  # (M, H) -> (M,)"""
-        return lm_head_token_stats(
+        m = rows.shape[0]
+        pad = bucketed_length(m) - m if self.bucket_shapes else 0
+        if pad:  # zero rows predicting token 0: computed, then dropped; no gradient reaches them
+            rows = torch.cat([rows, rows.new_zeros((pad, rows.shape[1]))])
+            labels = torch.cat([labels, labels.new_zeros(pad)])
+        stats = lm_head_token_stats(
             rows, self.model.get_output_embeddings(), labels, temperature=temperature, with_entropy=with_entropy,
             with_sum_pi_squared=with_sum_pi_squared, compute_dtype=self.autocast_dtype or rows.dtype,
         )
+        return TokenStats(*(None if x is None else x[:m] for x in stats)) if pad else stats
 
     @staticmethod
     def _logits_stats(
@@ -136,8 +159,8 @@ class ModelForward:
         """``forward_token_stats`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
         packed = pack_batch(batch)
         # Sequence parallel: this rank runs its chunk of the pack, then the group's tokens are gathered.
-        shard = shard_pack(packed, self.sp_group) if self.sp_group is not None else None
-        part = shard or packed
+        shard = shard_pack(self._model_pack(packed), self.sp_group) if self.sp_group is not None else None
+        part = shard or self._model_pack(packed)
         if self.fused_lm_head:
             inputs = part.model_inputs()
             del inputs["logits_to_keep"]
@@ -145,7 +168,11 @@ class ModelForward:
             stats = self._head(rows, part.labels, temperature, with_entropy, with_sum_pi_squared)
         else:
             # Only response-predicting positions reach the LM head.  # (1, M, V) -> (M, V)
-            logits = self._model(**part.model_inputs()).logits[0].float()
+            inputs, m = part.model_inputs(), part.logit_positions.shape[0]
+            if self.bucket_shapes:  # the head's rows to their bucket too: position 0's logits, dropped
+                keep = inputs["logits_to_keep"]
+                inputs["logits_to_keep"] = torch.cat([keep, keep.new_zeros(bucketed_length(m) - m)])
+            logits = self._model(**inputs).logits[0, :m].float()
             if temperature != 1.0:
                 logits = logits / temperature
             stats = self._logits_stats(logits, part.labels, with_entropy, with_sum_pi_squared)
@@ -179,8 +206,8 @@ class ModelForward:
         """
         if use_remove_padding:
             packed = pack_batch(batch)
-            shard = shard_pack(packed, self.sp_group) if self.sp_group is not None else None
-            part = shard or packed
+            shard = shard_pack(self._model_pack(packed), self.sp_group) if self.sp_group is not None else None
+            part = shard or self._model_pack(packed)
             inputs = part.model_inputs()
             del inputs["logits_to_keep"]  # a token-classification forward returns every position
             values = self._model(**inputs).logits[0, part.logit_positions, 0].float()  # (M,)
@@ -206,9 +233,9 @@ class ModelForward:
             raise ValueError("a sequence classifier on rows with images is not built (a reward model reads text)")
         if use_remove_padding:
             packed = pack_batch(batch)
-            inputs = packed.model_inputs()
+            inputs = self._model_pack(packed).model_inputs()
             del inputs["logits_to_keep"]  # the classifier's head runs on every position
-            ends = packed.cu_seqlens[1:].long() - 1  # each sequence's last packed token
+            ends = packed.cu_seqlens[1:].long() - 1  # each row's last packed token (a bucket's pad comes after)
             return per_token_scores(self.model, inputs, self._model)[0, ends].float()
         batch = trim_padding(batch)
         return last_token_scores(self.model, batch.input_ids, batch.attention_mask, batch.position_ids, self._model)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.training.packing import VARLEN_ATTENTION, PackedBatch, packed_model_inputs
+from hybridflow.training.packing import VARLEN_ATTENTION, PackedBatch, append_pad_sequence, packed_model_inputs
 from hybridflow.types import TrainBatch
 
 ULYSSES_PREFIX = "hybridflow_ulysses_"
@@ -203,11 +203,7 @@ def shard_pack(packed: PackedBatch, group) -> UlyssesShard:
     pad = -total % sp
     cu, longest = packed.cu_seqlens, packed.max_seqlen
     if pad:
-        # One more sequence of pad tokens at the end: attention keeps it to itself, no logit reads it.
-        ids = torch.cat([ids, ids.new_zeros((1, pad))], dim=1)
-        positions = torch.cat([positions, torch.arange(pad, device=positions.device)[None]], dim=1)
-        cu = torch.cat([cu, cu.new_tensor([total + pad])])
-        longest = max(longest, pad)
+        ids, positions, cu, longest = append_pad_sequence(ids, positions, cu, longest, pad)
     n = (total + pad) // sp
     start, stop = rank * n, (rank + 1) * n
     # logit_positions ascend (the pack's order), so each rank's are one contiguous run of them.

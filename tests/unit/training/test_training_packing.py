@@ -376,3 +376,65 @@ def test_varlen_attention_output_and_gradients_are_bitwise_the_per_group_copies(
         results.append([out.detach(), *(x.grad for x in leaves)])
     for new, old in zip(*results, strict=True):
         assert torch.equal(new, old)
+
+# ------------------------------------------------------------------------------ shape buckets
+
+
+def test_bucketed_lengths_are_few_and_waste_at_most_an_eighth():
+    from hybridflow.training.packing import MIN_BUCKET, bucketed_length
+
+    sizes = [bucketed_length(n) for n in range(1, 8193)]
+    assert all(size >= n for n, size in enumerate(sizes, start=1))
+    assert sizes[:MIN_BUCKET] == [MIN_BUCKET] * MIN_BUCKET
+    assert max((size - n) / n for n, size in enumerate(sizes, start=1) if n > MIN_BUCKET) <= 1 / 8
+    assert len(set(sizes)) <= 60  # 8192 distinct token counts meet 57 matmul shapes
+    assert sizes == sorted(sizes) and all(bucketed_length(s) == s for s in set(sizes))  # buckets are fixed points
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("fused_lm_head", [True, False])
+def test_bucketed_packs_give_the_same_logprobs_and_gradients(model_dirs, family, fused_lm_head):
+    """Padding a pack to its bucket (a pad sequence after the real ones; zero rows for the head)
+    changes no real token's logprob, entropy or gradient (fp32, bucketing forced on: the engine
+    turns it on for reduced-precision CPU compute only), and the model does run bucketed shapes."""
+    from hybridflow.training.packing import bucketed_length
+
+    batch = random_batch(seed=6, num=10)
+    batch.advantages = torch.linspace(-1.0, 1.0, batch.batch_size)[:, None] * batch.response_mask
+    num_tokens, _ = batch_counts(batch.response_mask)
+    micro_batches = token_budget_micro_batches(batch, 96)[0]
+
+    def loss_fn(mb, logprobs, entropy):
+        return agg_loss(-mb.advantages * logprobs - 0.01 * entropy, mb.response_mask, "token-mean",
+                        global_num_tokens=num_tokens), {}
+
+    base = load(model_dirs[family])
+    results = []
+    for bucket in (False, True):
+        engine = TrainEngine(copy.deepcopy(base), OptimSpec(lr=0.0, grad_clip=0.0), torch.device("cpu"),
+                             fused_lm_head=fused_lm_head)
+        assert engine.forward_pass.bucket_shapes is False  # float32 on a CPU: MKL, no buckets
+        engine.forward_pass.bucket_shapes = bucket
+        tokens: list[int] = []
+        hook = engine.model.get_input_embeddings().register_forward_pre_hook(
+            lambda _m, args: tokens.append(args[0].shape[-1]))
+        logprobs, entropy = engine.compute_logprobs(batch, temperature=0.8, micro_batch_size=4, with_entropy=True,
+                                                    use_remove_padding=True)
+        metrics = engine.optimizer_step(micro_batches, loss_fn, temperature=1.0, with_entropy=True,
+                                        use_remove_padding=True)
+        hook.remove()
+        results.append((logprobs, entropy, metrics["actor/grad_norm"], [p.grad.clone() for p in engine.model.parameters()]))
+        assert all(n == bucketed_length(n) for n in tokens) == bucket, tokens
+    (lp0, ent0, norm0, grads0), (lp1, ent1, norm1, grads1) = results
+    mask = valid_response(batch)
+    assert (lp0[mask] - lp1[mask]).abs().max() < TOLERANCE and (ent0[mask] - ent1[mask]).abs().max() < TOLERANCE
+    assert bool((lp1[~mask] == 0).all())
+    assert norm0 > 0 and norm1 == pytest.approx(norm0, rel=1e-5)
+    for a, b in zip(grads0, grads1):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_the_engine_buckets_shapes_for_reduced_precision_on_a_cpu(model_dirs):
+    engine = TrainEngine(load(model_dirs["qwen2"]), OptimSpec(lr=1e-3), torch.device("cpu"),
+                         mixed_precision=torch.bfloat16)
+    assert engine.forward_pass.bucket_shapes is True
