@@ -52,8 +52,8 @@ response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
 - The process (CPU): a run on one machine is one process whose resident memory is the largest
   phase's peak plus ``PROCESS_RUNTIME_BYTES`` of interpreter and libraries
   (``MemoryPlan.process_peak_bytes``, checked against ``perf/rss_peak_gb/step`` of the default run
-  by ``tests/unit/config/test_config_plan.py``). Left out: glibc's free heap memory, which the update's
-  micro-batches fragment (~0.4-0.5 GB at the ~18M long-tail workload's peak; released after it).
+  by ``tests/unit/config/test_config_plan.py``). Left out: glibc's heap fragmentation across the update's
+  micro-batches (~0.4-0.5 GB at the ~18M long-tail peak; released after it).
 
 Micro-batches are planned at their worst case: every sample at ``data.max_prompt_length +
 data.max_response_length`` tokens, a micro-batch filled to its token budget.
@@ -101,13 +101,10 @@ LM_HEAD_MIN_CHUNK_ROWS, LM_HEAD_MAX_CHUNK_ROWS = 64, 8192
 def lm_head_chunk_rows(vocab_size: int) -> int:
     """Rows per chunk of the chunked LM head (``lm_head.default_chunk_rows``)."""
     return max(LM_HEAD_MIN_CHUNK_ROWS, min(LM_HEAD_MAX_CHUNK_ROWS, LM_HEAD_CHUNK_LOGIT_BYTES // (4 * max(1, vocab_size))))
-# Chunk-sized float32 tensors alive at once in the chunked head, which overwrites them in place at
-# their last use: forward z and logsumexp's shifted copy (or p, with entropy); backward p (in z's
-# place) and dz, and with an entropy gradient (actor.entropy_coeff != 0) z, p, dz and one product.
-# Each chunk's arrays are freed before the next chunk's are made.
-HEAD_FORWARD_TEMPORARIES = 2
-HEAD_BACKWARD_TEMPORARIES = 2
-HEAD_BACKWARD_ENTROPY_TEMPORARIES = 4
+# Chunk-sized float32 arrays alive at once in the chunked head (each chunk's freed before the next's;
+# overwritten in place at last use): forward z and lse's shifted copy (or p); backward p and dz, or z, p,
+# dz and a product with an entropy gradient (actor.entropy_coeff != 0).
+HEAD_FORWARD_TEMPORARIES, HEAD_BACKWARD_TEMPORARIES, HEAD_BACKWARD_ENTROPY_TEMPORARIES = 2, 2, 4
 # A layer's working set per token in a forward without backward, in compute-dtype values: the
 # residual, the normed input, q and the attention output (4h), the MLP's gate, up and their product (3i).
 FORWARD_HIDDEN_VALUES, FORWARD_MLP_VALUES = 4, 3

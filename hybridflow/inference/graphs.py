@@ -43,6 +43,7 @@ import torch
 
 from hybridflow.inference.compact import CompactCausalLM
 from hybridflow.inference.kv_cache import SlotKVCache
+from hybridflow.utils.shapes import geometric_bucket
 
 # Key positions are read in multiples of this: few enough graphs (capacity / KEY_BUCKET per batch
 # bucket), little wasted traffic (under KEY_BUCKET positions per row and step).
@@ -51,8 +52,6 @@ KEY_BUCKET = 256
 # BATCH_STEP - 1 wasted rows, and about max_batch_size / BATCH_STEP graphs per key bucket.
 SMALL_BATCH = 16
 BATCH_STEP = 16
-# Prefill widths above SMALL_BATCH round up to one of this many sizes per doubling (token_bucket).
-TOKEN_BUCKETS_PER_DOUBLING = 8
 # Eager runs of a new shape before its capture: lazy initialisation (cuBLAS workspaces, kernel
 # selection) must happen outside the graph, on a side stream (CUDA graph capture rules).
 WARMUP_RUNS = 2
@@ -68,14 +67,11 @@ def batch_bucket(batch: int, limit: int) -> int:
 
 def token_bucket(tokens: int) -> int:
     """The padded width of a prefill forward (``static`` mode on a CPU) for ``tokens`` columns: a power
-    of two up to SMALL_BATCH, above it one of TOKEN_BUCKETS_PER_DOUBLING sizes between n and 2n (at most
-    1/TOKEN_BUCKETS_PER_DOUBLING of padding), so a prompt budget of 2,048 tokens meets about 60 widths."""
+    of two up to SMALL_BATCH, above it ``utils.shapes.geometric_bucket`` (at most 1/8 of padding), so a
+    prompt budget of 2,048 tokens meets about 60 widths."""
     if tokens < 1:
         raise ValueError(f"token_bucket: tokens must be >= 1, got {tokens}")
-    if tokens <= SMALL_BATCH:
-        return 1 << (tokens - 1).bit_length()
-    step = 1 << ((tokens - 1).bit_length() - TOKEN_BUCKETS_PER_DOUBLING.bit_length())
-    return -(-tokens // step) * step
+    return 1 << (tokens - 1).bit_length() if tokens <= SMALL_BATCH else geometric_bucket(tokens)
 
 
 def key_bucket(key_length: int, capacity: int) -> int:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.types import TrainBatch
+from hybridflow.utils.shapes import geometric_bucket
 
 VARLEN_ATTENTION = "hybridflow_varlen_sdpa"
 
@@ -129,23 +130,15 @@ def pack_batch(batch: TrainBatch) -> PackedBatch:
     )
 
 
-# Shape buckets. oneDNN, which runs a CPU's bf16 matmuls, compiles and caches a kernel for every
-# matmul shape it meets, and keeps them (its primitive cache and ideep's, 1,024 entries each): a
-# packed micro-batch of a new token count is a new shape for every linear layer, forward and
-# backward, so a bf16-mixed run on a CPU grew by ~11 MB a step (0.83 -> 1.9 GB over the default
-# run's 100 steps, float32 flat at 0.9 GB) and paid the compilations. Rounding the token count up
-# to one of a few sizes bounds the shapes: BUCKETS_PER_DOUBLING sizes between n and 2n (at most
-# 1/BUCKETS_PER_DOUBLING of padding), none below MIN_BUCKET tokens.
-BUCKETS_PER_DOUBLING = 8
+# Packed micro-batches run at a bucketed token count where the compute is reduced precision on a
+# CPU (``utils.shapes``: oneDNN keeps a kernel per matmul shape; the bf16-mixed default run's memory
+# grew 0.83 -> 1.9 GB over 100 steps with exact counts, 0.88 GB flat bucketed), none below MIN_BUCKET.
 MIN_BUCKET = 64
 
 
 def bucketed_length(n: int) -> int:
-    """The smallest bucket size (module comment above) that holds ``n`` tokens or rows."""
-    if n <= MIN_BUCKET:
-        return MIN_BUCKET
-    step = max(1, 1 << ((n - 1).bit_length() - 1 - BUCKETS_PER_DOUBLING.bit_length() + 1))
-    return -(-n // step) * step
+    """The bucket (``utils.shapes.geometric_bucket``, at least ``MIN_BUCKET``) that holds ``n`` tokens or rows."""
+    return MIN_BUCKET if n <= MIN_BUCKET else geometric_bucket(n)
 
 
 def append_pad_sequence(
