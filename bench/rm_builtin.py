@@ -6,11 +6,13 @@ The run is the CLI itself in a child process with one torch thread (``OMP_NUM_TH
 and, on a first run on a machine, the warm start, teacher and pairs it builds and caches (run it twice
 for the cached figure). ``--min`` turns it into a check: exit 1 when the accuracy is below it.
 
-    python bench/rm_builtin.py                     # the default command: 0.852 at step 100, ~45 CPU-s
+    python bench/rm_builtin.py                     # the default command: 0.832 at step 100, ~32 CPU-s (bf16-mixed)
+    python bench/rm_builtin.py model.dtype=float32 # 0.852, ~45 CPU-s; the figures below are float32's
     python bench/rm_builtin.py rm.head_lr=null     # any override, e.g. the body's lr for the head too
     python bench/rm_builtin.py rm.builtin_prompts=4096 trainer.total_training_steps=300   # 0.871, ~100 CPU-s
 
-(float32, Intel Xeon with avx512_bf16/AMX, cached warm start, teacher and pairs; docs/guide.md has the rest.)
+(Intel Xeon with avx512_bf16/AMX, where model.dtype=auto is bf16-mixed; cached warm start, teacher and pairs;
+docs/guide.md has the rest.)
 """
 
 from __future__ import annotations
