@@ -159,8 +159,16 @@ class ReplicaPool:
         restarted = self.down
         for k in restarted:
             assert self._rebuild is not None, "only replicas that can be restarted go down"
+            node = self.node_of(k)
             self.group(k).close()  # what is left of the dead replica (its other ranks, its bundle share)
-            self.groups[k] = self._rebuild(k)
+            try:
+                self.groups[k] = self._rebuild(k)
+            except WorkerError as error:
+                # The new process never started (its bundle's node is gone, with no room elsewhere): the
+                # run stops on the replica that died and where, not on a new process that never had a node.
+                failed = WorkerError(f"{replica_role(k)} on {node} died and its restart failed: {error}",
+                                     process_died=error.process_died)
+                raise failed from error
             del self._down[k]
             self.router.revive(k)
             self.rejoin_weight_sync = True

@@ -5,6 +5,7 @@ elastic rollout's replicas coming and going with the same samples."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -226,6 +227,25 @@ def test_a_death_past_max_replica_restarts_stops_naming_the_replica_and_its_node
     with pytest.raises(WorkerError, match=r"^rollout replica 0 rank 0 died in RolloutWorker.serve"):
         one.generate(requests())
     assert one.pool.max_restarts == 0 and not one.router.loads[0].alive
+
+
+def test_a_restart_that_cannot_start_stops_naming_the_dead_replica_and_its_node(model_dir) -> None:
+    """The new process of a restarted replica dies at once (its node was lost, no room elsewhere, as
+    Ray cancels it before it runs): the error names the replica that died and the node it was on."""
+    two = mortal(model_dir, 2, {1: RolloutWorker.serve})
+    two.generate(requests())
+    assert two.pool.down == [1]
+    node = two.pool.node_of(1)
+
+    def unplaceable(k: int):
+        raise WorkerError(f"rollout replica {k} rank 0 died in rendezvous (its process exited): its node has died",
+                          process_died=True)
+
+    two.pool._rebuild = unplaceable
+    with pytest.raises(WorkerError, match=rf"^rollout replica 1 on {re.escape(node)} died and its restart failed: "
+                                          r"rollout replica 1 rank 0 died in rendezvous") as raised:
+        two.pool.restart_down()
+    assert raised.value.process_died
 
 
 def test_a_replica_that_raises_is_not_restarted(model_dir) -> None:
