@@ -158,9 +158,10 @@ class ModelForward:
     ) -> TokenStats:
         """``forward_token_stats`` on one padding-free row; results unpacked to (B, R), 0 on padding."""
         packed = pack_batch(batch)
+        model_pack = self._model_pack(packed)
         # Sequence parallel: this rank runs its chunk of the pack, then the group's tokens are gathered.
-        shard = shard_pack(self._model_pack(packed), self.sp_group) if self.sp_group is not None else None
-        part = shard or self._model_pack(packed)
+        shard = shard_pack(model_pack, self.sp_group) if self.sp_group is not None else None
+        part = shard or model_pack
         if self.fused_lm_head:
             inputs = part.model_inputs()
             del inputs["logits_to_keep"]
@@ -206,8 +207,9 @@ class ModelForward:
         """
         if use_remove_padding:
             packed = pack_batch(batch)
-            shard = shard_pack(self._model_pack(packed), self.sp_group) if self.sp_group is not None else None
-            part = shard or self._model_pack(packed)
+            model_pack = self._model_pack(packed)
+            shard = shard_pack(model_pack, self.sp_group) if self.sp_group is not None else None
+            part = shard or model_pack
             inputs = part.model_inputs()
             del inputs["logits_to_keep"]  # a token-classification forward returns every position
             values = self._model(**inputs).logits[0, part.logit_positions, 0].float()  # (M,)
