@@ -4,7 +4,7 @@ The same work on both sides: a ~18M-parameter Qwen2-shaped model (vocab 4096, hi
 6 layers, GQA 8/2) written once as a local Hugging Face directory with a locally built
 tokenizer; ``--prompts`` chat prompts x ``--n`` samples per step at temperature 1, responses of
 long-tailed lengths (lognormal, median ``--median-tokens``, sigma ``--sigma``, capped at
-``--max-tokens``), fp32 on the CPU, torch threads fixed to ``--threads``, AdamW at the same lr
+``--max-tokens``), torch threads fixed to ``--threads``, AdamW at the same lr
 (constant schedule, no weight decay, gradient clip 1.0), one optimizer step per generated
 batch (so neither side computes old logprobs), the same reward function, and with
 ``--kl on`` a frozen reference with the k3 KL loss at coefficient 0.04 (TRL's ``beta``).
@@ -30,8 +30,10 @@ and the table shows the median over rounds. Columns:
 
 TRL runs twice: on the micro-batches of hybridflow's padded fixed path (64 samples, no gradient
 checkpointing, as hybridflow's ``model.enable_gradient_checkpointing=false``): the baseline of the
-ratios; and with its own defaults (8 samples, gradient checkpointing on), for reference. bf16 is
-off on both sides.
+ratios; with its own defaults (8 samples, gradient checkpointing on), for reference; and
+``trl_bf16``, the first with TRL's ``bf16=True``. TRL computes in fp32 unless told; hybridflow in its
+default ``model.dtype=auto`` (bf16-mixed on a CPU with avx512_bf16/AMX, fp32 elsewhere; the header says
+which), so on a bf16 CPU ``trl_bf16`` is the like-for-like baseline and ``trl`` what TRL does by default.
 
     python bench/grpo_step_vs_trl.py                 # the full table, KL off and on (long: ~1 h on 2 cores)
     python bench/grpo_step_vs_trl.py --quick         # smoke run (~1 min)
@@ -60,6 +62,9 @@ CONFIGS: dict[str, list[str] | dict] = {
     "trl": {"per_device_train_batch_size": 64, "gradient_checkpointing": False},
     # TRL's own defaults: 8 samples per micro-batch, gradient checkpointing on.
     "trl_defaults": {"per_device_train_batch_size": 8, "gradient_checkpointing": True},
+    # TRL in bf16-mixed (its ``bf16=True``: fp32 weights, autocast), what hybridflow's model.dtype=auto
+    # picks on a CPU with avx512_bf16/AMX: the like-for-like baseline there.
+    "trl_bf16": {"per_device_train_batch_size": 64, "gradient_checkpointing": False, "bf16": True},
     "defaults": [],
     "padded": ["actor.use_remove_padding=false"],
     "packed_fixed": ["actor.use_dynamic_bsz=false"],
@@ -72,6 +77,7 @@ CONFIGS: dict[str, list[str] | dict] = {
 LABELS = {
     "trl": "TRL GRPOTrainer (micro-batch 64, no checkpointing)",
     "trl_defaults": "TRL GRPOTrainer (its defaults: 8, checkpointing)",
+    "trl_bf16": "TRL GRPOTrainer (micro-batch 64, bf16=True)",
     "defaults": "hybridflow, defaults",
     "padded": "hybridflow, use_remove_padding=false",
     "packed_fixed": "hybridflow, use_dynamic_bsz=false",
@@ -258,8 +264,10 @@ def run_hybridflow(spec: dict) -> dict:
         steps = []
         for _ in range(spec["warmup"] + spec["steps"]):
             trainer.step += 1
+            cpu = time.process_time()
             metrics = trainer.loop.train_step(trainer.step)
             steps.append({"step": metrics["timing_s/step"], "gen": metrics["timing_s/gen"],
+                          "cpu": time.process_time() - cpu,
                           "rss_gb": {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(RSS_PEAK)},
                           "timing": {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith("timing_s/")}})
         # (getattr: the bench also runs against older source trees, PYTHONPATH=<tree>, for before/after figures)
@@ -268,6 +276,14 @@ def run_hybridflow(spec: dict) -> dict:
     finally:
         run.close()
     return {"steps": steps[spec["warmup"]:], "notes": notes}
+
+
+def auto_dtype() -> str:
+    """What hybridflow's default ``model.dtype=auto`` trains in on this machine (and why)."""
+    from hybridflow.utils.device import rule_train_dtype
+
+    dtype, why = rule_train_dtype("cpu")
+    return f"{dtype}: {why}"
 
 
 def hybridflow_config(spec: dict):
@@ -367,7 +383,7 @@ def run_trl(spec: dict) -> dict:
         gradient_checkpointing=trl["gradient_checkpointing"],
         gradient_accumulation_steps=per_step // micro, num_generations=spec["n"],
         max_completion_length=spec["max_tokens"], learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
-        max_grad_norm=1.0, bf16=False, use_cpu=True, beta=KL_COEF if spec["kl"] else 0.0, temperature=1.0,
+        max_grad_norm=1.0, bf16=trl.get("bf16", False), use_cpu=True, beta=KL_COEF if spec["kl"] else 0.0, temperature=1.0,
         top_p=1.0, top_k=0, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, save_strategy="no",
         report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True, shuffle_dataset=False,
         model_init_kwargs={"dtype": torch.float32},
@@ -452,7 +468,8 @@ def main() -> None:
     print(f"workload: {'quick: ~0.5M' if args.quick else '~18M'} Qwen2-shaped model (vocab {VOCAB_SIZE}), "
           f"{args.prompts} prompts x n={args.n}, lognormal response lengths (median {args.median_tokens:g}, "
           f"sigma {args.sigma:g}, cap {args.max_tokens}: mean {statistics.mean(flat):.1f}, max {flat[-1]}, "
-          f"{sum(flat)} tokens), fp32, {args.threads} thread(s), AdamW lr {LR:g}, one optimizer step per batch")
+          f"{sum(flat)} tokens), {args.threads} thread(s), AdamW lr {LR:g}, one optimizer step per batch; TRL in "
+          f"fp32 (trl_bf16: bf16=True), hybridflow in its default model.dtype=auto ({auto_dtype()})")
     print(f"cpu: {cpu}, {os.cpu_count()} cores; {args.warmup} warm-up + {args.steps} timed step(s) per run, "
           f"median over {args.repeats} alternating round(s)")
 
@@ -469,8 +486,9 @@ def main() -> None:
             results[(config, kl)].append(result)
             step = statistics.median(s["step"] for s in result["steps"])
             gen = statistics.median(s["gen"] for s in result["steps"])
+            cpu = statistics.median(s["cpu"] for s in result["steps"])
             print(f"  round {round_ + 1}: {config:13s} kl={'on ' if kl else 'off'} {step:7.2f} s/step  "
-                  f"(generation {gen:.2f})  peak RSS {result['peak_rss_gb']:.2f} GB", flush=True)
+                  f"{cpu:7.2f} CPU-s/step  (generation {gen:.2f})  peak RSS {result['peak_rss_gb']:.2f} GB", flush=True)
 
     tokenizer = build_tokenizer()
     prompt_tokens = [len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}],
@@ -479,8 +497,10 @@ def main() -> None:
     tokens = sum(flat) + args.n * sum(prompt_tokens)  # prompt + response tokens of one step
     for kl in sorted({kl for _, kl in plans}):
         print(f"\nKL reference: {'on (k3, coef 0.04)' if kl else 'off'}")
-        print(f"| {'':44s} | s/step | generation | update | tokens/s | peak RSS | vs TRL s/step | vs TRL RSS |")
-        print(f"|{'-' * 46}|-------:|-----------:|-------:|---------:|---------:|--------------:|-----------:|")
+        print(f"| {'':44s} | s/step | CPU-s/step | generation | update | tokens/s | peak RSS | vs TRL s/step "
+              f"| vs TRL CPU-s | vs TRL RSS |")
+        print(f"|{'-' * 46}|-------:|-----------:|-----------:|-------:|---------:|---------:|--------------:"
+              f"|-------------:|-----------:|")
         rows = {}
         for config, plan_kl in plans:
             if plan_kl != kl:
@@ -488,16 +508,20 @@ def main() -> None:
             runs = results[(config, kl)]
             step = statistics.median(statistics.median(s["step"] for s in r["steps"]) for r in runs)
             gen = statistics.median(statistics.median(s["gen"] for s in r["steps"]) for r in runs)
+            cpu = statistics.median(statistics.median(s["cpu"] for s in r["steps"]) for r in runs)
             rss = statistics.median(r["peak_rss_gb"] for r in runs)
-            rows[config] = (step, gen, rss)
+            rows[config] = (step, cpu, gen, rss)
         trl = rows.get("trl")
-        for config, (step, gen, rss) in rows.items():
+        for config, (step, cpu, gen, rss) in rows.items():
             ratio = f"{trl[0] / step:12.2f}x" if trl else " " * 13
-            rss_ratio = f"{rss / trl[2]:9.2f}x" if trl else " " * 10
-            print(f"| {LABELS[config]:44s} | {step:6.2f} | {gen:10.2f} | {step - gen:6.2f} | {tokens / step:8.0f} | "
-                  f"{rss:5.2f} GB | {ratio} | {rss_ratio} |")
+            cpu_ratio = f"{trl[1] / cpu:11.2f}x" if trl else " " * 12
+            rss_ratio = f"{rss / trl[3]:9.2f}x" if trl else " " * 10
+            print(f"| {LABELS[config]:44s} | {step:6.2f} | {cpu:10.2f} | {gen:10.2f} | {step - gen:6.2f} | "
+                  f"{tokens / step:8.0f} | {rss:5.2f} GB | {ratio} | {cpu_ratio} | {rss_ratio} |")
         if trl:
-            print("ratios: TRL s/step / config s/step (>1: faster than TRL); config RSS / TRL RSS (<1: smaller)")
+            print("ratios: TRL's / the config's s/step and CPU-s/step (>1: faster than TRL); config RSS / TRL RSS "
+                  "(<1: smaller). CPU-s: the worker process's own (every thread), which another process's load "
+                  "moves less than wall time")
     print()
     for config in args.configs:
         runs = results.get((config, False)) or results.get((config, True))
