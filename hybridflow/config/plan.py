@@ -120,7 +120,7 @@ KV_CAPACITY_ALIGN = 64
 # hybridflow.inference.prefix_cache.DEFAULT_BLOCK_SIZE: the prefix cache keeps whole blocks of positions.
 PREFIX_BLOCK_TOKENS = 16
 # hybridflow.inference.compact.ONEDNN_FASTER_VENDORS: on these CPUs the native engine keeps a second,
-# oneDNN-packed copy of its fp32 matmul weights.
+# oneDNN-packed copy of its fp32 matmul weights, and of its bf16 ones where the CPU has avx512_bf16.
 ONEDNN_PACKED_VENDORS = ("AuthenticAMD",)
 # Decode: float32 logits of every row, their softmax and the sampling temporary.
 DECODE_LOGITS_TEMPORARIES = 3
@@ -281,6 +281,12 @@ def prefix_cache_tokens(prompt: int, response: int, n: int, prompts: int) -> int
     shared = prompt // block
     per_sample = max(0, (prompt + response - 1) // block - shared)
     return prompts * (shared + n * per_sample) * block
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    from hybridflow.utils.device import cpu_features  # torch: not before a config error (fast errors)
+
+    return cpu_features().avx512_bf16
 
 
 def cpu_vendor() -> str:
@@ -477,8 +483,10 @@ def plan_memory(
     rollout_dtype = 4 if r.dtype == "float32" or (r.dtype == "auto" and layout.device_type == "cpu") else 2
     embed_head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
     rollout_w = ((n - embed_head) // layout.tp + embed_head) * rollout_dtype if r.name != "sglang" else 0
-    if layout.device_type == "cpu" and rollout_dtype == 4 and r.name == "native" and cpu_vendor() in ONEDNN_PACKED_VENDORS:
-        rollout_w += (n - embed_head + shape.vocab_size * shape.hidden_size) * 4  # the layers' matmuls and the head
+    packs_dtype = rollout_dtype == 4 or (r.dtype == "bfloat16" and _cpu_has_avx512_bf16())
+    if layout.device_type == "cpu" and packs_dtype and r.name == "native" and cpu_vendor() in ONEDNN_PACKED_VENDORS:
+        # the layers' matmuls and the head
+        rollout_w += (n - embed_head + shape.vocab_size * shape.hidden_size) * rollout_dtype
         notes.append("rollout weights: x2 for the oneDNN-packed copy the native engine keeps on this CPU")
 
     # KV cache: the engine sizes its budget when it starts, after the actor's parameters and its weights.

@@ -342,3 +342,24 @@ def test_the_planner_predicts_the_default_runs_process_peak_within_15_percent(tm
     measured = result["phases"]["step"]
     assert result["process_peak_gb"] >= measured
     assert 0.85 <= result["predicted_gb"] / measured <= 1.15, result
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_rollout_weights_count_the_packed_copy_where_the_engine_keeps_one(monkeypatch, dtype):
+    from hybridflow.config import plan as planner
+
+    shape, size = BUILTIN_TINY_SHAPE, {"float32": 4, "bfloat16": 2}[dtype]
+    cfg = load_config(overrides=["trainer.device=cpu", f"rollout.dtype={dtype}"])
+    embed_head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    packed = (shape.num_parameters - embed_head + shape.vocab_size * shape.hidden_size) * size
+
+    def rollout_params(vendor: str, avx512_bf16: bool) -> int:
+        monkeypatch.setattr(planner, "cpu_vendor", lambda: vendor)
+        monkeypatch.setattr(planner, "_cpu_has_avx512_bf16", lambda: avx512_bf16)
+        return phase(plan_memory(cfg, shape), "rollout", "generation").params
+
+    plain = rollout_params("GenuineIntel", True)
+    assert plain == shape.num_parameters * size
+    assert rollout_params("AuthenticAMD", True) == plain + packed
+    # bf16 packs only with avx512_bf16 (compact.resolve_weight_layout); fp32 packs on any AMD CPU.
+    assert rollout_params("AuthenticAMD", False) == plain + (packed if dtype == "float32" else 0)

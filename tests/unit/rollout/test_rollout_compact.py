@@ -203,14 +203,38 @@ def test_auto_weight_layout_packs_only_where_it_was_measured_faster():
     intel = CpuFeatures(vendor="GenuineIntel", model_name="Xeon", flags=frozenset({"avx512f"}), capability="AVX512")
     assert resolve_weight_layout("auto", "cpu", torch.float32, amd) == ("onednn" if ONEDNN else "dense")
     assert resolve_weight_layout("auto", "cpu", torch.float32, intel) == "dense"
-    assert resolve_weight_layout("auto", "cpu", torch.bfloat16, amd) == "dense"
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16, amd) == "dense"  # no bf16 hardware: unmeasured
+    zen4 = CpuFeatures(vendor="AuthenticAMD", model_name="AMD EPYC", flags=frozenset({"avx512f", "avx512_bf16"}),
+                       capability="AVX512")
+    intel_amx = CpuFeatures(vendor="GenuineIntel", model_name="Xeon", flags=frozenset({"avx512_bf16", "amx_bf16"}),
+                            capability="AVX512")
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16, zen4) == ("onednn" if ONEDNN_BF16 else "dense")
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16, intel_amx) == "dense"
+    assert resolve_weight_layout("auto", "cpu", torch.float16, zen4) == "dense"
     assert resolve_weight_layout("auto", "cuda", torch.float32, amd) == "dense"
     assert resolve_weight_layout("dense", "cpu", torch.float32, amd) == "dense"  # explicit choices are kept
     with pytest.raises(ValueError, match="unknown weight layout 'packed'"):
         resolve_weight_layout("packed", "cpu", torch.float32, amd)
-    compact = CompactCausalLM.from_hf(random_model("tiny").to(torch.bfloat16), max_positions=128)
-    with pytest.raises(ValueError, match="'onednn' needs float32 weights on a CPU"):
+    compact = CompactCausalLM.from_hf(random_model("tiny").to(torch.float16), max_positions=128)
+    with pytest.raises(ValueError, match="'onednn' needs float32 or bfloat16 weights on a CPU"):
         compact.set_weight_layout("onednn")
+
+
+ONEDNN_BF16 = onednn_packing_available(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="torch without oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_onednn_packed_bf16_weights_give_the_dense_layouts_logits_to_the_bit(family):
+    # Same kernels as the dense bf16 F.linear, and the residual adds fused as addmm_ fuses them
+    # (one rounding): the packed layout changes how fast, never what (compact's docstring).
+    hf = random_model(family).to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
+    dense = compact_logits(CompactCausalLM.from_hf(hf, max_positions=128), ids, prefill=10)
+    compact = CompactCausalLM.from_hf(hf, max_positions=128)
+    compact.set_weight_layout("onednn", batch_hint=3)
+    assert compact.weight_layout == "onednn"
+    assert torch.equal(compact_logits(compact, ids, prefill=10), dense)
 
 
 def test_weights_are_shared_with_the_hf_model_not_copied():

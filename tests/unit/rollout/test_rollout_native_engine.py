@@ -315,6 +315,21 @@ def test_after_bucketed_updates_the_fused_engine_matches_one_loaded_with_the_new
     assert outputs(engine) == outputs(make_engine(mixed, weight_layout=layout))
 
 
+@pytest.mark.skipif(not onednn_packing_available(torch.device("cpu"), torch.bfloat16),
+                    reason="torch without oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("decode_mode", ["static", "eager"])
+def test_a_bf16_engine_on_packed_weights_samples_the_dense_engines_tokens_and_logprobs(decode_mode):
+    # The packed layout is auto's choice for bf16 on some CPUs because it is the same arithmetic, faster.
+    dense = make_engine(dtype="bfloat16", weight_layout="dense", decode_mode=decode_mode)
+    packed = make_engine(dtype="bfloat16", weight_layout="onednn", decode_mode=decode_mode)
+    assert packed._runner.compact.weight_layout == "onednn"
+    assert outputs(packed) == outputs(dense)
+    donor = make_model(seed=1)
+    for engine in (dense, packed):  # the packed copy follows an update (repack)
+        engine.update_weights(donor.state_dict().items())
+    assert outputs(packed) == outputs(dense)
+
+
 def test_a_weight_update_in_parts_is_seen_whole_by_requests_served_meanwhile():
     donor = make_model(seed=1)
     engine = make_engine()
