@@ -485,8 +485,10 @@ def plan_memory(
     rollout_w = ((n - embed_head) // layout.tp + embed_head) * rollout_dtype if r.name != "sglang" else 0
     packs_dtype = rollout_dtype == 4 or (r.dtype == "bfloat16" and _cpu_has_avx512_bf16())
     if layout.device_type == "cpu" and packs_dtype and r.name == "native" and cpu_vendor() in ONEDNN_PACKED_VENDORS:
-        # the layers' matmuls and the head
-        rollout_w += (n - embed_head + shape.vocab_size * shape.hidden_size) * rollout_dtype
+        # The layers' matmul weights (q/k/v, o, gate/up, down) and the head: not the norms or biases.
+        h, inner = shape.hidden_size, shape.intermediate_size
+        per_layer = h * (shape.q_size + 2 * shape.kv_size) + shape.q_size * h + 3 * inner * h
+        rollout_w += (shape.num_hidden_layers * per_layer + shape.vocab_size * h) * rollout_dtype
         notes.append("rollout weights: x2 for the oneDNN-packed copy the native engine keeps on this CPU")
 
     # KV cache: the engine sizes its budget when it starts, after the actor's parameters and its weights.

@@ -350,8 +350,13 @@ def test_the_rollout_weights_count_the_packed_copy_where_the_engine_keeps_one(mo
 
     shape, size = BUILTIN_TINY_SHAPE, {"float32": 4, "bfloat16": 2}[dtype]
     cfg = load_config(overrides=["trainer.device=cpu", f"rollout.dtype={dtype}"])
-    embed_head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    packed = (shape.num_parameters - embed_head + shape.vocab_size * shape.hidden_size) * size
+    # By hand, the built-in model (h 128, I 384, 4 heads and 2 KV heads of 32, V 272, 4 layers): q/k/v
+    # 128 x 256, gate/up 768 x 128, o 128 x 128, down 128 x 384 a layer, and the head 272 x 128 (not
+    # the norms or the q/k/v biases).
+    assert (shape.hidden_size, shape.intermediate_size, shape.q_size, shape.kv_size, shape.vocab_size,
+            shape.num_hidden_layers) == (128, 384, 128, 64, 272, 4)
+    per_layer = 128 * 256 + 768 * 128 + 128 * 128 + 128 * 384
+    packed = (4 * per_layer + 272 * 128) * size
 
     def rollout_params(vendor: str, avx512_bf16: bool) -> int:
         monkeypatch.setattr(planner, "cpu_vendor", lambda: vendor)
@@ -363,3 +368,14 @@ def test_the_rollout_weights_count_the_packed_copy_where_the_engine_keeps_one(mo
     assert rollout_params("AuthenticAMD", True) == plain + packed
     # bf16 packs only with avx512_bf16 (compact.resolve_weight_layout); fp32 packs on any AMD CPU.
     assert rollout_params("AuthenticAMD", False) == plain + (packed if dtype == "float32" else 0)
+
+    # The planned copy is the one the engine's forward keeps (where this torch can pack).
+    import torch
+
+    from hybridflow.inference.compact import CompactCausalLM, onednn_packing_available
+    from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+
+    if onednn_packing_available(torch.device("cpu"), getattr(torch, dtype)):
+        compact = CompactCausalLM.from_hf(build_tiny_model(TinyModelSpec(), seed=0).to(getattr(torch, dtype)), 128)
+        compact.set_weight_layout("onednn")
+        assert sum(t.numel() * t.element_size() for t in compact.packed_tensors()) == packed
