@@ -22,6 +22,7 @@ the largest batch.
     python bench/decode_batch_scaling.py --threads 1
     python bench/decode_batch_scaling.py --threads 1 --dtype auto --weight-layouts dense onednn
     python bench/decode_batch_scaling.py --threads 1 --profile 8   # cProfile of one batch-8 run
+    python bench/decode_batch_scaling.py --threads 1 --dtype auto --phases 8   # CPU-ms per step by phase
 """
 
 from __future__ import annotations
@@ -90,6 +91,68 @@ def matmul_seconds(run: Callable[[], None]) -> float:
     return statistics.median(seconds)
 
 
+# What --phases times: (owner, attribute, label). Nested phases are indented under the one that calls them.
+PHASES = (
+    ("scheduler.Scheduler", "plan", "plan the step (Python)"),
+    ("runner.ModelRunner", "execute", "run the step (moves, prefill, decode)"),
+    ("runner.ModelRunner", "_decode", "  decode (forward + sampling)"),
+    ("compact.CompactCausalLM", "forward", "  forwards (the prefill's too)"),
+    ("compact.CompactCausalLM", "_linear", "    matmuls: q/k/v, gate/up, head"),
+    ("compact.CompactCausalLM", "_add_linear_", "    matmuls: o, down (+ residual)"),
+    ("compact.CompactCausalLM", "_attend", "    attention (q.K, softmax, p.V)"),
+    ("compact.CompactCausalLM", "_rms_norm", "    RMS norms"),
+    ("compact", "_rotate", "    rotary"),
+    ("compact.CompactCausalLM", "_activate_", "    MLP activation"),
+    ("runner", "sample_tokens", "  sampling (full vocabulary)"),
+    ("runner.RowState", "sampling", "  per-row sampling tensors"),
+    ("runner.RowState", "advance", "  per-row state update"),
+    ("native.NativeEngine", "_apply", "record tokens, finish rows (Python)"),
+)
+
+
+def phase_run(run, steps_of: Callable[[], int]) -> None:
+    """CPU-milliseconds per decode step in each phase of ``PHASES`` over one run (steps inline, as in
+    ``profile_run``; ``time.thread_time``, so other processes' load does not count)."""
+    import importlib
+    from collections import defaultdict
+    from unittest import mock
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed_call(function, label):
+        def call(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[label] += time.thread_time() - start
+        return call
+
+    async def inline(function, *args):
+        return function(*args)
+
+    patches = [mock.patch("asyncio.to_thread", inline)]
+    for owner, attribute, label in PHASES:
+        module, _, cls = owner.partition(".")
+        target = importlib.import_module(f"hybridflow.inference.{module}")
+        target = getattr(target, cls) if cls else target
+        patches.append(mock.patch.object(target, attribute, timed_call(getattr(target, attribute), label)))
+    for patch in patches:
+        patch.start()
+    try:
+        steps = steps_of()
+        start = time.thread_time()
+        run()
+        total = time.thread_time() - start
+        steps = steps_of() - steps
+    finally:
+        for patch in reversed(patches):
+            patch.stop()
+    print(f"{steps} steps, {total / steps * 1e3:.2f} CPU-ms a step (load average {os.getloadavg()[0]:.1f})")
+    for _, _, label in PHASES:
+        print(f"  {label:38s} {spent[label] / steps * 1e3:7.3f} ms  {spent[label] / total:6.1%}")
+
+
 def profile_run(run) -> None:
     """cProfile of one run with the engine's steps inline on the profiled thread.
 
@@ -124,6 +187,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=int, nargs=2, default=[8, 128], metavar=("SMALL", "LARGE"))
     parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
                         help="cProfile one run at BATCH (first layout) instead of measuring")
+    parser.add_argument("--phases", type=int, default=0, metavar="BATCH",
+                        help="CPU time per step by phase of one run at BATCH (each layout) instead of measuring")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -136,6 +201,13 @@ def main() -> None:
         engine_run(engine, prompts, WARM_UP_TOKENS)  # KV cache sizing, first-call allocations
     if args.profile:
         profile_run(lambda: engine_run(engines[layouts[0]], prompts[: args.profile], args.max_tokens))
+        return
+    if args.phases:
+        for layout, engine in engines.items():
+            print(f"{args.model} {choice.dtype}, {layout} weights, decode_mode {engine.decode_mode}, batch {args.phases}:")
+            engine_run(engine, prompts[: args.phases], args.max_tokens)  # this batch's first-call costs
+            phase_run(lambda: engine_run(engine, prompts[: args.phases], args.max_tokens),
+                      lambda: engine.stats.steps)
         return
     matmuls = {(w, b): matmul_step(engines[w]._runner.compact, b) for w in layouts for b in args.batches}
     per_cpu = {(w, b): [] for w in layouts for b in args.batches}
