@@ -14,7 +14,8 @@ from test_rollout_native_engine import PROMPTS, make_engine, make_model, request
 
 torch.set_num_threads(1)
 
-LAYOUTS = ["dense"] + (["onednn"] if onednn_packing_available(torch.device("cpu"), torch.float32) else [])
+LAYOUTS = [(dtype, layout) for dtype in ("float32", "bfloat16") for layout in ("dense", "onednn")
+           if layout == "dense" or onednn_packing_available(torch.device("cpu"), getattr(torch, dtype))]
 
 
 def outputs(engine: NativeEngine) -> list[list[tuple[list[int], list[float]]]]:
@@ -33,10 +34,10 @@ def test_level_one_keeps_the_weights():
     outputs(engine)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_level_two_frees_the_weights_and_a_full_update_restores_them(layout):
+@pytest.mark.parametrize(("dtype", "layout"), LAYOUTS)
+def test_level_two_frees_the_weights_and_a_full_update_restores_them(dtype, layout):
     donor = make_model(seed=1)
-    engine = make_engine(make_model(), weight_layout=layout)
+    engine = make_engine(make_model(), weight_layout=layout, dtype=dtype)
     held = engine.weight_bytes
     outputs(engine)
     engine.sleep(level=2)
@@ -47,7 +48,7 @@ def test_level_two_frees_the_weights_and_a_full_update_restores_them(layout):
         engine.generate_batch([request(PROMPTS[0], max_tokens=2)])
     engine.update_weights(donor.state_dict().items(), max_bucket_bytes=4096)
     assert engine.weight_bytes == held
-    assert outputs(engine) == outputs(make_engine(make_model(seed=1), weight_layout=layout))
+    assert outputs(engine) == outputs(make_engine(make_model(seed=1), weight_layout=layout, dtype=dtype))
 
 
 def test_level_two_then_update_then_wake_up_in_that_order():
