@@ -37,10 +37,11 @@ no gain), for one more copy of the matmul weights in memory. The packed copy is 
 ``weight_update`` ends). ``resolve_weight_layout("auto", ...)`` picks it only where it was
 measured faster.
 
-bf16 weights pack too. There the dense ``F.linear`` already runs in oneDNN, but it reorders every
-weight on every call; the packed copy skips that: a decode step's matmuls at batch 8 of a ~20M
-Qwen2-shaped model take 3.5 ms instead of 6.1 ms (1.75x), and 25.6 instead of 29.1 ms at batch 128,
-on an AMD EPYC Zen 4 (avx512_bf16, 1 thread; bench/decode_batch_scaling.py). The kernels are the
+bf16 weights pack too. There the dense ``F.linear`` already runs in oneDNN, on the weights' plain
+layout; the packed copy is laid out the way its kernels read it: a decode step's matmuls at batch 8 of a ~20M
+Qwen2-shaped model take 4.8 CPU-ms instead of 6.9 (1.45x), and 27.1 instead of 29.3 at batch 128, and
+the engine decodes batch 8 1.26x faster, on an AMD EPYC Zen 4 (avx512_bf16, 1 thread, 2 cores shared
+at load ~4.5; bench/decode_batch_scaling.py, docs/figures.md). The kernels are the
 same, so the results are the dense layout's to the bit: the bias rides in the kernel as in
 ``F.linear``, and the residual add of the o and down projections rides on it as a sum post-op (one
 rounding to bf16, like the dense path's ``addmm_``), where adding a rounded product would round twice.
@@ -91,7 +92,8 @@ WEIGHT_LAYOUTS = ("auto", "dense", "onednn")
 # CPU vendors where the oneDNN layout was measured faster than dense matmuls (module docstring): fp32
 # on an AVX2 EPYC; bf16 on a Zen 4 EPYC with avx512_bf16 (packing bf16 elsewhere is unmeasured).
 ONEDNN_FASTER_VENDORS = ("AuthenticAMD",)
-# The weight dtypes oneDNN's linear packing takes (float16 has no packed CPU kernel in torch).
+# The weight dtypes the oneDNN layout takes: float16 packing needs avx_ne_convert or avx512_fp16 (torch's
+# error on this Zen 4) and was never measured.
 ONEDNN_PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
