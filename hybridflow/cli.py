@@ -496,7 +496,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.config_file, args.overrides, config_path=args.config_path,
                       config_name=args.config_name)
     if args.command == "plan":
-        from hybridflow.config.plan import memory_plan_lines
+        from hybridflow.config.plan_report import memory_plan_lines
         from hybridflow.controller.preflight import config_needs_critic
 
         validate_config(cfg)

@@ -21,7 +21,7 @@ from hybridflow.config.budget import (
     training_bytes_per_token,
 )
 from hybridflow.config.layout import batch_plan, data_parallel_size, dp_source, rollout_replicas
-from hybridflow.config.plan import memory_plan_lines
+from hybridflow.config.plan_report import memory_plan_lines
 from hybridflow.config.schema import Config
 from hybridflow.config.yaml_io import config_to_yaml
 from hybridflow.config.validate import validate_config
