@@ -14,7 +14,7 @@ continues did even where a new measurement (``tune``) would read otherwise, or w
 changed since. The record's ``reuse`` is the override that makes another run sample the same way.
 
 The record also holds the native engine's weight layout (``inference.compact.resolve_weight_layout``,
-a rule of the CPU's vendor and the dtype; the layouts round differently): a resume on hardware
+a rule of the CPU's vendor and the dtype; in fp32 the layouts round differently): a resume on hardware
 where the rule gives another layout says that its rollouts will not be bitwise the ones the
 uninterrupted run would have drawn.
 """
@@ -34,7 +34,7 @@ from hybridflow.config.budget import read_model_shape
 from hybridflow.models.loading import load_causal_lm
 from hybridflow.rollout.base import ROLLOUT_DTYPE_RULES, choose_rollout_dtype
 from hybridflow.rollout.factory import ROLLOUT_ENGINES
-from hybridflow.inference.compact import resolve_weight_layout
+from hybridflow.inference.compact import layouts_round_alike, resolve_weight_layout
 from hybridflow.inference.precision import DtypeChoice
 from hybridflow.utils.device import cpu_features, parse_dtype
 
@@ -94,6 +94,8 @@ def _no_layout(device: torch.device, dtype: str) -> dict[str, str]:
 
 def _check_layout(recorded: dict[str, Any], now: dict[str, str], record: Path) -> None:
     started = recorded.get("weight_layout")
+    if layouts_round_alike(parse_dtype(recorded["dtype"])):
+        return  # another layout, the same numbers: nothing to warn of
     if started is not None and now and now["weight_layout"] != started:
         log.warning("%s: the run started with the native engine's %s weight layout; this machine's is %s, which "
                     "rounds differently: the resumed run's rollouts will not be bitwise the uninterrupted run's",

@@ -130,6 +130,14 @@ def resolve_weight_layout(
     return "onednn" if cpu.vendor in ONEDNN_FASTER_VENDORS else "dense"
 
 
+def layouts_round_alike(dtype: torch.dtype) -> bool:
+    """Whether ``dense`` and ``onednn`` give the same numbers to the bit in ``dtype``: in bf16 both
+    run oneDNN's kernels (the residual adds fused, rounding once as ``addmm_`` does;
+    tests/unit/rollout/test_rollout_compact.py checks it); in fp32 the dense layout is MKL's, which sums
+    in another order."""
+    return dtype == torch.bfloat16
+
+
 @dataclass(frozen=True)
 class _PackedLayer:
     """One layer's matmul weights in oneDNN's blocked layout (copies of the fused tensors)."""

@@ -110,6 +110,14 @@ def test_a_resume_on_hardware_with_another_weight_layout_says_so(model_dir, tmp_
     assert "no-such-layout weight layout" in caplog.text and "will not be bitwise" in caplog.text
 
 
+def test_a_resume_in_bf16_on_another_weight_layout_does_not_warn_as_the_layouts_agree_to_the_bit(
+        model_dir, tmp_path, caplog):
+    (tmp_path / ROLLOUT_DTYPE_FILE).write_text(json.dumps({"dtype": "bfloat16", "weight_layout": "no-such-layout"}))
+    with caplog.at_level("WARNING"):
+        assert resolve_run_rollout_dtype(config(), CPU, model_dir, tmp_path) == "bfloat16"
+    assert "will not be bitwise" not in caplog.text
+
+
 @pytest.mark.parametrize("text", ["{not json", '{"dtype": "float16"}', '{"other": 1}'])
 def test_a_damaged_record_is_an_error_naming_the_file_and_the_fix(model_dir, tmp_path, text):
     (tmp_path / ROLLOUT_DTYPE_FILE).write_text(text)
