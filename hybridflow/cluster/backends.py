@@ -45,6 +45,10 @@ def build_worker_group(
             raise ValueError(f"{role}: trainer.backend=ray needs a placement (resource pool, share, threads, device)")
         from hybridflow.cluster.ray_group import RayWorkerGroup  # Ray only when asked for
 
+        if placement.hosts is not None:  # trainer.hybrid_engine: in the bundles' shared processes
+            from hybridflow.cluster.role_hosts import HostedWorkerGroup
+
+            return HostedWorkerGroup(role, factory, world_size, placement)
         return RayWorkerGroup(role, factory, world_size, placement)
     raise ValueError(f"trainer.backend={backend!r} is not available; choose one of {sorted(BACKENDS)}")
 
@@ -72,6 +76,7 @@ def reserve_placements(
     ray_address: str | None = None,
     ray_dashboard: bool = False,
     num_threads: int | None = None,
+    share_processes: bool = False,
 ) -> tuple[list[ResourcePool], dict[str, Placement]]:
     """Where each role's ranks will run, for ``build_worker_group``, and the pools reserved.
 
@@ -82,7 +87,9 @@ def reserve_placements(
     ``split_roles`` gets a pool of its own of as many bundles, laid out alike
     (``rollout.placement=split``: its ranks on other devices than the trainer's). Each rank gets
     ``num_threads`` torch threads (None: the cores divided over the ranks; colocated roles run one
-    after another within a step, so they need not split them).
+    after another within a step, so they need not split them). ``share_processes``
+    (``trainer.hybrid_engine``): the colocated roles' ranks of bundle r live in one process, bundle
+    r's role host (``role_hosts``), not a process each.
     ``local``: nothing to reserve.
     """
     if backend == "local":
@@ -105,7 +112,12 @@ def reserve_placements(
         raise
     threads = num_threads or rule_threads(data_parallel_size * pools_wanted)
     share = 1.0 / len(colocated_roles)
-    placements = {role: Placement(pools[0], share=share, num_threads=threads, device=device)
+    hosts = None
+    if share_processes:
+        from hybridflow.cluster.role_hosts import RoleHosts
+
+        hosts = RoleHosts(pools[0], num_threads=threads, device=device)
+    placements = {role: Placement(pools[0], share=share, num_threads=threads, device=device, hosts=hosts)
                   for role in colocated_roles}
     placements |= {role: Placement(pool, share=1.0, num_threads=threads, device=device)
                    for role, pool in zip(split_roles, pools[1:], strict=True)}

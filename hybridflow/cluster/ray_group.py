@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from ray.util.placement_group import PlacementGroup
 
+    from hybridflow.cluster.role_hosts import RoleHosts
+
 log = logging.getLogger(__name__)
 
 W = TypeVar("W")
@@ -247,6 +249,9 @@ class Placement:
     num_threads: int
     device: torch.device
     first_bundle: int = 0  # a group on part of the pool (one rollout replica of several)
+    # trainer.hybrid_engine: the pool's shared processes, one per bundle, that the group's ranks
+    # join (``role_hosts.HostedWorkerGroup``); None: each rank a process of its own.
+    hosts: RoleHosts | None = None
 
     def from_bundle(self, first_bundle: int) -> Placement:
         """The same placement for a group whose rank 0 sits in ``first_bundle``."""
@@ -444,8 +449,13 @@ class RayWorkerGroup(Generic[W]):
         name = getattr(method, "__qualname__", repr(method))
         if self._failed is not None:
             raise WorkerError(f"{self.role} cannot run {name}: {self._failed}")
-        refs = [(rank, self._ranks[rank].execute.remote(method, payload)) for rank, payload in calls]
+        refs = [(rank, self._execute(rank, method, payload)) for rank, payload in calls]
         return RayPendingCall(self, refs, name)
+
+    def _execute(self, rank: int, method: Callable[..., Any], payload: Any) -> Any:
+        """Start ``method`` on ``rank``'s worker; its ObjectRef (a process of the rank's own here;
+        ``role_hosts.HostedWorkerGroup`` reaches its worker in a process shared with other roles)."""
+        return self._ranks[rank].execute.remote(method, payload)
 
     def _tear_down(self, reason: str) -> None:
         """Close the group and make later calls fail with ``reason``."""
