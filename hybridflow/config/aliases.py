@@ -108,7 +108,8 @@ IGNORED: dict[str, str] = {
     "actor_rollout_ref.rollout.mode": "rollout.mode here picks in-process (engine) or HTTP server (server) generation; "
                                       "verl's sync/async has no counterpart",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "the reference is offloaded with the actor's fsdp_config",
-    "actor_rollout_ref.hybrid_engine": "the actor and rollout always share their placement unless rollout.placement=split",
+    "actor_rollout_ref.hybrid_engine": "the actor and rollout always share their placement unless rollout.placement=split; "
+                                       "trainer.hybrid_engine=true puts them in one process per rank on Ray",
 }
 
 

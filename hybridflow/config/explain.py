@@ -20,7 +20,14 @@ from hybridflow.config.budget import (
     read_model_shape,
     training_bytes_per_token,
 )
-from hybridflow.config.layout import batch_plan, data_parallel_size, dp_source, rollout_replicas
+from hybridflow.config.layout import (
+    batch_plan,
+    data_parallel_size,
+    dp_source,
+    hybrid_engine_blockers,
+    rollout_replicas,
+    shares_processes,
+)
 from hybridflow.config.plan_report import memory_plan_lines
 from hybridflow.config.schema import Config
 from hybridflow.config.yaml_io import config_to_yaml
@@ -151,6 +158,7 @@ def _plan_lines(cfg: Config, with_critic: bool) -> list[str]:
     lines.append(_replica_line(cfg))
     if trainer.backend == "ray":
         lines.append(_node_line(cfg))
+        lines.append(_process_line(cfg))
         lines.append(_fault_line(cfg))
     per_epoch = steps_per_epoch(data.train_files, data.builtin_train_size, data.train_batch_size)
     if not data.train_files:
@@ -375,12 +383,28 @@ def _replica_line(cfg: Config) -> str:
     return line
 
 
+def _process_line(cfg: Config) -> str:
+    """How the colocated roles' ranks map to processes on Ray (``trainer.hybrid_engine``)."""
+    if shares_processes(cfg):
+        return ("processes: one per placement bundle (trainer.hybrid_engine=true): actor rank r, rollout replica r and "
+                "every other colocated role's rank r share it and the pool's process group; each actor rank hands "
+                "its gathered weights to the replica beside it (no broadcast group)")
+    blockers = hybrid_engine_blockers(cfg)
+    if cfg.trainer.hybrid_engine and blockers:
+        return (f"processes: one per rank of each role: trainer.hybrid_engine=true does not apply here "
+                f"({'; '.join(blockers)})")
+    return "processes: one per rank of each role (trainer.hybrid_engine=false)"
+
+
 def _fault_line(cfg: Config) -> str:
     """What a Ray run does when a worker process dies (in-process workers die with the controller)."""
     replica, limit = cfg.rollout.max_replica_restarts, cfg.trainer.max_restarts
     replicas = (f"a rollout replica whose process dies is restarted at the next weight sync, its requests served by "
                 f"the others (up to rollout.max_replica_restarts={replica} times each)" if replica else
                 "a rollout replica's death stops the run (rollout.max_replica_restarts=0)")
+    if shares_processes(cfg):
+        replicas = (f"rollout replica r shares actor rank r's process, so its death is the actor rank's "
+                    f"(rollout.max_replica_restarts={replica} does not apply)")
     ranks = ("stops the run naming the rank and its node; the same command resumes from the newest checkpoint "
              "(trainer.max_restarts=0)" if limit == 0 else
              f"rebuilds every worker group on the nodes with room and resumes from the newest checkpoint, up to "

@@ -96,3 +96,32 @@ def sequence_parallel_sizes(cfg: Config) -> dict[str, int]:
     return {"actor.ulysses_sequence_parallel_size": actor,
             "ref.ulysses_sequence_parallel_size": actor if ref is None else ref,
             "critic.ulysses_sequence_parallel_size": cfg.critic.ulysses_sequence_parallel_size}
+
+
+def hybrid_engine_blockers(cfg: Config) -> list[str]:
+    """Why ``trainer.hybrid_engine`` cannot put this run's colocated roles in one process per bundle
+    (each names its key); [] when it can. Each needs a rank or replica in a process of its own: a pool
+    of its own, a reservation per replica, a group over part of the pool, generation beside training
+    (one process runs one call at a time), one profiler per process, an engine not tried sharing one."""
+    r, t = cfg.rollout, cfg.trainer
+    reasons = []
+    if r.placement == "split":
+        reasons.append("rollout.placement=split puts the replicas on bundles of their own")
+    if r.elastic:
+        reasons.append("rollout.elastic reserves each replica apart")
+    if r.tensor_model_parallel_size > 1:
+        reasons.append(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: a replica's group spans "
+                       f"part of the pool")
+    if t.mode != "sync":
+        reasons.append(f"trainer.mode={t.mode} generates while the actor trains")
+    if t.profile.steps:
+        reasons.append("trainer.profile.steps records one profiler per process")
+    if r.name != "native":
+        reasons.append(f"rollout.name={r.name}: only the native engine shares a process with the trainer here")
+    return reasons
+
+
+def shares_processes(cfg: Config) -> bool:
+    """Whether the colocated roles' ranks of a bundle live in one Ray process (``trainer.hybrid_engine``)."""
+    t = cfg.trainer
+    return t.hybrid_engine and t.backend == "ray" and not hybrid_engine_blockers(cfg)

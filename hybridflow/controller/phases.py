@@ -37,7 +37,7 @@ from hybridflow.algorithms.preference import pair_rows_by_rank, select_preferenc
 from hybridflow.cluster.worker_group import wait_all
 from hybridflow.controller.dumps import GenerationDumps
 from hybridflow.controller.overlap import generate_and_score, model_scores, round_requests
-from hybridflow.controller.roles import BROADCAST, Roles, reconnect_weight_sync
+from hybridflow.controller.roles import BESIDE, BROADCAST, Roles, hand_over_weights, reconnect_weight_sync
 from hybridflow.controller.step_plan import DistillationMix, Prompts, StepPlan
 from hybridflow.data import PromptRow
 from hybridflow.data.batching import balanced_partitions, flatten_partitions, global_seqlen_metrics
@@ -503,7 +503,8 @@ def actor_updates(roles: Roles, plan: StepPlan, step: int) -> bool:
 
 def sync_weights(roles: Roles, version: int) -> None:
     """Push the actor's weights (after ``version`` updates: what the rollout's tokens record) to
-    every rollout rank: streamed from actor rank 0 by broadcast (``rollout.weight_sync``), else
+    every rollout rank: streamed from actor rank 0 by broadcast (``rollout.weight_sync``), handed
+    over by each actor rank to the replica in its process (``trainer.hybrid_engine``), else
     through this process (in-process: tensor copies). Replicas whose process died since the last
     sync are restarted first and get these weights with the others (a new broadcast group formed)."""
     if roles.weight_sync == BROADCAST:
@@ -514,6 +515,9 @@ def sync_weights(roles: Roles, version: int) -> None:
         # that the rollout applies as they arrive.
         wait_all(roles.actor.submit_all(ActorWorker.send_weights), *roles.rollout.submit_receive(version))
         roles.rollout.verify_sync()
+        return
+    if roles.weight_sync == BESIDE:
+        hand_over_weights(roles.actor, roles.rollout, version, adapter=roles.actor_weights is ActorWorker.adapter_for_sync)
         return
     # Collective: every actor rank joins the gather of its shards; rank 0 holds the result.
     weights = dict(roles.actor.call_all(roles.actor_weights)[0])

@@ -13,6 +13,7 @@ import torch
 
 from hybridflow.cluster.backends import build_worker_group, runs_in_process
 from hybridflow.cluster.ray_group import ElasticPlacement, Placement
+from hybridflow.cluster.role_hosts import HostedWorkerGroup, hosted
 from hybridflow.cluster.worker_group import (
     WorkerError,
     WorkerGroup,
@@ -33,7 +34,7 @@ from hybridflow.rewards.sandbox_fusion import (
 )
 from hybridflow.rewards.shaping import overlong_buffer_end, resolve_overlong_buffer
 from hybridflow.types import TrainBatch
-from hybridflow.workers.actor import ActorWorker
+from hybridflow.workers.actor import ActorWorker, weights_on_every_rank
 from hybridflow.workers.critic import CriticSetup, CriticWorker
 from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import RewardSetup, RewardWorker
@@ -48,16 +49,28 @@ from hybridflow.workers.rollout import RolloutSetup, RolloutWorker
 log = logging.getLogger(__name__)
 
 
-# rollout.weight_sync, resolved (``auto`` becomes one of them).
-OBJECT_STORE, BROADCAST = "object_store", "broadcast"
+# rollout.weight_sync, resolved (``auto`` becomes one of them). BESIDE: trainer.hybrid_engine's, each
+# actor rank hands its gathered weights to the rollout replica in its own process.
+OBJECT_STORE, BROADCAST, BESIDE = "object_store", "broadcast", "beside"
 
 
-def resolve_weight_sync(mode: str, backend: str) -> str:
+def resolve_weight_sync(mode: str, backend: str, shared_processes: bool = False) -> str:
     """``rollout.weight_sync`` for ``trainer.backend``: ``auto`` broadcasts when the rollout runs in
-    another process than actor rank 0, and otherwise copies in-process (``object_store``)."""
+    another process than actor rank 0, hands the weights over in each shared process when every
+    replica lives beside an actor rank (``shared_processes``: ``trainer.hybrid_engine``), and
+    otherwise copies in-process (``object_store``)."""
     in_process = runs_in_process(backend)
     if mode == "auto":
-        return OBJECT_STORE if in_process else BROADCAST
+        return OBJECT_STORE if in_process else BESIDE if shared_processes else BROADCAST
+    if mode == BROADCAST and shared_processes:
+        # Both sides of a broadcast must run at once; one process runs one call at a time.
+        raise ConfigError(
+            "rollout.weight_sync=broadcast streams weights from actor rank 0 to the rollout processes, but "
+            "trainer.hybrid_engine=true puts each replica in its actor rank's process, which runs one call at a time "
+            "(the broadcast's two sides would wait on each other); use rollout.weight_sync=auto (each rank hands the "
+            "weights to the replica beside it), or trainer.hybrid_engine=false",
+            key="rollout.weight_sync",
+        )
     if mode == BROADCAST and in_process:
         # An error, not a silent fallback: the user asked for a transport that has no peer here.
         raise ConfigError(
@@ -84,6 +97,26 @@ def connect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplic
     replicas.pool.rejoin_weight_sync = False  # every replica of now is in it
     log.info("weight sync: actor rank 0 -> %d rollout replica(s) by broadcast via %s:%d (%s)",
              replicas.num_replicas, host, port, "nccl" if on_gpu else "gloo")
+
+
+def hand_over_weights(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas, version: int,
+                      adapter: bool) -> None:
+    """``trainer.hybrid_engine``'s weight sync: every actor rank gathers the full weights (the
+    collective the object-store sync makes, ``adapter``: only the LoRA adapters) and hands them by
+    reference to the rollout replica in its own process, in one call: no broadcast group, nothing
+    through this process. The replicas check what they hold against what they were handed
+    (``rollout.verify_weight_sync``), as a broadcast's receivers do."""
+    if not isinstance(actor, HostedWorkerGroup):
+        raise TypeError(f"the hybrid engine's weight sync needs the actor in shared processes, not a "
+                        f"{type(actor).__name__}")
+    replicas.prepare_sync()
+    actor.call_all_with(_hand_over, [(replicas.group(k), 0) for k in replicas.active], version, adapter)
+    replicas.verify_sync()
+
+
+def _hand_over(actor: ActorWorker, rollout: RolloutWorker, version: int, adapter: bool) -> None:
+    """In the shared process of an actor rank and its replica (``hand_over_weights``)."""
+    rollout.update_weights(weights_on_every_rank(actor, adapter), version, note_received=True)
 
 
 def reconnect_weight_sync(actor: WorkerGroup[ActorWorker], replicas: RolloutReplicas) -> None:
@@ -135,7 +168,7 @@ class Roles:
     # The reference group's method that returns one rank's reference logprobs  # (B, R)
     reference_logprobs: Callable[[ReferenceWorker | ActorWorker, TrainBatch], torch.Tensor] = (
         ReferenceWorker.compute_ref_logprobs)
-    weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed)
+    weight_sync: str = OBJECT_STORE  # rollout.weight_sync resolved: object_store | broadcast (group formed) | beside
 
     def named_groups(self) -> list[tuple[str, WorkerGroup[Any]]]:
         """Every worker group of the run, by role (each rollout replica its own)."""
@@ -202,7 +235,8 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
     # The asynchronous loops generate while the actor trains: there is no idle cache to free.
     free_cache_engine = cfg.rollout.free_cache_engine and cfg.trainer.mode == "sync"
     # In-process replicas die with the controller: nothing is left to restart them.
-    rebuild = None if runs_in_process(cfg.trainer.backend) or placement is None else \
+    # A replica in its actor rank's process (trainer.hybrid_engine) dies with it: no process of its own to restart.
+    rebuild = None if runs_in_process(cfg.trainer.backend) or placement is None or hosted(placement) else \
         (lambda k: build(k, placement.from_bundle(k * tp)))
     bounds = None
     if pools is not None:

@@ -36,7 +36,13 @@ from hybridflow.config.explain import (
     planned_total_steps,
     prime_shares_reference,
 )
-from hybridflow.config.layout import data_parallel_size, rollout_replicas, sequence_parallel_sizes
+from hybridflow.config.layout import (
+    data_parallel_size,
+    hybrid_engine_blockers,
+    rollout_replicas,
+    sequence_parallel_sizes,
+    shares_processes,
+)
 from hybridflow.config.sections.trainer import FOLLOW_FREE_CORES
 from hybridflow.controller.builtin import resolve_builtin
 from hybridflow.controller.dumps import GenerationDumps
@@ -217,7 +223,8 @@ def build_run(cfg: Config) -> RunSetup:
     warnings = validate_config(cfg)
     for w in warnings:
         log.warning("config: %s", w)
-    weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend)
+    shared_processes = shares_processes(cfg)  # trainer.hybrid_engine, where every colocated role can share
+    weight_sync = resolve_weight_sync(cfg.rollout.weight_sync, cfg.trainer.backend, shared_processes)
     adapter_sync = cfg.actor.lora.rank > 0 and cfg.actor.lora.sync == "adapter"
     plugins = resolve_plugins(cfg)
     needs, kl_controller, agent = plugins.estimator_needs, plugins.kl_controller, plugins.agent
@@ -341,7 +348,12 @@ def build_run(cfg: Config) -> RunSetup:
                          *([PRIME_REFERENCE_ROLE] if with_prime and not prime_shares_reference(cfg) else [])],
         split_roles=["rollout"] if split and not elastic else [],
         ray_address=t.joined_ray_address(), ray_dashboard=t.ray_dashboard, num_threads=None if follow else t.num_threads,
+        share_processes=shared_processes,
     )
+    if t.hybrid_engine and not runs_in_process(t.backend):
+        blockers = hybrid_engine_blockers(cfg)
+        log.info("trainer.hybrid_engine: %s", "one process per placement bundle" if shared_processes else
+                 f"a process per rank ({'; '.join(blockers)})")
     # The policy's model as every role builds it: the actor, its rollout engines and the reference.
     common = dict(trust_remote_code=cfg.model.trust_remote_code, override_config=cfg.model.override_config)
     actor_setup = ActorSetup(

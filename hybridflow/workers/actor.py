@@ -527,3 +527,18 @@ class ActorWorker:
     def load_checkpoint(self, ckpt_dir: str) -> str | None:
         """Load the checkpoint the actor saved in ``ckpt_dir`` (``load_engine_checkpoint``)."""
         return load_engine_checkpoint(self.engine, Path(ckpt_dir), "actor")
+
+
+def weights_on_every_rank(actor: ActorWorker, adapter: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """``ActorWorker.weights_for_sync`` (``adapter``: ``adapter_for_sync``) with the full tensors on
+    every rank, not only rank 0 (each shard all-gathered): each rank hands them to the rollout replica
+    in its own process (``trainer.hybrid_engine``). One rank: the model's own tensors, uncopied.
+    Collective: every rank calls it (from a call of its own group's, beside the rollout's worker)."""
+    shards = actor.engine.named_weight_shards()
+    if adapter:
+        if actor.lora is None:
+            raise RuntimeError("an adapter sync needs actor.lora.rank > 0")
+        return adapter_payload(actor.lora, {n: distributed.gather_weight(t).detach()
+                                            for n, t in actor.lora.adapters(shards).items()})
+    named = [(name, distributed.gather_weight(t).detach()) for name, t in shards]
+    return named if actor.lora is None else actor.lora.merged_weights(named)

@@ -409,16 +409,25 @@ class RolloutWorker:
         tensor-parallel follower), for the run folder's record (``controller.token_budgets``)."""
         return getattr(self.engine, "kv_cache_memory_bytes", None)
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+                       note_received: bool = False) -> None:
         """Copy new weights into the engine; tokens generated from now on record policy
         ``version`` (default: the engine's last + 1; see ``Trajectory.token_versions``).
-        LoRA adapters (``actor.lora.sync=adapter``) are merged into the base weights first."""
+        LoRA adapters (``actor.lora.sync=adapter``) are merged into the base weights first.
+        ``note_received``: keep the checksums of the tensors handed in (in the engine's dtype, before
+        the copy), as the broadcast path does of the bytes received, for ``weights_digest``: an actor
+        rank in this process handed them (``trainer.hybrid_engine``), so the controller never saw them."""
         weights = list(weights)
         adapter = self.adapter_merger is not None and is_adapter_payload(n for n, _ in weights)
         if adapter:
             weights = self.adapter_merger.merged(weights)
+        received: Digest | None = None
+        if note_received and not adapter:
+            targets = self.model.state_dict()
+            received = {n: (str(targets[n].dtype), sent_checksum(t, str(targets[n].dtype)))
+                        for n, t in weights if n in targets}
         self.engine.update_weights(weights, version=version)
-        self._after_sync([name for name, _ in weights], version, None, adapter=adapter)
+        self._after_sync([name for name, _ in weights], version, received, adapter=adapter)
 
     def _after_sync(self, names: list[str], version: int | None, received: Digest | None,
                     adapter: bool = False) -> None:
