@@ -275,3 +275,23 @@ def test_training_precision_line_names_the_rule_for_auto(monkeypatch) -> None:
         plan = plan_of(explain_config(load_config(overrides=["model.dtype=auto", "trainer.device=cpu"])))
         assert f"training precision: {hardware} (model.dtype=auto: the hardware's reason;" in plan
         assert "token_budgets.json" in plan and "model.dtype=float32 opts out" in plan
+
+
+def test_explain_says_whether_the_hybrid_engine_shares_processes_and_why_not() -> None:
+    from hybridflow.config.layout import hybrid_engine_blockers, shares_processes
+
+    ray = ["trainer.backend=ray", "trainer.n_workers=2"]
+    off = load_config(overrides=ray)
+    assert not shares_processes(off)
+    assert "processes: one per rank of each role (trainer.hybrid_engine=false)" in explain_config(off)
+    on = load_config(overrides=[*ray, "trainer.hybrid_engine=true"])
+    assert shares_processes(on) and hybrid_engine_blockers(on) == []
+    text = explain_config(on)
+    assert "processes: one per placement bundle (trainer.hybrid_engine=true)" in text
+    assert "rollout.max_replica_restarts=3 does not apply" in text
+    split = load_config(overrides=[*ray, "trainer.hybrid_engine=true", "rollout.placement=split",
+                                   "trainer.mode=one_step_off"])
+    assert not shares_processes(split)
+    assert ("trainer.hybrid_engine=true does not apply here (rollout.placement=split puts the replicas on bundles of "
+            "their own; trainer.mode=one_step_off generates while the actor trains)") in explain_config(split)
+    assert not shares_processes(load_config(overrides=["trainer.hybrid_engine=true"]))  # local: one process anyway

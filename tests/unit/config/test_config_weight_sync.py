@@ -50,3 +50,18 @@ def test_broadcast_in_process_is_an_error_naming_the_key_before_any_model_loads(
     with pytest.raises(ConfigError, match="rollout.weight_sync=broadcast"):
         build_run(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_hybrid_engine_hands_weights_over_beside_each_actor_rank_and_refuses_a_broadcast(tmp_path) -> None:
+    """trainer.hybrid_engine: ``auto`` resolves to the hand-over in each shared process; a broadcast, whose two
+    sides must run at once, cannot run in a process that runs one call at a time: refused by the checks."""
+    assert resolve_weight_sync("auto", "ray", shared_processes=True) == "beside"
+    assert resolve_weight_sync("object_store", "ray", shared_processes=True) == "object_store"
+    with pytest.raises(ConfigError, match="trainer.hybrid_engine=true puts each replica") as info:
+        resolve_weight_sync("broadcast", "ray", shared_processes=True)
+    assert info.value.key == "rollout.weight_sync"
+    cfg = load_config("grpo", overrides=["rollout.weight_sync=broadcast", "trainer.backend=ray",
+                                         "trainer.hybrid_engine=true", f"trainer.output_dir={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError, match="trainer.hybrid_engine=true puts each replica"):
+        build_run(cfg)
+    assert not (tmp_path / "out").exists()

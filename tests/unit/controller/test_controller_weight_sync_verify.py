@@ -88,6 +88,23 @@ def test_a_byte_corrupted_in_one_replica_during_the_sync_fails_naming_it_and_the
         two.update_weights(weights.items(), version=2)
 
 
+def test_weights_handed_over_beside_the_actor_are_checked_against_what_was_handed(model_dir, monkeypatch) -> None:
+    """trainer.hybrid_engine: an actor rank hands the weights to the replica in its own process
+    (``update_weights(note_received=True)``), so the controller never holds them; the replica's
+    checksums of what it was handed are what its engine's bytes are checked against, as a broadcast's."""
+    two = replicas(model_dir, 2)
+    weights = trained(model_dir)
+    monkeypatch.setenv(ENV, "corrupt_weight_sync/rollout_replica_1@2")
+    for version in (1, 2):
+        for group in two.groups:
+            group.call_one(0, RolloutWorker.update_weights, weights.items(), version, note_received=True)
+        if version == 1:
+            two.verify_sync()  # clean
+            assert two.take_sync_metrics()["timing_s/verify_weight_sync"] > 0
+    with pytest.raises(WeightSyncMismatch, match=r"rollout replica 1 .*lm_head\.weight"):
+        two.verify_sync()
+
+
 def test_without_the_check_the_corruption_goes_unnoticed(model_dir, monkeypatch) -> None:
     # What the verifier is for: the same fault with rollout.verify_weight_sync=false passes silently.
     two = replicas(model_dir, 2, verify=False)
