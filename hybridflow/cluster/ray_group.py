@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from ray.util.placement_group import PlacementGroup
 
-    from hybridflow.cluster.role_hosts import RoleHosts
-
 log = logging.getLogger(__name__)
 
 W = TypeVar("W")
@@ -250,8 +248,9 @@ class Placement:
     device: torch.device
     first_bundle: int = 0  # a group on part of the pool (one rollout replica of several)
     # trainer.hybrid_engine: the pool's shared processes, one per bundle, that the group's ranks
-    # join (``role_hosts.HostedWorkerGroup``); None: each rank a process of its own.
-    hosts: RoleHosts | None = None
+    # join (a ``role_hosts.RoleHosts``, which imports this module: not named here, no import cycle;
+    # ``role_hosts.HostedWorkerGroup``); None: each rank a process of its own.
+    hosts: Any = None
 
     def from_bundle(self, first_bundle: int) -> Placement:
         """The same placement for a group whose rank 0 sits in ``first_bundle``."""
