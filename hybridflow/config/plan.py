@@ -40,20 +40,21 @@ response token, V vocabulary, c = ``lm_head_chunk_rows(V)``):
   micro-batch the head's backward runs while every layer's saved activations are alive (they add
   up) but before any layer's backward (the larger of the two working sets counts: ``overlap``); in
   a forward without backward the layers' working set is gone when the head runs.
+- Shape buckets (CPU, reduced precision): packed micro-batches run at ``bucketed_length`` tokens
+  and the head at bucketed rows (``utils.shapes``: up to 1/8 more of both).
 - KV cache (native engine): the engine takes ``rollout.kv_cache_memory_bytes``, or unset
   ``KV_CACHE_MEMORY_FRACTION`` of the memory free when it starts (after the actor's parameters and
-  its own weights are loaded, before any optimizer state exists), as its budget, and allocates slot rows of ``align(prompt + response)`` positions,
-  ``KV_PROMPT_ROWS`` prompt rows plus as many decode rows as ``rollout.max_batch_size`` asks and
-  the budget holds; the prefix cache (``rollout.enable_prefix_caching``) keeps whole blocks of a
+  its own weights, before any optimizer state), as its budget, and allocates slot rows of
+  ``align(prompt + response)`` positions, ``KV_PROMPT_ROWS`` prompt rows plus as many decode rows
+  as ``rollout.max_batch_size`` asks and the budget holds; the prefix cache keeps whole blocks of a
   step's finished sequences in what the budget leaves. A budget that holds no sequence beside the
   prompt rows blocks generation (the engine would refuse every request). On AMD CPUs the engine
   keeps a second, oneDNN-packed copy of its fp32 matmul weights.
-
-- The process (CPU): a run on one machine is one process whose resident memory is the largest
-  phase's peak plus ``PROCESS_RUNTIME_BYTES`` of interpreter and libraries
-  (``MemoryPlan.process_peak_bytes``, checked against ``perf/rss_peak_gb/step`` of the default run
-  by ``tests/unit/config/test_config_plan.py``). Left out: glibc's heap fragmentation across the update's
-  micro-batches (~0.4-0.5 GB at the ~18M long-tail peak; released after it).
+- The process (CPU): one process whose resident memory is the largest phase's peak plus
+  ``PROCESS_RUNTIME_BYTES`` of interpreter and libraries (``MemoryPlan.process_peak_bytes``,
+  checked against the default run by ``tests/unit/config/test_config_plan.py``; both workloads of
+  ``bench/memory_timeline.py``). Left out: glibc's free heap blocks kept between the update's live
+  ones (0.45-0.7 GB at the ~18M long-tail peak; ``utils.memory.configure_host_allocator``).
 
 Micro-batches are planned at their worst case: every sample at ``data.max_prompt_length +
 data.max_response_length`` tokens, a micro-batch filled to its token budget.
@@ -82,12 +83,14 @@ from hybridflow.config.budget import (
     ModelShape,
     auto_token_budget,
     available_host_memory_bytes,
+    cpu_vendor,
     packing_decision,
     training_bytes_per_token,
 )
 from hybridflow.config.engines import capabilities
 from hybridflow.config.schema import Config, FSDPConfig
 from hybridflow.config.layout import batch_plan, data_parallel_size, rollout_replicas
+from hybridflow.utils.shapes import bucketed_length
 
 GIB = 2**30
 
@@ -286,18 +289,6 @@ def _cpu_has_avx512_bf16() -> bool:
     from hybridflow.utils.device import cpu_features  # torch: not before a config error (fast errors)
 
     return cpu_features().avx512_bf16
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor_id from /proc/cpuinfo ('' where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def kv_cache_bytes(
@@ -551,10 +542,14 @@ def plan_memory(
     # and pure bf16 weights need no cast.
     autocast = compute_bytes < 4 and not layout.fsdp2 and a.fsdp_config.model_dtype == "float32"
 
+    # A CPU in reduced precision runs a packed micro-batch at its shape bucket, the head at bucketed rows
+    # (``training.forward.ModelForward``'s bucket_shapes): up to 1/8 more of both than the pack holds.
+    shaped = bucketed_length if layout.device_type == "cpu" and compute_bytes < 4 and packed else (lambda n: n)
+
     def forward_phase(role: str, name: str, model: ModelShape, tokens: int, head: bool, mixed: bool = autocast,
                       sp: int = 1, **terms: int) -> PhaseMemory:
-        activations = forward_activation_bytes(model, tokens, compute_bytes=compute_bytes, autocast=mixed)
-        logits = forward_head_bytes(model, tokens, _response_rows(cfg, tokens, packed, sp), fused=fused,
+        activations = forward_activation_bytes(model, shaped(tokens), compute_bytes=compute_bytes, autocast=mixed)
+        logits = forward_head_bytes(model, shaped(tokens), shaped(_response_rows(cfg, tokens, packed, sp)), fused=fused,
                                     compute_bytes=compute_bytes, autocast=mixed) if head else 0
         return PhaseMemory(role, name, activations=activations, logits=logits, overlap=min(activations, logits),
                            notes=(f"{tokens} tokens per micro-batch",), **terms)
@@ -568,11 +563,11 @@ def plan_memory(
     tokens = _micro_batch_tokens(cfg, budgets.ppo, a.ppo_micro_batch_size_per_gpu, per_rank, sp)
     micro_batches = max(1, math.ceil(per_rank * longest / tokens))
     checkpointing = cfg.model.enable_gradient_checkpointing
-    activations = train_activation_bytes(shape, tokens, compute_bytes=compute_bytes,
+    activations = train_activation_bytes(shape, shaped(tokens), compute_bytes=compute_bytes,
                                          gradient_checkpointing=checkpointing, autocast=autocast)
-    logits = logits_bytes(shape, _response_rows(cfg, tokens, packed, sp), fused=fused, backward=True,
+    logits = logits_bytes(shape, shaped(_response_rows(cfg, tokens, packed, sp)), fused=fused, backward=True,
                           compute_bytes=compute_bytes, entropy_grad=a.entropy_coeff != 0)
-    overlap = min(logits, layer_backward_bytes(shape, tokens, compute_bytes=compute_bytes,
+    overlap = min(logits, layer_backward_bytes(shape, shaped(tokens), compute_bytes=compute_bytes,
                                                gradient_checkpointing=checkpointing, autocast=autocast))
     # With one micro-batch the peak comes before most gradients exist (the head's is in logits).
     grads_live = actor_g if micro_batches > 1 else 0
@@ -618,7 +613,7 @@ def plan_memory(
         if _offloads_params(c.fsdp_config.param_offload, layout.device_type):
             c_step = 0
         c_fwd = critic_p + gathered + (critic_g if c_micro > 1 else 0) + c_opt + train_activation_bytes(
-            vshape, ctokens, compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+            vshape, shaped(ctokens), compute_bytes=compute_bytes, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             autocast=autocast)
         if c_step > c_fwd:
             phases.append(PhaseMemory("critic", "update", params=critic_p, grads=critic_g,

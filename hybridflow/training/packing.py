@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.types import TrainBatch
-from hybridflow.utils.shapes import geometric_bucket
+from hybridflow.utils.shapes import MIN_BUCKET, bucketed_length  # noqa: F401 (MIN_BUCKET: re-exported)
 
 VARLEN_ATTENTION = "hybridflow_varlen_sdpa"
 
@@ -130,15 +130,10 @@ def pack_batch(batch: TrainBatch) -> PackedBatch:
     )
 
 
-# Packed micro-batches run at a bucketed token count where the compute is reduced precision on a
-# CPU (``utils.shapes``: oneDNN keeps a kernel per matmul shape; the bf16-mixed default run's memory
-# grew 0.83 -> 1.9 GB over 100 steps with exact counts, 0.88 GB flat bucketed), none below MIN_BUCKET.
-MIN_BUCKET = 64
-
-
-def bucketed_length(n: int) -> int:
-    """The bucket (``utils.shapes.geometric_bucket``, at least ``MIN_BUCKET``) that holds ``n`` tokens or rows."""
-    return MIN_BUCKET if n <= MIN_BUCKET else geometric_bucket(n)
+# Packed micro-batches run at a bucketed token count (``utils.shapes.bucketed_length``, also the memory
+# planner's) where the compute is reduced precision on a CPU (``utils.shapes``: oneDNN keeps a kernel
+# per matmul shape; the bf16-mixed default run's memory grew 0.83 -> 1.9 GB over 100 steps with exact
+# counts, 0.88 GB flat bucketed).
 
 
 def append_pad_sequence(

@@ -6,7 +6,8 @@ packed micro-batches change token count every call, or a rollout engine whose de
 prefill widths do, meets a new shape each time: resident memory grew step after step in bf16 on a
 CPU (the default run's update: 0.83 -> 1.9 GB over 100 steps; an ~20M model's rollout: 0.43 -> 1.9
 GB over 10 rounds) while float32 (MKL, nothing kept per shape) stayed flat. The trainer
-(``training.packing``) and the native engine (``inference.graphs``) both round up with this rule.
+(``training.packing``) and the native engine (``inference.graphs``) both round up with this rule, and
+the memory planner (``config.plan``) plans the trainer's micro-batches at their bucket.
 """
 
 from __future__ import annotations
@@ -23,3 +24,12 @@ def geometric_bucket(n: int) -> int:
         raise ValueError(f"geometric_bucket: n must be >= 1, got {n}")
     step = 1 << max(0, (n - 1).bit_length() - BUCKETS_PER_DOUBLING.bit_length())
     return -(-n // step) * step
+
+
+# The trainer's packed micro-batches and head rows: none below this size.
+MIN_BUCKET = 64
+
+
+def bucketed_length(n: int) -> int:
+    """The bucket (``geometric_bucket``, at least ``MIN_BUCKET``) that holds ``n`` tokens or rows."""
+    return MIN_BUCKET if n <= MIN_BUCKET else geometric_bucket(n)

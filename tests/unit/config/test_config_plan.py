@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config, validate_config
+from hybridflow.utils.shapes import bucketed_length
 from hybridflow.config.budget import BUILTIN_TINY_SHAPE, BUILTIN_TINY_VL_SHAPE, ModelShape, read_model_shape, training_bytes_per_token
 from hybridflow.config.plan import (
     HEAD_FORWARD_TEMPORARIES,
@@ -27,6 +28,7 @@ from hybridflow.config.plan import (
     ONEDNN_PACKED_VENDORS,
     PREFIX_BLOCK_TOKENS,
     PREFILL_TOKENS,
+    forward_activation_bytes,
     kv_cache_bytes,
     logits_bytes,
     plan_memory,
@@ -146,6 +148,31 @@ def test_plan_terms_follow_the_config():
         assert phase(kl, "reference", "logprob forward").params == size * n
     critic = plan_memory(load_config("ppo", overrides=["trainer.device=cpu"]), BUILTIN_TINY_SHAPE, with_critic=True)
     assert {p.phase for p in critic.phases if p.role == "critic"} == {"values forward", "update"}
+
+
+def test_a_cpu_in_reduced_precision_plans_the_shape_bucket_of_a_micro_batch():
+    """Packed micro-batches of a bf16 CPU run at their bucketed token count and the head at bucketed
+    rows (``ModelForward``'s bucket_shapes): 2500 tokens run as 2560, their 2000 response rows as
+    2048; float32 and padded micro-batches run as they are."""
+    common = ["trainer.device=cpu", "data.max_prompt_length=100", "data.max_response_length=400",
+              "actor.ppo_max_token_len_per_gpu=2500", "actor.log_prob_max_token_len_per_gpu=2500"]
+    assert (bucketed_length(2500), bucketed_length(2000)) == (2560, 2048)
+    s = BUILTIN_TINY_SHAPE
+
+    def update_and_forward(*extra):
+        plan = plan_memory(load_config(overrides=[*common, *extra]), s)
+        return phase(plan, "actor", "update"), phase(plan, "actor", "logprob forward")
+
+    bf16, bf16_forward = update_and_forward("model.dtype=bfloat16")
+    assert bf16.activations == train_activation_bytes(s, 2560, compute_bytes=2, gradient_checkpointing=False,
+                                                      autocast=True)
+    assert bf16.logits == logits_bytes(s, 2048, fused=True, backward=True, compute_bytes=2)
+    assert bf16_forward.activations == forward_activation_bytes(s, 2560, compute_bytes=2, autocast=True)
+    f32, _ = update_and_forward("model.dtype=float32")
+    assert f32.activations == train_activation_bytes(s, 2500, compute_bytes=4, gradient_checkpointing=False)
+    padded, _ = update_and_forward("model.dtype=bfloat16", "actor.use_remove_padding=false")
+    assert padded.activations == train_activation_bytes(s, 2500, compute_bytes=2, gradient_checkpointing=False,
+                                                        autocast=True)
 
 
 def test_sharding_divides_the_model_state():
