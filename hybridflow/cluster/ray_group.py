@@ -41,6 +41,7 @@ from hybridflow.cluster.worker_group import PendingCall, RankNode, WorkerError, 
 from hybridflow.models.loading import disable_hf_progress_bars
 from hybridflow.training import distributed
 from hybridflow.types import TrainBatch
+from hybridflow.utils.memory import configure_host_allocator
 from hybridflow.utils.timer import profiler_range
 from hybridflow.utils.watchdog import activity
 
@@ -320,6 +321,7 @@ class RankHost:
     def start(
         self, factory: Callable[[int, int], Any], master_addr: str, master_port: int, device: torch.device
     ) -> None:
+        configure_host_allocator(device)  # before the worker builds its model
         # A single rank has no peers: it needs no process group (and then runs the plain engine).
         if self.world_size > 1:
             distributed.init_process_group(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
