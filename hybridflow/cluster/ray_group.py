@@ -292,15 +292,16 @@ class ElasticPlacement:
 
 
 # -------------------------------------------------------------------------------- rank process
-class RankHost:
-    """The process of one rank: joins the group's process group, then hosts one worker object."""
+class HostProcess:
+    """What each Ray process of ours is before it holds a worker: its torch threads set, transformers'
+    progress bars off, and the facts the driver asks of it (where it runs, a port to meet at).
+    ``RankHost`` holds one rank's worker, ``cluster.role_hosts.RoleHost`` the colocated roles' workers of
+    one bundle."""
 
-    def __init__(self, role: str, rank: int, world_size: int, num_threads: int) -> None:
-        self.role, self.rank, self.world_size = role, rank, world_size
+    def __init__(self, num_threads: int) -> None:
         torch.set_num_threads(max(1, num_threads))
         # Every load and save in this process is ours: no transformers bars in the driver's console.
         disable_hf_progress_bars()
-        self.worker: Any = None
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's address, a free port): rank 0's is where the process group meets."""
@@ -317,6 +318,15 @@ class RankHost:
         import ray
 
         return RankNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+
+class RankHost(HostProcess):
+    """The process of one rank: joins the group's process group, then hosts one worker object."""
+
+    def __init__(self, role: str, rank: int, world_size: int, num_threads: int) -> None:
+        super().__init__(num_threads)
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.worker: Any = None
 
     def start(
         self, factory: Callable[[int, int], Any], master_addr: str, master_port: int, device: torch.device

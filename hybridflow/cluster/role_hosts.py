@@ -32,17 +32,16 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
-from hybridflow.cluster.ray_group import Placement, RayPendingCall, RayWorkerGroup, ResourcePool
+from hybridflow.cluster.ray_group import HostProcess, Placement, RayPendingCall, RayWorkerGroup, ResourcePool
 from hybridflow.cluster.worker_group import RankNode, WorkerError, meeting_host
-from hybridflow.models.loading import disable_hf_progress_bars
 from hybridflow.training import distributed
+from hybridflow.utils.memory import configure_host_allocator
 from hybridflow.utils.timer import profiler_range
 
 if TYPE_CHECKING:
@@ -57,32 +56,16 @@ P = ParamSpec("P")
 
 
 # ---------------------------------------------------------------------------- the host process
-class RoleHost:
+class RoleHost(HostProcess):
     """The process of one placement bundle: the default process group's rank ``bundle`` (when the
     pool has several bundles), and one worker object per role placed in the bundle."""
 
-    def __init__(self, bundle: int, num_bundles: int, num_threads: int) -> None:
+    def __init__(self, bundle: int, num_bundles: int, num_threads: int, device: torch.device) -> None:
+        super().__init__(num_threads)
+        configure_host_allocator(device)  # before any role's worker builds its model, as a RankHost does
         self.bundle, self.num_bundles = bundle, num_bundles
-        torch.set_num_threads(max(1, num_threads))
-        # Every load and save in this process is ours: no transformers bars in the driver's console.
-        disable_hf_progress_bars()
         self.workers: dict[str, Any] = {}
         self.labels: dict[str, str] = {}
-
-    def rendezvous(self) -> tuple[str, int]:
-        import ray
-
-        return ray.util.get_node_ip_address(), distributed.free_port()
-
-    def node_address(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    def node(self) -> RankNode:
-        import ray
-
-        return RankNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
     def join(self, master_addr: str, master_port: int, device: torch.device) -> None:
         """Join the pool's default process group as rank ``bundle``; every host at once."""
@@ -152,7 +135,7 @@ class RoleHosts:
         self._handles = [host_cls.options(
             max_restarts=0,  # a dead host is reported, never silently replaced
             **self.pool.actor_options(b, 1.0, gpu=self.device.type == "cuda"),
-        ).remote(b, n, self.num_threads) for b in range(n)]
+        ).remote(b, n, self.num_threads, self.device) for b in range(n)]
         start = time.perf_counter()
         try:
             if n > 1:

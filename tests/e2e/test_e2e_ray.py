@@ -294,6 +294,16 @@ def _engine_weights(worker: RolloutWorker) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in worker.engine.model.state_dict().items()}
 
 
+def two_sync_steps(tiny: Tiny) -> list[str]:
+    """Two short steps of 4 prompts x 2 (two weight syncs), on the module's model, task and reward."""
+    return [
+        *tiny.overrides, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2", "data.max_response_length=4",
+        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0",
+        "trainer.save_final=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
+    ]
+
+
 # These runs reserve their own Ray resources: they come before the tests below, whose module
 # fixture holds every CPU of the local cluster while it lives.
 @pytest.mark.parametrize(("n_workers", "rollout_dtype"), [(1, "float32"), (2, "bfloat16")],
@@ -304,11 +314,7 @@ def test_broadcast_weight_sync_gives_the_rollout_the_actors_weights(
     import ray
 
     cfg = make_config("grpo", overrides=[
-        *tiny.overrides, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
-        "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2", "data.max_response_length=4",
-        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0",
-        "trainer.save_final=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
-        "trainer.backend=ray", f"trainer.n_workers={n_workers}", "rollout.weight_sync=broadcast",
+        *two_sync_steps(tiny), "trainer.backend=ray", f"trainer.n_workers={n_workers}", "rollout.weight_sync=broadcast",
         f"rollout.dtype={rollout_dtype}", f"trainer.output_dir={tmp_path / 'out'}",
     ])
     initial = load_causal_lm(str(tiny.model)).state_dict()
@@ -346,12 +352,8 @@ def test_hybrid_engine_hands_each_replica_its_actor_ranks_weights(tmp_path: Path
     import ray
 
     cfg = make_config("grpo", overrides=[
-        *tiny.overrides, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
-        "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2", "data.max_response_length=4",
-        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0",
-        "trainer.save_final=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
-        "trainer.backend=ray", "trainer.n_workers=2", "trainer.hybrid_engine=true", "rollout.dtype=bfloat16",
-        f"trainer.output_dir={tmp_path / 'out'}",
+        *two_sync_steps(tiny), "trainer.backend=ray", "trainer.n_workers=2", "trainer.hybrid_engine=true",
+        "rollout.dtype=bfloat16", f"trainer.output_dir={tmp_path / 'out'}",
     ])
     initial = load_causal_lm(str(tiny.model)).state_dict()
     run = build_run(cfg)

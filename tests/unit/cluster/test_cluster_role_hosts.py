@@ -114,7 +114,8 @@ def test_a_multi_rank_role_whose_ranks_are_not_the_pools_is_refused() -> None:
     b (a tensor-parallel replica over part of the pool needs a group, hence processes, of its own)."""
     from hybridflow.cluster.role_hosts import RoleHost
 
-    host = RoleHost(bundle=1, num_bundles=3, num_threads=1)
+    # (a device other than the CPU: configure_host_allocator leaves the test process's malloc alone)
+    host = RoleHost(bundle=1, num_bundles=3, num_threads=1, device=torch.device("meta"))
     with pytest.raises(ValueError, match=r"tp rank 0 of 2 cannot share the process of bundle 1"):
         host.add("tp", 0, 2, Server)
     host.add("rollout replica 1", 0, 1, Server)  # one rank needs no group
