@@ -49,8 +49,9 @@ configured = configure_host_allocator(torch.device(sys.argv[1]))
 before = libc.mallinfo2().hblkhd
 block = libc.malloc(4 << 20)  # 4 MiB: above glibc's starting mmap threshold (128 KiB), below 32 MiB
 mapped = libc.mallinfo2().hblkhd - before
-libc.free(block)
-print(json.dumps({"configured": configured, "mapped": mapped}))
+heap = libc.mallinfo2().arena
+libc.free(block)  # the heap's top block: kept there below the trim threshold, given back above it
+print(json.dumps({"configured": configured, "mapped": mapped, "trimmed": heap - libc.mallinfo2().arena}))
 """
 
 
@@ -68,8 +69,9 @@ def _probe(device: str, **env: str) -> dict:
 @pytest.mark.skipif(memory._glibc() is None, reason="not glibc")
 def test_a_cpu_process_fixes_the_mmap_threshold_unless_the_user_set_malloc():
     """In a fresh process (malloc's state is per process): configured for a CPU, a 4 MiB block comes
-    from the heap (the fixed 32 MiB threshold); for another device, or with the user's own malloc
+    from the heap (the fixed 32 MiB threshold) and stays there when freed (the 64 MiB trim threshold, not
+    the 128 KiB that a fixed mmap threshold leaves otherwise); for another device, or with the user's own malloc
     settings in the environment, glibc's default maps it (its threshold starts at 128 KiB)."""
-    assert _probe("cpu") == {"configured": True, "mapped": 0}
+    assert _probe("cpu") == {"configured": True, "mapped": 0, "trimmed": 0}
     for unset in (_probe("cuda"), _probe("cpu", MALLOC_ARENA_MAX="4")):
         assert not unset["configured"] and unset["mapped"] >= 4 << 20, unset  # and its page of bookkeeping
