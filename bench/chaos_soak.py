@@ -248,6 +248,14 @@ class Timing:
     step_s: float
     startup_share: float = 0.2  # of the faults strike during start-up (imports, loading, resuming)
 
+    def pace(self, out: Path) -> float:
+        """Seconds a step of this run takes: its own last logged step's, where shorter than the
+        reference's (a run can go faster than the reference did, e.g. when the reference shared the
+        machine with more work; a moment drawn from the reference's pace would then fall after the
+        run's end and the fault would never strike)."""
+        own = [r["timing_s/step"] for r in records(out) if isinstance(r.get("timing_s/step"), (int, float))]
+        return min(self.step_s, own[-1]) if own else self.step_s
+
     def wait_for_moment(self, run: subprocess.Popen, out: Path, steps: int, rng: random.Random) -> bool:
         """Wait for a random moment of ``run``: during its start-up, or within a random step still to
         come (once the step before it is logged, a random fraction of a step later), so the fault
@@ -265,7 +273,7 @@ class Timing:
         while run.poll() is None and max(per_step(out), default=-1) < after:
             time.sleep(0.05)
         try:
-            run.wait(timeout=rng.uniform(0.0, self.step_s))
+            run.wait(timeout=rng.uniform(0.0, self.pace(out)))
         except subprocess.TimeoutExpired:
             return True
         return False
