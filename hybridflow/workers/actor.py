@@ -463,11 +463,8 @@ class ActorWorker:
         """``actor.lora.sync=adapter``: only the adapters (``lora.adapter_payload``: A, B and the
         scaling under each adapted weight's base name), gathered whole on rank 0; [] on the others.
         The rollout worker merges them into its own copy of the base weights."""
-        if self.lora is None:
-            raise RuntimeError("adapter_for_sync needs actor.lora.rank > 0")
-        adapters = {n: distributed.gather_weight(t).detach()
-                    for n, t in self.lora.adapters(self.engine.named_weight_shards()).items()}
-        return adapter_payload(self.lora, adapters) if self.rank == 0 else []
+        payload = weights_on_every_rank(self, adapter=True)  # the same gather; rank 0 keeps it
+        return payload if self.rank == 0 else []
 
     @collective
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
