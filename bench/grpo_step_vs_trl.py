@@ -38,6 +38,7 @@ which), so on a bf16 CPU ``trl_bf16`` is the like-for-like baseline and ``trl`` 
     python bench/grpo_step_vs_trl.py                 # the full table, KL off and on (long: ~1 h on 2 cores)
     python bench/grpo_step_vs_trl.py --quick         # smoke run (~1 min)
     python bench/grpo_step_vs_trl.py --kl off --configs trl defaults --repeats 1
+    python bench/grpo_step_vs_trl.py --kl off --configs trl defaults --repeats 1 --isa avx2   # AVX2-only kernels
 """
 
 from __future__ import annotations
@@ -278,6 +279,12 @@ def run_hybridflow(spec: dict) -> dict:
     return {"steps": steps[spec["warmup"]:], "notes": notes}
 
 
+# What an AVX2-only CPU (no AVX-512, no bf16 hardware) would run, emulated on a newer CPU: oneDNN (the
+# bf16 and packed matmuls), MKL (the fp32 matmuls) and ATen's own kernels capped at AVX2. The cores'
+# speed per instruction stays this CPU's, so it is a figure for the kernels, not for another machine.
+ISA_CAPS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
 def auto_dtype() -> str:
     """What hybridflow's default ``model.dtype=auto`` trains in on this machine (and why)."""
     from hybridflow.utils.device import rule_train_dtype
@@ -445,10 +452,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: cap every kernel library at AVX2 (ISA_CAPS), an AVX2-only CPU's kernels on this one")
     args = parser.parse_args()
     if args.worker:
         worker_main(args.worker)
         return
+    if args.isa == "avx2":
+        os.environ.update(ISA_CAPS)  # the workers inherit it; hybridflow's dtype rule reads oneDNN's cap
     if args.quick:
         args.prompts, args.n, args.max_tokens, args.median_tokens = 4, 4, 32, 8.0
         args.steps, args.repeats = 1, 1
@@ -470,7 +481,8 @@ def main() -> None:
           f"sigma {args.sigma:g}, cap {args.max_tokens}: mean {statistics.mean(flat):.1f}, max {flat[-1]}, "
           f"{sum(flat)} tokens), {args.threads} thread(s), AdamW lr {LR:g}, one optimizer step per batch; TRL in "
           f"fp32 (trl_bf16: bf16=True), hybridflow in its default model.dtype=auto ({auto_dtype()})")
-    print(f"cpu: {cpu}, {os.cpu_count()} cores; {args.warmup} warm-up + {args.steps} timed step(s) per run, "
+    caps = f" (kernels capped: {' '.join(f'{k}={v}' for k, v in ISA_CAPS.items())})" if args.isa == "avx2" else ""
+    print(f"cpu: {cpu}{caps}, {os.cpu_count()} cores; {args.warmup} warm-up + {args.steps} timed step(s) per run, "
           f"median over {args.repeats} alternating round(s)")
 
     base = dict(work=str(work), prompts=args.prompts, n=args.n, max_tokens=args.max_tokens,

@@ -92,7 +92,7 @@ def rule_cpu_rollout_dtype(cpu: CpuFeatures, num_parameters: int | None) -> Dtyp
     """The CPU rollout dtype for ``auto`` (module docstring): the hardware's bf16 flags and the
     model's parameter count (None: unknown, or an engine whose decode the figures do not describe)."""
     if not cpu.native_bf16:
-        return DtypeChoice("float32", f"no avx512_bf16/amx_bf16 on {cpu.model_name or 'this CPU'}: bf16 would be "
+        return DtypeChoice("float32", f"{cpu.bf16_flags()} on {cpu.model_name or 'this CPU'}: bf16 would be "
                                       "emulated, far slower than fp32")
     if num_parameters is None:
         return DtypeChoice("float32", "bf16 hardware, but no model size to apply the rule to (an engine that does not "

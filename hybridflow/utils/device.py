@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -43,31 +45,70 @@ def parse_dtype(name: str) -> torch.dtype:
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+# oneDNN runs a CPU's bf16 matmuls; ``ONEDNN_MAX_CPU_ISA`` (older name ``DNNL_MAX_CPU_ISA``) caps the
+# instructions it may use, and below a flag's level oneDNN emulates bf16 however new the CPU is. The
+# values are oneDNN's ``dnnl_cpu_isa_t`` bit masks: a cap allows an instruction set when it holds all of
+# that set's bits. Users set the cap to reproduce an older CPU's numbers (or to dodge a kernel bug).
+ONEDNN_ISA_MASKS = {
+    "SSE41": 0x1, "AVX": 0x3, "AVX2": 0x7, "AVX2_VNNI": 0xF, "AVX2_VNNI_2": 0x1F,
+    "AVX512_CORE": 0x27, "AVX512_CORE_VNNI": 0x67, "AVX512_CORE_BF16": 0xE7,
+    "AVX10_1_512": 0x1EF, "AVX512_CORE_FP16": 0x1EF, "AVX10_1_512_AMX": 0xFEF, "AVX512_CORE_AMX": 0xFEF,
+    "AVX10_1_512_AMX_FP16": 0x1FEF, "AVX512_CORE_AMX_FP16": 0x1FEF,
+}
+_FLAG_ISA = {"avx512_bf16": "AVX512_CORE_BF16", "amx_bf16": "AVX512_CORE_AMX"}
+
+
+def onednn_isa_cap(environ: Mapping[str, str] = os.environ) -> str:
+    """The instruction-set cap set for oneDNN (upper-cased, as oneDNN reads it case-blind), or "" for
+    none; ``ALL``/``DEFAULT`` and names oneDNN does not know (it ignores them too) are no cap."""
+    value = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return value if value in ONEDNN_ISA_MASKS else ""
+
+
 @dataclass(frozen=True)
 class CpuFeatures:
     """What this CPU offers the kernels torch picks (``cpu_features``)."""
 
     vendor: str  # "GenuineIntel", "AuthenticAMD", ... ("" when unknown)
     model_name: str
-    flags: frozenset[str]
+    flags: frozenset[str]  # what the CPU has (/proc/cpuinfo)
     capability: str  # torch's dispatch level: "AVX512", "AVX2", "DEFAULT", ...
+    onednn_isa: str = ""  # ``onednn_isa_cap``: "" when oneDNN may use every instruction the CPU has
+
+    def _usable(self, flag: str) -> bool:
+        """``flag`` is on the CPU and oneDNN, which runs the bf16 matmuls, may use it."""
+        if flag not in self.flags:
+            return False
+        needed = ONEDNN_ISA_MASKS[_FLAG_ISA[flag]]
+        return not self.onednn_isa or ONEDNN_ISA_MASKS[self.onednn_isa] & needed == needed
 
     @property
     def avx512_bf16(self) -> bool:
-        return "avx512_bf16" in self.flags
+        return self._usable("avx512_bf16")
 
     @property
     def amx_bf16(self) -> bool:
-        return "amx_bf16" in self.flags
+        return self._usable("amx_bf16")
 
     @property
     def native_bf16(self) -> bool:
-        """Whether bf16 matmuls run on bf16 hardware here (either flag of ``NATIVE_BF16_FLAGS``)."""
+        """Whether bf16 matmuls run on bf16 hardware here (either flag of ``NATIVE_BF16_FLAGS``, not
+        capped away by ``ONEDNN_MAX_CPU_ISA``)."""
         return self.avx512_bf16 or self.amx_bf16
 
+    def bf16_flags(self) -> str:
+        """The bf16 flags the matmuls use, or why none: "avx512_bf16, amx_bf16", "no avx512_bf16/amx_bf16",
+        "avx512_bf16 capped by ONEDNN_MAX_CPU_ISA=AVX2"."""
+        usable = [f for f in NATIVE_BF16_FLAGS if self._usable(f)]
+        if usable:
+            return ", ".join(usable)
+        present = [f for f in NATIVE_BF16_FLAGS if f in self.flags]
+        if present:
+            return f"{', '.join(present)} capped by ONEDNN_MAX_CPU_ISA={self.onednn_isa}"
+        return "no avx512_bf16/amx_bf16"
+
     def describe(self) -> str:
-        bf16 = ", ".join(f for f in NATIVE_BF16_FLAGS if f in self.flags) or "no avx512_bf16/amx_bf16"
-        return f"{self.model_name or 'unknown CPU'} ({self.vendor or 'unknown vendor'}; torch {self.capability}; {bf16})"
+        return f"{self.model_name or 'unknown CPU'} ({self.vendor or 'unknown vendor'}; torch {self.capability}; {self.bf16_flags()})"
 
 
 def parse_cpuinfo(text: str) -> tuple[str, str, frozenset[str]]:
@@ -95,7 +136,7 @@ def cpu_features() -> CpuFeatures:
     except OSError:
         vendor, model_name, flags = "", platform.processor(), frozenset()
     return CpuFeatures(vendor=vendor, model_name=model_name, flags=flags,
-                       capability=torch.backends.cpu.get_cpu_capability())
+                       capability=torch.backends.cpu.get_cpu_capability(), onednn_isa=onednn_isa_cap())
 
 
 AUTO_DTYPE = "auto"
@@ -124,9 +165,8 @@ def rule_train_dtype(
         return "float32", "this CUDA device has no bf16 tensor cores (compute capability below 8.0): bf16 would be emulated"
     cpu = cpu or cpu_features()
     if not cpu.native_bf16:
-        return "float32", f"{cpu.model_name or 'this CPU'} has no avx512_bf16/amx_bf16: bf16 would be emulated"
-    flags = ", ".join(f for f in NATIVE_BF16_FLAGS if f in cpu.flags)
-    return "bfloat16", f"{cpu.model_name or 'this CPU'} has {flags}: bf16-mixed updates measured 1.35-1.7x fp32"
+        return "float32", f"{cpu.model_name or 'this CPU'}: {cpu.bf16_flags()}: bf16 would be emulated"
+    return "bfloat16", f"{cpu.model_name or 'this CPU'} has {cpu.bf16_flags()}: bf16-mixed updates measured 1.35-1.7x fp32"
 
 
 def train_dtype(setting: str, device_type: str) -> str:
