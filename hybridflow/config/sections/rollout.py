@@ -107,7 +107,8 @@ class RolloutConfig:
     )
     dtype: str = f(
         "auto", "Rollout compute dtype: auto | tune | float32 | bfloat16. auto, a rule of the hardware and the model "
-        "(never a timing): bfloat16 on a GPU; on a CPU bfloat16 where it has bf16 hardware (avx512_bf16/AMX) and "
+        "(never a timing): bfloat16 on a GPU; on a CPU bfloat16 where it has bf16 hardware (avx512_bf16/AMX, not capped "
+        "away by ONEDNN_MAX_CPU_ISA) and "
         "the native engine decodes a model of at least 10M parameters, else float32. tune: on such a CPU, a "
         "probe at set-up times the native engine's decode of this model, bfloat16 if at least 1.2x faster with "
         "its logprobs within trainer.health.logprob_mismatch of fp32's. Decided once per run for every replica, "
