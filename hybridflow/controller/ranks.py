@@ -74,7 +74,7 @@ def _run_rank(rank: int, world: int, port: int, train: Train[J], job: J) -> Any:
         return train(rank, world, job, device)
     finally:
         if world > 1:
-            distributed.dist.destroy_process_group()
+            distributed.close_process_group()
 
 
 def _run_worker_group(backend: str, role: str, world: int, train: Train[J], job: J) -> Any:

@@ -30,6 +30,7 @@ nothing, are ``hybridflow.training.sharded_checkpoint``.
 
 from __future__ import annotations
 
+import gc
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -143,6 +144,20 @@ def all_reduce_max(value: int) -> int:
     t = torch.tensor([int(value)], dtype=torch.int64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def close_process_group() -> None:
+    """Leave the process group (and every group made from it) while the interpreter is whole.
+
+    The roles' FSDP modules and device meshes hold the groups inside reference cycles, which only
+    the garbage collector frees: left to the interpreter's exit, gloo's worker threads can be torn
+    down with work still referencing tensors, and the process aborts (SIGABRT, "terminate called
+    without an active exception") after a run that finished, as torch's own c10d notes describe
+    (pytorch/pytorch#179291). Collecting first frees them while Python can still run their
+    destructors. Call it where the ranks' models are no longer referenced (after the training
+    function returned), or the collection cannot free them."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def barrier() -> None:

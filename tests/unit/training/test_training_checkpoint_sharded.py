@@ -110,7 +110,7 @@ def _two_ranks(rank: int, world: int, port: int, root: str, out: dict) -> None:
                 out[f"{fmt}/same_weights"] = after.keys() == weights.keys() and all(
                     torch.equal(after[k], weights[k]) for k in weights)
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
 
 
 def _four_ranks(rank: int, world: int, port: int, root: str, out: dict) -> None:
@@ -124,7 +124,7 @@ def _four_ranks(rank: int, world: int, port: int, root: str, out: dict) -> None:
         out[f"draw/{rank}"] = torch.rand(3)
         out["losses"] = resumed_losses(resumed, world)
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
 
 
 def spawn(fn, world: int, root: Path) -> dict:

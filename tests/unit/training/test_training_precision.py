@@ -103,17 +103,21 @@ def _rank_step(rank: int, world: int, port: int, fsdp_size: int, out: dict) -> N
     distributed.init_process_group(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
                                    device=torch.device("cpu"))
     try:
-        batch = random_batch(batch_size=8, seed=5)
-        shard = batch.chunk(world)[rank]
-        engine = TrainEngine(build_tiny_model(SPEC, seed=4), OptimSpec(lr=1e-2), torch.device("cpu"),
-                             data_parallel=True, fsdp_size=fsdp_size)
-        metrics = engine.optimizer_step([shard], token_mean_loss(batch), temperature=1.0, with_entropy=False)
-        weights = dict(engine.named_weights())
-        if rank == 0:
-            out["grad_norm"] = metrics["actor/grad_norm"]
-            out["weights"] = {k: v.clone() for k, v in weights.items()}
+        _train_one_step(rank, world, fsdp_size, out)  # its engine is gone when the group closes
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
+
+
+def _train_one_step(rank: int, world: int, fsdp_size: int, out: dict) -> None:
+    batch = random_batch(batch_size=8, seed=5)
+    shard = batch.chunk(world)[rank]
+    engine = TrainEngine(build_tiny_model(SPEC, seed=4), OptimSpec(lr=1e-2), torch.device("cpu"),
+                         data_parallel=True, fsdp_size=fsdp_size)
+    metrics = engine.optimizer_step([shard], token_mean_loss(batch), temperature=1.0, with_entropy=False)
+    weights = dict(engine.named_weights())
+    if rank == 0:
+        out["grad_norm"] = metrics["actor/grad_norm"]
+        out["weights"] = {k: v.clone() for k, v in weights.items()}
 
 
 def _run_two_ranks(fsdp_size: int) -> dict:

@@ -119,7 +119,7 @@ def _rank(rank: int, world: int, port: int, out: dict) -> None:
         if rank == 0:
             out["values"] = values
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
 
 
 def test_two_sequence_parallel_ranks_train_like_one_process() -> None:

@@ -163,7 +163,7 @@ def run_trainer(rank: int, port: int, sync_port: int, out: Path) -> dict[str, An
     # Torn down before the process exits: gloo's threads destroyed at interpreter exit, after
     # point-to-point sends, abort the process now and then ("terminate called without an active
     # exception"), as the other multi-rank tests do.
-    distributed.dist.destroy_process_group()
+    distributed.close_process_group()
     return result
 
 
@@ -329,7 +329,7 @@ def uneven_worker(rank: int, port: int, out_dir: str) -> None:
         for tensor in state.values():  # rank 0's reference is a collective: join it
             tensor.full_tensor()
         Path(out_dir, f"uneven{rank}.json").write_text(json.dumps({"error": error}))
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
         return
     pieces: dict[str, list[torch.Tensor]] = {}
     with distributed.lead_bucket_gathers(plan) as buckets:
@@ -342,7 +342,7 @@ def uneven_worker(rank: int, port: int, out_dir: str) -> None:
         "cuts": {name: distributed.shard_row_cuts(tensor) for name, tensor in state.items()},
     }
     Path(out_dir, "uneven0.json").write_text(json.dumps(result))
-    distributed.dist.destroy_process_group()
+    distributed.close_process_group()
 
 
 def test_uneven_shards_reassemble_exactly_from_their_owners(tmp_path: Path) -> None:

@@ -193,7 +193,7 @@ def _two_rank_actor(rank: int, world: int, port: int, model_dir: str, root: str,
             out["merged"] = {k: v.clone() for k, v in merged}
             out["streamed"] = {k: torch.cat(v) for k, v in streamed.items()}
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
 
 
 def test_two_sharded_ranks_train_sync_and_checkpoint_like_one(model_dir, tmp_path):
@@ -417,7 +417,7 @@ def _two_rank_bf16_actor(rank: int, world: int, port: int, model_dir: str, out) 
             out["adapters"] = {k: v.clone() for k, v in adapters}
             out["merged"] = {k: v.clone() for k, v in merged}
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
 
 
 def test_bf16_base_on_two_sharded_ranks_trains_like_one(model_dir):

@@ -129,7 +129,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, pairs: int, out: dic
         actor = ActorWorker(rank, world, *_rank_config(model_dir))
         out[rank] = actor.update_actor(_rank_batch(world, pairs).chunk(world)[rank])
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
 
 
 def _rank_config(model_dir: str):

@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: dict) -> None:
     try:
         out[rank] = _run(_actor(model_dir, rank, world), _batch().chunk(world)[rank])
     finally:
-        distributed.dist.destroy_process_group()
+        distributed.close_process_group()
 
 
 def test_a_sequence_parallel_actor_group_acts_as_one_data_parallel_rank(tmp_path) -> None:
