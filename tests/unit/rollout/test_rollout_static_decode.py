@@ -27,8 +27,10 @@ def test_batch_buckets_pad_small_batches_to_powers_of_two_and_large_ones_to_step
 
 
 def test_key_buckets_round_up_to_the_bucket_and_stop_at_the_capacity():
-    assert [key_bucket(n, 1024) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1024]
+    assert [key_bucket(n, 1024) for n in (1, 64, 65, 128, 129, 256, 257, 1000)] == [
+        64, 64, 128, 128, 256, 256, 512, 1024]
     assert key_bucket(300, 320) == 320
+    assert key_bucket(40, 50) == 50 and key_bucket(90, 100) == 100
     with pytest.raises(ValueError, match="outside"):
         key_bucket(321, 320)
 
@@ -43,8 +45,8 @@ def test_token_buckets_are_powers_of_two_then_eight_per_doubling():
         token_bucket(0)
 
 
-def make_cache(rows: int, capacity: int, seed: int) -> SlotKVCache:
-    cache = SlotKVCache(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, device=torch.device("cpu"),
+def make_cache(rows: int, capacity: int, seed: int, dtype: torch.dtype = torch.float32) -> SlotKVCache:
+    cache = SlotKVCache(num_layers=2, num_kv_heads=2, head_dim=16, dtype=dtype, device=torch.device("cpu"),
                         max_decode_rows=rows, prompt_rows=2, memory_budget_bytes=1 << 30, max_capacity=capacity)
     assert cache.ensure_capacity(capacity, live_rows=0)
     generator = torch.Generator().manual_seed(seed)
@@ -77,6 +79,29 @@ def test_padded_static_step_equals_the_dynamic_step(monkeypatch):
     changed = (static_cache.keys != dynamic_cache.keys).any(dim=(0, 2, 3))  # (rows, positions)
     assert changed[5:8, 0].all() and not changed[5:8, 1:].any()
     assert not changed[8:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.inference_mode()
+def test_short_key_buckets_give_the_logits_of_the_full_bucket_to_the_bit(monkeypatch, dtype):
+    """Reading 64 or 128 key positions instead of 256 changes no logit: the keys past a row's position get
+    no weight, in bf16 (the static mode's precision on a CPU) and in float32."""
+    compact = CompactCausalLM.from_hf(make_model().to(dtype), max_positions=256)
+    generator = torch.Generator().manual_seed(5)
+    for rows, key_length in ((8, 40), (3, 64), (5, 100), (16, 128)):
+        tokens = torch.randint(1, 250, (rows,), generator=generator)
+        positions = torch.randint(0, key_length, (rows,), generator=generator)
+        positions[0] = key_length - 1
+        assert key_bucket(key_length, 256) < graphs.KEY_BUCKET
+        logits = {}
+        for smallest in (graphs.MIN_KEY_BUCKET, graphs.KEY_BUCKET):  # the new buckets, then 256 keys always
+            monkeypatch.setattr(graphs, "MIN_KEY_BUCKET", smallest)
+            cache = make_cache(16, 256, seed=2, dtype=dtype)
+            decoder = StaticDecoder(compact, cache, max_rows=16, pad_token_id=PAD, capture=False)
+            logits[smallest] = decoder.forward(tokens, positions, key_length).clone()
+        monkeypatch.undo()
+        short, full = logits.values()
+        assert torch.equal(short, full), (rows, key_length)
 
 
 def run_mixed_workload(decode_mode: str) -> list[list[tuple[list[int], list[float]]]]:
