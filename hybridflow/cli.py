@@ -31,10 +31,18 @@ from hybridflow.config import ConfigError, explain_config, list_presets, load_co
 from hybridflow.controller.checkpoint import CheckpointError
 
 
-def _add_config_args(p: argparse.ArgumentParser, *, presets: bool = True) -> None:
-    """The config flags; ``presets=False`` for a command the RL presets mean nothing to (sft)."""
+OWN_PRESETS = ("rm",)  # the commands whose --preset names presets of their own (list_presets(command))
+
+
+def _add_config_args(p: argparse.ArgumentParser, *, presets: bool = True, command: str | None = None) -> None:
+    """The config flags; ``presets=False`` for a command the RL presets mean nothing to (sft); ``command``:
+    a command with presets of its own (``list_presets(command)``), which ``--preset`` then names."""
     _add_debug(p)
-    if presets:
+    if command is not None:
+        p.add_argument("--preset", default=None,
+                       help=f"starting preset of hybridflow {command}: {', '.join(list_presets(command))} "
+                            f"(default: none, the settings' defaults)")
+    elif presets:
         p.add_argument("--preset", default=None,
                        help=f"starting preset: {', '.join(list_presets())} (default: grpo's settings, or verl's "
                             f"algorithm.adv_estimator=gae on a command line in verl's keys)")
@@ -66,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     dpo = sub.add_parser("dpo", help="direct preference optimisation on (prompt, chosen, rejected) pairs")
     _add_config_args(dpo, presets=False)
     rm = sub.add_parser("rm", help="train a reward model (Bradley-Terry) on (prompt, chosen, rejected) pairs")
-    _add_config_args(rm, presets=False)
+    _add_config_args(rm, command="rm")  # its own presets: the RL ones set nothing it reads
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     explain = config_sub.add_parser("explain", help="print the resolved config and the derived plan")
@@ -494,7 +502,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "config":
         return _explain(args)
     cfg = load_config(args.preset, args.config_file, args.overrides, config_path=args.config_path,
-                      config_name=args.config_name)
+                      config_name=args.config_name, command=args.command if args.command in OWN_PRESETS else None)
     if args.command == "plan":
         from hybridflow.config.plan_report import memory_plan_lines
         from hybridflow.controller.preflight import config_needs_critic

@@ -52,23 +52,32 @@ PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 log = logging.getLogger(__name__)
 
 
-def list_presets() -> list[str]:
-    """Names of the shipped presets (``hybridflow/config/presets/<name>.yaml``), sorted."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+def _presets_dir(command: str | None) -> Path:
+    # A command other than train keeps its presets in a folder of its own: a train preset means nothing
+    # to it, and its presets (which set shared keys such as trainer.total_training_steps) must not reach train.
+    return PRESETS_DIR if command is None else PRESETS_DIR / command
 
 
-def preset_path(name: str) -> Path:
-    """The file of preset ``name``; ``ConfigError`` with the closest name if there is none."""
-    available = list_presets()
+def list_presets(command: str | None = None) -> list[str]:
+    """Names of the shipped presets, sorted: ``hybridflow train``'s (``hybridflow/config/presets/<name>.yaml``),
+    or with ``command`` that command's own (``presets/<command>/<name>.yaml``, e.g. ``hybridflow rm``'s)."""
+    return sorted(p.stem for p in _presets_dir(command).glob("*.yaml"))
+
+
+def preset_path(name: str, command: str | None = None) -> Path:
+    """The file of preset ``name`` (of ``command``, see ``list_presets``); ``ConfigError`` with the closest
+    name if there is none."""
+    available = list_presets(command)
     if name not in available:
         close = difflib.get_close_matches(name, available, n=1, cutoff=SUGGESTION_CUTOFF)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"unknown preset {name!r}; {hint}available presets: {', '.join(available)}", key=PRESET_KEY)
-    return PRESETS_DIR / f"{name}.yaml"
+        whose = f"hybridflow {command}'s presets" if command else "available presets"
+        raise ConfigError(f"unknown preset {name!r}; {hint}{whose}: {', '.join(available) or 'none'}", key=PRESET_KEY)
+    return _presets_dir(command) / f"{name}.yaml"
 
 
-def _apply_preset(cfg: Config, name: str, assigned: set[str] | None = None) -> None:
-    path = preset_path(name)
+def _apply_preset(cfg: Config, name: str, assigned: set[str] | None = None, command: str | None = None) -> None:
+    path = preset_path(name, command)
     mapping = read_yaml_mapping(path, what=f"preset '{name}'")
     apply_mapping(cfg, mapping, "", f"preset '{name}' ({path})")
     if assigned is not None:
@@ -82,6 +91,7 @@ def load_config(
     *,
     config_path: str | None = None,
     config_name: str | None = None,
+    command: str | None = None,
 ) -> Config:
     """Resolve a ``Config``: schema defaults, then ``preset``, then the Hydra composition of
     ``config_name`` in ``config_path`` (``--config-path/--config-name``), then ``config_file``, then
@@ -95,11 +105,13 @@ def load_config(
     A run left unnamed (``trainer.experiment_name`` at the schema default) is named after the
     preset and the data (``default_experiment_name``): ``--preset dapo`` writes ``runs/dapo-...``.
 
+    ``command``: the command whose presets ``preset`` names (``list_presets``); None: ``hybridflow train``'s.
+
     The result is type-checked but not semantically validated: call ``validate_config``. Raises
     the first problem, or ``ConfigErrors`` listing all of them (``load_config_collecting``).
     """
     cfg, errors = load_config_collecting(preset, config_file, overrides, config_path=config_path,
-                                         config_name=config_name)
+                                         config_name=config_name, command=command)
     raise_all(errors)
     return cfg
 
@@ -111,6 +123,7 @@ def load_config_collecting(
     *,
     config_path: str | None = None,
     config_name: str | None = None,
+    command: str | None = None,
 ) -> tuple[Config, list[ConfigError]]:
     """``load_config`` that goes on past a bad key: the config with every good key applied, and
     every error found (a key that failed keeps its earlier layer's value)."""
@@ -128,7 +141,7 @@ def load_config_collecting(
             if named is not None and not isinstance(named, str):
                 errors.append(ConfigError(
                     f"config file '{config_file}': '{PRESET_KEY}' must be a preset name, got "
-                    f"{value_text(named)}; available presets: {', '.join(list_presets())}",
+                    f"{value_text(named)}; available presets: {', '.join(list_presets(command))}",
                     key=PRESET_KEY,
                 ))
             else:
@@ -138,7 +151,7 @@ def load_config_collecting(
         composed = layers.attempt(_compose, config_path, config_name, parsed)
     cfg = Config()
     if preset is not None:
-        layers.attempt(_apply_preset, cfg, preset, layers.assigned)
+        layers.attempt(_apply_preset, cfg, preset, layers.assigned, command)
     critic_defaults = _apply_composed(cfg, composed, layers) if composed is not None else []
     if config_file is not None:
         source = f"config file '{config_file}'"
@@ -157,7 +170,8 @@ def load_config_collecting(
     verl = (composed is not None and composed.uses_verl) or any(
         key.startswith(VERL_ONLY_SECTION) for key in [p.key for p in parsed] + [k for k, _ in _flat(file_mapping)])
     layers.apply_global_micro(cfg)
-    named_after = verl_defaults(cfg, layers.assigned, verl=verl and preset is None) or preset
+    named_after = verl_defaults(cfg, layers.assigned, verl=verl and preset is None) or (
+        f"{command}-{preset}" if command and preset else preset)
     _apply_critic_defaults(cfg, critic_defaults, layers)
     if cfg.trainer.experiment_name == _UNNAMED_RUN:
         cfg.trainer.experiment_name = default_experiment_name(named_after, cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.config import Config, list_presets, load_config, preset_path, validate_config
+from hybridflow.config import Config, ConfigError, list_presets, load_config, preset_path, validate_config
 from hybridflow.config.yaml_io import read_yaml_mapping
 
 EXPECTED_PRESETS = {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "remax", "cispo", "sapo", "gpg", "ppo", "distill",
@@ -88,3 +88,29 @@ def test_distill_is_pure_distillation_from_the_builtin_teacher() -> None:
     d = load_config("distill").distillation
     assert d.enable and d.teacher.path == "builtin:tiny-teacher" and d.teachers == {}
     assert (d.kl_coef, d.reward_weight, d.discount) == (1.0, 0.0, 0.0)
+
+
+# hybridflow rm's own presets (presets/rm/): they set shared keys (trainer.total_training_steps), so they are
+# not train's, and train's set nothing rm reads.
+@pytest.mark.parametrize("name", list_presets("rm"))
+def test_an_rm_preset_parses_validates_and_names_its_source(name: str) -> None:
+    cfg = load_config(name, command="rm")
+    assert validate_config(cfg) == []
+    text = preset_path(name, "rm").read_text(encoding="utf-8")
+    assert text.startswith("# ") and "Source:" in text
+    assert name not in list_presets()  # train never loads it
+
+
+def test_rm_builtin_is_the_recipe_that_learns_the_builtin_pairs() -> None:
+    cfg = load_config("builtin", None, ["trainer.seed=3"], command="rm")
+    assert (cfg.rm.builtin_prompts, cfg.rm.extra_layers) == (5026, 2)
+    assert cfg.trainer.total_training_steps == 1000 and cfg.model.dtype == "float32"
+    assert cfg.trainer.seed == 3  # overrides still win
+    assert cfg.trainer.experiment_name.startswith("rm-builtin-")
+
+
+def test_a_preset_of_another_command_is_refused_naming_the_commands_presets() -> None:
+    with pytest.raises(ConfigError, match="hybridflow rm's presets: builtin"):
+        load_config("grpo", command="rm")
+    with pytest.raises(ConfigError, match="unknown preset 'builtin'"):
+        load_config("builtin")

@@ -67,3 +67,14 @@ def test_the_reward_model_counts_its_built_in_prompts_apart_from_dpo(monkeypatch
     pair_run.pair_files(cfg, "/warm-start", prompts=cfg.rm.builtin_prompts)  # what hybridflow rm asks for
     pair_run.pair_files(cfg, "/warm-start")  # hybridflow dpo
     assert asked == [(300, 256, 8), (20, 256, 8)]  # the same held-out prompts and samples either way
+
+
+def test_rm_offers_its_own_presets_not_the_rl_ones(capsys):
+    """``hybridflow rm --preset`` names rm's presets (presets/rm/: the built-in recipe), never train's."""
+    from hybridflow.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rm", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--preset" in help_text and "builtin" in help_text and "dapo" not in help_text
+    assert build_parser().parse_args(["rm", "--preset", "builtin"]).preset == "builtin"
