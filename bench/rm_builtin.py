@@ -12,12 +12,12 @@ for the cached figure). ``--min`` turns it into a check: exit 1 when the accurac
     python bench/rm_builtin.py rm.builtin_prompts=4096 trainer.total_training_steps=300   # 0.871, ~100 CPU-s
 
 (Intel Xeon with avx512_bf16/AMX, where model.dtype=auto is bf16-mixed; cached warm start, teacher and pairs;
-docs/guide.md has the rest.) On an AMD EPYC Zen 4, whose warm start and so pairs differ, the default command
-ranks 0.535 bf16-mixed, 0.652 float32, and the recipe that reaches 0.90 there is two added layers, all
-questions and 1,000 steps in float32 (0.949/0.918/0.922 at step 1000 over seeds 1/2/3, ~390 CPU-s;
-bf16-mixed 0.902 at 1000 but 0.859 at 950):
+docs/guide.md has the rest.) On an AMD EPYC Zen 4, whose warm start and so pairs differ (mostly one-digit
+slips), the default command ranks 0.629 bf16-mixed, 0.652 float32, and the recipe that reaches 0.90 there is
+hybridflow rm's preset: two added layers, all questions and 1,000 steps in float32 (0.949/0.918/0.922 at step
+1000 over seeds 1/2/3, ~390 CPU-s; bf16-mixed learns the slips later: 0.785 at step 700 where float32 is at 0.879):
 
-    python bench/rm_builtin.py model.dtype=float32 rm.builtin_prompts=5026 rm.extra_layers=2 trainer.total_training_steps=1000 trainer.test_freq=50
+    python bench/rm_builtin.py --preset builtin trainer.seed=1
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="hybridflow rm overrides (default: none)")
     parser.add_argument("--min", type=float, default=None, help="fail (exit 1) below this held-out accuracy")
+    parser.add_argument("--preset", default=None, help="hybridflow rm's preset (e.g. builtin)")
     args = parser.parse_args()
+    preset = ["--preset", args.preset] if args.preset else []
     with tempfile.TemporaryDirectory(prefix="rm-bench-") as out:
-        command = [sys.executable, "-m", "hybridflow.cli", "rm", *args.overrides, "trainer.num_threads=1",
+        command = [sys.executable, "-m", "hybridflow.cli", "rm", *preset, *args.overrides, "trainer.num_threads=1",
                    "trainer.logger=[jsonl]", "rm.export=false", f"trainer.output_dir={out}"]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(command, check=False, capture_output=True, text=True,
@@ -61,7 +63,7 @@ def main() -> int:
         curve = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     held_out = [(r["step"], r["val/rm/accuracy"]) for r in curve if "val/rm/accuracy" in r]
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    print("hybridflow rm " + " ".join(args.overrides))
+    print("hybridflow rm " + " ".join([*preset, *args.overrides]))
     print("held-out pair accuracy by step: " + " ".join(f"{s}:{a:.3f}" for s, a in held_out))
     print(f"final {held_out[-1][1]:.3f} in {cpu_s:.0f} CPU-s (one torch thread; {cpu_name()})")
     if args.min is not None and held_out[-1][1] < args.min:

@@ -3,7 +3,8 @@
     hybridflow train [--preset grpo] [--config my.yaml] [--config-path DIR --config-name NAME] [key=value ...]
     hybridflow sft [--config my.yaml] data.train_files=... [key=value ...]   (supervised fine-tuning)
     hybridflow dpo [--config my.yaml] [data.train_files=...] [key=value ...]   (preference pairs; none: built-in)
-    hybridflow rm [--config my.yaml] [data.train_files=...] [key=value ...]   (a reward model on preference pairs)
+    hybridflow rm [--preset builtin] [--config my.yaml] [data.train_files=...] [key=value ...]   (a reward model on
+                                                 preference pairs; its presets are its own: presets/rm/)
     hybridflow config explain [same as train]   (every config error at once, exit 2; what this machine
                                                  lacks as "cannot run here" lines, exit 0)
     hybridflow config presets
