@@ -18,6 +18,11 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m hybridflow.cli: the allocator is chosen before the imports below allocate
+    from hybridflow.utils.allocator import choose_allocator
+
+    choose_allocator()
+
 import argparse
 import errno
 import logging

@@ -9,9 +9,13 @@
 # password; about a minute), else that one test skips and says why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [[ ! -x /usr/bin/chromium || ! -x /usr/bin/chromedriver ]] && command -v apt-get >/dev/null; then
-    sudo=""; [[ "$(id -u)" == "0" ]] || sudo="sudo -n"
-    { $sudo apt-get update -qq && $sudo apt-get install -y -qq chromium chromium-driver; } \
-        || echo "scripts/test.sh: could not install chromium (needs root): the browser test will skip" >&2
+# jemalloc (HYBRIDFLOW_ALLOCATOR=jemalloc) likewise, so its re-execution test runs rather than skips.
+jemalloc_missing() { ! ls /usr/lib/*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 >/dev/null 2>&1; }
+if [[ ! -x /usr/bin/chromium || ! -x /usr/bin/chromedriver ]] || jemalloc_missing; then
+    if command -v apt-get >/dev/null; then
+        sudo=""; [[ "$(id -u)" == "0" ]] || sudo="sudo -n"
+        { $sudo apt-get update -qq && $sudo apt-get install -y -qq chromium chromium-driver libjemalloc2; } \
+            || echo "scripts/test.sh: could not install chromium and libjemalloc2 (needs root): their tests will skip" >&2
+    fi
 fi
 python3 -m venv .venv && . .venv/bin/activate && pip install -q "torch==2.13.0" -e ".[test]" && python -m pytest "$@"

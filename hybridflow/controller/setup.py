@@ -102,6 +102,7 @@ from hybridflow.tracking import ProgressBar, Tracker
 from hybridflow.tracking.timeline import TIMELINE_FILENAME, Timeline
 from hybridflow.types import TrainBatch
 from hybridflow.utils.device import configure_threads
+from hybridflow.utils.allocator import describe as describe_allocator
 from hybridflow.utils.memory import configure_host_allocator
 from hybridflow.utils.seed import seed_everything
 from hybridflow.utils.storage import Storage, is_remote
@@ -232,6 +233,7 @@ def build_run(cfg: Config) -> RunSetup:
     t, d, a = cfg.trainer, cfg.data, cfg.actor
     device = config_device(t.device)
     configure_host_allocator(device)  # before the models load: this process computes on it (local backend)
+    log.info(describe_allocator())
     storage = Storage(endpoint_url=cfg.storage.endpoint_url)
     check_storage(cfg, storage)
     local_model = fetch_model(cfg, storage)
