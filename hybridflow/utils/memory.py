@@ -216,8 +216,10 @@ def configure_host_allocator(device: torch.device) -> bool:
     frees, which differs between runs by thread timing. On the ~18M long-tail step
     (``bench/memory_timeline.py``, AMD EPYC Zen 4, four identical runs) the process peaked at
     2.24-2.38 GB (median 2.28) with glibc's defaults, 2.17-2.30 (median 2.21) with these, CPU-seconds
-    within noise (70-73 per run against 70.5). A lower fixed threshold (1 MiB: every activation mapped, and returned on free)
-    peaked at 1.80 GB but cost +44% CPU-seconds in page faults: not taken.
+    within noise (70-73 per run against 70.5); with the trim threshold added, 2.32-2.42 GB (median 2.36:
+    the heap's top is kept, 3.3x fewer page faults). A lower fixed threshold (1 MiB: every activation
+    mapped, and returned on free) peaked at 1.80 GB but cost +44% CPU-seconds in page faults: not
+    taken. jemalloc does better still (``utils.allocator``: 1.89-1.90 GB at the same CPU-seconds).
 
     Nothing changes where glibc is not the C library, for another device, or where the user set
     malloc themselves (``_MALLOC_ENV``: an allocator preloaded, glibc tunables). Calling it again
