@@ -217,7 +217,7 @@ def configure_host_allocator(device: torch.device) -> bool:
     (``bench/memory_timeline.py``, AMD EPYC Zen 4, four identical runs) the process peaked at
     2.24-2.38 GB (median 2.28) with glibc's defaults, 2.17-2.30 (median 2.21) with these, CPU-seconds
     within noise (70-73 per run against 70.5); with the trim threshold added, 2.32-2.42 GB (median 2.36:
-    the heap's top is kept, 3.3x fewer page faults). A lower fixed threshold (1 MiB: every activation
+    the heap's top is kept: the default run faults 3.3x fewer pages). A lower fixed threshold (1 MiB: every activation
     mapped, and returned on free) peaked at 1.80 GB but cost +44% CPU-seconds in page faults: not
     taken. jemalloc does better still (``utils.allocator``: 1.89-1.90 GB at the same CPU-seconds).
 
