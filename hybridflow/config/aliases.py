@@ -99,6 +99,8 @@ KEYS: dict[str, str] = {
     "data.response_key": "sft.response_key",
     "data.max_length": "sft.max_length",
     "data.micro_batch_size_per_gpu": "actor.ppo_micro_batch_size_per_gpu",
+    # verl's colocated actor, rollout and reference in one process per GPU; true in verl's every config, as here.
+    "actor_rollout_ref.hybrid_engine": "trainer.hybrid_engine",
 }
 
 IGNORED: dict[str, str] = {
@@ -108,8 +110,6 @@ IGNORED: dict[str, str] = {
     "actor_rollout_ref.rollout.mode": "rollout.mode here picks in-process (engine) or HTTP server (server) generation; "
                                       "verl's sync/async has no counterpart",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "the reference is offloaded with the actor's fsdp_config",
-    "actor_rollout_ref.hybrid_engine": "the actor and rollout always share their placement unless rollout.placement=split; "
-                                       "trainer.hybrid_engine=true puts them in one process per rank on Ray",
 }
 
 

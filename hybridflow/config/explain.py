@@ -25,6 +25,7 @@ from hybridflow.config.layout import (
     data_parallel_size,
     dp_source,
     hybrid_engine_blockers,
+    replica_restarts,
     rollout_replicas,
     shares_processes,
 )
@@ -398,13 +399,12 @@ def _process_line(cfg: Config) -> str:
 
 def _fault_line(cfg: Config) -> str:
     """What a Ray run does when a worker process dies (in-process workers die with the controller)."""
-    replica, limit = cfg.rollout.max_replica_restarts, cfg.trainer.max_restarts
+    replica, limit = replica_restarts(cfg), cfg.trainer.max_restarts
     replicas = (f"a rollout replica whose process dies is restarted at the next weight sync, its requests served by "
                 f"the others (up to rollout.max_replica_restarts={replica} times each)" if replica else
                 "a rollout replica's death stops the run (rollout.max_replica_restarts=0)")
-    if shares_processes(cfg):
-        replicas = (f"rollout replica r shares actor rank r's process, so its death is the actor rank's "
-                    f"(rollout.max_replica_restarts={replica} does not apply)")
+    if shares_processes(cfg):  # only with max_replica_restarts null or 0: a value above keeps a process per rank
+        replicas = "rollout replica r shares actor rank r's process, so its death is the actor rank's"
     ranks = ("stops the run naming the rank and its node; the same command resumes from the newest checkpoint "
              "(trainer.max_restarts=0)" if limit == 0 else
              f"rebuilds every worker group on the nodes with room and resumes from the newest checkpoint, up to "

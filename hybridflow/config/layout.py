@@ -102,7 +102,9 @@ def hybrid_engine_blockers(cfg: Config) -> list[str]:
     """Why ``trainer.hybrid_engine`` cannot put this run's colocated roles in one process per bundle
     (each names its key); [] when it can. Each needs a rank or replica in a process of its own: a pool
     of its own, a reservation per replica, a group over part of the pool, generation beside training
-    (one process runs one call at a time), one profiler per process, an engine not tried sharing one."""
+    (one process runs one call at a time), one profiler per process, an engine not tried sharing one,
+    a broadcast (its two sides run at once), a replica restarted alone. The last two are what a user
+    asked for by name: they keep a process per rank rather than be refused or silently dropped."""
     r, t = cfg.rollout, cfg.trainer
     reasons = []
     if r.placement == "split":
@@ -118,6 +120,11 @@ def hybrid_engine_blockers(cfg: Config) -> list[str]:
         reasons.append("trainer.profile.steps records one profiler per process")
     if r.name != "native":
         reasons.append(f"rollout.name={r.name}: only the native engine shares a process with the trainer here")
+    if r.weight_sync == "broadcast":  # both sides at once: a process here runs one call at a time
+        reasons.append("rollout.weight_sync=broadcast streams the weights to each replica's own process")
+    if r.max_replica_restarts:  # asked for: a replica beside its actor rank dies with it, never restarted alone
+        reasons.append(f"rollout.max_replica_restarts={r.max_replica_restarts} restarts a replica in a process of its "
+                       f"own")
     return reasons
 
 
@@ -125,3 +132,17 @@ def shares_processes(cfg: Config) -> bool:
     """Whether the colocated roles' ranks of a bundle live in one Ray process (``trainer.hybrid_engine``)."""
     t = cfg.trainer
     return t.hybrid_engine and t.backend == "ray" and not hybrid_engine_blockers(cfg)
+
+
+DEFAULT_REPLICA_RESTARTS = 3
+"""``rollout.max_replica_restarts=null`` where a replica has a process of its own: a few deaths (a
+killed process, an out-of-memory kill) are survived, and a replica that keeps dying stops the run."""
+
+
+def replica_restarts(cfg: Config) -> int:
+    """``rollout.max_replica_restarts`` resolved: the value set, else ``DEFAULT_REPLICA_RESTARTS``, or
+    0 where each replica shares its actor rank's process (a replica's death is then its rank's)."""
+    value = cfg.rollout.max_replica_restarts
+    if value is not None:
+        return value
+    return 0 if shares_processes(cfg) else DEFAULT_REPLICA_RESTARTS

@@ -21,7 +21,7 @@ from hybridflow.cluster.worker_group import (
     wait_all,
 )
 from hybridflow.config import Config, ConfigError
-from hybridflow.config.layout import data_parallel_size, rollout_replicas
+from hybridflow.config.layout import data_parallel_size, replica_restarts, rollout_replicas
 from hybridflow.controller.preflight import judge_api_key
 from hybridflow.controller.prime import ImplicitPRM
 from hybridflow.controller.replica_pool import ElasticReplicas, replica_role
@@ -244,7 +244,7 @@ def build_rollout_replicas(cfg: Config, setup: RolloutSetup, placement: Placemen
         bounds = ElasticReplicas(cfg.rollout.min_replicas, cfg.rollout.max_replicas, pools)
     replicas = RolloutReplicas(groups, free_cache_engine=free_cache_engine, sleep_level=cfg.rollout.sleep_level,
                                verify_weight_sync=cfg.rollout.verify_weight_sync, rebuild=rebuild,
-                               max_restarts=cfg.rollout.max_replica_restarts, elastic=bounds)
+                               max_restarts=replica_restarts(cfg), elastic=bounds)
     if bounds is not None:
         try:
             replicas.pool.resize()  # more while the cluster has room now: they hold model.path, the weights of step 0

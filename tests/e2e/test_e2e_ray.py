@@ -131,7 +131,9 @@ def test_two_ray_ranks_match_one_local_rank_on_step_one(tmp_path: Path, tiny, ra
         "rollout.dtype=float32",  # rollout/trainer agreement within 1e-4 is fp32's (auto may pick bf16)
     ]
     # The two-replica run generates in server mode: each replica's engine behind its own HTTP server.
-    runs = {"local": [], "ray": [*TWO_RAY_RANKS, "rollout.mode=server", "trainer.profile.steps=[1]"],
+    # "ray": a process per rank of each role (trainer.hybrid_engine=false), the unfused run "ray_hybrid" is held to.
+    runs = {"local": [], "ray": [*TWO_RAY_RANKS, "rollout.mode=server", "trainer.profile.steps=[1]",
+                                 "trainer.hybrid_engine=false"],
             # One replica over two ranks (heads, MLP and KV cache split in two, over gloo), in a
             # resource pool of its own (other bundles than the actor's).
             "ray_tp2_split": [*TWO_RAY_RANKS, "rollout.tensor_model_parallel_size=2", "rollout.placement=split",

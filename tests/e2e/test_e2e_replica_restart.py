@@ -42,6 +42,9 @@ def _args(tmp_path: Path) -> list[str]:
         "data.max_response_length=16", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0",
         "trainer.save_final=false", "trainer.num_threads=1", "trainer.progress_bar=false", "trainer.logger=[jsonl]",
         "trainer.seed=5", "rollout.verify_weight_sync=true", "trainer.rollout_data_dir=samples",
+        # Each replica in a process of its own, the fault-free runs too: a replica killed and restarted alone is
+        # what these compare (under the hybrid engine replica r lives and dies with actor rank r).
+        "trainer.hybrid_engine=false",
     ]
 
 

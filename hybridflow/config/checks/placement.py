@@ -12,7 +12,6 @@ from hybridflow.config.layout import (
     dp_source,
     rollout_replicas,
     sequence_parallel_sizes,
-    shares_processes,
 )
 from hybridflow.config.schema import Config
 
@@ -175,16 +174,6 @@ def check_backend(cfg: Config, report: Report) -> None:
             "trainer.backend=local runs both in this process, where weights are copied directly; use "
             "rollout.weight_sync=auto, or trainer.backend=ray"
         )
-    if shares_processes(cfg) and cfg.rollout.weight_sync == "broadcast":
-        report.error(
-            "rollout.weight_sync=broadcast streams weights from actor rank 0 to the rollout processes, but "
-            "trainer.hybrid_engine=true puts each replica in its actor rank's process, which runs one call at a time; "
-            "use rollout.weight_sync=auto (each rank hands the weights to the replica beside it), or "
-            "trainer.hybrid_engine=false"
-        )
-    elif t.hybrid_engine and t.backend == "local":
-        report.warn("trainer.hybrid_engine=true has no effect with trainer.backend=local: every role already runs in "
-                    "this process")
     if t.backend == "local":
         # In-process workers die with the controller: there is nothing left to rebuild them.
         for key, value in (("ray_address", t.ray_address), ("ray_dashboard", t.ray_dashboard),

@@ -53,7 +53,6 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("rollout.tensor_model_parallel_size", 1),
     ("rollout.sleep_level", 1),
     ("rollout.max_num_batched_tokens", 1),
-    ("rollout.max_replica_restarts", 0),
     ("rollout.min_replicas", 1),
     ("async_training.staleness_threshold", 0),
     ("rollout.val_kwargs.n", 1),
@@ -76,6 +75,7 @@ _POSITIVE_INTS: tuple[tuple[str, int], ...] = (
 
 _OPTIONAL_POSITIVE_INTS: tuple[tuple[str, int], ...] = (
     ("rollout.max_replicas", 1),
+    ("rollout.max_replica_restarts", 0),
     ("trainer.n_workers", 1),
     ("trainer.total_training_steps", 1),
     ("trainer.max_ckpt_to_keep", 1),

@@ -183,12 +183,15 @@ class RolloutConfig:
         "and tensors. Seconds spent: timing_s/verify_weight_sync. Engines that hold their own copy (vLLM, SGLang), "
         "tensor-parallel replicas and LoRA adapter syncs are not checked (logged once).",
     )
-    max_replica_restarts: int = f(
-        3,
+    max_replica_restarts: int | None = f(
+        None,
         "How many times each rollout replica whose process dies (killed, out of memory, its node lost) is restarted "
         "on a Ray run: its unfinished requests go to the other replicas with their seeds (the same samples), and it "
         "comes back at the next weight sync with the current weights. One more death stops the run naming the "
-        "replica and its node. 0: a replica's death stops the run. Restarts so far: rollout/replica_restarts.",
+        "replica and its node. 0: a replica's death stops the run. null: 3 where a replica has a process of its own, "
+        "none under trainer.hybrid_engine (replica r lives in actor rank r's process and dies with it). A value "
+        "above 0 keeps a process per rank (trainer.hybrid_engine does not apply; config explain says so). Restarts "
+        "so far: rollout/replica_restarts.",
     )
     elastic: bool = f(
         False,

@@ -159,16 +159,15 @@ class TrainerConfig:
         choices=("local", "ray"),
     )
     hybrid_engine: bool = f(
-        False,
+        True,
         "trainer.backend=ray: the colocated roles' ranks of each placement bundle (actor rank r, rollout replica r, "
         "the reference, critic, reward model and teacher ranks r) live in one process, as verl's hybrid engine, not "
         "a process each: one start-up and one copy of torch per bundle, and each actor rank hands the weights it "
-        "gathers to the replica beside it in that process (rollout.weight_sync=auto; no broadcast group). Where a "
-        "role cannot share (rollout.placement=split, rollout.elastic, rollout.tensor_model_parallel_size>1, "
-        "trainer.mode other than sync, trainer.profile.steps, an engine other than native) the run keeps a process "
-        "per rank and config explain says why. A replica then dies only with its actor rank: "
-        "rollout.max_replica_restarts does not apply. verl's actor_rollout_ref.hybrid_engine is not read for it "
-        "(every verl config sets it).",
+        "gathers to the replica beside it in that process (rollout.weight_sync=auto; no broadcast group). A replica "
+        "then dies only with its actor rank. Where a role cannot share (rollout.placement=split, rollout.elastic, "
+        "rollout.tensor_model_parallel_size>1, trainer.mode other than sync, trainer.profile.steps, an engine other "
+        "than native, rollout.max_replica_restarts above 0) the run keeps a process per rank and config explain "
+        "says why. false: a process per rank of each role. verl's actor_rollout_ref.hybrid_engine sets it.",
     )
     n_gpus_per_node: int = f(1, "Data-parallel ranks per node (GPU runs; CPU runs too when n_workers is null).")
     nnodes: int = f(1, "Nodes (trainer.backend=ray). Above 1, each node's ranks (n_gpus_per_node, or on CPU "

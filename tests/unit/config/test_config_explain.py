@@ -220,7 +220,10 @@ def test_plan_shows_the_rollout_replica_layout() -> None:
 def test_plan_says_what_a_dead_worker_does_on_ray() -> None:
     local = plan_of(explain_config(load_config()))
     assert "faults:" not in local  # in-process workers die with the controller
-    stops = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=2"])))
+    # A process per rank (trainer.hybrid_engine=false): a replica of its own to restart. The default, each replica in
+    # its actor rank's process: test_explain_says_whether_the_hybrid_engine_shares_processes_and_why_not.
+    stops = plan_of(explain_config(load_config(overrides=["trainer.backend=ray", "trainer.n_workers=2",
+                                                          "trainer.hybrid_engine=false"])))
     assert "faults: a rollout replica whose process dies is restarted at the next weight sync" in stops
     assert "a dead actor, critic or reference rank (or a lost node) stops the run naming the rank and its node; the " \
            "same command resumes from the newest checkpoint (trainer.max_restarts=0)" in stops
@@ -278,17 +281,28 @@ def test_training_precision_line_names_the_rule_for_auto(monkeypatch) -> None:
 
 
 def test_explain_says_whether_the_hybrid_engine_shares_processes_and_why_not() -> None:
-    from hybridflow.config.layout import hybrid_engine_blockers, shares_processes
+    from hybridflow.config.layout import hybrid_engine_blockers, replica_restarts, shares_processes
 
     ray = ["trainer.backend=ray", "trainer.n_workers=2"]
-    off = load_config(overrides=ray)
-    assert not shares_processes(off)
+    off = load_config(overrides=[*ray, "trainer.hybrid_engine=false"])
+    assert not shares_processes(off) and replica_restarts(off) == 3
     assert "processes: one per rank of each role (trainer.hybrid_engine=false)" in explain_config(off)
-    on = load_config(overrides=[*ray, "trainer.hybrid_engine=true"])
-    assert shares_processes(on) and hybrid_engine_blockers(on) == []
+    assert "restarted at the next weight sync, its requests served by the others (up to " \
+           "rollout.max_replica_restarts=3 times each)" in explain_config(off)
+    on = load_config(overrides=ray)  # the default
+    assert on.trainer.hybrid_engine and shares_processes(on) and hybrid_engine_blockers(on) == []
+    assert replica_restarts(on) == 0  # replica r dies with actor rank r: no restart of its own
     text = explain_config(on)
     assert "processes: one per placement bundle (trainer.hybrid_engine=true)" in text
-    assert "rollout.max_replica_restarts=3 does not apply" in text
+    assert "faults: rollout replica r shares actor rank r's process, so its death is the actor rank's;" in text
+    assert shares_processes(load_config(overrides=[*ray, "rollout.max_replica_restarts=0"]))
+    # Restarts asked for are kept: each replica gets a process of its own, and explain says why.
+    restarts = load_config(overrides=[*ray, "rollout.max_replica_restarts=2"])
+    assert not shares_processes(restarts) and replica_restarts(restarts) == 2
+    text = explain_config(restarts)
+    assert ("processes: one per rank of each role: trainer.hybrid_engine=true does not apply here "
+            "(rollout.max_replica_restarts=2 restarts a replica in a process of its own)") in text
+    assert "(up to rollout.max_replica_restarts=2 times each)" in text
     split = load_config(overrides=[*ray, "trainer.hybrid_engine=true", "rollout.placement=split",
                                    "trainer.mode=one_step_off"])
     assert not shares_processes(split)

@@ -263,6 +263,13 @@ def test_keys_verl_declares_but_never_reads_are_accepted_as_verl_runs_them():
     cfg = load_config(overrides=["actor_rollout_ref.rollout.over_sample_rate=0.1",
                                  "actor_rollout_ref.rollout.sglang_rollout_mode=server",
                                  "actor_rollout_ref.rollout.server.timeout=60"])
-    assert cfg == load_config(overrides=["actor_rollout_ref.hybrid_engine=true"])  # another verl line that sets nothing
+    assert cfg == load_config(overrides=["actor_rollout_ref.hybrid_engine=true"])  # verl's default is ours
+
+
+def test_verls_hybrid_engine_key_sets_ours():
+    """actor_rollout_ref.hybrid_engine is trainer.hybrid_engine's verl spelling: true in every verl
+    config (and here by default), false a process per rank of each role on Ray."""
+    assert load_config(overrides=["actor_rollout_ref.hybrid_engine=true"]).trainer.hybrid_engine
+    assert not load_config(overrides=["actor_rollout_ref.hybrid_engine=false"]).trainer.hybrid_engine
     with pytest.raises(ConfigError, match="data.train_files"):
         load_config(overrides=["data.custom_cls.path=my/dataset.py"])

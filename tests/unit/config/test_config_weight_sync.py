@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.config import ConfigError, load_config
+from hybridflow.config import ConfigError, load_config, validate_config
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.controller.roles import resolve_weight_sync
 from hybridflow.controller.setup import build_run
@@ -52,16 +52,21 @@ def test_broadcast_in_process_is_an_error_naming_the_key_before_any_model_loads(
     assert not (tmp_path / "out").exists()
 
 
-def test_the_hybrid_engine_hands_weights_over_beside_each_actor_rank_and_refuses_a_broadcast(tmp_path) -> None:
+def test_the_hybrid_engine_hands_weights_over_beside_each_actor_rank_and_a_broadcast_keeps_a_process_per_rank() -> None:
     """trainer.hybrid_engine: ``auto`` resolves to the hand-over in each shared process; a broadcast, whose two
-    sides must run at once, cannot run in a process that runs one call at a time: refused by the checks."""
+    sides must run at once, cannot run in a process that runs one call at a time: asked for by name, it keeps
+    a process per rank (config explain names it), and a shared process is never handed one."""
+    from hybridflow.config.explain import explain_config
+    from hybridflow.config.layout import shares_processes
+
     assert resolve_weight_sync("auto", "ray", shared_processes=True) == "beside"
     assert resolve_weight_sync("object_store", "ray", shared_processes=True) == "object_store"
     with pytest.raises(ConfigError, match="trainer.hybrid_engine=true puts each replica") as info:
         resolve_weight_sync("broadcast", "ray", shared_processes=True)
     assert info.value.key == "rollout.weight_sync"
-    cfg = load_config("grpo", overrides=["rollout.weight_sync=broadcast", "trainer.backend=ray",
-                                         "trainer.hybrid_engine=true", f"trainer.output_dir={tmp_path / 'out'}"])
-    with pytest.raises(ConfigError, match="trainer.hybrid_engine=true puts each replica"):
-        build_run(cfg)
-    assert not (tmp_path / "out").exists()
+    cfg = load_config("grpo", overrides=["rollout.weight_sync=broadcast", "trainer.backend=ray", "trainer.n_workers=2",
+                                         "trainer.hybrid_engine=true"])
+    assert validate_config(cfg) == [] and not shares_processes(cfg)
+    assert resolve_weight_sync(cfg.rollout.weight_sync, "ray", shares_processes(cfg)) == "broadcast"
+    assert ("processes: one per rank of each role: trainer.hybrid_engine=true does not apply here "
+            "(rollout.weight_sync=broadcast streams the weights to each replica's own process)") in explain_config(cfg)
