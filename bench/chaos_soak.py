@@ -19,7 +19,8 @@ the run ends. Fault kinds:
   trainer replaces it and goes on (killed while it loads, the trainer starts another).
 
 With ``--backend ray`` the run has two Ray ranks (``trainer.backend=ray trainer.n_workers=2``), each
-with a rollout replica beside it, and two more kinds strike:
+with a rollout replica beside it in a process of its own (``trainer.hybrid_engine=false``), and two
+more kinds strike:
 
 - ``rank_kill``: SIGKILL of an actor rank's process (a lost GPU or node): the trainer stops within a
   bounded time naming the role and rank (exit 1), and the restart resumes from the newest checkpoint.
@@ -78,7 +79,9 @@ RESTART_LIMIT = 200  # a run that needs more restarts than this is stuck, not un
 
 
 def run_args(steps: int, backend: str = "local") -> list[str]:
-    ray = ["trainer.backend=ray", "trainer.n_workers=2"] if backend == "ray" else []
+    # A process per rank of each role (trainer.hybrid_engine=false): replica_kill kills a replica's own process,
+    # which the hybrid engine does not have (replica r lives and dies with actor rank r).
+    ray = ["trainer.backend=ray", "trainer.n_workers=2", "trainer.hybrid_engine=false"] if backend == "ray" else []
     return [*ray,
         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=2", "data.max_response_length=4",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=100", "trainer.test_freq=3", "trainer.save_freq=1",

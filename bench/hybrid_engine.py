@@ -2,7 +2,7 @@
 
 One 2-rank, 1-step GRPO run with a KL loss (so the reference role is there too) on the tiny model and
 the arithmetic task, started as ``hybridflow train`` in a subprocess, with the colocated roles in one
-Ray process per placement bundle (fused) or in a process each (unfused, the default). The two
+Ray process per placement bundle (fused, the default) or in a process each (unfused). The two
 alternate ``--repeats`` times; medians. While a run lives its process tree is sampled every 0.2 s:
 
 - wall: the command's wall time (start-up of Ray and every rank process included);

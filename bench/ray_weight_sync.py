@@ -56,6 +56,8 @@ def run(
         f"data.max_response_length={args.max_tokens}", f"trainer.total_training_steps={args.steps}",
         "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_final=false", "trainer.num_threads=1",
         "trainer.progress_bar=false", "trainer.logger=[jsonl]",
+        # Both transports between processes: the rollout in a process of its own (a broadcast keeps one anyway).
+        "trainer.hybrid_engine=false",
     ]
     api.train(api.make_config("grpo", overrides=overrides))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
