@@ -48,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
+from hybridflow.cluster.worker_group import WorkerError
 from hybridflow.utils.errors import CheckpointError, causes, find_cause, one_line
 from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.files import give_default_modes
@@ -366,7 +367,8 @@ class CheckpointManager:
     ) -> Path:
         """Write checkpoint ``step``: the actor's files, other roles' (``write_roles``: folder name
         -> writer, e.g. the critic's), ``extra_files`` (name -> text), ``state``, then the manifest. A failed write raises ``CheckpointError`` after removing the partial
-        folder; the checkpoints already there are untouched."""
+        folder; the checkpoints already there are untouched. A worker whose process died mid-write
+        raises its ``WorkerError`` as it is (the partial folder removed too)."""
         final = self.root / f"global_step_{step}"
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
         try:
@@ -386,6 +388,12 @@ class CheckpointManager:
             _fsync_tree(tmp)
             write_manifest(tmp)
         except Exception as exc:
+            died = find_cause(exc, WorkerError)
+            if died is not None and died.process_died:
+                # A rank's process died mid-save (its node lost): a fault of the run, not of the write, left to
+                # what handles a death in any other call (the CLI's worker error; trainer.max_restarts rebuilds).
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             reason = _write_failure(self.root, exc)  # before the cleanup frees the space
             shutil.rmtree(tmp, ignore_errors=True)
             previous = [p.name for _, p in self.step_folders()]

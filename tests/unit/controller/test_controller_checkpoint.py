@@ -66,6 +66,34 @@ def test_failed_actor_write_leaves_previous_checkpoint(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_a_rank_that_died_mid_save_is_its_worker_error_not_a_failed_write(tmp_path):
+    """A rank's process dying while it writes (its node lost) is a death like one in any other call:
+    raised as its ``WorkerError`` (process_died), which the CLI names as a worker error and
+    ``trainer.max_restarts`` rebuilds from; the partial save is removed. A worker's own exception
+    while writing stays a failed write."""
+    from hybridflow.cluster.worker_group import WorkerError
+
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    mgr.save(1, {"step": 1}, write_actor)
+    death = WorkerError("actor rank 1 on node n (id 1f) died in ActorWorker.save_checkpoint", process_died=True)
+
+    def dies(d):
+        d.mkdir()
+        (d / "half.bin").write_bytes(b"x")
+        raise death
+
+    with pytest.raises(WorkerError) as raised:
+        mgr.save(2, {"step": 2}, dies)
+    assert raised.value is death and raised.value.process_died
+    assert not list(tmp_path.glob(".tmp-*")) and mgr.find("auto", None).name == "global_step_1"
+
+    def raises(d):
+        raise WorkerError("actor rank 0 failed in ActorWorker.save_checkpoint: OSError('disk on fire')")
+
+    with pytest.raises(CheckpointError, match="could not save checkpoint global_step_2: writing it failed: actor rank 0"):
+        mgr.save(2, {"step": 2}, raises)
+
+
 @pytest.mark.parametrize(
     "error",
     [
