@@ -48,7 +48,6 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-from hybridflow.cluster.worker_group import WorkerError
 from hybridflow.utils.errors import CheckpointError, causes, find_cause, one_line
 from hybridflow.utils.faults import maybe_fault
 from hybridflow.utils.files import give_default_modes
@@ -388,6 +387,9 @@ class CheckpointManager:
             _fsync_tree(tmp)
             write_manifest(tmp)
         except Exception as exc:
+            # Here, not at the top: the CLI reads this module before a config error, where torch is not imported yet.
+            from hybridflow.cluster.worker_group import WorkerError
+
             died = find_cause(exc, WorkerError)
             if died is not None and died.process_died:
                 # A rank's process died mid-save (its node lost): a fault of the run, not of the write, left to
