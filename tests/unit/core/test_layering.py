@@ -11,7 +11,7 @@ LAYER = {
     "algorithms": 2, "rewards": 2, "data": 2, "models": 2, "transfer": 2,
     "inference": 3, "rollout": 3, "agents": 3, "training": 3,
     "workers": 4, "cluster": 4, "serving": 4,
-    "controller": 5, "api": 6, "cli": 7,
+    "controller": 5, "api": 6, "cli": 7, "launch": 8,
 }
 # Same-layer imports that are part of the design: the engine computes logprobs with the
 # algorithm library's chunked kernels; data and models are siblings with no cycle; the rollout
