@@ -23,6 +23,10 @@ and libraries) as predicted / measured. Memory figures do not depend on the mach
 Each planned phase (generation, the update) is also printed against its own measured peak: the
 plan's largest phase can be one that ran below its worst case (a long-tail step's KV cache).
 
+The workers choose their memory allocator as the ``hybridflow`` command does (``HYBRIDFLOW_ALLOCATOR``,
+default ``auto``: jemalloc where the machine has it); ``--allocator system`` measures the C library's
+malloc (tuned by ``configure_host_allocator``) for comparison. Each report names the allocator its runs had.
+
 Goals (issue 35): runs within 5% of each other; predicted / measured within 0.85-1.15 for the default run.
 """
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -135,6 +140,7 @@ def run_long_tail(steps: int, work: Path) -> dict:
 
 
 def worker(workload: str, steps: int, work: str) -> None:
+    from hybridflow.utils.allocator import jemalloc_loaded
     from hybridflow.utils.memory import RSS_PEAKS
 
     if workload == "long_tail":
@@ -143,12 +149,14 @@ def worker(workload: str, steps: int, work: str) -> None:
         long = (f"data.max_response_length={LONG_RESPONSE_TOKENS}",) if workload == "default_long" else ()
         result = run_default(steps, Path(work), long)
     result["process_peak_gb"] = RSS_PEAKS.process_peak_bytes() / 1e9
+    result["allocator"] = "jemalloc" if jemalloc_loaded() else "the C library's malloc"
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_once(workload: str, steps: int, work: Path) -> dict:
+def run_once(workload: str, steps: int, work: Path, allocator: str | None) -> dict:
+    env = {**os.environ, **({"HYBRIDFLOW_ALLOCATOR": allocator} if allocator else {})}
     proc = subprocess.run([sys.executable, __file__, "--worker", workload, "--steps", str(steps), "--work", str(work)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{workload} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -157,7 +165,9 @@ def run_once(workload: str, steps: int, work: Path) -> dict:
 
 def report(workload: str, runs: list[dict]) -> None:
     phases = [p for p in runs[0]["phases"] if p != "step"] + ["step"]
-    print(f"\n{workload}: peak resident memory per phase, GB (largest over the run's steps), {len(runs)} run(s)")
+    allocators = sorted({r["allocator"] for r in runs})
+    print(f"\n{workload}: peak resident memory per phase, GB (largest over the run's steps), {len(runs)} run(s), "
+          f"allocator: {', '.join(allocators)}")
     print(f"| {'phase':16s} | " + " | ".join(f"run {i + 1:<3d}" for i in range(len(runs))) + " |")
     print(f"|{'-' * 18}|" + "|".join("-" * 9 for _ in runs) + "|")
     for phase in phases:
@@ -184,6 +194,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["default", "long_tail"], choices=WORKLOADS)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--allocator", choices=("auto", "jemalloc", "system"),
+                        help="HYBRIDFLOW_ALLOCATOR for the runs (default: the environment's, else the command's default)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.work)
@@ -192,11 +204,15 @@ def main() -> None:
     for workload in args.workloads:
         runs = []
         for i in range(args.repeats):
-            runs.append(run_once(workload, args.steps, work))
+            runs.append(run_once(workload, args.steps, work, args.allocator))
             print(f"  {workload} run {i + 1}: process peak {runs[-1]['process_peak_gb']:.2f} GB", flush=True)
         report(workload, runs)
     print(f"work dir: {work}")
 
 
 if __name__ == "__main__":
+    if "--worker" in sys.argv:  # as the hybridflow command does, before anything allocates much
+        from hybridflow.utils.allocator import choose_allocator
+
+        choose_allocator()
     main()

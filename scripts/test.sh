@@ -9,7 +9,8 @@
 # password; about a minute), else that one test skips and says why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# jemalloc (HYBRIDFLOW_ALLOCATOR=jemalloc) likewise, so its re-execution test runs rather than skips.
+# jemalloc (the hybridflow command runs under it where present) likewise, so its re-execution test runs and the
+# command-line tests run as a user's would.
 jemalloc_missing() { ! ls /usr/lib/*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 >/dev/null 2>&1; }
 if [[ ! -x /usr/bin/chromium || ! -x /usr/bin/chromedriver ]] || jemalloc_missing; then
     if command -v apt-get >/dev/null; then

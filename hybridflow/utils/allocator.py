@@ -13,10 +13,12 @@ An allocator must be in place before the process's first ``malloc``, so ``hybrid
 itself once with jemalloc in ``LD_PRELOAD``; the processes it starts (ranks, Ray workers, the
 reward scorer) inherit it. A user's own ``LD_PRELOAD`` is kept (jemalloc goes in front of it).
 
-``HYBRIDFLOW_ALLOCATOR``: ``system`` (the default for now: the C library's malloc, tuned by
-``memory.configure_host_allocator``), ``jemalloc`` (required: an error names the package where it is
-missing) or ``auto`` (jemalloc where the machine has it). Not yet the default: the suite has not run
-every command-line test under it.
+``HYBRIDFLOW_ALLOCATOR``: ``auto`` (the default: jemalloc where the machine has it, else the C
+library's malloc, tuned by ``memory.configure_host_allocator``; the run's log says which),
+``jemalloc`` (required: an error names the package where it is missing) or ``system`` (the C
+library's malloc). The default since the whole test suite passed with every process under jemalloc
+(``LD_PRELOAD`` on pytest itself: the sandboxed reward processes' memory limits, Ray, the servers);
+only the glibc-specific tests needed to know which allocator they run under.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ALLOCATOR_ENV = "HYBRIDFLOW_ALLOCATOR"
-"""``system`` (default), ``jemalloc`` or ``auto`` (module docstring)."""
-DEFAULT_ALLOCATOR = "system"
+"""``auto`` (default), ``jemalloc`` or ``system`` (module docstring)."""
+DEFAULT_ALLOCATOR = "auto"
 _RELAUNCHED_ENV = "HYBRIDFLOW_ALLOCATOR_RELAUNCHED"  # set on the re-executed process: never twice
 JEMALLOC = "libjemalloc.so.2"
 # Where distributions and environments put it: Debian/Ubuntu multiarch, RPM's lib64, /usr/local, and
@@ -109,4 +111,12 @@ def describe() -> str:
     """One line for the log: which allocator this process runs and how to change it."""
     if jemalloc_loaded():
         return f"memory allocator: jemalloc ({ALLOCATOR_ENV}=system keeps the C library's malloc)"
-    return f"memory allocator: the C library's malloc ({ALLOCATOR_ENV}=jemalloc: identical runs peak alike and lower)"
+    if os.environ.get(ALLOCATOR_ENV, DEFAULT_ALLOCATOR).strip().lower() == "system":
+        return f"memory allocator: the C library's malloc, as {ALLOCATOR_ENV}=system asks"
+    library = find_jemalloc()
+    if library is None:
+        return (f"memory allocator: the C library's malloc: no {JEMALLOC} here (Debian/Ubuntu: apt install "
+                "libjemalloc2; conda: conda install jemalloc), with which identical runs peak alike and lower")
+    # The Python API in a process the hybridflow command did not start: too late to change its malloc.
+    return (f"memory allocator: the C library's malloc: this process was not started by the hybridflow command; "
+            f"LD_PRELOAD={library} before python starts gives it jemalloc")
