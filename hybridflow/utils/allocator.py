@@ -13,7 +13,7 @@ An allocator must be in place before the process's first ``malloc``, so ``hybrid
 itself once with jemalloc in ``LD_PRELOAD``; the processes it starts (ranks, Ray workers, the
 reward scorer) inherit it. A user's own ``LD_PRELOAD`` is kept (jemalloc goes in front of it).
 
-``HYBRIDFLOW_ALLOCATOR``: ``auto`` (the default: jemalloc where the machine has it, else the C
+``HYBRIDFLOW_ALLOCATOR``: ``auto`` (the default: jemalloc where the machine has it and no GPU, else the C
 library's malloc, tuned by ``memory.configure_host_allocator``; the run's log says which),
 ``jemalloc`` (required: an error names the package where it is missing) or ``system`` (the C
 library's malloc). The default since the whole test suite passed with every process under jemalloc
@@ -39,6 +39,12 @@ _LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/us
                  "/usr/local/lib")
 
 
+# ``auto`` keeps the C library's malloc on a machine with a GPU: the figures behind the default are a CPU
+# run's host memory, and no CUDA process of ours (the GPU kit, NCCL, pinned memory) has run under jemalloc yet.
+# ``jemalloc`` still asks for it there.
+_ACCELERATOR_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
 def find_jemalloc(dirs: Sequence[str | os.PathLike[str]] | None = None) -> Path | None:
     """The path of ``libjemalloc.so.2`` in the usual library folders, or None."""
     search = list(dirs) if dirs is not None else [*_LIBRARY_DIRS, Path(sys.base_prefix) / "lib", Path(sys.prefix) / "lib"]
@@ -59,15 +65,22 @@ def jemalloc_loaded(maps: str | None = None) -> bool:
     return "libjemalloc" in maps
 
 
-def relaunch_environment(environ: Mapping[str, str], library: Path | None, loaded: bool) -> dict[str, str] | None:
+def accelerator_present(device_files: Sequence[str] = _ACCELERATOR_DEVICE_FILES) -> bool:
+    """Whether this machine shows a GPU's device files (NVIDIA's, or AMD's ROCm), without importing torch."""
+    return any(os.path.exists(path) for path in device_files)
+
+
+def relaunch_environment(environ: Mapping[str, str], library: Path | None, loaded: bool,
+                         accelerator: bool = False) -> dict[str, str] | None:
     """The environment to re-execute this command with jemalloc preloaded, or None to carry on as is:
     the C library's malloc asked for, jemalloc already loaded (or a relaunch already tried), or
-    ``auto`` on a machine without it. ``jemalloc`` where it is missing: ``RuntimeError`` saying what
+    ``auto`` on a machine without it or with a GPU (``accelerator``: not measured there yet, see
+    ``_ACCELERATOR_DEVICE_FILES``). ``jemalloc`` where it is missing: ``RuntimeError`` saying what
     to install."""
     setting = environ.get(ALLOCATOR_ENV, DEFAULT_ALLOCATOR).strip().lower()
     if setting not in ("auto", "system", "jemalloc"):
         raise ValueError(f"{ALLOCATOR_ENV}={environ[ALLOCATOR_ENV]!r}: expected system, jemalloc or auto")
-    if setting == "system" or loaded:
+    if setting == "system" or loaded or (setting == "auto" and accelerator):
         return None
     if environ.get(_RELAUNCHED_ENV):  # preloaded, yet not mapped: the loader refused it; say so once, go on
         print(f"{ALLOCATOR_ENV}: {environ.get('LD_PRELOAD')} did not load; running with the C library's malloc",
@@ -89,7 +102,7 @@ def relaunch_with_jemalloc() -> None:
     process that holds state (a test runner calling ``cli.main``)."""
     if not sys.platform.startswith("linux"):
         return
-    env = relaunch_environment(os.environ, find_jemalloc(), jemalloc_loaded())
+    env = relaunch_environment(os.environ, find_jemalloc(), jemalloc_loaded(), accelerator_present())
     if env is None:
         return
     sys.stdout.flush()
@@ -114,6 +127,9 @@ def describe() -> str:
     if os.environ.get(ALLOCATOR_ENV, DEFAULT_ALLOCATOR).strip().lower() == "system":
         return f"memory allocator: the C library's malloc, as {ALLOCATOR_ENV}=system asks"
     library = find_jemalloc()
+    if library is not None and accelerator_present():
+        return (f"memory allocator: the C library's malloc: on a machine with a GPU {ALLOCATOR_ENV}=auto keeps it "
+                f"({ALLOCATOR_ENV}=jemalloc asks for jemalloc)")
     if library is None:
         return (f"memory allocator: the C library's malloc: no {JEMALLOC} here (Debian/Ubuntu: apt install "
                 "libjemalloc2; conda: conda install jemalloc), with which identical runs peak alike and lower")

@@ -13,6 +13,7 @@ from hybridflow.utils.allocator import (
     _RELAUNCHED_ENV,
     ALLOCATOR_ENV,
     JEMALLOC,
+    accelerator_present,
     find_jemalloc,
     jemalloc_loaded,
     relaunch_environment,
@@ -37,6 +38,8 @@ def test_jemalloc_is_the_default_where_the_machine_has_it_and_system_keeps_the_c
     env = relaunch_environment({"PATH": "/bin"}, LIBRARY, loaded=False)  # default: auto
     assert env is not None and env["LD_PRELOAD"] == str(LIBRARY) and env["PATH"] == "/bin"
     assert relaunch_environment({}, None, loaded=False) is None  # the default without the library: no error
+    assert relaunch_environment({}, LIBRARY, loaded=False, accelerator=True) is None  # a GPU machine: not by default
+    assert relaunch_environment({ALLOCATOR_ENV: "jemalloc"}, LIBRARY, loaded=False, accelerator=True) is not None
     assert relaunch_environment({ALLOCATOR_ENV: "system"}, LIBRARY, loaded=False) is None
     env = relaunch_environment({ALLOCATOR_ENV: "jemalloc", "PATH": "/bin"}, LIBRARY, loaded=False)
     assert env is not None and env["LD_PRELOAD"] == str(LIBRARY) and env["PATH"] == "/bin"
@@ -77,7 +80,16 @@ def test_describe_says_which_allocator_runs_and_how_to_get_the_other(monkeypatch
     monkeypatch.setattr(allocator, "find_jemalloc", lambda: None)
     assert "apt install libjemalloc2" in allocator.describe()
     monkeypatch.setattr(allocator, "find_jemalloc", lambda: LIBRARY)
+    monkeypatch.setattr(allocator, "accelerator_present", lambda: False)
     assert f"LD_PRELOAD={LIBRARY}" in allocator.describe()  # the API in a process the command did not start
+    monkeypatch.setattr(allocator, "accelerator_present", lambda: True)
+    assert "on a machine with a GPU" in allocator.describe()
+
+
+def test_a_gpu_shows_as_its_device_files(tmp_path) -> None:
+    assert not accelerator_present([str(tmp_path / "nvidiactl")])
+    (tmp_path / "nvidiactl").touch()
+    assert accelerator_present([str(tmp_path / "nvidiactl")])
 
 
 @pytest.mark.skipif(find_jemalloc() is None, reason=f"no {JEMALLOC} on this machine (Debian: apt install libjemalloc2)")
@@ -86,7 +98,8 @@ def test_a_process_re_executes_itself_with_jemalloc_under_the_same_pid() -> None
     sent to the command still reaches it), and the command line's module guard does the same."""
     code = ("import os; from hybridflow.utils.allocator import choose_allocator, jemalloc_loaded; "
             "choose_allocator(); print(jemalloc_loaded(), os.getpid())")
-    for setting, expected in (("jemalloc", "True"), ("system", "False"), (None, "True")):  # None: the default
+    default = str(not accelerator_present())  # auto: jemalloc, except on a machine with a GPU
+    for setting, expected in (("jemalloc", "True"), ("system", "False"), (None, default)):  # None: the default
         env = without_jemalloc(os.environ)
         if setting is not None:
             env[ALLOCATOR_ENV] = setting
