@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.cluster.ray_group import LOOPBACK_ONLY_ENV
+from hybridflow.config import WarmStartConfig
 from run_records import per_step
 
 # Ray decides at import whether a local head binds 127.0.0.1 only; ask before importing it.
@@ -25,8 +26,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 # (packed), no validation: step one's figures. Ranks against one rank and resumes are compared within
 # 1e-4-1e-6: float32's sums (model.dtype=auto trains bf16-mixed on a CPU with bf16 hardware, whose
 # rounding differs by path).
+# Every run reads the built-in model's warm start and the pairs sampled from it from one cache: the one of the user
+# running the tests (warm_start.cache_dir's default), which the in-process runs use. A run on the shared cluster has
+# that cluster's HOME (tests/e2e/ray_cluster.py), whose default cache is empty: there it warm-started the built-in
+# model again (500 SFT steps, 160 of the DPO test's 180 CPU-seconds), to the same weights.
+USER_CACHE = Path(WarmStartConfig().cache_dir).expanduser()
 RUN = [
-    "dpo.builtin_prompts=128", "rm.builtin_prompts=128", "dpo.builtin_val_prompts=32", "data.train_batch_size=16",
+    f"warm_start.cache_dir={USER_CACHE}", "dpo.builtin_prompts=128", "rm.builtin_prompts=128",
+    "dpo.builtin_val_prompts=32", "data.train_batch_size=16",
     "trainer.num_threads=1", "trainer.logger=[jsonl]", "actor.use_dynamic_bsz=true",
     "actor.ppo_max_token_len_per_gpu=256", "trainer.test_freq=-1", "trainer.val_before_train=false",
     "model.dtype=float32",
