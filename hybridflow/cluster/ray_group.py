@@ -41,6 +41,7 @@ from hybridflow.cluster.worker_group import PendingCall, RankNode, WorkerError, 
 from hybridflow.models.loading import disable_hf_progress_bars
 from hybridflow.training import distributed
 from hybridflow.types import TrainBatch
+from hybridflow.utils import faults
 from hybridflow.utils.memory import configure_host_allocator
 from hybridflow.utils.timer import profiler_range
 from hybridflow.utils.watchdog import activity
@@ -88,7 +89,12 @@ def init_ray(address: str | None, *, dashboard: bool, num_cpus: int | None = Non
     if ray.is_initialized():
         return
     # Ranks import what the controller can import (a test module, a script's own folder).
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+    env_vars = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    # A fault injected into the run (hybridflow.utils.faults) reaches its ranks on any cluster: a local
+    # cluster's ranks inherit this process's environment, an existing cluster's only what the job carries.
+    if os.environ.get(faults.ENV):
+        env_vars[faults.ENV] = os.environ[faults.ENV]
+    runtime_env = {"env_vars": env_vars}
     if address is not None:
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

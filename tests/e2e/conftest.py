@@ -86,11 +86,14 @@ RAY_HEAD_CPUS = 4
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
     """One single-node Ray cluster (``ray start``, token authentication) per test process, each xdist
-    worker its own, for the Ray runs that kill or signal nothing: they attach to it
+    worker its own, for the Ray runs that kill no node: they attach to it
     (``trainer.ray_address=<address>``, run with its ``env``) instead of each starting and stopping a
     local cluster of its own, whose GCS, raylet and agents cost tens of seconds of CPU on a busy machine.
-    A run's ranks and reservations end with its driver, so the next run finds the cluster empty. Runs
-    that kill ranks, replicas or nodes, or that test the cluster a run starts itself, keep their own."""
+    A run's ranks and reservations end with its driver, so the next run finds the cluster empty, also
+    after its ranks or replicas were killed (by an injected fault: ``HYBRIDFLOW_FAULT`` reaches them in the
+    job's runtime environment; or by a SIGKILL from outside). Runs that kill nodes, or that test the
+    cluster a run starts itself, keep their own. One run at a time: two drivers on it at once kept its GCS
+    and each driver's Ray threads busy (tests/e2e/test_e2e_replica_restart.py ``_start``)."""
     pytest.importorskip("ray")
     from ray_cluster import Cluster
 

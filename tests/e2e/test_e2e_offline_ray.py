@@ -42,18 +42,15 @@ RAY = ["trainer.backend=ray", "trainer.n_workers=2"]
 VOLATILE = ("train/pairs_per_s",)
 
 
-def cli(*args: str, fault: str | None = None, ray_head=None, by_env: bool = False) -> subprocess.CompletedProcess:
-    """A CLI run; with ``ray_head``, on that shared cluster (tests/e2e/conftest.py), named by
-    ``trainer.ray_address`` or, ``by_env``, by ``RAY_ADDRESS`` alone. A ``fault`` for the ranks needs a
-    cluster the run starts itself: its ranks inherit the run's environment."""
-    env = {**os.environ, "HYBRIDFLOW_FAULT": fault or "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    if ray_head is not None:
-        assert fault is None, "the ranks of a shared cluster do not see the run's HYBRIDFLOW_FAULT"
-        env = {**ray_head.env, "OMP_NUM_THREADS": "1"}
-        if by_env:
-            env["RAY_ADDRESS"] = ray_head.address
-        else:
-            args = (*args, f"trainer.ray_address={ray_head.address}")
+def cli(*args: str, ray_head, fault: str = "", by_env: bool = False) -> subprocess.CompletedProcess:
+    """A CLI run on the shared cluster (tests/e2e/conftest.py ``ray_head``), named by ``trainer.ray_address``
+    or, ``by_env``, by ``RAY_ADDRESS`` alone. A ``fault`` reaches the ranks in the job's runtime environment
+    (``hybridflow.cluster.ray_group.init_ray``), as on a cluster the run starts itself."""
+    env = {**ray_head.env, "OMP_NUM_THREADS": "1", "HYBRIDFLOW_FAULT": fault}
+    if by_env:
+        env["RAY_ADDRESS"] = ray_head.address
+    else:
+        args = (*args, f"trainer.ray_address={ray_head.address}")
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -75,9 +72,9 @@ def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_d
     expected = per_step(tmp_path / "local", VOLATILE)
 
     # Every rank dies after step 3 (SIGKILL), its newest checkpoint step 2's: the controller names a dead rank
-    # and stops, not hangs. (On a cluster of its own: the ranks read the fault from the run's environment.)
+    # and stops, not hangs. (On the shared cluster: the ranks read the fault from the job's runtime environment.)
     out = tmp_path / "ray"
-    killed = cli("dpo", *RUN, *steps, *RAY, f"trainer.output_dir={out}", fault="after_step@3")
+    killed = cli("dpo", *RUN, *steps, *RAY, f"trainer.output_dir={out}", fault="after_step@3", ray_head=ray_head)
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert "dpo rank" in killed.stderr and "died in RankRun.run" in killed.stderr, killed.stderr[-3000:]
     placement = json.loads((out / "placement.json").read_text())

@@ -138,3 +138,24 @@ def test_two_node_groups_never_share_a_node_and_the_error_names_the_layout() -> 
             one.close()
     finally:
         ray.shutdown()
+
+
+def test_a_joined_cluster_gets_the_runs_fault_and_module_path_in_the_jobs_environment(monkeypatch) -> None:
+    """The ranks of an existing cluster do not inherit the driver's environment (a local cluster's do):
+    what they must see travels in the job's runtime environment, the injected fault
+    (``HYBRIDFLOW_FAULT``) with the module path, and nothing of it when no fault is set."""
+    ray = pytest.importorskip("ray")
+    from hybridflow.cluster.ray_group import init_ray
+    from hybridflow.utils import faults
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv(faults.ENV, "after_step@3")
+    init_ray("127.0.0.1:6379", dashboard=False)
+    monkeypatch.delenv(faults.ENV)
+    init_ray("127.0.0.1:6379", dashboard=False)
+    with_fault, without = (call["runtime_env"]["env_vars"] for call in calls)
+    assert calls[0]["address"] == "127.0.0.1:6379"
+    assert with_fault[faults.ENV] == "after_step@3" and faults.ENV not in without
+    assert with_fault["PYTHONPATH"] == without["PYTHONPATH"] != ""
