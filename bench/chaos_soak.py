@@ -58,6 +58,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 VOLATILE = ("timing_s/", "perf/")  # wall-clock figures differ between any two runs
 # Count the faults injected, not the run's numbers.
@@ -99,13 +100,19 @@ def write_inputs(root: Path) -> list[str]:
     return [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
 
 
-def start(out: Path, files: list[str], steps: int, fault: str = "", backend: str = "local") -> subprocess.Popen:
-    env = {**os.environ, "HYBRIDFLOW_FAULT": fault, "OMP_NUM_THREADS": "1"}
+def start(out: Path, files: list[str], steps: int, fault: str = "", backend: str = "local",
+          cluster: Any = None) -> subprocess.Popen:
+    """A start of the trainer. ``cluster`` (Ray): an existing cluster to attach to instead of starting a local
+    one, anything with its ``address`` and the ``env`` its drivers run with (its token; e.g. the tests'
+    tests/e2e/ray_cluster.py Cluster). Its ranks get ``fault`` in the job's runtime environment."""
+    env = {**(os.environ if cluster is None else cluster.env), "HYBRIDFLOW_FAULT": fault, "OMP_NUM_THREADS": "1"}
+    attach = [f"trainer.ray_address={cluster.address}"] if cluster is not None and backend == "ray" else []
     log = open(out.parent / f"{out.name}.log", "a")  # noqa: SIM115 -- the child owns it until it exits
     log.write(f"--- start (HYBRIDFLOW_FAULT={fault!r})\n")
     log.flush()
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.cli", "train", *files, *run_args(steps, backend), f"trainer.output_dir={out}"],
+        [sys.executable, "-m", "hybridflow.cli", "train", *files, *run_args(steps, backend), *attach,
+         f"trainer.output_dir={out}"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
 
@@ -283,7 +290,7 @@ class Timing:
 
 
 def chaos(out: Path, files: list[str], steps: int, faults: int, rng: random.Random, timing: Timing,
-          backend: str = "local", only: tuple[str, ...] | None = None) -> Soak:
+          backend: str = "local", only: tuple[str, ...] | None = None, cluster: Any = None) -> Soak:
     """Run to completion while injecting up to ``faults`` faults at random moments (``timing``);
     every restart is checked against the newest checkpoint that existed when the
     previous trainer died."""
@@ -320,7 +327,7 @@ def chaos(out: Path, files: list[str], steps: int, faults: int, rng: random.Rand
         offset = log.stat().st_size if log.exists() else 0
         records_before = len(records(out))
         started_at = time.time()
-        run = start(out, files, steps, armed, backend)
+        run = start(out, files, steps, armed, backend, cluster)
         started = time.monotonic()
         logged_at_death = None
         last = "fault_point" if armed else None  # the fault that struck last in this start
@@ -411,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if soak.equal and not soak.problems and soak.survived == sum(soak.injected.values()) else 1
 
 
-def reference_run(out: Path, files: list[str], steps: int, backend: str = "local") -> Timing:
+def reference_run(out: Path, files: list[str], steps: int, backend: str = "local", cluster: Any = None) -> Timing:
     """The uninterrupted run, timed: launch to its first logged step, and seconds per step after it."""
     t0 = time.monotonic()
-    run = start(out, files, steps, backend=backend)
+    run = start(out, files, steps, backend=backend, cluster=cluster)
     first = last = None
     while run.poll() is None:
         logged = max(per_step(out), default=-1)
@@ -431,13 +438,14 @@ def reference_run(out: Path, files: list[str], steps: int, backend: str = "local
 
 
 def soak_run(root: Path, faults: int, seed: int, steps: int, backend: str = "local",
-             only: tuple[str, ...] | None = None) -> Soak:
-    """The uninterrupted run, then the run under ``faults`` faults of every kind (or of ``only``)."""
+             only: tuple[str, ...] | None = None, cluster: Any = None) -> Soak:
+    """The uninterrupted run, then the run under ``faults`` faults of every kind (or of ``only``); on Ray,
+    every start attached to ``cluster`` if given (``start``), else each on a local cluster of its own."""
     files = write_inputs(root / "inputs")
     t0 = time.monotonic()
-    timing = reference_run(root / "reference", files, steps, backend)
+    timing = reference_run(root / "reference", files, steps, backend, cluster)
     reference_s = time.monotonic() - t0
-    soak = chaos(root / "chaos", files, steps, faults, random.Random(seed), timing, backend, only)
+    soak = chaos(root / "chaos", files, steps, faults, random.Random(seed), timing, backend, only, cluster)
     soak.reference_s = reference_s
     ignore = PLACEMENT_FIGURES if backend == "ray" else ()
     expected, got = per_step(root / "reference", ignore), per_step(root / "chaos", ignore)

@@ -54,17 +54,19 @@ def test_a_kill_while_a_save_prunes_keeps_the_steps_metrics_record(tmp_path):
     assert sorted(chaos.per_step(out)) == [0, 1, 2, 3, 4]
 
 
-def test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics(tmp_path):
+def test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics(tmp_path, ray_head):
     """Two Ray ranks, each with a rollout replica: an actor rank's process and a replica's are
     SIGKILLed at random moments. The rank's death stops the trainer naming the dead rank (exit 1)
     and the restart resumes from the newest checkpoint; the replica's is survived in the run (its
     requests go to the other replica, it is restarted at the next weight sync) unless it lands
     inside a weight sync, whose broadcast group it breaks: that still stops the trainer naming the
     replica (a known gap, docs/status.md), and the restart resumes. Either way the run ends as the
-    uninterrupted one did."""
+    uninterrupted one did. Every start attaches to the shared cluster (tests/e2e/conftest.py ``ray_head``),
+    which outlives the processes killed on it, instead of starting a cluster of its own."""
     pytest.importorskip("ray")
     chaos = load_bench()
-    soak = chaos.soak_run(tmp_path, faults=2, seed=1, steps=5, backend="ray", only=("rank_kill", "replica_kill"))
+    soak = chaos.soak_run(tmp_path, faults=2, seed=1, steps=5, backend="ray", only=("rank_kill", "replica_kill"),
+                          cluster=ray_head)
     report = soak.report()
     assert soak.injected == {"rank_kill": 1, "replica_kill": 1}, report
     log = (tmp_path / "chaos.log").read_text()

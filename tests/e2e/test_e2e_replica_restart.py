@@ -50,10 +50,11 @@ def _args(tmp_path: Path) -> list[str]:
 
 def _start(args: list[str], out: Path, steps: int, fault: str = "", ray_head=None) -> subprocess.Popen:
     """A run on a Ray cluster of its own (its ranks read ``fault`` from its environment), or, fault-free, on
-    ``ray_head`` (tests/e2e/conftest.py)."""
+    ``ray_head`` (tests/e2e/conftest.py). The faulted runs run beside another, and two drivers at once on
+    one cluster cost several times the CPU (ray_head's docstring): each keeps a cluster of its own."""
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if ray_head is not None:
-        assert not fault, "the ranks of a shared cluster do not see the run's HYBRIDFLOW_FAULT"
+        assert not fault, "a faulted run here has a cluster of its own: it runs beside another"
         env = {**ray_head.env, "OMP_NUM_THREADS": "1"}
         args = [*args, f"trainer.ray_address={ray_head.address}"]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 -- the child owns it until it exits
