@@ -15,7 +15,7 @@ import pytest
 
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
-from run_records import per_step
+from run_records import cli_in_process, per_step
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +45,12 @@ def user_files(tmp_path_factory):
 
 
 def train(out: Path, files: list[str], *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYBRIDFLOW_FAULT": fault or ""}
-    return subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "train", *files, *RUN, f"trainer.output_dir={out}", *extra],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
+    """``hybridflow train``: a run killed at ``fault`` in a process of its own, any other in this one."""
+    args = ["train", *files, *RUN, f"trainer.output_dir={out}", *extra]
+    if fault is None:
+        return cli_in_process(args)
+    return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HYBRIDFLOW_FAULT": fault})
 
 
 def prompts_per_step(out: Path) -> dict[int, list[str]]:

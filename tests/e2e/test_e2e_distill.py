@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from hybridflow.cli import main as cli_main
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
-from run_records import per_step
+from run_records import cli_in_process, per_step
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +36,8 @@ RUN = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", 
 
 
 def train(out: Path, files: list[str], steps: int) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "train", *files, *RUN, f"trainer.total_training_steps={steps}",
-         f"trainer.output_dir={out}"], capture_output=True, text=True, timeout=300,
-    )
+    """``hybridflow train`` in this process (``cli_in_process``): nothing here kills a run."""
+    return cli_in_process(["train", *files, *RUN, f"trainer.total_training_steps={steps}", f"trainer.output_dir={out}"])
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from run_records import per_step
+from run_records import cli_in_process, per_step
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,10 @@ VOLATILE = ("train/pairs_per_s",)
 
 
 def cli(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    """``hybridflow <args>``: a run killed at ``fault``, or one of ranks of their own (``trainer.n_workers``), in a
+    process of its own; any other in this one (``cli_in_process``)."""
+    if fault is None and not any(arg.startswith("trainer.n_workers=") for arg in args):
+        return cli_in_process(list(args), env={"OMP_NUM_THREADS": "1"})
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault or "", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
                           timeout=900, env=env)

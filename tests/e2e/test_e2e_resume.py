@@ -16,7 +16,7 @@ import pytest
 
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
-from run_records import per_step
+from run_records import cli_in_process, per_step
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +38,12 @@ def user_files(tmp_path_factory):
 
 
 def train(out: Path, files: list[str], fault: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYBRIDFLOW_FAULT": fault or ""}
-    return subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "train", *files, *RUN, f"trainer.output_dir={out}", *extra],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
+    """``hybridflow train``: a run killed at ``fault`` in a process of its own, any other in this one."""
+    args = ["train", *files, *RUN, f"trainer.output_dir={out}", *extra]
+    if fault is None:
+        return cli_in_process(args)
+    return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HYBRIDFLOW_FAULT": fault})
 
 
 def test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run(user_files, tmp_path):
@@ -182,7 +183,8 @@ def _weights(ckpt: Path) -> dict:
 
 def test_a_nan_step_is_skipped_and_leaves_the_weights_unchanged(user_files, tmp_path):
     out = tmp_path / "nan"
-    done = train(out, user_files, "nan_advantages@2", extra=("trainer.total_training_steps=3", "trainer.max_ckpt_to_keep=null"))
+    done = cli_in_process(["train", *user_files, *RUN, f"trainer.output_dir={out}", "trainer.total_training_steps=3",
+                           "trainer.max_ckpt_to_keep=null"], env={"HYBRIDFLOW_FAULT": "nan_advantages@2"})
     assert done.returncode == 0, done.stderr[-3000:]
     records = per_step(out)
     # ppo_epochs=2 x 2 mini-batches = 4 optimizer steps per training step, all skipped at step 2.
@@ -193,7 +195,8 @@ def test_a_nan_step_is_skipped_and_leaves_the_weights_unchanged(user_files, tmp_
 
 
 def test_too_many_consecutive_skips_abort_with_a_clear_message(user_files, tmp_path):
-    done = train(tmp_path / "abort", user_files, "nan_advantages@2", extra=("trainer.max_consecutive_skips=3",))
+    done = cli_in_process(["train", *user_files, *RUN, f"trainer.output_dir={tmp_path / 'abort'}",
+                           "trainer.max_consecutive_skips=3"], env={"HYBRIDFLOW_FAULT": "nan_advantages@2"})
     assert done.returncode != 0
     assert "optimizer steps in a row had a non-finite loss" in done.stderr
     assert "actor rank 0 failed in ActorWorker.update_actor" in done.stderr
@@ -231,13 +234,11 @@ def test_export_writes_a_hugging_face_model_that_generates_like_the_checkpoint(u
     done = train(out, user_files, extra=("trainer.total_training_steps=2", "actor.optim.lr=3e-3"))
     assert done.returncode == 0, done.stderr[-3000:]
     export_dir = tmp_path / "exported"
-    exported = subprocess.run([sys.executable, "-m", "hybridflow.cli", "export", str(out), str(export_dir)],
-                              capture_output=True, text=True, timeout=300)
+    exported = cli_in_process(["export", str(out), str(export_dir)])
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (export_dir / "config.json").is_file() and list(export_dir.glob("*.safetensors"))
     assert not list(export_dir.rglob("optim.pt"))
-    again = subprocess.run([sys.executable, "-m", "hybridflow.cli", "export", str(out), str(export_dir)],
-                           capture_output=True, text=True, timeout=300)
+    again = cli_in_process(["export", str(out), str(export_dir)])
     assert again.returncode == 1 and "not empty" in again.stderr
 
     ckpt_model = out / "checkpoints" / "global_step_2" / "actor" / "model"

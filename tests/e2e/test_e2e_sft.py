@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hybridflow.data.tasks.arithmetic import arithmetic_sft_pairs, make_arithmetic_rows
-from run_records import per_step
+from run_records import cli_in_process, per_step
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,10 @@ def data(tmp_path_factory):
 
 
 def cli(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    """``hybridflow <args>``: a run killed at ``fault``, or one of ranks of their own (``trainer.n_workers``), in a
+    process of its own; any other in this one (``cli_in_process``)."""
+    if fault is None and not any(arg.startswith("trainer.n_workers=") for arg in args):
+        return cli_in_process(list(args), env={"OMP_NUM_THREADS": "1"})
     env = {**os.environ, "HYBRIDFLOW_FAULT": fault or "", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "hybridflow.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env)
