@@ -159,6 +159,12 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
+# Eight tests read one module-scoped run of two processes (the fixture below, about 11 s in CI): one pytest worker
+# runs the module, instead of each worker that draws one of them launching the run again (CI's run of 969ae4b
+# paid for it twice, 11.1 s each; this file alone on 2 workers: 45.4 worker-seconds before, 10.9 with the group).
+pytestmark = pytest.mark.xdist_group("weight_transfer_ranks")
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
     out = tmp_path_factory.mktemp("weight_sync")

@@ -195,6 +195,12 @@ def worker(index: int, port: int, sync_port: int, out_dir: str) -> None:
     (out / f"process{index}.json").write_text(json.dumps(result))
 
 
+# Seven tests read one module-scoped run of three processes (the fixture below, 18-19 s in CI): one pytest worker
+# runs the module, instead of each worker that draws one of them launching the run again (CI's run of 969ae4b
+# paid for it twice: 19.4 s and 18.2 s; this file alone on 2 workers: 74.8 worker-seconds before, 29.8 with the group).
+pytestmark = pytest.mark.xdist_group("weight_stream_processes")
+
+
 @pytest.fixture(scope="module")
 def processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("weight_stream")
