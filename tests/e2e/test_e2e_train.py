@@ -15,6 +15,7 @@ from hybridflow import api
 from hybridflow.config import list_presets
 from hybridflow.data.tasks.arithmetic import write_arithmetic_task
 from hybridflow.models.tiny import write_tiny_model
+from run_records import cli_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -74,8 +75,8 @@ def test_cli_trains_a_local_model_on_parquet_files_and_resumes(model_and_data, t
     spans = [e for e in json.loads(trace)["traceEvents"] if e["ph"] == "X"]
     assert [e["name"] for e in spans].count("step") == 3 and {"gen", "update_actor", "testing", "serve"} <= {
         e["name"] for e in spans}
-    # Starting the finished run again does nothing and says so.
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    # Starting the finished run again does nothing and says so (the same command, in this process: cli_in_process).
+    again = cli_in_process(cmd[3:])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already finished" in again.stderr
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
