@@ -19,65 +19,54 @@ import pytest
 # worker holds a trainer's memory (a few GB at peak).
 MAX_WORKERS = 4
 
-# Seconds each of the longest tests took (2 workers on 2 cores, CI's run of 2026-11-29 with other work on
-# the machine, parametrized tests by their base name): only their order is used. A test missing here
+# Seconds each of the longest tests took (2 workers on 2 cores, a full run of 2026-11-30 at 969ae4b; the tests
+# made cheaper after it, by their time alone; parametrized tests by their base name): only their order is used. A test missing here
 # runs after these, in file order; a stale entry only costs balance. Tests in one xdist_group run on
 # one worker, the groups first (xdist's --loadscope-reorder sends the largest work units first).
 LONGEST_S = {
     # The tool_agent preset's warm start (625 SFT steps, shared with the two tests of its group), then 5 steps.
-    "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 342,
-    # Three two-rank Ray starts (the uninterrupted run, the run, its restart after the killed rank; the killed
-    # replica is restarted within the run).
-    "tests/e2e/test_e2e_chaos_soak.py::test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics": 197,
+    "tests/e2e/test_e2e_agent.py::test_grpo_raises_the_tool_call_rate_and_the_reward": 380,
+    # Two-rank Ray runs on the worker's shared cluster (ray_head): the uninterrupted run, the run, its restarts.
+    "tests/e2e/test_e2e_chaos_soak.py::test_ray_ranks_and_replicas_killed_at_random_end_with_the_uninterrupted_runs_metrics": 120,
     # The API block pays the built-in warm start (shared through builtin_cache), then 20 steps.
-    "tests/e2e/test_e2e_readme.py::test_every_python_block_runs_as_an_unguarded_script": 173,
-    "tests/e2e/test_e2e_ray.py::test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one": 168,
-    # Two two-rank Ray runs side by side, one restarting a killed replica (not yet timed in CI: 229 s and
-    # 333 s here under a load average of 12-20, against 518 s for the Ray chaos soak above).
-    "tests/e2e/test_e2e_replica_restart.py::test_across_a_replica_restart_no_trained_sample_exceeds_the_staleness_bound_in_the_async_modes": 130,
-    "tests/e2e/test_e2e_replica_restart.py::test_a_replica_killed_mid_generation_is_restarted_and_the_steps_equal_the_fault_free_runs": 90,
-    "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 138,
-    # Not yet timed in CI; measured on 2 cores under a load average of 15-18: 439 s for the first (a local run,
-    # then three two-rank Ray starts), 639 s for the other two together.
-    "tests/e2e/test_e2e_offline_ray.py::test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_died_resumes": 180,
-    "tests/e2e/test_e2e_ray.py::test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one": 120,
-    # Not yet timed in CI; measured on 2 cores under a load average of 15-20: 286 s (a local run, then two
-    # two-rank Ray groups and the PRM's reference beside the actor's), and the preset's 10 steps about 4 minutes.
-    "tests/e2e/test_e2e_ray.py::test_prime_on_two_ray_ranks_matches_one_local_rank_on_step_one": 120,
-    "tests/e2e/test_e2e_prime.py::test_the_prime_preset_raises_the_held_out_greedy_score": 120,
-    "tests/e2e/test_e2e_offline_ray.py::test_rm_on_two_ray_ranks_trains_like_one_local_rank": 100,
-    "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 70,
-    # A lost node on the three-node cluster (not yet timed in CI: 401 s and 202 s here under a load average of 20):
-    # an unkilled run, then one killed, rebuilt and resumed; a killed run that stops.
-    "tests/e2e/test_e2e_ray_multinode.py::test_with_max_restarts_a_lost_node_is_rebuilt_elsewhere_and_the_run_ends_as_an_unkilled_one": 200,
-    "tests/e2e/test_e2e_ray_multinode.py::test_a_lost_node_stops_the_run_within_a_minute_naming_the_node_and_the_rank": 100,
-    # A `ray start` cluster that a node joins and leaves during a 4-step run, beside a fixed-replica run (not yet
-    # timed in CI: 522 s here under a load average of 25, against 140 s for one actor rank to start).
-    "tests/e2e/test_e2e_elastic.py::test_replicas_follow_nodes_that_join_and_leave_and_the_steps_equal_a_fixed_replica_runs": 150,
+    "tests/e2e/test_e2e_readme.py::test_every_python_block_runs_as_an_unguarded_script": 176,
+    "tests/e2e/test_e2e_ray.py::test_a_critic_on_two_ray_ranks_matches_one_local_rank_on_step_one": 44,
+    "tests/e2e/test_e2e_replica_restart.py::test_across_a_replica_restart_no_trained_sample_exceeds_the_staleness_bound_in_the_async_modes": 81,
+    "tests/e2e/test_e2e_replica_restart.py::test_a_replica_killed_mid_generation_is_restarted_and_the_steps_equal_the_fault_free_runs": 72,
+    "tests/e2e/test_e2e_ray.py::test_two_ray_ranks_match_one_local_rank_on_step_one": 117,
+    "tests/e2e/test_e2e_offline_ray.py::test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_died_resumes": 80,
+    "tests/e2e/test_e2e_ray.py::test_online_dpo_on_two_ray_ranks_matches_one_local_rank_on_step_one": 27,
+    "tests/e2e/test_e2e_ray.py::test_prime_on_two_ray_ranks_matches_one_local_rank_on_step_one": 27,
+    "tests/e2e/test_e2e_prime.py::test_the_prime_preset_raises_the_held_out_greedy_score": 23,
+    "tests/e2e/test_e2e_offline_ray.py::test_rm_on_two_ray_ranks_trains_like_one_local_rank": 45,
+    "tests/e2e/test_e2e_resume.py::test_kill_anywhere_and_resume_reproduces_the_uninterrupted_run": 40,
+    "tests/e2e/test_e2e_ray_multinode.py::test_with_max_restarts_a_lost_node_is_rebuilt_elsewhere_and_the_run_ends_as_an_unkilled_one": 93,
+    "tests/e2e/test_e2e_ray_multinode.py::test_a_lost_node_stops_the_run_within_a_minute_naming_the_node_and_the_rank": 44,
+    "tests/e2e/test_e2e_elastic.py::test_replicas_follow_nodes_that_join_and_leave_and_the_steps_equal_a_fixed_replica_runs": 119,
     # A three-node Ray cluster started with `ray start`, then two runs.
-    "tests/e2e/test_e2e_ray_multinode.py::test_two_nodes_of_two_actor_ranks_on_an_existing_cluster_train_like_one_local_rank": 67,
-    "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 65,
-    "tests/e2e/test_e2e_preemption.py::test_a_job_wide_sigterm_on_ray_reaches_every_process_and_the_run_still_saves": 62,
-    "tests/e2e/test_e2e_lora.py::test_lora_on_two_ray_ranks_matches_one_local_rank": 60,
-    "tests/e2e/test_e2e_chaos_soak.py::test_a_run_killed_at_random_ends_with_the_uninterrupted_runs_metrics": 58,
-    "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 55,
-    "tests/e2e/test_e2e_ray.py::test_broadcast_weight_sync_gives_the_rollout_the_actors_weights": 49,
-    "tests/e2e/test_e2e_reproducible.py::test_the_default_command_beside_a_busy_process_is_the_same_run_twice_and_after_a_kill": 48,
-    "tests/e2e/test_e2e_resume.py::test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run": 46,
-    "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 43,
-    "tests/e2e/test_e2e_async.py::test_fully_async_with_staleness_zero_is_the_synchronous_algorithm": 43,
-    "tests/e2e/test_e2e_sft.py::test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains": 39,
-    "tests/e2e/test_e2e_ray.py::test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight": 36,
+    "tests/e2e/test_e2e_ray_multinode.py::test_two_nodes_of_two_actor_ranks_on_an_existing_cluster_train_like_one_local_rank": 33,
+    "tests/e2e/test_e2e_ray.py::test_sum_pi_squared_on_two_ray_ranks_matches_one_local_rank_on_step_one": 20,
+    "tests/e2e/test_e2e_preemption.py::test_a_job_wide_sigterm_on_ray_reaches_every_process_and_the_run_still_saves": 32,
+    "tests/e2e/test_e2e_lora.py::test_lora_on_two_ray_ranks_matches_one_local_rank": 22,
+    "tests/e2e/test_e2e_chaos_soak.py::test_a_run_killed_at_random_ends_with_the_uninterrupted_runs_metrics": 41,
+    "tests/e2e/test_e2e_resume.py::test_damaged_checkpoints_are_named_and_pickles_never_run": 20,
+    "tests/e2e/test_e2e_ray.py::test_broadcast_weight_sync_gives_the_rollout_the_actors_weights": 57,
+    "tests/e2e/test_e2e_reproducible.py::test_the_default_command_beside_a_busy_process_is_the_same_run_twice_and_after_a_kill": 25,
+    "tests/e2e/test_e2e_resume.py::test_kill_and_resume_with_a_critic_reproduces_the_uninterrupted_run": 30,
+    "tests/e2e/test_e2e_train.py::test_default_run_rl_improves_the_held_out_greedy_score": 31,
+    "tests/e2e/test_e2e_async.py::test_fully_async_with_staleness_zero_is_the_synchronous_algorithm": 15,
+    "tests/e2e/test_e2e_sft.py::test_sft_lowers_val_loss_resumes_exactly_and_its_export_trains": 20,
+    "tests/e2e/test_e2e_ray.py::test_fully_async_on_ray_with_split_placement_streams_weights_into_the_generation_in_flight": 19,
     # Unit tests as long as these: started with them, not left for the end of the run.
-    "tests/unit/training/test_training_precision.py::test_hsdp_shard_groups_train_like_full_sharding": 35,
-    "tests/unit/training/test_training_compile.py::test_compiled_layers_train_as_eager_does": 35,
-    "tests/unit/core/test_scripts_gpu_kit.py::test_the_dry_run_runs_its_steps_with_no_network": 34,
+    "tests/unit/training/test_training_precision.py::test_hsdp_shard_groups_train_like_full_sharding": 21,
+    "tests/unit/training/test_training_compile.py::test_compiled_layers_train_as_eager_does": 21,
+    "tests/unit/core/test_scripts_gpu_kit.py::test_the_dry_run_runs_its_steps_with_no_network": 30,
     # From earlier runs (not among the 25 slowest of the run above).
-    "tests/e2e/test_e2e_sft.py::test_two_ranks_train_like_one": 35,
-    "tests/e2e/test_e2e_async.py::test_one_step_off_trains_one_version_behind_and_step_one_is_the_sync_step": 35,
-    "tests/e2e/test_e2e_async.py::test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt": 34,
-    "tests/e2e/test_e2e_storage.py::test_train_checkpoint_resume_and_export_through_s3": 33,
-    "tests/e2e/test_e2e_dashboard.py::test_the_page_draws_a_real_runs_curves_live_and_its_rollouts_token_by_token": 30,
+    "tests/e2e/test_e2e_sft.py::test_two_ranks_train_like_one": 19,
+    "tests/e2e/test_e2e_async.py::test_one_step_off_trains_one_version_behind_and_step_one_is_the_sync_step": 18,
+    "tests/e2e/test_e2e_async.py::test_fully_async_bounds_staleness_and_resumes_without_losing_or_repeating_a_prompt": 23,
+    "tests/e2e/test_e2e_storage.py::test_train_checkpoint_resume_and_export_through_s3": 29,
+    "tests/e2e/test_e2e_dashboard.py::test_the_page_draws_a_real_runs_curves_live_and_its_rollouts_token_by_token": 16,
 }
 
 
