@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 import time
 
 import pytest
@@ -116,6 +117,9 @@ def test_two_node_groups_never_share_a_node_and_the_error_names_the_layout() -> 
         pytest.skip("ray is not installed")
     from hybridflow.cluster.ray_group import NoRoomError, ResourcePool, init_ray
 
+    leftover = sys.modules.get("ray")
+    assert leftover is None or not leftover.is_initialized(), (
+        "an earlier test in this process left Ray connected: init_ray would keep its cluster, not start one of 4 CPUs")
     init_ray(None, dashboard=False, num_cpus=4)  # before Ray's import: a cluster on 127.0.0.1 only
     import ray
 

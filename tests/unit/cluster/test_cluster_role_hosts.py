@@ -62,14 +62,25 @@ def hand_over(trainer: Trainer, server: Server, scale: float) -> int:
     return trainer.rank
 
 
-@pytest.fixture
-def pool():
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray cluster for this module's tests, shut down after them: a cluster left connected
+    would be the one a later module's ``init_ray`` finds (it leaves a connected process as it is), with
+    this module's CPU count (test_cluster_config's placement test once waited 30 s for 4 CPUs there)."""
     pytest.importorskip("ray")
     import ray
 
-    from hybridflow.cluster.ray_group import ResourcePool, init_ray
+    from hybridflow.cluster.ray_group import init_ray
 
     init_ray(None, dashboard=False, num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def pool(local_ray):
+    from hybridflow.cluster.ray_group import ResourcePool
+
     pool = ResourcePool(2, use_gpu=False)
     yield pool
     pool.close()
