@@ -14,7 +14,7 @@ import pytest
 
 from hybridflow.cluster.ray_group import LOOPBACK_ONLY_ENV
 from hybridflow.config import WarmStartConfig
-from run_records import per_step
+from run_records import cli_in_process, per_step
 
 # Ray decides at import whether a local head binds 127.0.0.1 only; ask before importing it.
 os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
@@ -55,20 +55,13 @@ def cli(*args: str, ray_head, fault: str = "", by_env: bool = False) -> subproce
                           timeout=600, env=env)
 
 
-def in_process(*args: str) -> int:
-    """The exit code of a local run of the CLI in this process (``hybridflow.cli.main``): it has torch
-    and transformers imported already, which a process of its own spends most of a short run on."""
-    from hybridflow.cli import main
-
-    return main(list(args))
-
-
 def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_died_resumes(
     tmp_path: Path, ray_head
 ) -> None:
     steps = ["dpo.sft_weight=1.0", "trainer.total_training_steps=4", "trainer.save_freq=2"]
-    assert in_process("dpo", *RUN, *steps, "trainer.save_final=false", "dpo.export=false",
-                      f"trainer.output_dir={tmp_path / 'local'}") == 0
+    local = cli_in_process(["dpo", *RUN, *steps, "trainer.save_final=false", "dpo.export=false",
+                            f"trainer.output_dir={tmp_path / 'local'}"])
+    assert local.returncode == 0, local.stderr[-3000:]
     expected = per_step(tmp_path / "local", VOLATILE)
 
     # Every rank dies after step 3 (SIGKILL), its newest checkpoint step 2's: the controller names a dead rank
@@ -98,7 +91,8 @@ def test_dpo_on_two_ray_ranks_trains_like_one_local_rank_and_a_run_whose_ranks_d
 
 def test_rm_on_two_ray_ranks_trains_like_one_local_rank(tmp_path: Path, ray_head) -> None:
     steps = ["trainer.total_training_steps=1", "trainer.save_final=false", "rm.export=false"]
-    assert in_process("rm", *RUN, *steps, f"trainer.output_dir={tmp_path / 'one'}") == 0
+    one = cli_in_process(["rm", *RUN, *steps, f"trainer.output_dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
     # This run finds the cluster the way `ray job submit` hands it to a driver: RAY_ADDRESS only.
     two = cli("rm", *RUN, *steps, *RAY, f"trainer.output_dir={tmp_path / 'two'}", ray_head=ray_head, by_env=True)
     assert two.returncode == 0, two.stderr[-3000:]
