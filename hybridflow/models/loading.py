@@ -279,10 +279,8 @@ def _one_label_model(auto_class: Any, path: str | os.PathLike, dtype: torch.dtyp
                      **config_changes: Any) -> Any:
     """``auto_class`` (a token or sequence classifier) with one label from the model at ``path``, the
     config changed by ``config_changes``; a head that ``path`` does not hold is zero (see ``load_value_model``)."""
-    from transformers import AutoConfig
-
     p = check_model_dir(path)
-    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    config = load_model_config(p, trust_remote_code=trust_remote_code)
     config.num_labels = 1
     for key, value in config_changes.items():
         setattr(config, key, value)
@@ -302,10 +300,8 @@ def _one_label_model(auto_class: Any, path: str | os.PathLike, dtype: torch.dtyp
 def check_sequence_classifier(path: str | os.PathLike, *, trust_remote_code: bool = False) -> None:
     """``path`` is a local scalar sequence classifier (a reward model): its config.json names a
     ``*ForSequenceClassification`` architecture with one label. Reads config.json only."""
-    from transformers import AutoConfig
-
     p = check_model_dir(path)
-    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    config = load_model_config(p, trust_remote_code=trust_remote_code)
     architectures = config.architectures or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise ValueError(f"{p} holds {architectures or 'no architectures'}, not a *ForSequenceClassification model "
