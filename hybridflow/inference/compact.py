@@ -61,6 +61,28 @@ from hybridflow.inference.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, 
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
 
+# Fewest rows a matmul of the engine runs. Matmul libraries take kernels of their own for a few rows (a
+# matrix-vector product at 1 row; on the CPU MKL's fp32 GEMM at 1-3 rows, oneDNN's packed kernels at 1) that sum
+# in another order than the kernels for more rows, so a row's logprobs would depend on how many rows decoded
+# beside it: a long tail's last rows, a replica left with few rows, a short prefill chunk. Measured on an AMD
+# EPYC Zen 4: rows of F.linear at M = 1-3 differ from the same rows at M = 256 in fp32 (M = 4..128 equal them
+# to the bit); oneDNN's packed fp32 and bf16 at M = 1 only; a ~20M bf16 model decoding one row alone sampled
+# other tokens in 29 of 32 samples. Fewer rows are repeated up to this many (``min_rows``): the extra rows read
+# no extra weights, so a memory-bound step at batch 1 costs little more (bench/decode_batch_scaling.py).
+MIN_MATMUL_ROWS = 4
+
+
+def min_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (N, K) with its rows repeated to ``MIN_MATMUL_ROWS`` when it has fewer (the first N are ``x``)."""
+    rows = x.shape[0]
+    return x if rows >= MIN_MATMUL_ROWS else x.repeat(-(-MIN_MATMUL_ROWS // rows), 1)[:MIN_MATMUL_ROWS]
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` over (N, K) rows, at least ``MIN_MATMUL_ROWS`` of them."""
+    return F.linear(min_rows(x), weight)[: x.shape[0]]
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's tensors. Fused tensors are the storage; HF parameters are views of them."""
@@ -325,7 +347,9 @@ class CompactCausalLM:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 packed: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ b) on the packed copy when there is one (x (N, K) → (N, out))."""
+        """x W^T (+ b) on the packed copy when there is one (x (N, K) → (N, out)); at least ``MIN_MATMUL_ROWS``."""
+        if x.shape[0] < MIN_MATMUL_ROWS:
+            return self._linear(min_rows(x), weight, bias, packed)[: x.shape[0]]
         if packed is None:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -335,7 +359,13 @@ class CompactCausalLM:
         """``residual += x W^T (+ b)`` in place; with a bias in HF's order, residual + (x W^T + b).
 
         Dense and bias-free, the add rides on the matmul (addmm with beta = 1): one pass fewer.
+        Fewer than ``MIN_MATMUL_ROWS`` rows are added as that many.
         """
+        if residual.shape[0] < MIN_MATMUL_ROWS:
+            padded = min_rows(residual)
+            self._add_linear_(padded, min_rows(x), weight, bias, packed)
+            residual.copy_(padded[: residual.shape[0]])
+            return
         if packed is None and bias is None:
             residual.addmm_(x, weight.t())
         elif packed is not None and bias is None and residual.dtype == torch.bfloat16:
@@ -457,7 +487,7 @@ class CompactCausalLM:
         """
         n = self.numerics
         assert layer.router is not None and layer.experts_gate_up is not None and layer.experts_down is not None
-        logits = F.linear(x, layer.router)  # (N, E)
+        logits = rows_linear(x, layer.router)  # (N, E)
         weights, chosen = logits.float().softmax(dim=-1).topk(n.experts_per_token, dim=-1)  # (N, k) each
         if n.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -466,8 +496,8 @@ class CompactCausalLM:
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             tokens, slots = torch.where(chosen == expert)
-            gate, up = F.linear(x[tokens], layer.experts_gate_up[expert]).chunk(2, dim=-1)
-            hidden = F.linear(self._activate_(gate) * up, layer.experts_down[expert])
+            gate, up = rows_linear(x[tokens], layer.experts_gate_up[expert]).chunk(2, dim=-1)
+            hidden = rows_linear(self._activate_(gate) * up, layer.experts_down[expert])
             out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
         return out
 
