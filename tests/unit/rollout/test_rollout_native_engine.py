@@ -205,14 +205,16 @@ def test_a_row_decodes_the_same_to_the_bit_alone_or_beside_others(dtype):
     """A matmul over a few rows takes a kernel of its own (a matrix-vector product at one row; MKL's fp32
     GEMM at 1-3) that sums in another order: a long tail's last rows, or a replica left with few rows, gave
     other logprobs (in bf16 on a ~20M model, other tokens) than the same rows decoded beside others. The
-    engine runs at least compact.MIN_MATMUL_ROWS rows in every matmul. Prompts of one length, run to the same
-    length, so that every step attends over the same keys whatever the batch (the attention's sums over a
-    longer key window are not pinned the same way: test_seeded_request_is_reproducible_whatever_else_is_batched)."""
+    engine runs at least compact.MIN_MATMUL_ROWS rows in every matmul, so one row and three take the same
+    kernels (that 4 rows and 128 then agree too is the library's own doing: measured, not asserted here).
+    Prompts of one length, run to the same length, so that every step attends over the same keys whatever
+    the batch (in fp32 the attention's sums over a longer key window round differently:
+    test_seeded_request_is_reproducible_whatever_else_is_batched)."""
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [42, 43, 44, 45, 46], [100, 101, 102, 103, 104]]
     requests = [request(prompt, n=2, temperature=1.0, max_tokens=12, ignore_eos=True, seed=7 + i)
                 for i, prompt in enumerate(prompts)]
     alone = make_engine(dtype=dtype, max_batch_size=1).generate_batch(requests)
-    beside = make_engine(dtype=dtype, max_batch_size=8).generate_batch(requests)
+    beside = make_engine(dtype=dtype, max_batch_size=3).generate_batch(requests)
     for one, many in zip(alone, beside, strict=True):
         assert [t.response_ids for t in one] == [t.response_ids for t in many]
         assert [t.rollout_logprobs for t in one] == [t.rollout_logprobs for t in many]
