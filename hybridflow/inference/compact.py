@@ -66,9 +66,10 @@ from hybridflow.utils.device import CpuFeatures, cpu_features
 # in another order than the kernels for more rows, so a row's logprobs would depend on how many rows decoded
 # beside it: a long tail's last rows, a replica left with few rows, a short prefill chunk. Measured on an AMD
 # EPYC Zen 4: rows of F.linear at M = 1-3 differ from the same rows at M = 256 in fp32 (M = 4..128 equal them
-# to the bit); oneDNN's packed fp32 and bf16 at M = 1 only; a ~20M bf16 model decoding one row alone sampled
-# other tokens in 29 of 32 samples. Fewer rows are repeated up to this many (``min_rows``): the extra rows read
-# no extra weights, so a memory-bound step at batch 1 costs little more (bench/decode_batch_scaling.py).
+# to the bit); oneDNN's packed fp32 and bf16 at M = 1 only; a ~20M bf16 model on engines of 1 row sampled other
+# tokens in 25 of 32 seeded samples than on one of 32 rows, 0 now (bench/batch_invariance.py). Fewer rows are
+# repeated up to this many (``min_rows``): the extra rows read no extra weights, so a memory-bound step at batch 1
+# costs little more (~20M bf16: -4%; the built-in fp32 model, all per-op cost: -10 to -20% at batches 1-3).
 MIN_MATMUL_ROWS = 4
 
 
