@@ -157,6 +157,20 @@ class RowState:
             self.seen[torch.arange(batch, device=self.device), tokens] = True
 
 
+# Every step reads its rows' keys in multiples of this many positions (where the decode mode does not pad them
+# further: ``graphs.key_bucket``). The attention's sums over a row's key window (the softmax's, p.V's) are then
+# split into the same vector lanes and blocks whatever the batch's longest row, so a row's logprobs do not
+# depend on the rows beside it: with the exact window they moved by ~1e-6 in fp32 with the batch (engines of
+# 1, 4 and 8 rows against 32, bench/batch_invariance.py; 0.0 with it). A multiple of every CPU vector width
+# of fp32 (16: AVX-512); the keys past a row's own are masked, so the padding changes no result.
+KEY_ALIGN = 16
+
+
+def aligned_keys(key_length: int, capacity: int) -> int:
+    """``key_length`` rounded up to a multiple of ``KEY_ALIGN``, at most the cache's ``capacity``."""
+    return min(-(-key_length // KEY_ALIGN) * KEY_ALIGN, capacity)
+
+
 def resolve_decode_mode(
     decode_mode: str | None, device: torch.device, compact: CompactCausalLM, dtype: torch.dtype = torch.float32
 ) -> str:
@@ -397,7 +411,7 @@ class ModelRunner:
         """One forward over token ranges ``(slot, tokens, start, end)``, right-padded to the longest; the parts
         with ``scores`` get their next tokens' logprobs from its outputs."""
         width = max(p.end - p.start for p in parts)
-        key_length = max(p.end for p in parts)
+        key_length = aligned_keys(max(p.end for p in parts), self.cache.capacity)
         if self.bucket_prefill:
             # Padded columns repeat a real position (below) and are never written; keys past a
             # slot's tokens get no weight (the causal mask comes from the positions).
@@ -456,8 +470,9 @@ class ModelRunner:
                 logger.warning("NativeEngine: %s; decoding without CUDA graphs from now on", exc)
                 self.static_decoder, self.decode_mode = None, "eager"
         if logits is None:
-            access = self.cache.decode_access(batch, positions, plan.key_length)
-            logits = self.compact.forward(state.last_tokens[:batch, None], positions[:, None], access, plan.key_length)
+            keys = aligned_keys(plan.key_length, self.cache.capacity)
+            access = self.cache.decode_access(batch, positions, keys)
+            logits = self.compact.forward(state.last_tokens[:batch, None], positions[:, None], access, keys)
         assert logits is not None
         sampling = state.sampling(batch, [s.profile for s in samples])
         adjust = self._adjust(samples, state.counters[:batch]) if self.logits_processors else None

@@ -220,6 +220,21 @@ def test_a_row_decodes_the_same_to_the_bit_alone_or_beside_others(dtype):
         assert [t.rollout_logprobs for t in one] == [t.rollout_logprobs for t in many]
 
 
+@torch.no_grad()
+def test_a_rows_logprobs_do_not_depend_on_how_far_back_the_longest_row_beside_it_reads():
+    """The same seeded row decoded beside a short prompt and beside a long one: the step's key window is the
+    longest row's, and the attention's sums over it (softmax, p.V) split into other vector lanes when the
+    window's length moves within a vector; fp32 logprobs moved by ~1e-6. The engine reads keys in multiples
+    of runner.KEY_ALIGN, so the extra keys are whole masked vectors and change no sum."""
+    target = request([5, 6, 7], temperature=1.0, max_tokens=10, ignore_eos=True, seed=11)
+    short = request([9, 10], temperature=1.0, max_tokens=10, ignore_eos=True, seed=12)
+    long = request(list(range(20, 60)), temperature=1.0, max_tokens=10, ignore_eos=True, seed=13)
+    near = make_engine(dtype="float32", max_batch_size=2).generate_batch([target, short])[0][0]
+    far = make_engine(dtype="float32", max_batch_size=2).generate_batch([target, long])[0][0]
+    assert near.response_ids == far.response_ids
+    assert near.rollout_logprobs == far.rollout_logprobs
+
+
 def test_unseeded_requests_follow_the_engine_seed():
     requests = [request(p, n=2, temperature=1.0, max_tokens=8) for p in PROMPTS]
     first = make_engine(seed=5).generate_batch(requests)
