@@ -5,10 +5,11 @@ process per data-parallel rank, in that rank's placement bundle next to its acto
 request is placed by the router (``rollout.router``: fewest in-flight tokens, heaviest first); each
 replica then gets the requests placed on it in one call and batches them continuously, and all
 replicas run at once. Samples are seeded per request, so which replica serves a request does not
-change what it generates: a run's trajectories are the same with 1 or 2 replicas. The same tokens; the
-logprobs to the bit where the engine's numerics do not depend on the batch (the native engine in bf16 on
-a CPU with avx512_bf16, measured with 1 to 32 rows, every matmul at least ``compact.MIN_MATMUL_ROWS`` rows), and in
-fp32 within ~1e-6 (the attention's sums over a batch's key window; tests allow 1e-5).
+change what it generates: a run's trajectories are the same with 1 or 2 replicas: the same tokens, and
+the same logprobs to the bit where the engine's numerics do not depend on the batch. The native engine's
+do not (every matmul at least ``compact.MIN_MATMUL_ROWS`` rows, keys read in multiples of
+``runner.KEY_ALIGN``): measured to the bit in fp32 and bf16 on an AMD EPYC Zen 4
+(``bench/batch_invariance.py``); tests allow 1e-5, for other CPUs' matmul libraries.
 
 Weights reach every replica after each step: by copy (``update_weights``) or as receivers of the
 broadcast from actor rank 0 (``join_weight_sync`` / ``submit_receive``), replica k as member k + 1.
