@@ -39,7 +39,8 @@ from hybridflow.inference.weight_store import WeightStore
 
 logger = logging.getLogger(__name__)
 
-# How decode forwards run: "eager" at the exact shapes; "static" padded to bucketed shapes, and
+# How decode forwards run: "eager" at the exact shapes (but for KEY_ALIGN and MIN_MATMUL_ROWS, which every
+# mode keeps); "static" padded to bucketed shapes, and
 # prefill forwards too; "cuda_graph" static decode shapes replayed from CUDA graphs
 # (graphs.StaticDecoder). None picks cuda_graph on CUDA (launch-bound there), static on a CPU in
 # reduced precision (oneDNN keeps a compiled kernel per matmul shape: unbucketed shapes grew resident
