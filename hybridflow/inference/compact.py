@@ -79,11 +79,6 @@ def min_rows(x: torch.Tensor) -> torch.Tensor:
     return x if rows >= MIN_MATMUL_ROWS else x.repeat(-(-MIN_MATMUL_ROWS // rows), 1)[:MIN_MATMUL_ROWS]
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` over (N, K) rows, at least ``MIN_MATMUL_ROWS`` of them."""
-    return F.linear(min_rows(x), weight)[: x.shape[0]]
-
-
 @dataclass
 class LayerWeights:
     """One decoder layer's tensors. Fused tensors are the storage; HF parameters are views of them."""
@@ -488,7 +483,7 @@ class CompactCausalLM:
         """
         n = self.numerics
         assert layer.router is not None and layer.experts_gate_up is not None and layer.experts_down is not None
-        logits = rows_linear(x, layer.router)  # (N, E)
+        logits = self._linear(x, layer.router, None, None)  # (N, E)
         weights, chosen = logits.float().softmax(dim=-1).topk(n.experts_per_token, dim=-1)  # (N, k) each
         if n.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -497,8 +492,8 @@ class CompactCausalLM:
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             tokens, slots = torch.where(chosen == expert)
-            gate, up = rows_linear(x[tokens], layer.experts_gate_up[expert]).chunk(2, dim=-1)
-            hidden = rows_linear(self._activate_(gate) * up, layer.experts_down[expert])
+            gate, up = self._linear(x[tokens], layer.experts_gate_up[expert], None, None).chunk(2, dim=-1)
+            hidden = self._linear(self._activate_(gate) * up, layer.experts_down[expert], None, None)
             out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
         return out
 

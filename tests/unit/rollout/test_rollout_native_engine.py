@@ -208,8 +208,7 @@ def test_a_row_decodes_the_same_to_the_bit_alone_or_beside_others(dtype):
     engine runs at least compact.MIN_MATMUL_ROWS rows in every matmul, so one row and three take the same
     kernels (that 4 rows and 128 then agree too is the library's own doing: measured, not asserted here).
     Prompts of one length, run to the same length, so that every step attends over the same keys whatever
-    the batch (in fp32 the attention's sums over a longer key window round differently:
-    test_seeded_request_is_reproducible_whatever_else_is_batched)."""
+    the batch (the key window's own part: the next test)."""
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [42, 43, 44, 45, 46], [100, 101, 102, 103, 104]]
     requests = [request(prompt, n=2, temperature=1.0, max_tokens=12, ignore_eos=True, seed=7 + i)
                 for i, prompt in enumerate(prompts)]
