@@ -20,7 +20,7 @@ for 8 rows. The bound on the ratio is the batch-8 matmuls' rate over the engine'
 the largest batch.
 
     python bench/decode_batch_scaling.py --threads 1
-    python bench/decode_batch_scaling.py --threads 1 --dtype auto --weight-layouts dense onednn
+    python bench/decode_batch_scaling.py --threads 1 --dtype auto --weight-layouts dense onednn panels
     python bench/decode_batch_scaling.py --threads 1 --profile 8   # cProfile of one batch-8 run
     python bench/decode_batch_scaling.py --threads 1 --dtype auto --phases 8   # CPU-ms per step by phase
 """

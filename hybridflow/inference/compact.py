@@ -47,6 +47,14 @@ same, so the results are the dense layout's to the bit: the bias rides in the ke
 rounding to bf16, like the dense path's ``addmm_``), where adding a rounded product would round twice.
 Keeping o and down dense instead (``addmm_``) saves a third of the copy but measured 7% slower for
 the step's matmuls at batch 8 (5.1 against 4.8 ms; the dense step 6.7 ms), so they pack too.
+
+``panels`` (bf16 on CPUs with avx512_bf16 and no AMX) runs the matmuls in this package's own kernel
+(``cpu_gemm``) on a copy packed in panels of 48 columns: the same bits as oneDNN's (it checks), one
+decode step's matmuls at 8 rows 1.8x faster than the ``onednn`` layout's and the same at 128 rows,
+with no row minimum (the kernel's sums do not depend on the row count). ``auto`` picks it on the CPUs
+of ``ONEDNN_FASTER_VENDORS`` where the kernel builds; with more than one torch thread the matmuls run
+on the dense weights instead (oneDNN threads its own kernels; the kernel is single-threaded), with the
+same bits.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.inference import cpu_gemm
 from hybridflow.inference.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, Numerics, config_problem
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
@@ -106,7 +115,7 @@ class LayerWeights:
     experts_down: torch.Tensor | None = None  # (E, h, I_e)
 
 
-WEIGHT_LAYOUTS = ("auto", "dense", "onednn")
+WEIGHT_LAYOUTS = ("auto", "dense", "onednn", "panels")
 # CPU vendors where the oneDNN layout was measured faster than dense matmuls (module docstring): fp32
 # on an AVX2 EPYC; bf16 on a Zen 4 EPYC with avx512_bf16 (packing bf16 elsewhere is unmeasured).
 ONEDNN_FASTER_VENDORS = ("AuthenticAMD",)
@@ -132,9 +141,10 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 def resolve_weight_layout(
     layout: str, device: torch.device | str, dtype: torch.dtype, cpu: CpuFeatures | None = None
 ) -> str:
-    """``auto`` is ``onednn`` on CPUs of ``ONEDNN_FASTER_VENDORS`` (where it is available) for fp32,
-    and for bf16 where the CPU has avx512_bf16 (where it was measured), else ``dense``; an explicit
-    layout is kept (``set_weight_layout`` checks it)."""
+    """``auto`` on CPUs of ``ONEDNN_FASTER_VENDORS``: for bf16 ``panels`` where the CPU has avx512_bf16
+    and no AMX and the kernel builds (``cpu_gemm``), else ``onednn`` where the CPU has avx512_bf16; for
+    fp32 ``onednn`` (where it is available). ``dense`` elsewhere. An explicit layout is kept
+    (``set_weight_layout`` checks it)."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; expected one of {', '.join(WEIGHT_LAYOUTS)}")
     if layout != "auto":
@@ -145,6 +155,9 @@ def resolve_weight_layout(
     cpu = cpu or cpu_features()
     if dtype == torch.bfloat16 and not cpu.avx512_bf16:
         return "dense"
+    if (dtype == torch.bfloat16 and cpu.vendor in ONEDNN_FASTER_VENDORS and cpu_gemm.hardware_reason(cpu) is None
+            and cpu_gemm.available()):
+        return "panels"
     return "onednn" if cpu.vendor in ONEDNN_FASTER_VENDORS else "dense"
 
 
@@ -156,14 +169,18 @@ def layouts_round_alike(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16
 
 
+# A packed matmul weight: oneDNN's blocked layout (a tensor), the kernel's panels, or None (dense).
+Packed = torch.Tensor | cpu_gemm.Panels | None
+
+
 @dataclass(frozen=True)
 class _PackedLayer:
-    """One layer's matmul weights in oneDNN's blocked layout (copies of the fused tensors)."""
+    """One layer's matmul weights packed (copies of the fused tensors)."""
 
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor | None  # None in a mixture-of-experts layer (its experts run dense)
-    down: torch.Tensor | None
+    qkv: Packed
+    o: Packed
+    gate_up: Packed  # None in a mixture-of-experts layer (its experts run dense)
+    down: Packed
 
 
 @dataclass(frozen=True)
@@ -229,7 +246,7 @@ class CompactCausalLM:
         self.weight_layout = "dense"
         self._batch_hint = 1
         self._packed: list[_PackedLayer] | None = None
-        self._packed_lm_head: torch.Tensor | None = None
+        self._packed_lm_head: Packed = None
 
     @property
     def vocab_size(self) -> int:
@@ -309,6 +326,11 @@ class CompactCausalLM:
                 f"weight layout 'onednn' needs float32 or bfloat16 weights on a CPU and a torch built with oneDNN "
                 f"(got {self.dtype} on {self.device}); use 'dense'"
             )
+        if layout == "panels" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"
+                                   or not cpu_gemm.available()):
+            raise ValueError(f"weight layout 'panels' needs bfloat16 weights on a CPU where the bf16 kernel runs (got "
+                             f"{self.dtype} on {self.device}; {cpu_gemm.unavailable_reason() or 'kernel available'}); "
+                             "use 'onednn' or 'dense'")
         self.weight_layout, self._batch_hint = layout, max(1, batch_hint)
         self.repack()
 
@@ -318,9 +340,11 @@ class CompactCausalLM:
             self._packed = self._packed_lm_head = None
             return
 
-        def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
+        def pack(weight: torch.Tensor | None) -> Packed:
             if weight is None:
                 return None
+            if self.weight_layout == "panels":
+                return cpu_gemm.pack(weight)  # None for a shape the kernel declines: that weight runs dense
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self._batch_hint)
 
         self._packed = [
@@ -334,16 +358,21 @@ class CompactCausalLM:
         """The packed copy's tensors (none with the dense layout), for memory accounting."""
         if self._packed is None:
             return []
-        layers = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down) if t is not None]
-        return layers + ([self._packed_lm_head] if self._packed_lm_head is not None else [])
+        packed = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down)] + [self._packed_lm_head]
+        return [t.data if isinstance(t, cpu_gemm.Panels) else t for t in packed if t is not None]
 
     def release_packed(self) -> None:
         """Drop the packed copy (the engine's sleep level 2); ``repack`` rebuilds it."""
         self._packed = self._packed_lm_head = None
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                packed: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ b) on the packed copy when there is one (x (N, K) → (N, out)); at least ``MIN_MATMUL_ROWS``."""
+                packed: Packed) -> torch.Tensor:
+        """x W^T (+ b) on the packed copy when there is one (x (N, K) → (N, out)); at least ``MIN_MATMUL_ROWS``
+        but in the kernel's panels, whose sums do not depend on the row count."""
+        if isinstance(packed, cpu_gemm.Panels):
+            if _kernel_runs():
+                return cpu_gemm.linear(x, packed, bias)
+            packed = None  # several threads: oneDNN's threaded kernels on the dense weights, the same bits
         if x.shape[0] < MIN_MATMUL_ROWS:
             return self._linear(min_rows(x), weight, bias, packed)[: x.shape[0]]
         if packed is None:
@@ -351,12 +380,20 @@ class CompactCausalLM:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def _add_linear_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None, packed: torch.Tensor | None) -> None:
+                     bias: torch.Tensor | None, packed: Packed) -> None:
         """``residual += x W^T (+ b)`` in place; with a bias in HF's order, residual + (x W^T + b).
 
         Dense and bias-free, the add rides on the matmul (addmm with beta = 1): one pass fewer.
-        Fewer than ``MIN_MATMUL_ROWS`` rows are added as that many.
+        Fewer than ``MIN_MATMUL_ROWS`` rows are added as that many, but in the kernel's panels.
         """
+        if isinstance(packed, cpu_gemm.Panels):
+            if bias is None and _kernel_runs():
+                cpu_gemm.add_linear_(residual, x, packed)  # the add rounded once in the kernel, as oneDNN's post-op
+                return
+            if bias is not None:
+                residual.add_(self._linear(x, weight, bias, packed))
+                return
+            packed = None
         if residual.shape[0] < MIN_MATMUL_ROWS:
             padded = min_rows(residual)
             self._add_linear_(padded, min_rows(x), weight, bias, packed)
@@ -498,7 +535,7 @@ class CompactCausalLM:
         return out
 
     def _add_output(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    packed: torch.Tensor | None, out_norm: torch.Tensor | None) -> None:
+                    packed: Packed, out_norm: torch.Tensor | None) -> None:
         """``residual += x W^T (+ b)``, normalised by ``out_norm`` first when there is one (Gemma)."""
         if out_norm is None:
             self._add_linear_(residual, x, weight, bias, packed)
@@ -506,7 +543,7 @@ class CompactCausalLM:
             residual.add_(self._rms_norm(self._project(x, weight, bias, packed), out_norm))
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None) -> torch.Tensor:
+                 packed: Packed) -> torch.Tensor:
         """An output projection (o, down): ``x W^T (+ b)``; the tensor-parallel forward reduces its partial sums."""
         return self._linear(x, weight, bias, packed)
 
@@ -543,6 +580,12 @@ class CompactCausalLM:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x32.to(x.dtype)
+
+
+def _kernel_runs() -> bool:
+    """Whether the panels' matmuls run in the kernel now: it is single-threaded, so with more torch
+    threads oneDNN's threaded kernels run them on the dense weights (the same bits)."""
+    return torch.get_num_threads() == 1
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.inference.compact import CompactCausalLM, KVAccess, LayerWeights
+from hybridflow.inference.compact import CompactCausalLM, KVAccess, LayerWeights, Packed
 from hybridflow.inference.families import FAMILIES, config_problem
 from hybridflow.inference.kv_cache import SlotKVCache
 from hybridflow.inference.native import NativeEngine, default_kv_cache_bytes, resolve_dtype
@@ -250,7 +250,7 @@ class ShardedCompactLM(CompactCausalLM):
         self.comm = comm
 
     def _add_linear_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None, packed: torch.Tensor | None) -> None:
+                     bias: torch.Tensor | None, packed: Packed) -> None:
         """Row-parallel projection: ``residual += sum over ranks of x_r W_r^T, + b``, on every rank.
 
         The local product is a partial sum, so the single-device path's addmm onto the residual
@@ -259,7 +259,7 @@ class ShardedCompactLM(CompactCausalLM):
         residual.add_(self._project(x, weight, bias, packed))
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None) -> torch.Tensor:
+                 packed: Packed) -> torch.Tensor:
         """Row-parallel projection: the sum over ranks of x_r W_r^T, + b, on every rank."""
         partial = self._linear(x, weight, None, packed)
         self.comm.all_reduce(partial)

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.inference import cpu_gemm
 from hybridflow.inference.compact import CompactCausalLM, onednn_packing_available, resolve_weight_layout
 from hybridflow.inference.kv_cache import SlotKVCache
 from hybridflow.utils.device import CpuFeatures
@@ -208,7 +209,9 @@ def test_auto_weight_layout_packs_only_where_it_was_measured_faster():
                        capability="AVX512")
     intel_amx = CpuFeatures(vendor="GenuineIntel", model_name="Xeon", flags=frozenset({"avx512_bf16", "amx_bf16"}),
                             capability="AVX512")
-    assert resolve_weight_layout("auto", "cpu", torch.bfloat16, zen4) == ("onednn" if ONEDNN_BF16 else "dense")
+    # bf16 on such a CPU: the package's kernel where it runs here (it checks this machine), else oneDNN's layout.
+    zen4_bf16 = "panels" if cpu_gemm.available() else ("onednn" if ONEDNN_BF16 else "dense")
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16, zen4) == zen4_bf16
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16, intel_amx) == "dense"
     assert resolve_weight_layout("auto", "cpu", torch.float16, zen4) == "dense"
     assert resolve_weight_layout("auto", "cuda", torch.float32, amd) == "dense"
@@ -218,23 +221,32 @@ def test_auto_weight_layout_packs_only_where_it_was_measured_faster():
     compact = CompactCausalLM.from_hf(random_model("tiny").to(torch.float16), max_positions=128)
     with pytest.raises(ValueError, match="'onednn' needs float32 or bfloat16 weights on a CPU"):
         compact.set_weight_layout("onednn")
+    with pytest.raises(ValueError, match="'panels' needs bfloat16 weights on a CPU"):
+        compact.set_weight_layout("panels")
 
 
 ONEDNN_BF16 = onednn_packing_available(torch.device("cpu"), torch.bfloat16)
 
 
-@pytest.mark.skipif(not ONEDNN_BF16, reason="torch without oneDNN bf16 on this CPU")
+BF16_PACKED = (["onednn"] if ONEDNN_BF16 else []) + (["panels"] if cpu_gemm.available() else [])
+
+
+@pytest.mark.skipif(not BF16_PACKED, reason="neither oneDNN bf16 nor the bf16 kernel on this CPU")
+@pytest.mark.parametrize("layout", BF16_PACKED or ["onednn"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_onednn_packed_bf16_weights_give_the_dense_layouts_logits_to_the_bit(family):
-    # Same kernels as the dense bf16 F.linear, and the residual adds fused as addmm_ fuses them
-    # (one rounding): the packed layout changes how fast, never what (compact's docstring).
+def test_packed_bf16_weights_give_the_dense_layouts_logits_to_the_bit(family, layout):
+    # Same kernels (or, in panels, the same order of sums) as the dense bf16 F.linear, and the residual
+    # adds fused as addmm_ fuses them (one rounding): the packed layout changes how fast, never what
+    # (compact's docstring). One row at a time too: the panels skip the row minimum.
     hf = random_model(family).to(torch.bfloat16)
     ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
     dense = compact_logits(CompactCausalLM.from_hf(hf, max_positions=128), ids, prefill=10)
     compact = CompactCausalLM.from_hf(hf, max_positions=128)
-    compact.set_weight_layout("onednn", batch_hint=3)
-    assert compact.weight_layout == "onednn"
+    compact.set_weight_layout(layout, batch_hint=3)
+    assert compact.weight_layout == layout
     assert torch.equal(compact_logits(compact, ids, prefill=10), dense)
+    for row in range(3):
+        assert torch.equal(compact_logits(compact, ids[row : row + 1], prefill=10), dense[row : row + 1])
 
 
 def test_weights_are_shared_with_the_hf_model_not_copied():

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.inference import cpu_gemm
 from hybridflow.inference.compact import onednn_packing_available
 from hybridflow.inference.native import NativeEngine, resolve_dtype
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
@@ -350,14 +351,18 @@ def test_after_bucketed_updates_the_fused_engine_matches_one_loaded_with_the_new
     assert outputs(engine) == outputs(make_engine(mixed, weight_layout=layout))
 
 
-@pytest.mark.skipif(not onednn_packing_available(torch.device("cpu"), torch.bfloat16),
-                    reason="torch without oneDNN bf16 on this CPU")
+BF16_PACKED = ((["onednn"] if onednn_packing_available(torch.device("cpu"), torch.bfloat16) else [])
+               + (["panels"] if cpu_gemm.available() else []))
+
+
+@pytest.mark.skipif(not BF16_PACKED, reason="neither oneDNN bf16 nor the bf16 kernel on this CPU")
+@pytest.mark.parametrize("layout", BF16_PACKED or ["onednn"])
 @pytest.mark.parametrize("decode_mode", ["static", "eager"])
-def test_a_bf16_engine_on_packed_weights_samples_the_dense_engines_tokens_and_logprobs(decode_mode):
-    # The packed layout is auto's choice for bf16 on some CPUs because it is the same arithmetic, faster.
+def test_a_bf16_engine_on_packed_weights_samples_the_dense_engines_tokens_and_logprobs(decode_mode, layout):
+    # The packed layouts are auto's choice for bf16 on some CPUs because they are the same arithmetic, faster.
     dense = make_engine(dtype="bfloat16", weight_layout="dense", decode_mode=decode_mode)
-    packed = make_engine(dtype="bfloat16", weight_layout="onednn", decode_mode=decode_mode)
-    assert packed._runner.compact.weight_layout == "onednn"
+    packed = make_engine(dtype="bfloat16", weight_layout=layout, decode_mode=decode_mode)
+    assert packed._runner.compact.weight_layout == layout
     assert outputs(packed) == outputs(dense)
     donor = make_model(seed=1)
     for engine in (dense, packed):  # the packed copy follows an update (repack)
