@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # jemalloc (the hybridflow command runs under it where present) likewise, so its re-execution test runs and the
 # command-line tests run as a user's would; and a C compiler, which builds the native engine's bf16 kernel
-# (hybridflow/inference/cpu_gemm.py; its tests skip on a CPU without avx512_bf16).
+# (hybridflow/inference/cpu_kernels.py; its tests skip on a CPU without avx512_bf16).
 jemalloc_missing() { ! ls /usr/lib/*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 >/dev/null 2>&1; }
 if [[ ! -x /usr/bin/chromium || ! -x /usr/bin/chromedriver ]] || jemalloc_missing || ! command -v cc >/dev/null; then
     if command -v apt-get >/dev/null; then

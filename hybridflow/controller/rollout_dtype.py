@@ -94,12 +94,11 @@ def _no_layout(device: torch.device, dtype: str) -> dict[str, str]:
 
 def _check_layout(recorded: dict[str, Any], now: dict[str, str], record: Path) -> None:
     started = recorded.get("weight_layout")
-    if layouts_round_alike(parse_dtype(recorded["dtype"])):
-        return  # another layout, the same numbers: nothing to warn of
-    if started is not None and now and now["weight_layout"] != started:
-        log.warning("%s: the run started with the native engine's %s weight layout; this machine's is %s, which "
-                    "rounds differently: the resumed run's rollouts will not be bitwise the uninterrupted run's",
-                    record, started, now["weight_layout"])
+    if started is None or not now or layouts_round_alike(started, now["weight_layout"], parse_dtype(recorded["dtype"])):
+        return  # the same layout, or another with the same numbers: nothing to warn of
+    log.warning("%s: the run started with the native engine's %s weight layout; this machine's is %s, which "
+                "rounds differently: the resumed run's rollouts will not be bitwise the uninterrupted run's",
+                record, started, now["weight_layout"])
 
 
 def read_record(record: Path) -> dict[str, Any] | None:

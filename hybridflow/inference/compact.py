@@ -49,12 +49,14 @@ Keeping o and down dense instead (``addmm_``) saves a third of the copy but meas
 the step's matmuls at batch 8 (5.1 against 4.8 ms; the dense step 6.7 ms), so they pack too.
 
 ``panels`` (bf16 on CPUs with avx512_bf16 and no AMX) runs the matmuls in this package's own kernel
-(``cpu_gemm``) on a copy packed in panels of 48 columns: the same bits as oneDNN's (it checks), one
+(``cpu_kernels``) on a copy packed in panels of 48 columns: the same bits as oneDNN's (it checks), one
 decode step's matmuls at 8 rows 1.8x faster than the ``onednn`` layout's and the same at 128 rows,
-with no row minimum (the kernel's sums do not depend on the row count). ``auto`` picks it on the CPUs
-of ``ONEDNN_FASTER_VENDORS`` where the kernel builds; with more than one torch thread the matmuls run
-on the dense weights instead (oneDNN threads its own kernels; the kernel is single-threaded), with the
-same bits.
+with no row minimum (the kernel's sums do not depend on the row count). ``fused`` is ``panels`` with
+each one-token decode layer in two kernel calls (``cpu_decode``: the norms, rotary, attention and
+activation too), where the model's family allows; it rounds like the rest only up to the last bit of
+a bf16 value, so it is a layout of its own. ``auto`` picks ``fused`` on the CPUs of
+``ONEDNN_FASTER_VENDORS`` where the kernel builds. With more than one torch thread both run as the
+dense layout (oneDNN threads its own kernels; these are single-threaded), with the unfused bits.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridflow.inference import cpu_gemm
+from hybridflow.inference import cpu_kernels
+from hybridflow.inference.cpu_decode import FusedDecoder, unfusable
 from hybridflow.inference.families import DYNAMIC_ROPE_TYPES, FAMILIES, Family, Numerics, config_problem
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
@@ -115,7 +118,8 @@ class LayerWeights:
     experts_down: torch.Tensor | None = None  # (E, h, I_e)
 
 
-WEIGHT_LAYOUTS = ("auto", "dense", "onednn", "panels")
+WEIGHT_LAYOUTS = ("auto", "dense", "onednn", "panels", "fused")
+KERNEL_LAYOUTS = ("panels", "fused")  # the package's own kernels (cpu_kernels)
 # CPU vendors where the oneDNN layout was measured faster than dense matmuls (module docstring): fp32
 # on an AVX2 EPYC; bf16 on a Zen 4 EPYC with avx512_bf16 (packing bf16 elsewhere is unmeasured).
 ONEDNN_FASTER_VENDORS = ("AuthenticAMD",)
@@ -141,8 +145,8 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 def resolve_weight_layout(
     layout: str, device: torch.device | str, dtype: torch.dtype, cpu: CpuFeatures | None = None
 ) -> str:
-    """``auto`` on CPUs of ``ONEDNN_FASTER_VENDORS``: for bf16 ``panels`` where the CPU has avx512_bf16
-    and no AMX and the kernel builds (``cpu_gemm``), else ``onednn`` where the CPU has avx512_bf16; for
+    """``auto`` on CPUs of ``ONEDNN_FASTER_VENDORS``: for bf16 ``fused`` where the CPU has avx512_bf16
+    and no AMX and the kernel builds (``cpu_kernels``), else ``onednn`` where the CPU has avx512_bf16; for
     fp32 ``onednn`` (where it is available). ``dense`` elsewhere. An explicit layout is kept
     (``set_weight_layout`` checks it)."""
     if layout not in WEIGHT_LAYOUTS:
@@ -155,22 +159,22 @@ def resolve_weight_layout(
     cpu = cpu or cpu_features()
     if dtype == torch.bfloat16 and not cpu.avx512_bf16:
         return "dense"
-    if (dtype == torch.bfloat16 and cpu.vendor in ONEDNN_FASTER_VENDORS and cpu_gemm.hardware_reason(cpu) is None
-            and cpu_gemm.available()):
-        return "panels"
+    if (dtype == torch.bfloat16 and cpu.vendor in ONEDNN_FASTER_VENDORS and cpu_kernels.hardware_reason(cpu) is None
+            and cpu_kernels.available()):
+        return "fused"
     return "onednn" if cpu.vendor in ONEDNN_FASTER_VENDORS else "dense"
 
 
-def layouts_round_alike(dtype: torch.dtype) -> bool:
-    """Whether ``dense`` and ``onednn`` give the same numbers to the bit in ``dtype``: in bf16 both
-    run oneDNN's kernels (the residual adds fused, rounding once as ``addmm_`` does;
-    tests/unit/rollout/test_rollout_compact.py checks it); in fp32 the dense layout is MKL's, which sums
-    in another order."""
-    return dtype == torch.bfloat16
+def layouts_round_alike(first: str, second: str, dtype: torch.dtype) -> bool:
+    """Whether two resolved layouts give the same numbers to the bit in ``dtype``: the same layout; or in bf16
+    any two of ``dense``, ``onednn`` and ``panels``, which sum in oneDNN's order (the residual adds fused,
+    rounding once as ``addmm_`` does; tests/unit/rollout/test_rollout_compact.py checks it). In fp32 the dense
+    layout is MKL's, which sums in another order; ``fused`` rounds its own way outside the matmuls."""
+    return first == second or (dtype == torch.bfloat16 and "fused" not in (first, second))
 
 
 # A packed matmul weight: oneDNN's blocked layout (a tensor), the kernel's panels, or None (dense).
-Packed = torch.Tensor | cpu_gemm.Panels | None
+Packed = torch.Tensor | cpu_kernels.Panels | None
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,7 @@ class CompactCausalLM:
         self._batch_hint = 1
         self._packed: list[_PackedLayer] | None = None
         self._packed_lm_head: Packed = None
+        self._fused: FusedDecoder | None = None  # the fused layout's decode layers (cpu_decode)
 
     @property
     def vocab_size(self) -> int:
@@ -326,16 +331,17 @@ class CompactCausalLM:
                 f"weight layout 'onednn' needs float32 or bfloat16 weights on a CPU and a torch built with oneDNN "
                 f"(got {self.dtype} on {self.device}); use 'dense'"
             )
-        if layout == "panels" and (self.dtype != torch.bfloat16 or self.device.type != "cpu"
-                                   or not cpu_gemm.available()):
-            raise ValueError(f"weight layout 'panels' needs bfloat16 weights on a CPU where the bf16 kernel runs (got "
-                             f"{self.dtype} on {self.device}; {cpu_gemm.unavailable_reason() or 'kernel available'}); "
+        if layout in KERNEL_LAYOUTS and (self.dtype != torch.bfloat16 or self.device.type != "cpu"
+                                         or not cpu_kernels.available()):
+            raise ValueError(f"weight layout {layout!r} needs bfloat16 weights on a CPU where the bf16 kernels run (got "
+                             f"{self.dtype} on {self.device}; {cpu_kernels.unavailable_reason() or 'kernels available'}); "
                              "use 'onednn' or 'dense'")
         self.weight_layout, self._batch_hint = layout, max(1, batch_hint)
         self.repack()
 
     def repack(self) -> None:
         """Rebuild the packed copy from the fused tensors; call after their values change."""
+        self._fused = None
         if self.weight_layout == "dense":
             self._packed = self._packed_lm_head = None
             return
@@ -343,8 +349,8 @@ class CompactCausalLM:
         def pack(weight: torch.Tensor | None) -> Packed:
             if weight is None:
                 return None
-            if self.weight_layout == "panels":
-                return cpu_gemm.pack(weight)  # None for a shape the kernel declines: that weight runs dense
+            if self.weight_layout in KERNEL_LAYOUTS:
+                return cpu_kernels.pack(weight)  # None for a shape the kernel declines: that weight runs dense
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self._batch_hint)
 
         self._packed = [
@@ -353,25 +359,29 @@ class CompactCausalLM:
             for w in self.layers
         ]
         self._packed_lm_head = pack(self.lm_head)
+        if self.weight_layout == "fused":
+            reason = unfusable(self)
+            self._fused = FusedDecoder(self) if reason is None else None
 
     def packed_tensors(self) -> list[torch.Tensor]:
         """The packed copy's tensors (none with the dense layout), for memory accounting."""
         if self._packed is None:
             return []
         packed = [t for p in self._packed for t in (p.qkv, p.o, p.gate_up, p.down)] + [self._packed_lm_head]
-        return [t.data if isinstance(t, cpu_gemm.Panels) else t for t in packed if t is not None]
+        return [t.data if isinstance(t, cpu_kernels.Panels) else t for t in packed if t is not None]
 
     def release_packed(self) -> None:
         """Drop the packed copy (the engine's sleep level 2); ``repack`` rebuilds it."""
         self._packed = self._packed_lm_head = None
+        self._fused = None
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 packed: Packed) -> torch.Tensor:
         """x W^T (+ b) on the packed copy when there is one (x (N, K) → (N, out)); at least ``MIN_MATMUL_ROWS``
         but in the kernel's panels, whose sums do not depend on the row count."""
-        if isinstance(packed, cpu_gemm.Panels):
+        if isinstance(packed, cpu_kernels.Panels):
             if _kernel_runs():
-                return cpu_gemm.linear(x, packed, bias)
+                return cpu_kernels.linear(x, packed, bias)
             packed = None  # several threads: oneDNN's threaded kernels on the dense weights, the same bits
         if x.shape[0] < MIN_MATMUL_ROWS:
             return self._linear(min_rows(x), weight, bias, packed)[: x.shape[0]]
@@ -386,9 +396,9 @@ class CompactCausalLM:
         Dense and bias-free, the add rides on the matmul (addmm with beta = 1): one pass fewer.
         Fewer than ``MIN_MATMUL_ROWS`` rows are added as that many, but in the kernel's panels.
         """
-        if isinstance(packed, cpu_gemm.Panels):
+        if isinstance(packed, cpu_kernels.Panels):
             if bias is None and _kernel_runs():
-                cpu_gemm.add_linear_(residual, x, packed)  # the add rounded once in the kernel, as oneDNN's post-op
+                cpu_kernels.add_linear_(residual, x, packed)  # the add rounded once in the kernel, as oneDNN's post-op
                 return
             if bias is not None:
                 residual.add_(self._linear(x, weight, bias, packed))
@@ -436,6 +446,15 @@ class CompactCausalLM:
                      for k, (cos, sin) in enumerate(self._rotary_tables) if k in self.layer_rotary}
         key_positions = torch.arange(key_length, device=self.device)
         masks = {window: self._mask(key_positions, positions, window) for window in set(self.sliding_windows)}
+        if self._fused is not None and input_ids.shape[1] == 1 and not all_hidden and _kernel_runs():
+            batch = input_ids.shape[0]
+            self._fused.run(hidden.view(batch, -1),
+                            [tuple(t.view(batch, -1) for t in rotations[k]) for k in self.layer_rotary],
+                            [masks[w].view(batch, -1) for w in self.sliding_windows], kv_access, key_length)
+            if not with_logits:
+                return None
+            normed = cpu_kernels.rms_norm(hidden.view(batch, -1), self.final_norm, self.eps)
+            return self._head(normed)
         for index, layer in enumerate(self.layers):
             packed = self._packed[index] if self._packed is not None else None
             cos, sin = rotations[self.layer_rotary[index]]
@@ -447,7 +466,11 @@ class CompactCausalLM:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states (N, h) → (N, V): the final norm, the head, Gemma's soft cap."""
-        logits = self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head, None, self._packed_lm_head)
+        return self._head(self._rms_norm(hidden, self.final_norm))
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head on final-normed hidden states (N, h) → (N, V), with Gemma's soft cap."""
+        logits = self._linear(normed, self.lm_head, None, self._packed_lm_head)
         cap = self.numerics.final_softcap
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 

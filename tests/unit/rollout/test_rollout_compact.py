@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.inference import cpu_gemm
+from hybridflow.inference import cpu_kernels
 from hybridflow.inference.compact import CompactCausalLM, onednn_packing_available, resolve_weight_layout
 from hybridflow.inference.kv_cache import SlotKVCache
 from hybridflow.utils.device import CpuFeatures
@@ -210,7 +210,7 @@ def test_auto_weight_layout_packs_only_where_it_was_measured_faster():
     intel_amx = CpuFeatures(vendor="GenuineIntel", model_name="Xeon", flags=frozenset({"avx512_bf16", "amx_bf16"}),
                             capability="AVX512")
     # bf16 on such a CPU: the package's kernel where it runs here (it checks this machine), else oneDNN's layout.
-    zen4_bf16 = "panels" if cpu_gemm.available() else ("onednn" if ONEDNN_BF16 else "dense")
+    zen4_bf16 = "fused" if cpu_kernels.available() else ("onednn" if ONEDNN_BF16 else "dense")
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16, zen4) == zen4_bf16
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16, intel_amx) == "dense"
     assert resolve_weight_layout("auto", "cpu", torch.float16, zen4) == "dense"
@@ -228,7 +228,7 @@ def test_auto_weight_layout_packs_only_where_it_was_measured_faster():
 ONEDNN_BF16 = onednn_packing_available(torch.device("cpu"), torch.bfloat16)
 
 
-BF16_PACKED = (["onednn"] if ONEDNN_BF16 else []) + (["panels"] if cpu_gemm.available() else [])
+BF16_PACKED = (["onednn"] if ONEDNN_BF16 else []) + (["panels"] if cpu_kernels.available() else [])
 
 
 @pytest.mark.skipif(not BF16_PACKED, reason="neither oneDNN bf16 nor the bf16 kernel on this CPU")

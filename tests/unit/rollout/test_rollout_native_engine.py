@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
-from hybridflow.inference import cpu_gemm
+from hybridflow.inference import cpu_kernels
 from hybridflow.inference.compact import onednn_packing_available
 from hybridflow.inference.native import NativeEngine, resolve_dtype
 from hybridflow.types import GenerationRequest, SamplingParams, Trajectory
@@ -352,7 +352,7 @@ def test_after_bucketed_updates_the_fused_engine_matches_one_loaded_with_the_new
 
 
 BF16_PACKED = ((["onednn"] if onednn_packing_available(torch.device("cpu"), torch.bfloat16) else [])
-               + (["panels"] if cpu_gemm.available() else []))
+               + (["panels"] if cpu_kernels.available() else []))
 
 
 @pytest.mark.skipif(not BF16_PACKED, reason="neither oneDNN bf16 nor the bf16 kernel on this CPU")

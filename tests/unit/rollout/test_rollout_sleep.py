@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridflow.models.loading import load_causal_lm
-from hybridflow.inference import cpu_gemm
+from hybridflow.inference import cpu_kernels
 from hybridflow.inference.compact import onednn_packing_available
 from hybridflow.inference.native import NativeEngine
 
@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 LAYOUTS = [(dtype, layout) for dtype in ("float32", "bfloat16") for layout in ("dense", "onednn")
            if layout == "dense" or onednn_packing_available(torch.device("cpu"), getattr(torch, dtype))]
-LAYOUTS += [("bfloat16", "panels")] if cpu_gemm.available() else []
+LAYOUTS += [("bfloat16", "panels")] if cpu_kernels.available() else []
 
 
 def outputs(engine: NativeEngine) -> list[list[tuple[list[int], list[float]]]]:

@@ -1,4 +1,5 @@
-"""The native engine's bf16 matmuls on CPUs with avx512_bf16 and no AMX: a small C kernel (``cpu_gemm.c``).
+"""The native engine's bf16 kernels on CPUs with avx512_bf16 and no AMX (``cpu_kernels.c``): its matmuls
+(here), and a decode layer fused around them (``cpu_decode``).
 
 Why: at the end of a long tail a decode step multiplies a few rows by every weight of the model, and
 oneDNN's kernels, fast at a hundred rows, spend a few rows' step far below what the core can stream:
@@ -42,9 +43,10 @@ from hybridflow.utils.device import CpuFeatures, cpu_features
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-shared", "-fPIC", "-std=c11")
-PANEL = 48  # columns a packed panel holds (cpu_gemm.c)
+LIBS = ("-lm",)
+PANEL = 48  # columns a packed panel holds (cpu_kernels.c)
 LANES = 16  # float32 lanes a vector holds: N must be a multiple of it
 DISABLE_ENV = "HYBRIDFLOW_CPU_KERNELS"
 CACHE_ENV = "HYBRIDFLOW_KERNEL_CACHE"
@@ -90,24 +92,36 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.hf_pack.restype = None
     library.hf_linear.argtypes = [pointer, size, size, size, pointer, size, size, pointer, pointer, size, pointer, size]
     library.hf_linear.restype = None
+    library.hf_rms_norm.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer, size]
+    library.hf_rms_norm.restype = None
+    for name in ("hf_decode_qkv", "hf_decode_attend_mlp"):
+        getattr(library, name).restype = None  # arguments: cpu_decode's structures, by reference
     return library, None
 
 
+def library() -> ctypes.CDLL:
+    """The compiled kernels; raises ``RuntimeError`` naming why where they cannot run."""
+    loaded, reason = _library()
+    if loaded is None:
+        raise RuntimeError(f"the bf16 kernels are not available: {reason}")
+    return loaded
+
+
 def _compiled() -> Path:
-    """Compile ``cpu_gemm.c`` into the cache once per source, flags and compiler; an atomic rename, so
+    """Compile ``cpu_kernels.c`` into the cache once per source, flags and compiler; an atomic rename, so
     processes compiling at once never load half a file."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC, or install gcc)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_gemm-{key}.so"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), *LIBS, "-o", str(built)], capture_output=True, text=True,
                                 timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
@@ -169,11 +183,19 @@ def add_linear_(residual: torch.Tensor, x: torch.Tensor, panels: Panels) -> None
     _run(x, panels, None, residual, residual)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's bf16 RMSNorm of ``x`` (M, h) with contiguous rows, h a multiple of 16: ``weight * round(x / rms)``,
+    the float32 sum of squares in the kernel's order."""
+    rows, width = x.shape
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or width % LANES or weight.dtype != torch.bfloat16:
+        raise ValueError(f"rms_norm needs bf16 (M, h) rows with h a multiple of {LANES}, got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(rows, width, dtype=torch.bfloat16, device=x.device)
+    library().hf_rms_norm(x.data_ptr(), x.stride(0), rows, width, weight.data_ptr(), eps, out.data_ptr(), width)
+    return out
+
+
 def _run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, residual: torch.Tensor | None,
          out: torch.Tensor) -> None:
-    library, reason = _library()
-    if library is None:
-        raise RuntimeError(f"the bf16 kernel is not available: {reason}")
     rows, k = x.shape
     if x.dtype != torch.bfloat16 or k != panels.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 (M, {panels.in_features}) with contiguous rows, got {x.dtype} "
@@ -181,7 +203,7 @@ def _run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, residual: t
     for name, tensor in (("bias", bias), ("residual", residual)):
         if tensor is not None and (tensor.dtype != torch.bfloat16 or tensor.stride(-1) != 1):
             raise ValueError(f"{name} must be bf16 with contiguous rows")
-    library.hf_linear(x.data_ptr(), x.stride(0), rows, k, panels.data.data_ptr(), panels.out_features,
+    library().hf_linear(x.data_ptr(), x.stride(0), rows, k, panels.data.data_ptr(), panels.out_features,
                       panels.k_block, None if bias is None else bias.data_ptr(),
                       None if residual is None else residual.data_ptr(),
                       0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0))

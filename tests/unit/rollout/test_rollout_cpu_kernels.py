@@ -1,4 +1,4 @@
-"""The native engine's bf16 kernel (hybridflow/inference/cpu_gemm.py): oneDNN's bits at every row count,
+"""The native engine's bf16 kernel (hybridflow/inference/cpu_kernels.py): oneDNN's bits at every row count,
 the fused bias and residual, and a clear fallback where it cannot run."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridflow.inference import cpu_gemm
+from hybridflow.inference import cpu_kernels
 from hybridflow.utils.device import CpuFeatures
 
 torch.set_num_threads(1)
 
-KERNEL = pytest.mark.skipif(not cpu_gemm.available(), reason=f"bf16 kernel: {cpu_gemm.unavailable_reason()}")
+KERNEL = pytest.mark.skipif(not cpu_kernels.available(), reason=f"bf16 kernel: {cpu_kernels.unavailable_reason()}")
 
 # K on both sides of oneDNN's block breaks (512 for K <= 1024, 1024 above on a Zen 4), and N a panel
 # of 48 columns, a part panel, and several.
@@ -35,17 +35,17 @@ def one_thread():
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_the_kernel_gives_onednns_bits_with_bias_and_residual(n, k, one_thread):
     weight, bias = bf16(n, k, seed=1, scale=k**-0.5), bf16(n, seed=2)
-    panels = cpu_gemm.pack(weight)
+    panels = cpu_kernels.pack(weight)
     assert panels is not None
     for rows in (4, 8, 13, 64, 200):
         x = bf16(rows, k, seed=rows)
         residual = bf16(rows, n, seed=rows + 1)
-        assert torch.equal(cpu_gemm.linear(x, panels), F.linear(x, weight))
-        assert torch.equal(cpu_gemm.linear(x, panels, bias), F.linear(x, weight, bias))
+        assert torch.equal(cpu_kernels.linear(x, panels), F.linear(x, weight))
+        assert torch.equal(cpu_kernels.linear(x, panels, bias), F.linear(x, weight, bias))
         # oneDNN's sum post-op, which the onednn layout uses for the o and down projections: rounded once.
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
         expected = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
-        cpu_gemm.add_linear_(residual, x, panels)
+        cpu_kernels.add_linear_(residual, x, panels)
         assert torch.equal(residual, expected)
 
 
@@ -54,11 +54,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(one_thread):
     # oneDNN takes another order for one row; the kernel's order is the same at every row count, so a
     # lone row gets what it gets among 13 (and what oneDNN gives it among 4 or more).
     weight = bf16(512, 1536, seed=3, scale=1536**-0.5)
-    panels = cpu_gemm.pack(weight)
+    panels = cpu_kernels.pack(weight)
     x = bf16(13, 1536, seed=4)
-    together = cpu_gemm.linear(x, panels)
+    together = cpu_kernels.linear(x, panels)
     for row in range(13):
-        assert torch.equal(cpu_gemm.linear(x[row : row + 1], panels), together[row : row + 1])
+        assert torch.equal(cpu_kernels.linear(x[row : row + 1], panels), together[row : row + 1])
     assert torch.equal(together, F.linear(x, weight))
 
 
@@ -69,17 +69,17 @@ def test_strided_rows_are_read_in_place(one_thread):
     gate_up = bf16(9, 768, seed=6)
     view = gate_up[:, :384]
     assert view.stride() == (768, 1)
-    assert torch.equal(cpu_gemm.linear(view, cpu_gemm.pack(weight)), F.linear(view.contiguous(), weight))
+    assert torch.equal(cpu_kernels.linear(view, cpu_kernels.pack(weight)), F.linear(view.contiguous(), weight))
     with pytest.raises(ValueError, match="contiguous rows"):
-        cpu_gemm.linear(bf16(384, 9, seed=6).t(), cpu_gemm.pack(weight))  # columns apart in memory
+        cpu_kernels.linear(bf16(384, 9, seed=6).t(), cpu_kernels.pack(weight))  # columns apart in memory
 
 
 @KERNEL
 def test_shapes_the_kernel_cannot_take_are_declined(one_thread):
-    assert cpu_gemm.pack(bf16(40, 64, seed=7)) is None  # N not a multiple of 16
-    assert cpu_gemm.pack(bf16(48, 63, seed=7)) is None  # odd K
-    assert cpu_gemm.pack(torch.randn(48, 64)) is None  # not bf16
-    assert cpu_gemm.k_block_for(1536) == cpu_gemm.k_block_for(1536)  # found once, the same every call
+    assert cpu_kernels.pack(bf16(40, 64, seed=7)) is None  # N not a multiple of 16
+    assert cpu_kernels.pack(bf16(48, 63, seed=7)) is None  # odd K
+    assert cpu_kernels.pack(torch.randn(48, 64)) is None  # not bf16
+    assert cpu_kernels.k_block_for(1536) == cpu_kernels.k_block_for(1536)  # found once, the same every call
 
 
 def test_cpus_the_kernel_is_not_for_are_named():
@@ -88,27 +88,27 @@ def test_cpus_the_kernel_is_not_for_are_named():
                        capability="AVX512")
     amx = CpuFeatures(vendor="GenuineIntel", model_name="Xeon", flags=frozenset({"avx512_bf16", "amx_bf16"}),
                       capability="AVX512")
-    assert "needs avx512_bf16" in cpu_gemm.hardware_reason(avx2)
-    assert cpu_gemm.hardware_reason(zen4) is None
-    assert "AMX" in cpu_gemm.hardware_reason(amx)
+    assert "needs avx512_bf16" in cpu_kernels.hardware_reason(avx2)
+    assert cpu_kernels.hardware_reason(zen4) is None
+    assert "AMX" in cpu_kernels.hardware_reason(amx)
 
 
 def test_without_a_compiler_or_when_disabled_the_reason_is_given(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_gemm, "hardware_reason", lambda cpu=None: None)
-    monkeypatch.setenv(cpu_gemm.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "hardware_reason", lambda cpu=None: None)
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
     try:
-        cpu_gemm._library.cache_clear()
-        monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "0")
-        assert cpu_gemm.unavailable_reason() == "HYBRIDFLOW_CPU_KERNELS=0"
-        cpu_gemm._library.cache_clear()
-        monkeypatch.delenv(cpu_gemm.DISABLE_ENV)
+        cpu_kernels._library.cache_clear()
+        monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+        assert cpu_kernels.unavailable_reason() == "HYBRIDFLOW_CPU_KERNELS=0"
+        cpu_kernels._library.cache_clear()
+        monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
         monkeypatch.setenv("CC", "no-such-compiler-here")
-        assert "no C compiler 'no-such-compiler-here'" in cpu_gemm.unavailable_reason()
-        assert cpu_gemm.pack(bf16(48, 64, seed=8)) is None  # the engine then keeps oneDNN
-        cpu_gemm._library.cache_clear()
+        assert "no C compiler 'no-such-compiler-here'" in cpu_kernels.unavailable_reason()
+        assert cpu_kernels.pack(bf16(48, 64, seed=8)) is None  # the engine then keeps oneDNN
+        cpu_kernels._library.cache_clear()
         monkeypatch.setenv("CC", "false")  # a compiler that fails
-        assert "could not be built" in cpu_gemm.unavailable_reason()
+        assert "could not be built" in cpu_kernels.unavailable_reason()
         assert list(tmp_path.iterdir()) == []  # nothing half-built left in the cache
     finally:
         monkeypatch.undo()
-        cpu_gemm._library.cache_clear()
+        cpu_kernels._library.cache_clear()

@@ -1,0 +1,138 @@
+"""A decode step's layers in two kernel calls each (``cpu_kernels.c``), for bf16 models of the plain Llama shape.
+
+Why: at the end of a long tail a decode step holds a few rows, and the compact forward spends it in
+about forty tensor ops per layer (norms, rotary, the attention's matmuls, softmax and reshapes, the
+activation), each a few microseconds of dispatch and allocation over a few kilobytes of data: on a
+~20M Qwen2-shaped model at 8 rows, 3-4 CPU-ms of a 7 ms step besides the matmuls (AMD EPYC Zen 4,
+one thread; ``bench/decode_batch_scaling.py --phases 8``). Here a layer is two calls, around the KV
+cache's write (which stays the cache's own, ``kv_access``): RMSNorm, q/k/v and rotary; then the
+attention, the o projection onto the residual, RMSNorm, gate/up, SiLU and the down projection onto
+the residual. The matmuls are ``cpu_kernels.linear``'s (oneDNN's bits); the rest follows HF's order
+of operations and roundings (the kernel file says which), with float32 sums and exp of its own, so a
+value can differ from the unfused forward's in its last bf16 bit (tests/unit/rollout/test_rollout_cpu_decode.py
+bounds it). Each row is computed alone and masked keys add exact zeros, so a row's result depends
+neither on the rows beside it nor on how far the longest of them reads.
+
+Used (``CompactCausalLM.forward``) for one-token decode forwards of the ``panels`` layout on one torch
+thread, where ``unfusable`` finds nothing the kernel does not do: Gemma's numerics, per-head q/k norms,
+experts, biases other than q/k/v's, a head_dim that is not a multiple of 16 (or over 128), a projection
+a subclass reduces across ranks (tensor parallel), a weight the panels declined.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hybridflow.inference import cpu_kernels
+
+# compact.CompactCausalLM, which imports this module (so not imported here), and its KVAccess.
+CompactCausalLM = Any
+KVAccess = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_HEAD_DIM = 128  # the kernel keeps a head's output in 8 vectors
+MAX_GROUP = 16  # query heads per KV head: the kernel keeps one vector each
+
+
+class LayerParams(ctypes.Structure):
+    """cpu_kernels.c's LayerParams: one layer's tensors (addresses) and k blocks."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
+                ("down", _P), ("qkv_k_block", _I), ("o_k_block", _I), ("gate_up_k_block", _I), ("down_k_block", _I)]
+
+
+class StepParams(ctypes.Structure):
+    """cpu_kernels.c's StepParams: the step's sizes, scratch buffers and the cache views' strides."""
+
+    _fields_ = [("rows", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
+                ("eps", _F), ("scale", _F), ("normed", _P), ("qkv", _P), ("attended", _P), ("gate_up", _P),
+                ("scores", _P), ("key_stride_row", _I), ("key_stride_head", _I), ("key_stride_dim", _I),
+                ("value_stride_row", _I), ("value_stride_head", _I), ("value_stride_pos", _I), ("key_length", _I)]
+
+
+def unfusable(compact: CompactCausalLM) -> str | None:
+    """What in ``compact`` the fused layer does not do, or None when it can run every layer."""
+    n, s = compact.numerics, compact.shape
+    if compact.weight_layout not in ("panels", "fused") or compact.dtype != torch.bfloat16:
+        return "weights not packed in panels in bf16"
+    if n.norm_offset or n.attention_softcap is not None or n.activation != "silu" or n.sandwich_norms:
+        return "Gemma's numerics"
+    if s.head_dim % cpu_kernels.LANES or s.head_dim > MAX_HEAD_DIM or s.intermediate_size % cpu_kernels.LANES:
+        return f"head_dim {s.head_dim} / intermediate_size {s.intermediate_size}"
+    if s.group_size > MAX_GROUP:
+        return f"{s.group_size} query heads per KV head"
+    if any(getattr(type(compact), name).__qualname__ != f"CompactCausalLM.{name}" for name in ("_add_linear_", "_project")):
+        return "projections reduced across ranks"  # a subclass's (tensor parallel): the kernel adds locally
+    for layer, packed in zip(compact.layers, compact._packed or [], strict=False):
+        if layer.q_norm is not None or layer.router is not None:
+            return "per-head q/k norms or experts"
+        if layer.o_bias is not None or layer.gate_up_bias is not None or layer.down_bias is not None:
+            return "biases besides q/k/v's"
+        if not all(isinstance(p, cpu_kernels.Panels) for p in (packed.qkv, packed.o, packed.gate_up, packed.down)):
+            return "a weight the panels declined"
+    return None if compact._packed else "no packed weights"
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class FusedDecoder:
+    """The fused layers of one ``CompactCausalLM``; built again whenever its packed weights are (``repack``)."""
+
+    def __init__(self, compact: CompactCausalLM) -> None:
+        self.compact = compact
+        self.layers = []
+        for layer, packed in zip(compact.layers, compact._packed or [], strict=True):
+            params = LayerParams(
+                input_norm=layer.input_norm.data_ptr(), post_norm=layer.post_norm.data_ptr(),
+                qkv=packed.qkv.data.data_ptr(), qkv_bias=_address(layer.qkv_bias), o=packed.o.data.data_ptr(),
+                gate_up=packed.gate_up.data.data_ptr(), down=packed.down.data.data_ptr(),
+                qkv_k_block=packed.qkv.k_block, o_k_block=packed.o.k_block, gate_up_k_block=packed.gate_up.k_block,
+                down_k_block=packed.down.k_block)
+            self.layers.append(params)
+        # The addresses above are the compact's tensors': it keeps them (the norms, the packed copy) alive.
+        self.library = cpu_kernels.library()
+
+    def run(self, rows: torch.Tensor, rotations: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.Tensor],
+            kv_access: KVAccess, key_length: int) -> None:
+        """Every layer on ``rows`` (B, h), the residual stream, in place. Per layer: its rotary rows (cos, signed
+        sin: (B, D) each, contiguous) and its additive float32 mask (B, L), contiguous."""
+        c, s = self.compact, self.compact.shape
+        batch, width = rows.shape
+        qkv_width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        normed = torch.empty(batch, width, dtype=torch.bfloat16)
+        qkv = torch.empty(batch, qkv_width, dtype=torch.bfloat16)
+        attended = torch.empty(batch, s.num_heads * s.head_dim, dtype=torch.bfloat16)
+        gate_up = torch.empty(batch, 2 * s.intermediate_size, dtype=torch.bfloat16)
+        group = s.num_heads // s.num_kv_heads
+        scores = torch.empty(group * -(-key_length // cpu_kernels.LANES) * cpu_kernels.LANES, dtype=torch.float32)
+        step = StepParams(rows=batch, hidden=width, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                          intermediate=s.intermediate_size, eps=c.eps, scale=c._scale, normed=normed.data_ptr(),
+                          qkv=qkv.data_ptr(), attended=attended.data_ptr(), gate_up=gate_up.data_ptr(),
+                          scores=scores.data_ptr(), key_length=key_length)
+        heads = qkv.view(batch, 1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
+        k = heads[:, :, s.num_heads : s.num_heads + s.num_kv_heads]
+        v = heads[:, :, s.num_heads + s.num_kv_heads :]
+        qkv_layer: Callable[..., None] = self.library.hf_decode_qkv
+        attend_mlp: Callable[..., None] = self.library.hf_decode_attend_mlp
+        step_ref = ctypes.byref(step)
+        for index, params in enumerate(self.layers):
+            cos, sin = rotations[index]
+            qkv_layer(ctypes.byref(params), step_ref, ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(cos.data_ptr()),
+                      ctypes.c_void_p(sin.data_ptr()))
+            keys, values = kv_access(index, k, v)  # (B, KV, D, L), (B, KV, L, D): views of the cache
+            if index == 0:
+                if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.shape[-1] != key_length:
+                    raise ValueError(f"the fused decode needs the cache's key positions and value dims contiguous and "
+                                     f"{key_length} keys; got keys {tuple(keys.shape)} {keys.stride()}, values "
+                                     f"{values.stride()}")
+                step.key_stride_row, step.key_stride_head, step.key_stride_dim = keys.stride()[:3]
+                step.value_stride_row, step.value_stride_head, step.value_stride_pos = values.stride()[:3]
+            attend_mlp(ctypes.byref(params), step_ref, ctypes.c_void_p(rows.data_ptr()),
+                       ctypes.c_void_p(keys.data_ptr()), ctypes.c_void_p(values.data_ptr()),
+                       ctypes.c_void_p(masks[index].data_ptr()))
