@@ -51,7 +51,8 @@ class StepParams(ctypes.Structure):
     _fields_ = [("rows", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
                 ("eps", _F), ("scale", _F), ("normed", _P), ("qkv", _P), ("attended", _P), ("gate_up", _P),
                 ("scores", _P), ("key_stride_row", _I), ("key_stride_head", _I), ("key_stride_dim", _I),
-                ("value_stride_row", _I), ("value_stride_head", _I), ("value_stride_pos", _I), ("key_length", _I)]
+                ("value_stride_row", _I), ("value_stride_head", _I), ("value_stride_pos", _I), ("key_length", _I),
+                ("positions", _P)]
 
 
 def unfusable(compact: CompactCausalLM) -> str | None:
@@ -121,6 +122,10 @@ class FusedDecoder:
         qkv_layer: Callable[..., None] = self.library.hf_decode_qkv
         attend_mlp: Callable[..., None] = self.library.hf_decode_attend_mlp
         step_ref = ctypes.byref(step)
+        direct = getattr(kv_access, "direct", None)  # kv_cache.DecodeAccess: the kernel writes the cache itself
+        if direct is not None:
+            self._run_direct(rows, rotations, masks, step, *direct)
+            return
         for index, params in enumerate(self.layers):
             cos, sin = rotations[index]
             qkv_layer(ctypes.byref(params), step_ref, ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(cos.data_ptr()),
@@ -136,3 +141,26 @@ class FusedDecoder:
             attend_mlp(ctypes.byref(params), step_ref, ctypes.c_void_p(rows.data_ptr()),
                        ctypes.c_void_p(keys.data_ptr()), ctypes.c_void_p(values.data_ptr()),
                        ctypes.c_void_p(masks[index].data_ptr()))
+
+    def _run_direct(self, rows: torch.Tensor, rotations: list[tuple[torch.Tensor, torch.Tensor]],
+                    masks: list[torch.Tensor], step: StepParams, keys: torch.Tensor, values: torch.Tensor,
+                    positions: torch.Tensor) -> None:
+        """``run`` over the cache's own tensors: keys (layers, rows, KV, D, capacity), values (layers, rows, KV,
+        capacity, D); each layer's second call writes this step's keys and values at ``positions`` (B,) first, as
+        ``DecodeAccess`` would, without the two scatters a layer."""
+        positions = positions.to(torch.int64).contiguous()
+        if keys.stride(-1) != 1 or values.stride(-1) != 1 or positions.numel() != step.rows:
+            raise ValueError("the fused decode needs the cache's key positions and value dims contiguous")
+        step.positions = positions.data_ptr()
+        step.key_stride_row, step.key_stride_head, step.key_stride_dim = keys.stride()[1:4]
+        step.value_stride_row, step.value_stride_head, step.value_stride_pos = values.stride()[1:4]
+        key_layer, value_layer = keys.stride(0) * keys.element_size(), values.stride(0) * values.element_size()
+        key_base, value_base = keys.data_ptr(), values.data_ptr()
+        qkv_layer, attend_mlp = self.library.hf_decode_qkv, self.library.hf_decode_attend_mlp
+        step_ref, residual = ctypes.byref(step), ctypes.c_void_p(rows.data_ptr())
+        for index, params in enumerate(self.layers):
+            cos, sin = rotations[index]
+            params_ref = ctypes.byref(params)
+            qkv_layer(params_ref, step_ref, residual, ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()))
+            attend_mlp(params_ref, step_ref, residual, ctypes.c_void_p(key_base + index * key_layer),
+                       ctypes.c_void_p(value_base + index * value_layer), ctypes.c_void_p(masks[index].data_ptr()))

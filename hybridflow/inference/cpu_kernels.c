@@ -178,6 +178,9 @@ typedef struct {
     int64_t key_stride_row, key_stride_head, key_stride_dim;
     int64_t value_stride_row, value_stride_head, value_stride_pos;
     int64_t key_length;
+    /* the rows' positions (rows,): where hf_decode_attend_mlp writes this step's keys and values into the cache
+     * first; NULL when the caller wrote them */
+    const int64_t *positions;
 } StepParams;
 
 /* normed = RMSNorm(residual); qkv = normed Wqkv^T (+ b); rotary on the q and k heads. cos/sin: (rows, head_dim) each,
@@ -266,10 +269,20 @@ static void attend_group(const StepParams *step, int64_t group, const uint16_t *
 
 /* Attention over the cache (keys and values already hold this step's), residual += attended Wo^T (rounded once),
  * normed = RMSNorm(residual), gate_up = normed Wgu^T, gate = round(silu(gate)) * up, residual += gate Wdown^T. */
-void hf_decode_attend_mlp(const LayerParams *layer, const StepParams *step, uint16_t *residual, const uint16_t *keys,
-                          const uint16_t *values, const float *mask) {
+void hf_decode_attend_mlp(const LayerParams *layer, const StepParams *step, uint16_t *residual, uint16_t *keys,
+                          uint16_t *values, const float *mask) {
     const int64_t rows = step->rows, h = step->hidden, d = step->head_dim, inter = step->intermediate;
     const int64_t width = (step->heads + 2 * step->kv_heads) * d, group = step->heads / step->kv_heads;
+    if (step->positions)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t kv = 0; kv < step->kv_heads; kv++) {
+                const uint16_t *k = step->qkv + r * width + (step->heads + kv) * d, *v = k + step->kv_heads * d;
+                uint16_t *key = keys + r * step->key_stride_row + kv * step->key_stride_head + step->positions[r];
+                uint16_t *value = values + r * step->value_stride_row + kv * step->value_stride_head +
+                                  step->positions[r] * step->value_stride_pos;
+                for (int64_t i = 0; i < d; i++) key[i * step->key_stride_dim] = k[i];
+                memcpy(value, v, (size_t)d * sizeof(uint16_t));
+            }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t kv = 0; kv < step->kv_heads; kv++)
             attend_group(step, group, step->qkv + r * width + kv * group * d,

@@ -194,21 +194,13 @@ class SlotKVCache:
 
     # ------------------------------------------------------------------ attention access
 
-    def decode_access(self, batch_size: int, positions: torch.Tensor, key_length: int) -> KVAccess:
+    def decode_access(self, batch_size: int, positions: torch.Tensor, key_length: int) -> DecodeAccess:
         """Rows ``[0, batch_size)`` each write one token at ``positions`` (B,) and read ``[:key_length]``.
 
         The returned keys are (B, KV, D, L), already transposed for q·Kᵀ; values (B, KV, L, D).
         """
         keys, values = self._tensors()
-        rows = torch.arange(batch_size, device=self.device)
-
-        def access(layer: int, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            layer_keys, layer_values = keys[layer], values[layer]
-            layer_keys[rows, :, :, positions] = new_keys[:, 0]  # (B, KV, D)
-            layer_values[rows, :, positions] = new_values[:, 0]
-            return layer_keys[:batch_size, :, :, :key_length], layer_values[:batch_size, :, :key_length]
-
-        return access
+        return DecodeAccess(keys, values, positions, batch_size, key_length)
 
     def prefill_access(
         self,
@@ -238,3 +230,26 @@ class SlotKVCache:
             return layer_keys[rows, :, :, :key_length], layer_values[rows, :, :key_length]
 
         return access
+
+
+class DecodeAccess:
+    """``SlotKVCache.decode_access``'s answer: a ``KVAccess``, and (``direct``) what a fused decode needs to write and
+    read the cache itself (``cpu_decode``): the cache's tensors and the rows' positions."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, batch_size: int,
+                 key_length: int) -> None:
+        self.keys, self.values, self.positions = keys, values, positions  # (layers, rows, ...), (B,)
+        self.batch_size, self.key_length = batch_size, key_length
+        self.rows = torch.arange(batch_size, device=keys.device)
+
+    @property
+    def direct(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys (layers, rows, KV, D, capacity), values (layers, rows, KV, capacity, D), positions (B,))."""
+        return self.keys, self.values, self.positions
+
+    def __call__(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer_keys, layer_values = self.keys[layer], self.values[layer]
+        layer_keys[self.rows, :, :, self.positions] = new_keys[:, 0]  # (B, KV, D)
+        layer_values[self.rows, :, self.positions] = new_values[:, 0]
+        batch, length = self.batch_size, self.key_length
+        return layer_keys[:batch, :, :, :length], layer_values[:batch, :, :length]

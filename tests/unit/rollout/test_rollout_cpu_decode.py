@@ -131,3 +131,24 @@ def test_a_fused_engine_samples_the_same_alone_or_batched_and_follows_weight_upd
     batched.update_weights(donor.state_dict().items())  # repack: the fused layers read the new packed copy
     fresh = make_engine(donor, dtype="bfloat16", weight_layout="fused", decode_mode=decode_mode)
     assert outputs(batched) == outputs(fresh) != outputs(alone)
+
+
+def test_writing_the_cache_in_the_kernel_gives_the_caches_own_writes_bits():
+    # kv_cache.DecodeAccess lets the kernel write this step's keys and values itself (``direct``); the same step
+    # through the access as a plain function (the cache's own scatters) must give the same logits and cache.
+    from test_rollout_compact import make_cache
+
+    _, _, fused = compacts("qwen2")
+    results = []
+    for plain in (False, True):
+        cache = make_cache(fused, rows=4)
+        keys, values = random_cache(fused, rows=cache.keys.shape[1], capacity=cache.capacity)
+        cache.keys.copy_(keys)
+        cache.values.copy_(values)
+        positions = torch.tensor([3, 17, 40, 8])
+        access = cache.decode_access(4, positions, 48)
+        if plain:
+            access = (lambda inner: lambda *args: inner(*args))(access)  # no ``direct``: the cache's own writes
+        ids = torch.tensor([[5], [9], [11], [2]])
+        results.append((fused.forward(ids, positions[:, None], access, 48), cache.keys.clone(), cache.values.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
