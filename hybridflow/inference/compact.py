@@ -55,8 +55,10 @@ with no row minimum (the kernel's sums do not depend on the row count). ``fused`
 each one-token decode layer in two kernel calls (``cpu_decode``: the norms, rotary, attention and
 activation too), where the model's family allows; it rounds like the rest only up to the last bit of
 a bf16 value, so it is a layout of its own. ``auto`` picks ``fused`` on the CPUs of
-``ONEDNN_FASTER_VENDORS`` where the kernel builds. With more than one torch thread both run as the
-dense layout (oneDNN threads its own kernels; these are single-threaded), with the unfused bits.
+``ONEDNN_FASTER_VENDORS`` where the kernel builds. The kernels are single-threaded, and the fused decode runs
+on them whatever the torch threads, so a rollout samples the same at any thread count; with more than one
+thread, a matmul of ``THREADED_MATMUL_ROWS`` or more rows (a prefill's) runs in oneDNN's threaded kernels on
+the dense weights instead, with the same bits.
 """
 
 from __future__ import annotations
@@ -380,9 +382,9 @@ class CompactCausalLM:
         """x W^T (+ b) on the packed copy when there is one (x (N, K) → (N, out)); at least ``MIN_MATMUL_ROWS``
         but in the kernel's panels, whose sums do not depend on the row count."""
         if isinstance(packed, cpu_kernels.Panels):
-            if _kernel_runs():
+            if _kernel_runs(x.shape[0]):
                 return cpu_kernels.linear(x, packed, bias)
-            packed = None  # several threads: oneDNN's threaded kernels on the dense weights, the same bits
+            packed = None  # many rows on several threads: oneDNN's threaded kernels on the dense weights, the same bits
         if x.shape[0] < MIN_MATMUL_ROWS:
             return self._linear(min_rows(x), weight, bias, packed)[: x.shape[0]]
         if packed is None:
@@ -397,7 +399,7 @@ class CompactCausalLM:
         Fewer than ``MIN_MATMUL_ROWS`` rows are added as that many, but in the kernel's panels.
         """
         if isinstance(packed, cpu_kernels.Panels):
-            if bias is None and _kernel_runs():
+            if bias is None and _kernel_runs(x.shape[0]):
                 cpu_kernels.add_linear_(residual, x, packed)  # the add rounded once in the kernel, as oneDNN's post-op
                 return
             if bias is not None:
@@ -446,7 +448,7 @@ class CompactCausalLM:
                      for k, (cos, sin) in enumerate(self._rotary_tables) if k in self.layer_rotary}
         key_positions = torch.arange(key_length, device=self.device)
         masks = {window: self._mask(key_positions, positions, window) for window in set(self.sliding_windows)}
-        if self._fused is not None and input_ids.shape[1] == 1 and not all_hidden and _kernel_runs():
+        if self._fused is not None and input_ids.shape[1] == 1 and not all_hidden:
             batch = input_ids.shape[0]
             self._fused.run(hidden.view(batch, -1),
                             [tuple(t.view(batch, -1) for t in rotations[k]) for k in self.layer_rotary],
@@ -605,10 +607,15 @@ class CompactCausalLM:
         return weight * x32.to(x.dtype)
 
 
-def _kernel_runs() -> bool:
-    """Whether the panels' matmuls run in the kernel now: it is single-threaded, so with more torch
-    threads oneDNN's threaded kernels run them on the dense weights (the same bits)."""
-    return torch.get_num_threads() == 1
+# Rows from which a panels matmul on several torch threads runs in oneDNN's threaded kernels instead (the kernel is
+# single-threaded; both give the same bits, so this changes speed only): a prefill's, not a decode step's.
+THREADED_MATMUL_ROWS = 64
+
+
+def _kernel_runs(rows: int) -> bool:
+    """Whether a panels matmul of ``rows`` rows runs in the kernel: always on one torch thread; on more, where
+    splitting it over threads would not pay (a decode step's few rows)."""
+    return rows < THREADED_MATMUL_ROWS or torch.get_num_threads() == 1
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
