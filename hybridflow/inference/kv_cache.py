@@ -242,6 +242,11 @@ class DecodeAccess:
         self.batch_size, self.key_length = batch_size, key_length
         self.rows = torch.arange(batch_size, device=keys.device)
 
+    def row_range(self, start: int, end: int) -> DecodeAccess:
+        """The same step's access for rows ``[start, end)`` alone (a fused decode splitting its rows over threads)."""
+        return DecodeAccess(self.keys[:, start:end], self.values[:, start:end], self.positions[start:end],
+                            end - start, self.key_length)
+
     @property
     def direct(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys (layers, rows, KV, D, capacity), values (layers, rows, KV, capacity, D), positions (B,))."""

@@ -156,3 +156,34 @@ def test_writing_the_cache_in_the_kernel_gives_the_caches_own_writes_bits():
         ids = torch.tensor([[5], [9], [11], [2]])
         results.append((fused.forward(ids, positions[:, None], access, 48), cache.keys.clone(), cache.values.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_a_step_split_over_two_threads_gives_one_threads_bits(monkeypatch):
+    # With SPLIT_ROWS rows or more on several torch threads, the second half of the rows decodes on a helper
+    # thread; rows do not depend on each other, so logits and the cache's new keys and values are the same.
+    from hybridflow.inference import cpu_decode
+    from test_rollout_compact import make_cache
+
+    _, _, fused = compacts("qwen2")
+    rows = cpu_decode.SPLIT_ROWS + 8
+    halves = []
+    real_helper = cpu_decode._helper_thread
+    monkeypatch.setattr(cpu_decode, "_helper_thread", lambda: halves.append(1) or real_helper())
+    generator = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, VOCAB, (rows, 1), generator=generator)
+    positions = torch.randint(0, 60, (rows,), generator=generator)
+    results = []
+    threads = torch.get_num_threads()
+    for count in (1, 2):
+        cache = make_cache(fused, rows=rows)
+        keys, values = random_cache(fused, rows=cache.keys.shape[1], capacity=cache.capacity)
+        cache.keys.copy_(keys)
+        cache.values.copy_(values)
+        torch.set_num_threads(count)
+        try:
+            logits = fused.forward(ids, positions[:, None], cache.decode_access(rows, positions, 64), 64)
+        finally:
+            torch.set_num_threads(threads)
+        results.append((logits, cache.keys, cache.values))
+    assert halves == [1]  # split once: on two threads, not on one
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
