@@ -59,7 +59,16 @@ PROBE_ROWS, PROBE_COLUMNS = 64, 1024
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridflow" / "kernels")
+    """``$HYBRIDFLOW_KERNEL_CACHE``, else ``~/.cache/hybridflow/kernels``, else (no writable home: a Ray worker's,
+    a container's) a folder of this user's in the temporary directory, so every process of a run finds a place."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    home = Path.home() / ".cache" / "hybridflow" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except (OSError, RuntimeError):  # RuntimeError: no home directory at all
+        return Path(tempfile.gettempdir()) / f"hybridflow-kernels-{os.getuid()}"
 
 
 def hardware_reason(cpu: CpuFeatures | None = None) -> str | None:
