@@ -4,8 +4,9 @@ Why: at the end of a long tail a decode step holds a few rows, and the compact f
 about forty tensor ops per layer (norms, rotary, the attention's matmuls, softmax and reshapes, the
 activation), each a few microseconds of dispatch and allocation over a few kilobytes of data: on a
 ~20M Qwen2-shaped model at 8 rows, 3-4 CPU-ms of a 7 ms step besides the matmuls (AMD EPYC Zen 4,
-one thread; ``bench/decode_batch_scaling.py --phases 8``). Here a layer is two calls, around the KV
-cache's write (which stays the cache's own, ``kv_access``): RMSNorm, q/k/v and rotary; then the
+one thread; ``bench/decode_batch_scaling.py --phases 8``). Here a layer is two calls: RMSNorm, q/k/v and
+rotary; then this step's keys and values into the cache (the kernel writes them where the access is
+the cache's own ``kv_cache.DecodeAccess``; any other ``KVAccess`` is called between the two), the
 attention, the o projection onto the residual, RMSNorm, gate/up, SiLU and the down projection onto
 the residual. The matmuls are ``cpu_kernels.linear``'s (oneDNN's bits); the rest follows HF's order
 of operations and roundings (the kernel file says which), with float32 sums and exp of its own, so a
@@ -13,8 +14,9 @@ value can differ from the unfused forward's in its last bf16 bit (tests/unit/rol
 bounds it). Each row is computed alone and masked keys add exact zeros, so a row's result depends
 neither on the rows beside it nor on how far the longest of them reads.
 
-Used (``CompactCausalLM.forward``) for one-token decode forwards of the ``panels`` layout on one torch
-thread, where ``unfusable`` finds nothing the kernel does not do: Gemma's numerics, per-head q/k norms,
+Used (``CompactCausalLM.forward``) for one-token decode forwards of the ``fused`` layout, at any torch thread
+count (the kernels are single-threaded; with several threads a step of ``SPLIT_ROWS`` rows or more runs its
+two halves on two threads), where ``unfusable`` finds nothing the kernel does not do: Gemma's numerics, per-head q/k norms,
 experts, biases other than q/k/v's, a head_dim that is not a multiple of 16 (or over 128), a projection
 a subclass reduces across ranks (tensor parallel), a weight the panels declined.
 """
