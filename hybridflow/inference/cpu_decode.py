@@ -193,6 +193,12 @@ class FusedDecoder:
         positions = positions.to(torch.int64).contiguous()
         if keys.stride(-1) != 1 or values.stride(-1) != 1 or positions.numel() != step.rows:
             raise ValueError("the fused decode needs the cache's key positions and value dims contiguous")
+        # The kernel writes and reads by address: what torch's indexing would refuse must be refused here.
+        capacity = keys.shape[-1]
+        low, high = torch.aminmax(positions)
+        if step.key_length > capacity or int(low) < 0 or int(high) >= step.key_length:
+            raise IndexError(f"fused decode: positions {int(low)}..{int(high)} and {step.key_length} keys do not fit "
+                             f"a cache of {capacity} positions (each row's position must be below the keys read)")
         step.positions = positions.data_ptr()
         step.key_stride_row, step.key_stride_head, step.key_stride_dim = keys.stride()[1:4]
         step.value_stride_row, step.value_stride_head, step.value_stride_pos = values.stride()[1:4]

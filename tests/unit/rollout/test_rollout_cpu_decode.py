@@ -187,3 +187,17 @@ def test_a_step_split_over_two_threads_gives_one_threads_bits(monkeypatch):
         results.append((logits, cache.keys, cache.values))
     assert halves == [1]  # split once: on two threads, not on one
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_a_position_outside_the_cache_is_refused_not_written():
+    from test_rollout_compact import make_cache
+
+    _, _, fused = compacts("qwen2")
+    cache = make_cache(fused, rows=2)
+    before = cache.keys.clone()
+    ids = torch.tensor([[5], [9]])
+    for positions, keys in ((torch.tensor([3, cache.capacity]), cache.capacity), (torch.tensor([3, 40]), 32),
+                            (torch.tensor([3, 4]), cache.capacity + 16)):
+        with pytest.raises(IndexError, match="fused decode"):
+            fused.forward(ids, positions[:, None], cache.decode_access(2, positions, keys), keys)
+    assert torch.equal(cache.keys, before)
