@@ -306,3 +306,64 @@ void hf_decode_attend_mlp(const LayerParams *layer, const StepParams *step, uint
     hf_linear(step->gate_up, 2 * inter, rows, inter, layer->down, h, layer->down_k_block, NULL, residual, h, residual,
               h);
 }
+
+/* ------------------------------------------------------------------ sampling (sampling.sample_tokens' plain case)
+ *
+ * One token per row from bf16 logits: greedy rows the first argmax; the others by inverse CDF with the row's counter
+ * uniform (sampling.counter_uniforms' hash, exactly), over exp(logits / T - max) summed in ascending order in double
+ * (as torch's cumsum on a CPU); the logprob is log_softmax(logits / T) at the token. Only the exp (this file's) and
+ * the normaliser's sum order differ from torch's, in the last bits. */
+
+static inline uint32_t mix32(uint32_t x) { /* lowbias32, sampling._mix32 */
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+void hf_sample(const uint16_t *logits, int64_t ld, int64_t rows, int64_t vocab, const float *temperatures,
+               const uint8_t *greedy, const int64_t *keys, const int64_t *counters, float *scratch, int64_t *tokens,
+               float *logprobs) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = logits + r * ld;
+        const __m512 t = _mm512_set1_ps(temperatures[r]);
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i < vocab; i += 16) { /* the scaled logits and their max */
+            const __mmask16 m = vocab - i >= 16 ? 0xffff : (__mmask16)((1u << (vocab - i)) - 1);
+            const __m512 x = _mm512_div_ps(widen_masked(row + i, m), t);
+            _mm512_mask_storeu_ps(scratch + i, m, x);
+            most = _mm512_mask_max_ps(most, m, most, x);
+        }
+        const float peak = _mm512_reduce_max_ps(most);
+        int64_t best = 0;
+        while (best < vocab - 1 && !(scratch[best] == peak)) best++; /* its first index (argmax's) */
+        const __m512 top = _mm512_set1_ps(peak);
+        double total = 0.0;
+        i = 0;
+        for (; i + 16 <= vocab; i += 16) /* exp(x - peak) in place */
+            _mm512_storeu_ps(scratch + vocab + i, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scratch + i), top)));
+        if (i < vocab) {
+            const __mmask16 m = (__mmask16)((1u << (vocab - i)) - 1);
+            _mm512_mask_storeu_ps(scratch + vocab + i, m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scratch + i), top)));
+        }
+        float *cdf = scratch + vocab;
+        for (i = 0; i < vocab; i++) { total += cdf[i]; cdf[i] = (float)total; }
+        int64_t token = best;
+        if (!greedy[r]) {
+            const uint32_t low = (uint32_t)keys[2 * r], high = (uint32_t)keys[2 * r + 1];
+            const uint32_t hashed = mix32(low ^ mix32(high ^ (uint32_t)counters[r]));
+            const float u = ((float)(hashed >> 8) + 1.0f) / 16777216.0f;
+            const float target = u * cdf[vocab - 1];
+            int64_t lo = 0, hi = vocab; /* the first index whose cumulative mass reaches the target */
+            while (lo < hi) {
+                const int64_t mid = lo + (hi - lo) / 2;
+                if (cdf[mid] < target) lo = mid + 1; else hi = mid;
+            }
+            token = lo < vocab ? lo : vocab - 1;
+        }
+        tokens[r] = token;
+        logprobs[r] = scratch[token] - (peak + logf((float)total));
+    }
+}

@@ -103,6 +103,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.hf_linear.restype = None
     library.hf_rms_norm.argtypes = [pointer, size, size, size, pointer, ctypes.c_float, pointer, size]
     library.hf_rms_norm.restype = None
+    library.hf_sample.argtypes = [pointer, size, size, size, pointer, pointer, pointer, pointer, pointer, pointer, pointer]
+    library.hf_sample.restype = None
     for name in ("hf_decode_qkv", "hf_decode_attend_mlp"):
         getattr(library, name).restype = None  # arguments: cpu_decode's structures, by reference
     return library, None
@@ -201,6 +203,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows, width, dtype=torch.bfloat16, device=x.device)
     library().hf_rms_norm(x.data_ptr(), x.stride(0), rows, width, weight.data_ptr(), eps, out.data_ptr(), width)
     return out
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor,
+           counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sampling.sample_tokens``' plain case (no filter, penalty or hook) on bf16 ``logits`` (B, V) with contiguous
+    rows: (tokens (B,) int64, logprobs (B,) float32). The same draws (``counter_uniforms``' hash); exp and the
+    normaliser's sum are the kernel's, so a logprob can differ from torch's in its last bits."""
+    rows, vocab = logits.shape
+    if logits.dtype != torch.bfloat16 or logits.stride(1) != 1:
+        raise ValueError(f"sample needs bf16 (B, V) logits with contiguous rows, got {logits.dtype} {logits.stride()}")
+    temperatures = temperatures.to(torch.float32).contiguous()
+    greedy, keys = greedy.to(torch.bool).contiguous(), keys.to(torch.int64).contiguous()
+    counters = counters.to(torch.int64).contiguous()
+    scratch = torch.empty(2 * vocab + LANES, dtype=torch.float32)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    library().hf_sample(logits.data_ptr(), logits.stride(0), rows, vocab, temperatures.data_ptr(), greedy.data_ptr(),
+                        keys.data_ptr(), counters.data_ptr(), scratch.data_ptr(), tokens.data_ptr(), logprobs.data_ptr())
+    return tokens, logprobs
 
 
 def _run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, residual: torch.Tensor | None,

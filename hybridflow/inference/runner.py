@@ -478,7 +478,8 @@ class ModelRunner:
         sampling = state.sampling(batch, [s.profile for s in samples])
         adjust = self._adjust(samples, state.counters[:batch]) if self.logits_processors else None
         seen = state.seen[:batch] if state.seen is not None else None
-        tokens, logprobs = sample_tokens(logits, sampling, seen=seen, adjust=adjust)
+        tokens, logprobs = sample_tokens(logits, sampling, seen=seen, adjust=adjust,
+                                         kernel=self.compact.weight_layout == "fused")
         # A NaN anywhere in a row's logits makes its log-softmax, hence its sampled logprob, NaN:
         # checking the B logprobs finds it without a pass over the (B, V) logits every step.
         nan_rows = torch.isnan(logprobs)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.inference import cpu_kernels
 from hybridflow.types import GenerationRequest, SamplingParams
 
 # The uniform's resolution: 24 bits, exactly representable in float32 (its mantissa).
@@ -313,6 +314,7 @@ def sample_tokens(
     sampling: SamplingTensors,
     seen: torch.Tensor | None = None,
     adjust: LogitsAdjust | None = None,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one next token per row and return ``(tokens, logprobs)``, both (B,).
 
@@ -321,7 +323,14 @@ def sample_tokens(
     (logits processors), then greedy rows take the argmax and sampled rows divide by their
     temperature, apply top-k, top-p and min-p, and draw with their counter uniform.
     ``logprobs`` follow the module's convention: from the raw logits, unfiltered.
+
+    ``kernel`` (the native engine's ``fused`` layout): bf16 logits on a CPU with nothing but temperatures to
+    apply go to ``cpu_kernels.sample``, one pass a row instead of a dozen ops over (B, V): the same draws, a
+    logprob's last bits its own.
     """
+    plain = not (sampling.needs_penalty or sampling.needs_filter or sampling.needs_min_p or adjust is not None)
+    if kernel and plain and logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.stride(-1) == 1:
+        return cpu_kernels.sample(logits, sampling.temperatures, sampling.greedy, sampling.keys, sampling.counters)
     raw = logits.float()
     processed = raw
     if sampling.needs_penalty:

@@ -112,3 +112,26 @@ def test_without_a_compiler_or_when_disabled_the_reason_is_given(monkeypatch, tm
     finally:
         monkeypatch.undo()
         cpu_kernels._library.cache_clear()
+
+
+@KERNEL
+@pytest.mark.parametrize("vocab", [4096, 1000])
+def test_the_sampling_kernel_draws_torchs_tokens(vocab, one_thread):
+    from hybridflow.inference.sampling import SamplingTensors, sample_tokens
+    from hybridflow.types import SamplingParams
+
+    rows = 96
+    logits = bf16(rows, vocab, seed=9, scale=3.0)
+    params = [SamplingParams(temperature=0.0) if i % 5 == 0 else SamplingParams(temperature=(1.0, 0.7, 1.3)[i % 3])
+              for i in range(rows)]
+    sampling = SamplingTensors.from_params(params, [1000 + 7 * i for i in range(rows)], [i % 11 for i in range(rows)],
+                                           "cpu")
+    tokens, logprobs = sample_tokens(logits, sampling)
+    got_tokens, got_logprobs = sample_tokens(logits, sampling, kernel=True)
+    assert torch.equal(got_tokens, tokens)  # the same draws: the hash exactly, the CDF to its last bits
+    assert torch.allclose(got_logprobs, logprobs, atol=2e-5, rtol=0)
+    assert torch.equal(got_tokens[::5], logits[::5].float().argmax(dim=-1))  # greedy rows
+    # A row's draw does not depend on the others.
+    for row in (0, 1, 2, 95):
+        one = SamplingTensors.from_params(params[row : row + 1], [1000 + 7 * row], [row % 11], "cpu")
+        assert sample_tokens(logits[row : row + 1], one, kernel=True)[0].item() == got_tokens[row].item()
