@@ -53,7 +53,8 @@ the step's matmuls at batch 8 (5.1 against 4.8 ms; the dense step 6.7 ms), so th
 decode step's matmuls at 8 rows 1.8x faster than the ``onednn`` layout's and the same at 128 rows,
 with no row minimum (the kernel's sums do not depend on the row count). ``fused`` is ``panels`` with
 each one-token decode layer in two kernel calls (``cpu_decode``: the norms, rotary, attention and
-activation too), where the model's family allows; it rounds like the rest only up to the last bit of
+activation too), where the model's family allows, and the engine's plain sampling in one
+(``cpu_kernels.sample``, chosen by the runner); it rounds like the rest only up to the last bit of
 a bf16 value, so it is a layout of its own. ``auto`` picks ``fused`` on the CPUs of
 ``ONEDNN_FASTER_VENDORS`` where the kernel builds. The kernels are single-threaded, and the fused decode runs
 on them whatever the torch threads, so a rollout samples the same at any thread count; with more than one
