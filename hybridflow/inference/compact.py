@@ -454,7 +454,7 @@ class CompactCausalLM:
             return self._fused.decode(hidden.view(batch, -1),
                                       [tuple(t.view(batch, -1) for t in rotations[k]) for k in self.layer_rotary],
                                       [masks[w].view(batch, -1) for w in self.sliding_windows], kv_access, key_length,
-                                      head=self._fused_head if with_logits else None)
+                                      head=self._fused.head if with_logits else None)
         for index, layer in enumerate(self.layers):
             packed = self._packed[index] if self._packed is not None else None
             cos, sin = rotations[self.layer_rotary[index]]
@@ -467,15 +467,6 @@ class CompactCausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states (N, h) → (N, V): the final norm, the head, Gemma's soft cap."""
         return self._head(self._rms_norm(hidden, self.final_norm))
-
-    def _fused_head(self, rows: torch.Tensor) -> torch.Tensor:
-        """The fused decode's final norm and LM head on (N, h) rows, all in the kernels (any thread count)."""
-        normed = cpu_kernels.rms_norm(rows, self.final_norm, self.eps)
-        if isinstance(self._packed_lm_head, cpu_kernels.Panels):
-            logits = cpu_kernels.linear(normed, self._packed_lm_head)
-            cap = self.numerics.final_softcap
-            return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
-        return self._head(normed)
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head on final-normed hidden states (N, h) → (N, V), with Gemma's soft cap."""

@@ -119,6 +119,15 @@ class FusedDecoder:
         # The addresses above are the compact's tensors': it keeps them (the norms, the packed copy) alive.
         self.library = cpu_kernels.library()
 
+    def head(self, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head on (N, h) rows, in the kernels at any thread count (Gemma's soft cap, which
+        ``unfusable`` refuses anyway, would still be applied by ``_head``)."""
+        c = self.compact
+        normed = cpu_kernels.rms_norm(rows, c.final_norm, c.eps)
+        if isinstance(c._packed_lm_head, cpu_kernels.Panels) and c.numerics.final_softcap is None:
+            return cpu_kernels.linear(normed, c._packed_lm_head)
+        return c._head(normed)
+
     def decode(self, rows: torch.Tensor, rotations: list[tuple[torch.Tensor, torch.Tensor]],
                masks: list[torch.Tensor], kv_access: KVAccess, key_length: int,
                head: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor | None:
