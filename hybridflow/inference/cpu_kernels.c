@@ -95,7 +95,8 @@ void hf_linear(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint1
  *
  * A decoder layer of the plain Llama / Qwen2 / Mistral shape (RMSNorm, fused q/k/v with an optional bias, rotary
  * embeddings, grouped-query attention, SiLU-gated MLP, no other biases) for rows of one token each, in two calls
- * around the KV cache's write (hf_decode_qkv, then hf_decode_attend_mlp), in HF's order of operations and
+ * (hf_decode_qkv, then hf_decode_attend_mlp, which first writes this step's keys and values into the cache when
+ * given the rows' positions; else the caller writes them between the two), in HF's order of operations and
  * roundings: RMSNorm in float32, rounded, then scaled by the weight; rotary as round(round(x cos) + x' sin);
  * scores rounded to bf16, then scaled, masked and soft-maxed in float32, the probabilities rounded to bf16; the
  * residual adds rounded once (as oneDNN's sum post-op). The float32 sums themselves run in this file's own order
