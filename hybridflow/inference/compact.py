@@ -399,14 +399,11 @@ class CompactCausalLM:
         Dense and bias-free, the add rides on the matmul (addmm with beta = 1): one pass fewer.
         Fewer than ``MIN_MATMUL_ROWS`` rows are added as that many, but in the kernel's panels.
         """
-        if isinstance(packed, cpu_kernels.Panels):
-            if bias is None and _kernel_runs(x.shape[0]):
+        if isinstance(packed, cpu_kernels.Panels) and bias is None:
+            if _kernel_runs(x.shape[0]):
                 cpu_kernels.add_linear_(residual, x, packed)  # the add rounded once in the kernel, as oneDNN's post-op
                 return
-            if bias is not None:
-                residual.add_(self._linear(x, weight, bias, packed))
-                return
-            packed = None
+            packed = None  # many rows on several threads: addmm_ on the dense weights, the same bits
         if residual.shape[0] < MIN_MATMUL_ROWS:
             padded = min_rows(residual)
             self._add_linear_(padded, min_rows(x), weight, bias, packed)

@@ -170,54 +170,53 @@ class FusedDecoder:
         heads = qkv.view(batch, 1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         k = heads[:, :, s.num_heads : s.num_heads + s.num_kv_heads]
         v = heads[:, :, s.num_heads + s.num_kv_heads :]
-        qkv_layer: Callable[..., None] = self.library.hf_decode_qkv
-        attend_mlp: Callable[..., None] = self.library.hf_decode_attend_mlp
-        step_ref = ctypes.byref(step)
-        direct = getattr(kv_access, "direct", None)  # kv_cache.DecodeAccess: the kernel writes the cache itself
+        # kv_cache.DecodeAccess hands over the cache itself: the kernel writes this step's keys and values (no two
+        # scatters a layer). Any other access is called between a layer's two kernel calls.
+        direct = getattr(kv_access, "direct", None)
         if direct is not None:
-            self._run_direct(rows, rotations, masks, step, *direct)
-            return
-        for index, params in enumerate(self.layers):
-            cos, sin = rotations[index]
-            qkv_layer(ctypes.byref(params), step_ref, ctypes.c_void_p(rows.data_ptr()), ctypes.c_void_p(cos.data_ptr()),
-                      ctypes.c_void_p(sin.data_ptr()))
-            keys, values = kv_access(index, k, v)  # (B, KV, D, L), (B, KV, L, D): views of the cache
-            if index == 0:
-                if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.shape[-1] != key_length:
-                    raise ValueError(f"the fused decode needs the cache's key positions and value dims contiguous and "
-                                     f"{key_length} keys; got keys {tuple(keys.shape)} {keys.stride()}, values "
-                                     f"{values.stride()}")
-                step.key_stride_row, step.key_stride_head, step.key_stride_dim = keys.stride()[:3]
-                step.value_stride_row, step.value_stride_head, step.value_stride_pos = values.stride()[:3]
-            attend_mlp(ctypes.byref(params), step_ref, ctypes.c_void_p(rows.data_ptr()),
-                       ctypes.c_void_p(keys.data_ptr()), ctypes.c_void_p(values.data_ptr()),
-                       ctypes.c_void_p(masks[index].data_ptr()))
-
-    def _run_direct(self, rows: torch.Tensor, rotations: list[tuple[torch.Tensor, torch.Tensor]],
-                    masks: list[torch.Tensor], step: StepParams, keys: torch.Tensor, values: torch.Tensor,
-                    positions: torch.Tensor) -> None:
-        """``run`` over the cache's own tensors: keys (layers, rows, KV, D, capacity), values (layers, rows, KV,
-        capacity, D); each layer's second call writes this step's keys and values at ``positions`` (B,) first, as
-        ``DecodeAccess`` would, without the two scatters a layer."""
-        positions = positions.to(torch.int64).contiguous()
-        if keys.stride(-1) != 1 or values.stride(-1) != 1 or positions.numel() != step.rows:
-            raise ValueError("the fused decode needs the cache's key positions and value dims contiguous")
-        # The kernel writes and reads by address: what torch's indexing would refuse must be refused here.
-        capacity = keys.shape[-1]
-        low, high = torch.aminmax(positions)
-        if step.key_length > capacity or int(low) < 0 or int(high) >= step.key_length:
-            raise IndexError(f"fused decode: positions {int(low)}..{int(high)} and {step.key_length} keys do not fit "
-                             f"a cache of {capacity} positions (each row's position must be below the keys read)")
-        step.positions = positions.data_ptr()
-        step.key_stride_row, step.key_stride_head, step.key_stride_dim = keys.stride()[1:4]
-        step.value_stride_row, step.value_stride_head, step.value_stride_pos = values.stride()[1:4]
-        key_layer, value_layer = keys.stride(0) * keys.element_size(), values.stride(0) * values.element_size()
-        key_base, value_base = keys.data_ptr(), values.data_ptr()
-        qkv_layer, attend_mlp = self.library.hf_decode_qkv, self.library.hf_decode_attend_mlp
+            cache_keys, cache_values, positions = self._point_at_cache(step, *direct)  # positions: held for the kernel
+            key_layer, value_layer = (t.stride(0) * t.element_size() for t in (cache_keys, cache_values))
         step_ref, residual = ctypes.byref(step), ctypes.c_void_p(rows.data_ptr())
         for index, params in enumerate(self.layers):
             cos, sin = rotations[index]
             params_ref = ctypes.byref(params)
-            qkv_layer(params_ref, step_ref, residual, ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()))
-            attend_mlp(params_ref, step_ref, residual, ctypes.c_void_p(key_base + index * key_layer),
-                       ctypes.c_void_p(value_base + index * value_layer), ctypes.c_void_p(masks[index].data_ptr()))
+            self.library.hf_decode_qkv(params_ref, step_ref, residual, ctypes.c_void_p(cos.data_ptr()),
+                                       ctypes.c_void_p(sin.data_ptr()))
+            if direct is not None:
+                key_address = cache_keys.data_ptr() + index * key_layer
+                value_address = cache_values.data_ptr() + index * value_layer
+            else:
+                keys, values = kv_access(index, k, v)  # (B, KV, D, L), (B, KV, L, D): views of the cache
+                if index == 0:
+                    self._check_views(step, keys, values)
+                key_address, value_address = keys.data_ptr(), values.data_ptr()
+            self.library.hf_decode_attend_mlp(params_ref, step_ref, residual, ctypes.c_void_p(key_address),
+                                              ctypes.c_void_p(value_address), ctypes.c_void_p(masks[index].data_ptr()))
+
+    @staticmethod
+    def _check_views(step: StepParams, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take the strides of an access's (B, KV, D, L) keys and (B, KV, L, D) values, the same for every layer."""
+        if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.shape[-1] != step.key_length:
+            raise ValueError(f"the fused decode needs the cache's key positions and value dims contiguous and "
+                             f"{step.key_length} keys; got keys {tuple(keys.shape)} {keys.stride()}, values "
+                             f"{values.stride()}")
+        step.key_stride_row, step.key_stride_head, step.key_stride_dim = keys.stride()[:3]
+        step.value_stride_row, step.value_stride_head, step.value_stride_pos = values.stride()[:3]
+
+    @staticmethod
+    def _point_at_cache(step: StepParams, keys: torch.Tensor, values: torch.Tensor,
+                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Set ``step`` to write this step's keys and values at ``positions`` (B,) of the cache's own keys (layers,
+        rows, KV, D, capacity) and values (layers, rows, KV, capacity, D); return them and the int64 positions
+        whose address ``step`` holds (the caller keeps them alive)."""
+        positions = positions.to(torch.int64).contiguous()
+        # The kernel writes and reads by address: what torch's indexing would refuse must be refused here.
+        capacity = keys.shape[-1]
+        low, high = torch.aminmax(positions)
+        if positions.numel() != step.rows or step.key_length > capacity or int(low) < 0 or int(high) >= step.key_length:
+            raise IndexError(f"fused decode: positions {int(low)}..{int(high)} of {positions.numel()} rows and "
+                             f"{step.key_length} keys do not fit {step.rows} rows of a cache of {capacity} positions "
+                             "(each row's position must be below the keys read)")
+        FusedDecoder._check_views(step, keys[0, :, :, :, : step.key_length], values[0, :, :, : step.key_length])
+        step.positions = positions.data_ptr()
+        return keys, values, positions

@@ -11,6 +11,7 @@
  * the hardware prefetcher follows (software prefetching measured slower). A register tile is up to 8 rows x 48
  * columns: 24 accumulators of 32. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -103,7 +104,6 @@ void hf_linear(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint1
  * (and exp is this file's polynomial), so results can differ from torch's in the last bit of a bf16 value.
  * Every row is computed alone: nothing depends on the other rows or on how many masked keys follow a row's. */
 
-#include <math.h>
 
 static inline float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;

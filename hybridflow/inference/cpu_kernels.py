@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
-PANEL = 48  # columns a packed panel holds (cpu_kernels.c)
 LANES = 16  # float32 lanes a vector holds: N must be a multiple of it
 DISABLE_ENV = "HYBRIDFLOW_CPU_KERNELS"
 CACHE_ENV = "HYBRIDFLOW_KERNEL_CACHE"

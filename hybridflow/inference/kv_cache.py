@@ -25,6 +25,8 @@ produced non-finite values are zeroed (``zero_rows``) before anyone reuses them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hybridflow.inference.compact import KVAccess
@@ -240,7 +242,6 @@ class DecodeAccess:
                  key_length: int) -> None:
         self.keys, self.values, self.positions = keys, values, positions  # (layers, rows, ...), (B,)
         self.batch_size, self.key_length = batch_size, key_length
-        self.rows = torch.arange(batch_size, device=keys.device)
 
     def row_range(self, start: int, end: int) -> DecodeAccess:
         """The same step's access for rows ``[start, end)`` alone (a fused decode splitting its rows over threads)."""
@@ -251,6 +252,11 @@ class DecodeAccess:
     def direct(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys (layers, rows, KV, D, capacity), values (layers, rows, KV, capacity, D), positions (B,))."""
         return self.keys, self.values, self.positions
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """``arange(B)``: made only when the access is called (a fused decode writes the cache itself)."""
+        return torch.arange(self.batch_size, device=self.keys.device)
 
     def __call__(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer_keys, layer_values = self.keys[layer], self.values[layer]
