@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from hybridflow.utils import native_build
 from hybridflow.utils.device import CpuFeatures, cpu_features
 
 log = logging.getLogger(__name__)
@@ -47,27 +44,13 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
 LANES = 16  # float32 lanes a vector holds: N must be a multiple of it
-DISABLE_ENV = "HYBRIDFLOW_CPU_KERNELS"
-CACHE_ENV = "HYBRIDFLOW_KERNEL_CACHE"
+DISABLE_ENV, CACHE_ENV = native_build.DISABLE_ENV, native_build.CACHE_ENV
 # oneDNN's k block on an AMD EPYC Zen 4 was 512 for K <= 1024 and 1024 above (any M >= 4, any N); the
 # others are there so another oneDNN's choice is still found. K itself means one unbroken sum.
 K_BLOCK_CANDIDATES = (512, 1024, 256, 2048, 128)
 # The probe's size: enough outputs (65,536) that a wrong k block shows (it flips a bf16 rounding in
 # about one output in 4,000: measured ~15-30 of 65,536), small enough to take a few ms once per K.
 PROBE_ROWS, PROBE_COLUMNS = 64, 1024
-
-
-def cache_dir() -> Path:
-    """``$HYBRIDFLOW_KERNEL_CACHE``, else ``~/.cache/hybridflow/kernels``, else (no writable home: a Ray worker's,
-    a container's) a folder of this user's in the temporary directory, so every process of a run finds a place."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    home = Path.home() / ".cache" / "hybridflow" / "kernels"
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        return home
-    except (OSError, RuntimeError):  # RuntimeError: no home directory at all
-        return Path(tempfile.gettempdir()) / f"hybridflow-kernels-{os.getuid()}"
 
 
 def hardware_reason(cpu: CpuFeatures | None = None) -> str | None:
@@ -84,13 +67,13 @@ def hardware_reason(cpu: CpuFeatures | None = None) -> str | None:
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     """The compiled kernel and None, or None and why not (once per process)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if native_build.disabled():
         return None, f"{DISABLE_ENV}=0"
     reason = hardware_reason()
     if reason is not None:
         return None, reason
     try:
-        path = _compiled()
+        path = native_build.compile_shared(SOURCE, FLAGS, LIBS)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         log.warning("the native engine's bf16 kernel could not be built (%s); oneDNN runs its matmuls", error)
@@ -115,28 +98,6 @@ def library() -> ctypes.CDLL:
     if loaded is None:
         raise RuntimeError(f"the bf16 kernels are not available: {reason}")
     return loaded
-
-
-def _compiled() -> Path:
-    """Compile ``cpu_kernels.c`` into the cache once per source, flags and compiler; an atomic rename, so
-    processes compiling at once never load half a file."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC, or install gcc)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), *LIBS, "-o", str(built)], capture_output=True, text=True,
-                                timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)
-    return target
 
 
 def unavailable_reason() -> str | None:

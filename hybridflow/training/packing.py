@@ -11,9 +11,10 @@ with position ids that restart at 0 for each sample, and records where each sequ
   packing from the restarting position ids when ``attention_mask`` is None and build an N×N
   block-diagonal causal mask — correct, but attention then costs N² per layer however short
   the sequences (measured on CPU: 1.9x padded, vs 9x for the varlen kernel below);
-- ``VARLEN_ATTENTION`` (registered here) runs one causal SDPA call per sequence: Σ Lᵢ² work,
-  no mask at all. ``enable_varlen_attention`` swaps a model's ``sdpa`` for it; calls that are
-  not packed are handed to transformers' own sdpa, unchanged to the bit.
+- ``VARLEN_ATTENTION`` (registered here) runs each sequence's causal attention on its own: Σ Lᵢ²
+  work, no mask at all (on a CPU in ``cpu_attention``'s kernel, else SDPA calls over length
+  groups). ``enable_varlen_attention`` swaps a model's ``sdpa`` for it; calls that are not
+  packed are handed to transformers' own sdpa, unchanged to the bit.
 
 Only the logits that predict a response token are computed (``logits_to_keep`` as a position
 tensor), and ``unpack_responses`` scatters per-token results back to the (B, R) layout that
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridflow.training import cpu_attention
 from hybridflow.types import TrainBatch
 from hybridflow.utils.shapes import MIN_BUCKET, bucketed_length  # noqa: F401 (MIN_BUCKET: re-exported)
 
@@ -266,8 +268,10 @@ def varlen_sdpa_attention(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: per-sequence causal SDPA on a packed row.
+    """A transformers attention function: per-sequence causal attention on a packed row.
 
+    On a CPU where ``cpu_attention.usable`` says so, the kernel computes each sequence in place in
+    the row (float32, no padding, no gathers); elsewhere one SDPA call per group of similar lengths.
     Anything that is not a packed row without a mask (padded batches, decoding with a cache,
     bidirectional modules) goes to transformers' ``sdpa_attention_forward`` unchanged.
     """
@@ -280,13 +284,15 @@ def varlen_sdpa_attention(
             sliding_window=sliding_window, **kwargs,
         )
     dtype = value.dtype  # the projections' output dtype (RoPE makes query and key float32 under autocast)
-    upcast = _upcast_for_backward(query, value)
-    if upcast:
-        query, key, value = query.float(), key.float(), value.float()
     tokens, heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
     if segments[0] != 0 or segments[-1] != tokens:
         raise ValueError(f"packed attention: the sequences span tokens {segments[0]}..{segments[-1]} of a row of {tokens}")
     starts, lengths = segments[:-1], [e - s for s, e in zip(segments[:-1], segments[1:])]
+    if cpu_attention.usable(query, key, dropout, sliding_window, max(lengths, default=0), kwargs):
+        return cpu_attention.packed_attention(query, key, value, segments, scaling).to(dtype), None
+    upcast = _upcast_for_backward(query, value)
+    if upcast:
+        query, key, value = query.float(), key.float(), value.float()
     rows: list[torch.Tensor] = []  # each group's output, (G*L, H, D): padded members included
     source = torch.empty(tokens, dtype=torch.long, device=query.device)  # packed token -> its row in cat(rows)
     offset = 0
