@@ -25,25 +25,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import math
-import platform
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybridflow.utils import native_build
-from hybridflow.utils.device import CpuFeatures, cpu_features
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}  # torch's dispatch level -> the kernel's target
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
-LIBS = ("-lm",)
 LANES = 16
 MAX_HEAD_DIM = 256
 
@@ -57,37 +47,19 @@ class _Attention(ctypes.Structure):
         ("scale", ctypes.c_float), ("out", ctypes.c_void_p), ("dout", ctypes.c_void_p)]
 
 
-def march_for(cpu: CpuFeatures | None = None) -> tuple[str | None, str | None]:
-    """(the -march to build for, None) on a CPU the kernel is for, else (None, why not)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the kernel is built for x86-64 and this machine is {platform.machine()}"
-    cpu = cpu or cpu_features()
-    march = MARCH.get(cpu.capability)
-    if march is None:
-        return None, f"torch dispatches to {cpu.capability!r} here and the kernel needs AVX2 or AVX-512"
-    return march, None
-
-
-@functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The compiled kernel and None, or None and why not (once per process)."""
-    if native_build.disabled():
-        return None, f"{native_build.DISABLE_ENV}=0"
-    march, reason = march_for()
-    if march is None:
-        return None, reason
-    try:
-        library = ctypes.CDLL(str(native_build.compile_shared(SOURCE, (*FLAGS, f"-march={march}"), LIBS)))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        log.warning("the trainer's CPU attention kernel could not be built (%s); torch's SDPA runs it", error)
-        return None, f"the kernel could not be built: {error}"
+def _configure(library: ctypes.CDLL) -> None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.hf_attention_forward.argtypes = [ctypes.POINTER(_Attention), size, size, pointer, pointer]
     library.hf_attention_forward.restype = ctypes.c_int
     library.hf_attention_backward.argtypes = [ctypes.POINTER(_Attention), size, size, pointer, pointer, pointer,
                                               pointer]
     library.hf_attention_backward.restype = ctypes.c_int
-    return library, None
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    """The compiled kernel and None, or None and why not (once per process)."""
+    return native_build.load_vector_kernels(SOURCE, _configure, "the trainer's CPU attention kernel")
 
 
 def unavailable_reason() -> str | None:
@@ -112,30 +84,12 @@ def usable(query: torch.Tensor, key: torch.Tensor, dropout: float, sliding_windo
 
 def _shares(cu: list[int], parts: int) -> list[tuple[int, int]]:
     """Contiguous ranges of sequences with about equal work each (a sequence of L tokens costs ~L² + L)."""
-    costs = [(e - s) ** 2 + (e - s) for s, e in zip(cu[:-1], cu[1:])]
-    total, ranges, first, done = sum(costs), [], 0, 0
-    for i, cost in enumerate(costs):
-        done += cost
-        if len(ranges) < parts - 1 and done >= total * (len(ranges) + 1) / parts:
-            ranges.append((first, i + 1))
-            first = i + 1
-    ranges.append((first, len(costs)))
-    return [r for r in ranges if r[0] < r[1]]
-
-
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridflow-attention")
+    return native_build.balanced_ranges([(e - s) ** 2 + (e - s) for s, e in zip(cu[:-1], cu[1:])], parts)
 
 
 def _each_share(cu: list[int], call: Any) -> None:
-    """``call(first, last)`` for each share of the sequences, on torch's thread count (ctypes lets go of the GIL)."""
-    ranges = _shares(cu, max(1, torch.get_num_threads()))
-    if len(ranges) > 1:
-        results = list(_pool(len(ranges) - 1).map(lambda r: call(*r), ranges[1:])) + [call(*ranges[0])]
-    else:
-        results = [call(*r) for r in ranges]
-    if not all(results):
+    """``call(first, last)`` for each share of the sequences, on torch's thread count."""
+    if not all(native_build.run_ranges(call, _shares(cu, max(1, torch.get_num_threads())))):
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
 
 

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hybridflow.algorithms.entropy import sum_pi_squared_from_lse
+from hybridflow.training import cpu_lm_head
 
 # Bytes of float32 logits alive at once (one chunk; its softmax temporaries are a few times that):
 # 128 MiB is 220 rows at V = 152k (Qwen2's vocabulary), 1024 at V = 32k. Rows are clamped to
@@ -65,17 +66,22 @@ def fused_lm_head_supported(model: Any) -> bool:
     return True
 
 
+def _chunk_product(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """A chunk's logits before the temperature, in ``dtype`` (the matmul's).  # (n, V)
+
+    The matmul's output is a fresh array: the bias is added to it in place (the same arithmetic as out
+    of place, one chunk-sized array fewer)."""
+    z = hidden.to(dtype) @ weight.to(dtype).T
+    return z.add_(bias.to(dtype)) if bias is not None else z
+
+
 def _chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """float32 logits / temperature of a chunk of rows; the matmul runs in ``dtype``.  # (n, V)
-
-    The matmul's output is a fresh array: bias and temperature are applied to it in place (the same
-    arithmetic as out of place, one chunk-sized array fewer)."""
-    z = hidden.to(dtype) @ weight.to(dtype).T
-    if bias is not None:
-        z.add_(bias.to(dtype))
-    z = z.float()
+    """float32 logits / temperature of a chunk of rows; the matmul runs in ``dtype``.  # (n, V)"""
+    z = _chunk_product(hidden, weight, bias, dtype).float()
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -112,8 +118,22 @@ class _LMHeadLogprobs(torch.autograd.Function):
         lse_all = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(rows if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         sum_pi_squared = torch.empty(rows if with_sum_pi_squared else 0, dtype=torch.float32, device=hidden.device)
+        # The CPU softmax kernel (cpu_lm_head) also keeps each row's E_p[z] for the entropy's gradient.
+        kernel = cpu_lm_head.usable(dtype, hidden.device)
+        mean_all = torch.empty(rows if kernel else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, rows, chunk_rows):
             stop = min(rows, start + chunk_rows)
+            if kernel:
+                z = _chunk_product(hidden[start:stop], weight, bias, dtype)
+                lp, lse, mean, ent, spi = cpu_lm_head.row_stats(z, labels[start:stop], temperature, with_entropy,
+                                                                with_sum_pi_squared)
+                logprobs[start:stop], lse_all[start:stop], mean_all[start:stop] = lp, lse, mean
+                if with_entropy:
+                    entropy[start:stop] = ent
+                if with_sum_pi_squared:
+                    sum_pi_squared[start:stop] = spi
+                del z
+                continue
             z = _chunk_logits(hidden[start:stop], weight, bias, temperature, dtype)
             lse = torch.logsumexp(z, dim=-1)
             logprobs[start:stop] = z.gather(-1, labels[start:stop].unsqueeze(-1)).squeeze(-1) - lse
@@ -124,8 +144,8 @@ class _LMHeadLogprobs(torch.autograd.Function):
                 del probs
             if with_sum_pi_squared:
                 sum_pi_squared[start:stop] = sum_pi_squared_from_lse(z, lse)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse_all)
-        ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
+        ctx.save_for_backward(hidden, weight, bias, labels, lse_all, mean_all)
+        ctx.temperature, ctx.chunk_rows, ctx.dtype, ctx.kernel = temperature, chunk_rows, dtype, kernel
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(sum_pi_squared)
         return logprobs, entropy, sum_pi_squared
@@ -133,7 +153,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_spi: Any):
-        hidden, weight, bias, labels, lse_all = ctx.saved_tensors
+        hidden, weight, bias, labels, lse_all, mean_all = ctx.saved_tensors
         temperature, chunk_rows, dtype = ctx.temperature, ctx.chunk_rows, ctx.dtype
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -143,6 +163,16 @@ class _LMHeadLogprobs(torch.autograd.Function):
         entropy_grad = grad_entropy is not None and grad_entropy.numel() > 0
         for start in range(0, hidden.shape[0], chunk_rows):
             stop = min(hidden.shape[0], start + chunk_rows)
+            if ctx.kernel:
+                z = _chunk_product(hidden[start:stop], weight, bias, dtype)
+                dz_c = cpu_lm_head.logits_grad(
+                    z, labels[start:stop], temperature, lse_all[start:stop], mean_all[start:stop],
+                    None if grad_logprobs is None else grad_logprobs[start:stop],
+                    grad_entropy[start:stop] if entropy_grad else None)
+                del z
+                _accumulate(dz_c, dz_c, w, hidden, start, stop, dtype, grad_hidden, grad_weight, grad_bias)
+                del dz_c
+                continue
             z = _chunk_logits(hidden[start:stop], weight, bias, temperature, dtype)
             # Each array is overwritten in place at its last use, by the same arithmetic the formula
             # spells out of place (a product's operands swapped: IEEE multiplication commutes), so
@@ -162,22 +192,28 @@ class _LMHeadLogprobs(torch.autograd.Function):
             del z, probs
             if temperature != 1.0:
                 dz /= temperature
-            dz_c = dz.to(dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = (dz_c @ w).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += (dz_c.T @ hidden[start:stop].to(dtype)).float()
-            if grad_bias is not None:
-                grad_bias += dz.sum(dim=0)
+            _accumulate(dz, dz.to(dtype), w, hidden, start, stop, dtype, grad_hidden, grad_weight, grad_bias)
             # Let this chunk's arrays go before the next chunk's are made: otherwise the loop's
             # names keep them alive through the next exp, one chunk more at the peak.
-            del dz, dz_c
+            del dz
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
             None, None, None, None, None, None,
         )
+
+
+def _accumulate(dz: torch.Tensor, dz_c: torch.Tensor, w: torch.Tensor, hidden: torch.Tensor, start: int, stop: int,
+                dtype: torch.dtype, grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
+                grad_bias: torch.Tensor | None) -> None:
+    """A chunk's share of the head's gradients from dz (float32, for the bias) and dz_c (in the matmul's dtype)."""
+    if grad_hidden is not None:
+        grad_hidden[start:stop] = (dz_c @ w).to(hidden.dtype)
+    if grad_weight is not None:
+        grad_weight += (dz_c.T @ hidden[start:stop].to(dtype)).float()
+    if grad_bias is not None:
+        grad_bias += dz.sum(dim=0, dtype=torch.float32)
 
 
 def lm_head_token_stats(

@@ -12,12 +12,23 @@ ctypes lets go of the GIL for the length of a call, so a kernel can run on threa
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
+import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+from hybridflow.utils.device import CpuFeatures, cpu_features
+
+log = logging.getLogger(__name__)
 
 DISABLE_ENV = "HYBRIDFLOW_CPU_KERNELS"
 CACHE_ENV = "HYBRIDFLOW_KERNEL_CACHE"
@@ -62,3 +73,68 @@ def compile_shared(source: Path, flags: tuple[str, ...], libs: tuple[str, ...] =
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
         os.replace(built, target)
     return target
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels written with GCC's vector extensions: one source for AVX-512 and AVX2
+# --------------------------------------------------------------------------------------------
+
+VECTOR_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
+MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}  # torch's dispatch level -> the kernels' target
+
+
+def march_for(cpu: CpuFeatures | None = None) -> tuple[str | None, str | None]:
+    """(the -march to build vector-extension kernels for, None), else (None, why this machine is not for them).
+    torch's own dispatch level decides, so ``ATEN_CPU_CAPABILITY=avx2`` caps the kernels as it caps torch."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the kernels are built for x86-64 and this machine is {platform.machine()}"
+    cpu = cpu or cpu_features()
+    march = MARCH.get(cpu.capability)
+    if march is None:
+        return None, f"torch dispatches to {cpu.capability!r} here and the kernels need AVX2 or AVX-512"
+    return march, None
+
+
+def load_vector_kernels(source: Path, configure: Callable[[ctypes.CDLL], None], what: str
+                        ) -> tuple[ctypes.CDLL | None, str | None]:
+    """``source`` built for this CPU's -march and loaded, ``configure`` setting its functions' types: (library,
+    None), or (None, why not). A failed build is logged once (``what`` names the kernel) and never raised."""
+    if disabled():
+        return None, f"{DISABLE_ENV}=0"
+    march, reason = march_for()
+    if march is None:
+        return None, reason
+    try:
+        library = ctypes.CDLL(str(compile_shared(source, (*VECTOR_FLAGS, f"-march={march}"), ("-lm",))))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        log.warning("%s could not be built (%s); torch's ops run instead", what, error)
+        return None, f"the kernel could not be built: {error}"
+    configure(library)
+    return library, None
+
+
+def balanced_ranges(costs: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous, non-empty ranges of items (in order) with about equal total cost each, at most ``parts``."""
+    total, ranges, first, done = sum(costs), [], 0, 0
+    for i, cost in enumerate(costs):
+        done += cost
+        if len(ranges) < parts - 1 and done >= total * (len(ranges) + 1) / parts:
+            ranges.append((first, i + 1))
+            first = i + 1
+    ranges.append((first, len(costs)))
+    return [r for r in ranges if r[0] < r[1]]
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridflow-kernel")
+
+
+def run_ranges(call: Callable[[int, int], Any], ranges: list[tuple[int, int]]) -> list[Any]:
+    """``call(first, last)`` for each range, the first on this thread and the others on a pool's (a ctypes call
+    lets go of the GIL, so they run at once); the results in order."""
+    if len(ranges) <= 1:
+        return [call(*r) for r in ranges]
+    others = _pool(len(ranges) - 1).map(lambda r: call(*r), ranges[1:])
+    first = call(*ranges[0])
+    return [first, *others]

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.training import cpu_attention, packing
+from hybridflow.utils import native_build
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason=str(cpu_attention.unavailable_reason()))
 
@@ -155,7 +156,7 @@ def test_a_cpu_the_kernel_is_not_built_for_is_named():
     from hybridflow.utils.device import CpuFeatures
 
     old = CpuFeatures(vendor="GenuineIntel", model_name="old", flags=frozenset({"sse4_2"}), capability="DEFAULT")
-    march, reason = cpu_attention.march_for(old)
+    march, reason = native_build.march_for(old)
     assert march is None and "AVX2 or AVX-512" in reason
     avx2 = CpuFeatures(vendor="AuthenticAMD", model_name="zen2", flags=frozenset({"avx2", "fma"}), capability="AVX2")
-    assert cpu_attention.march_for(avx2) == ("x86-64-v3", None)
+    assert native_build.march_for(avx2) == ("x86-64-v3", None)

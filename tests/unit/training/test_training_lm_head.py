@@ -9,6 +9,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from hybridflow.algorithms.entropy import entropy_from_logits, logprobs_from_logits
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.training import cpu_lm_head
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.lm_head import fused_lm_head_supported, lm_head_token_stats
 from hybridflow.training.packing import pad_responses, trim_padding
@@ -90,15 +91,54 @@ def _head_spelled_out(hidden, weight, bias, labels, temperature, chunk_rows, dty
 @pytest.mark.parametrize(("bias", "temperature", "dtype"), [(False, 1.0, torch.float32), (True, 0.7, torch.float32),
                                                             (False, 0.9, torch.bfloat16)])
 @pytest.mark.parametrize("entropy_in_loss", [False, True])
-def test_in_place_arithmetic_is_bitwise_the_spelled_out_formula(bias, temperature, dtype, entropy_in_loss):
+def test_in_place_arithmetic_is_bitwise_the_spelled_out_formula(bias, temperature, dtype, entropy_in_loss, monkeypatch):
     """Overwriting z, p and dz at their last use (a third of the chunk-sized arrays at the head's
     peak) changes no bit of the logprobs, the entropy or any gradient; two threads, an odd
-    vocabulary and a last short chunk, so vector tails and thread splits fall as they may."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    vocabulary and a last short chunk, so vector tails and thread splits fall as they may. (The
+    torch path: where the CPU softmax kernel runs, the path without it.)"""
+    monkeypatch.setattr(cpu_lm_head, "usable", lambda *args: False)
+    got, want = _head_both_ways(bias, temperature, dtype, entropy_in_loss)
+    for name, a, b in zip(("logprobs", "entropy", "grad hidden", "grad weight", "grad bias"), got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(cpu_lm_head.unavailable_reason() is not None, reason=str(cpu_lm_head.unavailable_reason()))
+@pytest.mark.parametrize(("bias", "temperature", "dtype"), [(False, 1.0, torch.float32), (True, 0.7, torch.float32),
+                                                            (False, 0.9, torch.bfloat16)])
+@pytest.mark.parametrize("entropy_in_loss", [False, True])
+def test_the_cpu_softmax_kernel_gives_the_spelled_out_formula(bias, temperature, dtype, entropy_in_loss):
+    """The kernel's softmax (its own exp and order of sums) against torch's ops: float32 rounding apart in the
+    statistics; the gradients within a bf16 rounding of the bf16 logits' gradient (one in a few hundred of
+    those differs in its last bit) and float32 rounding in float32; the same bits on 1 and 2 threads."""
+    assert cpu_lm_head.usable(dtype, torch.device("cpu"))
+    got, want = _head_both_ways(bias, temperature, dtype, entropy_in_loss)
+    scale = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, b in zip(("logprobs", "entropy", "grad hidden", "grad weight", "grad bias"), got, want, strict=True):
+        tolerance = 1e-5 if name in ("logprobs", "entropy") else scale
+        assert (a - b).abs().max() <= tolerance * max(1.0, float(b.abs().max())), name
+    # Rows are shared among torch's threads; each row's sums keep one order (the head's float32 matmul, MKL's,
+    # may itself round differently on another thread count, so the kernel is fed the same logits here).
+    g = torch.Generator().manual_seed(4)
+    z, labels = (torch.randn(70, 601, generator=g) * 4).to(dtype), torch.randint(0, 601, (70,), generator=g)
+    grads = torch.randn(70, generator=g), torch.randn(70, generator=g) if entropy_in_loss else None
+    runs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        stats = cpu_lm_head.row_stats(z, labels, temperature, True, True)
+        runs.append([*stats, cpu_lm_head.logits_grad(z, labels, temperature, stats[1], stats[2], *grads)])
+    torch.set_num_threads(1)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def _head_both_ways(bias, temperature, dtype, entropy_in_loss, threads=2):
+    """The head's results and gradients (lm_head_token_stats), and the spelled-out formula's."""
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(3)
         rows, width, vocab, chunk_rows = 70, 24, 601, 64
+        torch.manual_seed(3)
         head = torch.nn.Linear(width, vocab, bias=bias)
         hidden = torch.randn(rows, width, generator=g, requires_grad=True)
         labels = torch.randint(0, vocab, (rows,), generator=g)
@@ -113,9 +153,8 @@ def test_in_place_arithmetic_is_bitwise_the_spelled_out_formula(bias, temperatur
             want = _head_spelled_out(hidden, head.weight, head.bias, labels, temperature, chunk_rows, dtype, grad_lp,
                                      grad_ent if entropy_in_loss else None)
     finally:
-        torch.set_num_threads(threads)
-    for name, a, b in zip(("logprobs", "entropy", "grad hidden", "grad weight", "grad bias"), got, want, strict=True):
-        assert torch.equal(a, b), name
+        torch.set_num_threads(saved_threads)
+    return got, want
 
 
 def test_supported_heads():
