@@ -126,7 +126,12 @@ static inline void store_row(void *row, int bf16, int64_t j0, int64_t width, vf 
         const vi nan = v != v;
         rounded = (vu)(((vi)rounded & ~nan) | (nan & 0x7FC0));
         const vh h = __builtin_convertvector(rounded, vh);
-        memcpy((uint16_t *)row + j0, &h, n * 2);
+        if (n == V) /* a constant size: one vector store (a variable one calls memcpy) */
+            memcpy((uint16_t *)row + j0, &h, V * 2);
+        else
+            memcpy((uint16_t *)row + j0, &h, n * 2);
+    } else if (n == V) {
+        memcpy((float *)row + j0, &v, V * 4);
     } else {
         memcpy((float *)row + j0, &v, n * 4);
     }

@@ -53,7 +53,7 @@ def usable(logits_dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _ranges(rows: int) -> list[tuple[int, int]]:
-    return native_build.balanced_ranges([1] * rows, max(1, torch.get_num_threads()))
+    return native_build.even_ranges(rows, max(1, torch.get_num_threads()))
 
 
 def _check(z: torch.Tensor, labels: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ from hybridflow.training.forward import ModelForward, Output
 from hybridflow.training.lm_head import TokenStats, fused_lm_head_supported
 from hybridflow.training.micro_batches import check_same_count, in_row_order, logprob_micro_batches
 from hybridflow.training.optimizer import OptimSpec, build_optimizer, clip_and_step
+from hybridflow.training.cpu_layer_ops import enable_fused_layer_ops
 from hybridflow.training.packing import enable_varlen_attention
 from hybridflow.training.sequence_parallel import enable_ulysses_attention
 from hybridflow.training.sharded_checkpoint import ShardedCheckpoint
@@ -113,6 +114,8 @@ class TrainEngine:
         trainable_names = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
         if varlen_attention:
             enable_varlen_attention(self.model)
+        if device.type == "cpu" and not compile_layers:  # a compiled layer keeps torch's ops (the kernels are opaque)
+            enable_fused_layer_ops(self.model)
         self.device = device
         self.data_parallel = data_parallel
         # FSDP2 renames the model's class (FSDPQwen2ForCausalLM): exports keep the real name.

@@ -125,6 +125,15 @@ def balanced_ranges(costs: list[int], parts: int) -> list[tuple[int, int]]:
     return [r for r in ranges if r[0] < r[1]]
 
 
+def even_ranges(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``count`` items in at most ``parts`` contiguous, non-empty ranges of about equal size, each starting at a
+    multiple of ``align`` (arithmetic: no per-item loop, for element counts in the millions)."""
+    units = -(-count // align)
+    parts = max(1, min(parts, units))
+    edges = [min(count, (units * i // parts) * align) for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if a < b]
+
+
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridflow-kernel")
