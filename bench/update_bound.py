@@ -37,12 +37,15 @@ before each phase through ``/proc/self/clear_refs``).
 
     python bench/update_bound.py --threads 2                     # both workloads (~3 min on 2 cores)
     python bench/update_bound.py --workloads longtail --optimizers   # + AdamW's for-loop / foreach / fused
+    python bench/update_bound.py --workloads longtail --precisions bfloat16 bfloat16:torch   # the CPU kernels' gain
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -52,14 +55,19 @@ import torch
 
 from hybridflow.algorithms import agg_loss, batch_counts
 from hybridflow.models.tiny import TinyModelSpec, build_tiny_model
+from hybridflow.training import cpu_attention, cpu_layer_ops, cpu_lm_head
 from hybridflow.training.engine import OptimSpec, TrainEngine
 from hybridflow.training.micro_batches import token_budget_micro_batches
 from hybridflow.training.optimizer import clip_and_step
 from hybridflow.types import TrainBatch, Trajectory, collate_trajectories
+from hybridflow.utils import native_build
 from hybridflow.utils.device import cpu_features
 
 PAD_TOKEN_ID = 256
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16}
+# A precision with ":torch" runs with the trainer's CPU kernels off (HYBRIDFLOW_CPU_KERNELS=0: torch's SDPA, softmax,
+# RMSNorm and activation ops), in the same process as the kernels: the before and after of those kernels.
+VARIANTS = [*PRECISIONS, *(f"{p}:torch" for p in PRECISIONS)]
 PHASES = ("forward", "head", "backward", "optimizer")
 
 
@@ -295,9 +303,38 @@ def whole_update(engine: TrainEngine, micro_batches: list[TrainBatch], loss_fn: 
     return time.perf_counter() - wall0, time.process_time() - cpu0
 
 
+def dtype_of(variant: str) -> torch.dtype | None:
+    return PRECISIONS[variant.split(":")[0]]
+
+
+@contextlib.contextmanager
+def kernels_for(variant: str):
+    """The trainer's CPU kernels on, or off for a ":torch" variant (the libraries are looked up again each way)."""
+    off = variant.endswith(":torch")
+    saved = os.environ.get(native_build.DISABLE_ENV)
+
+    def reset():
+        for module in (cpu_attention, cpu_lm_head, cpu_layer_ops):
+            module._library.cache_clear()
+
+    if off:
+        os.environ[native_build.DISABLE_ENV] = "0"
+    reset()
+    try:
+        yield
+    finally:
+        if off:
+            if saved is None:
+                del os.environ[native_build.DISABLE_ENV]
+            else:
+                os.environ[native_build.DISABLE_ENV] = saved
+        reset()
+
+
 def build_engine(w: Workload, precision: str, optimizer: str = "default") -> TrainEngine:
     torch.manual_seed(0)
-    engine = TrainEngine(w.model(), OptimSpec(lr=1e-6), torch.device("cpu"), mixed_precision=PRECISIONS[precision])
+    with kernels_for(precision):
+        engine = TrainEngine(w.model(), OptimSpec(lr=1e-6), torch.device("cpu"), mixed_precision=dtype_of(precision))
     if optimizer != "default":
         engine.optimizer.defaults[optimizer] = True
         for group in engine.optimizer.param_groups:
@@ -331,17 +368,19 @@ def run_workload(w: Workload, args: argparse.Namespace, bound: Bound) -> None:
     engines = {p: build_engine(w, p) for p in args.precisions}
     measured = {p: Measured() for p in args.precisions}
     for p, engine in engines.items():  # warm-up: first calls allocate, pick kernels
-        phased_update(engine, micro_batches, loss_fn)
-        whole_update(engine, micro_batches, loss_fn)
+        with kernels_for(p):
+            phased_update(engine, micro_batches, loss_fn)
+            whole_update(engine, micro_batches, loss_fn)
     for _ in range(args.repeats):
         for p, engine in engines.items():
-            measured[p].clocks.append(phased_update(engine, micro_batches, loss_fn))
-            measured[p].whole.append(whole_update(engine, micro_batches, loss_fn))
-    header = f"{'precision':<9} {'phase':<10} {'s':>7} {'CPU-s':>7} {'GFLOP':>7} {'GFLOP/CPU-s':>11} " \
+            with kernels_for(p):
+                measured[p].clocks.append(phased_update(engine, micro_batches, loss_fn))
+                measured[p].whole.append(whole_update(engine, micro_batches, loss_fn))
+    header = f"{'precision':<14} {'phase':<10} {'s':>7} {'CPU-s':>7} {'GFLOP':>7} {'GFLOP/CPU-s':>11} " \
              f"{'bound':>11} {'fraction':>8} {'peak MB':>8}"
     print(header)
     for p in args.precisions:
-        dtype = PRECISIONS[p] or torch.float32
+        dtype = dtype_of(p) or torch.float32
         m = measured[p]
         flop_total = bound_cpu_total = 0.0
         for phase in PHASES:
@@ -356,14 +395,14 @@ def run_workload(w: Workload, args: argparse.Namespace, bound: Bound) -> None:
                 bound_rate = f"{gflop / bound_cpu:11.1f}" if bound_cpu else f"{'-':>11}"
             else:
                 rate, bound_rate, fraction = f"{'-':>11}", f"{'-':>11}", f"{'-':>8}"
-            print(f"{p:<9} {phase:<10} {m.median('wall', phase):7.3f} {cpu:7.3f} {gflop:7.2f} {rate} {bound_rate} "
+            print(f"{p:<14} {phase:<10} {m.median('wall', phase):7.3f} {cpu:7.3f} {gflop:7.2f} {rate} {bound_rate} "
                   f"{fraction} {m.median('memory', phase) / 2**20:8.1f}")
         phases_cpu = sum(m.median("cpu", phase) for phase in PHASES)
         whole_wall, whole_cpu = m.whole_median(0), m.whole_median(1)
-        print(f"{p:<9} {'sum':<10} {sum(m.median('wall', ph) for ph in PHASES):7.3f} {phases_cpu:7.3f} "
+        print(f"{p:<14} {'sum':<10} {sum(m.median('wall', ph) for ph in PHASES):7.3f} {phases_cpu:7.3f} "
               f"{flop_total:7.2f} {flop_total / phases_cpu:11.1f} {flop_total / bound_cpu_total:11.1f} "
               f"{bound_cpu_total / phases_cpu:8.2f}")
-        print(f"{p:<9} {'update':<10} {whole_wall:7.3f} {whole_cpu:7.3f} {flop_total:7.2f} "
+        print(f"{p:<14} {'update':<10} {whole_wall:7.3f} {whole_cpu:7.3f} {flop_total:7.2f} "
               f"{flop_total / whole_cpu:11.1f} {flop_total / bound_cpu_total:11.1f} {bound_cpu_total / whole_cpu:8.2f}"
               "   (TrainEngine.optimizer_step, whole)")
     if "float32" in measured and "bfloat16" in measured:
@@ -411,7 +450,8 @@ def compare_optimizers(w: Workload, micro_batches: list[TrainBatch], loss_fn: Ca
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["default", "longtail"], choices=["default", "longtail"])
-    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=VARIANTS,
+                        help="float32, bfloat16 (bf16-mixed); with :torch, the trainer's CPU kernels off")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-token-len", type=int, default=8192, help="token budget of a micro-batch")
