@@ -15,7 +15,7 @@ float32 kernel in value but not in the last bit. Under bf16 autocast the attenti
 kernel as the training forward, so the two agree to the bit. Every output is summed in a fixed order that
 depends neither on the thread count nor on the other sequences.
 
-Where: x86-64 CPUs with AVX-512 or AVX2 (torch's dispatch level picks ``-march=x86-64-v4`` or ``-v3``), head
+Where: x86-64 CPUs with AVX-512 (torch's dispatch level; ``native_build.MARCH`` says why not AVX2), head
 dims that are multiples of 16 up to 256, no dropout, no sliding window shorter than the longest sequence, no
 soft-capping or attention sinks. Anything else, no C compiler, or ``HYBRIDFLOW_CPU_KERNELS=0``: the packed
 SDPA path (``unavailable_reason`` says why).

@@ -9,7 +9,7 @@
  * SwiGLU, elementwise over bf16 or float32: y = silu(a) b, in float32 and rounded once. Backward with
  * s = sigmoid(a): da = dy b s (1 + a (1 - s)), db = dy a s.
  *
- * GCC vector extensions: one source for AVX-512 and AVX2. */
+ * GCC vector extensions, built for AVX-512 (hybridflow/utils/native_build.py). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -8,8 +8,8 @@
  * (where asked) sum p^2 = sum exp(z - m)^2 / s^2. Backward, per row, with p = exp(z - lse):
  * dz = g_lp (onehot(y) - p) - g_H p (z - E[z]), divided by the temperature, written in the logits' dtype
  * (bf16: rounded to nearest even, as torch's .to(bfloat16)). Each row's sums run in a fixed order (16 lanes, then
- * the lanes in order), so a row's results depend on nothing else. GCC vector extensions: one source for AVX-512
- * and AVX2. */
+ * the lanes in order), so a row's results depend on nothing else. GCC vector extensions, built for AVX-512
+ * (hybridflow/utils/native_build.py). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>

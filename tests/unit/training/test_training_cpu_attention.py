@@ -157,6 +157,6 @@ def test_a_cpu_the_kernel_is_not_built_for_is_named():
 
     old = CpuFeatures(vendor="GenuineIntel", model_name="old", flags=frozenset({"sse4_2"}), capability="DEFAULT")
     march, reason = native_build.march_for(old)
-    assert march is None and "AVX2 or AVX-512" in reason
+    assert march is None and "AVX-512" in reason
     avx2 = CpuFeatures(vendor="AuthenticAMD", model_name="zen2", flags=frozenset({"avx2", "fma"}), capability="AVX2")
-    assert native_build.march_for(avx2) == ("x86-64-v3", None)
+    assert native_build.march_for(avx2)[0] is None  # measured 8x slower than SDPA there
