@@ -16,61 +16,11 @@
  * Every output is a float32 sum in a fixed order that depends neither on how the sequences are shared among
  * threads nor on the other sequences, so results are the same at any thread count. Written with GCC's vector
  * extensions, 16 float32 lanes a vector: built for AVX-512 (hybridflow/utils/native_build.py). */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define V 16 /* float32 lanes of a vector */
+#include "cpu_vector.h"
+
 #define BR 8 /* query rows of a block */
-#define MAX_D 256
-
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
-
-static inline vf vload(const float *p) {
-    vf x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-static inline void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
-static inline vf vsplat(float x) { return (vf){0} + x; }
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-/* NaN passes through both (a comparison with NaN is false, so a is kept) */
-static inline vf vmax(vf a, vf b) { return vselect(a < b, b, a); }
-static inline vf vmin(vf a, vf b) { return vselect(a > b, b, a); }
-static inline float hsum(vf x) {
-    float s = 0.0f;
-    for (int i = 0; i < V; i++) s += x[i];
-    return s;
-}
-static inline float hmax(vf x) {
-    float m = x[0];
-    for (int i = 1; i < V; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
-/* exp for float32 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial); below -87
- * (an underflow, or -inf: a masked key) exactly 0. */
-static inline vf vexp(vf x) {
-    const vi dead = x < vsplat(-87.0f);
-    x = vmin(vmax(x, vsplat(-87.0f)), vsplat(88.0f));
-    const vf magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
-    const vf t = x * 1.44269504088896341f + magic;
-    const vf n = t - magic;
-    const vi e = (vi)t - (vi)magic;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = vsplat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    const vf scale = (vf)((e + 127) << 23);
-    return vselect(dead, vsplat(0.0f), p * scale);
-}
 
 /* s[r][c V + lane] = scale sum_k a[r][k] bt[c][k][lane], r < BR, c < chunks. a: BR rows of d; bt: chunks of (d, V). */
 static void block_scores(const float *a, const float *bt, int64_t d, int64_t chunks, float scale, float *s,

@@ -10,53 +10,9 @@
  * s = sigmoid(a): da = dy b s (1 + a (1 - s)), db = dy a s.
  *
  * GCC vector extensions, built for AVX-512 (hybridflow/utils/native_build.py). */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "cpu_vector.h"
 
-#define V 16
 #define BLOCK_ROWS 64
-
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
-
-static inline vf vsplat(float x) { return (vf){0} + x; }
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-static inline vf vmax(vf a, vf b) { return vselect(a < b, b, a); }
-static inline vf vmin(vf a, vf b) { return vselect(a > b, b, a); }
-static inline vf vload(const float *p) {
-    vf x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-static inline void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
-static inline float hsum(vf x) {
-    float s = 0.0f;
-    for (int i = 0; i < V; i++) s += x[i];
-    return s;
-}
-
-/* exp for float32 lanes: Cephes' expf, as in cpu_attention.c; below -87 exactly 0. */
-static inline vf vexp(vf x) {
-    const vi dead = x < vsplat(-87.0f);
-    x = vmin(vmax(x, vsplat(-87.0f)), vsplat(88.0f));
-    const vf magic = vsplat(12582912.0f);
-    const vf t = x * 1.44269504088896341f + magic;
-    const vf n = t - magic;
-    const vi e = (vi)t - (vi)magic;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = vsplat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    return vselect(dead, vsplat(0.0f), p * (vf)((e + 127) << 23));
-}
 
 /* ------------------------------------------------------------------------------------------------ RMSNorm */
 
@@ -115,63 +71,23 @@ void hf_rms_norm_reduce(const float *partials, int64_t blocks, int64_t h, float 
 
 /* ------------------------------------------------------------------------------------------------ SwiGLU */
 
-static inline vf load_any(const void *p, int bf16, int64_t i, int64_t n) {
-    vf x = vsplat(0.0f);
-    if (i + V <= n) {
-        if (bf16) {
-            vh h;
-            memcpy(&h, (const uint16_t *)p + i, sizeof h);
-            return (vf)(__builtin_convertvector(h, vu) << 16);
-        }
-        return vload((const float *)p + i);
-    }
-    for (int64_t j = 0; i + j < n; j++) {
-        if (bf16) {
-            const uint32_t bits = (uint32_t)((const uint16_t *)p)[i + j] << 16;
-            memcpy(&x[j], &bits, 4);
-        } else {
-            x[j] = ((const float *)p)[i + j];
-        }
-    }
-    return x;
-}
-
-static inline void store_any(void *p, int bf16, int64_t i, int64_t n, vf v) {
-    const int64_t count = n - i < V ? n - i : V;
-    if (bf16) { /* round to nearest even; a NaN stays a quiet NaN */
-        const vu bits = (vu)v;
-        vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-        const vi nan = v != v;
-        rounded = (vu)(((vi)rounded & ~nan) | (nan & 0x7FC0));
-        const vh h = __builtin_convertvector(rounded, vh);
-        if (count == V) /* a constant size: one vector store (a variable one calls memcpy) */
-            memcpy((uint16_t *)p + i, &h, V * 2);
-        else
-            memcpy((uint16_t *)p + i, &h, count * 2);
-    } else if (count == V) {
-        memcpy((float *)p + i, &v, V * 4);
-    } else {
-        memcpy((float *)p + i, &v, count * 4);
-    }
-}
-
 static inline vf sigmoid(vf a) { return 1.0f / (1.0f + vexp(-a)); }
 
 /* Elements first .. last - 1 (first a multiple of 16; n in all). */
 void hf_swiglu_forward(const void *a, const void *b, void *y, int bf16, int64_t first, int64_t last, int64_t n) {
     for (int64_t i = first; i < last; i += V) {
-        const vf av = load_any(a, bf16, i, n), bv = load_any(b, bf16, i, n);
-        store_any(y, bf16, i, last < n ? last : n, av * sigmoid(av) * bv);
+        const vf av = load_lanes(a, bf16, i, n), bv = load_lanes(b, bf16, i, n);
+        store_lanes(y, bf16, i, last < n ? last : n, av * sigmoid(av) * bv);
     }
 }
 
 void hf_swiglu_backward(const void *a, const void *b, const void *dy, void *da, void *db, int bf16, int64_t first,
                         int64_t last, int64_t n) {
     for (int64_t i = first; i < last; i += V) {
-        const vf av = load_any(a, bf16, i, n), bv = load_any(b, bf16, i, n), d = load_any(dy, bf16, i, n);
+        const vf av = load_lanes(a, bf16, i, n), bv = load_lanes(b, bf16, i, n), d = load_lanes(dy, bf16, i, n);
         const vf s = sigmoid(av);
         const int64_t end = last < n ? last : n;
-        store_any(da, bf16, i, end, d * bv * s * (1.0f + av * (1.0f - s)));
-        store_any(db, bf16, i, end, d * av * s);
+        store_lanes(da, bf16, i, end, d * bv * s * (1.0f + av * (1.0f - s)));
+        store_lanes(db, bf16, i, end, d * av * s);
     }
 }

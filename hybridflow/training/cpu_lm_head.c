@@ -11,79 +11,16 @@
  * the lanes in order), so a row's results depend on nothing else. GCC vector extensions, built for AVX-512
  * (hybridflow/utils/native_build.py). */
 #include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#define V 16
+#include "cpu_vector.h"
 
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
-
-static inline vf vsplat(float x) { return (vf){0} + x; }
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-static inline vf vmax(vf a, vf b) { return vselect(a < b, b, a); }
-static inline vf vmin(vf a, vf b) { return vselect(a > b, b, a); }
-static inline float hsum(vf x) {
-    float s = 0.0f;
-    for (int i = 0; i < V; i++) s += x[i];
-    return s;
-}
-static inline float hmax(vf x) {
-    float m = x[0];
-    for (int i = 1; i < V; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
-/* exp for float32 lanes: Cephes' expf, as in cpu_attention.c; below -87 exactly 0. */
-static inline vf vexp(vf x) {
-    const vi dead = x < vsplat(-87.0f);
-    x = vmin(vmax(x, vsplat(-87.0f)), vsplat(88.0f));
-    const vf magic = vsplat(12582912.0f);
-    const vf t = x * 1.44269504088896341f + magic;
-    const vf n = t - magic;
-    const vi e = (vi)t - (vi)magic;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = vsplat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    return vselect(dead, vsplat(0.0f), p * (vf)((e + 127) << 23));
-}
-
-/* Lanes j0 .. j0 + 15 of a row (bf16 or float32) as float32 divided by the temperature; past `width`, `fill`. */
+/* Lanes j0 .. j0 + 15 of a row (bf16 or float32) as float32 divided by the temperature; past `width`, `fill`
+ * (set after the division, so that it stays what it is). */
 static inline vf logits_at(const void *row, int bf16, int64_t j0, int64_t width, float temperature, float fill) {
-    vf z;
-    if (j0 + V <= width) {
-        if (bf16) {
-            vh h;
-            memcpy(&h, (const uint16_t *)row + j0, sizeof h);
-            z = (vf)(__builtin_convertvector(h, vu) << 16);
-        } else {
-            memcpy(&z, (const float *)row + j0, sizeof z);
-        }
-    } else {
-        z = vsplat(0.0f);
-        for (int i = 0; i < V && j0 + i < width; i++) {
-            if (bf16) {
-                const uint32_t bits = (uint32_t)((const uint16_t *)row)[j0 + i] << 16;
-                memcpy(&z[i], &bits, 4);
-            } else {
-                z[i] = ((const float *)row)[j0 + i];
-            }
-        }
-        if (temperature != 1.0f) z = z / temperature;
-        for (int i = 0; i < V; i++) /* after the division, so that the fill stays what it is */
-            if (j0 + i >= width) z[i] = fill;
-        return z;
-    }
-    return temperature != 1.0f ? z / temperature : z;
+    vf z = load_lanes(row, bf16, j0, width);
+    if (temperature != 1.0f) z = z / temperature;
+    for (int64_t i = width - j0; i < V; i++) z[i] = fill;
+    return z;
 }
 
 /* Rows first .. last - 1: logprobs, lse, mean (E[z]), and where not NULL the entropy and sum_v p(v)^2
@@ -117,26 +54,6 @@ void hf_lm_head_forward(const void *z, int bf16, int64_t ld, int64_t first, int6
     }
 }
 
-static inline void store_row(void *row, int bf16, int64_t j0, int64_t width, vf v) {
-    const int64_t n = width - j0 < V ? width - j0 : V;
-    if (bf16) {
-        /* round to nearest even; a NaN stays a (quiet) NaN */
-        const vu bits = (vu)v;
-        vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-        const vi nan = v != v;
-        rounded = (vu)(((vi)rounded & ~nan) | (nan & 0x7FC0));
-        const vh h = __builtin_convertvector(rounded, vh);
-        if (n == V) /* a constant size: one vector store (a variable one calls memcpy) */
-            memcpy((uint16_t *)row + j0, &h, V * 2);
-        else
-            memcpy((uint16_t *)row + j0, &h, n * 2);
-    } else if (n == V) {
-        memcpy((float *)row + j0, &v, V * 4);
-    } else {
-        memcpy((float *)row + j0, &v, n * 4);
-    }
-}
-
 /* Rows first .. last - 1: dz (the logits' dtype, row stride ld_dz) from the logits, lse, mean, labels and the
  * gradients of the logprobs and of the entropy (grad_entropy may be NULL: no entropy term). */
 void hf_lm_head_backward(const void *z, int bf16, int64_t ld, int64_t first, int64_t last, int64_t width,
@@ -155,7 +72,7 @@ void hf_lm_head_backward(const void *z, int bf16, int64_t ld, int64_t first, int
             vf d = -(p * g);
             if (grad_entropy) d = d - p * gh * (zj - expected);
             if (y >= j && y < j + V) d[y - j] += g;
-            store_row(out, bf16, j, width, temperature != 1.0f ? d / temperature : d);
+            store_lanes(out, bf16, j, width, temperature != 1.0f ? d / temperature : d);
         }
     }
 }

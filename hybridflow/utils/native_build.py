@@ -53,14 +53,16 @@ def cache_dir() -> Path:
 
 
 def compile_shared(source: Path, flags: tuple[str, ...], libs: tuple[str, ...] = ()) -> Path:
-    """``source`` compiled into a shared library in the cache (once per source text, flags and compiler).
+    """``source`` compiled into a shared library in the cache (once per source text, the headers beside it, flags
+    and compiler).
 
     Raises ``RuntimeError`` naming the reason where there is no compiler or it fails (its last lines)."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC, or install gcc)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *flags, *libs, version]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what its quoted includes can read
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, *libs, version]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.is_file():
         return target
