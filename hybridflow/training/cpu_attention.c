@@ -186,6 +186,11 @@ typedef struct {
     float *kt, *vt, *s, *ds, *qb, *ob, *row;
 } Scratch;
 
+static void scratch_free(Scratch *w) {
+    free(w->kt), free(w->vt), free(w->s), free(w->ds), free(w->qb), free(w->ob), free(w->row);
+}
+
+/* Scratch for sequences of up to `longest` tokens; 0 (nothing kept) when memory ran out. */
 static int scratch_for(Scratch *w, int64_t longest, int64_t d) {
     const int64_t padded = longest > V ? (longest + V - 1) / V * V : V;
     w->kt = malloc(sizeof(float) * padded * d);
@@ -195,11 +200,9 @@ static int scratch_for(Scratch *w, int64_t longest, int64_t d) {
     w->qb = malloc(sizeof(float) * BR * d);
     w->ob = malloc(sizeof(float) * BR * d);
     w->row = malloc(sizeof(float) * BR);
-    return w->kt && w->vt && w->s && w->ds && w->qb && w->ob && w->row;
-}
-
-static void scratch_free(Scratch *w) {
-    free(w->kt), free(w->vt), free(w->s), free(w->ds), free(w->qb), free(w->ob), free(w->row);
+    if (w->kt && w->vt && w->s && w->ds && w->qb && w->ob && w->row) return 1;
+    scratch_free(w);
+    return 0;
 }
 
 static int64_t longest_of(const int64_t *cu, int64_t first, int64_t last) {
@@ -212,10 +215,7 @@ static int64_t longest_of(const int64_t *cu, int64_t first, int64_t last) {
 int hf_attention_forward(const Attention *a, int64_t first, int64_t last, float *out, float *lse) {
     const int64_t d = a->d, group = a->heads / a->kv_heads;
     Scratch w;
-    if (!scratch_for(&w, longest_of(a->cu, first, last), d)) {
-        scratch_free(&w);
-        return 0;
-    }
+    if (!scratch_for(&w, longest_of(a->cu, first, last), d)) return 0;
     for (int64_t s = first; s < last; s++) {
         const int64_t start = a->cu[s], length = a->cu[s + 1] - start;
         const int64_t lds = (length + V - 1) / V * V;
@@ -268,10 +268,7 @@ int hf_attention_backward(const Attention *a, int64_t first, int64_t last, const
                           float *dv) {
     const int64_t d = a->d, group = a->heads / a->kv_heads, ldk = a->kv_heads * d;
     Scratch w;
-    if (!scratch_for(&w, longest_of(a->cu, first, last), d)) {
-        scratch_free(&w);
-        return 0;
-    }
+    if (!scratch_for(&w, longest_of(a->cu, first, last), d)) return 0;
     float delta[BR], unit[BR];
     for (int r = 0; r < BR; r++) unit[r] = a->scale;
     for (int64_t s = first; s < last; s++) {
